@@ -1,0 +1,1 @@
+"""The Redis-backed buffer: leased prompts, acked samples, pacing, replay, dead letters."""

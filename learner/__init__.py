@@ -1,0 +1,1 @@
+"""The learner: PPO-family updates with off-policy corrections, checkpoints, weight publishing."""

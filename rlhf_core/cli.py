@@ -1,0 +1,79 @@
+"""Helpers for the Hydra entry points: one decorator, so each entry point is a few lines.
+
+    @hydra_entry()
+    def main(cfg): return run_worker(cfg)
+
+A :class:`~rlhf_core.errors.UserError` is printed as one clear line (exit 2), not a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from rlhf_core.config import register_configs
+from rlhf_core.errors import UserError
+
+CONFIG_PATH = "pkg://conf"
+VERSION_BASE = "1.3"
+
+
+def quiet_libraries() -> None:
+    """Silence download progress bars and accelerator probing chatter of optional libraries."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
+    """Turn ``fn(cfg) -> exit code`` into a console-script ``main()`` backed by Hydra."""
+    import hydra
+
+    def decorate(fn: Callable[[DictConfig], int | None]) -> Callable[[], None]:
+        @hydra.main(version_base=VERSION_BASE, config_path=CONFIG_PATH, config_name=config_name)
+        def _app(cfg: DictConfig) -> None:
+            try:
+                code = fn(cfg)
+            except UserError as exc:
+                logging.getLogger(fn.__module__).error("%s", exc)
+                print(f"error: {exc}", file=sys.stderr)
+                sys.exit(2)
+            if code:
+                sys.exit(code)
+
+        @functools.wraps(fn)
+        def main() -> None:
+            register_configs()
+            quiet_libraries()
+            _app()
+
+        return main
+
+    return decorate
+
+
+def not_built_yet(command: str, issue: str) -> int:
+    print(f"{command}: not built yet ({issue}). This release can only show --help.", file=sys.stderr)
+    return 3

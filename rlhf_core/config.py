@@ -1,0 +1,359 @@
+"""Structured config schemas, registered in Hydra's ConfigStore.
+
+The YAML groups under ``conf/`` (model, algo, buffer, rollout, learner, weight_server,
+reward, data, experiment) fill these typed nodes, so a misspelt key or a wrong type fails
+at composition. :func:`validate` checks the settings that depend on each other once, at
+start-up, before any model is built, with errors that name the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from rlhf_core.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A setting (or a combination of settings) a user can fix. The message says how."""
+
+
+@dataclass
+class TinyModelConfig:
+    """A small random-initialised Llama-style causal LM built locally (no downloads)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    # A local HF-format directory. When set it is loaded with from_pretrained; when null the
+    # `tiny` builder makes one (saved under cache_dir so loading goes through from_pretrained too).
+    path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    ref_path: Optional[str] = None  # reference policy; defaults to `path` (the initial policy)
+    critic_path: Optional[str] = None  # value model; defaults to a value head on `path`
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    cache_dir: str = "~/.cache/rlhf-service"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    # advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | gae | dpo
+    estimator: str = "grpo"
+    # policy loss: decoupled (AReaL decoupled PPO with IS correction) | ppo (plain, on-policy)
+    policy_loss: str = "decoupled"
+    group_size: int = 4  # responses per prompt
+    max_staleness: int = 2  # learner_version - oldest token version allowed at consumption
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    is_correction: str = "tis"  # none | tis | mis
+    is_level: str = "token"  # token | sequence
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    agg_mode: str = "token-mean"
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_mode: str = "loss"  # loss | reward
+    entropy_coef: float = 0.0
+    vf_coef: float = 0.5
+    value_clip: Optional[float] = 0.2
+    vtrace: bool = False
+    vtrace_rho_bar: float = 1.0
+    vtrace_c_bar: float = 1.0
+    dpo_beta: float = 0.1
+    normalize_rewards: bool = False
+    normalize_advantages: bool = False
+
+
+@dataclass
+class BufferConfig:
+    # redis:// or rediss:// URL (user:password@ for ACL). null: `rlhf-run` starts a private redis-server.
+    url: Optional[str] = None
+    run_id: str = "default"
+    lease_timeout_s: float = 30.0  # a prompt held this long without heartbeat is re-delivered
+    heartbeat_interval_s: float = 2.0
+    max_deliveries: int = 3  # a prompt delivered this often goes to the dead-letter stream
+    max_reuse: int = 1  # times each sample may be trained on
+    samples_per_insert: Optional[float] = None  # Reverb-style rate limit; null = off
+    min_size_to_sample: int = 1
+    error_buffer: float = 64.0
+    capacity: int = 100_000  # samples kept for replay; the stalest are evicted beyond it
+    sampling: str = "fifo"  # fifo | uniform
+    max_record_bytes: int = 16 * 1024 * 1024
+    ssl_ca_certs: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_keyfile: Optional[str] = None
+    connect_timeout_s: float = 5.0
+    max_retry_s: float = 30.0
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # hf | vllm
+    num_workers: int = 2
+    slots: int = 16  # continuous-batching slots per worker
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 32
+    prompt_overflow: str = "reject"  # reject | truncate (left)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_strings: list[str] = field(default_factory=list)
+    ref_logprobs_on: str = "learner"  # worker | learner | none
+    weight_check_every: int = 1  # decoding steps between checks for a newer weight version
+    shutdown_grace_s: float = 10.0
+    restart_on_crash: bool = True
+    prometheus_port: Optional[int] = None
+    seed: int = 0
+    # vllm engine only
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class LearnerConfig:
+    engine: str = "torch"  # torch | deepspeed
+    batch_size: int = 32  # samples per update (a multiple of algo.group_size)
+    micro_batch_size: int = 16
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # cosine | constant
+    max_updates: int = 100
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_dir: Optional[str] = None  # default: <output dir>/checkpoints
+    checkpoint_every: int = 10
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    bf16: bool = False
+    publish_dtype: str = "as_trained"  # as_trained | bfloat16 | float16
+    prometheus_port: Optional[int] = None
+    export_dir: Optional[str] = None  # HF-format export at the end
+
+
+@dataclass
+class WeightServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # ROUTER port for publish/pull; 0 = pick a free one
+    pub_port: int = 0  # PUB port for announcements; 0 = pick a free one
+    address: Optional[str] = None  # clients: tcp://host:port of the ROUTER (set by the launcher)
+    pub_address: Optional[str] = None
+    keep_versions: int = 2
+    chunk_bytes: int = 4 * 1024 * 1024
+    max_inflight_chunks: int = 8
+    auth: str = "none"  # none | curve | hmac
+    secret: Optional[str] = None  # hmac shared secret
+    curve_server_public: Optional[str] = None
+    curve_server_secret: Optional[str] = None
+    curve_client_public: Optional[str] = None
+    curve_client_secret: Optional[str] = None
+    persist_dir: Optional[str] = None
+    max_header_bytes: int = 64 * 1024
+    max_tensors: int = 100_000
+
+
+@dataclass
+class RewardConfig:
+    # name -> {_target_: dotted.path, weight: float, ...kwargs}; called per sample
+    functions: dict[str, Any] = field(default_factory=dict)
+    # name -> {path: local HF dir of an AutoModelForSequenceClassification, weight: float}
+    models: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin | jsonl | parquet | hf_disk
+    path: Optional[str] = None
+    task: str = "count_up"  # builtin task name
+    num_prompts: int = 256  # builtin only
+    text_field: str = "prompt"
+    messages_field: Optional[str] = None
+    epochs: int = 1000
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    max_seconds: Optional[float] = None  # wall-clock budget of the whole run
+    output_dir: str = "."
+    log_level: str = "INFO"
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    weight_server: WeightServerConfig = field(default_factory=WeightServerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class MonitorConfig:
+    url: str = MISSING  # redis:// URL of the run's Redis
+    run_id: str = "default"
+    once: bool = False
+    json: bool = False
+    refresh_s: float = 1.0
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML files can extend them (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(name="base_monitor", node=MonitorConfig)
+
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "dpo")
+_CHOICES = {
+    "algo.estimator": ESTIMATORS,
+    "algo.policy_loss": ("decoupled", "ppo"),
+    "algo.is_correction": ("none", "tis", "mis"),
+    "algo.is_level": ("token", "sequence"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.kl_mode": ("loss", "reward"),
+    "algo.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "buffer.sampling": ("fifo", "uniform"),
+    "rollout.engine": ("hf", "vllm"),
+    "rollout.prompt_overflow": ("reject", "truncate"),
+    "rollout.ref_logprobs_on": ("worker", "learner", "none"),
+    "learner.engine": ("torch", "deepspeed"),
+    "learner.lr_schedule": ("cosine", "constant"),
+    "learner.publish_dtype": ("as_trained", "bfloat16", "float16"),
+    "weight_server.auth": ("none", "curve", "hmac"),
+    "data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def to_object(cfg: DictConfig) -> Any:
+    """Resolve a composed config into the dataclasses; a required value left as ??? is a ConfigError."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as exc:
+        key = getattr(exc, "full_key", "") or str(exc)
+        raise ConfigError(f"required setting {key} has no value: pass {key}=... on the command line") from None
+
+
+def validate(cfg: Any) -> None:
+    """Check derived settings once at start-up. Raises ConfigError naming the numbers."""
+    if isinstance(cfg, DictConfig):
+        cfg = to_object(cfg)
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    algo, learner, rollout, buf = cfg.algo, cfg.learner, cfg.rollout, cfg.buffer
+    if algo.group_size < 1:
+        raise ConfigError(f"algo.group_size must be >= 1, got {algo.group_size}")
+    if algo.estimator in ("grpo", "dr_grpo", "rloo", "dpo") and algo.group_size < 2:
+        raise ConfigError(
+            f"algo.estimator={algo.estimator} compares responses of one prompt, so algo.group_size "
+            f"must be >= 2, got {algo.group_size}"
+        )
+    if learner.batch_size % algo.group_size:
+        raise ConfigError(
+            f"learner.batch_size {learner.batch_size} is not divisible by algo.group_size {algo.group_size}; "
+            f"groups are kept whole, so use a multiple such as {algo.group_size * max(1, learner.batch_size // algo.group_size)}"
+        )
+    if learner.batch_size % learner.num_minibatches:
+        raise ConfigError(
+            f"learner.batch_size {learner.batch_size} is not divisible by learner.num_minibatches {learner.num_minibatches}"
+        )
+    if learner.micro_batch_size < 1 or learner.micro_batch_size > learner.batch_size // learner.num_minibatches:
+        raise ConfigError(
+            f"learner.micro_batch_size {learner.micro_batch_size} must be between 1 and the minibatch size "
+            f"{learner.batch_size // learner.num_minibatches} (batch_size {learner.batch_size} / num_minibatches {learner.num_minibatches})"
+        )
+    if algo.max_staleness < 0:
+        raise ConfigError(f"algo.max_staleness must be >= 0, got {algo.max_staleness}")
+    if not 0 < algo.clip_eps_low < 1 or algo.clip_eps_high <= 0:
+        raise ConfigError(f"clip range needs 0 < algo.clip_eps_low < 1 and algo.clip_eps_high > 0, got {algo.clip_eps_low}, {algo.clip_eps_high}")
+    if algo.is_correction == "tis" and not algo.tis_cap > 0:
+        raise ConfigError(f"algo.tis_cap must be > 0 (use a large number to disable truncation), got {algo.tis_cap}")
+    if algo.is_correction == "mis" and not 0 <= algo.mis_low < algo.mis_high:
+        raise ConfigError(f"masked IS needs 0 <= algo.mis_low < algo.mis_high, got [{algo.mis_low}, {algo.mis_high}]")
+    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
+        raise ConfigError(f"algo.dual_clip_c must be > 1 (Ye et al. use 3), got {algo.dual_clip_c}")
+    if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
+        raise ConfigError(f"algo.gamma {algo.gamma} and algo.lam {algo.lam} must lie in [0, 1]")
+    if rollout.max_new_tokens < 1 or rollout.max_prompt_tokens < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens {rollout.max_new_tokens} and rollout.max_prompt_tokens {rollout.max_prompt_tokens} must be >= 1"
+        )
+    if rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0 (sampling is required for RL), got {rollout.temperature}")
+    if not 0 < rollout.top_p <= 1 or rollout.top_k < 0:
+        raise ConfigError(f"rollout.top_p must be in (0, 1] and top_k >= 0, got {rollout.top_p}, {rollout.top_k}")
+    if rollout.slots < 1 or rollout.num_workers < 0:
+        raise ConfigError(f"rollout.slots {rollout.slots} must be >= 1 and rollout.num_workers {rollout.num_workers} >= 0")
+    if cfg.model.path is None and cfg.model.name == "tiny":
+        need = rollout.max_prompt_tokens + rollout.max_new_tokens
+        if need > cfg.model.tiny.max_position_embeddings:
+            raise ConfigError(
+                f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + rollout.max_new_tokens {rollout.max_new_tokens} = {need} "
+                f"exceeds model.tiny.max_position_embeddings {cfg.model.tiny.max_position_embeddings}"
+            )
+    if buf.max_reuse < 1:
+        raise ConfigError(f"buffer.max_reuse must be >= 1, got {buf.max_reuse}")
+    if buf.samples_per_insert is not None and buf.samples_per_insert <= 0:
+        raise ConfigError(f"buffer.samples_per_insert must be > 0 or null, got {buf.samples_per_insert}")
+    if buf.capacity < learner.batch_size:
+        raise ConfigError(f"buffer.capacity {buf.capacity} is smaller than one batch (learner.batch_size {learner.batch_size})")
+    if buf.lease_timeout_s <= buf.heartbeat_interval_s:
+        raise ConfigError(
+            f"buffer.lease_timeout_s {buf.lease_timeout_s} must exceed buffer.heartbeat_interval_s {buf.heartbeat_interval_s}, "
+            "or live workers would lose their leases"
+        )
+    if buf.url is not None and not buf.url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"buffer.url {buf.url!r} must start with redis://, rediss:// or unix://")
+    ws = cfg.weight_server
+    if ws.keep_versions < 1:
+        raise ConfigError(f"weight_server.keep_versions must be >= 1, got {ws.keep_versions}")
+    if ws.host not in ("127.0.0.1", "localhost", "::1") and ws.auth == "none":
+        raise ConfigError(
+            f"weight_server.host={ws.host} exposes the weight server beyond this machine; set "
+            "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
+        )
+    if ws.auth == "hmac" and not ws.secret:
+        raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
+    if cfg.run.max_seconds is not None and not math.isfinite(cfg.run.max_seconds):
+        raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {cfg.run.max_seconds}")

@@ -1,0 +1,196 @@
+"""Model and tokenizer loading: local HF-format directories, or the `tiny` builder.
+
+Nothing is ever downloaded. The `tiny` model (a small random-initialised Llama-style causal LM
+with a character-level tokenizer) is built once, saved with ``save_pretrained`` under the cache
+dir, and then loaded through the same ``from_pretrained`` path as a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.config import ConfigError, ModelConfig, TinyModelConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The tiny tokenizer: one token per printable ASCII character, plus specials.
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+TINY_ALPHABET = [chr(c) for c in range(32, 127)]
+TINY_FORMAT = 1  # bump when the tiny builder changes what it writes
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name} but CUDA is not available here; use model.device=cpu or auto")
+    return dev
+
+
+def build_tiny_tokenizer():
+    """A character-level fast tokenizer over printable ASCII (no files needed)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *TINY_ALPHABET])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+
+
+def _tiny_key(tiny: TinyModelConfig, head: str) -> str:
+    import transformers
+
+    spec = {"tiny": vars(tiny) if not hasattr(tiny, "_content") else dict(tiny), "head": head,
+            "format": TINY_FORMAT, "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: str = "causal") -> Path:
+    """Build the tiny model + tokenizer into ``out_dir`` (atomically). ``head``: causal | sequence.
+
+    ``sequence`` gives an AutoModelForSequenceClassification with one label (a reward model).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    out = Path(out_dir).expanduser()
+    if (out / "config.json").exists():
+        return out
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        num_labels=1,
+    )
+    cls = {"causal": LlamaForCausalLM, "sequence": LlamaForSequenceClassification}[head]
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(tiny.seed)
+        model = cls(config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)  # atomic: a concurrent builder either wins or finds it done
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built tiny %s model in %s", head, out)
+    return out
+
+
+def model_dir(cfg: ModelConfig) -> Path:
+    """The local directory the policy is loaded from (building the tiny model if needed)."""
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").exists():
+            raise ConfigError(
+                f"model.path={cfg.path} is not a local HF-format model directory (no config.json); "
+                "models are never downloaded: point model.path at a directory written by save_pretrained"
+            )
+        return path
+    if cfg.name != "tiny":
+        raise ConfigError(f"model.name={cfg.name!r} needs model.path=/local/hf/dir (only 'tiny' is built locally)")
+    cache = Path(cfg.cache_dir).expanduser()
+    return build_tiny_model(cfg.tiny, cache / f"tiny-causal-{_tiny_key(cfg.tiny, 'causal')}", head="causal")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer (with its chat template, when the directory has one). Pads on the left."""
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir(cfg)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _from_pretrained(cls: Any, path: Path, cfg: ModelConfig, **kwargs: Any) -> torch.nn.Module:
+    model = cls.from_pretrained(path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code, **kwargs)
+    return model.to(resolve_device(cfg.device))
+
+
+def load_policy(cfg: ModelConfig) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, model_dir(cfg), cfg)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def load_reference(cfg: ModelConfig) -> torch.nn.Module:
+    """The frozen reference policy (the initial policy unless model.ref_path says otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(cfg.ref_path).expanduser() if cfg.ref_path else model_dir(cfg)
+    model = _from_pretrained(AutoModelForCausalLM, path, cfg)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_critic(cfg: ModelConfig) -> torch.nn.Module:
+    """A value model: one scalar per token (AutoModelForTokenClassification, num_labels=1).
+
+    From ``model.critic_path`` when set, else the policy's trunk with a fresh value head.
+    """
+    from transformers import AutoModelForTokenClassification
+
+    path = Path(cfg.critic_path).expanduser() if cfg.critic_path else model_dir(cfg)
+    return _from_pretrained(AutoModelForTokenClassification, path, cfg, num_labels=1)
+
+
+def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[torch.nn.Module, Any]:
+    """A reward model (AutoModelForSequenceClassification, one label) and its tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not (p / "config.json").exists():
+        raise ConfigError(f"reward model directory {path} has no config.json; expected a save_pretrained directory")
+    model = _from_pretrained(AutoModelForSequenceClassification, p, cfg)
+    model.eval().requires_grad_(False)
+    if model.config.num_labels != 1:
+        raise ConfigError(f"reward model {path} has {model.config.num_labels} labels; a reward model needs exactly 1")
+    tok = AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model, tok

@@ -1,0 +1,284 @@
+"""The records every component shares: prompts handed to workers and the samples they produce.
+
+Both travel as :mod:`rlhf_core.wire` records. ``Sample.decode`` checks structure (fields,
+types, dtypes, shapes that agree with each other); :func:`validate_sample` checks meaning
+(finite reward, log-probs <= 0, token ids inside the vocabulary, length caps). Both raise
+:class:`~rlhf_core.wire.WireError` with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from rlhf_core.wire import (
+    DEFAULT_MAX_RECORD_BYTES,
+    WireError,
+    decode_record,
+    decode_tensor,
+    encode_record,
+    encode_tensor,
+    optional,
+    require,
+)
+
+KIND_SAMPLE = "sample"
+KIND_PROMPT = "prompt"
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_SCALAR = (str, int, float, bool)
+
+
+def rle_encode(per_token: Iterable[int]) -> list[list[int]]:
+    """Run-length encode per-token policy versions: [3, 3, 4] -> [[3, 2], [4, 1]]."""
+    runs: list[list[int]] = []
+    for v in per_token:
+        v = int(v)
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def rle_decode(runs: Iterable[Iterable[int]]) -> np.ndarray:
+    """Inverse of :func:`rle_encode`, as an int64 array."""
+    runs = [tuple(r) for r in runs]
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    values = np.array([r[0] for r in runs], dtype=np.int64)
+    counts = np.array([r[1] for r in runs], dtype=np.int64)
+    return np.repeat(values, counts)
+
+
+def _check_metadata(meta: Any, field_name: str) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise WireError(f"field {field_name!r}: expected a map, got {type(meta).__name__}")
+    for k, v in meta.items():
+        if not isinstance(k, str):
+            raise WireError(f"field {field_name!r}: keys must be strings, got {k!r}")
+        if v is not None and not isinstance(v, (*_SCALAR, list)):
+            raise WireError(f"field {field_name!r}: value of {k!r} must be a scalar or list, got {type(v).__name__}")
+    return meta
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset, as a worker claims it.
+
+    ``text`` is the raw prompt; ``messages`` (chat turns) wins over ``text`` when the
+    tokenizer has a chat template. ``metadata`` reaches the reward function unchanged
+    (e.g. the reference answer).
+    """
+
+    prompt_id: str
+    text: str
+    messages: list[dict[str, str]] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    index: int = 0
+
+    def encode(self) -> bytes:
+        return encode_record(
+            KIND_PROMPT,
+            {
+                "prompt_id": self.prompt_id,
+                "text": self.text,
+                "messages": self.messages,
+                "metadata": self.metadata,
+                "epoch": self.epoch,
+                "index": self.index,
+            },
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Prompt":
+        obj = decode_record(data, KIND_PROMPT, max_bytes=max_bytes)
+        messages = optional(obj, "messages", list)
+        if messages is not None:
+            for i, m in enumerate(messages):
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise WireError(f"field 'messages': turn {i} must be a map with string 'role' and 'content'")
+        return cls(
+            prompt_id=require(obj, "prompt_id", str),
+            text=require(obj, "text", str),
+            messages=messages,
+            metadata=_check_metadata(optional(obj, "metadata", dict, {}), "metadata"),
+            epoch=require(obj, "epoch", int),
+            index=require(obj, "index", int),
+        )
+
+
+@dataclass
+class Sample:
+    """One scored response. A GRPO/RLOO group is the ``group_size`` samples of one prompt.
+
+    Shapes: ``prompt_ids`` int32 [P], ``response_ids`` int32 [R], ``behaviour_logprobs``
+    float32 [R] (log-prob of each sampled token under the exact distribution it was sampled
+    from), ``ref_logprobs`` float32 [R] or None. ``versions`` is the policy version of each
+    response token, run-length encoded as ``[[version, count], ...]`` summing to R.
+    """
+
+    sample_id: str
+    prompt_id: str
+    group_id: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behaviour_logprobs: np.ndarray
+    versions: list[list[int]]
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    worker_id: str = ""
+    group_size: int = 1
+    group_index: int = 0
+    ref_logprobs: np.ndarray | None = None
+    created_at: float = 0.0
+    finished_at: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def oldest_version(self) -> int:
+        """Policy version of the oldest token; staleness = learner_version - this."""
+        return min(v for v, _ in self.versions) if self.versions else -1
+
+    @property
+    def newest_version(self) -> int:
+        return max(v for v, _ in self.versions) if self.versions else -1
+
+    def token_versions(self) -> np.ndarray:
+        return rle_decode(self.versions)
+
+    def encode(self) -> bytes:
+        return encode_record(
+            KIND_SAMPLE,
+            {
+                "sample_id": self.sample_id,
+                "prompt_id": self.prompt_id,
+                "group_id": self.group_id,
+                "group_size": self.group_size,
+                "group_index": self.group_index,
+                "prompt_ids": encode_tensor(np.asarray(self.prompt_ids, dtype=np.int32)),
+                "response_ids": encode_tensor(np.asarray(self.response_ids, dtype=np.int32)),
+                "behaviour_logprobs": encode_tensor(np.asarray(self.behaviour_logprobs, dtype=np.float32)),
+                "ref_logprobs": None
+                if self.ref_logprobs is None
+                else encode_tensor(np.asarray(self.ref_logprobs, dtype=np.float32)),
+                "versions": [[int(v), int(c)] for v, c in self.versions],
+                "reward": float(self.reward),
+                "reward_components": {k: float(v) for k, v in self.reward_components.items()},
+                "finish_reason": self.finish_reason,
+                "worker_id": self.worker_id,
+                "created_at": float(self.created_at),
+                "finished_at": float(self.finished_at),
+                "metadata": self.metadata,
+            },
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Sample":
+        """Decode untrusted bytes. Raises WireError naming what is wrong."""
+        obj = decode_record(data, KIND_SAMPLE, max_bytes=max_bytes)
+        prompt_ids = decode_tensor(require(obj, "prompt_ids", dict), "prompt_ids", dtype="int32", ndim=1)
+        response_ids = decode_tensor(require(obj, "response_ids", dict), "response_ids", dtype="int32", ndim=1)
+        logp = decode_tensor(require(obj, "behaviour_logprobs", dict), "behaviour_logprobs", dtype="float32", ndim=1)
+        n = response_ids.shape[0]
+        if logp.shape[0] != n:
+            raise WireError(f"field 'behaviour_logprobs': {logp.shape[0]} values for {n} response tokens")
+        ref = optional(obj, "ref_logprobs", dict)
+        if ref is not None:
+            ref = decode_tensor(ref, "ref_logprobs", dtype="float32", ndim=1)
+            if ref.shape[0] != n:
+                raise WireError(f"field 'ref_logprobs': {ref.shape[0]} values for {n} response tokens")
+        versions = require(obj, "versions", list)
+        total = 0
+        for run in versions:
+            if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run) and run[1] > 0):
+                raise WireError(f"field 'versions': each run must be [version, count>0], got {run!r}")
+            total += run[1]
+        if total != n:
+            raise WireError(f"field 'versions': runs cover {total} tokens but the response has {n}")
+        components = optional(obj, "reward_components", dict, {})
+        for k, v in components.items():
+            if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise WireError(f"field 'reward_components': {k!r} must map to a number, got {v!r}")
+        group_size = require(obj, "group_size", int)
+        group_index = require(obj, "group_index", int)
+        if group_size < 1 or not 0 <= group_index < group_size:
+            raise WireError(f"group_index {group_index} is outside group_size {group_size}")
+        return cls(
+            sample_id=require(obj, "sample_id", str),
+            prompt_id=require(obj, "prompt_id", str),
+            group_id=require(obj, "group_id", str),
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            behaviour_logprobs=logp,
+            versions=versions,
+            reward=float(require(obj, "reward", (int, float))),
+            reward_components={k: float(v) for k, v in components.items()},
+            finish_reason=require(obj, "finish_reason", str),
+            worker_id=require(obj, "worker_id", str),
+            group_size=group_size,
+            group_index=group_index,
+            ref_logprobs=ref,
+            created_at=float(require(obj, "created_at", (int, float))),
+            finished_at=float(require(obj, "finished_at", (int, float))),
+            metadata=_check_metadata(optional(obj, "metadata", dict, {}), "metadata"),
+        )
+
+
+def validate_sample(
+    sample: Sample,
+    *,
+    vocab_size: int | None = None,
+    max_response_tokens: int | None = None,
+    max_prompt_tokens: int | None = None,
+) -> None:
+    """Semantic checks a decoded sample must pass before training. Raises WireError."""
+    if not math.isfinite(sample.reward):
+        raise WireError(f"reward is not finite ({sample.reward})")
+    for name, value in sample.reward_components.items():
+        if not math.isfinite(value):
+            raise WireError(f"reward component {name!r} is not finite ({value})")
+    if sample.finish_reason not in FINISH_REASONS:
+        raise WireError(f"finish_reason {sample.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
+    n = sample.num_response_tokens
+    if n == 0:
+        raise WireError("response is empty")
+    if max_response_tokens is not None and n > max_response_tokens:
+        raise WireError(f"response has {n} tokens, more than the configured max of {max_response_tokens}")
+    if max_prompt_tokens is not None and sample.prompt_ids.shape[0] > max_prompt_tokens:
+        raise WireError(
+            f"prompt has {sample.prompt_ids.shape[0]} tokens, more than the configured max of {max_prompt_tokens}"
+        )
+    logp = sample.behaviour_logprobs
+    if not np.all(np.isfinite(logp)):
+        raise WireError("behaviour_logprobs contain NaN or inf")
+    if np.any(logp > 1e-4):  # a little float slack above 0
+        raise WireError(f"behaviour_logprobs contain a log-prob > 0 (max {float(logp.max()):.4g})")
+    if sample.ref_logprobs is not None and not np.all(np.isfinite(sample.ref_logprobs)):
+        raise WireError("ref_logprobs contain NaN or inf")
+    if vocab_size is not None:
+        for name, ids in (("prompt_ids", sample.prompt_ids), ("response_ids", sample.response_ids)):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise WireError(
+                    f"{name} hold token ids outside the vocabulary [0, {vocab_size}): "
+                    f"min {int(ids.min())}, max {int(ids.max())}; do the worker and learner use the same tokenizer?"
+                )
+    if any(v < 0 for v, _ in sample.versions):
+        raise WireError(f"negative policy version in {sample.versions}")
+
+
+def now() -> float:
+    """Wall-clock timestamp used in records (seconds since the epoch)."""
+    return time.time()
+
+

@@ -1,0 +1,1 @@
+"""Rollout workers: stateless generate-and-score processes feeding the buffer."""

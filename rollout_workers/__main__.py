@@ -1,0 +1,3 @@
+from rollout_workers.cli import main
+
+main()

@@ -1,0 +1,12 @@
+"""`rlhf-worker`: one rollout worker process."""
+
+from rlhf_core.cli import hydra_entry, not_built_yet
+
+
+@hydra_entry()
+def main(cfg) -> int:
+    return not_built_yet("rlhf-worker", "the rollout-workers issue")
+
+
+if __name__ == "__main__":
+    main()

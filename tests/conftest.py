@@ -1,0 +1,69 @@
+"""Fixtures shared by the unit and integration suites."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Quiet and offline before anything imports transformers.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from servers import RedisServer, zmq_context  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip cleanly without CUDA."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server (random port, AOF on) in this test's temp dir; stopped by PID."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def zmq_ctx():
+    ctx = zmq_context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """One cache dir for tiny models per test session (built once, loaded via from_pretrained)."""
+    cache = os.environ.get("RLHF_TEST_CACHE")
+    return Path(cache) if cache else tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cfg(model_cache):
+    from rlhf_core.config import ModelConfig
+
+    return ModelConfig(cache_dir=str(model_cache))

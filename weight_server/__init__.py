@@ -1,0 +1,1 @@
+"""The weight server: versioned parameters over ZeroMQ, verified by content hash."""

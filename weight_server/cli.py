@@ -1,0 +1,12 @@
+"""`rlhf-weight-server`: the versioned parameter server process."""
+
+from rlhf_core.cli import hydra_entry, not_built_yet
+
+
+@hydra_entry()
+def main(cfg) -> int:
+    return not_built_yet("rlhf-weight-server", "the weight-server issue")
+
+
+if __name__ == "__main__":
+    main()
