@@ -24,27 +24,14 @@ VERSION_BASE = "1.3"
 
 
 def quiet_libraries() -> None:
-    """Silence download progress bars and accelerator probing chatter of optional libraries."""
+    """Offline, quiet libraries; set through the environment so nothing heavy is imported here."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        return False
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not os.path.exists("/dev/nvidia0"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise probe for CUDA
 
 
 def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
@@ -69,6 +56,7 @@ def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig],
             quiet_libraries()
             _app()
 
+        main.config_name = config_name  # type: ignore[attr-defined]  # read by the config tests
         return main
 
     return decorate

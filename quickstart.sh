@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Set everything up (idempotent), then run the default job or the tests.
+#
+#   ./quickstart.sh run  [hydra overrides...]   train the default task end to end
+#   ./quickstart.sh test [pytest args...]       run the test suite (what CI runs)
+#
+# It creates .venv, installs the project with pinned versions (constraints-cpu.txt pins
+# torch==2.13.0 so pip never pulls a CUDA build), and makes sure redis-server exists
+# (installing Debian's package when missing and running as root).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-dev,train,data}
+export DS_BUILD_OPS=0            # DeepSpeed from its sdist without compiling CUDA ops
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+say() { printf '\033[1m[quickstart]\033[0m %s\n' "$*" >&2; }
+
+need_python() {
+  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "Python 3.11+ is required ($PYTHON is $("$PYTHON" -V 2>&1 || echo missing)); install python3.11 and python3.11-venv, or set PYTHON=/path/to/python3.11"
+    exit 1
+  fi
+}
+
+need_redis() {
+  command -v redis-server >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "redis-server missing: installing Debian's redis-server package"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # the package may start a system service on 6379; the project starts its own servers on random ports
+  else
+    say "redis-server is not installed. Install it first, e.g.: sudo apt-get install -y redis-server"
+    exit 1
+  fi
+}
+
+need_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  # Reinstall only when what decides the install changed.
+  local stamp="$VENV/.rlhf-install-stamp" want
+  want=$(cat pyproject.toml constraints-cpu.txt | sha256sum | cut -d' ' -f1)-$EXTRAS
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  say "installing the project and its dependencies into $VENV (pinned by constraints-cpu.txt)"
+  "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt torch==2.13.0
+  "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt -e ".[$EXTRAS]"
+  echo "$want" > "$stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  run)
+    need_python; need_redis; need_venv
+    exec "$VENV/bin/rlhf-run" "$@"
+    ;;
+  test)
+    need_python; need_redis; need_venv
+    set +e
+    "$VENV/bin/python" -m pytest "$@"
+    rc=$?
+    set -e
+    if [ "$rc" = 5 ]; then
+      say "pytest collected no tests: that is a failure here (wrong path or filter?)"
+      exit 1
+    fi
+    exit "$rc"
+    ;;
+  *)
+    echo "usage: ./quickstart.sh run [overrides...] | test [pytest args...]" >&2
+    exit 2
+    ;;
+esac
