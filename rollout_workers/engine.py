@@ -1,0 +1,207 @@
+"""The generation-engine protocol the worker loop drives, its request/result records and the factory.
+
+Two real implementations: :class:`rollout_workers.hf_engine.HFEngine` (transformers, CPU or
+GPU, continuous batching over a fixed number of slots) and
+:class:`rollout_workers.vllm_engine.VLLMEngine` (vLLM, GPU, when installed).
+
+How the worker drives an engine (one thread; engines are not thread-safe)::
+
+    for i in range(group_size):
+        engine.add(GenRequest(f"{prompt_id}/{i}", prompt_ids, params))
+    while engine.has_work():
+        for result in engine.step():      # admit + ONE decoding step
+            scorer.submit(result)         # score at once, no batch barrier
+        if (new := weights.poll()) is not None:
+            engine.update_weights(new.tensors, new.version)   # between steps, KV cache kept
+
+Per-token versions: every token carries the ``engine.version`` current when it was sampled,
+so a weight update that lands mid-generation shows up as a change in ``GenResult.versions``
+at exactly the step after ``update_weights`` (the in-flight update of PipelineRL: the KV cache
+of running sequences, computed by the old weights, is kept).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from rlhf_core.config import ConfigError
+from rlhf_core.errors import UserError
+
+FinishReason = Literal["stop", "length", "abort"]
+ENGINES = ("hf", "vllm")
+
+
+class EngineError(UserError):
+    """An engine cannot do what was asked (missing package, weights that do not fit the model)."""
+
+
+class RequestError(UserError, ValueError):
+    """A request the engine cannot serve (empty or too long prompt, bad sampling settings)."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request. The processing order is documented in :mod:`rlhf_core.sampling`.
+
+    ``temperature == 0`` is greedy decoding. ``stop_token_ids`` end a sequence (the stop token is
+    kept in ``token_ids``, like vLLM); the tokenizer's / model's EOS ids are added unless
+    ``ignore_eos``. ``stop_strings`` are matched on the decoded response text; the token that
+    completes one is kept, so ``text == decode(token_ids)`` always holds.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Hydra hands over ListConfig; keep tuples so params are hashable and comparable.
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_strings = tuple(str(s) for s in self.stop_strings)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(s == "" for s in self.stop_strings):
+            raise RequestError("stop_strings must not contain the empty string (it would stop every sequence at once)")
+
+    @property
+    def key(self) -> tuple[float, int, float]:
+        """The settings that shape the sampling distribution (what the learner must reproduce)."""
+        return (self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def from_config(cls, rollout: Any, **overrides: Any) -> "SamplingParams":
+        """From ``cfg.rollout`` (:class:`rlhf_core.config.RolloutConfig` or its DictConfig)."""
+        kwargs = dict(
+            temperature=float(rollout.temperature),
+            top_p=float(rollout.top_p),
+            top_k=int(rollout.top_k),
+            max_new_tokens=int(rollout.max_new_tokens),
+            stop_strings=tuple(rollout.stop_strings or ()),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+@dataclass
+class GenRequest:
+    """One response to generate. A group of n responses is n requests with distinct ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenResult:
+    """A finished (or aborted) request.
+
+    Shapes: ``prompt_ids`` [P] int32; ``token_ids``, ``logprobs`` (float32, behaviour log-probs
+    under the processed distribution, all <= 0) and ``versions`` (int64, the policy version that
+    sampled each token) are all [T], T <= max_new_tokens. An abort of a request that never
+    started has T = 0.
+    """
+
+    request_id: str
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    text: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def make_result(
+    request_id: str,
+    prompt_ids: list[int] | np.ndarray,
+    token_ids: list[int],
+    logprobs: list[float],
+    versions: list[int],
+    finish_reason: FinishReason,
+    text: str,
+) -> GenResult:
+    """Build a :class:`GenResult` with the documented dtypes."""
+    return GenResult(
+        request_id=request_id,
+        prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+        token_ids=np.asarray(token_ids, dtype=np.int32),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
+        versions=np.asarray(versions, dtype=np.int64),
+        finish_reason=finish_reason,
+        text=text,
+    )
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the worker loop needs from an engine. All calls come from one thread."""
+
+    version: int  # policy version of the weights in use
+
+    def add(self, request: GenRequest) -> None:
+        """Queue a request; it is admitted into a free slot at the next :meth:`step`."""
+
+    def step(self) -> list[GenResult]:
+        """Admit waiting requests into free slots (prefill), run ONE decoding step for all active
+        slots, and return the sequences that finished in this step."""
+
+    def has_work(self) -> bool:
+        """Anything active or waiting."""
+
+    def num_active(self) -> int: ...
+
+    def num_waiting(self) -> int: ...
+
+    def abort(self, request_id: str) -> GenResult | None:
+        """Drop a request (finish_reason "abort") and free its slot; None if the id is unknown."""
+
+    def abort_all(self) -> list[GenResult]: ...
+
+    def weights_target(self) -> torch.nn.Module | None:
+        """A module whose parameters a weight pull may ``copy_`` into in place (hf: the model; vllm: None)."""
+
+    def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        """Install weights between steps. ``tensors`` None: already copied into :meth:`weights_target`.
+        Tokens sampled after this call carry ``version``."""
+
+
+def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> GenerationEngine:
+    """The engine named by ``cfg.rollout.engine``.
+
+    Args:
+        cfg: the full run config (:class:`rlhf_core.config.Config` or its DictConfig); reads
+            ``cfg.rollout`` (engine, slots, seed, vllm settings) and ``cfg.model``.
+        model: hf only: the loaded policy (``rlhf_core.models.load_policy``); loaded from
+            ``cfg.model`` when None. vllm loads its own copy from ``cfg.model`` and ignores it.
+        tokenizer: the policy's tokenizer; loaded from ``cfg.model`` when None.
+    """
+    name = cfg.rollout.engine
+    if name == "hf":
+        from rlhf_core.models import load_policy, load_tokenizer
+        from rollout_workers.hf_engine import HFEngine
+
+        model = load_policy(cfg.model) if model is None else model
+        tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
+        return HFEngine(model, tokenizer, slots=int(cfg.rollout.slots), seed=int(cfg.rollout.seed))
+    if name == "vllm":
+        from rollout_workers.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, tokenizer=tokenizer)
+    raise ConfigError(f"rollout.engine={name!r} is not one of {', '.join(ENGINES)}")

@@ -1,0 +1,322 @@
+"""The `hf` engine with the tiny model: behaviour log-prob parity, continuous batching, stops,
+in-flight weight updates, aborts. No servers; each test runs a few dozen tiny decoding steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.config import Config, ConfigError
+from rlhf_core.models import load_policy, load_tokenizer
+from rlhf_core.sampling import response_logprobs
+from rollout_workers.engine import (
+    EngineError,
+    GenerationEngine,
+    GenRequest,
+    GenResult,
+    RequestError,
+    SamplingParams,
+    make_engine,
+)
+from rollout_workers.hf_engine import HFEngine
+
+PARITY_ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The tiny model is overhead-bound; on the shared 2-core machine extra OpenMP threads only
+    # spin against other processes (20x slower steps measured). Restored afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_cfg):
+    return load_tokenizer(tiny_model_cfg)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_cfg):
+    return load_policy(tiny_model_cfg).eval()
+
+
+@pytest.fixture
+def fresh_policy(tiny_model_cfg):
+    """A private copy for tests that change weights or configs."""
+    return load_policy(tiny_model_cfg).eval()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+def run(engine: HFEngine) -> tuple[dict[str, GenResult], dict[str, int]]:
+    """Step until idle; results by id and the step (1-based) each finished in."""
+    results, finished_at = {}, {}
+    while engine.has_work():
+        for r in engine.step():
+            results[r.request_id] = r
+            finished_at[r.request_id] = engine.num_steps
+        assert engine.num_steps < 1000
+    return results, finished_at
+
+
+def recompute(model, result: GenResult, params: SamplingParams) -> np.ndarray:
+    """The learner's view: one plain forward over prompt + response (no cache, no padding)."""
+    full = torch.tensor(np.concatenate([result.prompt_ids, result.token_ids]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = model(input_ids=full).logits[:, len(result.prompt_ids) - 1 : -1]
+    tokens = torch.from_numpy(result.token_ids.astype(np.int64))[None]
+    return response_logprobs(logits, tokens, params.temperature, params.top_k, params.top_p)[0].numpy()
+
+
+PROMPTS = ["h", "hello world", "ab", "the quick brown fox jumps over the lazy dog, twice over", "xyz", "a b c d e f"]
+
+
+def submit_parity_workload(engine, tokenizer, params_for):
+    # Prompt lengths 1..56 and response lengths 4..29 in 3 slots: rows are refilled while others
+    # run, a length-1 prompt is admitted with nothing to prefill, and the 56-token prompt arrives
+    # when the batch cache is narrower than it (the cache grows on the left).
+    for i, text in enumerate(PROMPTS):
+        engine.add(GenRequest(f"r{i}", ids(engine.tokenizer, text), params_for(i)))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_logprob_parity_with_a_plain_forward_pass(fresh_policy, tokenizer, attn):
+    fresh_policy.set_attn_implementation(attn)
+    engine = HFEngine(fresh_policy, tokenizer, slots=3, seed=1)
+    params = {i: SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=4 + 5 * i, ignore_eos=True) for i in range(6)}
+    submit_parity_workload(engine, tokenizer, params.__getitem__)
+    results, finished_at = run(engine)
+    assert sorted(results) == [f"r{i}" for i in range(6)]
+    assert engine.num_prefills >= 3  # admissions happened at several different steps
+    worst = 0.0
+    for i in range(6):
+        r = results[f"r{i}"]
+        assert r.finish_reason == "length" and r.num_tokens == 4 + 5 * i
+        assert r.token_ids.dtype == np.int32 and r.logprobs.dtype == np.float32 and r.versions.dtype == np.int64
+        assert (r.logprobs <= 0).all() and np.isfinite(r.logprobs).all()
+        assert r.text == tokenizer.decode(r.token_ids.tolist(), skip_special_tokens=True)
+        ref = recompute(fresh_policy, r, params[i])
+        worst = max(worst, float(np.abs(ref - r.logprobs).max()))
+    assert worst < PARITY_ATOL, f"behaviour log-probs differ from the recomputation by {worst}"
+
+
+def test_logprob_parity_with_different_settings_per_row(policy, tokenizer):
+    # Rows with different temperature / top-k / top-p decode in the same step (the per-row tensor path).
+    settings = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8), (0.9, 30, 0.95), (0.5, 0, 1.0), (1.0, 3, 0.5)]
+    params = {i: SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=12, ignore_eos=True)
+              for i, (t, k, p) in enumerate(settings)}
+    engine = HFEngine(policy, tokenizer, slots=4, seed=3)
+    submit_parity_workload(engine, tokenizer, params.__getitem__)
+    results, _ = run(engine)
+    for i in range(6):
+        r = results[f"r{i}"]
+        assert r.num_tokens == 12
+        np.testing.assert_allclose(r.logprobs, recompute(policy, r, params[i]), rtol=0, atol=PARITY_ATOL)
+
+
+def test_greedy_matches_model_generate_and_has_logprob_zero(policy, tokenizer):
+    prompt = ids(tokenizer, "hello there")
+    engine = HFEngine(policy, tokenizer, slots=2)
+    engine.add(GenRequest("g", prompt, SamplingParams(temperature=0.0, max_new_tokens=15, ignore_eos=True)))
+    engine.add(GenRequest("other", ids(tokenizer, "zz"), SamplingParams(max_new_tokens=7, ignore_eos=True)))
+    results, _ = run(engine)
+    with torch.no_grad():
+        ref = policy.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=15, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id)
+    assert results["g"].token_ids.tolist() == ref[0, len(prompt):].tolist()
+    assert results["g"].logprobs.tolist() == [0.0] * 15
+
+
+def test_same_seed_same_tokens(policy, tokenizer):
+    def once():
+        engine = HFEngine(policy, tokenizer, slots=2, seed=7)
+        for i in range(3):
+            engine.add(GenRequest(f"s{i}", ids(tokenizer, f"prompt {i}"), SamplingParams(max_new_tokens=9, ignore_eos=True)))
+        return {k: v.token_ids.tolist() for k, v in run(engine)[0].items()}
+
+    first, second = once(), once()
+    assert first == second
+    assert first["s0"] != first["s1"]  # different prompts, different samples
+
+
+def test_a_freed_slot_is_refilled_while_a_long_sequence_keeps_running(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=2)
+    fixed = lambda n: SamplingParams(max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    engine.add(GenRequest("long", ids(tokenizer, "long one"), fixed(12)))
+    for name in ("s1", "s2", "s3"):
+        engine.add(GenRequest(name, ids(tokenizer, name), fixed(3)))
+    engine.step()
+    assert (engine.num_active(), engine.num_waiting()) == (2, 2)
+    results, finished_at = run(engine)
+    # s1 runs steps 1-3, s2 takes its slot for 4-6, s3 for 7-9, while "long" runs 1-12.
+    assert finished_at == {"s1": 3, "s2": 6, "s3": 9, "long": 12}
+    assert engine.num_steps == 12  # static batches of 2 would need 12 + 3 = 15 steps
+    assert {k: r.num_tokens for k, r in results.items()} == {"long": 12, "s1": 3, "s2": 3, "s3": 3}
+
+
+def test_versions_change_exactly_at_the_update_step(fresh_policy, tokenizer):
+    engine = HFEngine(fresh_policy, tokenizer, slots=2)
+    engine.add(GenRequest("a", ids(tokenizer, "first"), SamplingParams(max_new_tokens=10, ignore_eos=True)))
+    engine.add(GenRequest("b", ids(tokenizer, "second prompt"), SamplingParams(max_new_tokens=6, ignore_eos=True)))
+    engine.add(GenRequest("c", ids(tokenizer, "third"), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    for _ in range(4):
+        assert engine.step() == []
+    # In-place pull: the weight client copies into weights_target(), then announces the version.
+    target = engine.weights_target()
+    assert target is fresh_policy
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.5)
+    engine.update_weights(None, version=1)
+    assert engine.version == 1
+    results, _ = run(engine)
+    assert results["a"].versions.tolist() == [0] * 4 + [1] * 6
+    assert results["b"].versions.tolist() == [0] * 4 + [1] * 2
+    assert results["c"].versions.tolist() == [1] * 3  # admitted after the update
+
+
+def test_update_weights_copies_tensors_and_refuses_mismatches_before_copying(fresh_policy, tokenizer):
+    engine = HFEngine(fresh_policy, tokenizer, slots=1)
+    names = [n for n, _ in fresh_policy.named_parameters()]
+    new = {n: torch.full_like(p, 0.01) for n, p in fresh_policy.named_parameters() if n.endswith("norm.weight")}
+    engine.update_weights(new, version=3)
+    assert engine.version == 3
+    for n in new:
+        assert torch.equal(fresh_policy.get_parameter(n), new[n])
+    before = {n: p.detach().clone() for n, p in fresh_policy.named_parameters()}
+    bad_name = {names[0]: torch.zeros_like(before[names[0]]), "not.a.weight": torch.zeros(2)}
+    with pytest.raises(EngineError, match="not.a.weight"):
+        engine.update_weights(bad_name, version=4)
+    bad_shape = {names[0]: torch.zeros_like(before[names[0]]), names[1]: torch.zeros(3, 3)}
+    with pytest.raises(EngineError, match="shape mismatch"):
+        engine.update_weights(bad_shape, version=4)
+    assert engine.version == 3
+    assert all(torch.equal(before[n], p) for n, p in fresh_policy.named_parameters())  # nothing half-applied
+
+
+def greedy_reference(policy, tokenizer, prompt, n) -> GenResult:
+    engine = HFEngine(policy, tokenizer, slots=1)
+    engine.add(GenRequest("ref", prompt, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)))
+    return run(engine)[0]["ref"]
+
+
+def test_stop_token_ends_the_sequence_and_is_kept(policy, tokenizer):
+    prompt = ids(tokenizer, "stop token test")
+    ref = greedy_reference(policy, tokenizer, prompt, 20).token_ids.tolist()
+    i = next(j for j in range(2, 20) if ref[j] not in ref[:j])  # first occurrence at j
+    engine = HFEngine(policy, tokenizer, slots=1)
+    engine.add(GenRequest("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(ref[i],), ignore_eos=True)))
+    r = run(engine)[0]["s"]
+    assert (r.finish_reason, r.token_ids.tolist()) == ("stop", ref[: i + 1])
+
+
+def test_eos_from_generation_config_stops_unless_ignored(fresh_policy, tokenizer):
+    prompt = ids(tokenizer, "eos test")
+    ref = greedy_reference(fresh_policy, tokenizer, prompt, 20).token_ids.tolist()
+    i = next(j for j in range(2, 20) if ref[j] not in ref[:j])
+    fresh_policy.generation_config.eos_token_id = [tokenizer.eos_token_id, ref[i]]  # e.g. Llama-3's <|eot_id|>
+    engine = HFEngine(fresh_policy, tokenizer, slots=2)
+    assert engine.eos_ids == {tokenizer.eos_token_id, ref[i]}
+    engine.add(GenRequest("stops", prompt, SamplingParams(temperature=0.0, max_new_tokens=20)))
+    engine.add(GenRequest("ignores", prompt, SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)))
+    results, _ = run(engine)
+    assert (results["stops"].finish_reason, results["stops"].num_tokens) == ("stop", i + 1)
+    assert (results["ignores"].finish_reason, results["ignores"].num_tokens) == ("length", 20)
+
+
+def test_stop_string_ends_the_sequence_on_decoded_text(policy, tokenizer):
+    prompt = ids(tokenizer, "stop string test")
+    ref = greedy_reference(policy, tokenizer, prompt, 24)
+    text = ref.text
+    # a 2-character stop string whose first occurrence ends at character e (> 3)
+    e = next(j for j in range(4, len(text)) if text[j - 1 : j + 1] not in text[: j])
+    stop = text[e - 1 : e + 1]
+    engine = HFEngine(policy, tokenizer, slots=1)
+    engine.add(GenRequest("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=24, stop_strings=(stop,), ignore_eos=True)))
+    r = run(engine)[0]["s"]
+    assert r.finish_reason == "stop"
+    assert r.text == text[: e + 1] and r.text.endswith(stop) and stop not in r.text[:-1]
+    assert r.token_ids.tolist() == ref.token_ids.tolist()[: r.num_tokens]
+
+
+def test_length_limits(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=2, max_model_len=20)
+    engine.add(GenRequest("new", ids(tokenizer, "abc"), SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    engine.add(GenRequest("ctx", ids(tokenizer, "x" * 15), SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    results, _ = run(engine)
+    assert (results["new"].finish_reason, results["new"].num_tokens) == ("length", 5)
+    assert (results["ctx"].finish_reason, results["ctx"].num_tokens) == ("length", 5)  # 15 + 5 fills the context
+    with pytest.raises(RequestError, match="context is 20"):
+        engine.add(GenRequest("long", ids(tokenizer, "y" * 20), SamplingParams()))
+
+
+def test_abort_frees_the_slot_for_the_next_request(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=2)
+    p = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for name in ("a", "b", "c", "d"):
+        engine.add(GenRequest(name, ids(tokenizer, name * 3), p))
+    engine.step()
+    engine.step()
+    waiting_abort = engine.abort("d")
+    assert (waiting_abort.finish_reason, waiting_abort.num_tokens) == ("abort", 0)
+    assert waiting_abort.prompt_ids.tolist() == ids(tokenizer, "ddd")
+    active_abort = engine.abort("a")
+    assert (active_abort.finish_reason, active_abort.num_tokens) == ("abort", 2)
+    assert active_abort.versions.tolist() == [0, 0] and (active_abort.logprobs <= 0).all()
+    assert engine.abort("a") is None and engine.abort("never-added") is None
+    assert (engine.num_active(), engine.num_waiting()) == (1, 1)
+    engine.step()  # "c" takes the slot "a" held
+    assert (engine.num_active(), engine.num_waiting()) == (2, 0)
+    results, finished_at = run(engine)
+    assert finished_at == {"b": 8, "c": 10}
+    assert "a" not in results and "d" not in results
+
+
+def test_abort_all_empties_the_engine(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=2)
+    for name in ("a", "b", "c"):
+        engine.add(GenRequest(name, ids(tokenizer, name), SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    engine.step()
+    aborted = {r.request_id: r.num_tokens for r in engine.abort_all()}
+    assert aborted == {"a": 1, "b": 1, "c": 0}
+    assert not engine.has_work() and engine.step() == []
+    # and it keeps working afterwards
+    engine.add(GenRequest("later", ids(tokenizer, "later"), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    assert run(engine)[0]["later"].num_tokens == 3
+
+
+def test_bad_requests_are_refused_with_a_clear_error(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=1)
+    engine.add(GenRequest("x", [5, 6], SamplingParams()))
+    with pytest.raises(RequestError, match="already queued"):
+        engine.add(GenRequest("x", [5, 6], SamplingParams()))
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine.add(GenRequest("e", [], SamplingParams()))
+    with pytest.raises(RequestError, match=r"\[0, 99\)"):
+        engine.add(GenRequest("v", [5, 99], SamplingParams()))
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert engine.num_waiting() == 1
+
+
+def test_make_engine_builds_the_configured_engine(tiny_model_cfg, policy, tokenizer):
+    cfg = Config()
+    cfg.model = tiny_model_cfg
+    cfg.rollout.slots, cfg.rollout.stop_strings = 5, ["\n\n"]
+    engine = make_engine(cfg, policy, tokenizer)
+    assert isinstance(engine, HFEngine) and isinstance(engine, GenerationEngine)
+    assert engine.slots == 5 and engine.model is policy
+    params = SamplingParams.from_config(cfg.rollout)
+    assert (params.max_new_tokens, params.stop_strings, params.key) == (32, ("\n\n",), (1.0, 0, 1.0))
+    cfg.rollout.engine = "tgi"
+    with pytest.raises(ConfigError, match="tgi"):
+        make_engine(cfg, policy, tokenizer)
