@@ -1,12 +1,125 @@
-"""`rlhf-monitor`: live view of a running run, read from Redis."""
+"""`rlhf-monitor`: attach to a running run by Redis URL and run id, and show it live.
 
-from rlhf_core.cli import hydra_entry, not_built_yet
+    rlhf-monitor url=redis://127.0.0.1:6379 run_id=run-20261122-101500-ab12
+    rlhf-monitor url=... run_id=... --once --json      # one snapshot for scripts
+
+Everything shown comes from Redis (the buffer's counters, the consumers' heartbeats and the
+stats the learner and weight server publish there), so the monitor needs no other address.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from rlhf_core.cli import hydra_entry
+from rlhf_core.config import BufferConfig
+
+_FLAGS = {"--once": "once=true", "--json": "json=true"}
+
+
+def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One monitor snapshot: the buffer's metrics plus rates derived from the last snapshot."""
+    snap = buf.metrics()
+    snap["time"] = time.time()
+    workers = {n: c for n, c in snap.get("consumers", {}).items() if not n.startswith("learner")}
+    snap["generated_tokens_per_s"] = sum(float(c.get("stats", {}).get("tokens_per_s", 0.0)) for c in workers.values())
+    snap["generated_samples_per_s"] = sum(float(c.get("stats", {}).get("samples_per_s", 0.0)) for c in workers.values())
+    learner = snap.get("stats", {}).get("learner", {})
+    snap["trained_samples_per_s"] = learner.get("learner/samples_per_s")
+    snap["trained_tokens_per_s"] = learner.get("learner/tokens_per_s")
+    if previous is not None:
+        dt = max(snap["time"] - previous["time"], 1e-9)
+        c, p = snap.get("counters", {}), previous.get("counters", {})
+        snap["rate_samples_appended_per_s"] = (c.get("samples_appended", 0) - p.get("samples_appended", 0)) / dt
+        snap["rate_samples_consumed_per_s"] = (c.get("samples_consumed", 0) - p.get("samples_consumed", 0)) / dt
+    return snap
+
+
+def render(snap: dict[str, Any]):
+    """A rich renderable of one snapshot."""
+    from rich.console import Group
+    from rich.table import Table
+
+    c = snap.get("counters", {})
+    head = Table.grid(padding=(0, 2))
+    head.add_row("run", str(snap.get("run_id")), "learner version", str(snap.get("learner_version")),
+                 "admission budget", str(snap.get("admission_budget")))
+    depth = snap.get("depth", {})
+    head.add_row("prompts waiting", str(depth.get("prompts_waiting")), "leased", str(depth.get("prompts_leased")),
+                 "samples in buffer", str(depth.get("samples_in_buffer")))
+    head.add_row("generated tok/s", f"{snap.get('generated_tokens_per_s', 0):.0f}",
+                 "generated samples/s", f"{snap.get('generated_samples_per_s', 0):.1f}",
+                 "trained samples/s", str(_fmt(snap.get("trained_samples_per_s"))))
+    head.add_row("dead letters", str(c.get("dead_letters")), "reclaimed leases", str(c.get("prompts_reclaimed")),
+                 "dropped stale", str(c.get("samples_dropped_stale")))
+    ws = snap.get("stats", {}).get("weight_server", {})
+    head.add_row("weight-sync latency (s)", str(_fmt(ws.get("sync_latency_s"))),
+                 "last version bytes", str(ws.get("bytes")), "pulls", str(ws.get("pulls")))
+    workers = Table(title="consumers", show_lines=False)
+    for col in ("name", "version", "heartbeat age (s)", "leases", "tokens/s", "samples"):
+        workers.add_column(col)
+    for name, rec in sorted(snap.get("consumers", {}).items()):
+        stats = rec.get("stats", {})
+        workers.add_row(name, str(rec.get("version")), str(rec.get("age_s")), str(rec.get("leases")),
+                        _fmt(stats.get("tokens_per_s")), str(stats.get("samples", "")))
+    hist = Table(title="staleness of consumed samples")
+    hist.add_column("versions behind")
+    hist.add_column("samples")
+    for lag, count in sorted(snap.get("staleness_hist", {}).items(), key=lambda kv: int(kv[0])):
+        hist.add_row(str(lag), str(count))
+    return Group(head, workers, hist)
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))
+
+
+def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False, refresh_s: float = 1.0,
+                out: Any = None) -> dict[str, Any]:
+    from buffer import Buffer
+
+    out = out or sys.stdout
+    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id))
+    if once:
+        snap = snapshot(buf)
+        if as_json:
+            out.write(json.dumps(snap, default=str, sort_keys=True) + "\n")
+        else:
+            from rich.console import Console
+
+            Console(file=out).print(render(snap))
+        return snap
+    from rich.live import Live
+
+    prev = snapshot(buf)
+    with Live(render(prev), refresh_per_second=max(1, int(1 / refresh_s))) as live:
+        try:
+            while True:
+                time.sleep(refresh_s)
+                snap = snapshot(buf, prev)
+                live.update(render(snap))
+                prev = snap
+        except KeyboardInterrupt:
+            pass
+    return prev
 
 
 @hydra_entry("monitor")
-def main(cfg) -> int:
-    return not_built_yet("rlhf-monitor", "the launcher/monitor issue")
+def _main(cfg) -> int:
+    run_monitor(cfg.url, cfg.run_id, once=cfg.once, as_json=cfg.json, refresh_s=cfg.refresh_s)
+    return 0
 
+
+def main() -> None:
+    # `--once` / `--json` read better than Hydra's once=true json=true; accept both.
+    sys.argv = [_FLAGS.get(a, a) for a in sys.argv]
+    _main()
+
+
+main.config_name = "monitor"  # type: ignore[attr-defined]
 
 if __name__ == "__main__":
     main()

@@ -82,13 +82,18 @@ class AlgoConfig:
     dpo_beta: float = 0.1
     normalize_rewards: bool = False
     normalize_advantages: bool = False
+    # added by the learner update (issue 5):
+    dpo_label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
+    reward_norm_eps: float = 1e-8  # added to the running reward std when normalize_rewards
 
 
 @dataclass
 class BufferConfig:
     # redis:// or rediss:// URL (user:password@ for ACL). null: `rlhf-run` starts a private redis-server.
     url: Optional[str] = None
-    run_id: str = "default"
+    # the key namespace of this run; "auto": rlhf-run makes a unique one (so every job of a
+    # multirun sweep gets its own) and prints it for workers you start yourself
+    run_id: str = "auto"
     lease_timeout_s: float = 30.0  # a prompt held this long without heartbeat is re-delivered
     heartbeat_interval_s: float = 2.0
     max_deliveries: int = 3  # a prompt delivered this often goes to the dead-letter stream
@@ -99,6 +104,7 @@ class BufferConfig:
     capacity: int = 100_000  # samples kept for replay; the stalest are evicted beyond it
     sampling: str = "fifo"  # fifo | uniform
     max_record_bytes: int = 16 * 1024 * 1024
+    dead_letter_maxlen: int = 10_000  # dead letters kept for inspection (MAXLEN ~); counters keep totals
     ssl_ca_certs: Optional[str] = None
     ssl_certfile: Optional[str] = None
     ssl_keyfile: Optional[str] = None
@@ -151,6 +157,12 @@ class LearnerConfig:
     publish_dtype: str = "as_trained"  # as_trained | bfloat16 | float16
     prometheus_port: Optional[int] = None
     export_dir: Optional[str] = None  # HF-format export at the end
+    # added by the learner update (issue 5):
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (OpenRLHF's default floor)
+    critic_lr: Optional[float] = None  # critic (gae) learning rate; null = lr
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    keep_checkpoints: int = 3  # newest checkpoints kept on disk
 
 
 @dataclass
@@ -169,9 +181,18 @@ class WeightServerConfig:
     curve_server_secret: Optional[str] = None
     curve_client_public: Optional[str] = None
     curve_client_secret: Optional[str] = None
+    curve_authorized_dir: Optional[str] = None  # server: folder of authorised client *.key files (curve)
     persist_dir: Optional[str] = None
     max_header_bytes: int = 64 * 1024
+    max_manifest_bytes: int = 16 * 1024 * 1024  # cap on the headers that carry a tensor list
     max_tensors: int = 100_000
+    max_frame_bytes: int = 64 * 1024 * 1024  # ZMQ_MAXMSGSIZE: a peer sending a larger frame is dropped
+    max_version_bytes: int = 64 * 1024**3
+    request_timeout_s: float = 5.0  # clients: wait this long for each reply before calling the server down
+    retry_timeout_s: float = 60.0  # publisher: keep retrying (exponential backoff) this long
+    announce_interval_s: float = 1.0  # the server re-announces its newest versions this often (late joiners)
+    upload_timeout_s: float = 30.0  # the server drops an upload that sent nothing for this long
+    address_file: Optional[str] = None  # the server writes {"address", "pub_address", "pid"} JSON here
 
 
 @dataclass

@@ -1,0 +1,193 @@
+"""Connecting to Redis: URLs (redis://, rediss://, unix://, ACL user:password), TLS, retries.
+
+Two kinds of failure a user can fix get their own errors, with a message that says what to do:
+
+* :class:`BufferUnavailable`: Redis cannot be reached (not started, wrong host/port, TLS
+  misconfigured, or it stayed down longer than ``buffer.max_retry_s`` during a run).
+* :class:`BufferAuthError`: Redis answered but refused the credentials.
+
+Transient connection errors during a run (a Redis restart, a network blip, Redis still loading
+its AOF) are retried with capped exponential backoff and one log line per attempt, so workers
+and the learner ride out a restart instead of dying. redis-py's own silent retries are turned
+off, so every retry is ours and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from rlhf_core.config import BufferConfig
+from rlhf_core.errors import UserError
+
+log = logging.getLogger("buffer")
+
+T = TypeVar("T")
+
+#: First and largest pause between retries (seconds). Doubling from 50 ms reaches the cap after
+#: five attempts, so a Redis restart of a second or two is ridden out within ~2 s of its end.
+BACKOFF_START_S = 0.05
+BACKOFF_CAP_S = 2.0
+#: Socket read timeout. Every blocking command we send blocks for at most a few seconds, so a
+#: read that takes longer means a hung server or a dead network path.
+SOCKET_TIMEOUT_S = 30.0
+
+_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, TimeoutError)
+_AUTH = (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
+
+
+class BufferUnavailable(UserError, ConnectionError):
+    """Redis cannot be reached. The message names the address and how to start Redis."""
+
+
+class BufferAuthError(UserError, PermissionError):
+    """Redis refused the user name / password (or the ACL user lacks a permission)."""
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***`` (safe for logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+def address(url: str) -> tuple[str, str]:
+    """(human-readable address, suggested start command) for error messages."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix socket {parts.path}", f"redis-server --port 0 --unixsocket {parts.path}"
+    port = parts.port or 6379
+    host = parts.hostname or "localhost"
+    start = f"redis-server --port {port}"
+    if parts.scheme == "rediss":
+        start = f"redis-server --port 0 --tls-port {port} --tls-cert-file ... --tls-key-file ... --tls-ca-cert-file ..."
+    return f"{host}:{port}", start
+
+
+def client_kwargs(url: str, cfg: BufferConfig) -> dict[str, Any]:
+    """Keyword arguments for ``redis.Redis.from_url`` (TLS options only for rediss://)."""
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise BufferUnavailable(f"buffer.url {redact(url)!r} must start with redis://, rediss:// or unix://")
+    kwargs: dict[str, Any] = {
+        "socket_connect_timeout": max(0.1, min(cfg.connect_timeout_s, 10.0)),
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "socket_keepalive": True,
+        # Retries are ours (logged, capped, bounded in time); redis-py's would retry silently.
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 30,
+        # RESP2: the reply shapes the buffer parses (RESP3 turns stream replies into maps)
+        "protocol": 2,
+    }
+    if scheme == "rediss":
+        kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
+        kwargs["ssl_certfile"] = cfg.ssl_certfile
+        kwargs["ssl_keyfile"] = cfg.ssl_keyfile
+    elif any((cfg.ssl_ca_certs, cfg.ssl_certfile, cfg.ssl_keyfile)):
+        log.warning("buffer.ssl_* options are set but buffer.url is not rediss://; they are ignored")
+    return kwargs
+
+
+def auth_error(url: str, exc: Exception) -> BufferAuthError:
+    where, _ = address(url)
+    user = urlsplit(url).username
+    who = f"user {unquote(user)!r}" if user else "the default user"
+    return BufferAuthError(
+        f"Redis at {where} refused the credentials of {who} ({exc}): check the user and password in "
+        f"buffer.url (redis://USER:PASSWORD@host:port/db; now {redact(url)}); the password must match "
+        "the server's requirepass or an ACL user"
+    )
+
+
+class Retrying:
+    """Runs Redis calls, retrying transient connection errors with capped exponential backoff.
+
+    ``max_retry_s`` bounds the total time spent retrying one call; past it the call raises
+    :class:`BufferUnavailable`. ``reconnects`` counts calls that needed a retry, so callers
+    that keep client-side state about server state (the learner's delivered entries) know to
+    re-sync after a reconnect.
+    """
+
+    def __init__(self, url: str, max_retry_s: float) -> None:
+        self.url = url
+        self.max_retry_s = max_retry_s
+        self.reconnects = 0
+
+    def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        delay = BACKOFF_START_S
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except _AUTH as exc:
+                raise auth_error(self.url, exc) from None
+            except redis.exceptions.NoPermissionError as exc:
+                raise BufferAuthError(
+                    f"Redis at {address(self.url)[0]} denied a command to this ACL user ({exc}): grant it "
+                    "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
+                ) from None
+            except _TRANSIENT as exc:
+                attempt += 1
+                elapsed = time.monotonic() - start
+                if elapsed + delay > self.max_retry_s:
+                    where, cmd = address(self.url)
+                    raise BufferUnavailable(
+                        f"lost Redis at {where} and it did not come back within buffer.max_retry_s="
+                        f"{self.max_retry_s:g} s ({type(exc).__name__}: {exc}); is redis-server still "
+                        f"running? restart it (e.g. `{cmd}`) and restart this process"
+                    ) from None
+                log.warning(
+                    "redis at %s: %s: %s; retrying in %.2f s (attempt %d, giving up after %g s)",
+                    address(self.url)[0], type(exc).__name__, exc, delay, attempt, self.max_retry_s,
+                )
+                self.reconnects += 1
+                time.sleep(delay)
+                delay = min(delay * 2, BACKOFF_CAP_S)
+
+
+def connect(url: str, cfg: BufferConfig) -> redis.Redis:
+    """Open a client and check Redis answers, within ``cfg.connect_timeout_s``.
+
+    Raises :class:`BufferUnavailable` (with the command to start a server) when nothing
+    answers, and :class:`BufferAuthError` when the credentials are refused.
+    """
+    client = redis.Redis.from_url(url, **client_kwargs(url, cfg))
+    where, cmd = address(url)
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    delay = BACKOFF_START_S
+    while True:
+        try:
+            client.ping()
+            return client
+        except _AUTH as exc:
+            client.close()
+            raise auth_error(url, exc) from None
+        except _TRANSIENT as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if "SSL" in str(exc) or "certificate" in str(exc).lower():
+                client.close()
+                raise BufferUnavailable(
+                    f"cannot open a TLS connection to Redis at {where} ({reason}): check buffer.ssl_ca_certs, "
+                    "buffer.ssl_certfile and buffer.ssl_keyfile, and that the server has TLS on that port"
+                ) from None
+            if time.monotonic() + delay > deadline:
+                client.close()
+                raise BufferUnavailable(
+                    f"cannot reach Redis at {where} ({reason}) within {cfg.connect_timeout_s:g} s: is "
+                    f"redis-server running? start one with `{cmd}`, or fix buffer.url (now {redact(url)})"
+                ) from None
+            log.info("waiting for Redis at %s (%s); retrying in %.2f s", where, reason, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, BACKOFF_CAP_S)

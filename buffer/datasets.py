@@ -1,0 +1,154 @@
+"""Prompt data sets on local files: JSONL, Parquet, HF ``datasets`` saved with ``save_to_disk``.
+
+:func:`iter_prompts` yields the prompts of one epoch in a deterministic shuffled order (seed
+and epoch), each with its ``epoch`` and ``index`` (position in that order) set, so
+:meth:`Buffer.fill_prompts` can resume at an (epoch, index) cursor. Rows are read once per
+process and cached (the file's path, size and mtime are the cache key).
+
+Row mapping: the prompt text is ``row[data.text_field]``; when ``data.messages_field`` is set
+and present, ``row[messages_field]`` (a list of ``{"role", "content"}``) is used as chat
+turns. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
+``"<file name>:<row number>"``. Every other field goes to ``metadata`` (reaching the reward
+function), nested values as JSON strings since metadata holds scalars and lists only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from rlhf_core.config import DataConfig
+from rlhf_core.errors import UserError
+from rlhf_core.records import Prompt
+
+_SCALARS = (str, int, float, bool)
+_cache: dict[tuple, list[dict[str, Any]]] = {}
+
+
+class DataError(UserError, ValueError):
+    """A prompt data set that cannot be read; the message names the file, row and field."""
+
+
+def iter_prompts(
+    data_cfg: DataConfig,
+    epoch: int,
+    builtin: Callable[[DataConfig, int], Iterable[Prompt]] | None = None,
+) -> Iterator[Prompt]:
+    """The prompts of ``epoch``, shuffled with ``(data.seed, epoch)``."""
+    if data_cfg.source == "builtin":
+        if builtin is None:
+            raise DataError("data.source=builtin needs the built-in task's prompt function (pass builtin=...)")
+        rows = list(builtin(data_cfg, epoch))
+        order = _order(len(rows), data_cfg.seed, epoch)
+        for i, j in enumerate(order):
+            p = rows[j]
+            yield Prompt(p.prompt_id, p.text, p.messages, dict(p.metadata), epoch=epoch, index=i)
+        return
+    rows = load_rows(data_cfg)
+    name = Path(data_cfg.path or "").name
+    for i, j in enumerate(_order(len(rows), data_cfg.seed, epoch)):
+        yield row_to_prompt(rows[j], data_cfg, f"{name}:{j}", epoch, i)
+
+
+def _order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+
+
+def load_rows(data_cfg: DataConfig) -> list[dict[str, Any]]:
+    if not data_cfg.path:
+        raise DataError(f"data.source={data_cfg.source} needs data.path (a local file or directory)")
+    path = Path(os.path.expanduser(data_cfg.path))
+    if not path.exists():
+        raise DataError(f"data.path {str(path)!r} does not exist (data.source={data_cfg.source})")
+    st = path.stat()
+    key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _cache:
+        loader = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}.get(data_cfg.source)
+        if loader is None:
+            raise DataError(f"data.source={data_cfg.source!r} is not one of builtin, jsonl, parquet, hf_disk")
+        rows = loader(path)
+        if not rows:
+            raise DataError(f"data set {str(path)!r} has no rows")
+        _cache.clear()  # one data set per process is the normal case; do not hold several
+        _cache[key] = rows
+    return _cache[key]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover
+        raise DataError("data.source=parquet needs pyarrow: pip install 'rlhf-service[data]'") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # noqa: BLE001  # pyarrow raises several types for a bad file
+        raise DataError(f"cannot read Parquet file {path}: {exc}") from None
+
+
+def _hf_disk(path: Path) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover
+        raise DataError("data.source=hf_disk needs the datasets package: pip install 'rlhf-service[data]'") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"cannot load a datasets.save_to_disk directory from {path}: {exc}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else next(iter(ds))
+        ds = ds[split]
+    return ds.to_list()
+
+
+def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str, epoch: int, index: int) -> Prompt:
+    messages = None
+    mf = data_cfg.messages_field
+    if mf and row.get(mf) is not None:
+        messages = row[mf]
+        if not (isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        )):
+            raise DataError(f"row {default_id}: field {mf!r} must be a list of {{'role': str, 'content': str}} turns")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        text = row.get(data_cfg.text_field) if isinstance(row.get(data_cfg.text_field), str) else ""
+    else:
+        text = row.get(data_cfg.text_field)
+        if not isinstance(text, str):
+            have = ", ".join(sorted(row)) or "none"
+            raise DataError(
+                f"row {default_id}: no string field {data_cfg.text_field!r} (fields: {have}); set data.text_field "
+                "or data.messages_field to the field holding the prompt"
+            )
+    pid = row.get("id", row.get("prompt_id"))
+    prompt_id = str(pid) if pid is not None else default_id
+    skip = {data_cfg.text_field, mf, "id", "prompt_id"}
+    metadata = {k: _meta_value(v) for k, v in row.items() if k not in skip and isinstance(k, str)}
+    return Prompt(prompt_id, text, messages, metadata, epoch=epoch, index=index)
+
+
+def _meta_value(v: Any) -> Any:
+    if v is None or isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, list) and all(x is None or isinstance(x, _SCALARS) for x in v):
+        return v
+    return json.dumps(v, default=str)

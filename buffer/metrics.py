@@ -1,0 +1,165 @@
+"""Counters and gauges kept in Redis for the monitor, and :func:`collect` that reads them.
+
+Every counter lives in the run's ``counters`` hash and is changed only inside the Lua script
+or MULTI/EXEC block that does the work it counts, so counts are exact even across crashes
+(a script's writes and its counter updates reach the AOF together). The Lua scripts refer to
+these names through the ``C`` table of their preamble (:mod:`buffer.scripts`), generated from
+:data:`COUNTERS`; a misspelt name fails loudly in Lua instead of counting into a new field.
+
+Counters (monotonic):
+    prompts_enqueued, prompts_claimed (first deliveries), prompts_reclaimed (re-delivered after a
+    lease expired), prompts_released (given back un-done), prompts_dead_lettered,
+    completions_empty (completed with no valid sample), completions_duplicate (a completion for
+    a prompt already completed), groups_appended, samples_appended, groups_consumed,
+    samples_consumed, groups_dropped_stale, samples_dropped_stale, samples_evicted,
+    samples_dead_lettered, entries_dead_lettered, dead_letters (all kinds), groups_removed and
+    samples_removed (left the sample stream: consumed, dropped, evicted or used up),
+    budget_returned (admission budget given back, in samples), rl_inserts, rl_samples (replay
+    rate limiter; rl_samples may be fractional), replay_seq
+Gauges (go up and down):
+    prompts_waiting (enqueued, never delivered), admitted (samples admitted by pacing, net of
+    give-backs), inflight (samples being generated), replay_size (samples in the replay table)
+Derived by :func:`read_counters` (not stored, so the worker's hot path writes less):
+    prompts_acked = groups_appended + completions_empty,
+    samples_in_buffer = samples_appended - samples_removed, groups_in_buffer likewise.
+Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from buffer.keys import WORKERS_GROUP
+
+if TYPE_CHECKING:  # pragma: no cover
+    from buffer.client import Buffer
+
+COUNTERS = (
+    "prompts_enqueued",
+    "prompts_claimed",
+    "prompts_reclaimed",
+    "prompts_released",
+    "prompts_dead_lettered",
+    "prompts_waiting",
+    "completions_empty",
+    "completions_duplicate",
+    "admitted",
+    "inflight",
+    "budget_returned",
+    "groups_appended",
+    "samples_appended",
+    "groups_consumed",
+    "samples_consumed",
+    "groups_dropped_stale",
+    "samples_dropped_stale",
+    "samples_evicted",
+    "samples_dead_lettered",
+    "entries_dead_lettered",
+    "dead_letters",
+    "groups_removed",
+    "samples_removed",
+    "replay_size",
+    "replay_seq",
+    "rl_inserts",
+    "rl_samples",
+)
+
+#: Counters that hold floats (HINCRBYFLOAT); all others are integers.
+FLOAT_COUNTERS = frozenset({"rl_samples"})
+
+
+def _num(raw: bytes | str | None, name: str) -> int | float:
+    if raw is None:
+        return 0
+    value = float(raw)
+    return value if name in FLOAT_COUNTERS else int(value)
+
+
+def read_counters(raw: dict[bytes, bytes]) -> dict[str, int | float]:
+    out = {name: 0 for name in COUNTERS}
+    for k, v in raw.items():
+        name = k.decode() if isinstance(k, bytes) else k
+        out[name] = _num(v, name)
+    out["prompts_acked"] = out["groups_appended"] + out["completions_empty"]
+    out["samples_in_buffer"] = out["samples_appended"] - out["samples_removed"]
+    out["groups_in_buffer"] = out["groups_appended"] - out["groups_removed"]
+    return out
+
+
+def read_hist(raw: dict[bytes, bytes]) -> dict[int, int]:
+    return dict(sorted((int(k), int(v)) for k, v in raw.items() if int(v) != 0))
+
+
+def pack_consumer(last_seen: float, version: int | None, stats: dict[str, Any] | None, leases: int) -> bytes:
+    """The per-consumer record the monitor shows (heartbeat time, policy version, free-form stats)."""
+    return msgpack.packb(
+        {"last_seen": last_seen, "version": version, "stats": stats or {}, "leases": leases}, use_bin_type=True
+    )
+
+
+def pack_stats(stats: dict[str, Any]) -> bytes:
+    """A component's stats (numbers, strings, lists) as msgpack; other values become strings."""
+    return msgpack.packb(stats, use_bin_type=True, default=str)
+
+
+def unpack_record(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception:  # noqa: BLE001  # a garbled record must not break the monitor
+        return {"error": "unreadable record"}
+    return obj if isinstance(obj, dict) else {"error": "unreadable record"}
+
+
+def collect(buf: "Buffer") -> dict[str, Any]:
+    """One snapshot for the monitor. Shapes::
+
+        {"run_id": str, "learner_version": int, "admission_budget": int, "mode": "fifo"|"replay",
+         "counters": {name: number}, "depth": {...}, "staleness_hist": {lag: samples},
+         "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
+         "stats": {component: {...}}}   # what publish_stats stored
+    """
+    k = buf.keys
+    pipe = buf.redis.pipeline(transaction=True)
+    pipe.hgetall(k.counters)
+    pipe.get(k.version)
+    pipe.hgetall(k.hist_consumed)
+    pipe.hgetall(k.hist_dropped)
+    pipe.hgetall(k.consumers)
+    pipe.xlen(k.dead)
+    pipe.hgetall(k.stats)
+    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw = buf.retry(pipe.execute)
+    initialised = buf.initialised()
+    pel = buf.retry(buf.redis.xpending, k.prompts, WORKERS_GROUP) if initialised else None
+    counters = read_counters(counters_raw)
+    now = time.time()
+    consumers = {}
+    for name, raw in consumers_raw.items():
+        rec = unpack_record(raw)
+        if "last_seen" in rec:
+            rec["age_s"] = round(now - float(rec["last_seen"]), 3)
+        consumers[name.decode()] = rec
+    leased = int(pel["pending"]) if isinstance(pel, dict) else 0
+    params = buf.run_params() if initialised else {}
+    return {
+        "run_id": k.run_id,
+        "learner_version": int(version or 0),
+        "admission_budget": buf.admission_budget() if params else 0,
+        "mode": params.get("mode", "fifo"),
+        "counters": counters,
+        "depth": {
+            "prompts_waiting": counters["prompts_waiting"],
+            "prompts_leased": leased,
+            "samples_inflight": counters["inflight"],
+            "samples_in_buffer": counters["samples_in_buffer"],
+            "groups_in_buffer": counters["groups_in_buffer"],
+            "replay_size": counters["replay_size"],
+            "dead_letters": int(dead_len),
+        },
+        "staleness_hist": read_hist(hist_c),
+        "dropped_stale_hist": read_hist(hist_d),
+        "consumers": consumers,
+        "stats": {name.decode(): unpack_record(raw) for name, raw in stats_raw.items()},
+    }

@@ -1,0 +1,262 @@
+"""The prompt queue: enqueue, fill by epochs, leased claims, heartbeats, release.
+
+Prompts are entries of the run's ``prompts`` stream, read through the consumer group
+``workers``. A claim is a lease, not a pop: the entry sits in the group's pending list (PEL)
+under the worker's name until :meth:`Buffer.complete` acks it together with the samples.
+
+* Leases: a worker's heartbeat renews its leases (``XCLAIM ... JUSTID`` resets their idle time
+  without counting a delivery). A lease idle for ``lease_timeout_s`` belongs to a worker that
+  died or hung; the next claimer takes it over (``claim.lua``: ``XPENDING IDLE`` + ``XCLAIM``,
+  which re-checks the idle time atomically) and gets ``delivery_count`` + 1. A prompt
+  delivered more than ``max_deliveries`` times goes to the dead-letter stream instead.
+* Pacing: a claim admits new prompts only within the admission budget (see ``claim.lua`` and
+  :meth:`Buffer.admission_budget`); re-delivered prompts were admitted once and need none.
+* Blocking: when nothing can be claimed, :func:`claim` waits on the ``wake:prompts`` stream
+  with ``XREAD BLOCK`` from the id the claim script returned, so an enqueue, a returned budget
+  or a new learner version wakes it at once and no wake-up is lost between the check and the
+  wait. Waits are capped at :data:`WAIT_CAP_S` so expired leases (which send no wake-up) are
+  noticed within that time. No busy loop: one script call per wake-up or per cap.
+* Filling: :func:`fill` keeps the queue topped up epoch by epoch; its cursor (epoch, index,
+  done) is in Redis and advances in the same MULTI/EXEC as the enqueued prompts (WATCHed, so
+  two producers never enqueue the same slice), so a restarted producer continues where the
+  last one stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+import redis
+
+from buffer import keys as K
+from buffer import metrics
+from rlhf_core.errors import UserError
+from rlhf_core.records import Prompt
+from rlhf_core.wire import WireError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from buffer.client import Buffer
+
+log = logging.getLogger("buffer")
+
+#: Longest single wait on a wake-up stream. Expired leases produce no wake-up, so a blocked
+#: claimer re-checks at least this often; 200 ms keeps that cheap (5 script calls/s per idle worker).
+WAIT_CAP_S = 0.2
+ENQUEUE_CHUNK = 512
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """A claimed prompt. ``lease_id`` is the prompt's stream id; ``how`` is new | reclaimed | released."""
+
+    prompt: Prompt
+    lease_id: str
+    consumer: str
+    delivery_count: int
+    how: str = "new"
+    learner_version: int = 0  # learner version when the lease was granted (generate with >= this)
+    claimed_at: float = field(default_factory=time.time, compare=False)
+
+    # identity is the stream entry and its holder (Prompt holds a dict, so it is not hashable)
+    def __hash__(self) -> int:
+        return hash((self.lease_id, self.consumer))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Lease) and (self.lease_id, self.consumer) == (other.lease_id, other.consumer)
+
+
+def enqueue(buf: "Buffer", prompts: Iterable[Prompt]) -> int:
+    """Append prompts to the queue (MULTI/EXEC per chunk, so counters match the stream)."""
+    total = 0
+    for chunk in _chunks(prompts, ENQUEUE_CHUNK):
+        payloads = [p.encode() for p in chunk]
+
+        def send(payloads=payloads) -> None:
+            pipe = buf.redis.pipeline(transaction=True)
+            for data in payloads:
+                pipe.xadd(buf.keys.prompts, {K.PROMPT_FIELD: data})
+            pipe.hincrby(buf.keys.counters, "prompts_enqueued", len(payloads))
+            pipe.hincrby(buf.keys.counters, "prompts_waiting", len(payloads))
+            pipe.xadd(buf.keys.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
+            pipe.execute()
+
+        buf.retry(send)
+        total += len(payloads)
+    return total
+
+
+def claim(buf: "Buffer", consumer: str, max_prompts: int, block_s: float) -> list[Lease]:
+    K.check_consumer(consumer)
+    deadline = time.monotonic() + max(0.0, block_s)
+    while True:
+        # the run's lease timeout (same for every worker); this process's setting until init_run ran
+        lease_s = buf._params["lease_timeout_s"] if buf._params else buf.cfg.lease_timeout_s
+        lease_ms = str(max(1, int(lease_s * 1000)))
+        res = buf.retry(
+            buf.scripts.claim,
+            keys=[buf.keys.params, buf.keys.version, buf.keys.counters, buf.keys.prompts, buf.keys.dead, buf.keys.wake_prompts],
+            args=[consumer, max(0, int(max_prompts)), lease_ms, repr(time.time()), buf.cfg_dead_maxlen],
+        )
+        status, wake_id, version = res[0].decode(), res[1], int(res[2])
+        leases: list[Lease] = []
+        bad: list[Lease] = []
+        items = res[4:]
+        for i in range(0, len(items), 4):
+            lease_id, payload, deliveries, how = items[i].decode(), items[i + 1], int(items[i + 2]), items[i + 3].decode()
+            try:
+                prompt = Prompt.decode(payload or b"", max_bytes=buf.cfg.max_record_bytes)
+            except WireError as exc:
+                bad.append(Lease(Prompt("", ""), lease_id, consumer, deliveries, how, version))
+                buf.dead_letter_prompt(lease_id, consumer, str(exc), payload or b"")
+                continue
+            leases.append(Lease(prompt, lease_id, consumer, deliveries, how, version))
+        if leases:
+            held = buf._leases.setdefault(consumer, {})
+            for lease in leases:
+                held[lease.lease_id] = lease
+            return leases
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or max_prompts <= 0:
+            return []
+        if status == "noinit":
+            log.debug("run %s is not initialised yet; waiting", buf.keys.run_id)
+        buf.wait_on(buf.keys.wake_prompts, wake_id, min(remaining, WAIT_CAP_S))
+
+
+def heartbeat(buf: "Buffer", consumer: str, version: int | None, stats: dict | None) -> list[str]:
+    """Renew this process's leases of ``consumer``; return the ids it lost to other workers."""
+    K.check_consumer(consumer)
+    held = buf._leases.get(consumer, {})
+    ids = list(held)  # a copy: complete() in another thread may drop one meanwhile
+    record = metrics.pack_consumer(time.time(), version, stats, len(ids))
+    lost = buf.retry(
+        buf.scripts.heartbeat,
+        keys=[buf.keys.prompts, buf.keys.consumers],
+        args=[consumer, record, *ids],
+    )
+    lost_ids = [x.decode() for x in lost]
+    for lease_id in lost_ids:
+        held.pop(lease_id, None)
+    return lost_ids
+
+
+def release(buf: "Buffer", leases: Iterable[Lease]) -> int:
+    by_consumer: dict[str, list[str]] = {}
+    for lease in leases:
+        by_consumer.setdefault(lease.consumer, []).append(lease.lease_id)
+    n = 0
+    for consumer, ids in by_consumer.items():
+        n += int(
+            buf.retry(
+                buf.scripts.release,
+                keys=[buf.keys.prompts, buf.keys.counters, buf.keys.wake_prompts, buf.keys.params],
+                args=[consumer, *ids],
+            )
+        )
+        held = buf._leases.get(consumer, {})
+        for lease_id in ids:
+            held.pop(lease_id, None)
+    return n
+
+
+class PromptsExhausted(UserError):
+    """The prompt source yielded nothing for an epoch (an empty data set)."""
+
+
+class Filler:
+    """State of :func:`fill` in one process: the open iterator of the current epoch.
+
+    Re-creating the source iterator for every top-up would re-read (and re-shuffle) the whole
+    data set each time; the open one is reused as long as its position matches the cursor in
+    Redis (another producer may have advanced it).
+    """
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        self.index = -1
+        self.it: Iterator[Prompt] | None = None
+
+    def iterator(self, source_fn: Callable[[int], Iterable[Prompt]], epoch: int, index: int) -> Iterator[Prompt]:
+        if self.it is None or (self.epoch, self.index) != (epoch, index):
+            self.it = itertools.islice(iter(source_fn(epoch)), index, None)
+            self.epoch, self.index = epoch, index
+        return self.it
+
+    def advanced(self, epoch: int, index: int) -> None:
+        self.epoch, self.index = epoch, index
+
+    def forget(self) -> None:
+        self.it = None
+
+
+def fill(
+    buf: "Buffer",
+    source_fn: Callable[[int], Iterable[Prompt]],
+    epochs: int,
+    low_watermark: int,
+    high_watermark: int | None = None,
+) -> int:
+    """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
+    ``high_watermark`` (default ``2 * low_watermark``), walking epochs ``0 .. epochs-1`` of
+    ``source_fn(epoch)`` in order. Returns the number enqueued (0 when above the low
+    watermark or when every epoch is done; :meth:`Buffer.fill_state` says which).
+    """
+    high = max(low_watermark, high_watermark if high_watermark is not None else 2 * low_watermark)
+    k = buf.keys
+    filler: Filler = buf._filler
+    while True:
+        try:
+            return buf.retry(_fill_once, buf, filler, source_fn, epochs, low_watermark, high)
+        except redis.exceptions.WatchError:
+            filler.forget()  # another producer moved the cursor; re-read it
+            log.debug("fill cursor of run %s moved under us; retrying", k.run_id)
+
+
+def _fill_once(buf: "Buffer", filler: Filler, source_fn, epochs: int, low: int, high: int) -> int:
+    k = buf.keys
+    with buf.redis.pipeline(transaction=True) as pipe:
+        pipe.watch(k.fill)
+        state = pipe.hgetall(k.fill)
+        waiting = int(pipe.hget(k.counters, "prompts_waiting") or 0)
+        epoch = int(state.get(b"epoch", 0))
+        index = int(state.get(b"index", 0))
+        if state.get(b"done") == b"1" or epoch >= epochs or waiting >= low:
+            pipe.unwatch()
+            return 0
+        batch: list[Prompt] = []
+        while len(batch) < high - waiting and epoch < epochs:
+            it = filler.iterator(source_fn, epoch, index)
+            got = list(itertools.islice(it, high - waiting - len(batch)))
+            if not got and index == 0:
+                raise PromptsExhausted(f"the prompt source yielded no prompts for epoch {epoch}: is the data set empty?")
+            batch.extend(got)
+            index += len(got)
+            filler.advanced(epoch, index)
+            if len(batch) < high - waiting:  # this epoch is exhausted
+                epoch, index = epoch + 1, 0
+                filler.forget()
+        done = epoch >= epochs
+        pipe.multi()
+        for prompt in batch:
+            pipe.xadd(k.prompts, {K.PROMPT_FIELD: prompt.encode()})
+        pipe.hset(k.fill, mapping={"epoch": epoch, "index": index, "done": int(done)})
+        if batch:
+            pipe.hincrby(k.counters, "prompts_enqueued", len(batch))
+            pipe.hincrby(k.counters, "prompts_waiting", len(batch))
+            pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
+        try:
+            pipe.execute()
+        except BaseException:
+            filler.forget()
+            raise
+        return len(batch)
+
+
+def _chunks(items: Iterable[Prompt], n: int) -> Iterator[list[Prompt]]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk

@@ -1,0 +1,350 @@
+"""The sample stream: atomic group completion by workers, FIFO batch consumption by the learner.
+
+One stream entry holds one completed group (the samples of one prompt), so a group is
+appended, read, dropped and acked as a unit and can never be split between batches. Field
+layout (names in :mod:`buffer.keys`): group id, prompt id, oldest token version, sample
+count, producer, time, and ``s0 .. s{n-1}`` holding the encoded samples.
+
+Worker side: :func:`complete` validates each sample (``rlhf_core.records.validate_sample`` with
+the run's ``vocab_size`` / ``max_response_tokens``), then one ``complete.lua`` call appends the
+good ones, dead-letters the bad ones and acks the prompt. Either all of that happens or none.
+
+Learner side (FIFO mode): entries are read through the consumer group ``learner`` and stay in
+its pending list until :func:`commit`, which the learner calls once the update that used them
+is published and checkpointed; a learner that crashes before that gets them again (same
+consumer name) on its first :meth:`Buffer.read_batch`. A batch is ``batch_size // group_size``
+whole groups, in arrival order; a partial group (some samples dead-lettered) counts as one
+group. Groups whose staleness ``learner_version - oldest token version`` exceeds
+``max_staleness`` are dropped (counted per lag, admission budget returned); undecodable or
+invalid samples are dead-lettered when their group is committed (or dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+
+import msgpack
+
+from buffer import keys as K
+from rlhf_core.records import Sample, validate_sample
+from rlhf_core.wire import WireError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from buffer.client import Buffer
+    from buffer.prompts import Lease
+
+log = logging.getLogger("buffer")
+
+#: Longest single XREADGROUP BLOCK of the learner (it wakes as soon as an entry arrives).
+READ_BLOCK_CAP_S = 2.0
+HISTORY_CHUNK = 256
+
+
+class GroupSlice(NamedTuple):
+    """Where one group sits in ``Batch.samples``: samples[start:end]."""
+
+    group_id: str
+    start: int
+    end: int
+    entry_id: str
+    lag: int  # learner_version - oldest token version of the group
+
+
+@dataclass
+class Group:
+    """A decoded stream entry: the usable samples of one group and what was wrong with the rest."""
+
+    entry_id: str
+    group_id: str
+    prompt_id: str
+    producer: str
+    samples: list[Sample]
+    bad: list[tuple[str, str, str, bytes]] = field(default_factory=list)  # (kind, reason, producer, raw)
+    oldest_version: int = 0
+
+    def lag(self, learner_version: int) -> int:
+        return learner_version - self.oldest_version
+
+
+@dataclass
+class Batch:
+    """Whole groups for one update.
+
+    ``samples``: the samples, each group contiguous; ``groups``: one :class:`GroupSlice` per
+    group (its actual size is ``end - start``, which is below group_size for a partial group);
+    ``ids``: opaque ids to pass to ``commit_ids`` (a restarted learner may store them in its
+    checkpoint); ``staleness``: ``{"min", "max", "mean", "hist": {lag: samples}}`` over samples.
+    """
+
+    samples: list[Sample]
+    groups: list[GroupSlice]
+    ids: list[str]
+    consumer: str
+    learner_version: int
+    staleness: dict[str, Any]
+    dead: dict[str, list[tuple[str, str, str, bytes]]] = field(default_factory=dict, repr=False)
+    retire: set[str] = field(default_factory=set, repr=False)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return [g.end - g.start for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def groups_per_batch(batch_size: int, group_size: int) -> int:
+    """The batch rule: ``batch_size // group_size`` whole groups (at least one)."""
+    return max(1, batch_size // group_size)
+
+
+# ---- worker side ---------------------------------------------------------------------------
+
+
+def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample]) -> list[Any]:
+    """Validate and encode a group; return the ``complete.lua`` arguments."""
+    params = buf.run_params()
+    group_ids = {s.group_id for s in samples}
+    if len(group_ids) > 1:
+        raise ValueError(f"complete() got samples of several groups {sorted(group_ids)}: pass one prompt's group per call")
+    if len(samples) > params["group_size"]:
+        raise ValueError(f"complete() got {len(samples)} samples but the run's group_size is {params['group_size']}")
+    good: list[tuple[Sample, bytes]] = []
+    bad: list[Any] = []
+    for s in samples:
+        raw = s.encode()
+        try:
+            if len(raw) > buf.cfg.max_record_bytes:
+                raise WireError(f"record of {len(raw)} bytes exceeds buffer.max_record_bytes={buf.cfg.max_record_bytes}")
+            validate_sample(s, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
+        except WireError as exc:
+            bad += ["sample", str(exc), raw]
+            continue
+        good.append((s, raw))
+    oldest = min((s.oldest_version for s, _ in good), default=0)
+    group_id = samples[0].group_id if samples else ""
+    head = [lease.lease_id, lease.consumer, repr(time.time()), buf.cfg_dead_maxlen, params["mode"], params["group_size"],
+            oldest, group_id, lease.prompt.prompt_id, len(good), len(bad) // 3]
+    return head + [raw for _, raw in good] + bad
+
+
+def complete_keys(buf: "Buffer") -> list[str]:
+    """Keys of ``complete.lua``: the replay ones only in replay mode (fewer arguments on the hot path)."""
+    k = buf.keys
+    keys = [k.prompts, k.samples, k.counters, k.dead, k.wake_prompts]
+    if buf.run_params()["mode"] == "replay":
+        keys += [k.params, k.replay_index, k.replay_n, k.replay_uses, k.replay_out, k.wake_replay]
+    return keys
+
+
+def complete_status(res: list[Any]) -> str:
+    """``complete.lua`` reply -> appended | empty | duplicate."""
+    if int(res[0]) == 0:
+        return "duplicate"
+    return "appended" if res[1] else "empty"
+
+
+# ---- learner side (FIFO) -----------------------------------------------------------------
+
+
+def decode_entry(buf: "Buffer", entry_id: str, fields: dict[bytes, bytes] | None) -> Group:
+    """Decode and validate one stream entry. Never raises: what is wrong goes to ``Group.bad``."""
+    params = buf.run_params()
+    fields = fields or {}
+    producer = _text(fields.get(K.F_PRODUCER.encode()), "?")
+    try:
+        count = int(fields[K.F_COUNT.encode()])
+        raws = [fields[f"{K.SAMPLE_FIELD_PREFIX}{i}".encode()] for i in range(count)]
+        group_id = _text(fields[K.F_GROUP.encode()], "")
+        prompt_id = _text(fields[K.F_PROMPT_ID.encode()], "")
+    except (KeyError, ValueError, TypeError) as exc:
+        raw = msgpack.packb({k: v for k, v in fields.items()}, use_bin_type=True)
+        reason = f"malformed sample-stream entry (missing or bad field: {exc!r}); was it written by another program?"
+        return Group(entry_id, "", "", producer, [], [("entry", reason, producer, raw)])
+    group = Group(entry_id, group_id, prompt_id, producer, [])
+    for raw in raws:
+        try:
+            sample = Sample.decode(raw, max_bytes=buf.cfg.max_record_bytes)
+            validate_sample(sample, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
+        except WireError as exc:
+            group.bad.append(("sample", str(exc), producer, raw))
+            continue
+        group.samples.append(sample)
+    if group.samples:
+        group.oldest_version = min(s.oldest_version for s in group.samples)
+    return group
+
+
+def build_batch(groups: list[Group], consumer: str, learner_version: int) -> Batch:
+    samples: list[Sample] = []
+    slices: list[GroupSlice] = []
+    hist: dict[int, int] = {}
+    for g in groups:
+        lag = g.lag(learner_version)
+        if g.samples:
+            slices.append(GroupSlice(g.group_id, len(samples), len(samples) + len(g.samples), g.entry_id, lag))
+            samples.extend(g.samples)
+            hist[lag] = hist.get(lag, 0) + len(g.samples)
+    lags = [s.lag for s in slices for _ in range(s.end - s.start)]
+    staleness = {
+        "min": min(lags, default=0),
+        "max": max(lags, default=0),
+        "mean": sum(lags) / len(lags) if lags else 0.0,
+        "hist": dict(sorted(hist.items())),
+    }
+    dead = {g.entry_id: g.bad for g in groups if g.bad}
+    return Batch(samples, slices, [g.entry_id for g in groups], consumer, learner_version, staleness, dead,
+                 retire={g.entry_id for g in groups if g.bad})
+
+
+class Handed(NamedTuple):
+    """What commit needs to know about an entry handed out in a batch (kept until committed)."""
+
+    good: int  # samples trained on
+    lag: int  # staleness when read (the histogram records read-time staleness)
+    retire: bool  # replay: remove after this use (it held bad samples)
+    bad: list[tuple[str, str, str, bytes]]  # dead letters to record with the commit
+
+
+def handed_of(batch: Batch) -> dict[str, Handed]:
+    by_id = {g.entry_id: g for g in batch.groups}
+    out = {}
+    for entry_id in batch.ids:
+        g = by_id.get(entry_id)
+        good, lag = (g.end - g.start, g.lag) if g is not None else (0, 0)
+        out[entry_id] = Handed(good, lag, entry_id in batch.retire, batch.dead.get(entry_id, []))
+    return out
+
+
+@dataclass
+class LearnerState:
+    """What one process knows about one learner consumer: read-but-unbatched groups (``carry``),
+    entries handed out in uncommitted batches, and whether the pending list was re-read since
+    the last (re)connect."""
+
+    carry: list[Group] = field(default_factory=list)
+    handed: dict[str, Handed] = field(default_factory=dict)
+    synced_at: int | None = None  # Buffer.retry.reconnects when last synced; None: never
+
+
+def read_batch(buf: "Buffer", consumer: str, learner_version: int, batch_size: int, timeout_s: float) -> Batch | None:
+    K.check_consumer(consumer)
+    params = buf.run_params()
+    st: LearnerState = buf._learners.setdefault(consumer, LearnerState())
+    want = groups_per_batch(batch_size, params["group_size"])
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        if st.synced_at != buf.retry.reconnects:
+            _resync(buf, consumer, st)
+        _filter(buf, st, learner_version, params["max_staleness"])
+        if len(st.carry) >= want:
+            chosen, st.carry = st.carry[:want], st.carry[want:]
+            batch = build_batch(chosen, consumer, learner_version)
+            st.handed.update(handed_of(batch))
+            return batch
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        block_ms = max(1, int(min(remaining, READ_BLOCK_CAP_S) * 1000))
+        res = buf.retry(
+            buf.redis.xreadgroup, K.LEARNER_GROUP, consumer, {buf.keys.samples: ">"},
+            count=want - len(st.carry), block=block_ms,
+        )
+        for entry_id, fields in stream_entries(res):
+            st.carry.append(decode_entry(buf, _text(entry_id), fields))
+
+
+def _resync(buf: "Buffer", consumer: str, st: LearnerState) -> None:
+    """Re-read this consumer's pending entries (a restarted learner, or replies lost in a
+    reconnect) that this process has not handed out or carried yet, oldest first."""
+    reconnects = buf.retry.reconnects
+    known = set(st.handed) | {g.entry_id for g in st.carry}
+    cursor = "0-0"
+    found: list[Group] = []
+    while True:
+        res = buf.retry(buf.redis.xreadgroup, K.LEARNER_GROUP, consumer, {buf.keys.samples: cursor}, count=HISTORY_CHUNK)
+        entries = stream_entries(res)
+        if not entries:
+            break
+        for entry_id, fields in entries:
+            eid = _text(entry_id)
+            cursor = eid
+            if eid in known:
+                continue
+            if not fields:  # deleted while pending: nothing left to train on
+                buf.retry(buf.redis.xack, buf.keys.samples, K.LEARNER_GROUP, eid)
+                continue
+            found.append(decode_entry(buf, eid, fields))
+    if found:
+        log.info("learner %s: %d group(s) read before a restart or reconnect are delivered again", consumer, len(found))
+    st.carry = found + st.carry
+    st.synced_at = reconnects
+
+
+def _filter(buf: "Buffer", st: LearnerState, learner_version: int, max_staleness: int) -> None:
+    """Drop carried groups that are too stale or hold nothing usable (``drop.lua``)."""
+    keep: list[Group] = []
+    args: list[Any] = []
+    n = 0
+    for g in st.carry:
+        if not g.samples:
+            why, lag = "bad", 0
+        elif g.lag(learner_version) > max_staleness:
+            why, lag = "stale", g.lag(learner_version)
+        else:
+            keep.append(g)
+            continue
+        n += 1
+        args += [g.entry_id, why, lag, len(g.bad)]
+        for kind, reason, producer, raw in g.bad:
+            args += [kind, reason, producer, raw]
+    if not n:
+        return
+    k = buf.keys
+    buf.retry(
+        buf.scripts.drop,
+        keys=[k.samples, k.counters, k.hist_dropped, k.dead, k.params, k.wake_prompts],
+        args=[repr(time.time()), buf.cfg_dead_maxlen, n, *args],
+    )
+    st.carry = keep
+
+
+def commit(buf: "Buffer", entries: Iterable[tuple[str, int | str, int | str, list]]) -> int:
+    """Ack (id, good samples or '', lag or '', dead letters) entries; returns how many were new."""
+    args: list[Any] = []
+    n = 0
+    for entry_id, good, lag, bad in entries:
+        n += 1
+        args += [entry_id, good, lag, len(bad)]
+        for _kind, reason, producer, raw in bad:
+            args += [reason, producer, raw]
+    if not n:
+        return 0
+    k = buf.keys
+    done = buf.retry(
+        buf.scripts.commit,
+        keys=[k.samples, k.counters, k.hist_consumed, k.dead, k.version],
+        args=[repr(time.time()), buf.cfg_dead_maxlen, n, *args],
+    )
+    return int(done)
+
+
+def stream_entries(res: Any) -> list[tuple[bytes, dict | None]]:
+    """The entries of a one-stream XREAD/XREADGROUP reply, in RESP2 (list) or RESP3 (map) shape."""
+    if not res:
+        return []
+    if isinstance(res, dict):  # RESP3: {stream: [[entries]]}
+        (value,) = res.values()
+        return list(value[0]) if value and isinstance(value[0], list) else list(value)
+    return list(res[0][1])
+
+
+def _text(value: Any, default: str = "") -> str:
+    if value is None:
+        return default
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)

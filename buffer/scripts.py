@@ -1,0 +1,175 @@
+"""Loads the Lua scripts (``buffer/*.lua``) with a preamble generated from the Python constants.
+
+Each multi-key state change of the buffer is one Lua script, so it is atomic: no other client
+sees it half done, a client that dies mid-call either ran all of it or none of it, and with
+AOF the script's writes are logged together after it ran (a crash mid-script loses the whole
+script, never half of it). Every script starts with ``#!lua`` (Redis 7 script flags): Redis
+then refuses a write script up front when it is out of memory, instead of failing at the first
+write after earlier writes already happened.
+
+Names are defined once in Python and reach Lua through the preamble: stream fields and
+consumer groups from :mod:`buffer.keys`, counter names from
+:mod:`buffer.metrics` (as the table ``C``, which raises on an unknown name), and the shared
+``dead_letter`` helper. Redis caches scripts by SHA; redis-py's ``Script`` reloads a script
+transparently after a Redis restart (NOSCRIPT).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import redis
+
+from buffer import keys as K
+from buffer import metrics
+
+_DIR = Path(__file__).resolve().parent
+
+SCRIPT_NAMES = (
+    "init_run",
+    "claim",
+    "heartbeat",
+    "release",
+    "complete",
+    "commit",
+    "drop",
+    "replay_draw",
+    "replay_commit",
+    "replay_return",
+)
+
+
+def _lua_str(s: str) -> str:
+    assert "'" not in s and "\\" not in s and "\n" not in s
+    return f"'{s}'"
+
+
+def preamble() -> str:
+    consts = {
+        "WORKERS": K.WORKERS_GROUP,
+        "LEARNER": K.LEARNER_GROUP,
+        "RELEASED": K.RELEASED_CONSUMER,
+        "F_PROMPT": K.PROMPT_FIELD,
+        "F_GROUP": K.F_GROUP,
+        "F_PROMPT_ID": K.F_PROMPT_ID,
+        "F_VERSION": K.F_VERSION,
+        "F_COUNT": K.F_COUNT,
+        "F_PRODUCER": K.F_PRODUCER,
+        "F_TIME": K.F_TIME,
+        "F_SAMPLE": K.SAMPLE_FIELD_PREFIX,
+        "D_KIND": K.D_KIND,
+        "D_REASON": K.D_REASON,
+        "D_PRODUCER": K.D_PRODUCER,
+        "D_RAW": K.D_RAW,
+        "D_SOURCE": K.D_SOURCE,
+        "D_TIME": K.D_TIME,
+        "WAKE_MAXLEN": str(K.WAKE_MAXLEN),
+    }
+    lines = [f"local {name} = {_lua_str(value)}" for name, value in consts.items()]
+    counters = ", ".join(f"{n} = {_lua_str(n)}" for n in metrics.COUNTERS)
+    lines.append(f"local C = setmetatable({{{counters}}}, {{__index = function(_, k) error('unknown counter ' .. tostring(k)) end}})")
+    lines.append(
+        """
+-- 2^32: replay scores are version * VSCALE + insertion seq (exact in a double up to version 2^20)
+local VSCALE = 4294967296
+local function field(fields, name)
+  for i = 1, #fields, 2 do
+    if fields[i] == name then return fields[i + 1] end
+  end
+  return false
+end
+local function last_id(stream)
+  local w = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if #w == 0 then return '0-0' end
+  return w[1][1]
+end
+local function wake(stream, why)
+  redis.call('XADD', stream, 'MAXLEN', '~', WAKE_MAXLEN, '*', 'e', why)
+end
+-- one dead letter; kind is 'sample' | 'prompt' | 'entry'
+local function dead_letter(dead, counters, maxlen, kind, reason, producer, raw, source, now)
+  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', D_KIND, kind, D_REASON, reason,
+             D_PRODUCER, producer, D_RAW, raw, D_SOURCE, source, D_TIME, now)
+  redis.call('HINCRBY', counters, C.dead_letters, 1)
+  if kind == 'sample' then
+    redis.call('HINCRBY', counters, C.samples_dead_lettered, 1)
+  elseif kind == 'prompt' then
+    redis.call('HINCRBY', counters, C.prompts_dead_lettered, 1)
+  else
+    redis.call('HINCRBY', counters, C.entries_dead_lettered, 1)
+  end
+end
+-- HINCRBY / HINCRBYFLOAT that skip a zero step (Lua's -0 would reach Redis as "-0", which
+-- HINCRBY rejects, and a zero step is a wasted write anyway)
+local function incr(key, name, by)
+  if by ~= 0 then return redis.call('HINCRBY', key, name, by) end
+end
+local function incrf(key, name, by)
+  if by ~= 0 then return redis.call('HINCRBYFLOAT', key, name, by) end
+end
+local function num(x, default)
+  if x == false or x == nil or x == '' then return default end
+  return tonumber(x)
+end
+"""
+    )
+    return "\n".join(lines)
+
+
+def source(name: str) -> str:
+    """The full source of script ``name``: shebang, preamble, body."""
+    body = (_DIR / f"{name}.lua").read_text()
+    if body.startswith("#!"):
+        body = body.split("\n", 1)[1]
+    return "#!lua\n" + preamble() + "\n" + body
+
+
+class Scripts:
+    """The registered scripts of one client: ``scripts.claim(keys=[...], args=[...])``."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def _get(self, name: str) -> redis.commands.core.Script:
+        return self._client.register_script(source(name))
+
+    @cached_property
+    def init_run(self):
+        return self._get("init_run")
+
+    @cached_property
+    def claim(self):
+        return self._get("claim")
+
+    @cached_property
+    def heartbeat(self):
+        return self._get("heartbeat")
+
+    @cached_property
+    def release(self):
+        return self._get("release")
+
+    @cached_property
+    def complete(self):
+        return self._get("complete")
+
+    @cached_property
+    def commit(self):
+        return self._get("commit")
+
+    @cached_property
+    def drop(self):
+        return self._get("drop")
+
+    @cached_property
+    def replay_draw(self):
+        return self._get("replay_draw")
+
+    @cached_property
+    def replay_commit(self):
+        return self._get("replay_commit")
+
+    @cached_property
+    def replay_return(self):
+        return self._get("replay_return")

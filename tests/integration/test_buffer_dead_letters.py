@@ -1,0 +1,121 @@
+"""Every bad-input kind lands in the dead-letter stream (reason, producer, raw bytes); consumers keep running."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from buffer import Buffer
+from buffer import keys as K
+from buffer import testing as T
+from rlhf_core.config import BufferConfig
+from rlhf_core.records import Sample
+
+pytestmark = pytest.mark.integration
+
+VOCAB, MAX_RESPONSE = 100, 16
+
+
+@pytest.fixture
+def buf(redis_url):
+    b = Buffer.connect(redis_url, "dead", BufferConfig(lease_timeout_s=5.0, dead_letter_maxlen=100))
+    b.init_run(batch_size=8, group_size=8, max_staleness=8, max_response_tokens=MAX_RESPONSE, vocab_size=VOCAB)
+    yield b
+    b.close()
+
+
+def _bad_samples(pid: str) -> dict[str, Sample]:
+    """One sample per semantic defect, each otherwise valid."""
+    return {
+        "reward is not finite": T.sample(pid, index=1, reward=math.nan),
+        "more than the configured max of 16": T.sample(pid, index=2, response_tokens=MAX_RESPONSE + 1),
+        "outside the vocabulary": T.sample(pid, index=3, response_ids=np.array([5, VOCAB, 7, 1, 2, 3, 4, 5], dtype=np.int32)),
+        "log-prob > 0": T.sample(pid, index=3, behaviour_logprobs=np.full(8, 0.5, dtype=np.float32)),
+    }
+
+
+def test_worker_side_invalid_samples_are_dead_lettered_and_the_group_completes(buf):
+    buf.enqueue_prompts(T.prompts(1))
+    (lease,) = buf.claim("w7", 1)
+    bad = _bad_samples("p0")
+    good = T.sample("p0", index=0)
+    assert buf.complete(lease, [good, *bad.values()]) == "appended"
+    dead = buf.dead_letters()
+    assert len(dead) == 4
+    for (expected, sample), rec in zip(bad.items(), dead):
+        assert rec["kind"] == "sample" and expected in rec["reason"] and rec["producer"] == "w7"
+        assert rec["raw"] == sample.encode() and rec["source"] == lease.lease_id
+    batch = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    assert batch.group_sizes == [1] and batch.samples[0].sample_id == good.sample_id
+    c = buf.metrics()["counters"]
+    assert (c["samples_dead_lettered"], c["dead_letters"], c["samples_appended"]) == (4, 4, 1)
+
+
+def test_a_group_with_no_valid_sample_returns_its_budget(buf):
+    buf.enqueue_prompts(T.prompts(2))
+    leases = buf.claim("w", 2)
+    budget = buf.admission_budget()
+    assert buf.complete(leases[0], [T.sample("p0", reward=math.inf)]) == "empty"
+    assert buf.admission_budget() == budget + 8
+    assert buf.metrics()["counters"]["groups_appended"] == 0
+
+
+def test_learner_side_every_bad_kind_is_dead_lettered_and_reading_goes_on(buf):
+    """Records written by another program straight into the stream: the learner must not trust it."""
+    good = T.sample("p9", index=0)
+    garbage = b"\xc1\x00not msgpack"
+    wrong_kind = T.prompts(1)[0].encode()
+    bad = {"malformed msgpack": garbage, "expected a record of kind sample": wrong_kind}
+    bad.update({reason: s.encode() for reason, s in _bad_samples("p9").items()})
+    fields = {K.F_GROUP: "g-p9", K.F_PROMPT_ID: "p9", K.F_VERSION: 0, K.F_COUNT: 1 + len(bad), K.F_PRODUCER: "rogue", K.F_TIME: 0}
+    for i, raw in enumerate([good.encode(), *bad.values()]):
+        fields[f"{K.SAMPLE_FIELD_PREFIX}{i}"] = raw
+    buf.redis.xadd(buf.keys.samples, fields)
+    buf.redis.xadd(buf.keys.samples, {"junk": "entry"})  # not even our entry layout
+    _produce_one(buf, "p1")
+
+    b1 = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    b2 = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    assert [g.group_id for g in b1.groups + b2.groups] == ["g-p9", "g-p1"]  # the junk entry was dropped
+    assert b1.group_sizes == [1] and b1.samples[0].sample_id == good.sample_id
+    assert buf.commit(b1) == 1 and buf.commit(b2) == 1
+    dead = buf.dead_letters()
+    assert [d["kind"] for d in dead] == ["entry"] + ["sample"] * 6
+    assert "malformed sample-stream entry" in dead[0]["reason"]
+    for (expected, raw), rec in zip(bad.items(), dead[1:]):
+        assert expected in rec["reason"] and rec["raw"] == raw and rec["producer"] == "rogue"
+    c = buf.metrics()["counters"]
+    assert (c["samples_dead_lettered"], c["entries_dead_lettered"], c["dead_letters"]) == (6, 1, 7)
+    assert buf.commit(b1) == 0 and buf.metrics()["counters"]["dead_letters"] == 7  # no double count
+
+
+def test_undecodable_prompt_is_dead_lettered_and_claiming_goes_on(buf):
+    buf.redis.xadd(buf.keys.prompts, {K.PROMPT_FIELD: b"\x93garbage"})
+    buf.redis.hincrby(buf.keys.counters, "prompts_waiting", 1)
+    buf.enqueue_prompts(T.prompts(1))
+    got = buf.claim("w", 2)
+    assert [l.prompt.prompt_id for l in got] == ["p0"]
+    dead = buf.dead_letters()
+    assert len(dead) == 1 and dead[0]["kind"] == "prompt" and "undecodable prompt" in dead[0]["reason"]
+    assert dead[0]["raw"] == b"\x93garbage" and dead[0]["producer"] == "w"
+    c = buf.metrics()["counters"]
+    assert (c["prompts_dead_lettered"], c["inflight"], c["admitted"]) == (1, 8, 8)
+
+
+def test_dead_letter_api_and_the_stream_cap(buf):
+    for i in range(300):
+        buf.dead_letter(f"reward fn raised ZeroDivisionError #{i}", "w3", b"\x01\x02")
+    assert 100 <= buf.redis.xlen(buf.keys.dead) < 300  # MAXLEN ~ 100 trims whole nodes
+    c = buf.metrics()["counters"]
+    assert (c["samples_dead_lettered"], c["dead_letters"]) == (300, 300)
+    assert buf.dead_letters(1)[0]["reason"].endswith("#299")
+
+
+def _produce_one(buf: Buffer, pid: str) -> None:
+    from rlhf_core.records import Prompt
+
+    buf.enqueue_prompts([Prompt(pid, "x")])
+    (lease,) = buf.claim("w", 1)
+    buf.complete(lease, [T.sample(pid, index=0)])

@@ -1,0 +1,151 @@
+"""Atomic append+ack under injected failures, and a Redis killed and restarted (AOF) mid-run."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from buffer import Buffer
+from buffer import keys as K
+from buffer import testing as T
+from rlhf_core.config import BufferConfig
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 0.4
+
+
+class SimulatedCrash(BaseException):
+    """The worker process dies here (not an error the buffer may catch and retry)."""
+
+
+def _connect(url: str) -> Buffer:
+    return Buffer.connect(url, "dur", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_retry_s=20.0))
+
+
+def _state(buf: Buffer) -> tuple[int, int, int]:
+    """(groups in the sample stream, prompts still leased, prompts acked), read straight from Redis."""
+    k = buf.keys
+    leased = buf.redis.xpending(k.prompts, K.WORKERS_GROUP)["pending"]
+    return buf.redis.xlen(k.samples), leased, buf.metrics()["counters"]["prompts_acked"]
+
+
+def test_crash_between_append_and_ack_leaves_nothing_partial(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.enqueue_prompts(T.prompts(1))
+    (lease,) = buf.claim("w1", 1)
+    real = buf.scripts.complete
+
+    def crash_in_flight(*args, **kwargs):
+        # the samples are validated and encoded, the call is about to go out: the worker dies
+        raise SimulatedCrash()
+
+    buf.scripts.__dict__["complete"] = crash_in_flight
+    with pytest.raises(SimulatedCrash):
+        buf.complete(lease, T.group(lease.prompt))
+    buf.scripts.__dict__["complete"] = real
+    assert _state(buf) == (0, 1, 0)  # no samples, prompt still leased, not acked
+    # the lease expires and another worker does the prompt: exactly one group lands
+    other = _connect(redis_url)
+    (again,) = other.claim("w2", 1, block_s=LEASE_S * 3)
+    assert again.lease_id == lease.lease_id and again.delivery_count == 2
+    assert other.complete(again, T.group(again.prompt)) == "appended"
+    assert _state(buf) == (1, 0, 1)
+
+
+def test_lost_reply_is_retried_without_a_duplicate(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.enqueue_prompts(T.prompts(2))
+    leases = buf.claim("w1", 2)
+    real = buf.scripts.complete
+    calls = {"n": 0}
+
+    def reply_lost(*args, **kwargs):
+        calls["n"] += 1
+        result = real(*args, **kwargs)  # Redis ran the script...
+        if calls["n"] == 1:
+            raise redis.exceptions.ConnectionError("connection reset (injected after the script ran)")
+        return result  # ...and the retry finds the prompt already completed
+
+    buf.scripts.__dict__["complete"] = reply_lost
+    assert buf.complete(leases[0], T.group(leases[0].prompt)) == "duplicate"
+    assert calls["n"] == 2
+    assert buf.complete(leases[1], T.group(leases[1].prompt)) == "appended"
+    assert _state(buf) == (2, 0, 2)
+    c = buf.metrics()["counters"]
+    assert (c["samples_appended"], c["groups_appended"], c["completions_duplicate"]) == (8, 2, 1)
+
+
+@pytest.mark.timeout(60)
+def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_server, caplog):
+    n = 60
+    buf = _connect(redis_server.url)
+    buf.init_run(batch_size=n * 4, group_size=4, max_staleness=0)
+    buf.enqueue_prompts(T.prompts(n))
+    leases = buf.claim("w", n)
+    assert len(leases) == n
+    midway = threading.Event()
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for i, lease in enumerate(leases):
+                results.append(buf.complete(lease, T.group(lease.prompt)))
+                if i == n // 3:
+                    midway.set()
+                time.sleep(0.004)
+        except BaseException as exc:  # noqa: BLE001  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert midway.wait(10)
+    redis_server.restart(signal.SIGKILL)  # crash: only what the AOF (fsync always) holds survives
+    t.join(30)
+    assert not errors and len(results) == n
+    assert buf.retry.reconnects >= 1  # the worker was mid-run when Redis died, and rode it out
+    assert any("retrying in" in r.getMessage() for r in caplog.records if r.name == "buffer")
+    # a completion whose reply died with the server reports "duplicate" on retry; none is lost
+    assert results.count("appended") + results.count("duplicate") == n
+    groups, leased, acked = _state(buf)
+    assert (groups, leased, acked) == (n, 0, n)
+    batch = buf.read_batch("L", 0, n * 4, timeout_s=2.0)
+    assert sorted(g.group_id for g in batch.groups) == sorted(f"g-p{i}" for i in range(n))
+    assert buf.metrics()["counters"]["samples_appended"] == n * 4
+
+
+@pytest.mark.timeout(60)
+def test_restart_with_aof_loses_no_sample_and_no_lease(redis_server):
+    worker = _connect(redis_server.url)
+    learner = _connect(redis_server.url)
+    learner.init_run(batch_size=8, group_size=4, max_staleness=4)
+    learner.enqueue_prompts(T.prompts(20))
+    leases = worker.claim("w", 8)
+    for lease in leases[:4]:
+        worker.complete(lease, T.group(lease.prompt))
+    in_training = learner.read_batch("L", 0, 8, timeout_s=1.0)  # read, not committed
+
+    redis_server.restart(signal.SIGKILL)
+
+    # both clients reconnect on their next call and carry on where they were
+    assert learner.pending_for("L") == in_training.ids
+    assert worker.heartbeat("w", version=0) == []  # still holds its 4 unfinished leases
+    for lease in leases[4:]:
+        assert worker.complete(lease, T.group(lease.prompt)) == "appended"
+    assert learner.commit(in_training) == 2
+    rest = [learner.read_batch("L", 0, 8, timeout_s=1.0) for _ in range(3)]
+    assert [learner.commit(b) for b in rest] == [2, 2, 2]
+    seen = [g.group_id for b in [in_training, *rest] for g in b.groups]
+    assert sorted(seen) == sorted(f"g-p{i}" for i in range(8))
+    c = learner.metrics()["counters"]
+    assert (c["prompts_enqueued"], c["prompts_waiting"], c["prompts_acked"], c["samples_consumed"]) == (20, 12, 8, 32)
+    assert (c["samples_in_buffer"], c["inflight"], c["admitted"]) == (0, 0, 32)
+    remaining = worker.claim("w", 20)
+    assert sorted(l.prompt.prompt_id for l in remaining) == [f"p{i}" for i in range(8, 10)]  # budget (4+0+1)*8 - 32 = 8 samples = 2 prompts

@@ -1,0 +1,180 @@
+"""Learner consumption against a real redis-server: re-delivery, staleness filter, pacing, partial groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from buffer import Buffer
+from buffer import testing as T
+from rlhf_core.config import BufferConfig
+
+pytestmark = pytest.mark.integration
+
+
+def _connect(url: str, run: str = "learn") -> Buffer:
+    return Buffer.connect(url, run, BufferConfig(lease_timeout_s=5.0))
+
+
+def _produce(buf: Buffer, n_prompts: int, version: int = 0, group_size: int = 4, start: int = 0) -> list[str]:
+    """Enqueue, claim and complete ``n_prompts`` groups made at ``version``; return their prompt ids."""
+    buf.enqueue_prompts(T.prompts(n_prompts, start=start))
+    leases = buf.claim("w", n_prompts)
+    assert len(leases) == n_prompts
+    for lease in leases:
+        assert buf.complete(lease, T.group(lease.prompt, group_size, version=version)) == "appended"
+    return [l.prompt.prompt_id for l in leases]
+
+
+def test_learner_crash_before_commit_gets_the_batch_again(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=8)
+    _produce(buf, 4)
+    first = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    assert [g.group_id for g in first.groups] == ["g-p0", "g-p1"]
+    buf.close()  # crash: no commit
+
+    restarted = _connect(redis_url)
+    assert restarted.pending_for("learner-0") == first.ids
+    again = restarted.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    assert again.ids == first.ids and [s.sample_id for s in again.samples] == [s.sample_id for s in first.samples]
+    assert restarted.commit(again) == 2
+    assert restarted.commit(again) == 0  # idempotent
+    nxt = restarted.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    assert [g.group_id for g in nxt.groups] == ["g-p2", "g-p3"]
+    assert restarted.read_batch("learner-0", 0, 8, timeout_s=0.1) is None  # nothing handed out twice
+    restarted.commit(nxt)
+    c = restarted.metrics()["counters"]
+    assert (c["samples_consumed"], c["groups_consumed"], c["samples_in_buffer"], c["groups_in_buffer"]) == (16, 4, 0, 0)
+    assert restarted.pending_for("learner-0") == []
+
+
+def test_commit_ids_from_a_checkpoint_after_restart(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=8)
+    _produce(buf, 4)
+    trained = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    checkpoint_ids = list(trained.ids)  # the learner stored these with its checkpoint, then died before commit
+    buf.close()
+
+    restarted = _connect(redis_url)
+    assert restarted.commit_ids(checkpoint_ids) == 2
+    assert restarted.commit_ids(checkpoint_ids) == 0
+    nxt = restarted.read_batch("learner-0", 1, 8, timeout_s=1.0)
+    assert [g.group_id for g in nxt.groups] == ["g-p2", "g-p3"]  # the trained batch is not replayed
+    assert restarted.metrics()["counters"]["samples_consumed"] == 8
+
+
+def test_prefetching_a_second_batch_before_commit_does_not_repeat(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=8)
+    _produce(buf, 6)
+    a = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    b = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    c = buf.read_batch("L", 0, 8, timeout_s=1.0)
+    assert not set(a.ids) & set(b.ids) and not set(b.ids) & set(c.ids)
+    assert buf.read_batch("L", 0, 8, timeout_s=0.05) is None
+    assert [buf.commit(x) for x in (b, a, c)] == [2, 2, 2]
+
+
+def test_staleness_filter_drops_and_counts_per_lag(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=2)
+    # pacing would not admit this much; raise the learner version so the budget allows 6 prompts
+    buf.set_learner_version(5)
+    buf.enqueue_prompts(T.prompts(6))
+    leases = buf.claim("w", 6)
+    for lease, version in zip(leases, [0, 1, 2, 3, 4, 5]):
+        buf.complete(lease, T.group(lease.prompt, version=version))
+    budget = buf.admission_budget()
+    batch = buf.read_batch("L", 5, 8, timeout_s=1.0)
+    assert [g.group_id for g in batch.groups] == ["g-p3", "g-p4"]
+    assert [g.lag for g in batch.groups] == [2, 1]
+    assert batch.staleness == {"min": 1, "max": 2, "mean": 1.5, "hist": {1: 4, 2: 4}}
+    assert all(5 - s.oldest_version <= 2 for s in batch.samples)
+    buf.commit(batch)
+    m = buf.metrics()
+    assert m["dropped_stale_hist"] == {3: 4, 4: 4, 5: 4}
+    assert m["staleness_hist"] == {1: 4, 2: 4}
+    assert (m["counters"]["samples_dropped_stale"], m["counters"]["groups_dropped_stale"]) == (12, 3)
+    assert buf.admission_budget() == budget + 12  # dropped groups return their reservation
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_pacing_bounds_staleness_without_dropping_in_a_steady_run(redis_url, max_staleness):
+    """Workers generate with the newest weights and finish in order; the learner publishes one
+    version per batch. Admission alone keeps every sample within max_staleness: nothing dropped."""
+    B, G, steps = 8, 4, 12
+    buf = _connect(redis_url, f"pace{max_staleness}")
+    buf.init_run(batch_size=B, group_size=G, max_staleness=max_staleness)
+    buf.enqueue_prompts(T.prompts(400))
+    version = 0
+    admitted_per_step = []
+    lags: list[int] = []
+    for step in range(steps):
+        leases = buf.claim("w", 1000)  # everything the budget allows, at the current version
+        admitted_per_step.append(len(leases))
+        for lease in leases:
+            buf.complete(lease, T.group(lease.prompt, G, version=lease.learner_version))
+        assert buf.admission_budget() == 0
+        batch = buf.read_batch("L", version, B, timeout_s=1.0)
+        lags += [version - s.oldest_version for s in batch.samples]
+        buf.commit(batch)
+        version += 1
+        buf.set_learner_version(version)
+    assert admitted_per_step == [(max_staleness + 1) * B // G] + [B // G] * (steps - 1)
+    assert len(lags) == steps * B and max(lags) <= max_staleness
+    if max_staleness == 0:
+        assert set(lags) == {0}  # strictly synchronous: every batch is on-policy
+    else:
+        assert max(lags) == max_staleness  # the bound is reached, so it is the bound that holds
+    c = buf.metrics()["counters"]
+    assert (c["samples_dropped_stale"], c["samples_consumed"]) == (0, steps * B)
+
+
+def test_partial_groups_stay_whole_and_report_their_size(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=12, group_size=4, max_staleness=8)
+    buf.enqueue_prompts(T.prompts(3))
+    leases = buf.claim("w", 3)
+    sizes = [4, 2, 3]  # the worker dead-lettered samples whose reward function failed
+    for lease, n in zip(leases, sizes):
+        assert buf.complete(lease, T.group(lease.prompt, 4, n=n)) == "appended"
+    batch = buf.read_batch("L", 0, 12, timeout_s=1.0)
+    assert batch.group_sizes == [4, 2, 3] and len(batch) == 9
+    for g in batch.groups:
+        assert {s.group_id for s in batch.samples[g.start:g.end]} == {g.group_id}
+    assert buf.commit(batch) == 3
+    assert buf.metrics()["counters"]["samples_consumed"] == 9
+
+
+def test_read_batch_times_out_and_keeps_what_it_read(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=12, group_size=4, max_staleness=8)
+    _produce(buf, 2)
+    assert buf.read_batch("L", 0, 12, timeout_s=0.2) is None  # 2 of 3 groups so far
+    _produce(buf, 1, start=2)
+    batch = buf.read_batch("L", 0, 12, timeout_s=1.0)
+    assert [g.group_id for g in batch.groups] == ["g-p0", "g-p1", "g-p2"]
+
+
+def test_commit_ids_later_records_read_time_staleness(redis_url):
+    """The learner commits at checkpoint time, versions later: the histogram keeps the lag at read time."""
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=8)
+    buf.set_learner_version(1)
+    buf.enqueue_prompts(T.prompts(2))
+    for lease in buf.claim("w", 2):
+        buf.complete(lease, T.group(lease.prompt, version=0))
+    batch = buf.read_batch("L", 1, 8, timeout_s=1.0)
+    buf.set_learner_version(4)  # three more updates before the checkpoint
+    assert buf.commit_ids(batch.ids) == 2
+    assert buf.metrics()["staleness_hist"] == {1: 8}
+
+
+def test_publish_stats_reaches_the_monitor_snapshot(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=0)
+    buf.publish_stats("learner", {"learner/samples_per_s": 12.5, "staleness/hist": [3, 1], "odd": object})
+    stats = buf.metrics()["stats"]["learner"]
+    assert stats["learner/samples_per_s"] == 12.5 and stats["staleness/hist"] == [3, 1]
+    assert stats["odd"] == str(object)

@@ -1,0 +1,175 @@
+"""Prompt leases against a real redis-server: heartbeats, a killed worker, release, dead letters, blocking."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from buffer import Buffer
+from buffer import testing as T
+from rlhf_core.config import BufferConfig
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 0.6
+
+
+@pytest.fixture
+def buf(redis_url):
+    b = Buffer.connect(redis_url, "leases", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_deliveries=3))
+    b.init_run(batch_size=64, group_size=4, max_staleness=4)  # budget (4+0+1)*64 = 320 samples = 80 prompts
+    yield b
+    b.close()
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from buffer import Buffer
+    from rlhf_core.config import BufferConfig
+    buf = Buffer.connect(sys.argv[1], "leases", BufferConfig(lease_timeout_s=%r))
+    leases = buf.claim("doomed", 3, block_s=5.0)
+    print(" ".join(l.lease_id for l in leases), flush=True)
+    while True:
+        buf.heartbeat("doomed", version=0)
+        time.sleep(0.1)
+    """
+    % LEASE_S
+)
+
+
+@pytest.mark.timeout(30)
+def test_killed_worker_leases_are_redelivered_once(buf, redis_url):
+    buf.enqueue_prompts(T.prompts(8))
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, redis_url], stdout=subprocess.PIPE, text=True)
+    try:
+        doomed_ids = proc.stdout.readline().split()
+        assert len(doomed_ids) == 3
+        # while it heartbeats, its leases stay put well past the lease timeout
+        time.sleep(LEASE_S * 1.5)
+        first = buf.claim("survivor", 10, block_s=0)
+        assert len(first) == 5 and not {l.lease_id for l in first} & set(doomed_ids)
+        assert all(l.how == "new" and l.delivery_count == 1 for l in first)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    for lease in first:
+        assert buf.complete(lease, T.group(lease.prompt)) == "appended"
+    assert buf.claim("survivor", 10, block_s=0) == []  # not expired yet
+    t0 = time.monotonic()
+    again = buf.claim("survivor", 10, block_s=LEASE_S * 4)
+    waited = time.monotonic() - t0
+    assert sorted(l.lease_id for l in again) == sorted(doomed_ids)
+    assert all(l.how == "reclaimed" and l.delivery_count == 2 for l in again)
+    assert waited < LEASE_S + 1.0  # woken by the periodic re-check, not at the end of block_s
+    for lease in again:
+        assert buf.complete(lease, T.group(lease.prompt)) == "appended"
+    c = buf.metrics()["counters"]
+    assert (c["prompts_claimed"], c["prompts_reclaimed"], c["prompts_acked"]) == (8, 3, 8)
+    assert (c["groups_appended"], c["samples_appended"], c["completions_duplicate"]) == (8, 32, 0)
+    batch = buf.read_batch("learner", 0, 32, timeout_s=1.0)
+    assert sorted(s.prompt_id for s in batch.samples) == sorted(f"p{i}" for i in range(8) for _ in range(4))
+    assert c["admitted"] == 32 and c["inflight"] == 0  # each prompt admitted once, despite re-delivery
+
+
+def test_zombie_completion_after_reclaim_is_a_duplicate(buf):
+    buf.enqueue_prompts(T.prompts(1))
+    (slow,) = buf.claim("slow", 1)
+    time.sleep(LEASE_S + 0.05)
+    (fast,) = buf.claim("fast", 1)
+    assert fast.lease_id == slow.lease_id and fast.delivery_count == 2
+    assert buf.heartbeat("slow") == [slow.lease_id]  # the slow worker learns it lost the lease
+    assert buf.complete(fast, T.group(fast.prompt, version=1)) == "appended"
+    assert buf.complete(slow, T.group(slow.prompt, version=0)) == "duplicate"
+    c = buf.metrics()["counters"]
+    assert (c["groups_appended"], c["samples_appended"], c["completions_duplicate"]) == (1, 4, 1)
+
+
+def test_heartbeat_does_not_steal_back_and_records_consumer(buf):
+    buf.enqueue_prompts(T.prompts(2))
+    leases = buf.claim("w", 2)
+    assert buf.heartbeat("w", version=7, stats={"tokens_per_s": 12.5}) == []
+    rec = buf.metrics()["consumers"]["w"]
+    assert (rec["version"], rec["stats"], rec["leases"]) == (7, {"tokens_per_s": 12.5}, 2)
+    assert 0 <= rec["age_s"] < 5
+    time.sleep(LEASE_S + 0.05)
+    taken = buf.claim("other", 1)
+    assert [l.lease_id for l in taken] == [leases[0].lease_id]
+    assert buf.heartbeat("w") == [leases[0].lease_id]
+    assert buf.heartbeat("w") == []  # the lost lease is forgotten; the other one is still held
+    time.sleep(LEASE_S / 2)
+    assert buf.heartbeat("w") == [] and buf.heartbeat("other") == []
+    time.sleep(LEASE_S / 2 + 0.05)
+    assert buf.claim("third", 5) == []  # lease 1 renewed in time, lease 0 belongs to `other`
+
+
+def test_release_redelivers_without_counting_a_delivery(buf):
+    buf.enqueue_prompts(T.prompts(3))
+    leases = buf.claim("w1", 3)
+    budget = buf.admission_budget()
+    assert buf.release(leases[:2]) == 2
+    assert buf.admission_budget() == budget + 8  # two groups' reservation returned
+    got = buf.claim("w2", 5)
+    assert [(l.lease_id, l.how, l.delivery_count) for l in got] == [(l.lease_id, "released", 1) for l in leases[:2]]
+    assert buf.admission_budget() == budget  # admitted again
+    assert buf.release(leases[:2]) == 0  # w1 no longer holds them
+    c = buf.metrics()["counters"]
+    assert (c["prompts_released"], c["prompts_claimed"], c["budget_returned"]) == (2, 3, 8)
+
+
+def test_prompt_that_keeps_killing_workers_is_dead_lettered(buf):
+    buf.enqueue_prompts(T.prompts(1))
+    for attempt in range(1, 4):
+        got = buf.claim(f"victim{attempt}", 1, block_s=LEASE_S * 3)
+        assert [l.delivery_count for l in got] == [attempt]
+        budget_while_held = buf.admission_budget()
+    assert buf.claim("victim4", 1, block_s=LEASE_S + 0.3) == []
+    dead = buf.dead_letters()
+    assert len(dead) == 1 and dead[0]["kind"] == "prompt" and "delivered 4 times" in dead[0]["reason"]
+    assert dead[0]["producer"] == "victim3" and b"count from 0" in dead[0]["raw"]
+    assert buf.admission_budget() == budget_while_held + 4  # its reservation returned
+    c = buf.metrics()["counters"]
+    assert (c["prompts_dead_lettered"], c["prompts_reclaimed"], c["dead_letters"], c["inflight"]) == (1, 2, 1, 0)
+
+
+def test_blocking_claim_waits_without_busy_loop_and_wakes_on_enqueue(buf):
+    before = _script_calls(buf)
+    t0 = time.monotonic()
+    assert buf.claim("w", 1, block_s=0.5) == []
+    assert 0.5 <= time.monotonic() - t0 < 1.5
+    calls = _script_calls(buf) - before
+    assert 2 <= calls <= 5  # one check per wake-up cap (0.2 s), not a spin
+
+    timer = threading.Timer(0.15, lambda: buf.enqueue_prompts(T.prompts(1)))
+    timer.start()
+    t0 = time.monotonic()
+    got = buf.claim("w", 1, block_s=3.0)
+    timer.join()
+    assert len(got) == 1 and time.monotonic() - t0 < 1.5  # woken by the enqueue, not at block_s=3
+
+
+def test_claim_waits_for_the_run_to_be_initialised(redis_url):
+    cfg = BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1)
+    worker, learner = Buffer.connect(redis_url, "late", cfg), Buffer.connect(redis_url, "late", cfg)
+
+    def start() -> None:
+        learner.init_run(batch_size=8, group_size=4, max_staleness=0)
+        learner.enqueue_prompts(T.prompts(3))
+
+    timer = threading.Timer(0.2, start)
+    timer.start()
+    got = worker.claim("w", 5, block_s=3.0)
+    timer.join()
+    assert [l.prompt.prompt_id for l in got] == ["p0", "p1"]  # 8 samples of budget = 2 prompts of 4
+
+
+def _script_calls(buf: Buffer) -> int:
+    stats = buf.redis.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))

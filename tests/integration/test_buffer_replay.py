@@ -1,0 +1,146 @@
+"""Replay mode against a real redis-server: the rate limiter blocking both ways, reuse, eviction, sampling."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from buffer import Buffer
+from buffer import testing as T
+from rlhf_core.config import BufferConfig
+
+pytestmark = pytest.mark.integration
+
+G, B = 4, 8  # 2 groups per batch
+
+
+def _buf(url: str, run: str, max_staleness: int = 100, **cfg) -> Buffer:
+    buf = Buffer.connect(url, run, BufferConfig(lease_timeout_s=5.0, **cfg))
+    params = buf.init_run(batch_size=B, group_size=G, max_staleness=max_staleness)
+    assert params["mode"] == "replay"
+    return buf
+
+
+def _insert(buf: Buffer, n: int, version: int = 0, start: int = 0) -> list[str]:
+    buf.enqueue_prompts(T.prompts(n, start=start))
+    leases = buf.claim("w", n)
+    assert len(leases) == n, f"admitted {len(leases)} of {n}"
+    for lease in leases:
+        assert buf.complete(lease, T.group(lease.prompt, G, version=version)) == "appended"
+    return [l.prompt.prompt_id for l in leases]
+
+
+def test_sampler_blocks_below_min_size_and_on_the_ratio_and_wakes_on_insert(redis_url):
+    # spi 2, min_size 8, error_buffer 8: min_diff = 2*8 - 8 = 8, max_diff = 24
+    buf = _buf(redis_url, "rl-s", samples_per_insert=2, min_size_to_sample=8, error_buffer=8, max_reuse=4)
+    assert buf.read_batch("L", 0, B, timeout_s=0.1) is None  # empty
+    _insert(buf, 1)
+    assert buf.read_batch("L", 0, B, timeout_s=0.1) is None  # size 4 < min_size 8
+    _insert(buf, 1, start=1)
+    first = buf.read_batch("L", 0, B, timeout_s=0.5)  # inserts 8: 8*2 - (0+8) = 8 >= 8
+    assert len(first) == 8
+    buf.commit(first)
+    assert buf.read_batch("L", 0, B, timeout_s=0.2) is None  # 8*2 - (8+8) = 0 < 8: ratio blocks
+
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(buf.read_batch("L", 0, B, timeout_s=3.0)))
+    t0 = time.monotonic()
+    reader.start()
+    time.sleep(0.15)
+    _insert(buf, 1, start=2)  # inserts 12: 24 - (8+8) = 8 >= 8
+    reader.join()
+    assert got[0] is not None and len(got[0]) == 8
+    assert time.monotonic() - t0 < 1.5  # woken by the insert, not by the 3 s timeout
+    c = buf.metrics()["counters"]
+    assert (c["rl_inserts"], c["rl_samples"]) == (12, 16)
+
+
+def test_inserter_blocks_at_admission_and_wakes_on_sampling(redis_url):
+    # insert room = floor((max_diff 24 + samples) / 2) - (inserts + in flight)
+    buf = _buf(redis_url, "rl-i", samples_per_insert=2, min_size_to_sample=8, error_buffer=8, max_reuse=4)
+    buf.enqueue_prompts(T.prompts(10))
+    first = buf.claim("w", 10)
+    assert len(first) == 3 and buf.admission_budget() == 0  # room for 12 samples = 3 groups
+    assert buf.claim("w", 10, block_s=0.2) == []  # the insert side is blocked
+    for lease in first:
+        buf.complete(lease, T.group(lease.prompt, G))
+    assert buf.claim("w", 10) == []  # completing changes nothing: inserts + in flight is still 12
+
+    got: list = []
+    claimer = threading.Thread(target=lambda: got.append(buf.claim("w", 10, block_s=3.0)))
+    t0 = time.monotonic()
+    claimer.start()
+    time.sleep(0.15)
+    batch = buf.read_batch("L", 0, B, timeout_s=1.0)  # samples 8: room floor(32/2) - 12 = 4
+    claimer.join()
+    assert len(batch) == 8 and len(got[0]) == 1
+    assert time.monotonic() - t0 < 1.5  # woken by the draw, not by the 3 s timeout
+    assert buf.admission_budget() == 0
+
+
+def test_each_sample_is_used_exactly_max_reuse_times(redis_url):
+    buf = _buf(redis_url, "reuse", max_reuse=3)
+    _insert(buf, 2)
+    uses = []
+    for _ in range(3):
+        batch = buf.read_batch("L", 0, B, timeout_s=0.5)
+        uses.append(sorted(g.group_id for g in batch.groups))
+        assert buf.commit(batch) == 2
+    assert uses == [["g-p0", "g-p1"]] * 3
+    assert buf.read_batch("L", 0, B, timeout_s=0.1) is None
+    c = buf.metrics()["counters"]
+    assert (c["samples_consumed"], c["groups_consumed"], c["replay_size"], c["samples_in_buffer"]) == (24, 6, 0, 0)
+    assert buf.redis.xlen(buf.keys.samples) == 0
+
+
+def test_capacity_evicts_the_stalest_first(redis_url):
+    buf = _buf(redis_url, "cap", max_reuse=2, capacity=8)
+    for version in range(4):
+        buf.set_learner_version(version)
+        _insert(buf, 1, version=version, start=version)
+    c = buf.metrics()["counters"]
+    assert (c["samples_evicted"], c["replay_size"], c["samples_in_buffer"]) == (8, 8, 8)
+    batch = buf.read_batch("L", 3, B, timeout_s=0.5)
+    assert sorted(g.group_id for g in batch.groups) == ["g-p2", "g-p3"]
+
+
+def test_replay_staleness_drops_per_lag(redis_url):
+    buf = _buf(redis_url, "rstale", max_staleness=1, max_reuse=2)
+    buf.set_learner_version(3)
+    buf.enqueue_prompts(T.prompts(4))
+    for lease, version in zip(buf.claim("w", 4), [0, 1, 2, 3]):
+        buf.complete(lease, T.group(lease.prompt, G, version=version))
+    batch = buf.read_batch("L", 3, B, timeout_s=0.5)
+    assert sorted(g.group_id for g in batch.groups) == ["g-p2", "g-p3"]
+    assert buf.metrics()["dropped_stale_hist"] == {2: 4, 3: 4}
+
+
+def test_uniform_sampling_draws_distinct_groups_and_covers_the_table(redis_url):
+    buf = _buf(redis_url, "uni", sampling="uniform", max_reuse=1000)
+    inserted = set(_insert(buf, 6))
+    seen: set[str] = set()
+    for _ in range(30):
+        batch = buf.read_batch("L", 0, B, timeout_s=0.5)
+        ids = [g.group_id for g in batch.groups]
+        assert len(set(ids)) == 2
+        seen.update(i.removeprefix("g-") for i in ids)
+        buf.commit(batch)
+    assert seen == inserted  # 30 draws of 2 out of 6: missing one is a ~(2/3)^30 event
+    assert buf.metrics()["counters"]["samples_consumed"] == 30 * B
+
+
+def test_replay_learner_crash_puts_drawn_groups_back(redis_url):
+    buf = _buf(redis_url, "rcrash", max_reuse=2, samples_per_insert=1, min_size_to_sample=1, error_buffer=100)
+    _insert(buf, 2)
+    drawn = buf.read_batch("L", 0, B, timeout_s=0.5)
+    assert buf.pending_for("L") == sorted(drawn.ids)
+    assert buf.metrics()["counters"]["rl_samples"] == 8
+    buf.close()
+    restarted = Buffer.connect(redis_url, "rcrash", BufferConfig(lease_timeout_s=5.0))
+    again = restarted.read_batch("L", 0, B, timeout_s=0.5)
+    assert sorted(again.ids) == sorted(drawn.ids)  # FIFO: the returned groups come first
+    assert restarted.metrics()["counters"]["rl_samples"] == 8  # the lost draw was un-counted
+    assert restarted.commit(again) == 2
+    assert restarted.metrics()["counters"]["samples_consumed"] == 8
