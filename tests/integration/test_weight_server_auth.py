@@ -1,0 +1,127 @@
+"""Weight-server authentication over real sockets: CURVE keys and HMAC secrets, right and wrong."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, WeightServerConfig
+from weight_server import WeightAuthError, WeightPublisher, WeightServer, WeightSubscriber, generate_keys
+from weight_server.cli import gen_keys
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+SECRET = "correct horse battery staple, 2024"
+# "big" spans 16 chunks of 64 KiB, so signed and encrypted data frames are exercised, not only headers.
+DATA = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([7, 8], dtype=torch.int64),
+        "big": torch.arange(256 * 1024, dtype=torch.float32)}
+
+
+def _cfg(**kw) -> WeightServerConfig:
+    return WeightServerConfig(chunk_bytes=64 * 1024, request_timeout_s=2.0, retry_timeout_s=3.0, announce_interval_s=0.1, **kw)
+
+
+def _roundtrip(server: WeightServer, cfg: WeightServerConfig, version: int) -> None:
+    with WeightPublisher(server.address, cfg) as pub, WeightSubscriber(server.address, server.pub_address, cfg) as sub:
+        pub.publish(version, DATA)
+        got_version, got = sub.pull()
+        assert got_version == version
+        assert all(torch.equal(got[n], DATA[n]) for n in DATA)
+
+
+@pytest.fixture
+def keys(tmp_path) -> tuple[dict[str, str], dict[str, str]]:
+    return generate_keys(tmp_path / "keys"), generate_keys(tmp_path / "other")
+
+
+def _curve_server_cfg(k: dict[str, str], **kw) -> WeightServerConfig:
+    return _cfg(auth="curve", curve_server_secret=k["curve_server_secret"], curve_client_public=k["curve_client_public"], **kw)
+
+
+def _curve_client_cfg(server_public: str, client: dict[str, str]) -> WeightServerConfig:
+    return _cfg(auth="curve", curve_server_public=server_public, curve_client_public=client["curve_client_public"],
+                curve_client_secret=client["curve_client_secret"])
+
+
+def test_curve_authorised_client_publishes_and_pulls_on_an_exposed_bind(keys):
+    good, _ = keys
+    server = WeightServer(_curve_server_cfg(good, host="0.0.0.0")).start()
+    try:
+        assert server.address.startswith("tcp://127.0.0.1:")
+        _roundtrip(server, _curve_client_cfg(good["curve_server_public"], good), 1)
+    finally:
+        server.stop()
+
+
+def test_curve_unauthorised_client_key_is_refused_and_logged(keys, caplog):
+    good, other = keys
+    server = WeightServer(_curve_server_cfg(good)).start()
+    caplog.set_level(logging.WARNING, logger="weight_server")
+    try:
+        t0 = time.monotonic()
+        with WeightPublisher(server.address, _curve_client_cfg(good["curve_server_public"], other)) as pub:
+            with pytest.raises(WeightAuthError, match="refused our CURVE client key"):
+                pub.latest_version()
+        assert time.monotonic() - t0 < 2.0  # seen in the handshake, not after a timeout
+        assert server.metrics()["counters"]["auth_refused"] >= 1
+        assert any("refused CURVE client from 127.0.0.1" in r.getMessage() and "not authorised" in r.getMessage()
+                   for r in caplog.records)
+        _roundtrip(server, _curve_client_cfg(good["curve_server_public"], good), 1)  # others still served
+    finally:
+        server.stop()
+
+
+def test_curve_wrong_server_key_is_a_clear_error(keys):
+    good, other = keys
+    server = WeightServer(_curve_server_cfg(good)).start()
+    try:
+        with WeightSubscriber(server.address, server.pub_address, _curve_client_cfg(other["curve_server_public"], good)) as sub:
+            with pytest.raises(WeightAuthError, match="curve_server_public does not match the server's key"):
+                sub.pull()
+    finally:
+        server.stop()
+
+
+def test_hmac_right_secret_works_and_wrong_or_missing_secret_is_refused(caplog):
+    server = WeightServer(_cfg(auth="hmac", secret=SECRET)).start()
+    caplog.set_level(logging.WARNING, logger="weight_server")
+    try:
+        _roundtrip(server, _cfg(auth="hmac", secret=SECRET), 1)
+        wrong = _cfg(auth="hmac", secret="not the right secret at all")
+        with WeightPublisher(server.address, wrong) as pub:
+            with pytest.raises(WeightAuthError, match="refused our HMAC: weight_server.secret differs"):
+                pub.publish(2, DATA)
+        with WeightSubscriber(server.address, server.pub_address, wrong) as sub:
+            with pytest.raises(WeightAuthError, match="secret differs"):
+                sub.pull()
+        with WeightPublisher(server.address, _cfg()) as pub:  # auth=none against an hmac server
+            with pytest.raises(WeightAuthError, match="requires authentication"):
+                pub.latest_version()
+        assert server.metrics()["counters"]["auth_refused"] == 3
+        assert any("HMAC check failed" in r.getMessage() for r in caplog.records)
+        assert server.metrics()["held"] == {"policy": [1]}  # the refused publish changed nothing
+        _roundtrip(server, _cfg(auth="hmac", secret=SECRET), 2)
+    finally:
+        server.stop()
+
+
+def test_exposed_bind_without_auth_and_weak_secret_are_config_errors():
+    with pytest.raises(ConfigError, match="exposes the weight server beyond this machine"):
+        WeightServer(_cfg(host="0.0.0.0"))
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        WeightServer(_cfg(auth="hmac", secret="short"))
+    with pytest.raises(ConfigError, match="needs the clients' public keys"):
+        WeightServer(_cfg(auth="curve", curve_server_secret="x" * 40))
+
+
+def test_gen_keys_command_writes_key_pairs(tmp_path, capsys):
+    assert gen_keys(["--gen-keys", str(tmp_path / "k")]) == 0
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert (Path(tmp_path / "k" / "server.key_secret").stat().st_mode & 0o777) == 0o600
+    out = capsys.readouterr().out
+    assert f"weight_server.curve_server_secret={(tmp_path / 'k' / 'server.key_secret').resolve()}" in out
+    assert gen_keys(["--gen-keys"]) == 2

@@ -1,0 +1,50 @@
+"""Issue 7's GPU target: a 1 GB bf16 version (a 0.5B model) applied into a GPU model in under 1 s,
+publish -> applied. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhf_core.config import WeightServerConfig
+from weight_server import WeightPublisher, WeightServer, WeightSubscriber
+
+pytestmark = [pytest.mark.integration, pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_one_gb_bf16_version_applied_into_a_gpu_model_under_one_second():
+    cfg = WeightServerConfig(chunk_bytes=8 * 1024 * 1024, max_inflight_chunks=8, request_timeout_s=10.0, announce_interval_s=0.1)
+    data = {f"layers.{i:02d}.weight": torch.empty(8192, 4096, dtype=torch.bfloat16).normal_() for i in range(16)}  # 1 GiB
+    target = {n: torch.zeros_like(t, device="cuda") for n, t in data.items()}
+    server = WeightServer(cfg).start()
+    pub = WeightPublisher(server.address, cfg)
+    sub = WeightSubscriber(server.address, server.pub_address, cfg, worker_id="gpu0")
+    try:
+        pub.publish(1, data)  # warm-up: server slabs and the pinned staging buffer get allocated once
+        assert sub.pull(into=target) == (1, None)
+        for t in data.values():
+            t[0, 0] += 1  # every tensor changes
+        result = {}
+
+        def follow():
+            while (sub.poll_announcement(timeout_ms=1, pending=True) or 0) < 2:
+                pass
+            result["res"] = sub.pull(into=target, follow=True)
+            result["t"] = time.monotonic()
+
+        worker = threading.Thread(target=follow)
+        worker.start()
+        t0 = time.monotonic()
+        pub.publish(2, data)
+        worker.join(60)
+        elapsed = result["t"] - t0
+        assert result["res"] == (2, None)
+        assert all(torch.equal(target[n].cpu(), data[n]) for n in data)
+        assert elapsed < 1.0, f"publish -> applied on the GPU took {elapsed:.2f} s"
+    finally:
+        sub.close()
+        pub.close()
+        server.stop()

@@ -1,0 +1,3 @@
+from weight_server.cli import main
+
+main()

@@ -1,0 +1,220 @@
+"""The server's request handlers: what each client message does to the store and what it answers.
+
+Socket-free: replies go through a :class:`Replies` port (the server's ROUTER/PUB in production),
+so each handler reads as the protocol table in :mod:`weight_server.protocol` says. A handler
+raises ``WireError`` for an invalid request and ``Refused`` for a valid one the store declines;
+the server turns both into ERROR replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from rlhf_core.config import WeightServerConfig
+from rlhf_core.wire import WireError, optional, require
+from weight_server import protocol as P
+from weight_server.metrics import ServerMetrics
+from weight_server.store import Refused, Upload, Version, VersionStore
+
+log = logging.getLogger("weight_server")
+
+MAX_PARKED = 4096  # fetches waiting for an upload's bytes; each honest follower parks <= max_inflight_chunks
+_REFUSAL_COUNTERS = {P.E_STALE: "stale_refused", P.E_HASH: "hash_mismatch", P.E_INCOMPLETE: "incomplete"}
+
+Handler = Callable[[bytes, dict[str, Any]], None]
+
+
+class Replies(Protocol):
+    def send(self, ident: bytes, header: bytes, data: memoryview | None = None, slab: Any = None) -> None: ...
+
+    def error(self, ident: bytes, rid: Any, code: str, message: str) -> None: ...
+
+    def announce(self, item: Version | Upload, pending: bool = False) -> None: ...
+
+
+class Handlers:
+    def __init__(
+        self, cfg: WeightServerConfig, store: VersionStore, metrics: ServerMetrics, replies: Replies,
+        on_commit: Callable[[Version], None], snapshot: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.out = replies
+        self.on_commit = on_commit
+        self.snapshot = snapshot
+        self.table: dict[str, Handler] = {
+            P.LATEST: self.latest, P.PUB_BEGIN: self.pub_begin, P.PUB_COMMIT: self.pub_commit,
+            P.MANIFEST_REQ: self.manifest_req, P.FETCH: self.fetch, P.WAIT_COMMIT: self.wait_commit,
+            P.APPLIED: self.applied, P.METRICS_REQ: self.metrics_req,
+        }
+
+    def refused(self, ident: bytes, obj: dict[str, Any], exc: Refused) -> None:
+        counter = _REFUSAL_COUNTERS.get(exc.code)
+        if counter:
+            self.metrics.count(counter)
+        log.warning("refused %s: %s", obj["kind"], exc)
+        self.out.error(ident, obj.get("rid"), exc.code, str(exc))
+
+    # -- publishing ---------------------------------------------------------------------------------
+    def latest(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name = P.req_name(obj)
+        ver = self.store.newest(name)
+        self.out.send(ident, P.encode(
+            P.LATEST_REP, rid=obj.get("rid"), name=name, version=ver.version if ver else None,
+            versions=self.store.held().get(name, []), content_hash=ver.content_hash if ver else None,
+        ))
+
+    def pub_begin(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name, version = P.req_name(obj), P.req_int(obj, "version")
+        layout = P.parse_tensor_list(obj, "tensors", self.cfg.max_tensors, self.cfg.max_version_bytes)
+        content = P.req_hash(obj, "content_hash")
+        delta_base = P.optional_int(obj, "delta_base")
+        changed = optional(obj, "changed", list)
+        if changed is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in changed):
+            raise WireError("field 'changed' must be a list of tensor indices")
+        result = self.store.begin(name, version, layout, content, delta_base, changed)
+        if isinstance(result, Version):
+            self.metrics.count("duplicate_publishes")
+            self.out.send(ident, self._done_header(obj.get("rid"), result, wire_bytes=0, duplicate=True))
+            return
+        self.out.send(ident, P.encode(P.PUB_READY, rid=obj.get("rid"), upload=result.id))
+        self.out.announce(result, pending=True)  # followers may start fetching now (cut-through)
+
+    def chunk_arrived(self, up: Upload) -> None:
+        """Answer the parked fetches whose bytes are now all in (cut-through)."""
+        still = []
+        for peer, rid, index in up.parked:
+            offset, length = P.chunk_range(index, up.layout.total_bytes, self.cfg.chunk_bytes)
+            if up.has(offset + length):
+                self._send_chunk(peer, rid, up.name, up.version, index, up.slab, up.layout.total_bytes)
+            else:
+                still.append((peer, rid, index))
+        up.parked = still
+
+    def pub_commit(self, ident: bytes, obj: dict[str, Any]) -> None:
+        upload = P.req_int(obj, "upload")
+        up = self.store.uploads.get(upload)
+        wire_bytes = up.wire_bytes if up else 0
+        t0 = time.monotonic()
+        ver, evicted = self.store.commit(upload)
+        verify_s = time.monotonic() - t0
+        lay = ver.layout
+        delta = up is not None and up.delta_base is not None
+        changed = len(up.changed) if up else len(lay.tensors)
+        rec = self.metrics.published(
+            ver.name, ver.version, lay.total_bytes, lay.data_bytes, wire_bytes, len(lay.tensors), changed, delta,
+            ver.begin_mono, ver.visible_mono, verify_s, followers=up.followers if up else 0,
+        )
+        self.out.announce(ver)
+        if up is not None:  # followers: the rest of their chunks, then the go-ahead
+            for peer, rid, index in up.parked:
+                self._send_chunk(peer, rid, ver.name, ver.version, index, ver.slab, lay.total_bytes)
+            for peer, rid in up.waiters:
+                self.out.send(peer, P.encode(P.COMMITTED, rid=rid, name=ver.name, version=ver.version, content_hash=ver.content_hash))
+            up.parked, up.waiters = [], []
+        self.on_commit(ver)
+        dur = rec["publish_duration_s"]
+        log.info(
+            "published %s v%d: %.1f MB in %d tensors (%d sent%s), %.3f s (%.2f GB/s), hash %s; holding %s",
+            ver.name, ver.version, lay.data_bytes / 1e6, len(lay.tensors), changed, ", delta" if delta else "",
+            dur, wire_bytes / max(dur, 1e-9) / 1e9, ver.content_hash.hex()[:16], self.store.held()[ver.name],
+        )
+        if evicted:
+            log.debug("evicted %s", [f"{v.name} v{v.version}" for v in evicted])
+        self.out.send(ident, self._done_header(obj.get("rid"), ver, wire_bytes=wire_bytes, duration_s=dur))
+
+    def flush_aborted(self) -> None:
+        """Followers parked on an upload that will never commit get an ERROR (they keep their weights)."""
+        for up in self.store.take_aborted():
+            msg = f"upload of {up.name} v{up.version} was aborted; keep the current version"
+            for peer, rid, _ in up.parked:
+                self.out.error(peer, rid, P.E_ABORTED, msg)
+            for peer, rid in up.waiters:
+                self.out.error(peer, rid, P.E_ABORTED, msg)
+            up.parked, up.waiters = [], []
+
+    @staticmethod
+    def _done_header(rid: Any, ver: Version, wire_bytes: int, duration_s: float = 0.0, duplicate: bool = False) -> bytes:
+        return P.encode(
+            P.PUB_DONE, rid=rid, name=ver.name, version=ver.version, bytes=ver.layout.data_bytes,
+            wire_bytes=wire_bytes, duration_s=duration_s, content_hash=ver.content_hash, duplicate=duplicate,
+        )
+
+    # -- pulling ------------------------------------------------------------------------------------
+    def manifest_req(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name, version = P.req_name(obj), P.optional_int(obj, "version")
+        if optional(obj, "pending", bool, False):
+            up = self.store.pending(name)
+            if up is not None and version in (None, up.version):
+                up.followers += 1
+                self.out.send(ident, P.encode(
+                    P.MANIFEST, rid=obj.get("rid"), name=name, version=up.version, chunk_bytes=self.cfg.chunk_bytes,
+                    pending=True, **P.manifest_fields(up.layout),
+                ))
+                return
+        ver = self.store.get(name, version)
+        if ver is None:
+            held = self.store.held().get(name, [])
+            what = f"version {version} of {name!r} is not held (held: {held})" if version is not None else f"no version of {name!r} is held yet"
+            raise Refused(P.E_NOT_FOUND, what)
+        self.metrics.pulled(name, ver.version)
+        self.out.send(ident, P.encode(
+            P.MANIFEST, rid=obj.get("rid"), name=name, version=ver.version, chunk_bytes=self.cfg.chunk_bytes,
+            pending=False, **P.manifest_fields(ver.layout),
+        ))
+
+    def fetch(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name, version, index = P.req_name(obj), P.req_int(obj, "version"), P.req_int(obj, "chunk")
+        rid = obj.get("rid")
+        ver = self.store.get(name, version)
+        up = self.store.upload_of(name, version) if ver is None else None
+        if ver is None and up is None:
+            raise Refused(P.E_NOT_FOUND, f"version {version} of {name!r} is no longer held (held: {self.store.held().get(name, [])})")
+        total = ver.layout.total_bytes if ver is not None else up.layout.total_bytes
+        if index >= P.chunk_count(total, self.cfg.chunk_bytes):
+            raise WireError(f"chunk {index} is out of range for {name} v{version}")
+        if ver is not None:
+            self._send_chunk(ident, rid, name, version, index, ver.slab, total)
+            return
+        offset, length = P.chunk_range(index, total, self.cfg.chunk_bytes)
+        if up.has(offset + length):
+            self._send_chunk(ident, rid, name, version, index, up.slab, total)
+        elif len(up.parked) >= MAX_PARKED:
+            raise Refused(P.E_TOO_LARGE, f"too many fetches are waiting for {name} v{version}")
+        else:
+            up.parked.append((ident, rid, index))  # answered when the bytes arrive (or at commit)
+
+    def _send_chunk(self, ident: bytes, rid: Any, name: str, version: int, index: int, slab: Any, total: int) -> None:
+        offset, length = P.chunk_range(index, total, self.cfg.chunk_bytes)
+        header = P.encode(P.CHUNK, rid=rid, version=version, chunk=index, offset=offset)
+        self.out.send(ident, header, slab.view[offset : offset + length], slab)
+        self.metrics.served(name, version, length)
+
+    def wait_commit(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name, version = P.req_name(obj), P.req_int(obj, "version")
+        ver = self.store.get(name, version)
+        if ver is not None:
+            self.out.send(ident, P.encode(P.COMMITTED, rid=obj.get("rid"), name=name, version=version, content_hash=ver.content_hash))
+            return
+        up = self.store.upload_of(name, version)
+        if up is None:
+            raise Refused(P.E_NOT_FOUND, f"version {version} of {name!r} is neither held nor being uploaded")
+        if len(up.waiters) >= MAX_PARKED:
+            raise Refused(P.E_TOO_LARGE, f"too many followers are waiting for {name} v{version}")
+        up.waiters.append((ident, obj.get("rid")))
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def applied(self, ident: bytes, obj: dict[str, Any]) -> None:
+        name, version = P.req_name(obj), P.req_int(obj, "version")
+        worker = require(obj, "worker", str)[:256]
+        apply_s = optional(obj, "apply_s", float)
+        self.metrics.applied(name, version, worker, apply_s, time.monotonic())
+
+    def metrics_req(self, ident: bytes, obj: dict[str, Any]) -> None:
+        snap = self.snapshot()
+        # msgpack map keys must be strings on our wire (strict_map_key)
+        snap["versions"] = {n: {str(v): rec for v, rec in per.items()} for n, per in snap["versions"].items()}
+        self.out.send(ident, P.encode(P.METRICS, rid=obj.get("rid"), metrics=snap))

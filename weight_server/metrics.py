@@ -1,0 +1,112 @@
+"""Weight-server metrics: per version bytes, publish duration, pulls and per-worker sync latency.
+
+Updated by the server thread, read by :meth:`WeightServer.metrics` from any thread (a lock
+and a deep copy). Weight-sync latency is measured on the server's own monotonic clock, from the
+publisher's PUB_BEGIN to the worker's APPLIED report, so clocks of other machines never enter it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from typing import Any
+
+log = logging.getLogger("weight_server")
+
+#: Counter names (defined once; the launcher forwards them to Redis/Prometheus).
+COUNTERS = (
+    "published",          # versions made visible
+    "duplicate_publishes",  # retried publishes of a version already held (answered without transfer)
+    "stale_refused",      # pushes of a version <= the newest held
+    "hash_mismatch",      # uploads dropped because bytes did not match their hash
+    "incomplete",         # uploads committed with missing bytes
+    "uploads_aborted",    # uploads superseded, timed out or refused mid-way
+    "malformed",          # frames that failed to decode or validate
+    "auth_refused",       # messages or peers refused by HMAC or CURVE
+    "pulls",              # manifests served (a pull starts with one)
+    "chunks_served",
+    "bytes_served",
+    "dropped_replies",    # replies to peers whose queue was full or who went away
+)
+
+
+class ServerMetrics:
+    def __init__(self, history: int = 32) -> None:
+        self.history = history
+        self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self.versions: dict[str, OrderedDict[int, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def published(
+        self, name: str, version: int, total_bytes: int, data_bytes: int, wire_bytes: int, tensors: int,
+        changed: int, delta: bool, begin_mono: float, visible_mono: float, verify_s: float, source: str = "publish",
+        followers: int = 0,
+    ) -> dict[str, Any]:
+        rec = {
+            "bytes": data_bytes,
+            "layout_bytes": total_bytes,
+            "wire_bytes": wire_bytes,
+            "tensors": tensors,
+            "changed_tensors": changed,
+            "delta": delta,
+            "source": source,
+            "published_at": time.time(),
+            "publish_duration_s": visible_mono - begin_mono,
+            "verify_s": verify_s,
+            "pulls": followers,  # pulls that followed the upload (cut-through) count too
+            "chunks_served": 0,
+            "bytes_served": 0,
+            "applied": {},
+            "_begin_mono": begin_mono,
+        }
+        with self._lock:
+            per = self.versions.setdefault(name, OrderedDict())
+            per[version] = rec
+            while len(per) > self.history:
+                per.popitem(last=False)
+            if source == "publish":
+                self.counters["published"] += 1
+                self.counters["pulls"] += followers
+        return rec
+
+    def pulled(self, name: str, version: int) -> None:
+        with self._lock:
+            self.counters["pulls"] += 1
+            rec = self.versions.get(name, {}).get(version)
+            if rec is not None:
+                rec["pulls"] += 1
+
+    def served(self, name: str, version: int, nbytes: int) -> None:
+        with self._lock:
+            self.counters["chunks_served"] += 1
+            self.counters["bytes_served"] += nbytes
+            rec = self.versions.get(name, {}).get(version)
+            if rec is not None:
+                rec["chunks_served"] += 1
+                rec["bytes_served"] += nbytes
+
+    def applied(self, name: str, version: int, worker: str, apply_s: float | None, now_mono: float) -> float | None:
+        """Record that ``worker`` applied ``version``; returns the publish->applied latency (s)."""
+        with self._lock:
+            rec = self.versions.get(name, {}).get(version)
+            if rec is None or worker in rec["applied"]:
+                return None  # unknown version (evicted from history) or a repeated report
+            latency = now_mono - rec["_begin_mono"]
+            rec["applied"][worker] = {"latency_s": latency, "apply_s": apply_s}
+        log.info("worker %s applied %s v%d %.3f s after publish began", worker, name, version, latency)
+        return latency
+
+    def snapshot(self, held: dict[str, list[int]]) -> dict[str, Any]:
+        with self._lock:
+            versions = {
+                name: {v: {k: val for k, val in rec.items() if not k.startswith("_")} for v, rec in per.items()}
+                for name, per in self.versions.items()
+            }
+            return {"held": held, "counters": dict(self.counters), "versions": copy.deepcopy(versions)}

@@ -1,0 +1,401 @@
+"""The weight server: a ROUTER for publish/pull requests and a PUB for announcements.
+
+One thread owns both sockets (ZeroMQ sockets are not thread-safe) and runs a poll loop:
+requests are answered in arrival order, announcements of the newest versions are repeated every
+``announce_interval_s`` (late joiners and restarted subscribers catch up), idle uploads expire.
+
+Data path, kept zero-copy where pyzmq allows:
+
+* upload: data frames of a PUB_CHUNK are received with ``recv_into`` straight into the upload's
+  slab (one memcpy out of ZeroMQ's buffer, no intermediate bytes object);
+* pull: a CHUNK reply sends a memoryview of the version's slab with ``copy=False, track=True``;
+  the tracker tells the slab pool when the bytes may be recycled.
+
+Any frame that fails to decode or validate gets an ERROR reply; the loop never dies of a
+malformed message. Embeddable: :meth:`start` runs the loop on a background thread (launcher,
+tests); :meth:`serve_forever` runs it in the caller's thread until SIGTERM/SIGINT (the CLI).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from rlhf_core.config import ConfigError, WeightServerConfig
+from rlhf_core.wire import WireError, unpack
+from weight_server import protocol as P
+from weight_server.auth import LOOPBACK_HOSTS, MAC_BYTES, ZapHandler, configure_server_socket, signer_for
+from weight_server.handlers import Handlers
+from weight_server.metrics import ServerMetrics
+from weight_server.persist import Persister, load_all
+from weight_server.store import Refused, Upload, Version, VersionStore
+
+log = logging.getLogger("weight_server")
+
+_MAX_BATCH = 64  # messages handled per poll wake-up before ZAP and timers get a turn
+_MAX_EXTRA_FRAMES = 8
+
+
+class WeightServer:
+    """Versioned parameter store served over ZeroMQ. Binds in the constructor (port 0 = random)."""
+
+    def __init__(self, cfg: WeightServerConfig, ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self._closed = False
+        self.persister: Persister | None = None
+        self.signer = signer_for(cfg)
+        host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
+        if host not in LOOPBACK_HOSTS and cfg.auth == "none":
+            raise ConfigError(
+                f"weight_server.host={cfg.host} exposes the weight server beyond this machine; set "
+                "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
+            )
+        if cfg.keep_versions < 1 or cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
+            raise ConfigError(
+                f"weight_server.keep_versions ({cfg.keep_versions}), chunk_bytes ({cfg.chunk_bytes}) and "
+                f"max_inflight_chunks ({cfg.max_inflight_chunks}) must all be >= 1"
+            )
+        if cfg.chunk_bytes > cfg.max_frame_bytes:
+            raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
+        self._own_ctx = ctx is None
+        # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
+        # followers run on different connections, so they need not queue behind each other.
+        self.ctx = ctx or zmq.Context(io_threads=2)
+        self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
+        self.router = self._socket(zmq.ROUTER)
+        # Each honest puller has at most max_inflight_chunks replies queued; the high-water mark
+        # leaves room for that and drops (counts) replies to a peer that ignores its credit.
+        self.router.sndhwm = 4 * cfg.max_inflight_chunks + 16
+        self.router.rcvhwm = 4 * cfg.max_inflight_chunks + 16
+        self.router.router_mandatory = True  # a reply to a vanished peer raises instead of vanishing
+        self.router.maxmsgsize = max(cfg.max_frame_bytes, cfg.max_manifest_bytes)
+        self.pub = self._socket(zmq.PUB)
+        self.pub.sndhwm = 1000
+        bind_host = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self.router.ipv6 = self.pub.ipv6 = True
+        for sock, port, setting in ((self.router, cfg.port, "port"), (self.pub, cfg.pub_port, "pub_port")):
+            try:
+                sock.bind(f"tcp://{bind_host}:{port}")
+            except zmq.ZMQError as exc:
+                self._close()
+                raise ConfigError(
+                    f"weight server cannot bind tcp://{bind_host}:{port} (weight_server.{setting}): {exc}; "
+                    "choose a free port, or 0 for a random one"
+                ) from None
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else ("[::1]" if host in ("::", "::1") else bind_host)
+        self.port = _port_of(self.router)
+        self.pub_port = _port_of(self.pub)
+        self.address = f"tcp://{connect_host}:{self.port}"
+        self.pub_address = f"tcp://{connect_host}:{self.pub_port}"
+
+        self.store = VersionStore(cfg.keep_versions)
+        self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
+        self._metrics = ServerMetrics()
+        self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
+        if cfg.persist_dir:
+            for ver in load_all(cfg.persist_dir, cfg.max_tensors, cfg.max_version_bytes):
+                self.store.add(ver)
+                lay = ver.layout
+                self._metrics.published(
+                    ver.name, ver.version, lay.total_bytes, lay.data_bytes, 0, len(lay.tensors), 0, False,
+                    ver.begin_mono, ver.visible_mono, 0.0, source="disk",
+                )
+                log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, cfg.persist_dir)
+            self._held = self.store.held()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._auth_log_at = 0.0
+        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics)
+        if cfg.address_file:
+            _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+        log.info(
+            "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s)",
+            self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
+        )
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        configure_server_socket(sock, self.cfg)
+        return sock
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "WeightServer":
+        """Run the loop on a daemon thread; returns self."""
+        if self._thread is not None:
+            raise RuntimeError("the weight server is already running")
+        self._thread = threading.Thread(target=self._loop, name="weight-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Run the loop in this thread until stop(), SIGTERM or SIGINT."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
+        try:
+            self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._close()
+
+    def __enter__(self) -> "WeightServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, Any]:
+        """Per version: bytes, publish duration, pulls, per-worker applied latency; plus counters."""
+        snap = self._metrics.snapshot(self._held)
+        if self.zap is not None:
+            snap["counters"]["auth_refused"] += self.zap.refused
+        return snap
+
+    def _committed(self, ver: Version) -> None:
+        self._held = self.store.held()
+        if self.persister is not None:
+            self.persister.submit(ver)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.persister is not None:
+            self.persister.close()
+        for sock in (self.router, self.pub):
+            sock.close(linger=0)
+        if self.zap is not None:
+            self.zap.close()
+        if self._own_ctx:
+            self.ctx.term()
+
+    # -- loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        if self.zap is not None:
+            poller.register(self.zap.sock, zmq.POLLIN)
+        next_announce = next_expire = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if self.zap is not None and self.zap.sock in events:
+                    while self.zap.sock.poll(0):
+                        self.zap.handle()
+                if self.router in events:
+                    for _ in range(_MAX_BATCH):
+                        if not self._recv_one():
+                            break
+                        self.handlers.flush_aborted()
+                now = time.monotonic()
+                if now >= next_announce:
+                    next_announce = now + self.cfg.announce_interval_s
+                    for name in self.store.held():
+                        self.announce(self.store.newest(name))
+                if now >= next_expire:
+                    next_expire = now + 1.0
+                    for up in self.store.expire(self.cfg.upload_timeout_s, now):
+                        self._metrics.count("uploads_aborted")
+                        log.warning("dropped upload of %s v%d: no chunk for %.0f s", up.name, up.version, self.cfg.upload_timeout_s)
+                    self.handlers.flush_aborted()
+                    self.store.pool.collect()
+        finally:
+            if self._thread is None:
+                self._close()
+
+    def _recv_one(self) -> bool:
+        """Receive and handle one message; False when none is waiting."""
+        try:
+            ident = self.router.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if not self.router.rcvmore:
+            return True  # an empty message: nothing to answer
+        head = self.router.recv(copy=False)
+        try:
+            obj = P.decode(head.buffer, P.CLIENT_KINDS, self.cfg.max_header_bytes, self.cfg.max_manifest_bytes)
+        except WireError as exc:
+            self._drain()
+            self._metrics.count("malformed")
+            code = P.E_TOO_LARGE if len(head.buffer) > self.cfg.max_header_bytes else P.E_MALFORMED
+            log.warning("malformed message from %s: %s", _peer(head), exc)
+            self.error(ident, _loose_rid(head.bytes), code, f"malformed message: {exc}")
+            return True
+        if obj["kind"] == P.PUB_CHUNK:
+            self._on_pub_chunk(ident, obj, head)
+            return True
+        extra = self._recv_rest()
+        if extra is None:
+            self._metrics.count("malformed")
+            self.error(ident, obj.get("rid"), P.E_MALFORMED, f"a {obj['kind']} message has too many frames")
+            return True
+        if not self._authentic(ident, obj, head, [head.buffer], extra):
+            return True
+        try:
+            self.handlers.table[obj["kind"]](ident, obj)
+        except WireError as exc:
+            self._metrics.count("malformed")
+            log.warning("invalid %s from %s: %s", obj["kind"], _peer(head), exc)
+            self.error(ident, obj.get("rid"), P.E_MALFORMED, f"invalid {obj['kind']}: {exc}")
+        except Refused as exc:
+            self.handlers.refused(ident, obj, exc)
+        return True
+
+    def _recv_rest(self) -> list[bytes] | None:
+        frames = []
+        while self.router.rcvmore:
+            if len(frames) >= _MAX_EXTRA_FRAMES:
+                self._drain()
+                return None
+            frames.append(self.router.recv())
+        return frames
+
+    def _drain(self) -> None:
+        while self.router.rcvmore:
+            self.router.recv_into(bytearray())  # discard without allocating a Python copy
+
+    def _authentic(self, ident: bytes, obj: dict[str, Any], head: Any, signed: list[Any], extra: list[bytes]) -> bool:
+        """Check the HMAC frame (auth=hmac) or the absence of stray frames; reply and count if not."""
+        if self.signer is None:
+            if not extra:
+                return True
+            reason = "unexpected trailing frame: this server runs without HMAC (auth=none or curve); use the same weight_server.auth"
+        else:
+            if len(extra) == 1 and len(extra[0]) == MAC_BYTES and self.signer.verify(signed, extra[0]):
+                return True
+            reason = "HMAC check failed: weight_server.secret differs from the server's (or auth is not hmac)"
+        self._metrics.count("auth_refused")
+        now = time.monotonic()
+        if now - self._auth_log_at > 5.0:  # rate-limited: a misconfigured worker must not flood the log
+            self._auth_log_at = now
+            log.warning("refused %s from %s: %s", obj.get("kind"), _peer(head), reason)
+        self.error(ident, obj.get("rid"), P.E_AUTH, reason)
+        return False
+
+    # -- replies ----------------------------------------------------------------------------------
+    def send(self, ident: bytes, header: bytes, data: memoryview | None = None, slab: Any = None) -> None:
+        frames: list[Any] = [header] if data is None else [header, data]
+        mac = self.signer.sign(frames) if self.signer is not None else None
+        try:
+            self.router.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            if data is None:
+                self.router.send(header, zmq.SNDMORE if mac else 0)
+            else:
+                self.router.send(header, zmq.SNDMORE)
+                tracker = self.router.send(data, zmq.SNDMORE if mac else 0, copy=False, track=True)
+                if slab is not None:
+                    slab.track(tracker)
+            if mac:
+                self.router.send(mac)
+        except (zmq.Again, zmq.ZMQError) as exc:  # queue full (peer ignores credits) or peer gone
+            self._metrics.count("dropped_replies")
+            log.debug("dropped a reply: %s", exc)
+
+    def error(self, ident: bytes, rid: Any, code: str, message: str) -> None:
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        self.send(ident, P.encode(P.ERROR, rid=rid, code=code, message=message))
+
+    def announce(self, ver: Version | Upload | None, pending: bool = False) -> None:
+        if ver is None:
+            return
+        frames: list[Any] = [
+            ver.name.encode(),
+            P.encode(
+                P.ANNOUNCE, name=ver.name, version=ver.version, content_hash=ver.content_hash,
+                total_bytes=ver.layout.total_bytes, pending=pending,
+            ),
+        ]
+        if self.signer is not None:
+            frames.append(self.signer.sign(frames[1:]))
+        try:
+            self.pub.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    # -- receiving a chunk of an upload ------------------------------------------------------------
+    def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
+        try:
+            upload = P.req_int(obj, "upload")
+            up = self.store.uploads.get(upload)
+            total = up.layout.total_bytes if up else 0
+            segments = P.parse_segments(obj, total) if up else []
+            targets = self.store.chunk_targets(upload, segments)
+        except (WireError, Refused) as exc:
+            self._drain()
+            code = exc.code if isinstance(exc, Refused) else P.E_MALFORMED
+            if code == P.E_MALFORMED:
+                self._metrics.count("malformed")
+            self.error(ident, None, code, f"chunk refused: {exc}")
+            return
+        problem = None
+        for view in targets:  # the data lands in the upload's slab; nothing is visible before commit
+            if not self.router.rcvmore:
+                problem = f"chunk declares {len(targets)} segments but has fewer data frames"
+                break
+            got = self.router.recv_into(view)
+            if got != len(view):
+                problem = f"a data frame of {got} bytes does not match its segment of {len(view)} bytes"
+                break
+        extra = self._recv_rest() if problem is None else None
+        if problem is None and extra is None:
+            problem = "chunk has too many frames"
+        if problem is not None:
+            self._drain()
+            self.store.abort(upload)
+            self._metrics.count("uploads_aborted")
+            self._metrics.count("malformed")
+            self.error(ident, None, P.E_BAD_CHUNK, f"upload {upload} aborted: {problem}")
+            return
+        if not self._authentic(ident, obj, head, [head.buffer, *targets], extra):
+            self.store.abort(upload)  # unauthenticated bytes may have been written into it
+            self._metrics.count("uploads_aborted")
+            return
+        self.store.received(upload, segments)
+        if up.parked:
+            self.handlers.chunk_arrived(up)
+
+
+def _port_of(sock: zmq.Socket) -> int:
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _peer(frame: Any) -> str:
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "unknown peer"
+
+
+def _loose_rid(data: bytes) -> int | None:
+    """The request id of a header that failed validation, if it can be read at all (for the reply)."""
+    try:
+        rid = unpack(data, max_bytes=64 * 1024).get("rid")
+    except WireError:
+        return None
+    return rid if isinstance(rid, int) else None
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, target)

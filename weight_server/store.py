@@ -1,0 +1,366 @@
+"""The server's versioned parameter store: memory slabs, uploads in progress, the newest K versions.
+
+Pure bookkeeping (numpy buffers, no sockets, no torch), so its rules are testable on their own:
+
+* a version becomes visible only at :meth:`VersionStore.commit`, after every tensor's bytes are
+  covered by received segments and every tensor hash matches the publisher's claim;
+* versions only grow: a push of an older or equal version is refused (:class:`Refused`);
+* the newest ``keep`` versions per name are held; older ones are evicted.
+
+Memory: each version lives in one contiguous slab. Evicted slabs are recycled for later uploads of
+the same size once ZeroMQ has finished sending from them (tracked zero-copy sends), because
+touching fresh pages costs more than the transfer itself on small VMs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from weight_server import protocol as P
+from weight_server.protocol import Layout
+
+
+class Refused(Exception):
+    """A request the store refuses; ``code`` is the protocol error code sent back to the client."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Slab:
+    """One contiguous byte buffer holding a version (or an upload in progress)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.empty(max(nbytes, 1), dtype=np.uint8)
+        self.view = memoryview(self.array)
+        self.trackers: list[Any] = []  # zmq.MessageTracker of zero-copy sends still reading this slab
+        self._pins = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.array)
+
+    def pin(self) -> None:
+        with self._lock:
+            self._pins += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+
+    def track(self, tracker: Any) -> None:
+        self.trackers.append(tracker)
+        if len(self.trackers) > 256:
+            self.trackers = [t for t in self.trackers if not t.done]
+
+    def idle(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        with self._lock:
+            return self._pins == 0 and not self.trackers
+
+
+class SlabPool:
+    """Recycles slabs of evicted versions once nothing reads them any more."""
+
+    def __init__(self, max_free: int = 2) -> None:
+        self.max_free = max_free
+        self.free: list[Slab] = []
+        self.retiring: list[Slab] = []
+
+    def take(self, nbytes: int) -> Slab:
+        self.collect()
+        fits = [s for s in self.free if nbytes <= s.capacity <= 2 * max(nbytes, 1)]
+        if fits:
+            best = min(fits, key=lambda s: s.capacity)
+            self.free.remove(best)
+            return best
+        return Slab(nbytes)
+
+    def give(self, slab: Slab) -> None:
+        self.retiring.append(slab)
+        self.collect()
+
+    def collect(self) -> None:
+        still = []
+        for slab in self.retiring:
+            (self.free if slab.idle() else still).append(slab)
+        self.retiring = still
+        del self.free[: max(0, len(self.free) - self.max_free)]  # oldest first
+
+
+@dataclass
+class Version:
+    name: str
+    version: int
+    layout: Layout
+    slab: Slab
+    content_hash: bytes
+    published_at: float  # wall clock, for humans
+    begin_mono: float  # server monotonic clock at PUB_BEGIN: the start of weight-sync latency
+    visible_mono: float
+
+
+@dataclass
+class Upload:
+    id: int
+    name: str
+    version: int
+    layout: Layout
+    slab: Slab
+    content_hash: bytes
+    delta_base: int | None
+    changed: tuple[int, ...]
+    begin_mono: float
+    last_activity: float
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    wire_bytes: int = 0
+    # Cut-through: a full upload arrives in layout order, so every tensor byte below `watermark`
+    # is present and followers may be sent those chunks before the commit (they apply nothing
+    # until the commit and their own hash check). Out-of-order data or a delta turns it off.
+    streamable: bool = False
+    followers: int = 0  # pending-manifest requests (pulls that followed this upload)
+    watermark: int = 0
+    parked: list[tuple[bytes, int, int]] = field(default_factory=list)  # (peer, rid, chunk) waiting for bytes
+    waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (peer, rid) waiting for the commit
+    hashed: int = 0  # tensors [0, hashed) are complete and their hashes are in `computed`
+    computed: list[bytes] = field(default_factory=list)
+    _ends: list[int] = field(default_factory=list)  # tensor byte ranges with data, for the padding test
+    _starts: list[int] = field(default_factory=list)
+
+    def data_between(self, start: int, end: int) -> bool:
+        """Whether any tensor byte lies in ``[start, end)`` (else the range is alignment padding)."""
+        if start >= end:
+            return False
+        k = bisect.bisect_right(self._ends, start)
+        return k < len(self._starts) and self._starts[k] < end
+
+    def advance(self, segments: list[tuple[int, int]]) -> None:
+        """Move the watermark over received segments and hash every tensor now complete, so the
+        commit has (almost) nothing left to hash. A segment below the watermark (overlap or
+        reorder) turns streaming off, and the commit re-hashes everything."""
+        for o, n in segments:
+            if not self.streamable:
+                return
+            if o < self.watermark or self.data_between(self.watermark, o):
+                self.streamable = False  # out of order: followers wait for the commit instead
+                return
+            self.watermark = o + n
+        tensors = self.layout.tensors
+        while self.hashed < len(tensors) and tensors[self.hashed].offset + tensors[self.hashed].nbytes <= self.watermark:
+            t = tensors[self.hashed]
+            self.computed.append(P.tensor_hash(self.slab.view[t.offset : t.offset + t.nbytes]))
+            self.hashed += 1
+
+    def has(self, end: int) -> bool:
+        """Every tensor byte below ``end`` has arrived."""
+        return self.streamable and (self.watermark >= end or not self.data_between(self.watermark, end))
+
+
+class VersionStore:
+    """Holds the newest ``keep`` versions of each named parameter set and the uploads in progress."""
+
+    def __init__(self, keep: int, max_names: int = 16) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self.max_names = max_names
+        self.pool = SlabPool()
+        self.versions: dict[str, dict[int, Version]] = {}
+        self.uploads: dict[int, Upload] = {}
+        self.aborted: list[Upload] = []
+
+    # -- reading ---------------------------------------------------------------------------
+    def newest(self, name: str) -> Version | None:
+        held = self.versions.get(name)
+        return held[max(held)] if held else None
+
+    def get(self, name: str, version: int | None = None) -> Version | None:
+        if version is None:
+            return self.newest(name)
+        return self.versions.get(name, {}).get(version)
+
+    def held(self) -> dict[str, list[int]]:
+        return {name: sorted(vs) for name, vs in self.versions.items() if vs}
+
+    # -- publishing --------------------------------------------------------------------------
+    def begin(
+        self,
+        name: str,
+        version: int,
+        layout: Layout,
+        content_hash: bytes,
+        delta_base: int | None = None,
+        changed: list[int] | None = None,
+        now: float | None = None,
+    ) -> Upload | Version:
+        """Start an upload; returns the held Version instead when it is a retry of a finished publish."""
+        now = time.monotonic() if now is None else now
+        if layout.content_hash() != content_hash:
+            raise Refused(P.E_HASH, f"content_hash of {name} v{version} does not match its tensor hashes")
+        newest = self.newest(name)
+        if newest is not None and version <= newest.version:
+            if version == newest.version and content_hash == newest.content_hash:
+                return newest  # a retried publish whose commit reply was lost
+            raise Refused(
+                P.E_STALE,
+                f"version {version} of {name!r} is not newer than the newest held version {newest.version}; "
+                f"versions only grow: publish {newest.version + 1} or above (a restarted learner continues "
+                "from WeightPublisher.latest_version() + 1)",
+            )
+        for up in list(self.uploads.values()):
+            if up.name == name:
+                if up.version > version:
+                    raise Refused(P.E_STALE, f"an upload of {name!r} version {up.version} is in progress; version {version} is older")
+                self.abort(up.id)  # a retry, or a newer version superseding an unfinished one
+        if name not in self.versions and len(self.versions) >= self.max_names:
+            raise Refused(P.E_TOO_LARGE, f"the server already holds {self.max_names} parameter-set names")
+        base = None
+        if delta_base is not None:
+            base = self.get(name, delta_base)
+            if base is None or base.layout.signature() != layout.signature():
+                raise Refused(
+                    P.E_BAD_DELTA,
+                    f"delta base {name} v{delta_base} is not held or has other tensors; publish the full version",
+                )
+            changed = sorted(set(changed or []))
+            if changed and not 0 <= changed[0] <= changed[-1] < len(layout.tensors):
+                raise Refused(P.E_MALFORMED, f"changed tensor indices out of range 0..{len(layout.tensors) - 1}")
+            for i, (t, b) in enumerate(zip(layout.tensors, base.layout.tensors)):
+                if i not in changed and t.hash != b.hash:
+                    raise Refused(P.E_BAD_DELTA, f"tensor {t.name!r} is marked unchanged but its hash differs from v{delta_base}")
+        slab = self.pool.take(layout.total_bytes)
+        if base is not None:
+            unchanged = set(range(len(layout.tensors))) - set(changed or [])
+            for i in sorted(unchanged):  # copy from the base slab: a memcpy, no network bytes
+                t = layout.tensors[i]
+                slab.view[t.offset : t.offset + t.nbytes] = base.slab.view[t.offset : t.offset + t.nbytes]
+        up = Upload(
+            secrets.randbits(62), name, version, layout, slab, content_hash, delta_base,
+            tuple(changed or ()) if base is not None else tuple(range(len(layout.tensors))), now, now,
+        )
+        if base is None:
+            up.streamable = True
+            spans = [(t.offset, t.offset + t.nbytes) for t in layout.tensors if t.nbytes]
+            up._starts = [a for a, _ in spans]
+            up._ends = [b for _, b in spans]
+        self.uploads[up.id] = up
+        return up
+
+    def pending(self, name: str) -> Upload | None:
+        """The upload of ``name`` newer than the newest held version, if any (a follower's chunks
+        are served as they arrive when it is streamable, else at its commit)."""
+        newest = self.newest(name)
+        for up in self.uploads.values():
+            if up.name == name and (newest is None or up.version > newest.version):
+                return up
+        return None
+
+    def upload_of(self, name: str, version: int) -> Upload | None:
+        for up in self.uploads.values():
+            if up.name == name and up.version == version:
+                return up
+        return None
+
+    def chunk_targets(self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None) -> list[memoryview]:
+        """Where the data frames of a PUB_CHUNK go (writable views of the upload's slab)."""
+        up = self.uploads.get(upload_id)
+        if up is None:
+            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        up.last_activity = time.monotonic() if now is None else now
+        up.segments.extend(segments)
+        up.wire_bytes += sum(n for _, n in segments)
+        return [up.slab.view[o : o + n] for o, n in segments]
+
+    def received(self, upload_id: int, segments: list[tuple[int, int]]) -> Upload | None:
+        """The data frames of a chunk have landed: advance the upload's watermark."""
+        up = self.uploads.get(upload_id)
+        if up is not None:
+            up.advance(segments)
+        return up
+
+    def commit(self, upload_id: int, now: float | None = None) -> tuple[Version, list[Version]]:
+        """Verify coverage and hashes, make the version visible; returns (version, evicted)."""
+        now = time.monotonic() if now is None else now
+        up = self.uploads.pop(upload_id, None)
+        if up is None:
+            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        try:
+            self._check_coverage(up)
+            done = up.computed if up.streamable else []
+            rest = [P.tensor_hash(up.slab.view[t.offset : t.offset + t.nbytes]) for t in up.layout.tensors[len(done) :]]
+            bad = [t.name for t, h in zip(up.layout.tensors, done + rest) if h != t.hash]
+            if bad:
+                raise Refused(
+                    P.E_HASH,
+                    f"{up.name} v{up.version}: {len(bad)} tensor(s) do not match their hash (e.g. {bad[0]!r}); "
+                    "the version was dropped and the previous one stays in use",
+                )
+            newest = self.newest(up.name)
+            if newest is not None and up.version <= newest.version:
+                raise Refused(P.E_STALE, f"version {up.version} of {up.name!r} was overtaken by version {newest.version}")
+        except Refused:
+            self.pool.give(up.slab)
+            self.aborted.append(up)
+            raise
+        ver = Version(up.name, up.version, up.layout, up.slab, up.content_hash, time.time(), up.begin_mono, now)
+        return ver, self.add(ver)
+
+    def add(self, ver: Version) -> list[Version]:
+        """Insert a verified version and evict beyond ``keep``; returns the evicted versions."""
+        held = self.versions.setdefault(ver.name, {})
+        held[ver.version] = ver
+        evicted = [held.pop(v) for v in sorted(held)[: max(0, len(held) - self.keep)]]
+        for old in evicted:
+            self.pool.give(old.slab)
+        return evicted
+
+    def abort(self, upload_id: int) -> None:
+        up = self.uploads.pop(upload_id, None)
+        if up is not None:
+            self.pool.give(up.slab)
+            self.aborted.append(up)  # the server tells its parked followers
+
+    def take_aborted(self) -> list[Upload]:
+        out, self.aborted = self.aborted, []
+        return out
+
+    def expire(self, timeout_s: float, now: float | None = None) -> list[Upload]:
+        """Drop uploads that sent nothing for ``timeout_s`` (a publisher that died mid-push)."""
+        now = time.monotonic() if now is None else now
+        stale = [up for up in self.uploads.values() if now - up.last_activity > timeout_s]
+        for up in stale:
+            self.abort(up.id)
+        return stale
+
+    @staticmethod
+    def _check_coverage(up: Upload) -> None:
+        segs = sorted(up.segments)
+        starts: list[int] = []
+        ends: list[int] = []
+        for o, n in segs:
+            if ends and o < ends[-1]:
+                raise Refused(P.E_BAD_CHUNK, f"{up.name} v{up.version}: overlapping chunk segments at byte {o}")
+            if ends and o == ends[-1]:
+                ends[-1] = o + n  # merge adjacent segments
+            else:
+                starts.append(o)
+                ends.append(o + n)
+        for i in up.changed:
+            t = up.layout.tensors[i]
+            if t.nbytes == 0:
+                continue
+            k = bisect.bisect_right(starts, t.offset) - 1
+            if k < 0 or ends[k] < t.offset + t.nbytes:
+                raise Refused(
+                    P.E_INCOMPLETE,
+                    f"{up.name} v{up.version}: bytes of tensor {t.name!r} never arrived; the version was dropped",
+                )

@@ -1,0 +1,298 @@
+"""The worker's side: hear announcements, pull a version, verify it, apply it in place.
+
+A pull asks for the manifest (tensor names, dtypes, shapes, per-tensor hashes), then fetches
+the version's chunks with at most ``max_inflight_chunks`` requests outstanding (credit-based flow
+control: the server sends a chunk only when asked, so many workers pulling at once share it
+fairly and server memory never grows with the number of pullers). Chunk bytes are received with
+``recv_into`` straight into one staging buffer; only after every tensor hash matches are they
+copied into the target (``copy_``, on the GPU when the target lives there). A half-received or
+mismatched version is never applied: the worker keeps running its current weights.
+
+Calls never hang: while the server is down, ``pull`` returns None after ``request_timeout_s``
+and ``poll_announcement`` keeps returning the newest version seen; both work again once the
+server is back on the same address.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from rlhf_core.config import WeightServerConfig
+from rlhf_core.wire import WireError, decode_record
+from weight_server import protocol as P
+from weight_server.auth import MAC_BYTES, configure_client_socket
+from weight_server.client import Channel, NoReply
+from weight_server.errors import WeightAuthError
+from weight_server.tensors import TORCH_TO_WIRE, check_target, staged, target_of
+
+log = logging.getLogger(__name__)
+
+
+class WeightSubscriber:
+    """Pulls versions of the parameter set ``name``. Not thread-safe (one per thread)."""
+
+    def __init__(
+        self, address: str, pub_address: str, cfg: WeightServerConfig | None = None, worker_id: str = "w0",
+        name: str = "policy", ctx: zmq.Context | None = None,
+    ) -> None:
+        self.cfg = cfg or WeightServerConfig()
+        self.worker_id = worker_id
+        self.name = name
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.linger = 0
+        self.sub.rcvhwm = 1000
+        self.sub.maxmsgsize = self.cfg.max_header_bytes + 4096
+        configure_client_socket(self.sub, self.cfg)
+        self.sub.setsockopt(zmq.SUBSCRIBE, name.encode())
+        self.sub.connect(pub_address)
+        self.version: int | None = None  # the version last pulled (and applied, when pulled into a target)
+        self._announced: int | None = None
+        self._pending: int | None = None  # newest version whose upload has started (cut-through)
+        self._staging: torch.Tensor | None = None  # reused across pulls into a target: no fresh pages per pull
+        self._applied: tuple[Any, int, tuple, list[bytes]] | None = None  # (target, version, signature, hashes)
+        self.stats = {"pulls": 0, "bytes_received": 0, "integrity_failures": 0, "timeouts": 0, "last_pull_s": None}
+
+    def close(self) -> None:
+        self.channel.close()
+        self.sub.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+    def __enter__(self) -> "WeightSubscriber":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- announcements ------------------------------------------------------------------------------
+    def poll_announcement(self, timeout_ms: int = 0, pending: bool = False) -> int | None:
+        """The newest version announced so far (None: none heard yet). Non-blocking by default;
+        cheap enough to call between decoding steps. ``pending=True`` also counts versions whose
+        upload has only started: a pull then follows the upload (cut-through) and returns once
+        it is committed and verified."""
+        if self.sub.poll(timeout_ms):
+            while True:
+                try:
+                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = self._parse_announcement(frames)
+                if got is None:
+                    continue
+                version, is_pending = got
+                if is_pending:
+                    self._pending = version if self._pending is None else max(self._pending, version)
+                elif self._announced is None or version > self._announced:
+                    self._announced = version
+        if pending and self._pending is not None and (self._announced is None or self._pending > self._announced):
+            return self._pending
+        return self._announced
+
+    def _parse_announcement(self, frames: list[bytes]) -> tuple[int, bool] | None:
+        signer = self.channel.signer
+        if signer is not None:
+            if len(frames) != 3 or len(frames[2]) != MAC_BYTES or not signer.verify(frames[1:2], frames[2]):
+                raise WeightAuthError(
+                    f"an announcement from the weight server failed the HMAC check: weight_server.secret differs "
+                    "from the server's"
+                )
+        elif len(frames) != 2:
+            log.warning("ignoring an announcement of %d frames (is the server using auth=hmac?)", len(frames))
+            return None
+        try:
+            obj = decode_record(frames[1], P.ANNOUNCE, max_bytes=self.cfg.max_header_bytes)
+            if P.req_name(obj) != self.name:
+                return None
+            return P.req_int(obj, "version"), obj.get("pending") is True
+        except WireError as exc:
+            log.warning("ignoring a malformed announcement: %s", exc)
+            return None
+
+    # -- pull ---------------------------------------------------------------------------------------------
+    def pull(
+        self, version: int | None = None, into: Any = None, skip_unchanged: bool = True, follow: bool = True,
+    ) -> tuple[int, dict[str, torch.Tensor] | None] | None:
+        """Fetch the newest (or the named) version, verify it, and apply it.
+
+        ``into``: an nn.Module or a dict of preallocated tensors, updated in place with ``copy_``
+        (names must match exactly; dtypes may differ). With ``skip_unchanged``, tensors whose
+        hash equals what this subscriber last applied into the same target are not fetched.
+        With ``follow`` (and ``version`` None), an upload in progress that is newer than the
+        newest visible version is followed as its bytes arrive, and applied after its commit.
+        Returns ``(version, None)`` after an in-place pull, ``(version, {name: tensor})`` when
+        ``into`` is None, or None when nothing was applied (server down, no version yet, or a
+        verification failure; the current weights stay in use).
+        """
+        t0 = time.monotonic()
+        try:
+            result = self._pull(version, into, skip_unchanged, follow and version is None, retry_newest=version is None)
+        except NoReply as exc:
+            self.stats["timeouts"] += 1
+            log.warning("worker %s: %s; keeping v%s", self.worker_id, exc, self.version)
+            self.channel.reset()
+            return None
+        self.stats["last_pull_s"] = time.monotonic() - t0
+        return result
+
+    def _pull(self, version: int | None, into: Any, skip_unchanged: bool, follow: bool, retry_newest: bool) -> Any:
+        man = self.channel.request(P.MANIFEST_REQ, name=self.name, version=version, pending=follow)
+        if man["kind"] == P.ERROR:
+            log.info("worker %s: no pull: %s", self.worker_id, man.get("message"))
+            return None
+        try:
+            layout, v, chunk_bytes = self._parse_manifest(man)
+        except WireError as exc:
+            self.stats["integrity_failures"] += 1
+            log.error("worker %s: rejected a manifest: %s; keeping v%s", self.worker_id, exc, self.version)
+            return None
+        target = target_of(into) if into is not None else None
+        if target is not None:
+            check_target(layout, target)
+        needed = list(range(len(layout.tensors)))
+        prev = self._applied
+        if target is not None and skip_unchanged and prev is not None and prev[0] is into and prev[2] == layout.signature():
+            needed = [i for i, t in enumerate(layout.tensors) if t.hash != prev[3][i]]
+            if not needed and prev[1] == v:
+                return v, None  # already applied
+        staging = self._staging_for(layout.total_bytes, target)
+        buf = memoryview(staging.numpy())
+        error, hashes = self._fetch(layout, v, chunk_bytes, needed, buf)
+        if error is not None:
+            self.channel.reset()  # abandon the other outstanding fetches
+            if retry_newest and P.error_code(error) in (P.E_NOT_FOUND, P.E_ABORTED):
+                log.info("worker %s: v%d went away mid-pull (%s); pulling the newest instead", self.worker_id, v, P.error_code(error))
+                return self._pull(None, into, skip_unchanged, follow, retry_newest=False)
+            log.warning("worker %s: pull of v%d failed: %s", self.worker_id, v, error.get("message"))
+            return None
+        bad = [layout.tensors[i].name for i in needed if hashes[i] != layout.tensors[i].hash]
+        if bad:
+            self.stats["integrity_failures"] += 1
+            log.error(
+                "worker %s: %s v%d failed verification (%d tensor(s), e.g. %r); not applied, keeping v%s",
+                self.worker_id, self.name, v, len(bad), bad[0], self.version,
+            )
+            return None
+        if man.get("pending") is True:  # followed an upload: apply only once the server committed it
+            rep = self.channel.request(
+                P.WAIT_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, name=self.name, version=v,
+            )
+            if rep["kind"] != P.COMMITTED or rep.get("content_hash") != layout.content_hash():
+                log.warning("worker %s: followed upload of v%d did not commit (%s); keeping v%s",
+                            self.worker_id, v, rep.get("message"), self.version)
+                return None
+            self._announced = v if self._announced is None else max(self._announced, v)
+        self.stats["pulls"] += 1
+        if target is None:
+            self.version = v
+            return v, {layout.tensors[i].name: staged(staging, layout, i) for i in range(len(layout.tensors))}
+        t_apply = time.monotonic()
+        self._apply(layout, staging, target, needed)
+        apply_s = time.monotonic() - t_apply
+        self._applied = (into, v, layout.signature(), layout.hashes())
+        self.version = v
+        self.report_applied(v, apply_s)
+        return v, None
+
+    def _fetch(
+        self, layout: P.Layout, v: int, chunk_bytes: int, needed: list[int], buf: memoryview,
+    ) -> tuple[dict[str, Any] | None, dict[int, bytes]]:
+        """Fetch the chunks holding tensors ``needed`` into ``buf`` with at most
+        ``max_inflight_chunks`` requests outstanding. Each tensor is hashed as soon as all its bytes
+        are in, while later chunks are still arriving. Returns (the ERROR reply that stopped it, if
+        any; {tensor index: hash})."""
+        order = P.chunks_covering(layout, needed, chunk_bytes)
+        chunks = deque(order)
+        outstanding: dict[int, int] = {}  # request id -> chunk index
+        arrived: set[int] = set()
+        prefix = 0  # order[:prefix] have all arrived
+        to_hash = deque(sorted(needed, key=lambda i: layout.tensors[i].offset))
+        hashes: dict[int, bytes] = {}
+
+        def place(header: dict[str, Any]) -> list[memoryview] | None:
+            chunk = outstanding.get(header.get("rid"))
+            if chunk is None or header.get("chunk") != chunk or header.get("version") != v:
+                return None
+            offset, length = P.chunk_range(chunk, layout.total_bytes, chunk_bytes)
+            return [buf[offset : offset + length]] if header.get("offset") == offset else None
+
+        while chunks or outstanding:
+            while chunks and len(outstanding) < self.cfg.max_inflight_chunks:  # spend the credits
+                c = chunks.popleft()
+                outstanding[self.channel.send(P.FETCH, name=self.name, version=v, chunk=c)] = c
+            rep = self.channel.recv(self.cfg.request_timeout_s, into=place)
+            if rep["kind"] == P.ERROR:
+                return rep, hashes
+            if rep["kind"] != P.CHUNK or rep.get("discarded"):
+                continue
+            c = outstanding.pop(rep["rid"])
+            arrived.add(c)
+            self.stats["bytes_received"] += P.chunk_range(c, layout.total_bytes, chunk_bytes)[1]
+            while prefix < len(order) and order[prefix] in arrived:
+                prefix += 1
+            covered = min(layout.total_bytes, order[prefix - 1] * chunk_bytes + chunk_bytes) if prefix else 0
+            while to_hash and layout.tensors[to_hash[0]].offset + layout.tensors[to_hash[0]].nbytes <= covered:
+                i = to_hash.popleft()
+                t = layout.tensors[i]
+                hashes[i] = P.tensor_hash(buf[t.offset : t.offset + t.nbytes])
+        for i in to_hash:  # tensors of zero bytes, or whatever the prefix rule left
+            t = layout.tensors[i]
+            hashes[i] = P.tensor_hash(buf[t.offset : t.offset + t.nbytes])
+        return None, hashes
+
+    def _parse_manifest(self, man: dict[str, Any]) -> tuple[P.Layout, int, int]:
+        if man["kind"] != P.MANIFEST or man.get("name") != self.name:
+            raise WireError(f"expected a manifest of {self.name!r}, got {man['kind']}")
+        layout = P.parse_tensor_list(man, "tensors", self.cfg.max_tensors, self.cfg.max_version_bytes)
+        v = P.req_int(man, "version")
+        chunk_bytes = P.req_int(man, "chunk_bytes", minimum=1)
+        if chunk_bytes > self.cfg.max_frame_bytes:
+            raise WireError(f"chunk_bytes {chunk_bytes} exceeds max_frame_bytes {self.cfg.max_frame_bytes}")
+        if P.req_hash(man, "content_hash") != layout.content_hash() or man.get("total_bytes") != layout.total_bytes:
+            raise WireError(f"v{v}: content hash or size does not match the tensor list")
+        return layout, v, chunk_bytes
+
+    def _staging_for(self, nbytes: int, target: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        if target is None:
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8)  # handed to the caller: never reused
+        pinned = any(t.is_cuda for t in target.values())
+        cur = self._staging
+        if cur is None or cur.numel() < nbytes or cur.is_pinned() != pinned:
+            # Pinned memory makes host->GPU copies asynchronous DMA; allocated once, reused.
+            self._staging = cur = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        return cur
+
+    @torch.no_grad()
+    def _apply(self, layout: P.Layout, staging: torch.Tensor, target: dict[str, torch.Tensor], needed: list[int]) -> None:
+        cuda = False
+        buf = staging.numpy()
+        for i in needed:
+            spec = layout.tensors[i]
+            dest = target[spec.name].detach()
+            if dest.device.type == "cpu" and dest.is_contiguous() and TORCH_TO_WIRE.get(dest.dtype) == spec.dtype:
+                # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
+                # splits big copies across intra-op threads, which is slower on a busy small box.
+                if spec.nbytes:
+                    np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), buf[spec.offset : spec.offset + spec.nbytes])
+                continue
+            cuda = cuda or dest.is_cuda
+            dest.copy_(staged(staging, layout, i), non_blocking=dest.is_cuda)  # converts dtype if needed
+        if cuda:
+            torch.cuda.synchronize()  # a CPU-GPU sync point: "applied" means the bytes are on the device
+
+    def report_applied(self, version: int, apply_s: float | None = None) -> None:
+        """Tell the server this worker applied ``version`` (the weight-sync latency metric).
+        Best effort: dropped silently when the server is down."""
+        try:
+            self.channel.send(P.APPLIED, timeout_s=0.2, name=self.name, version=int(version), worker=self.worker_id, apply_s=apply_s)
+        except NoReply:
+            pass
