@@ -1,0 +1,262 @@
+"""Training engines: what one optimisation step needs, behind one small interface.
+
+Two implementations: :class:`TorchEngine` (plain torch, one process; the default on CPU) and
+``learner.engine_deepspeed.DeepSpeedEngine`` (ZeRO 1/2/3, one or many processes). Both
+optimise with torch's AdamW under a warm-up + cosine schedule (:func:`lr_lambda`).
+
+Gradient accumulation is the caller's: call ``backward`` once per micro-batch with the loss
+already scaled to its share of the minibatch, then ``step`` once. Also here: the few
+``torch.distributed`` helpers the learner needs (rank, all-reduce, broadcasting samples).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from rlhf_core.config import ConfigError, LearnerConfig
+from rlhf_core.records import Sample
+
+log = logging.getLogger(__name__)
+
+
+class TrainEngine(Protocol):
+    module: torch.nn.Module  # the unwrapped model (config, eval/train, save_pretrained)
+    rank: int
+    world_size: int
+
+    @property
+    def is_rank0(self) -> bool: ...
+    @property
+    def lr(self) -> float: ...  # learning rate of the next optimizer step
+    @property
+    def global_step(self) -> int: ...  # optimizer steps taken
+    def forward(self, **kwargs: Any) -> Any: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> float: ...  # grad norm before clipping
+    def train(self, mode: bool = True) -> None: ...
+    def named_full_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def save_state(self, directory: str | Path) -> None: ...
+    def load_state(self, directory: str | Path) -> None: ...
+
+
+def total_optimizer_steps(cfg: LearnerConfig) -> int:
+    """Optimizer steps over the whole run: ``max_updates * ppo_epochs * num_minibatches``."""
+    return max(1, cfg.max_updates * cfg.ppo_epochs * cfg.num_minibatches)
+
+
+def lr_lambda(cfg: LearnerConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr after ``step`` optimizer steps (for ``LambdaLR``).
+
+    Linear warm-up over ``warmup_steps`` optimizer steps (``(step + 1) / warmup_steps``),
+    then constant, or cosine from 1 down to ``min_lr_ratio`` at :func:`total_optimizer_steps`.
+    """
+    warmup, total = int(cfg.warmup_steps), total_optimizer_steps(cfg)
+    floor, schedule = float(cfg.min_lr_ratio), cfg.lr_schedule
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(module: torch.nn.Module, cfg: LearnerConfig, lr: float) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters")
+    betas = tuple(float(b) for b in cfg.adam_betas)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+
+def full_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU copy) of every parameter and persistent buffer, in state-dict names."""
+    for name, p in module.named_parameters():
+        yield name, p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
+    yield from persistent_buffers(module, dtype)
+
+
+def persistent_buffers(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for mod_name, mod in module.named_modules():
+        for b_name, buf in mod.named_buffers(recurse=False):
+            if buf is None or b_name in mod._non_persistent_buffers_set:
+                continue
+            name = f"{mod_name}.{b_name}" if mod_name else b_name
+            cast = dtype if (dtype is not None and buf.is_floating_point()) else buf.dtype
+            yield name, buf.detach().to("cpu", dtype=cast, copy=True)
+
+
+class TorchEngine:
+    """Plain torch: AdamW + LambdaLR, clip_grad_norm_, one process."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ConfigError("learner.engine=torch runs in one process; use learner.engine=deepspeed with torchrun/deepspeed")
+        self.module = module
+        self.cfg = cfg
+        self.optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.skipped_steps = 0
+
+    @property
+    def is_rank0(self) -> bool:
+        return True
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def global_step(self) -> int:
+        return int(self.scheduler.last_epoch)
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.module(**kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            # A NaN/inf gradient would poison the weights and the Adam moments for good.
+            self.skipped_steps += 1
+            log.warning("skipping an optimizer step: gradient norm is %s", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def named_full_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return full_parameters(self.module, dtype)
+
+    def save_state(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(self.module.state_dict(), d / "model.pt")
+        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        torch.save({"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}, d / "scheduler.pt")
+
+    def load_state(self, directory: str | Path) -> None:
+        d = Path(directory)
+        # weights_only: a checkpoint is data, never code.
+        self.module.load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+        sched = torch.load(d / "scheduler.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(sched["scheduler"])
+        self.skipped_steps = int(sched["skipped_steps"])
+
+
+def build_engine(module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> TrainEngine:
+    """The engine ``cfg.engine`` names, wrapping ``module`` (already on its device)."""
+    if cfg.engine == "torch":
+        return TorchEngine(module, cfg, lr)
+    if cfg.engine == "deepspeed":
+        from learner.engine_deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(module, cfg, lr)
+    raise ConfigError(f"learner.engine={cfg.engine!r} is not one of torch, deepspeed")
+
+
+def make_engine(cfg: Any, module: torch.nn.Module, role: str | None = None) -> TrainEngine:
+    """:func:`build_engine` from the whole run config. ``role``: "policy" or "critic" (the
+    critic trains at ``learner.critic_lr``); None guesses from the model (a one-label
+    token-classification head is a critic)."""
+    if role is None:
+        arch = " ".join(getattr(getattr(module, "config", None), "architectures", None) or [type(module).__name__])
+        role = "critic" if "TokenClassification" in arch or "TokenClassification" in type(module).__name__ else "policy"
+    if role not in ("policy", "critic"):
+        raise ValueError(f"role must be policy or critic, got {role!r}")
+    lcfg = cfg.learner
+    lr = lcfg.critic_lr if role == "critic" and lcfg.critic_lr is not None else lcfg.lr
+    return build_engine(module, lcfg, lr)
+
+
+# ---------------------------------------------------------------- distributed helpers
+def dist_active() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist_active():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (a no-op in one process). A synchronising call."""
+    return _all_reduce(t, torch.distributed.ReduceOp.SUM if dist_active() else None)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    return _all_reduce(t, torch.distributed.ReduceOp.MAX if dist_active() else None)
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
+    if op is None or torch.distributed.get_world_size() == 1:
+        return t
+    dev = _comm_device()
+    buf = t.to(dev)
+    torch.distributed.all_reduce(buf, op=op)
+    t.copy_(buf.to(t.device))
+    return t
+
+
+def barrier() -> None:
+    if dist_active() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def broadcast_samples(samples: Sequence[Sample] | None, src: int = 0) -> list[Sample]:
+    """Every rank gets rank ``src``'s samples (others pass None), as the wire format's msgpack
+    bytes in a uint8 tensor: no pickle between processes either."""
+    if not dist_active() or torch.distributed.get_world_size() == 1:
+        return list(samples or [])
+    dev = _comm_device()
+    if torch.distributed.get_rank() == src:
+        blobs = [s.encode() for s in samples or []]
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        count = torch.tensor([len(blobs)], dtype=torch.int64, device=dev)
+    else:
+        count = torch.zeros(1, dtype=torch.int64, device=dev)
+    torch.distributed.broadcast(count, src)
+    n = int(count.item())
+    if torch.distributed.get_rank() != src:
+        sizes = torch.zeros(n, dtype=torch.int64)
+    sizes_d = sizes.to(dev)
+    torch.distributed.broadcast(sizes_d, src)
+    sizes = sizes_d.cpu()
+    total = int(sizes.sum())
+    if torch.distributed.get_rank() == src:
+        data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if total else torch.zeros(0, dtype=torch.uint8)
+    else:
+        data = torch.zeros(total, dtype=torch.uint8)
+    data_d = data.to(dev)
+    torch.distributed.broadcast(data_d, src)
+    raw = data_d.cpu().numpy().tobytes()
+    out, off = [], 0
+    for size in sizes.tolist():
+        out.append(Sample.decode(raw[off : off + size], max_bytes=max(size, 1)))
+        off += size
+    return out

@@ -1,0 +1,108 @@
+"""Running statistics (reward normalisation) and the per-update metric accumulator.
+
+Both are plain Python floats so that a checkpoint stores them exactly (JSON round-trips a
+float bit for bit) and every data-parallel rank, fed the same batch, holds the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+
+class RunningMoments:
+    """Mean and variance of everything seen so far (Chan et al.'s parallel merge of batches).
+
+    ``normalize`` uses the statistics *including* the batch being normalised (as OpenRLHF's
+    reward normalisation does), so the first batch is already centred.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    @property
+    def var(self) -> float:
+        """Unbiased variance (0 with fewer than 2 values)."""
+        return self.m2 / (self.count - 1) if self.count > 1 else 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def update(self, x: torch.Tensor) -> None:
+        """Merge a batch of values (any shape)."""
+        x = x.detach().double().flatten()
+        n = int(x.numel())
+        if n == 0:
+            return
+        b_mean = float(x.mean())
+        b_m2 = float(((x - b_mean) ** 2).sum())
+        total = self.count + n
+        delta = b_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += b_m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        return (x - self.mean) / (self.std + eps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
+
+
+class MetricSums:
+    """Weighted means and maxima gathered over micro-batches, reducible across ranks.
+
+    ``add(key, value, weight)`` accumulates ``value * weight`` and ``weight``; ``result()``
+    gives ``sum / weight``. ``add_max`` keeps the maximum. ``set`` stores a value as is
+    (e.g. batch statistics every rank computed identically).
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+        self._max: dict[str, float] = {}
+        self._set: dict[str, float] = {}
+
+    def add(self, key: str, value: float | torch.Tensor, weight: float = 1.0) -> None:
+        v = float(value)
+        self._sum[key] = self._sum.get(key, 0.0) + v * weight
+        self._weight[key] = self._weight.get(key, 0.0) + weight
+
+    def add_max(self, key: str, value: float | torch.Tensor) -> None:
+        v = float(value)
+        self._max[key] = max(self._max.get(key, -math.inf), v)
+
+    def set(self, key: str, value: float | torch.Tensor) -> None:
+        self._set[key] = float(value)
+
+    def reduce(self, all_reduce_sum: Callable[[torch.Tensor], Any], all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
+        """Sum the weighted sums and weights, and max the maxima, over data-parallel ranks
+        (every rank must have added the same keys, which the same code path guarantees)."""
+        keys = sorted(self._sum)
+        if keys:
+            t = torch.tensor([self._sum[k] for k in keys] + [self._weight[k] for k in keys], dtype=torch.float64)
+            all_reduce_sum(t)
+            for i, k in enumerate(keys):
+                self._sum[k], self._weight[k] = float(t[i]), float(t[len(keys) + i])
+        mkeys = sorted(self._max)
+        if mkeys:
+            t = torch.tensor([self._max[k] for k in mkeys], dtype=torch.float64)
+            all_reduce_max(t)
+            for i, k in enumerate(mkeys):
+                self._max[k] = float(t[i])
+
+    def result(self) -> dict[str, float]:
+        out = {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
+        out.update(self._max)
+        out.update(self._set)
+        return out

@@ -1,0 +1,142 @@
+"""learner.batch: collate layout, group order, errors, micro-batches and the logits alignment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.batch import BatchError, collate, gather_response, micro_batches, response_logits
+from learner_helpers import make_sample
+
+PAD = 0
+
+
+def two_samples():
+    a = make_sample([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], [3, 3, 4], reward=1.0, group_id="g0", group_size=2,
+                    group_index=0, ref_logprobs=[-1.0, -1.5, -2.0], components={"count": 0.5})
+    b = make_sample([10, 11, 12], [13], [-0.5], [2], reward=0.0, group_id="g0", group_size=2, group_index=1,
+                    ref_logprobs=[-0.7], finish_reason="length")
+    return a, b
+
+
+def test_collate_two_samples_exact_tensors():
+    batch = collate(two_samples(), PAD)
+    # L = max(2 + 3, 3 + 1) = 5, T = 3; right padding with PAD
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch.response_start.tolist() == [2, 3]
+    assert batch.response_ids.tolist() == [[7, 8, 9], [13, 0, 0]]
+    assert batch.response_mask.tolist() == [[True, True, True], [True, False, False]]
+    torch.testing.assert_close(batch.behaviour_logprobs, torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+    torch.testing.assert_close(batch.ref_logprobs, torch.tensor([[-1.0, -1.5, -2.0], [-0.7, 0.0, 0.0]]))
+    assert batch.token_versions.tolist() == [[3, 3, 4], [2, -1, -1]]
+    assert batch.rewards.tolist() == [1.0, 0.0]
+    assert batch.group_index.tolist() == [0, 0]
+    assert batch.group_sizes.tolist() == [2]
+    assert batch.truncated.tolist() == [False, True]
+    assert batch.sample_ids == ["g0/0", "g0/1"]
+    assert batch.lengths.tolist() == [5, 4]
+
+
+def test_response_positions_are_predicted_by_the_previous_position():
+    batch = collate(two_samples(), PAD)
+    # per-position outputs encode their position: out[b, p] = 10 * p + b
+    out = torch.arange(5)[None, :] * 10 + torch.arange(2)[:, None]
+    # row 0: response tokens at 2, 3, 4 are predicted at 1, 2, 3; row 1: token at 3 predicted at 2,
+    # padding positions clamp inside the sequence (masked anyway)
+    assert gather_response(out, batch).tolist() == [[10, 20, 30], [21, 31, 41]]
+    # with logits_to_keep the outputs start at an offset: positions 1..4 kept
+    assert gather_response(out[:, 1:], batch, offset=1).tolist() == [[10, 20, 30], [21, 31, 41]]
+
+
+class OracleLM:
+    """A 'model' whose logits at position p put all mass on input_ids[p + 1] (the next token)."""
+
+    def __init__(self, vocab: int = 20, keep_arg: str = "honours"):
+        self.vocab, self.keep_arg, self.calls = vocab, keep_arg, []
+
+    def __call__(self, input_ids, attention_mask, use_cache=False, **kw):
+        if "logits_to_keep" in kw and self.keep_arg == "refuses":
+            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+        nxt = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], 1)
+        logits = torch.nn.functional.one_hot(nxt, self.vocab).float() * 10
+        keep = kw.get("logits_to_keep", 0) if self.keep_arg == "honours" else 0
+        self.calls.append(keep)
+        return type("Out", (), {"logits": logits[:, -keep:] if keep else logits})()
+
+
+@pytest.mark.parametrize("keep_arg", ["honours", "refuses", "ignores"])
+def test_response_logits_predict_the_response_tokens(keep_arg):
+    batch = collate(two_samples(), PAD)
+    lm = OracleLM(keep_arg=keep_arg)
+    logits = response_logits(lm, batch)
+    assert logits.shape == (2, 3, 20)
+    pred = logits.argmax(-1)
+    assert pred[batch.response_mask].tolist() == [7, 8, 9, 13]
+    # the shortest prompt has 2 tokens: positions 1..4 are needed, so 4 of 5 are kept
+    # honoured: the LM head runs on 4 of 5 positions; refused (TypeError): one full pass after
+    # the refusal; ignored (swallowed by **kwargs): full logits, still aligned
+    assert lm.calls == ([4] if keep_arg == "honours" else [0])
+
+
+def test_groups_become_contiguous_in_order_of_first_appearance():
+    s = [make_sample([1], [4], group_id="A", group_size=3, group_index=0),
+         make_sample([1], [5], group_id="B", group_size=2, group_index=0),
+         make_sample([1], [6], group_id="A", group_size=3, group_index=2),
+         make_sample([1], [7], group_id="C", group_size=1, group_index=0)]
+    batch = collate(s, PAD)
+    assert batch.sample_ids == ["A/0", "A/2", "B/0", "C/0"]
+    assert batch.response_ids[:, 0].tolist() == [4, 6, 5, 7]
+    assert batch.group_index.tolist() == [0, 0, 1, 2]
+    assert batch.group_sizes.tolist() == [2, 1, 1]  # A is partial (one sample dead-lettered)
+
+
+def test_ref_logprobs_are_all_or_none():
+    a, b = two_samples()
+    b.ref_logprobs = None
+    assert collate([a, b], PAD).ref_logprobs is None
+
+
+def test_token_ids_outside_the_vocabulary_name_both_vocabularies():
+    s = [make_sample([1, 2], [3, 120])]
+    with pytest.raises(BatchError) as err:
+        collate(s, PAD, vocab_size=99)
+    msg = str(err.value)
+    assert "same tokenizer" in msg and "learner vocab 99" in msg and "max 120" in msg
+    collate(s, PAD, vocab_size=121)  # fits
+
+
+def test_a_group_larger_than_its_group_size_is_refused():
+    s = [make_sample([1], [4], group_id="A", group_size=2, group_index=i % 2) for i in range(3)]
+    with pytest.raises(BatchError, match="group 'A' has 3 samples .* group_size 2"):
+        collate(s, PAD)
+
+
+def test_empty_batch_and_empty_prompt_are_refused():
+    with pytest.raises(BatchError, match="empty batch"):
+        collate([], PAD)
+    with pytest.raises(BatchError, match="empty prompt"):
+        collate([make_sample([], [4])], PAD)
+
+
+def test_micro_batches_sort_by_length_and_trim_padding():
+    lens = [(3, 2), (1, 3), (1, 1), (4, 3)]  # (prompt, response): totals 5, 4, 2, 7
+    s = [make_sample(list(range(1, p + 1)), [9] * r, group_id=f"g{i}") for i, (p, r) in enumerate(lens)]
+    batch = collate(s, PAD)
+    assert tuple(batch.input_ids.shape) == (4, 7)
+    got = [(rows.tolist(), tuple(mb.input_ids.shape), tuple(mb.response_mask.shape)) for rows, mb in micro_batches(batch, 2)]
+    assert got == [([3, 0], (2, 7), (2, 3)), ([1, 2], (2, 4), (2, 3))]
+    # size 3: a short last chunk, trimmed to its own lengths
+    got = [(rows.tolist(), tuple(mb.input_ids.shape)) for rows, mb in micro_batches(batch, 3)]
+    assert got == [([3, 0, 1], (3, 7)), ([2], (1, 2))]
+
+
+def test_select_carries_extras_and_blanks_filler_rows():
+    batch = collate(two_samples(), PAD)
+    batch = batch.with_extras(adv=torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]))
+    sub = batch.select([1, 0], drop=[False, True])
+    assert sub.sample_ids == ["g0/1", "g0/0"]
+    assert sub.token_extras["adv"].tolist() == [[4.0, 0.0, 0.0], [1.0, 2.0, 3.0]]
+    assert sub.response_mask.tolist() == [[True, False, False], [False, False, False]]  # row 2 is a filler
+    only_b = batch.select([1])
+    assert tuple(only_b.input_ids.shape) == (1, 4) and only_b.token_extras["adv"].tolist() == [[4.0]]

@@ -1,0 +1,149 @@
+"""learner.checkpoint: exact resume (bit for bit on CPU), atomicity, pruning, RNG, HF export."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from learner.checkpoint import CheckpointError, export_hf, latest_checkpoint, list_checkpoints, load_latest, save_checkpoint
+from learner.engines import make_engine
+from learner.update import PolicyUpdater
+from learner_helpers import digit_reward, generate_samples, tiny_config
+from rlhf_core.models import load_critic, load_policy, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_cfg):
+    return load_policy(tiny_model_cfg)
+
+
+@pytest.fixture(scope="module")
+def batches(base):
+    return [generate_samples(base, [[20 + i, 30], [21, 30 + i]], 4, 5, seed=i, reward_fn=digit_reward, tag=f"b{i}")
+            for i in range(4)]
+
+
+def resume_cfg(tiny_model_cfg, **extra):
+    # a schedule that moves every step, two minibatches, two epochs, running reward statistics
+    over = {"learner.warmup_steps": 2, "learner.lr_schedule": "cosine", "learner.max_updates": 6,
+            "learner.num_minibatches": 2, "learner.ppo_epochs": 2, "algo.normalize_rewards": True,
+            "learner.lr": 3e-3, **extra}
+    return tiny_config(tiny_model_cfg, **over)
+
+
+def build(base, cfg, critic_model=None):
+    engine = make_engine(cfg, copy.deepcopy(base))
+    critic = make_engine(cfg, copy.deepcopy(critic_model)) if critic_model is not None else None
+    return PolicyUpdater(cfg, engine, None, critic)
+
+
+def state_of(up):
+    out = {f"p.{n}": p.detach().clone() for n, p in up.engine.module.named_parameters()}
+    for i, st in up.engine.optimizer.state_dict()["state"].items():
+        out.update({f"o.{i}.{k}": v.clone() for k, v in st.items()})
+    if up.critic is not None:
+        out.update({f"c.{n}": p.detach().clone() for n, p in up.critic.module.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_resume_continues_bit_for_bit(estimator, base, batches, tiny_model_cfg, tmp_path):
+    cfg = resume_cfg(tiny_model_cfg, **{"algo.estimator": estimator})
+    critic_model = load_critic(tiny_model_cfg) if estimator == "gae" else None
+    # the critic's head has dropout: the RNG streams must continue exactly too
+    torch.manual_seed(0)
+    straight = build(base, cfg, critic_model)
+    for v, b in enumerate(batches):
+        last = straight.update(b, v)
+
+    torch.manual_seed(0)
+    first = build(base, cfg, critic_model)
+    for v, b in enumerate(batches[:2]):
+        first.update(b, v)
+    save_checkpoint(tmp_path, "v00000002", first.engine, first.critic, {"version": 2, "updater": first.state_dict()})
+    del first
+    torch.manual_seed(123)  # a restarted process starts from other RNG states
+    resumed = build(base, cfg, critic_model)  # fresh weights, fresh optimizer: everything comes from disk
+    extra = load_latest(tmp_path, resumed.engine, resumed.critic)
+    assert extra["version"] == 2
+    resumed.load_state_dict(extra["updater"])
+    for v, b in enumerate(batches[2:], start=2):
+        again = resumed.update(b, v)
+
+    a, b = state_of(straight), state_of(resumed)
+    assert a.keys() == b.keys() and len(a) > 20
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert resumed.engine.lr == straight.engine.lr and resumed.engine.global_step == straight.engine.global_step == 16
+    assert again["loss/policy"] == last["loss/policy"] and again["reward/running_mean"] == last["reward/running_mean"]
+
+
+def test_rng_states_are_restored(base, tiny_model_cfg, tmp_path):
+    eng = make_engine(tiny_config(tiny_model_cfg), copy.deepcopy(base))
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    save_checkpoint(tmp_path, "a", eng, None, {})
+    draws = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_latest(tmp_path, eng)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert draws[0] == again[0] and draws[1] == again[1] and torch.equal(draws[2], again[2])
+
+
+def test_atomic_layout_latest_pointer_and_pruning(base, tiny_model_cfg, tmp_path):
+    eng = make_engine(tiny_config(tiny_model_cfg), copy.deepcopy(base))
+    assert load_latest(tmp_path / "none", eng) is None
+    for i in range(4):
+        save_checkpoint(tmp_path, f"v{i}", eng, None, {"version": i}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["v2", "v3"]
+    assert (tmp_path / "latest").read_text().strip() == "v3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v2", "v3"]  # no temp dirs left
+    # a crash mid-save leaves a .tmp dir: ignored, and cleaned by the next save of that name
+    (tmp_path / ".tmp-v4" / "policy").mkdir(parents=True)
+    assert load_latest(tmp_path, eng)["version"] == 3
+    # "latest" naming a checkpoint that is gone: fall back to the newest complete one
+    (tmp_path / "latest").write_text("v9\n")
+    assert latest_checkpoint(tmp_path).name == "v3"
+    # re-saving an existing name replaces it
+    save_checkpoint(tmp_path, "v2", eng, None, {"version": 22}, keep=2)
+    assert json.loads((tmp_path / "v2" / "extra.json").read_text()) == {"version": 22}
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["v3", "v2"] and latest_checkpoint(tmp_path).name == "v2"
+
+
+def test_bad_names_and_unserialisable_state_are_refused(base, tiny_model_cfg, tmp_path):
+    eng = make_engine(tiny_config(tiny_model_cfg), copy.deepcopy(base))
+    with pytest.raises(CheckpointError, match="bad checkpoint name"):
+        save_checkpoint(tmp_path, "../x", eng, None, {})
+    with pytest.raises(CheckpointError, match="JSON-serialisable"):
+        save_checkpoint(tmp_path, "v1", eng, None, {"t": torch.zeros(1)})
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_missing_critic_state_is_a_clear_error(base, tiny_model_cfg, tmp_path):
+    cfg = tiny_config(tiny_model_cfg)
+    save_checkpoint(tmp_path, "v1", make_engine(cfg, copy.deepcopy(base)), None, {})
+    critic = make_engine(cfg, load_critic(tiny_model_cfg))
+    with pytest.raises(CheckpointError, match="no critic state"):
+        load_latest(tmp_path, make_engine(cfg, copy.deepcopy(base)), critic)
+
+
+def test_export_hf_loads_with_transformers_and_gives_the_same_logits(base, batches, tiny_model_cfg, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    up = build(base, tiny_config(tiny_model_cfg))
+    up.update(batches[0], 0)  # trained weights, not the initial ones
+    out = export_hf(up.engine, load_tokenizer(tiny_model_cfg), tmp_path / "final")
+    assert (out / "model.safetensors").exists() and not (tmp_path / ".tmp-final").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok("3:4567")["input_ids"]])
+    with torch.no_grad():
+        want = up.engine.module.eval()(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+        initial = base(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, initial)
+    assert len(tok) == 99 and tok.decode(ids[0]) == "3:4567"

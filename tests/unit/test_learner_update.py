@@ -1,0 +1,224 @@
+"""learner.update.PolicyUpdater on the tiny model: recomputation, every estimator, partial
+groups, micro-batch invariance, metrics with worked numbers, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from learner import estimators as E
+from learner.batch import BatchError, collate
+from learner.engines import make_engine
+from learner.update import MissingReferenceError, PolicyUpdater
+from learner_helpers import digit_reward, generate_samples, make_sample, tiny_config
+from rlhf_core.config import ConfigError
+from rlhf_core.models import load_critic, load_policy
+
+PROMPTS = [[20, 30], [21, 30, 4, 5, 6], [22]]  # different lengths: padding is exercised
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_cfg):
+    return load_policy(tiny_model_cfg)
+
+
+@pytest.fixture(scope="module")
+def samples(base):
+    return generate_samples(base, PROMPTS[:2], group_size=4, max_new_tokens=6, seed=1, reward_fn=digit_reward)
+
+
+def make(base, cfg, ref=False, critic=None):
+    engine = make_engine(cfg, copy.deepcopy(base))
+    crit = make_engine(cfg, critic) if critic is not None else None
+    return PolicyUpdater(cfg, engine, copy.deepcopy(base).eval() if ref else None, crit)
+
+
+def params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_prox_logprobs_equal_behaviour_logprobs_of_the_same_weights(base, tiny_model_cfg):
+    settings = {"rollout.temperature": 0.7, "rollout.top_k": 12, "rollout.top_p": 0.9}
+    smp = generate_samples(base, PROMPTS, 2, 6, seed=3, temperature=0.7, top_k=12, top_p=0.9)
+    up = make(base, tiny_config(tiny_model_cfg, **settings))
+    batch = collate(smp, up.pad_id)
+    prox = up.proximal_logprobs(batch)
+    m = batch.response_mask
+    assert int(m.sum()) == 36 and bool(torch.isfinite(prox[m]).all())
+    torch.testing.assert_close(prox[m], batch.behaviour_logprobs[m], atol=2e-5, rtol=0)
+    # recomputed with other sampling settings, they would not match: the settings matter
+    other = make(base, tiny_config(tiny_model_cfg)).proximal_logprobs(batch)
+    assert float((other[m] - batch.behaviour_logprobs[m]).abs().max()) > 0.05
+
+
+def test_updates_change_the_weights_and_lower_the_loss_on_a_fixed_batch(base, samples, tiny_model_cfg):
+    up = make(base, tiny_config(tiny_model_cfg, **{"learner.lr": 3e-3}))
+    batch = collate(samples, up.pad_id)
+    adv = E.group_relative_advantages("grpo", batch.rewards, batch.group_sizes)[:, None]
+    m = batch.response_mask
+
+    def pg_loss():  # the REINFORCE loss -sum A * log pi / tokens of the fixed batch
+        return float(-(adv * up.proximal_logprobs(batch))[m].sum() / m.sum())
+
+    before_w, before = params(up.engine.module), pg_loss()
+    metrics = [up.update(samples, v) for v in range(4)]
+    after = pg_loss()
+    assert max_diff(before_w, params(up.engine.module)) > 1e-4
+    assert after < before - 0.05, (before, after)
+    assert [mm["learner/optimizer_steps"] for mm in metrics] == [1.0] * 4
+    # samples were generated at version 0: staleness grows with the learner version
+    assert [mm["staleness/max"] for mm in metrics] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "dpo"])
+def test_every_estimator_runs_one_exact_on_policy_step(estimator, base, samples, tiny_model_cfg):
+    over = {"algo.estimator": estimator, "algo.kl_coef": 0.05}
+    if estimator == "dr_grpo":
+        over["algo.agg_mode"] = "seq-mean-token-sum-norm"
+    if estimator == "gae":
+        over["algo.kl_coef"] = 0.0
+    cfg = tiny_config(tiny_model_cfg, **over)
+    up = make(base, cfg, ref=True, critic=load_critic(tiny_model_cfg) if estimator == "gae" else None)
+    w0 = params(up.engine.module)
+    c0 = params(up.critic.module) if up.critic else None
+    m = up.update(samples, 0)
+    assert max_diff(w0, params(up.engine.module)) > 1e-5
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert m["learner/optimizer_steps"] == 1.0 and m["learner/num_samples"] == 8.0
+    if estimator == "dpo":
+        # policy == reference before the only step: h = 0, loss = -log sigmoid(0) = ln 2
+        assert m["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
+        assert m["loss/dpo_pairs"] == 2.0
+        return
+    # one step on samples of these very weights: ratio 1, nothing clipped, pi == pi_prox == mu
+    assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["loss/clip_frac"] == 0.0
+    assert m["staleness/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["staleness/behav_prox_kl"] == pytest.approx(0.0, abs=1e-8)
+    if estimator == "gae":
+        assert max_diff(c0, params(up.critic.module)) > 1e-5 and m["loss/value"] > 0
+    else:
+        assert m["loss/kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the step
+
+
+def test_partial_groups_train_and_a_lone_sample_has_no_gradient(base, samples, tiny_model_cfg):
+    cfg = tiny_config(tiny_model_cfg)
+    up = make(base, cfg)
+    partial = samples[:4] + samples[4:7]  # groups of 4 and 3
+    m = up.update(partial, 0)
+    assert (m["learner/num_groups"], m["learner/partial_groups"], m["learner/num_samples"]) == (2.0, 1.0, 7.0)
+    # a group of one has no baseline: advantage 0, zero gradient, weights unchanged
+    up = make(base, cfg)
+    w0 = params(up.engine.module)
+    m = up.update([samples[0]], 0)
+    assert m["learner/grad_norm"] == 0.0 and m["loss/advantage_abs_mean"] == 0.0
+    assert max_diff(w0, params(up.engine.module)) == 0.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_size_does_not_change_the_update(agg, base, samples, tiny_model_cfg):
+    # every micro-batch loss is scaled by its share of the minibatch: accumulation == one pass
+    results, norms = [], []
+    for mbs in (1, 3, 8):
+        up = make(base, tiny_config(tiny_model_cfg, **{"learner.micro_batch_size": mbs, "algo.agg_mode": agg}))
+        norms.append(up.update(samples, 0)["learner/grad_norm"])
+        results.append(params(up.engine.module))
+    # the gradient's scale (Adam would hide a wrong one) and its direction (the update)
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5) and norms[2] == pytest.approx(norms[0], rel=1e-5)
+    assert max_diff(results[0], results[1]) < 5e-6 and max_diff(results[0], results[2]) < 5e-6
+    assert max_diff(results[0], params(base)) > 5e-4
+
+
+def test_decoupled_equals_ppo_on_policy_and_differs_on_stale_samples(base, samples, tiny_model_cfg):
+    def trained(smp, loss):
+        up = make(base, tiny_config(tiny_model_cfg, **{"algo.policy_loss": loss, "learner.ppo_epochs": 2}))
+        up.update(smp, 0)
+        return params(up.engine.module)
+
+    assert max_diff(trained(samples, "decoupled"), trained(samples, "ppo")) < 1e-6
+    # samples from other weights (a "stale" behaviour policy): the IS weight now matters
+    other = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stale = generate_samples(other, PROMPTS[:2], 4, 6, seed=2, reward_fn=digit_reward)
+    assert max_diff(trained(stale, "decoupled"), trained(stale, "ppo")) > 1e-5
+
+
+def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
+    up = make(base, tiny_config(tiny_model_cfg))
+    s = [make_sample([20], [21, 22, 23], versions=[2, 2, 3], reward=1.0, group_id="a", group_size=2, group_index=0,
+                     components={"count": 0.75, "digits": 0.1}),
+         make_sample([20], [24], versions=[5], reward=0.0, group_id="a", group_size=2, group_index=1,
+                     components={"count": 0.25}, finish_reason="length")]
+    m = up.update(s, 6)
+    # staleness = 6 - oldest token version: [4, 1]; per token [4, 4, 3, 1] -> mean 3
+    assert (m["staleness/min"], m["staleness/mean"], m["staleness/max"]) == (1.0, 2.5, 4.0)
+    assert m["staleness/token_mean"] == 3.0
+    assert (m["reward/mean"], m["reward/count"], m["reward/digits"]) == (0.5, 0.5, pytest.approx(0.1))
+    assert (m["reward/truncated_frac"], m["reward/response_len_mean"], m["learner/num_tokens"]) == (0.5, 2.0, 4.0)
+    assert m["learner/version"] == 6.0 and m["learner/lr"] == pytest.approx(1e-3)
+
+
+def test_reward_normalisation_keeps_running_statistics(base, samples, tiny_model_cfg):
+    cfg = tiny_config(tiny_model_cfg, **{"algo.normalize_rewards": True})
+    up = make(base, cfg)
+    up.update(samples, 0)
+    m = up.update(samples[:4], 1)
+    seen = torch.tensor([s.reward for s in samples + samples[:4]]).double()  # float32 in the batch
+    assert m["reward/running_mean"] == pytest.approx(float(seen.mean()), abs=1e-9)
+    assert m["reward/running_std"] == pytest.approx(float(seen.std()), abs=1e-9)
+    fresh = make(base, cfg)
+    fresh.load_state_dict(up.state_dict())
+    assert fresh.reward_stats.state_dict() == up.reward_stats.state_dict() and fresh.reward_stats.count == 12
+
+
+def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
+    cfg = tiny_config(tiny_model_cfg)
+    up = make(base, cfg)
+    with pytest.raises(BatchError, match="same tokenizer.*learner vocab 99"):
+        up.update([make_sample([20], [21, 150])], 0)
+    five = [make_sample([20], [21], group_id="g", group_size=5, group_index=i) for i in range(5)]
+    with pytest.raises(BatchError, match="5 samples but algo.group_size is 4"):
+        up.update(five, 0)
+    kl = tiny_config(tiny_model_cfg, **{"algo.kl_coef": 0.1})
+    with pytest.raises(MissingReferenceError, match="ref_logprobs_on=worker"):
+        make(base, kl).update(samples, 0)
+    # reference log-probs sent by the workers are enough
+    with_ref = [copy.deepcopy(s) for s in samples]
+    for s in with_ref:
+        s.ref_logprobs = s.behaviour_logprobs.copy()
+    assert make(base, kl).update(with_ref, 0)["loss/kl"] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ConfigError, match="needs a critic"):
+        make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "gae"}))
+    with pytest.raises(ConfigError, match="batch_size 10 is not divisible by algo.group_size 4"):
+        make(base, tiny_config(tiny_model_cfg, **{"learner.batch_size": 10}))
+
+
+def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
+    up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo"}), ref=True)
+    w0 = params(up.engine.module)
+    tied = [make_sample([20], [21, 22], reward=1.0, group_id="t", group_size=2, group_index=i) for i in range(2)]
+    m = up.update(tied, 0)
+    assert m["learner/optimizer_steps"] == 0.0 and m["loss/dpo_pairs"] == 0.0
+    assert max_diff(w0, params(up.engine.module)) == 0.0
+
+
+def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_cfg):
+    # sampled at top_k=0 but trained with top_k=3: most sampled tokens now have log-prob -inf
+    up = make(base, tiny_config(tiny_model_cfg, **{"rollout.top_k": 3}))
+    batch = collate(samples, up.pad_id)
+    prox = up.proximal_logprobs(batch)
+    expect = float((~torch.isfinite(prox[batch.response_mask])).float().mean())
+    w0 = params(up.engine.module)
+    m = up.update(samples, 0)
+    assert 0.0 < expect < 1.0 and m["learner/nonfinite_logprob_frac"] == pytest.approx(expect)
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert max_diff(w0, params(up.engine.module)) > 1e-6
