@@ -198,19 +198,20 @@ class Buffer:
         """
         return prompts.heartbeat(self, consumer, version, stats)
 
-    def complete(self, lease: Lease, group: list[Sample]) -> str:
+    def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> str:
         """Append the group and ack the prompt atomically. Returns ``appended``, ``empty`` (no
         valid sample: the prompt is acked, its budget returned) or ``duplicate`` (the prompt was
-        already completed; nothing written). Invalid samples go to the dead-letter stream."""
-        args = samples.prepare(self, lease, group)
+        already completed; nothing written). Invalid samples go to the dead-letter stream, and so
+        do the ``(kind, reason, raw)`` records in ``rejected``, in the same atomic step."""
+        args = samples.prepare(self, lease, group, rejected)
         res = self.retry(self.scripts.complete, keys=samples.complete_keys(self), args=args)
         self._leases.get(lease.consumer, {}).pop(lease.lease_id, None)
         return samples.complete_status(res)
 
-    def prepare(self, lease: Lease, group: list[Sample]) -> Completion:
+    def prepare(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> Completion:
         """Validate and encode a group for :meth:`complete_many` ahead of sending (e.g. in a
         scoring thread, so the thread that talks to Redis only sends). Nothing is written yet."""
-        return Completion(lease, samples.prepare(self, lease, group))
+        return Completion(lease, samples.prepare(self, lease, group, rejected))
 
     def complete_many(self, items: Iterable[Completion | tuple[Lease, list[Sample]]]) -> list[str]:
         """Like :meth:`complete` for several prompts in one round trip (each one atomic on its own).

@@ -104,8 +104,14 @@ def groups_per_batch(batch_size: int, group_size: int) -> int:
 # ---- worker side ---------------------------------------------------------------------------
 
 
-def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample]) -> list[Any]:
-    """Validate and encode a group; return the ``complete.lua`` arguments."""
+def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample],
+            rejected: Iterable[tuple[str, str, bytes]] = ()) -> list[Any]:
+    """Validate and encode a group; return the ``complete.lua`` arguments.
+
+    ``rejected``: ``(kind, reason, raw)`` records the caller already refused (a sample whose
+    reward function raised, a prompt too long to generate from); they reach the dead-letter
+    stream in the same atomic step as the append and the ack.
+    """
     params = buf.run_params()
     group_ids = {s.group_id for s in samples}
     if len(group_ids) > 1:
@@ -124,6 +130,8 @@ def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample]) -> list[Any]:
             bad += ["sample", str(exc), raw]
             continue
         good.append((s, raw))
+    for kind, reason, raw in rejected:
+        bad += [kind, reason, raw]
     oldest = min((s.oldest_version for s, _ in good), default=0)
     group_id = samples[0].group_id if samples else ""
     head = [lease.lease_id, lease.consumer, repr(time.time()), buf.cfg_dead_maxlen, params["mode"], params["group_size"],

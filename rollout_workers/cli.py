@@ -1,11 +1,19 @@
-"""`rlhf-worker`: one rollout worker process."""
+"""`rlhf-worker` (also `python -m rollout_workers`): one rollout worker process.
 
-from rlhf_core.cli import hydra_entry, not_built_yet
+    rlhf-worker buffer.url=redis://host:6379 buffer.run_id=myrun \
+        weight_server.address=tcp://host:5555 weight_server.pub_address=tcp://host:5556
+"""
+
+from rlhf_core.cli import hydra_entry
+from rlhf_core.config import to_object
 
 
 @hydra_entry()
 def main(cfg) -> int:
-    return not_built_yet("rlhf-worker", "the rollout-workers issue")
+    from rollout_workers.worker import run_worker
+
+    run_worker(to_object(cfg))
+    return 0
 
 
 if __name__ == "__main__":

@@ -311,12 +311,12 @@ def test_bad_requests_are_refused_with_a_clear_error(policy, tokenizer):
 def test_make_engine_builds_the_configured_engine(tiny_model_cfg, policy, tokenizer):
     cfg = Config()
     cfg.model = tiny_model_cfg
-    cfg.rollout.slots, cfg.rollout.stop_strings = 5, ["\n\n"]
+    cfg.rollout.slots, cfg.rollout.stop_strings, cfg.rollout.max_new_tokens = 5, ["\n\n"], 21
     engine = make_engine(cfg, policy, tokenizer)
     assert isinstance(engine, HFEngine) and isinstance(engine, GenerationEngine)
     assert engine.slots == 5 and engine.model is policy
     params = SamplingParams.from_config(cfg.rollout)
-    assert (params.max_new_tokens, params.stop_strings, params.key) == (32, ("\n\n",), (1.0, 0, 1.0))
+    assert (params.max_new_tokens, params.stop_strings, params.key) == (21, ("\n\n",), (1.0, 0, 1.0))
     cfg.rollout.engine = "tgi"
     with pytest.raises(ConfigError, match="tgi"):
         make_engine(cfg, policy, tokenizer)

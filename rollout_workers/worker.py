@@ -1,0 +1,556 @@
+"""The rollout worker loop: claim, generate, score, append, heartbeat, follow the weights.
+
+A worker holds no state that matters. Prompts are leased from the buffer, so killing a worker
+at any moment loses nothing (its leases expire and another worker reclaims them); a new worker
+anywhere with the Redis URL and the weight server's address joins the run with the newest weights.
+
+Threads:
+
+* **main** drives the engine (engines are single-threaded): claim within the admission budget,
+  ``engine.add`` a group of ``group_size`` requests per prompt, ``engine.step`` (one decoding
+  step), hand each finished response to the scoring pool at once (no batch barrier), append a
+  group and ack its prompt in one atomic ``Buffer.complete`` as soon as its last sample is
+  scored, and between decoding steps apply a newer weight version in place (tokens sampled
+  after the swap carry the new version: per-token versions). The KV cache of running sequences
+  is kept, so a token after the swap is drawn from the new weights on top of keys/values the
+  old ones computed; its behaviour log-prob is that distribution's, exactly (tested).
+* **score** (one thread) runs reward functions/models and, optionally, reference log-probs,
+  overlapping generation.
+* **heartbeat** renews the leases every ``buffer.heartbeat_interval_s`` while a step, a weight
+  pull or a shutdown drain runs, and publishes :class:`WorkerStats` for the monitor; leases
+  that another worker took over (this one was too slow) are reported back and abandoned.
+
+The ``Buffer`` object is shared by the three threads under one lock: it tracks this worker's
+leases client-side and is documented as not thread-safe for one consumer.
+
+Shutdown (SIGTERM/SIGINT, or a budget in tests): stop claiming, finish in-flight prompts for
+``rollout.shutdown_grace_s`` while heartbeating, release the rest (re-delivered at once, not
+counted as a failed delivery), exit 0. A second signal skips the grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from buffer import Buffer, Lease
+from buffer.keys import check_consumer
+from rlhf_core.cli import WORKER_ID_ENV
+from rlhf_core.config import Config, ConfigError, to_object, validate
+from rlhf_core.models import load_reference, load_tokenizer
+from rlhf_core.records import Sample, rle_encode
+from rlhf_core.sampling import response_logprobs
+from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams, make_engine
+from rollout_workers.prompts import PromptRejected, PromptRenderer
+from rollout_workers.rewards import RewardError, Scorer
+from weight_server import WeightSubscriber
+
+log = logging.getLogger(__name__)
+
+IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken early by new prompts/budget)
+BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
+WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
+
+
+@dataclass
+class WorkerStats:
+    """Throughput accounting, written with every heartbeat into the buffer's consumer record
+    (``Buffer.metrics()["consumers"][worker_id]["stats"]``) where the monitor reads it."""
+
+    started: float = field(default_factory=time.monotonic)
+    prompts: int = 0  # groups appended (prompts completed with >= 1 sample)
+    prompts_empty: int = 0  # prompts acked with no sample (all dead-lettered, or the prompt rejected)
+    samples: int = 0
+    tokens: int = 0  # generated tokens of finished responses
+    dead_letters: int = 0
+    duplicates: int = 0  # completions refused: another worker completed the prompt first
+    leases_lost: int = 0  # groups abandoned because another worker reclaimed their lease
+    released: int = 0  # prompts given back at shutdown
+    weight_updates: int = 0
+    t_generate: float = 0.0  # in engine.step
+    t_score: float = 0.0  # on the scoring thread (overlaps generation)
+    t_wait: float = 0.0  # in claim: waiting for prompts / admission budget
+    t_weights: float = 0.0  # pulling and applying weights
+
+    def as_dict(self, version: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        d: dict[str, Any] = {k: v for k, v in dataclasses.asdict(self).items() if k != "started"}
+        d.update(
+            version=version,
+            prompts_per_s=self.prompts / elapsed,
+            samples_per_s=self.samples / elapsed,
+            tokens_per_s=self.tokens / elapsed,
+            uptime_s=elapsed,
+        )
+        d.update(extra or {})
+        return d
+
+
+@dataclass
+class _Group:
+    """One claimed prompt being generated: ``size`` requests ``{lease_id}/{i}``."""
+
+    lease: Lease
+    group_id: str
+    prompt_text: str
+    prompt_ids: list[int]
+    created_at: float
+    size: int
+    futures: dict[int, Future] = field(default_factory=dict)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class RolloutWorker:
+    """One worker. ``run()`` works until :meth:`request_stop` (or a budget); see the module docstring."""
+
+    def __init__(self, cfg: Config, worker_id: str | None = None, buffer: Buffer | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = check_consumer(worker_id or default_worker_id())
+        self.stop_event = threading.Event()
+        self._abort_drain = False
+        # Reward config errors surface before any connection is opened or the policy is loaded.
+        self.scorer = Scorer(cfg.reward, cfg.model)
+        self._own_buffer = buffer is None
+        self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self._buf_lock = threading.Lock()
+        self.group_size = 0  # from the run's parameters once joined (the learner's init_run decides)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.renderer = PromptRenderer(self.tokenizer, cfg.rollout.max_prompt_tokens, cfg.rollout.prompt_overflow)
+        self.sampling = SamplingParams.from_config(cfg.rollout)
+        # Each worker samples with its own stream, reproducibly for a given worker id.
+        seed = (int(cfg.rollout.seed) + zlib.crc32(self.worker_id.encode())) % (1 << 31)
+        engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=seed))
+        self.engine = make_engine(engine_cfg, None, self.tokenizer)
+        self.reference = load_reference(cfg.model) if cfg.rollout.ref_logprobs_on == "worker" else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        ws = cfg.weight_server
+        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
+        self.has_weights = False  # engine.version is meaningful only after the first pull
+        self.groups: dict[str, _Group] = {}  # by lease id
+        self.stats = WorkerStats()
+        self._lost: set[str] = set()  # lease ids the heartbeat found taken over; guarded by _buf_lock
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._next_claim_at = 0.0
+        self._failed_pull: tuple[int | None, float] = (None, 0.0)  # (announced version, retry after)
+        self.exporter = None
+        if cfg.rollout.prometheus_port is not None:
+            from rlhf_core.prometheus import Exporter
+
+            # workers started by rlhf-run are named worker-<i>: worker i serves on port + i
+            tail = self.worker_id.rsplit("-", 1)[-1]
+            index = int(tail) if tail.isdigit() else 0
+            self.exporter = Exporter("rlhf_worker", {"worker": self.worker_id, "run": cfg.buffer.run_id})
+            self.exporter.serve(cfg.rollout.prometheus_port + index if cfg.rollout.prometheus_port else 0)
+
+    # ------------------------------------------------------------------ joining
+
+    def _join_run(self) -> bool:
+        """Wait for the run's parameters (the learner's init_run); False if stopped first."""
+        logged = False
+        while not self.stop_event.is_set():
+            with self._buf_lock:
+                ready = self.buffer.initialised()
+            if ready:
+                with self._buf_lock:
+                    self.group_size = int(self.buffer.run_params()["group_size"])
+                if self.group_size != self.cfg.algo.group_size:
+                    log.warning("run %s has group_size %d; using it instead of algo.group_size=%d",
+                                self.cfg.buffer.run_id, self.group_size, self.cfg.algo.group_size)
+                return True
+            if not logged:
+                log.info("worker %s: run %s is not initialised yet; waiting for the learner", self.worker_id, self.cfg.buffer.run_id)
+                logged = True
+            self.stop_event.wait(0.25)
+        return False
+
+    # ------------------------------------------------------------------ weights
+
+    def pull_newest(self) -> bool:
+        """Pull the newest version, verified, into the engine (between steps). False: nothing applied."""
+        t0 = time.monotonic()
+        target = self.engine.weights_target()
+        got = self.weights.pull(None, into=target)  # in place into the model when the engine offers one
+        if got is None:
+            return False
+        version, tensors = got
+        if self.has_weights and version == self.engine.version:
+            return True
+        self.engine.update_weights(tensors if target is None else None, version)
+        self.has_weights = True
+        self.stats.weight_updates += 1
+        self.stats.t_weights += time.monotonic() - t0
+        log.info("worker %s applied weights version %d", self.worker_id, version)
+        return True
+
+    def wait_for_weights(self, timeout_s: float | None = None) -> bool:
+        """Block until a first version is applied (the learner publishes one at start); False if stopped."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        retry_at = 0.0
+        tried: int | None = None
+        logged = False
+        while not self.stop_event.is_set():
+            # Pull at once (a late joiner gets the newest version), then when a new version is
+            # announced, and every few seconds in case announcements cannot reach us: no request
+            # storm while the learner starts.
+            announced = self.weights.poll_announcement(timeout_ms=100)
+            if announced != tried or time.monotonic() >= retry_at:
+                tried, retry_at = announced, time.monotonic() + WEIGHT_RETRY_S
+                if self.pull_newest():
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no weights from the weight server at {self.cfg.weight_server.address} within {timeout_s} s")
+            if not logged:
+                log.info("worker %s: waiting for a first weight version at %s", self.worker_id, self.cfg.weight_server.address)
+                logged = True
+        return False
+
+    def _maybe_update_weights(self) -> None:
+        newest = self.weights.poll_announcement(timeout_ms=0)  # non-blocking: cheap between decoding steps
+        if newest is None or newest <= self.engine.version:
+            return
+        self._pull_towards(newest, "announced")
+
+    def _pull_towards(self, wanted: int, why: str) -> None:
+        """Pull the newest weights because version ``wanted`` exists. A failed pull (server down:
+        it costs weight_server.request_timeout_s) is retried only after a pause or for a newer
+        version; meanwhile generation goes on with the current weights."""
+        last, retry_at = self._failed_pull
+        if last is not None and wanted <= last and time.monotonic() < retry_at:
+            return
+        if self.pull_newest():
+            self._failed_pull = (None, 0.0)
+            return
+        self._failed_pull = (wanted, time.monotonic() + WEIGHT_RETRY_S)
+        log.warning("worker %s: could not pull v%d (%s); generating with v%d, retrying in %.0f s",
+                    self.worker_id, wanted, why, self.engine.version, WEIGHT_RETRY_S)
+
+    # ------------------------------------------------------------------ claim + generate
+
+    def _free_prompt_capacity(self) -> int:
+        """Prompts to claim now: fill the slots plus up to one group waiting, so a freed slot is
+        refilled at the next step (continuous batching) without holding many idle leases.
+
+        Responses still waiting to be scored count as busy slots: when scoring is the bottleneck
+        the worker stops claiming instead of piling up leases (and admission budget) behind it."""
+        scoring = sum(1 for g in self.groups.values() for f in g.futures.values() if not f.done())
+        busy = self.engine.num_active() + self.engine.num_waiting() + scoring
+        # ceil((slots - busy) / G): an idle worker always takes at least one prompt, even when
+        # a group is larger than the slots (the engine queues the rest)
+        return max(0, (int(self.cfg.rollout.slots) + self.group_size - 1 - busy) // self.group_size)
+
+    def _claim(self, block_s: float, limit: int | None) -> None:
+        capacity = self._free_prompt_capacity()
+        if limit is not None:
+            capacity = min(capacity, limit)
+        now = time.monotonic()
+        if capacity <= 0 or (block_s == 0 and now < self._next_claim_at):
+            return
+        with self._buf_lock:
+            leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s)
+        self.stats.t_wait += time.monotonic() - now
+        if not leases:
+            self._next_claim_at = time.monotonic() + BUSY_CLAIM_BACKOFF_S
+            return
+        # Pacing's staleness bound assumes generation with weights >= the version at admission.
+        need = max(lease.learner_version for lease in leases)
+        if need > self.engine.version:
+            self._pull_towards(need, "the learner's version when the prompts were admitted")
+        for lease in leases:
+            self._start_group(lease)
+
+    def _reject_prompt(self, lease: Lease, reason: str) -> None:
+        log.warning("worker %s: prompt %s dead-lettered: %s", self.worker_id, lease.prompt.prompt_id, reason)
+        with self._buf_lock:
+            # dead letter + ack with no samples (its admission budget goes back), in one atomic step
+            self.buffer.complete(lease, [], rejected=[("prompt", reason, lease.prompt.encode())])
+        self.stats.dead_letters += 1
+        self.stats.prompts_empty += 1
+
+    def _start_group(self, lease: Lease) -> None:
+        prompt = lease.prompt
+        try:
+            text, ids = self.renderer.render(prompt)
+        except PromptRejected as exc:
+            self._reject_prompt(lease, str(exc))
+            return
+        # Deterministic ids (the lease id is the prompt's stream id): a re-delivered prompt gets the same ones.
+        group = _Group(lease, f"{prompt.prompt_id}:e{prompt.epoch}:{lease.lease_id}", text, ids, time.time(), self.group_size)
+        added: list[str] = []
+        try:
+            for i in range(self.group_size):
+                request_id = f"{lease.lease_id}/{i}"
+                self.engine.add(GenRequest(request_id, ids, self.sampling))
+                added.append(request_id)
+        except RequestError as exc:  # e.g. longer than the model's context
+            for request_id in added:
+                self.engine.abort(request_id)
+            self._reject_prompt(lease, str(exc))
+            return
+        self.groups[lease.lease_id] = group
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        finished = self.engine.step()
+        self.stats.t_generate += time.monotonic() - t0
+        for result in finished:
+            lease_id, _, index = result.request_id.rpartition("/")
+            group = self.groups.get(lease_id)
+            if group is None:  # abandoned group
+                continue
+            self.stats.tokens += result.num_tokens
+            group.futures[int(index)] = self.pool.submit(self._score, group, int(index), result)
+
+    # ------------------------------------------------------------------ score + emit
+
+    def _score(self, group: _Group, index: int, result: GenResult) -> tuple[Sample | None, str | None, bytes]:
+        """Runs on the scoring thread as soon as one response finishes.
+        Returns ``(sample, None, b"")``, or ``(None, reason, raw)`` for the dead-letter stream."""
+        t0 = time.monotonic()
+        prompt = group.lease.prompt
+        sample = Sample(
+            sample_id=f"{group.group_id}/{index}",
+            prompt_id=prompt.prompt_id,
+            group_id=group.group_id,
+            prompt_ids=np.asarray(group.prompt_ids, dtype=np.int32),
+            response_ids=result.token_ids,
+            behaviour_logprobs=result.logprobs,
+            versions=rle_encode(result.versions.tolist()),
+            reward=0.0,
+            finish_reason=result.finish_reason,
+            worker_id=self.worker_id,
+            group_size=group.size,
+            group_index=index,
+            created_at=group.created_at,
+            metadata={"prompt_epoch": prompt.epoch, "prompt_index": prompt.index},
+        )
+        try:
+            if result.num_tokens == 0:
+                raise RewardError("empty response (nothing to score)")
+            sample.reward, sample.reward_components = self.scorer.score(
+                group.prompt_text, result.text, result.token_ids.tolist(), prompt.metadata
+            )
+        except RewardError as exc:
+            sample.reward = float("nan")
+            sample.finished_at = time.time()
+            return None, str(exc), sample.encode()
+        finally:
+            self.stats.t_score += time.monotonic() - t0
+        if self.reference is not None:
+            sample.ref_logprobs = self._ref_logprobs(group.prompt_ids, result)
+        sample.finished_at = time.time()
+        return sample, None, b""
+
+    @torch.no_grad()
+    def _ref_logprobs(self, prompt_ids: list[int], result: GenResult) -> np.ndarray:
+        """``[R]`` reference log-probs under the same processed distribution the learner uses for KL."""
+        device = next(self.reference.parameters()).device
+        ids = torch.tensor([list(prompt_ids) + result.token_ids.tolist()], device=device)
+        logits = self.reference(input_ids=ids).logits[:, len(prompt_ids) - 1 : -1]
+        sp = self.sampling
+        lp = response_logprobs(logits, ids[:, len(prompt_ids):], sp.temperature, sp.top_k, sp.top_p)
+        return lp[0].float().cpu().numpy()
+
+    def _emit_finished_groups(self) -> None:
+        for lease_id in list(self.groups):
+            group = self.groups[lease_id]
+            if len(group.futures) < group.size or not all(f.done() for f in group.futures.values()):
+                continue
+            outcomes = [group.futures[i].result() for i in range(group.size)]
+            samples = [s for s, _, _ in outcomes if s is not None]
+            dead = [(reason, raw) for s, reason, raw in outcomes if s is None]
+            with self._buf_lock:  # append + dead letters + ack: one atomic step
+                status = self.buffer.complete(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead])
+            del self.groups[lease_id]
+            self.stats.dead_letters += len(dead)
+            for reason, _ in dead:
+                log.warning("worker %s: a sample of prompt %s dead-lettered: %s", self.worker_id, group.lease.prompt.prompt_id, reason)
+            if status == "duplicate":
+                self.stats.duplicates += 1
+                log.info("worker %s: prompt %s was already completed by another worker", self.worker_id, group.lease.prompt.prompt_id)
+            elif status == "appended":
+                self.stats.prompts += 1
+                self.stats.samples += len(samples)
+            else:
+                self.stats.prompts_empty += 1
+
+    def _abandon_lost_leases(self) -> None:
+        """Stop generating for prompts another worker reclaimed (this one was silent too long)."""
+        with self._buf_lock:
+            lost, self._lost = self._lost, set()
+        for lease_id in lost:
+            group = self.groups.pop(lease_id, None)
+            if group is None:
+                continue
+            for i in range(group.size):
+                self.engine.abort(f"{lease_id}/{i}")
+            self.stats.leases_lost += 1
+            log.warning("worker %s: lease of prompt %s was taken over by another worker; abandoned", self.worker_id, group.lease.prompt.prompt_id)
+
+    # ------------------------------------------------------------------ heartbeat + lifecycle
+
+    def _heartbeat_loop(self) -> None:
+        interval = float(self.cfg.buffer.heartbeat_interval_s)
+        while not self._hb_stop.wait(interval):
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        extra = dict(self.renderer.counters.as_dict())
+        extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
+                     weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"])
+        stats = self.stats.as_dict(self.engine.version if self.has_weights else None, extra)
+        if self.exporter is not None:
+            self.exporter.update(stats)
+        try:
+            with self._buf_lock:
+                lost = self.buffer.heartbeat(self.worker_id, stats["version"], stats)
+                self._lost.update(lost)
+        except Exception as exc:  # Redis away for longer than the client's retries: the main loop will notice
+            log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    def request_stop(self, *_: Any) -> None:
+        """Stop claiming and drain (the SIGTERM/SIGINT handler); a second call skips the grace period."""
+        if self.stop_event.is_set():
+            self._abort_drain = True
+            return
+        log.info("worker %s: stop requested; finishing in-flight prompts (a second signal releases them at once)", self.worker_id)
+        self.stop_event.set()
+
+    def run(self, max_prompts: int | None = None, max_seconds: float | None = None) -> WorkerStats:
+        """Work until stopped, or until ``max_prompts`` prompts are completed / ``max_seconds`` pass."""
+        self.heartbeat()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        check_every = max(1, int(self.cfg.rollout.weight_check_every))
+        steps = 0
+        try:
+            if self._join_run() and self.wait_for_weights():
+                while not self.stop_event.is_set():
+                    done = self.stats.prompts + self.stats.prompts_empty
+                    if (max_prompts is not None and done >= max_prompts) or (deadline is not None and time.monotonic() > deadline):
+                        break
+                    self._abandon_lost_leases()
+                    idle = not self.engine.has_work() and not self.groups
+                    limit = None if max_prompts is None else max_prompts - done - len(self.groups)
+                    self._claim(IDLE_CLAIM_BLOCK_S if idle else 0.0, limit)
+                    if self.engine.has_work():
+                        self._step()
+                        steps += 1
+                        if steps % check_every == 0:
+                            self._maybe_update_weights()
+                    else:
+                        self._maybe_update_weights()
+                        if self.groups:  # only scoring left: let the scoring thread run
+                            time.sleep(0.002)
+                    self._emit_finished_groups()
+            self._drain()
+        except BaseException:
+            self._release_all("the worker failed")
+            raise
+        finally:
+            self.stop_event.set()
+            self._hb_stop.set()
+            if self._hb_thread is not None:
+                self._hb_thread.join(timeout=10)
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.heartbeat()  # the final record: leases 0, final counters
+            self.weights.close()
+            if self._own_buffer:
+                self.buffer.close()
+            if self.exporter is not None:
+                self.exporter.close()
+        return self.stats
+
+    def _drain(self) -> None:
+        """Finish in-flight prompts within the grace period (heartbeats go on); release the rest."""
+        deadline = time.monotonic() + float(self.cfg.rollout.shutdown_grace_s)
+        while self.groups and time.monotonic() < deadline and not self._abort_drain:
+            self._abandon_lost_leases()
+            if self.engine.has_work():
+                self._step()
+            else:
+                time.sleep(0.002)
+            self._emit_finished_groups()
+        self._release_all("shutdown grace period over")
+
+    def _release_all(self, why: str) -> None:
+        """Give every unfinished prompt back to the buffer (best effort: on a crash Redis may be away,
+        and then the leases simply expire)."""
+        if not self.groups:
+            return
+        try:
+            self.engine.abort_all()
+        except Exception as exc:  # an engine that failed mid-step: the leases matter more
+            log.warning("worker %s: engine abort failed: %s", self.worker_id, exc)
+        leases = [g.lease for g in self.groups.values()]
+        self.groups.clear()
+        try:
+            with self._buf_lock:
+                n = self.buffer.release(leases)
+        except Exception as exc:
+            log.warning("worker %s: could not release %d prompt(s) (%s); they come back after the lease timeout",
+                        self.worker_id, len(leases), exc)
+            return
+        self.stats.released += n
+        log.info("worker %s: %s; released %d unfinished prompt(s)", self.worker_id, why, n)
+
+
+def _set_threads() -> int:
+    """Intra-op threads: OMP_NUM_THREADS when set (rlhf-run divides the cores among its children),
+    else 1. The engine's per-step work is small; on a shared CPU extra threads mostly spin against
+    the other processes (the hf engine tests measured 20x slower steps with the default)."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    n = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    torch.set_num_threads(n)
+    return n
+
+
+def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool = True, **budget: Any) -> WorkerStats:
+    """Entry point body: validate, build, run until SIGTERM/SIGINT (then exit cleanly).
+
+    ``budget``: ``max_prompts`` / ``max_seconds`` for tests and benches. ``install_signals``
+    must be False when called off the main thread.
+    """
+    if isinstance(cfg, DictConfig):
+        cfg = to_object(cfg)
+    validate(cfg)
+    if cfg.buffer.url is None:
+        raise ConfigError("rlhf-worker needs buffer.url=redis://host:port of the run's Redis (and weight_server.address)")
+    if cfg.weight_server.address is None or cfg.weight_server.pub_address is None:
+        raise ConfigError("rlhf-worker needs weight_server.address=tcp://host:port and weight_server.pub_address=tcp://host:port")
+    if cfg.buffer.run_id == "auto":
+        raise ConfigError("rlhf-worker needs buffer.run_id=<the run id that rlhf-run printed> to join a run")
+    threads = _set_threads()
+    early: list[int] = []
+    if install_signals:  # a signal while the model loads must still end in a clean exit
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: early.append(signum))
+    worker = RolloutWorker(cfg, worker_id or os.environ.get(WORKER_ID_ENV) or None)
+    log.info("worker %s: run %s, engine %s, %d slot(s), %d thread(s)", worker.worker_id, cfg.buffer.run_id,
+             cfg.rollout.engine, cfg.rollout.slots, threads)
+    if install_signals:
+        signal.signal(signal.SIGTERM, worker.request_stop)
+        signal.signal(signal.SIGINT, worker.request_stop)
+        if early:
+            worker.request_stop()
+    stats = worker.run(**budget)
+    log.info("worker %s done: %s", worker.worker_id, stats.as_dict(worker.engine.version))
+    return stats

@@ -1,0 +1,131 @@
+"""Rollout workers as real child processes (``python -m rollout_workers`` with Hydra overrides,
+as ``rlhf-run`` starts them) against a real redis-server and weight server: two workers fill
+the buffer, one is SIGKILLed mid-generation and loses nothing, and SIGTERM drains a worker
+without leaving a lease behind. The test plays the learner."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+from rlhf_core.config import WeightServerConfig
+from worker_helpers import FakeLearner, check_sample, compose, log_tail, overrides, recompute, spawn_worker, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+START_S = 60  # a child imports torch + transformers: seconds on a busy 2-core machine
+
+
+@pytest.fixture
+def weight_server():
+    from weight_server import WeightServer
+
+    ws = WeightServer(WeightServerConfig()).start()
+    yield ws
+    ws.stop()
+
+
+@pytest.fixture
+def children(tmp_path):
+    """Spawned workers, killed (by PID) if a test leaves one running."""
+    procs = {}
+
+    def spawn(override_list, worker_id):
+        procs[worker_id] = spawn_worker(override_list, worker_id, tmp_path)
+        return procs[worker_id]
+
+    yield spawn
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def alive(proc, worker_id, tmp_path):
+    assert proc.poll() is None, f"{worker_id} exited with {proc.returncode}:\n{log_tail(tmp_path, worker_id)}"
+    return True
+
+
+def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, weight_server, tiny_model_cfg, children, tmp_path):
+    ov = overrides(redis_url, "two-workers", weight_server, tiny_model_cfg,
+                   rollout__slots=4, rollout__max_new_tokens=32, rollout__max_prompt_tokens=16)
+    learner = FakeLearner(compose(ov))
+    try:
+        learner.publish(0, seed=1)
+        prompts = learner.enqueue(24)
+        a, b = children(ov, "w-a"), children(ov, "w-b")
+
+        def both_working():
+            alive(a, "w-a", tmp_path), alive(b, "w-b", tmp_path)
+            done = [learner.consumer_stats_prompts(w) for w in ("w-a", "w-b")]
+            return min(done) >= 1 and learner.leases_of("w-a")
+
+        wait_for(both_working, START_S, "both workers to complete a group while w-a holds a lease")
+        a.send_signal(signal.SIGKILL)  # mid-generation: w-a holds at least one lease
+        assert a.wait(10) == -signal.SIGKILL
+        orphans = learner.leases_of("w-a")  # frozen now: w-a can no longer complete or heartbeat
+        assert orphans, "w-a finished its prompts before the kill landed"
+        wait_for(lambda: alive(b, "w-b", tmp_path) and learner.counters()["prompts_acked"] == 24, 60,
+                 "w-b to complete every prompt, w-a's included")
+
+        groups = {g[0].prompt_id: g for g in learner.read_groups(24)}
+        assert sorted(groups) == sorted(p.prompt_id for p in prompts)  # exactly one group per prompt
+        c = learner.counters()
+        assert (c["groups_appended"], c["samples_appended"], c["completions_duplicate"]) == (24, 96, 0)
+        assert c["prompts_reclaimed"] == len(orphans) and learner.leases_total() == 0
+        # group ids end with the lease (prompt stream) id
+        orphan_prompts = {pid for pid, g in groups.items() if g[0].group_id.rsplit(":", 1)[1] in orphans}
+        assert len(orphan_prompts) == len(orphans)
+        producers = {}
+        v0 = learner.model_at(0)
+        for p in prompts:
+            group = groups[p.prompt_id]
+            assert sorted(s.group_index for s in group) == [0, 1, 2, 3]
+            assert len({s.worker_id for s in group}) == 1
+            producers[p.prompt_id] = group[0].worker_id
+            for s in group:
+                check_sample(s, p, learner.tokenizer, group_size=4, max_new_tokens=32, versions={0})
+                np.testing.assert_allclose(s.behaviour_logprobs, recompute(v0, s, 1.0, 0, 1.0), rtol=0, atol=1e-4)
+        assert set(producers.values()) == {"w-a", "w-b"}  # both filled the buffer
+        assert all(producers[pid] == "w-b" for pid in orphan_prompts)  # the survivor finished w-a's prompts
+        # w-b's own accounting, as the monitor reads it (its heartbeat runs every 0.5 s)
+        mine = [s for g in groups.values() for s in g if s.worker_id == "w-b"]
+        wait_for(lambda: learner.consumer("w-b")["stats"]["prompts"] == len(mine) // 4, 5, "w-b's next heartbeat")
+        rec = learner.consumer("w-b")
+        assert (rec["version"], rec["stats"]["samples"], rec["stats"]["tokens"]) == (
+            0, len(mine), sum(s.num_response_tokens for s in mine))
+        assert rec["stats"]["tokens_per_s"] > 0 and rec["stats"]["weight_updates"] == 1
+        b.send_signal(signal.SIGTERM)
+        assert b.wait(30) == 0, log_tail(tmp_path, "w-b")
+    finally:
+        learner.close()
+
+
+def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weight_server, tiny_model_cfg, children, tmp_path):
+    # scoring takes 4 x 0.1 s per group, so the worker is caught with prompts in flight
+    ov = overrides(redis_url, "sigterm", weight_server, tiny_model_cfg, rollout__slots=8,
+                   extra=["+reward.functions.slow._target_=reward_fns.slow", "+reward.functions.slow.delay_s=0.1"])
+    learner = FakeLearner(compose(ov))
+    try:
+        learner.publish(0)
+        learner.enqueue(12)
+        w = children(ov, "w-term")
+        held = wait_for(lambda: alive(w, "w-term", tmp_path) and learner.consumer_stats_prompts("w-term") >= 1
+                        and learner.leases_of("w-term"), START_S, "w-term to hold leases after completing a group")
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(30) == 0, log_tail(tmp_path, "w-term")
+        assert learner.leases_of("w-term") == [] and learner.leases_total() == 0  # no lease left behind
+        c = learner.counters()
+        # every prompt it claimed was completed within the grace period: none released, none pending
+        assert c["prompts_acked"] == c["prompts_claimed"] and c["prompts_released"] == 0
+        assert c["prompts_waiting"] == 12 - c["prompts_claimed"] and c["prompts_claimed"] < 12
+        groups = learner.read_groups(c["prompts_acked"])
+        done = {g[0].group_id.rsplit(":", 1)[1] for g in groups}
+        assert set(held) <= done  # the prompts held when SIGTERM arrived were finished, not dropped
+        rec = learner.consumer("w-term")
+        assert rec["leases"] == 0 and rec["stats"]["prompts"] == len(groups) and rec["stats"]["released"] == 0
+        assert "stop requested" in log_tail(tmp_path, "w-term", 200)
+    finally:
+        learner.close()
