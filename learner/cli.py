@@ -1,11 +1,15 @@
-"""`rlhf-learner`: the training process."""
+"""`rlhf-learner`: the training process (one per data-parallel rank under torchrun/deepspeed)."""
 
-from rlhf_core.cli import hydra_entry, not_built_yet
+from rlhf_core.cli import hydra_entry
+from rlhf_core.config import to_object
 
 
 @hydra_entry()
 def main(cfg) -> int:
-    return not_built_yet("rlhf-learner", "the learner issue")
+    from learner.trainer import run_learner
+
+    run_learner(to_object(cfg))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,324 @@
-"""`rlhf-run`: start a whole run on one machine (Redis, weight server, learner, workers)."""
+"""`rlhf-run`: a whole run on one machine.
 
-from rlhf_core.cli import hydra_entry, not_built_yet
+Starts a private redis-server when no ``buffer.url`` is given (random port, temp dir, AOF on,
+stopped by PID at exit), the weight server (embedded, in this process), the learner and
+``rollout.num_workers`` workers as child processes with their logs under the Hydra output
+folder. SIGINT/SIGTERM are forwarded, so everything shuts down cleanly with a final
+checkpoint. A crashed worker is reported with its log tail and restarted (per config); a
+crashed learner fails the run. At the end: a summary, ``summary.json`` and plots.
+
+The launcher starts workers as processes and never imports ``rollout_workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rlhf_core.cli import WORKER_ID_ENV, hydra_entry
+from rlhf_core.config import Config, ConfigError, to_object, validate
+
+log = logging.getLogger(__name__)
+
+RESOLVED_CONFIG = "run_config"
+
+
+@dataclass
+class Child:
+    name: str
+    kind: str  # learner | worker
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    exit_code: int | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        logf.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)  # the child and anything it started
+            except ProcessLookupError:
+                pass
+
+
+def generate_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+
+
+@dataclass
+class Launcher:
+    """Owns the processes of one run; ``run()`` returns the process exit code."""
+
+    cfg: Config
+    output_dir: Path
+    children: list[Child] = field(default_factory=list)
+    redis: Any = None
+    weight_server: Any = None
+    stopping: bool = False
+    exit_reason: str = ""
+
+    # ------------------------------------------------------------------ start
+
+    def start_infrastructure(self) -> None:
+        cfg = self.cfg
+        if cfg.buffer.run_id in ("", "auto"):
+            cfg.buffer.run_id = generate_run_id()
+        if cfg.buffer.url is None:
+            from buffer.local_server import RedisServer
+
+            workdir = Path(tempfile.mkdtemp(prefix="rlhf-redis-"))
+            # everysec: at most one second of appends is at risk if the machine dies; the test
+            # fixture uses `always`
+            self.redis = RedisServer(workdir, fsync="everysec").start()
+            cfg.buffer.url = self.redis.url
+            log.info("started private redis-server pid %d at %s (data in %s)", self.redis.pid, self.redis.url, workdir)
+        if cfg.weight_server.address is None:
+            from weight_server import WeightServer
+
+            self.weight_server = WeightServer(cfg.weight_server)
+            self.weight_server.start()
+            cfg.weight_server.address = self.weight_server.address
+            cfg.weight_server.pub_address = self.weight_server.pub_address
+            log.info("weight server at %s (announcements %s)", self.weight_server.address, self.weight_server.pub_address)
+        cfg.run.output_dir = str(self.output_dir)
+
+    def write_resolved_config(self) -> Path:
+        """Children load exactly this config (typed by the `base_config` schema)."""
+        node = OmegaConf.structured(self.cfg)
+        doc = OmegaConf.to_container(node, resolve=True)
+        text = "defaults:\n  - base_config\n  - _self_\n\n" + OmegaConf.to_yaml(doc)
+        path = self.output_dir / f"{RESOLVED_CONFIG}.yaml"
+        path.write_text(text)
+        return path
+
+    def child_cmd(self, module: str, name: str) -> list[str]:
+        return [
+            sys.executable, "-m", module,
+            "--config-path", str(self.output_dir.resolve()), "--config-name", RESOLVED_CONFIG,
+            f"hydra.run.dir={self.output_dir.resolve() / 'logs' / name}", "hydra.output_subdir=null",
+        ]
+
+    def start_children(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.cfg.rollout.num_workers + 1))))
+        env["PYTHONUNBUFFERED"] = "1"
+        logs = self.output_dir / "logs"
+        learner = Child("learner", "learner", self.child_cmd("learner", "learner"), logs / "learner.log", env)
+        self.children.append(learner)
+        for i in range(self.cfg.rollout.num_workers):
+            wenv = dict(env, **{WORKER_ID_ENV: f"worker-{i}"})
+            self.children.append(
+                Child(f"worker-{i}", "worker", self.child_cmd("rollout_workers", f"worker-{i}"), logs / f"worker-{i}.log", wenv)
+            )
+        for child in self.children:
+            child.start()
+            log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
+        self.write_pids()
+
+    def write_pids(self) -> None:
+        """children.json: which processes belong to this run (for operators and tests)."""
+        import json
+
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        (self.output_dir / "children.json").write_text(json.dumps(pids) + "\n")
+
+    # ------------------------------------------------------------------ supervise
+
+    def supervise_once(self) -> bool:
+        """Check the children; return False when the run is over."""
+        for child in self.children:
+            if child.alive() or child.proc is None or child.exit_code is not None:
+                continue
+            code = child.proc.returncode
+            if child.kind == "learner":
+                child.exit_code = code
+                if code == 0:
+                    self.exit_reason = "learner finished"
+                else:
+                    self.exit_reason = f"learner exited with code {code}"
+                    log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
+                return False
+            if self.stopping:
+                child.exit_code = code
+                continue
+            log.error("%s exited with code %d; last lines of %s:\n%s", child.name, code, child.log_path, child.tail())
+            if self.cfg.rollout.restart_on_crash and child.restarts < 5:
+                child.restarts += 1
+                log.info("restarting %s (restart %d)", child.name, child.restarts)
+                child.start()
+                self.write_pids()
+            else:
+                child.exit_code = code
+        return True
+
+    def stop_children(self, grace_s: float | None = None) -> None:
+        """SIGTERM everyone (learner writes its final checkpoint), then SIGKILL stragglers."""
+        self.stopping = True
+        grace = grace_s if grace_s is not None else self.cfg.rollout.shutdown_grace_s + 20
+        for child in self.children:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            while child.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if child.alive():
+                log.warning("%s did not stop within %.0f s: killing it", child.name, grace)
+                child.signal(signal.SIGKILL)
+                child.proc.wait(timeout=10)
+            if child.proc is not None and child.exit_code is None:
+                child.exit_code = child.proc.returncode
+
+    def shutdown_infrastructure(self) -> None:
+        if self.weight_server is not None:
+            self.weight_server.stop()
+            self.weight_server = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def learner_code(self) -> int:
+        learner = next(c for c in self.children if c.kind == "learner")
+        return learner.exit_code if learner.exit_code is not None else 1
+
+    def run(self) -> int:
+        from learner.report import Progress, write_report
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        interrupted: list[int] = []
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            interrupted.append(signum)
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        progress = None
+        try:
+            self.start_infrastructure()
+            self.write_resolved_config()
+            self.start_children()
+            progress = Progress(self.cfg, self.output_dir, self.weight_server)
+            print(f"run {self.cfg.buffer.run_id}: output in {self.output_dir}  "
+                  f"(monitor: rlhf-monitor url={self.cfg.buffer.url} run_id={self.cfg.buffer.run_id})", flush=True)
+            while not interrupted and self.supervise_once():
+                progress.update()
+                time.sleep(0.5)
+            if interrupted:
+                self.exit_reason = f"interrupted by signal {interrupted[0]}"
+                log.info("%s: stopping children", self.exit_reason)
+            self.stop_children()
+            if progress is not None:
+                progress.update(force=True)  # the workers' final heartbeats
+            summary = write_report(self.cfg, self.output_dir, progress, self.exit_reason)
+            if progress is not None:
+                progress.close()
+            print(summary, flush=True)
+            if interrupted:
+                return 130
+            return 0 if self.learner_code() == 0 else 1
+        finally:
+            if any(c.alive() for c in self.children):
+                self.stop_children(grace_s=5)
+            self.shutdown_infrastructure()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def hydra_output_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # called outside a Hydra app (tests call run_launcher directly)
+        return Path(tempfile.mkdtemp(prefix="rlhf-run-"))
+
+
+def run_launcher(cfg: Config, output_dir: str | Path | None = None) -> int:
+    validate(cfg)
+    if cfg.rollout.num_workers == 0 and cfg.buffer.url is None:
+        log.warning("rollout.num_workers=0 with a private Redis: only workers you start yourself can join "
+                    "(they need buffer.url, printed below)")
+    return Launcher(cfg, Path(output_dir) if output_dir else hydra_output_dir()).run()
 
 
 @hydra_entry()
 def main(cfg) -> int:
-    return not_built_yet("rlhf-run", "the launcher issue")
+    obj = to_object(cfg)
+    if not isinstance(obj, Config):
+        raise ConfigError("rlhf-run needs the `config` primary config")
+    return run_launcher(obj)
 
 
 if __name__ == "__main__":
     main()
+
+
+from hydra.experimental.callback import Callback  # noqa: E402
+
+
+class SweepSummary(Callback):
+    """Hydra callback: at the end of a multirun, a comparison table across the jobs.
+
+    Registered in ``conf/config.yaml`` under ``hydra.callbacks``; reads each job's
+    ``summary.json`` and writes ``sweep_summary.json`` in the sweep folder.
+    """
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        import json
+
+        from learner.report import SUMMARY_FILE
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = []
+        for path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}")):
+            s = json.loads(path.read_text())
+            rows.append({
+                "job": path.parent.name,
+                "run_id": s.get("run_id"),
+                "max_staleness": s.get("max_staleness"),
+                "steps": s.get("steps"),
+                "reward_start": s.get("reward_start"),
+                "reward_end": s.get("reward_end"),
+                "wall_s": s.get("wall_s"),
+                "trained_samples_per_s": s.get("throughput", {}).get("trained_samples_per_s"),
+                "generated_tokens_per_s": s.get("throughput", {}).get("generated_tokens_per_s"),
+            })
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(format_table(rows), flush=True)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no job wrote a summary"
+    cols = list(rows[0])
+    cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = [max(len(c), *(len(cell(r[c])) for r in rows)) for c in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(cell(r[c]).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "sweep comparison:\n" + "\n".join(lines)

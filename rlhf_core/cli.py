@@ -20,6 +20,8 @@ from rlhf_core.config import register_configs
 from rlhf_core.errors import UserError
 
 CONFIG_PATH = "pkg://conf"
+#: set by rlhf-run for each worker child it starts (the worker id in logs, metrics and leases)
+WORKER_ID_ENV = "RLHF_WORKER_ID"
 VERSION_BASE = "1.3"
 
 

@@ -118,7 +118,7 @@ class RolloutConfig:
     num_workers: int = 2
     slots: int = 16  # continuous-batching slots per worker
     max_prompt_tokens: int = 64
-    max_new_tokens: int = 32
+    max_new_tokens: int = 16
     prompt_overflow: str = "reject"  # reject | truncate (left)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -353,6 +353,11 @@ def validate(cfg: Any) -> None:
                 f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + rollout.max_new_tokens {rollout.max_new_tokens} = {need} "
                 f"exceeds model.tiny.max_position_embeddings {cfg.model.tiny.max_position_embeddings}"
             )
+    if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
+        raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
+                          f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
+    if not 0 <= algo.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {algo.dpo_label_smoothing}")
     if buf.max_reuse < 1:
         raise ConfigError(f"buffer.max_reuse must be >= 1, got {buf.max_reuse}")
     if buf.samples_per_insert is not None and buf.samples_per_insert <= 0:

@@ -15,6 +15,7 @@ this module only knows the envelope and the tensor encoding.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Any, Mapping
@@ -52,7 +53,9 @@ class WireError(ValueError):
     """Bytes or a record that do not form a valid message. The message says what was wrong."""
 
 
+@functools.lru_cache(maxsize=64)
 def _np_dtype_name(dtype: np.dtype) -> str:
+    # cached: this runs for every tensor of every sample on the append hot path
     for name, dt in _NP_DTYPES.items():
         if dt == dtype.newbyteorder("<") or dt == dtype:
             return name

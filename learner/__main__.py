@@ -1,0 +1,3 @@
+from learner.cli import main
+
+main()

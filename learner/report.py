@@ -1,0 +1,293 @@
+"""What a run shows: a live progress line, and at the end a summary, summary.json and plots.
+
+Sources: the learner's ``metrics.jsonl`` (one line per update, written by ``learner.trainer``)
+and the buffer's counters in Redis (sampled here once a second into ``timeline.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.config import Config
+
+log = logging.getLogger(__name__)
+
+REWARD_KEY = "reward/mean"
+SUMMARY_FILE = "summary.json"
+TIMELINE_FILE = "timeline.jsonl"
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    from learner.trainer import METRICS_FILE
+
+    path = output_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written as we read
+            continue
+    return rows
+
+
+class Progress:
+    """A live line (rich, when stdout is a terminal; a plain line every 10 s otherwise)."""
+
+    def __init__(self, cfg: Config, output_dir: Path, weight_server: Any = None) -> None:
+        self.cfg = cfg
+        self.weight_server = weight_server  # embedded server: its numbers are forwarded to Redis
+        self.output_dir = output_dir
+        self.started = time.time()
+        self.timeline: list[dict[str, Any]] = []
+        self._last_sample = 0.0
+        self._last_print = 0.0
+        self._buffer = None
+        self._live = None
+        if cfg.run.progress and sys.stdout.isatty():
+            from rich.live import Live
+
+            self._live = Live("", refresh_per_second=2, transient=False)
+            self._live.start()
+
+    def _buf(self):
+        if self._buffer is None:
+            from buffer import Buffer
+
+            self._buffer = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
+        return self._buffer
+
+    def update(self, force: bool = False) -> None:
+        now = time.time()
+        if now - self._last_sample < 1.0 and not force:
+            return
+        self._last_sample = now
+        try:
+            if self.weight_server is not None:
+                self._buf().publish_stats("weight_server", weight_server_stats(self.weight_server.metrics()))
+            snap = self._buf().metrics()
+        except Exception as exc:  # Redis restarting: skip a beat
+            log.debug("metrics unavailable: %s", exc)
+            return
+        snap["time"] = now
+        self.timeline.append(snap)
+        line = self.line(snap)
+        if self._live is not None:
+            self._live.update(line)
+        elif self.cfg.run.progress and now - self._last_print >= 10:
+            self._last_print = now
+            print(line, flush=True)
+
+    def line(self, snap: dict[str, Any]) -> str:
+        rows = read_metrics(self.output_dir)
+        last = rows[-1] if rows else {}
+        reward = last.get(REWARD_KEY)
+        gen_tps = sum(float(w.get("stats", {}).get("tokens_per_s", 0.0)) for w in snap.get("consumers", {}).values()
+                      if isinstance(w, dict))
+        return (
+            f"[{time.time() - self.started:6.0f}s] version {last.get('learner/version', 0):>4}/{self.cfg.learner.max_updates}"
+            f"  reward {reward if reward is None else f'{reward:.3f}'}"
+            f"  trained {last.get('learner/samples_trained', 0)}"
+            f"  staleness(mean) {last.get('staleness/mean', 0):.2f}"
+            f"  gen {gen_tps:.0f} tok/s  buffered {snap.get('depth', {}).get('samples_in_buffer', '?')}"
+        )
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+        if self.timeline:
+            with (self.output_dir / TIMELINE_FILE).open("w") as f:
+                for snap in self.timeline:
+                    f.write(json.dumps(snap, default=str) + "\n")
+
+
+def weight_server_stats(metrics: dict[str, Any], name: str = "policy") -> dict[str, Any]:
+    """A flat view of the weight server's metrics for the monitor: the newest version's bytes,
+    publish duration, pulls and publish->applied latency (mean and max over workers)."""
+    versions = metrics.get("versions", {}).get(name, {})
+    out: dict[str, Any] = {f"ws/{k}": v for k, v in metrics.get("counters", {}).items()}
+    if versions:
+        newest = max(versions, key=int)
+        rec = versions[newest]
+        lat = [a["latency_s"] for a in rec.get("applied", {}).values() if a.get("latency_s") is not None]
+        out.update({
+            "version": int(newest),
+            "bytes": rec.get("bytes"),
+            "publish_duration_s": rec.get("publish_duration_s"),
+            "pulls": rec.get("pulls"),
+            "sync_latency_s": sum(lat) / len(lat) if lat else None,
+            "sync_latency_max_s": max(lat) if lat else None,
+            "workers_applied": len(lat),
+        })
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, Any]], wall_s: float,
+              exit_reason: str) -> dict[str, Any]:
+    rewards = [r.get(REWARD_KEY) for r in rows]
+    k = max(1, min(5, len(rows) // 4 or 1))
+    samples = rows[-1].get("learner/samples_trained", 0) if rows else 0
+    last_snap = timeline[-1] if timeline else {}
+    workers = {n: w.get("stats", {}) for n, w in last_snap.get("consumers", {}).items() if isinstance(w, dict)}
+    gen_samples = sum(int(s.get("samples", 0)) for s in workers.values())
+    staleness_means = [r.get("staleness/mean") for r in rows]
+    staleness_max = max((r.get("staleness/max", 0) for r in rows), default=0)
+    compute = sum(r.get("learner/time_compute_s", 0.0) for r in rows)
+    wait = sum(r.get("learner/time_wait_s", 0.0) for r in rows)
+    publish = sum(r.get("learner/time_publish_s", 0.0) for r in rows)
+    # the learner's active window (first to last update), so start-up time does not dilute the rate
+    active_s = (rows[-1].get("time", 0.0) - rows[0].get("time", 0.0)) if len(rows) > 1 else 0.0
+    active_samples = samples - (rows[0].get("learner/samples_trained", 0) if rows else 0)
+    return {
+        "run_id": cfg.buffer.run_id,
+        "exit_reason": exit_reason,
+        "max_staleness": cfg.algo.max_staleness,
+        "steps": len(rows),
+        "samples_trained": samples,
+        "samples_generated": gen_samples,
+        "reward_start": _mean(rewards[:k]),
+        "reward_end": _mean(rewards[-k:]),
+        "reward_max": max((r for r in rewards if r is not None), default=None),
+        "staleness_mean": _mean(staleness_means),
+        "staleness_max": staleness_max,
+        "wall_s": wall_s,
+        "training_window_s": active_s,
+        "throughput": {
+            "trained_samples_per_s": active_samples / active_s if active_s else 0.0,
+            # each worker's own rate over its uptime, summed
+            "generated_samples_per_s": sum(float(w.get("samples_per_s", 0.0)) for w in workers.values()),
+            "generated_tokens_per_s": sum(float(w.get("tokens_per_s", 0.0)) for w in workers.values()),
+            "learner_compute_s": compute,
+            "learner_wait_s": wait,
+            "learner_publish_s": publish,
+            "weight_sync_latency_s": last_snap.get("stats", {}).get("weight_server", {}).get("sync_latency_s"),
+        },
+        "dead_letters": last_snap.get("counters", {}).get("dead_letters"),
+        "leases_reclaimed": last_snap.get("counters", {}).get("prompts_reclaimed"),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def f(x: Any) -> str:
+        return "n/a" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+    t = s["throughput"]
+    return "\n".join([
+        f"run {s['run_id']} ({s['exit_reason'] or 'done'}) in {s['wall_s']:.0f} s",
+        f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}",
+        f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",
+        f"  staleness mean {f(s['staleness_mean'])}, max {f(s['staleness_max'])} (limit {s['max_staleness']})",
+        f"  throughput: generated {t['generated_tokens_per_s']:.0f} tok/s ({t['generated_samples_per_s']:.1f} samples/s), "
+        f"trained {t['trained_samples_per_s']:.1f} samples/s; learner compute {t['learner_compute_s']:.0f} s, "
+        f"waiting {t['learner_wait_s']:.0f} s, publishing {t['learner_publish_s']:.1f} s",
+    ])
+
+
+def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[Path]:
+    """PNG plots with labelled axes. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    if not rows:
+        return written
+    t0 = rows[0].get("time", 0.0) - rows[0].get("learner/time_compute_s", 0.0)
+    wall = [r.get("time", 0.0) - t0 for r in rows]
+    samples = [r.get("learner/samples_trained", 0) for r in rows]
+    reward = [r.get(REWARD_KEY, float("nan")) for r in rows]
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(wall, reward)
+    axes[0].set_xlabel("wall-clock time (s)")
+    axes[0].set_ylabel("mean reward of the batch")
+    axes[1].plot(samples, reward)
+    axes[1].set_xlabel("samples trained")
+    axes[1].set_ylabel("mean reward of the batch")
+    fig.suptitle("Reward")
+    fig.tight_layout()
+    written.append(_save(fig, output_dir / "reward.png"))
+
+    kl_key = next((k for k in ("loss/kl", "learner/kl", "loss/behav_approx_kl", "loss/approx_kl") if k in rows[-1]), None)
+    if kl_key:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r.get("learner/version", i) for i, r in enumerate(rows)], [r.get(kl_key, float("nan")) for r in rows])
+        ax.set_xlabel("learner version")
+        ax.set_ylabel(kl_key)
+        ax.set_title("KL")
+        fig.tight_layout()
+        written.append(_save(fig, output_dir / "kl.png"))
+
+    hists = [r.get("staleness/hist") for r in rows]
+    if any(hists):
+        width = 1 + max(len(h) for h in hists if h)
+        import numpy as np
+
+        grid = np.zeros((width, len(rows)))
+        for j, h in enumerate(hists):
+            for lag, count in enumerate(h or []):
+                grid[lag, j] = count
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        im = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
+        ax.set_xlabel("learner update")
+        ax.set_ylabel("staleness (versions)")
+        ax.set_title("Staleness of trained samples over time")
+        fig.colorbar(im, ax=ax, label="samples")
+        fig.tight_layout()
+        written.append(_save(fig, output_dir / "staleness.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if len(timeline) > 1:
+        tt0 = timeline[0]["time"]
+        ts, gen = [], []
+        for a, b in zip(timeline, timeline[1:]):
+            dt = max(b["time"] - a["time"], 1e-9)
+            tok = lambda s: sum(int(w.get("stats", {}).get("tokens", 0)) for w in s.get("consumers", {}).values()  # noqa: E731
+                                if isinstance(w, dict))
+            ts.append(b["time"] - tt0)
+            gen.append(max(0, tok(b) - tok(a)) / dt)
+        ax.plot(ts, gen, label="generated (workers)")
+    trained_tps = [r.get("learner/tokens_per_s") for r in rows]
+    if any(v is not None for v in trained_tps):
+        ax.plot(wall, [v or 0 for v in trained_tps], label="trained (learner)")
+    ax.set_xlabel("wall-clock time (s)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Throughput per stage")
+    ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, output_dir / "throughput.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_reason: str) -> str:
+    rows = read_metrics(output_dir)
+    timeline = progress.timeline if progress else []
+    wall = time.time() - (progress.started if progress else time.time())
+    summary = summarize(cfg, rows, timeline, wall, exit_reason)
+    try:
+        summary["plots"] = [p.name for p in plot(output_dir, rows, timeline)]
+    except Exception as exc:  # a plot must never lose the summary
+        log.warning("plots failed: %s", exc)
+        summary["plots"] = []
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return format_summary(summary)

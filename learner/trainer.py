@@ -1,0 +1,420 @@
+"""The learner's outer loop: read a batch, update, publish v+1, checkpoint, then commit.
+
+Order matters (invariant 3): the batch that produced version v+1 is acked in the buffer only
+after v+1 is published and a checkpoint that contains it is on disk. A checkpoint records the
+ids of the batches it has trained on; after a crash the restarted learner acks exactly those
+(they are in its weights) and receives the rest again (they are not). So no sample is lost
+and none is trained twice beyond ``buffer.max_reuse``.
+
+Versions never repeat with different weights: a restarted learner first offers its restored
+weights under the checkpoint's own version. The weight server accepts that only when it holds
+exactly those weights under that number (or nothing newer), so a clean restart continues at the
+same version; when a version beyond the checkpoint was published before the crash, the
+restored weights go out above the newest one, and the workers switch to them.
+
+One line per update goes to ``metrics.jsonl`` before that update's checkpoint, so every
+checkpointed update has its line. After a crash, the updates published but not checkpointed
+are trained again and appear twice: the later line of a ``learner/updates`` value is the one
+in the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from buffer import Buffer
+from buffer.datasets import iter_prompts
+from rlhf_core.config import Config, ConfigError, validate
+from rlhf_core.errors import UserError
+from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
+from rlhf_core.records import Prompt
+from rlhf_core.tasks import builtin_prompts
+from learner.engines import all_reduce_max, broadcast_samples
+from weight_server import StaleVersionError, WeightPublisher
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+#: what rlhf_core.records.validate_sample says about token ids beyond the run's vocabulary
+VOCAB_DEAD_LETTER = "outside the vocabulary"
+
+
+class TokenizerMismatchError(UserError):
+    """Workers tokenize with another vocabulary than the learner's model: nothing can be trained."""
+
+
+@dataclass
+class LearnerResult:
+    version: int
+    updates: int
+    samples: int
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    stopped_by: str = "budget"
+
+
+def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
+    """Prompts of one epoch, from the built-in task or a local dataset."""
+    data = cfg.data
+
+    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
+        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
+
+    return lambda epoch: iter_prompts(data, epoch, builtin=builtin)
+
+
+class Learner:
+    def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
+        from learner.checkpoint import load_latest
+        from learner.engines import make_engine
+        from learner.update import PolicyUpdater
+
+        self.cfg = cfg
+        self.output_dir = Path(output_dir or cfg.run.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_dir = Path(cfg.learner.checkpoint_dir or self.output_dir / "checkpoints")
+        self.stop_event = threading.Event()
+        # A stable consumer name: a restarted learner must get back what it read and did not commit.
+        self.consumer = f"learner-{int(os.environ.get('RANK', 0))}"
+        torch.manual_seed(cfg.learner.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.engine = make_engine(cfg, load_policy(cfg.model))
+        eos_ids = _check_tokenizer(self.tokenizer, self.engine.module)
+        self.critic = make_engine(cfg, load_critic(cfg.model)) if cfg.algo.estimator == "gae" else None
+        needs_ref = (cfg.algo.kl_coef > 0 or cfg.algo.estimator == "dpo") and cfg.rollout.ref_logprobs_on != "worker"
+        self.ref = load_reference(cfg.model) if needs_ref else None
+        self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic, eos_ids=eos_ids)
+        self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.rank0 = self.engine.is_rank0
+        vocab = int(self.engine.module.config.vocab_size) if hasattr(self.engine.module, "config") else None
+        if self.rank0:
+            self.buffer.init_run(
+                batch_size=cfg.learner.batch_size,
+                group_size=cfg.algo.group_size,
+                max_staleness=cfg.algo.max_staleness,
+                max_response_tokens=cfg.rollout.max_new_tokens,
+                vocab_size=vocab,
+            )
+        ws = cfg.weight_server
+        self.publisher = WeightPublisher(ws.address, ws) if self.rank0 else None
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.version = self._restored_version = 0
+        self.samples_trained = 0
+        self.updates = 0
+        self.uncommitted: list[Any] = []  # rank 0: ids of the batches trained since the last checkpoint
+        self._checkpointed = 0  # self.updates at the last checkpoint (every rank knows it; ids only rank 0)
+        extra = load_latest(self.ckpt_dir, self.engine, self.critic)
+        if extra is not None:
+            self._restore(extra)
+        self._publish_dtype = {"as_trained": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            cfg.learner.publish_dtype
+        ]
+        self.metrics_path = self.output_dir / METRICS_FILE
+        self._producer: threading.Thread | None = None
+        self._vocab = vocab
+        self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
+        self.exporter = None
+        if self.rank0 and cfg.learner.prometheus_port is not None:
+            from rlhf_core.prometheus import Exporter
+
+            self.exporter = Exporter("rlhf", {"run": cfg.buffer.run_id})
+            self.exporter.serve(cfg.learner.prometheus_port)
+        self.tensorboard = _tensorboard(self.output_dir) if self.rank0 else None
+
+    # ------------------------------------------------------------------ resume
+
+    def _restore(self, extra: dict[str, Any]) -> None:
+        self.version = self._restored_version = int(extra["version"])
+        self.samples_trained = int(extra.get("samples_trained", 0))
+        self.updates = self._checkpointed = int(extra.get("updates", 0))
+        self.updater.load_state_dict(extra.get("updater", {}))
+        trained_ids = extra.get("trained_ids", [])
+        if self.rank0 and trained_ids:
+            # in the weights already: ack them so they are not delivered again
+            self.buffer.commit_ids(trained_ids)
+        log.info("resumed from checkpoint at version %d (%d samples trained)", self.version, self.samples_trained)
+
+    def _publish_start(self) -> None:
+        """Publish the weights this learner starts from (initial or restored) under a number that
+        never names other weights, and make it ``self.version``. Collective.
+
+        First offer: the checkpoint's own version (0 when fresh) when the server holds nothing
+        newer. The server takes it when it holds nothing at that number, or exactly these weights
+        there (a restart after a clean checkpoint): training continues at the same version. It
+        refuses other weights under a held number, and then (or when a version beyond the
+        checkpoint was already published) the weights go out as the newest version + 1.
+        """
+        newest = self.publisher.latest_version() if self.publisher else None
+        offer = self.version if newest is None or newest <= self.version else newest + 1
+        for _ in range(3):  # a refusal means another publisher got there first: look again
+            # only rank 0 asks the weight server; the others take its answer
+            self.version = int(all_reduce_max(torch.tensor([float(offer)])).item())
+            refused = float(not self.publish(refusable=True))
+            if not all_reduce_max(torch.tensor([refused])).item():
+                if self.version != int(self._restored_version):
+                    log.info("weight server already held other weights at version %d; published the restored "
+                             "weights (checkpoint version %d) as version %d", max(newest or 0, self._restored_version),
+                             self._restored_version, self.version)
+                return
+            newest = self.publisher.latest_version() if self.publisher else None
+            offer = (newest if newest is not None else self.version) + 1
+        raise UserError(f"the weight server at {self.cfg.weight_server.address} keeps refusing version {offer}: is a "
+                        "second learner publishing to it? Give each run its own weight server")
+
+    # ------------------------------------------------------------------ the loop
+
+    def publish(self, refusable: bool = False) -> bool:
+        """Publish the current weights as ``self.version``. Collective: every rank gathers (under
+        ZeRO-3 module by module), rank 0 streams them to the weight server as they come.
+
+        Returns False (rank 0, only when ``refusable``) if the server holds other weights under
+        that version or a newer one; other ranks return True.
+        """
+        t0 = time.monotonic()
+        tensors = self.engine.named_full_parameters(self._publish_dtype)
+        if self.publisher is None:
+            for _ in tensors:  # keep in step with rank 0's gathers
+                pass
+            return True
+        try:
+            self.publisher.publish(self.version, tensors)
+        except StaleVersionError:
+            if not refusable:
+                raise
+            return False
+        self._last_publish_s = time.monotonic() - t0
+        return True
+
+    def checkpoint(self) -> None:
+        from learner.checkpoint import save_checkpoint
+
+        extra = {
+            "version": self.version,
+            "updates": self.updates,
+            "samples_trained": self.samples_trained,
+            "updater": self.updater.state_dict(),
+            "trained_ids": [i for ids in self.uncommitted for i in ids],
+            "incarnation": self.incarnation,
+        }
+        save_checkpoint(self.ckpt_dir, f"v{self.version:08d}", self.engine, self.critic, extra,
+                        keep=self.cfg.learner.keep_checkpoints)
+        if self.rank0:
+            for ids in self.uncommitted:
+                self.buffer.commit_ids(ids)
+        self.uncommitted.clear()
+        self._checkpointed = self.updates
+
+    def run(self, max_updates: int | None = None, max_seconds: float | None = None) -> LearnerResult:
+        cfg = self.cfg
+        max_updates = cfg.learner.max_updates if max_updates is None else max_updates
+        max_seconds = cfg.run.max_seconds if max_seconds is None else max_seconds
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        result = LearnerResult(self.version, 0, 0)
+        self._last_publish_s = 0.0
+        self._publish_start()
+        if self.rank0:
+            self.buffer.set_learner_version(self.version)
+            self._producer = threading.Thread(target=self._produce_prompts, name="prompts", daemon=True)
+            self._producer.start()
+        ckpt_every = max(1, cfg.learner.checkpoint_every)
+        with self.metrics_path.open("a") as metrics_file:
+            t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
+            while True:
+                reason = self._stop_reason(max_updates, deadline)
+                if reason:
+                    result.stopped_by = reason
+                    break
+                # rank 0 reads, every rank trains on the same samples (broadcast as wire bytes)
+                batch = self.buffer.read_batch(self.consumer, self.version, cfg.learner.batch_size, timeout_s=1.0) \
+                    if self.rank0 else None
+                samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
+                if not samples:
+                    if self.rank0:
+                        self._check_dead_letters()
+                    continue
+                self._last_batch_time = time.time()
+                wait_s = time.monotonic() - t_wait
+                lags = [self.version - smp.oldest_version for smp in samples]
+                t_compute = time.monotonic()
+                metrics = self.updater.update(samples, self.version)
+                compute_s = time.monotonic() - t_compute
+                self.version += 1
+                self.updates += 1
+                self.samples_trained += len(samples)
+                if batch is not None:
+                    self.uncommitted.append(list(batch.ids))
+                self.publish()
+                if self.rank0:
+                    self.buffer.set_learner_version(self.version)
+                metrics.update({
+                    "learner/version": self.version,
+                    "learner/updates": self.updates,
+                    "learner/samples_trained": self.samples_trained,
+                    "learner/time_wait_s": wait_s,
+                    "learner/time_compute_s": compute_s,
+                    "learner/time_publish_s": self._last_publish_s,
+                    "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
+                    "time": time.time(),
+                })
+                result.metrics.append(metrics)
+                if self.rank0:
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
+                    self.buffer.publish_stats("learner", metrics)
+                    if self.exporter is not None:
+                        self.exporter.update(metrics)
+                    if self.tensorboard is not None:
+                        for key, value in metrics.items():
+                            if isinstance(value, (int, float)):
+                                self.tensorboard.add_scalar(key, value, self.version)
+                # after the metrics line: a checkpointed update always has its line
+                if self.updates % ckpt_every == 0:
+                    self.checkpoint()
+                t_wait = time.monotonic()
+        self.stop_event.set()  # the prompt producer stops too
+        # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
+        if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
+            self.checkpoint()  # final checkpoint, then commit
+        if self._producer is not None:
+            self._producer.join(timeout=10)
+        result.version, result.updates, result.samples = self.version, self.updates, self.samples_trained
+        return result
+
+    def _stop_reason(self, max_updates: int, deadline: float | None) -> str:
+        """Why to stop now ("" to go on), agreed by all ranks (rank 0 may have seen the signal)."""
+        reasons = ("", "budget", "time", "signal")
+        local = 3 if self.stop_event.is_set() else 1 if self.updates >= max_updates else \
+            2 if deadline is not None and time.monotonic() > deadline else 0
+        agreed = int(all_reduce_max(torch.tensor([float(local)])).item())
+        return reasons[agreed]
+
+    def _check_dead_letters(self) -> None:
+        """Rank 0, after a read that found nothing: if a whole batch worth of samples was dead-lettered
+        since the last batch because of token ids beyond the learner's vocabulary, the workers use
+        another tokenizer and no batch will ever come; stop with a message that says so."""
+        want = self.cfg.learner.batch_size
+        try:
+            recent = self.buffer.dead_letters(count=want)
+        except Exception:  # noqa: BLE001  # a diagnostic must never stop training
+            log.debug("cannot read dead letters", exc_info=True)
+            return
+        vocab = [d for d in recent if d["kind"] == "sample" and VOCAB_DEAD_LETTER in d["reason"]
+                 and _float(d["ts"]) >= self._last_batch_time]
+        if len(vocab) < want:
+            return
+        producers = sorted({d["producer"] for d in vocab})
+        raise TokenizerMismatchError(
+            f"no batch can form: the last {len(vocab)} samples from worker(s) {', '.join(producers)} were dead-lettered "
+            f"by the buffer because {vocab[-1]['reason'].rstrip('?')} (the learner's model has {self._vocab} tokens). "
+            "The workers tokenize with another tokenizer than the learner's model: point model.path / "
+            "model.tokenizer_path of workers and learner at the same model, then restart them"
+        )
+
+    def _produce_prompts(self) -> None:
+        """Keep the prompt queue topped up (epoch by epoch, cursor kept in Redis) until the run stops."""
+        source = prompt_source(self.cfg)
+        groups = max(1, self.cfg.learner.batch_size // self.cfg.algo.group_size)
+        low = max(32, 4 * groups)  # enough queued prompts for a few batches of every worker
+        while not self.stop_event.is_set():
+            try:
+                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low)
+                if self.buffer.fill_state()["done"]:
+                    log.info("all %d epochs of prompts are enqueued", self.cfg.data.epochs)
+                    return
+            except Exception:  # keep training on what is queued; the log says why prompts stopped
+                log.exception("prompt producer failed; retrying")
+            self.stop_event.wait(0.5)
+
+    def export(self, out_dir: str | Path) -> Path:
+        from learner.checkpoint import export_hf
+
+        return export_hf(self.engine, self.tokenizer, out_dir)
+
+    def request_stop(self, *_: Any) -> None:
+        log.info("learner: stop requested; finishing the current update and writing a checkpoint")
+        self.stop_event.set()
+
+    def close(self) -> None:
+        """Stop the prompt producer and close the connections (the process may go on, e.g. in tests)."""
+        self.stop_event.set()
+        if self._producer is not None:
+            self._producer.join(timeout=10)
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.exporter is not None:
+            self.exporter.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        self.buffer.close()
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
+    """Refuse a tokenizer that does not fit the model; return the end-of-sequence ids the workers
+    stop generation at (the tokenizer's and the model's generation config's, as the workers do)."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    eos: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos.update([int(gen_eos)] if isinstance(gen_eos, int) else [int(t) for t in gen_eos or []])
+    if tokenizer is not None and vocab is not None:
+        specials = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("eos", "pad", "bos")}
+        out = {n: i for n, i in specials.items() if isinstance(i, int) and not 0 <= i < vocab}
+        if len(tokenizer) > vocab or out:
+            raise ConfigError(
+                f"the tokenizer ({len(tokenizer)} tokens; special ids {specials}) does not fit the model's vocabulary "
+                f"of {vocab} (model.path={getattr(config, 'name_or_path', '?')}): model.tokenizer_path must name the "
+                "tokenizer the model was trained with"
+            )
+    return frozenset(eos)
+
+
+def _tensorboard(output_dir: Path) -> Any:
+    """TensorBoard scalars when tensorboard is installed (optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(output_dir / "tensorboard"))
+
+
+def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> LearnerResult:
+    """Entry-point body: validate once, build, train until the budget or a signal."""
+    validate(cfg)
+    if cfg.buffer.url is None or cfg.weight_server.address is None:
+        raise ConfigError(
+            "rlhf-learner needs buffer.url=redis://... and weight_server.address=tcp://... "
+            "(rlhf-run starts both for you on one machine)"
+        )
+    if cfg.buffer.run_id == "auto":
+        raise ConfigError("rlhf-learner needs buffer.run_id=<name>: the key namespace its workers use too")
+    learner = Learner(cfg)
+    if install_signals:
+        signal.signal(signal.SIGTERM, learner.request_stop)
+        signal.signal(signal.SIGINT, learner.request_stop)
+    try:
+        result = learner.run(**budget)
+        if cfg.learner.export_dir:
+            learner.export(cfg.learner.export_dir)  # collective under ZeRO-3: every rank calls it
+    finally:
+        learner.close()
+    log.info("learner done at version %d after %d updates (%d samples)", result.version, result.updates, result.samples)
+    return result

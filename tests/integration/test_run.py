@@ -1,0 +1,205 @@
+"""The one-command run (issue: launcher): the default task learns, the monitor sees a live run,
+multirun jobs get separate namespaces, standalone workers join, Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from buffer import RunKeys
+
+pytestmark = [pytest.mark.integration]
+
+BIN = Path(sys.executable).parent
+
+
+def script(name: str) -> str:
+    return str(BIN / name)
+
+
+def base_overrides(cache: Path) -> list[str]:
+    return [
+        f"model.cache_dir={cache}",
+        "run.progress=false",
+        "rollout.slots=8",
+        "learner.batch_size=16",
+        "learner.micro_batch_size=16",
+        "learner.checkpoint_every=2",
+        "buffer.heartbeat_interval_s=0.5",
+        "buffer.lease_timeout_s=3",
+    ]
+
+
+def run_cmd(args: list[str], cwd: Path, timeout: float, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_default_run_learns_and_reports(tmp_path, model_cache):
+    """A smaller version of the README's main command: reward rises, summary and plots exist."""
+    out = tmp_path / "out"
+    # the default task at a higher learning rate, so 250 updates (~40 s) show it
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false",
+                    "learner.max_updates=250", "learner.lr=1e-3", "learner.checkpoint_every=50"], tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 250
+    assert summary["samples_trained"] == 250 * 32
+    # random level is ~0.01 (one right digit in 99); the start is the mean of the first
+    # updates, the end of the last ones
+    assert summary["reward_start"] < 0.03, summary
+    assert summary["reward_end"] > 3 * summary["reward_start"] and summary["reward_end"] > summary["reward_start"] + 0.03, summary
+    assert summary["staleness_max"] <= 2
+    assert "reward" in proc.stdout and "->" in proc.stdout
+    for png in ("reward.png", "staleness.png", "throughput.png"):
+        assert (out / png).stat().st_size > 1000, png
+    assert (out / "logs" / "learner.log").exists() and (out / "logs" / "worker-0.log").exists()
+
+
+@pytest.mark.timeout(300)
+def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redis_server, model_cache):
+    out = tmp_path / "out"
+    run_id = "live-run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
+         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+
+        def learner_version() -> int:
+            v = r.get(RunKeys.for_run(run_id).version)
+            return int(v or 0)
+
+        wait_for(lambda: learner_version() >= 2, 180, "two learner updates")
+        snap_proc = run_cmd([script("rlhf-monitor"), f"url={redis_server.url}", f"run_id={run_id}", "--once", "--json"],
+                            tmp_path, timeout=60)
+        assert snap_proc.returncode == 0, snap_proc.stderr
+        snap = json.loads(snap_proc.stdout.strip().splitlines()[-1])
+        assert snap["run_id"] == run_id
+        assert snap["learner_version"] >= 2
+        workers = {n: c for n, c in snap["consumers"].items() if n.startswith("worker-")}
+        assert set(workers) == {"worker-0", "worker-1"}
+        assert all(c["stats"]["tokens"] > 0 for c in workers.values())
+        assert snap["counters"]["samples_consumed"] >= 2 * 16
+        assert sum(snap["staleness_hist"].values()) == snap["counters"]["samples_consumed"]
+        assert "learner" in snap["stats"] and snap["stats"]["learner"]["learner/version"] >= 2
+        pids = json.loads((out / "children.json").read_text())
+        assert set(pids) == {"learner", "worker-0", "worker-1"}
+        assert all(pid_alive(p) for p in pids.values())
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, output[-3000:]
+        assert not [n for n, p in pids.items() if pid_alive(p)], "children left running"
+        metrics = json.loads(run_cmd([script("rlhf-monitor"), f"url={redis_server.url}", f"run_id={run_id}",
+                                      "--once", "--json"], tmp_path, timeout=60).stdout.splitlines()[-1])
+        assert metrics["depth"]["prompts_leased"] == 0, "a lease was left behind"
+        assert metrics["depth"]["samples_inflight"] == 0
+        assert (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()), "no final checkpoint"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_multirun_jobs_get_separate_namespaces(tmp_path, redis_server, model_cache):
+    sweep = tmp_path / "sweep"
+    proc = run_cmd([script("rlhf-run"), "-m", f"hydra.sweep.dir={sweep}", *base_overrides(model_cache),
+                    f"buffer.url={redis_server.url}", "learner.max_updates=3", "rollout.num_workers=1",
+                    "algo.max_staleness=0,2"], tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert [s["max_staleness"] for s in summaries] == [0, 2]
+    assert all(s["steps"] == 3 for s in summaries)
+    run_ids = {s["run_id"] for s in summaries}
+    assert len(run_ids) == 2
+    r = redis.Redis.from_url(redis_server.url)
+    for run_id in run_ids:  # each job's keys live under its own prefix
+        assert int(r.get(RunKeys.for_run(run_id).version)) == 3
+    table = json.loads((sweep / "sweep_summary.json").read_text())
+    assert [row["max_staleness"] for row in table] == [0, 2]
+    assert "sweep comparison" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_standalone_workers_join_and_leave(tmp_path, redis_server, model_cache):
+    """rlhf-run with no workers and external Redis; rlhf-worker processes join, one leaves."""
+    out = tmp_path / "out"
+    run_id = "standalone"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.Popen(
+        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
+         f"buffer.run_id={run_id}", "rollout.num_workers=0", "learner.max_updates=6",
+         "weight_server.port=0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    workers: list[subprocess.Popen] = []
+    try:
+        cfg_path = wait_for(lambda: (out / "run_config.yaml").exists() and out / "run_config.yaml", 120, "run config")
+        import yaml
+
+        ws = yaml.safe_load(cfg_path.read_text())["weight_server"]
+        r = redis.Redis.from_url(redis_server.url)
+        version = lambda: int(r.get(RunKeys.for_run(run_id).version) or 0)  # noqa: E731
+        time.sleep(2)
+        assert version() == 0, "no worker yet, so no update can have happened"
+        for i in range(2):
+            workers.append(subprocess.Popen(
+                [script("rlhf-worker"), *base_overrides(model_cache), f"buffer.url={redis_server.url}",
+                 f"buffer.run_id={run_id}", f"weight_server.address={ws['address']}",
+                 f"weight_server.pub_address={ws['pub_address']}", f"hydra.run.dir={tmp_path / f'w{i}'}"],
+                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=dict(env, RLHF_WORKER_ID=f"ext-{i}")))
+        wait_for(lambda: version() >= 2, 240, "updates from joined workers")
+        consumers = lambda: {k.decode() for k in r.hkeys(RunKeys.for_run(run_id).consumers)}  # noqa: E731
+        wait_for(lambda: {"ext-0", "ext-1"} <= consumers(), 120, "both external workers to join")
+        workers[0].send_signal(signal.SIGTERM)  # one leaves; the run goes on
+        assert workers[0].wait(timeout=60) == 0
+        output, _ = run.communicate(timeout=300)
+        assert run.returncode == 0, output[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps"] == 6
+    finally:
+        for p in workers + [run]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
