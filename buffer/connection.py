@@ -25,6 +25,7 @@ from redis.retry import Retry
 
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
+from rlhf_core.retry import Backoff
 
 log = logging.getLogger("buffer")
 
@@ -125,9 +126,7 @@ class Retrying:
         self.reconnects = 0
 
     def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        delay = BACKOFF_START_S
-        start = time.monotonic()
-        attempt = 0
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S, self.max_retry_s)
         while True:
             try:
                 return fn(*args, **kwargs)
@@ -139,9 +138,8 @@ class Retrying:
                     "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
                 ) from None
             except _TRANSIENT as exc:
-                attempt += 1
-                elapsed = time.monotonic() - start
-                if elapsed + delay > self.max_retry_s:
+                delay = backoff.next_delay()
+                if delay is None:
                     where, cmd = address(self.url)
                     raise BufferUnavailable(
                         f"lost Redis at {where} and it did not come back within buffer.max_retry_s="
@@ -150,11 +148,10 @@ class Retrying:
                     ) from None
                 log.warning(
                     "redis at %s: %s: %s; retrying in %.2f s (attempt %d, giving up after %g s)",
-                    address(self.url)[0], type(exc).__name__, exc, delay, attempt, self.max_retry_s,
+                    address(self.url)[0], type(exc).__name__, exc, delay, backoff.attempts, self.max_retry_s,
                 )
                 self.reconnects += 1
                 time.sleep(delay)
-                delay = min(delay * 2, BACKOFF_CAP_S)
 
 
 def connect(url: str, cfg: BufferConfig) -> redis.Redis:
@@ -165,8 +162,7 @@ def connect(url: str, cfg: BufferConfig) -> redis.Redis:
     """
     client = redis.Redis.from_url(url, **client_kwargs(url, cfg))
     where, cmd = address(url)
-    deadline = time.monotonic() + cfg.connect_timeout_s
-    delay = BACKOFF_START_S
+    backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S, cfg.connect_timeout_s)
     while True:
         try:
             client.ping()
@@ -182,7 +178,8 @@ def connect(url: str, cfg: BufferConfig) -> redis.Redis:
                     f"cannot open a TLS connection to Redis at {where} ({reason}): check buffer.ssl_ca_certs, "
                     "buffer.ssl_certfile and buffer.ssl_keyfile, and that the server has TLS on that port"
                 ) from None
-            if time.monotonic() + delay > deadline:
+            delay = backoff.next_delay()
+            if delay is None:
                 client.close()
                 raise BufferUnavailable(
                     f"cannot reach Redis at {where} ({reason}) within {cfg.connect_timeout_s:g} s: is "
@@ -190,4 +187,3 @@ def connect(url: str, cfg: BufferConfig) -> redis.Redis:
                 ) from None
             log.info("waiting for Redis at %s (%s); retrying in %.2f s", where, reason, delay)
             time.sleep(delay)
-            delay = min(delay * 2, BACKOFF_CAP_S)

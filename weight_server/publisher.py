@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from rlhf_core.config import ConfigError, WeightServerConfig
+from rlhf_core.retry import Backoff
 from weight_server import protocol as P
 from weight_server.client import Channel, NoReply
 from weight_server.errors import StaleVersionError, WeightIntegrityError, WeightServerError, WeightServerUnavailable
@@ -186,8 +187,7 @@ class WeightPublisher:
         return self.channel.request(kind, timeout_s=timeout_s, **fields)
 
     def _with_retries(self, fn: Any, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + self.cfg.retry_timeout_s
-        backoff = 0.1
+        backoff = Backoff(0.1, _MAX_BACKOFF_S, self.cfg.retry_timeout_s)
         integrity_failures = 0
         while True:
             try:
@@ -198,14 +198,14 @@ class WeightPublisher:
                     if integrity_failures >= 3:
                         raise WeightIntegrityError(f"{what}: the server rejected the bytes {integrity_failures} times ({exc})") from None
                 self.channel.reset()  # drop anything queued for the dead connection
-                if time.monotonic() + backoff > deadline:
+                delay = backoff.next_delay()
+                if delay is None:
                     raise WeightServerUnavailable(
                         f"{what}: no answer from the weight server at {self.channel.address} for "
                         f"{self.cfg.retry_timeout_s:g} s (weight_server.retry_timeout_s); is `rlhf-weight-server` running there?"
                     ) from None
-                log.warning("%s: %s; retrying in %.1f s", what, exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
+                time.sleep(delay)
 
 
 def plan_chunks(
