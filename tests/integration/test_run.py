@@ -140,9 +140,10 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_multirun_jobs_get_separate_namespaces(tmp_path, redis_server, model_cache):
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]], ids=["basic", "joblib"])
+def test_multirun_jobs_get_separate_namespaces(tmp_path, redis_server, model_cache, launcher):
     sweep = tmp_path / "sweep"
-    proc = run_cmd([script("rlhf-run"), "-m", f"hydra.sweep.dir={sweep}", *base_overrides(model_cache),
+    proc = run_cmd([script("rlhf-run"), "-m", *launcher, f"hydra.sweep.dir={sweep}", *base_overrides(model_cache),
                     f"buffer.url={redis_server.url}", "learner.max_updates=3", "rollout.num_workers=1",
                     "algo.max_staleness=0,2"], tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
