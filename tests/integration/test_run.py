@@ -91,12 +91,16 @@ def test_default_run_learns_and_reports(tmp_path, model_cache):
 
 @pytest.mark.timeout(300)
 def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redis_server, model_cache):
+    from servers import free_port
+
     out = tmp_path / "out"
     run_id = "live-run"
+    learner_port, worker_port = free_port(), free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
-         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=2"],
+         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=2",
+         f"learner.prometheus_port={learner_port}", f"rollout.prometheus_port={worker_port}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -123,9 +127,36 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         assert set(pids) == {"learner", "worker-0", "worker-1"}
         assert all(pid_alive(p) for p in pids.values())
 
+        # Prometheus on the learner and on each worker (worker i on the port + i)
+        import urllib.request
+
+        def scrape(port: int) -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+        assert "rlhf_learner_version" in wait_for(lambda: "rlhf_learner_version" in scrape(learner_port)
+                                                  and scrape(learner_port), 30, "learner metrics")
+        for i in range(2):
+            body = wait_for(lambda: "rlhf_worker_tokens" in scrape(worker_port + i) and scrape(worker_port + i),
+                            30, f"worker-{i} metrics")
+            assert f'worker="worker-{i}"' in body
+
+        # a crashed worker is reported and restarted; the run goes on
+        os.kill(pids["worker-0"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        new = wait_for(lambda: (p := json.loads((out / "children.json").read_text()))["worker-0"] != pids["worker-0"] and p,
+                       60, "worker-0 restarted")
+        # the dead worker's leases expire after buffer.lease_timeout_s (3 s) and are reclaimed
+        # by the next claims; give that time, with updates still coming
+        time.sleep(max(0.0, killed_at + 5 - time.monotonic()))
+        v = learner_version()
+        wait_for(lambda: learner_version() >= v + 2, 120, "updates after the restart")
+        pids = new
+
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 130, output[-3000:]
+        assert "worker-0 exited with code -9; last lines of" in output  # the crash was reported with the log tail
+        assert "restarting worker-0 (restart 1)" in output
         assert not [n for n, p in pids.items() if pid_alive(p)], "children left running"
         metrics = json.loads(run_cmd([script("rlhf-monitor"), f"url={redis_server.url}", f"run_id={run_id}",
                                       "--once", "--json"], tmp_path, timeout=60).stdout.splitlines()[-1])
@@ -204,3 +235,32 @@ def test_standalone_workers_join_and_leave(tmp_path, redis_server, model_cache):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, tiny_model_cfg):
+    """The same command with model.path=<local HF dir>, a reward-model directory and JSONL prompts."""
+    from rlhf_core import models
+
+    policy_dir = models.build_tiny_model(tiny_model_cfg.tiny, tmp_path / "policy", head="causal")
+    rm_dir = models.build_tiny_model(tiny_model_cfg.tiny, tmp_path / "rm", head="sequence")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}:"}) + "\n" for w in ("hi", "yes", "ok", "no", "a", "b")))
+    out = tmp_path / "out"
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", "run.progress=false", "model=hf",
+                    f"model.path={policy_dir}", "model.dtype=float32", "model.device=cpu", "data=jsonl",
+                    f"data.path={prompts}", "reward=model", f"reward.models.rm.path={rm_dir}",
+                    "learner.max_updates=3", "learner.batch_size=16", "learner.micro_batch_size=16",
+                    "rollout.num_workers=1", "rollout.max_new_tokens=8", f"learner.export_dir={tmp_path / 'export'}"],
+                   tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["samples_trained"] == 48
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/rm" in r for r in rows), rows[0].keys()  # the reward model's component
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert exported.config.vocab_size == 99
+
