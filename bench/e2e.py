@@ -72,12 +72,15 @@ def main() -> None:
     # workers generation alone saturates both cores and there is nothing left to overlap (the
     # full mode measures that too).
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--ppo-epochs", type=int, default=1,
+                    help="learner work per batch; 2 balances the stages of the tiny model on CPU")
     args = ap.parse_args()
     updates = 400 if args.full else 120
     common = [
         f"learner.max_updates={updates}",
         f"rollout.num_workers={args.workers}",
         "learner.lr=1e-3",  # the default task learns visibly within this budget
+        f"learner.ppo_epochs={args.ppo_epochs}",
         "run.progress=false",
         "learner.checkpoint_every=1000",
     ]
@@ -99,7 +102,7 @@ def main() -> None:
           f"final reward async {rows[1]['reward_end']:.3f} vs sync {rows[0]['reward_end']:.3f}")
     payload = {
         "mode": "full" if args.full else "quick",
-        "config": {"updates": updates, "workers": args.workers, "overrides": common},
+        "config": {"updates": updates, "workers": args.workers, "ppo_epochs": args.ppo_epochs, "overrides": common},
         "runs": rows + extra,
         "async_over_sync": ratio,
         "target": {"async_over_sync": 1.5, "speed_met": ratio >= 1.5, "reward_equal_or_better": reward_ok},

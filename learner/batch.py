@@ -163,8 +163,9 @@ def check_stop_tokens(samples: Sequence[Sample], eos_ids: frozenset[int] | set[i
         raise BatchError(
             f"sample {s.sample_id!r} from worker {s.worker_id or '?'} does not fit the learner's end-of-sequence token "
             f"ids {sorted(eos_ids)}: it {why}. The workers use a tokenizer with other special tokens than the "
-            "learner's: point model.path / model.tokenizer_path of workers and learner at the same tokenizer "
-            "(with rollout.stop_strings set, a response may also stop on other tokens; this check is then off)"
+            "learner's: point model.path / model.tokenizer_path of workers and learner at the same tokenizer, and "
+            "start a new run (buffer.run_id): this batch stays in the buffer. (With rollout.stop_strings set a "
+            "response may also stop on other tokens, and this check is off)"
         )
 
 

@@ -28,13 +28,15 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     path = output_dir / METRICS_FILE
     if not path.exists():
         return []
-    rows = []
+    by_update: dict[Any, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:  # a line being written as we read
             continue
-    return rows
+        # an update re-trained after a crash appears twice; the later line is the real one
+        by_update[row.get("learner/updates", len(by_update))] = row
+    return list(by_update.values())
 
 
 class Progress:

@@ -3,8 +3,9 @@
 Order matters (invariant 3): the batch that produced version v+1 is acked in the buffer only
 after v+1 is published and a checkpoint that contains it is on disk. A checkpoint records the
 ids of the batches it has trained on; after a crash the restarted learner acks exactly those
-(they are in its weights) and receives the rest again (they are not). So no sample is lost
-and none is trained twice beyond ``buffer.max_reuse``.
+(they are in its weights) and receives the rest again (they are not), trained from the restored
+weights with staleness measured against the checkpoint's version, so the crash drops none of
+them. So no sample is lost and none is trained twice beyond ``buffer.max_reuse``.
 
 Versions never repeat with different weights: a restarted learner first offers its restored
 weights under the checkpoint's own version. The weight server accepts that only when it holds
@@ -116,6 +117,8 @@ class Learner:
         extra = load_latest(self.ckpt_dir, self.engine, self.critic)
         if extra is not None:
             self._restore(extra)
+        # Read before a crash and not in the checkpoint: trained again from the restored weights.
+        self._replay = set(self.buffer.pending_for(self.consumer)) if self.rank0 else set()
         self._publish_dtype = {"as_trained": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             cfg.learner.publish_dtype
         ]
@@ -140,7 +143,7 @@ class Learner:
         self.updater.load_state_dict(extra.get("updater", {}))
         trained_ids = extra.get("trained_ids", [])
         if self.rank0 and trained_ids:
-            # in the weights already: ack them so they are not delivered again
+            # in the weights already: ack them so they are not delivered again (idempotent)
             self.buffer.commit_ids(trained_ids)
         log.info("resumed from checkpoint at version %d (%d samples trained)", self.version, self.samples_trained)
 
@@ -161,10 +164,11 @@ class Learner:
             self.version = int(all_reduce_max(torch.tensor([float(offer)])).item())
             refused = float(not self.publish(refusable=True))
             if not all_reduce_max(torch.tensor([refused])).item():
-                if self.version != int(self._restored_version):
-                    log.info("weight server already held other weights at version %d; published the restored "
-                             "weights (checkpoint version %d) as version %d", max(newest or 0, self._restored_version),
-                             self._restored_version, self.version)
+                if self.version != self._restored_version:
+                    what = (f"restored weights (checkpoint version {self._restored_version})" if self.updates
+                            else "initial weights")
+                    log.info("published the %s as version %d: the weight server already held versions up to %d, "
+                             "published before a crash", what, self.version, self.version - 1)
                 return
             newest = self.publisher.latest_version() if self.publisher else None
             offer = (newest if newest is not None else self.version) + 1
@@ -191,6 +195,8 @@ class Learner:
         except StaleVersionError:
             if not refusable:
                 raise
+            for _ in tensors:  # finish the gathers the other ranks are in (a no-op when consumed)
+                pass
             return False
         self._last_publish_s = time.monotonic() - t0
         return True
@@ -235,18 +241,24 @@ class Learner:
                     result.stopped_by = reason
                     break
                 # rank 0 reads, every rank trains on the same samples (broadcast as wire bytes)
-                batch = self.buffer.read_batch(self.consumer, self.version, cfg.learner.batch_size, timeout_s=1.0) \
-                    if self.rank0 else None
+                batch = self.buffer.read_batch(self.consumer, self._read_version(), cfg.learner.batch_size,
+                                               timeout_s=1.0) if self.rank0 else None
                 samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
                 if not samples:
                     if self.rank0:
                         self._check_dead_letters()
                     continue
                 self._last_batch_time = time.time()
+                # the version staleness is measured against (agreed: only rank 0 knows the replay)
+                read_version = batch.learner_version if batch is not None else -1
+                read_version = int(all_reduce_max(torch.tensor([float(read_version)])).item())
+                if batch is not None and self._replay:
+                    # re-delivered entries come first: a batch without one means none is coming back
+                    self._replay = self._replay - set(batch.ids) if self._replay & set(batch.ids) else set()
                 wait_s = time.monotonic() - t_wait
-                lags = [self.version - smp.oldest_version for smp in samples]
+                lags = [read_version - smp.oldest_version for smp in samples]
                 t_compute = time.monotonic()
-                metrics = self.updater.update(samples, self.version)
+                metrics = self.updater.update(samples, read_version)
                 compute_s = time.monotonic() - t_compute
                 self.version += 1
                 self.updates += 1
@@ -290,6 +302,14 @@ class Learner:
         result.version, result.updates, result.samples = self.version, self.updates, self.samples_trained
         return result
 
+    def _read_version(self) -> int:
+        """The learner version a read filters staleness against: the current one, except while the
+        batches read before a crash are delivered again. Those were admitted against the versions
+        of the lost updates (>= the checkpoint's), and the restored weights are the checkpoint's;
+        measured against the newer number a bump above the lost versions gave, they could be
+        dropped as stale, which would lose them to the crash."""
+        return self._restored_version if self._replay else self.version
+
     def _stop_reason(self, max_updates: int, deadline: float | None) -> str:
         """Why to stop now ("" to go on), agreed by all ranks (rank 0 may have seen the signal)."""
         reasons = ("", "budget", "time", "signal")
@@ -314,10 +334,10 @@ class Learner:
             return
         producers = sorted({d["producer"] for d in vocab})
         raise TokenizerMismatchError(
-            f"no batch can form: the last {len(vocab)} samples from worker(s) {', '.join(producers)} were dead-lettered "
-            f"by the buffer because {vocab[-1]['reason'].rstrip('?')} (the learner's model has {self._vocab} tokens). "
-            "The workers tokenize with another tokenizer than the learner's model: point model.path / "
-            "model.tokenizer_path of workers and learner at the same model, then restart them"
+            f"no batch can form: the last {len(vocab)} samples from worker(s) {', '.join(producers)} were "
+            f"dead-lettered by the buffer ({vocab[-1]['reason']}). The learner's model has {self._vocab} tokens, so the workers "
+            "tokenize with another tokenizer: point model.path / model.tokenizer_path of workers and learner at the "
+            "same model, then restart them"
         )
 
     def _produce_prompts(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.batch import BatchError, collate, gather_response, micro_batches, response_logits
+from learner.batch import BatchError, check_stop_tokens, collate, gather_response, micro_batches, response_logits
 from learner_helpers import make_sample
 
 PAD = 0
@@ -104,6 +104,21 @@ def test_token_ids_outside_the_vocabulary_name_both_vocabularies():
     msg = str(err.value)
     assert "same tokenizer" in msg and "learner vocab 99" in msg and "max 120" in msg
     collate(s, PAD, vocab_size=121)  # fits
+
+
+def test_stop_tokens_must_be_the_learners_end_of_sequence_ids():
+    eos = frozenset({2})
+    fine = [make_sample([1], [5, 6, 2]),  # stopped on EOS
+            make_sample([1], [5, 6, 7], finish_reason="length"),  # cut at the length limit: any last token
+            make_sample([1], [2], group_id="g1")]  # EOS as the only token
+    check_stop_tokens(fine, eos)
+    check_stop_tokens([make_sample([1], [5, 3])], frozenset())  # no EOS known: nothing to check
+    with pytest.raises(BatchError) as err:  # "stop" on <unk> (3): the worker's EOS is not ours
+        check_stop_tokens(fine + [make_sample([1], [5, 3], group_id="odd")], eos)
+    assert "sample 'odd/0'" in str(err.value) and "finished with 'stop' on token 3" in str(err.value)
+    assert "end-of-sequence token ids [2]" in str(err.value)
+    with pytest.raises(BatchError, match="holds token 2 at position 1, where generation should have stopped"):
+        check_stop_tokens([make_sample([1], [5, 2, 7], finish_reason="length")], eos)  # our EOS did not stop it
 
 
 def test_a_group_larger_than_its_group_size_is_refused():

@@ -202,6 +202,22 @@ def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
         make(base, tiny_config(tiny_model_cfg, **{"learner.batch_size": 10}))
 
 
+def test_samples_that_stopped_on_another_tokenizers_eos_are_refused(base, tiny_model_cfg):
+    cfg = tiny_config(tiny_model_cfg)
+    odd = [make_sample([20], [21, 3], group_id="odd", group_size=4, group_index=i) for i in range(4)]  # "stop" on <unk>
+    engine = make_engine(cfg, copy.deepcopy(base))
+    before = params(engine.module)
+    with pytest.raises(BatchError, match="end-of-sequence token ids \\[2\\]: it finished with 'stop' on token 3"):
+        PolicyUpdater(cfg, engine, eos_ids={2}).update(odd, 0)
+    assert max_diff(params(engine.module), before) == 0.0  # refused before any step
+    own = generate_samples(base, PROMPTS[:2], group_size=4, max_new_tokens=6, seed=1, eos_id=2)  # stops as workers do
+    PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), eos_ids={2}).update(own, 0)
+    # with stop strings a response may stop on any token: the check is off
+    stops = tiny_config(tiny_model_cfg, **{"rollout.stop_strings": ["."]})
+    assert PolicyUpdater(stops, make_engine(stops, copy.deepcopy(base)), eos_ids={2}).eos_ids == frozenset()
+    PolicyUpdater(stops, make_engine(stops, copy.deepcopy(base)), eos_ids={2}).update(odd, 0)
+
+
 def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo"}), ref=True)
     w0 = params(up.engine.module)

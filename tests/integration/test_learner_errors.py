@@ -1,0 +1,148 @@
+"""Errors a user can cause, as ``rlhf-learner`` (``python -m learner``) shows them: exit code 2
+and one line ``error: <what was wrong and what to do>`` on stderr, no traceback (issue 5, item 6).
+
+The tokenizer cases run against a real redis-server and weight server; this test plays a worker
+whose tokenizer does not match the learner's model, through the buffer API a worker uses
+(``claim`` + ``complete``), so its samples reach the buffer exactly as a real worker's would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from buffer import Buffer
+from rlhf_core.config import ModelConfig, WeightServerConfig
+from rlhf_core.records import Sample, rle_encode
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+GROUP = 4
+VOCAB = 99  # the tiny model
+EOS = 2  # the tiny tokenizer's end of sequence; 3 is <unk>
+NOWHERE = ["buffer.url=redis://127.0.0.1:1/0", "buffer.run_id=errors", "weight_server.address=tcp://127.0.0.1:1"]
+
+
+def learner(args: list[str], tmp: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "learner", *args, f"hydra.run.dir={tmp / 'hydra'}", "hydra.output_subdir=null"]
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_clear_line(proc: subprocess.CompletedProcess) -> str:
+    """The single ``error:`` line of a learner that stopped on a user error."""
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def test_batch_size_not_divisible_by_group_size(tmp_path):
+    line = one_clear_line(learner([*NOWHERE, "learner.batch_size=10", "algo.group_size=4"], tmp_path))
+    assert line == ("error: learner.batch_size 10 is not divisible by algo.group_size 4; groups are kept whole, "
+                    "so use a multiple such as 8")
+
+
+def test_a_tokenizer_that_does_not_fit_the_model(tmp_path, model_cache):
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(cache_dir=str(model_cache)))
+    tok.add_tokens([f"<extra{i}>" for i in range(5)])  # 104 tokens for a model of 99
+    tok.save_pretrained(tmp_path / "tok")
+    args = [*NOWHERE, f"model.cache_dir={model_cache}", f"model.tokenizer_path={tmp_path / 'tok'}"]
+    line = one_clear_line(learner(args, tmp_path))
+    assert f"the tokenizer ({VOCAB + 5} tokens;" in line and f"does not fit the model's vocabulary of {VOCAB}" in line
+    assert "model.tokenizer_path must name the tokenizer the model was trained with" in line
+
+
+# ------------------------------------------------------------------ worker samples from another tokenizer
+@pytest.fixture
+def servers(redis_url):
+    from weight_server import WeightServer
+
+    ws = WeightServer(WeightServerConfig()).start()
+    yield redis_url, ws
+    ws.stop()
+
+
+def start_learner(tmp: Path, redis_url: str, ws, cache: Path, run_id: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "learner", f"buffer.url={redis_url}", f"buffer.run_id={run_id}",
+           f"weight_server.address={ws.address}", f"weight_server.pub_address={ws.pub_address}",
+           f"model.cache_dir={cache}", "learner.batch_size=8", "learner.micro_batch_size=8", f"algo.group_size={GROUP}",
+           "rollout.max_new_tokens=8", f"run.output_dir={tmp / 'out'}", f"hydra.run.dir={tmp / 'hydra'}",
+           "hydra.output_subdir=null"]
+    return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def play_worker(buf: Buffer, tokenizer, response_ids: list[int], finish_reason: str, groups: int = 2) -> None:
+    """Claim ``groups`` prompts the learner enqueued and complete each with GROUP samples."""
+    deadline = time.monotonic() + 60
+    while not buf.initialised():
+        assert time.monotonic() < deadline, "the learner never initialised the run"
+        time.sleep(0.05)
+    done = 0
+    while done < groups:
+        assert time.monotonic() < deadline, f"only {done} of {groups} prompts claimed"
+        for lease in buf.claim("bad-worker", groups - done, block_s=1.0):
+            gid = f"{lease.prompt.prompt_id}:{lease.lease_id}"
+            n = len(response_ids)
+            group = [Sample(sample_id=f"{gid}/{i}", prompt_id=lease.prompt.prompt_id, group_id=gid,
+                            prompt_ids=np.asarray(tokenizer(lease.prompt.text)["input_ids"], dtype=np.int32),
+                            response_ids=np.asarray(response_ids, dtype=np.int32),
+                            behaviour_logprobs=np.full(n, -1.0, dtype=np.float32), versions=rle_encode([0] * n),
+                            reward=float(i), finish_reason=finish_reason, worker_id="bad-worker", group_size=GROUP,
+                            group_index=i)
+                     for i in range(GROUP)]
+            buf.complete(lease, group)
+            done += 1
+
+
+def run_with_bad_worker(tmp, servers, model_cache, run_id, response_ids, finish_reason):
+    from rlhf_core.models import load_tokenizer
+
+    redis_url, ws = servers
+    proc = start_learner(tmp, redis_url, ws, model_cache, run_id)
+    buf = Buffer.connect(redis_url, run_id)
+    try:
+        play_worker(buf, load_tokenizer(ModelConfig(cache_dir=str(model_cache))), response_ids, finish_reason)
+        out, err = proc.communicate(timeout=60)
+        counters = buf.metrics()["counters"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        buf.close()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), counters
+
+
+def test_samples_with_token_ids_beyond_the_vocabulary_stop_the_learner_with_a_clear_error(tmp_path, servers,
+                                                                                          model_cache):
+    """The buffer dead-letters them (the run's vocabulary is the learner's), so no batch can ever
+    form: the learner says why instead of waiting for ever."""
+    proc, counters = run_with_bad_worker(tmp_path, servers, model_cache, "vocab", [150, 40, EOS], "stop")
+    line = one_clear_line(proc)
+    assert counters["samples_dead_lettered"] == 2 * GROUP and counters["samples_appended"] == 0
+    assert "the last 8 samples from worker(s) bad-worker were dead-lettered by the buffer" in line
+    assert f"response_ids hold token ids outside the vocabulary [0, {VOCAB}): min 2, max 150" in line
+    assert f"The learner's model has {VOCAB} tokens, so the workers tokenize with another tokenizer" in line
+    assert "point model.path / model.tokenizer_path of workers and learner at the same model" in line
+
+
+def test_samples_with_other_special_tokens_stop_the_learner_with_a_clear_error(tmp_path, servers, model_cache):
+    """In range, so the buffer takes them; but they stopped on <unk> (3), which is no end of
+    sequence of the learner's tokenizer: a worker whose tokenizer has other special tokens."""
+    proc, counters = run_with_bad_worker(tmp_path, servers, model_cache, "specials", [40, 41, 3], "stop")
+    line = one_clear_line(proc)
+    assert counters["samples_appended"] == 2 * GROUP and counters["samples_consumed"] == 0  # not trained, not acked
+    assert f"does not fit the learner's end-of-sequence token ids [{EOS}]: it finished with 'stop' on token 3" in line
+    assert "from worker bad-worker" in line
+    assert "point model.path / model.tokenizer_path of workers and learner at the same tokenizer" in line
+    assert "start a new run (buffer.run_id): this batch stays in the buffer" in line
