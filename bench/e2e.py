@@ -60,6 +60,8 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
         "staleness_mean": summary["staleness_mean"],
         "staleness_max": summary["staleness_max"],
         "generated_tokens_per_s": summary["throughput"]["generated_tokens_per_s"],
+        "learner_compute_s": summary["throughput"]["learner_compute_s"],
+        "learner_wait_s": summary["throughput"]["learner_wait_s"],
     }
 
 

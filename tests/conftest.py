@@ -67,3 +67,15 @@ def tiny_model_cfg(model_cache):
     from rlhf_core.config import ModelConfig
 
     return ModelConfig(cache_dir=str(model_cache))
+
+
+@pytest.fixture
+def weight_server():
+    """A real weight server in a thread of this process (loopback, random ports)."""
+    from rlhf_core.config import WeightServerConfig
+    from weight_server import WeightServer
+
+    server = WeightServer(WeightServerConfig()).start()
+    yield server
+    server.stop()
+

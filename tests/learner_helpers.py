@@ -17,6 +17,20 @@ from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import process_logits, sample_tokens, token_logprobs
 
 
+def T(x) -> torch.Tensor:
+    """A float64 tensor: worked-number tests compare exactly written arithmetic."""
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        atol=atol,
+        rtol=0,
+    )
+
+
 def make_sample(
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],

@@ -39,3 +39,17 @@ def recv_with_timeout(sock, timeout_ms: int = 5000, multipart: bool = False):
     if not sock.poll(timeout_ms, zmq.POLLIN):
         raise TimeoutError(f"no message within {timeout_ms} ms")
     return sock.recv_multipart() if multipart else sock.recv()
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval)

@@ -26,6 +26,7 @@ from rlhf_core.config import Config, ModelConfig
 from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
+from servers import wait_for  # noqa: F401  (one implementation; the worker tests import it from here)
 
 TESTS_DIR = Path(__file__).resolve().parent
 VOCAB = 99  # the tiny tokenizer
@@ -243,12 +244,3 @@ def log_tail(workdir: Path, worker_id: str, n: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
-def wait_for(predicate: Any, timeout_s: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval)

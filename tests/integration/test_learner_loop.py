@@ -37,6 +37,7 @@ from buffer import Buffer
 from buffer import keys as K
 from learner.checkpoint import latest_checkpoint, list_checkpoints
 from rlhf_core.config import WeightServerConfig
+from servers import wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -179,15 +180,6 @@ def make_run(tmp_path, redis_url, weight_server, model_cache):
         run.close()
 
 
-def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def buffer_version(run: Run) -> int:

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from buffer import RunKeys
+from servers import wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -43,14 +44,6 @@ def run_cmd(args: list[str], cwd: Path, timeout: float, **kw) -> subprocess.Comp
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.config import WeightServerConfig
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
 from rlhf_core.tasks import count_up_reward
@@ -32,15 +31,6 @@ def one_thread():
     torch.set_num_threads(1)  # what run_worker does; the tiny model is overhead-bound
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def weight_server():
-    from weight_server import WeightServer
-
-    ws = WeightServer(WeightServerConfig()).start()
-    yield ws
-    ws.stop()
 
 
 @pytest.fixture

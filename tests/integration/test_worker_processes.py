@@ -10,21 +10,11 @@ import signal
 import numpy as np
 import pytest
 
-from rlhf_core.config import WeightServerConfig
 from worker_helpers import FakeLearner, check_sample, compose, log_tail, overrides, recompute, spawn_worker, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 START_S = 60  # a child imports torch + transformers: seconds on a busy 2-core machine
-
-
-@pytest.fixture
-def weight_server():
-    from weight_server import WeightServer
-
-    ws = WeightServer(WeightServerConfig()).start()
-    yield ws
-    ws.stop()
 
 
 @pytest.fixture

@@ -17,20 +17,11 @@ from learner.advantages import (
     vtrace,
 )
 
+from learner_helpers import T, close  # noqa: E402
+
 NAN = float("nan")
 
 
-def T(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float64)
-
-
-def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float64),
-        torch.as_tensor(expected, dtype=torch.float64),
-        atol=atol,
-        rtol=0,
-    )
 
 
 def _random_episode_batch(seed: int, b: int = 5, t: int = 8):

@@ -24,21 +24,12 @@ from learner.losses import (
     value_loss,
 )
 
+from learner_helpers import T, close  # noqa: E402
+
 NAN = float("nan")
 INF = float("inf")
 
 
-def T(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float64)
-
-
-def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float64),
-        torch.as_tensor(expected, dtype=torch.float64),
-        atol=atol,
-        rtol=0,
-    )
 
 
 # --------------------------------------------------------------------------- #
