@@ -257,3 +257,29 @@ def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, t
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert exported.config.vocab_size == 99
 
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_learner_fails_the_run_and_stops_everything(tmp_path, redis_server, model_cache):
+    out = tmp_path / "out"
+    run_id = "learner-crash"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
+         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=1"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+        wait_for(lambda: int(r.get(RunKeys.for_run(run_id).version) or 0) >= 1, 180, "a learner update")
+        pids = json.loads((out / "children.json").read_text())
+        os.kill(pids["learner"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, output[-3000:]
+        assert "learner crashed (exit -9); last lines of" in output
+        assert "learner exited with code -9" in output  # the summary names why the run ended
+        assert not [n for n, p in pids.items() if pid_alive(p)], "children left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
