@@ -39,9 +39,21 @@ def base_overrides(cache: Path) -> list[str]:
     ]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
 def run_cmd(args: list[str], cwd: Path, timeout: float, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env(), **kw)
+
+
+def start_run(tmp_path: Path, out: Path, redis_url: str, run_id: str, cache: Path, *extra: str) -> subprocess.Popen:
+    """`rlhf-run` in the background on the test's Redis, output captured (stdout and stderr)."""
+    return subprocess.Popen(
+        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(cache), f"buffer.url={redis_url}",
+         f"buffer.run_id={run_id}", *extra],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    )
 
 
 
@@ -89,13 +101,9 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
     out = tmp_path / "out"
     run_id = "live-run"
     learner_port, worker_port = free_port(), free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
-         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=2",
-         f"learner.prometheus_port={learner_port}", f"rollout.prometheus_port={worker_port}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
+                     "rollout.num_workers=2", f"learner.prometheus_port={learner_port}",
+                     f"rollout.prometheus_port={worker_port}")
     try:
         r = redis.Redis.from_url(redis_server.url)
 
@@ -190,13 +198,8 @@ def test_standalone_workers_join_and_leave(tmp_path, redis_server, model_cache):
     """rlhf-run with no workers and external Redis; rlhf-worker processes join, one leaves."""
     out = tmp_path / "out"
     run_id = "standalone"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = subprocess.Popen(
-        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
-         f"buffer.run_id={run_id}", "rollout.num_workers=0", "learner.max_updates=6",
-         "weight_server.port=0"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    run = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "rollout.num_workers=0",
+                    "learner.max_updates=6", "weight_server.port=0")
     workers: list[subprocess.Popen] = []
     try:
         cfg_path = wait_for(lambda: (out / "run_config.yaml").exists() and out / "run_config.yaml", 120, "run config")
@@ -213,7 +216,7 @@ def test_standalone_workers_join_and_leave(tmp_path, redis_server, model_cache):
                  f"buffer.run_id={run_id}", f"weight_server.address={ws['address']}",
                  f"weight_server.pub_address={ws['pub_address']}", f"hydra.run.dir={tmp_path / f'w{i}'}"],
                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=dict(env, RLHF_WORKER_ID=f"ext-{i}")))
+                env=child_env(RLHF_WORKER_ID=f"ext-{i}")))
         wait_for(lambda: version() >= 2, 240, "updates from joined workers")
         consumers = lambda: {k.decode() for k in r.hkeys(RunKeys.for_run(run_id).consumers)}  # noqa: E731
         wait_for(lambda: {"ext-0", "ext-1"} <= consumers(), 120, "both external workers to join")
@@ -263,12 +266,8 @@ def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, t
 def test_a_crashed_learner_fails_the_run_and_stops_everything(tmp_path, redis_server, model_cache):
     out = tmp_path / "out"
     run_id = "learner-crash"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), f"buffer.url={redis_server.url}",
-         f"buffer.run_id={run_id}", "learner.max_updates=100000", "rollout.num_workers=1"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
+                     "rollout.num_workers=1")
     try:
         r = redis.Redis.from_url(redis_server.url)
         wait_for(lambda: int(r.get(RunKeys.for_run(run_id).version) or 0) >= 1, 180, "a learner update")
