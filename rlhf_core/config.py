@@ -193,6 +193,10 @@ class WeightServerConfig:
     announce_interval_s: float = 1.0  # the server re-announces its newest versions this often (late joiners)
     upload_timeout_s: float = 30.0  # the server drops an upload that sent nothing for this long
     address_file: Optional[str] = None  # the server writes {"address", "pub_address", "pid"} JSON here
+    # Same-host data path: "auto" keeps version slabs in files under shm_dir and moves the bytes
+    # through them when publisher/worker prove they see the same files; "off" = TCP only.
+    shm: str = "auto"  # auto | off (either side's "off" means TCP)
+    shm_dir: str = "/dev/shm"  # a tmpfs; the server makes a private rlhf-ws-<pid>-<random>/ folder in it
 
 
 @dataclass
@@ -294,6 +298,22 @@ def to_object(cfg: DictConfig) -> Any:
         raise ConfigError(f"required setting {key} has no value: pass {key}=... on the command line") from None
 
 
+SHM_MODES = ("auto", "off")
+
+
+def validate_shm(ws: WeightServerConfig) -> None:
+    """The shared-memory settings of the weight server (server and clients check them too)."""
+    if ws.shm not in SHM_MODES:
+        raise ConfigError(
+            f"weight_server.shm must be one of {', '.join(SHM_MODES)}, got {ws.shm!r} "
+            "(auto: same-host peers move weights through shared memory; off: TCP only)"
+        )
+    if not isinstance(ws.shm_dir, str) or not ws.shm_dir.startswith("/"):
+        raise ConfigError(
+            f"weight_server.shm_dir must be an absolute path to a tmpfs folder such as /dev/shm, got {ws.shm_dir!r}"
+        )
+
+
 def validate(cfg: Any) -> None:
     """Check derived settings once at start-up. Raises ConfigError naming the numbers."""
     if isinstance(cfg, DictConfig):
@@ -379,6 +399,7 @@ def validate(cfg: Any) -> None:
             f"weight_server.host={ws.host} exposes the weight server beyond this machine; set "
             "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
         )
+    validate_shm(ws)
     if ws.auth == "hmac" and not ws.secret:
         raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
     if cfg.run.max_seconds is not None and not math.isfinite(cfg.run.max_seconds):

@@ -16,7 +16,8 @@ from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError, optional, require
 from weight_server import protocol as P
 from weight_server.metrics import ServerMetrics
-from weight_server.store import Refused, Upload, Version, VersionStore
+from weight_server.shm import Leases, ShmDir
+from weight_server.store import Refused, Slab, Upload, Version, VersionStore
 
 log = logging.getLogger("weight_server")
 
@@ -37,9 +38,11 @@ class Replies(Protocol):
 class Handlers:
     def __init__(
         self, cfg: WeightServerConfig, store: VersionStore, metrics: ServerMetrics, replies: Replies,
-        on_commit: Callable[[Version], None], snapshot: Callable[[], dict[str, Any]],
+        on_commit: Callable[[Version], None], snapshot: Callable[[], dict[str, Any]], shm: ShmDir | None = None,
     ) -> None:
         self.cfg = cfg
+        self.shm = shm  # None: shm=off, or no usable shm folder; every byte goes over TCP
+        self.leases = Leases()
         self.store = store
         self.metrics = metrics
         self.out = replies
@@ -48,7 +51,7 @@ class Handlers:
         self.table: dict[str, Handler] = {
             P.LATEST: self.latest, P.PUB_BEGIN: self.pub_begin, P.PUB_COMMIT: self.pub_commit,
             P.MANIFEST_REQ: self.manifest_req, P.FETCH: self.fetch, P.WAIT_COMMIT: self.wait_commit,
-            P.APPLIED: self.applied, P.METRICS_REQ: self.metrics_req,
+            P.APPLIED: self.applied, P.METRICS_REQ: self.metrics_req, P.SHM_RELEASE: self.shm_release,
         }
 
     def refused(self, ident: bytes, obj: dict[str, Any], exc: Refused) -> None:
@@ -75,12 +78,18 @@ class Handlers:
         changed = optional(obj, "changed", list)
         if changed is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in changed):
             raise WireError("field 'changed' must be a list of tensor indices")
+        want_shm = optional(obj, "shm", bool, False)
         result = self.store.begin(name, version, layout, content, delta_base, changed)
         if isinstance(result, Version):
             self.metrics.count("duplicate_publishes")
             self.out.send(ident, self._done_header(obj.get("rid"), result, wire_bytes=0, duplicate=True))
             return
-        self.out.send(ident, P.encode(P.PUB_READY, rid=obj.get("rid"), upload=result.id))
+        offer = self.shm.offer(result.slab, layout.total_bytes) if want_shm and self.shm is not None else None
+        if offer is not None:
+            self.store.offer_shm(result.id, P.lease_seconds(self.cfg.request_timeout_s, layout.total_bytes))
+        self.out.send(ident, P.encode(
+            P.PUB_READY, rid=obj.get("rid"), upload=result.id, shm=offer.to_wire() if offer is not None else None,
+        ))
         self.out.announce(result, pending=True)  # followers may start fetching now (cut-through)
 
     def chunk_arrived(self, up: Upload) -> None:
@@ -96,10 +105,17 @@ class Handlers:
 
     def pub_commit(self, ident: bytes, obj: dict[str, Any]) -> None:
         upload = P.req_int(obj, "upload")
+        via_shm = optional(obj, "shm", bool, False)
+        if via_shm:
+            self.store.shm_written(upload)
         up = self.store.uploads.get(upload)
         wire_bytes = up.wire_bytes if up else 0
         t0 = time.monotonic()
         ver, evicted = self.store.commit(upload)
+        if via_shm:
+            self.metrics.count("publishes_shm")
+        # Pullers that leased the upload's slab while following it read from now on.
+        self.leases.renew(ver.slab, P.lease_seconds(self.cfg.request_timeout_s, ver.layout.total_bytes))
         verify_s = time.monotonic() - t0
         lay = ver.layout
         delta = up is not None and up.delta_base is not None
@@ -146,13 +162,17 @@ class Handlers:
     # -- pulling ------------------------------------------------------------------------------------
     def manifest_req(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version = P.req_name(obj), P.optional_int(obj, "version")
+        want_shm = optional(obj, "shm", bool, False)
         if optional(obj, "pending", bool, False):
             up = self.store.pending(name)
             if up is not None and version in (None, up.version):
                 up.followers += 1
+                offer = self._lease(up.slab, name, up.version, up.layout.total_bytes, pending=True) if want_shm else None
+                if offer is None:
+                    self.metrics.pull_path(name, up.version, shm=False)
                 self.out.send(ident, P.encode(
                     P.MANIFEST, rid=obj.get("rid"), name=name, version=up.version, chunk_bytes=self.cfg.chunk_bytes,
-                    pending=True, **P.manifest_fields(up.layout),
+                    pending=True, shm=offer, **P.manifest_fields(up.layout),
                 ))
                 return
         ver = self.store.get(name, version)
@@ -161,10 +181,51 @@ class Handlers:
             what = f"version {version} of {name!r} is not held (held: {held})" if version is not None else f"no version of {name!r} is held yet"
             raise Refused(P.E_NOT_FOUND, what)
         self.metrics.pulled(name, ver.version)
+        offer = self._lease(ver.slab, name, ver.version, ver.layout.total_bytes, pending=False) if want_shm else None
+        if offer is None:
+            self.metrics.pull_path(name, ver.version, shm=False)
         self.out.send(ident, P.encode(
             P.MANIFEST, rid=obj.get("rid"), name=name, version=ver.version, chunk_bytes=self.cfg.chunk_bytes,
-            pending=False, **P.manifest_fields(ver.layout),
+            pending=False, shm=offer, **P.manifest_fields(ver.layout),
         ))
+
+    def _lease(self, slab: Slab, name: str, version: int, total: int, pending: bool) -> dict[str, Any] | None:
+        """Lease ``slab`` to a puller and describe it (None: anonymous slab, shm off, or too many
+        leases out; the pull goes over TCP). A follower's lease also covers the upload's wait."""
+        if self.shm is None or slab.path is None:
+            return None
+        ttl = P.lease_seconds(self.cfg.request_timeout_s, total) + (self.cfg.upload_timeout_s if pending else 0.0)
+        lease = self.leases.take(slab, ttl, name, version)
+        if lease is None:
+            log.warning("%d shared-memory leases are out; this pull of %s v%d goes over TCP", len(self.leases.held), name, version)
+            return None
+        offer = self.shm.offer(slab, total, lease, ttl)
+        return offer.to_wire() if offer is not None else None
+
+    def shm_release(self, ident: bytes, obj: dict[str, Any]) -> None:
+        lease = P.req_int(obj, "lease")
+        via = optional(obj, "via", str)
+        if via not in P.RELEASE_VIA:
+            raise WireError(f"field 'via' must be one of {P.RELEASE_VIA}, got {via!r}")
+        held = self.leases.release(lease)
+        if held is None:
+            raise Refused(
+                P.E_UNKNOWN_LEASE,
+                f"lease {lease} is unknown: already released, expired (a pull must release within its lease_s) "
+                "or the server restarted",
+            )
+        if via is not None:
+            self.metrics.pull_path(held.name, held.version, shm=via == "shm", fallback=via == "tcp")
+        self.out.send(ident, P.encode(P.SHM_RELEASED, rid=obj.get("rid"), lease=lease))
+
+    def expire_leases(self, now: float) -> None:
+        """Drop leases their pullers never released; those slabs are never recycled."""
+        for held in self.leases.expire(now):
+            self.metrics.count("shm_leases_expired")
+            log.warning(
+                "a shared-memory lease on %s v%d was not released in time (dead or stuck worker); its slab will not be reused",
+                held.name, held.version,
+            )
 
     def fetch(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version, index = P.req_name(obj), P.req_int(obj, "version"), P.req_int(obj, "chunk")

@@ -27,6 +27,12 @@ COUNTERS = (
     "malformed",          # frames that failed to decode or validate
     "auth_refused",       # messages or peers refused by HMAC or CURVE
     "pulls",              # manifests served (a pull starts with one)
+    "pulls_tcp",          # pulls whose bytes went over TCP (no shm offered, or the client could not use it)
+    "pulls_shm",          # pulls that read the slab from shared memory (counted when the lease is released)
+    "shm_fallbacks",      # shm offered to a puller that could not use it (token or mapping failed): TCP instead
+    "shm_leases_expired",  # leases never released in time (a dead or stuck puller); their slabs are not recycled
+    "publishes_shm",      # uploads whose bytes the publisher copied into shared memory
+    "anonymous_slabs",    # slabs the shm folder had no room for (those versions go over TCP only)
     "chunks_served",
     "bytes_served",
     "dropped_replies",    # replies to peers whose queue was full or who went away
@@ -61,6 +67,7 @@ class ServerMetrics:
             "publish_duration_s": visible_mono - begin_mono,
             "verify_s": verify_s,
             "pulls": followers,  # pulls that followed the upload (cut-through) count too
+            "pulls_shm": 0,
             "chunks_served": 0,
             "bytes_served": 0,
             "applied": {},
@@ -82,6 +89,16 @@ class ServerMetrics:
             rec = self.versions.get(name, {}).get(version)
             if rec is not None:
                 rec["pulls"] += 1
+
+    def pull_path(self, name: str, version: int, shm: bool, fallback: bool = False) -> None:
+        """A pull's bytes came over shared memory (``shm``) or TCP (``fallback``: after an shm offer)."""
+        with self._lock:
+            self.counters["pulls_shm" if shm else "pulls_tcp"] += 1
+            if fallback:
+                self.counters["shm_fallbacks"] += 1
+            rec = self.versions.get(name, {}).get(version)
+            if rec is not None and shm:
+                rec["pulls_shm"] += 1
 
     def served(self, name: str, version: int, nbytes: int) -> None:
         with self._lock:

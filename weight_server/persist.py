@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from weight_server import protocol as P
 from weight_server.store import Slab, Version
@@ -70,8 +70,11 @@ def write_version(directory: str | os.PathLike, ver: Version) -> Path:
     return final
 
 
-def read_version(path: str | os.PathLike, max_tensors: int, max_version_bytes: int) -> Version:
-    """Load one persisted version into a fresh slab; raises ValueError saying what is wrong."""
+def read_version(
+    path: str | os.PathLike, max_tensors: int, max_version_bytes: int, new_slab: Callable[[int], Slab] = Slab,
+) -> Version:
+    """Load one persisted version into ``new_slab(nbytes)`` (the server's pool: shared memory when
+    it can); raises ValueError saying what is wrong."""
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -98,19 +101,16 @@ def read_version(path: str | os.PathLike, max_tensors: int, max_version_bytes: i
         if layout.total_bytes > max_version_bytes:
             raise ValueError(f"{layout.total_bytes} bytes exceed max_version_bytes {max_version_bytes}")
         data_start = 8 + n
-        slab = Slab(layout.total_bytes)
-        hashes = []
-        for t, (begin, end) in zip(layout.tensors, ranges):
-            if end - begin != t.nbytes:
-                raise ValueError(f"tensor {t.name!r}: {end - begin} bytes stored, shape needs {t.nbytes}")
-            f.seek(data_start + begin)
-            got = f.readinto(slab.view[t.offset : t.offset + t.nbytes]) if t.nbytes else 0
-            if got != t.nbytes:
-                raise ValueError(f"tensor {t.name!r}: file truncated")
-            hashes.append(P.tensor_hash(slab.view[t.offset : t.offset + t.nbytes]))
+        slab = new_slab(layout.total_bytes)
+        try:
+            hashes = _read_tensors(f, layout, ranges, data_start, slab)
+        except BaseException:
+            slab.discard()  # a shared-memory slab's file would otherwise stay until the server stops
+            raise
     layout = layout.with_hashes(hashes)
     digest = layout.content_hash()
     if digest.hex() != meta.get("content_hash"):
+        slab.discard()
         raise ValueError("content hash does not match the stored bytes (torn or modified file)")
     import time
 
@@ -118,14 +118,29 @@ def read_version(path: str | os.PathLike, max_tensors: int, max_version_bytes: i
     return Version(str(meta["name"]), int(meta["version"]), layout, slab, digest, time.time(), now, now)
 
 
-def load_all(directory: str | os.PathLike, max_tensors: int, max_version_bytes: int) -> Iterator[Version]:
+def _read_tensors(f: Any, layout: P.Layout, ranges: list[tuple[int, ...]], data_start: int, slab: Slab) -> list[bytes]:
+    hashes = []
+    for t, (begin, end) in zip(layout.tensors, ranges):
+        if end - begin != t.nbytes:
+            raise ValueError(f"tensor {t.name!r}: {end - begin} bytes stored, shape needs {t.nbytes}")
+        f.seek(data_start + begin)
+        got = f.readinto(slab.view[t.offset : t.offset + t.nbytes]) if t.nbytes else 0
+        if got != t.nbytes:
+            raise ValueError(f"tensor {t.name!r}: file truncated")
+        hashes.append(P.tensor_hash(slab.view[t.offset : t.offset + t.nbytes]))
+    return hashes
+
+
+def load_all(
+    directory: str | os.PathLike, max_tensors: int, max_version_bytes: int, new_slab: Callable[[int], Slab] = Slab,
+) -> Iterator[Version]:
     """Every valid persisted version in ``directory``; invalid files are logged and skipped."""
     folder = Path(directory).expanduser()
     if not folder.is_dir():
         return
     for path in sorted(folder.glob(f"*{SUFFIX}")):
         try:
-            yield read_version(path, max_tensors, max_version_bytes)
+            yield read_version(path, max_tensors, max_version_bytes, new_slab)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             log.warning("ignoring persisted weights %s: %s", path, exc)
 

@@ -12,17 +12,21 @@ Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply
 
     LATEST      {rid, name}                                  -> LATEST_REP {rid, name, version, versions, content_hash}
     PUB_BEGIN   {rid, name, version, tensors: [[name, dtype, shape, hash16]], content_hash,
-                 delta_base: int|nil, changed: [index]|nil}  -> PUB_READY {rid, upload} | PUB_DONE (same
+                 delta_base: int|nil, changed: [index]|nil, shm: bool}
+                                                             -> PUB_READY {rid, upload, shm: offer|nil} | PUB_DONE (same
                                                                 version and hash already held) | ERROR
     PUB_CHUNK   {upload, seq, segments: [[offset, length]]} + one frame per segment
                                                              -> nothing (ERROR only if it is refused)
-    PUB_COMMIT  {rid, upload}                                -> PUB_DONE {rid, name, version, bytes,
+    PUB_COMMIT  {rid, upload, shm: bool}                     -> PUB_DONE {rid, name, version, bytes,
                                                                 wire_bytes, duration_s, content_hash} | ERROR
-    MANIFEST_REQ{rid, name, version: int|nil, pending: bool} -> MANIFEST {rid, name, version, tensors,
-                                                                content_hash, total_bytes, chunk_bytes, pending} | ERROR
+    MANIFEST_REQ{rid, name, version: int|nil, pending: bool, shm: bool}
+                                                             -> MANIFEST {rid, name, version, tensors, content_hash,
+                                                                total_bytes, chunk_bytes, pending, shm: offer|nil} | ERROR
     FETCH       {rid, name, version, chunk}                  -> CHUNK {rid, version, chunk, offset} + 1 frame | ERROR
     WAIT_COMMIT {rid, name, version}                         -> COMMITTED {rid, name, version, content_hash}
                                                                 once the version is visible | ERROR (aborted)
+    SHM_RELEASE {rid, lease, via: "shm"|"tcp"|nil}           -> SHM_RELEASED {rid, lease} | ERROR (unknown_lease)
+                (via: how the pull got its bytes, after the offer; nil: it got none, e.g. an aborted upload)
     APPLIED     {name, version, worker, apply_s}             -> nothing (a metric)
     METRICS_REQ {rid}                                        -> METRICS {rid, metrics}
 
@@ -42,11 +46,23 @@ A version is laid out as one flat byte range: tensors in name order, each starti
 multiple of :data:`ALIGN` bytes (so any dtype view of it is aligned). Pulls fetch it in fixed
 ``chunk_bytes`` pieces; the puller keeps at most ``max_inflight_chunks`` FETCHes outstanding
 (credit-based flow control), so the server only ever queues a bounded number of chunks per peer.
+
+Shared memory (same host): a client that asks (``shm: true``) may be offered the slab file of an
+upload or a version (:class:`ShmOffer`): the file's path, the byte range, and the path and bytes
+of the server's token file. The client trusts the path only after reading the same token bytes
+from that file (proof that it sees the server's files, not a namesake on another host or in
+another container); otherwise it moves the bytes over TCP as above. A publisher copies the
+tensors into the upload's slab and sends PUB_COMMIT with ``shm: true`` (the server then checks
+coverage and every hash as for chunks). A puller's offer carries a *lease*: the server pins the
+slab (never recycled for another version) until SHM_RELEASE, or until ``lease_s`` seconds pass
+with no release (a dead client); a slab whose lease expired is never recycled at all, since its
+reader may still be mapping it.
 """
 
 from __future__ import annotations
 
 import math
+import posixpath
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -65,7 +81,8 @@ FETCH = "ws.fetch"
 APPLIED = "ws.applied"
 METRICS_REQ = "ws.metrics_req"
 WAIT_COMMIT = "ws.wait_commit"
-CLIENT_KINDS = (LATEST, PUB_BEGIN, PUB_CHUNK, PUB_COMMIT, MANIFEST_REQ, FETCH, APPLIED, METRICS_REQ, WAIT_COMMIT)
+SHM_RELEASE = "ws.shm_release"
+CLIENT_KINDS = (LATEST, PUB_BEGIN, PUB_CHUNK, PUB_COMMIT, MANIFEST_REQ, FETCH, APPLIED, METRICS_REQ, WAIT_COMMIT, SHM_RELEASE)
 
 # Server -> client.
 LATEST_REP = "ws.latest_rep"
@@ -75,8 +92,9 @@ MANIFEST = "ws.manifest"
 CHUNK = "ws.chunk"
 METRICS = "ws.metrics"
 COMMITTED = "ws.committed"
+SHM_RELEASED = "ws.shm_released"
 ERROR = "ws.error"
-SERVER_KINDS = (LATEST_REP, PUB_READY, PUB_DONE, MANIFEST, CHUNK, METRICS, COMMITTED, ERROR)
+SERVER_KINDS = (LATEST_REP, PUB_READY, PUB_DONE, MANIFEST, CHUNK, METRICS, COMMITTED, SHM_RELEASED, ERROR)
 
 # Server -> subscribers.
 ANNOUNCE = "ws.announce"
@@ -96,12 +114,21 @@ E_BAD_CHUNK = "bad_chunk"
 E_HASH = "hash_mismatch"
 E_INCOMPLETE = "incomplete"
 E_ABORTED = "aborted"
+E_UNKNOWN_LEASE = "unknown_lease"
 
 ALIGN = 64
 HASH_BYTES = 16
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 MAX_SEGMENTS = 4096
+
+# Shared memory: the server's folder is <shm_dir>/rlhf-ws-<pid>-<random>/ holding `token` and slab-<n> files.
+SHM_DIR_PREFIX = "rlhf-ws-"
+SHM_TOKEN_FILE = "token"
+SHM_SLAB_PREFIX = "slab-"
+SHM_TOKEN_BYTES = 32
+MAX_PATH_CHARS = 4096
+RELEASE_VIA = ("shm", "tcp", None)
 
 
 @dataclass(frozen=True)
@@ -180,6 +207,68 @@ def chunks_covering(layout: Layout, indices: Iterable[int], chunk_bytes: int) ->
         if t.nbytes:
             needed.update(range(t.offset // chunk_bytes, (t.offset + t.nbytes - 1) // chunk_bytes + 1))
     return sorted(needed)
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    """Where an upload's or a version's bytes lie in shared memory: ``[offset, offset + size)`` of
+    the file ``path``; ``token`` must equal the bytes of ``token_path`` before any of it is trusted.
+    ``lease`` (pulls only) is released with SHM_RELEASE; the server expires it after ``lease_s``."""
+
+    path: str
+    offset: int
+    size: int
+    token_path: str
+    token: bytes
+    lease: int | None = None
+    lease_s: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "offset": self.offset, "size": self.size, "token_path": self.token_path,
+            "token": self.token, "lease": self.lease, "lease_s": self.lease_s,
+        }
+
+
+def lease_seconds(request_timeout_s: float, nbytes: int) -> float:
+    """How long a pull may hold its lease: a reply timeout plus the bytes at 1 GB/s."""
+    return request_timeout_s + nbytes / 1e9
+
+
+def parse_shm_offer(obj: dict[str, Any], field: str, total_bytes: int, leased: bool) -> ShmOffer | None:
+    """Validate the ``shm`` field of a PUB_READY (``leased=False``) or MANIFEST (``leased=True``).
+
+    Only the shape is checked here (a slab file of the server's folder, beside its token file);
+    the client proves it sees that folder by reading the token before it maps anything.
+    """
+    raw = obj.get(field)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise WireError(f"field {field!r} must be a map, got {type(raw).__name__}")
+    path, token_path = require(raw, "path", str), require(raw, "token_path", str)
+    for name, value in (("path", path), ("token_path", token_path)):
+        if not (0 < len(value) <= MAX_PATH_CHARS and posixpath.isabs(value)) or posixpath.normpath(value) != value:
+            raise WireError(f"{field}.{name} must be a normalised absolute path of at most {MAX_PATH_CHARS} characters")
+    folder = posixpath.dirname(path)
+    if (
+        posixpath.dirname(token_path) != folder
+        or posixpath.basename(token_path) != SHM_TOKEN_FILE
+        or not posixpath.basename(folder).startswith(SHM_DIR_PREFIX)
+        or not posixpath.basename(path).startswith(SHM_SLAB_PREFIX)
+    ):
+        raise WireError(f"{field}: {path!r} is not a slab file beside the token of a weight-server folder")
+    offset, size = req_int(raw, "offset"), req_int(raw, "size")
+    if size != total_bytes:
+        raise WireError(f"{field}.size {size} does not match the version's {total_bytes} bytes")
+    token = require(raw, "token", bytes)
+    if len(token) != SHM_TOKEN_BYTES:
+        raise WireError(f"{field}.token must be {SHM_TOKEN_BYTES} bytes, got {len(token)}")
+    lease = optional_int(raw, "lease")
+    if leased and lease is None:
+        raise WireError(f"{field}: an offer to a puller must carry a lease")
+    lease_s = float(optional(raw, "lease_s", (int, float), 0.0))
+    return ShmOffer(path, offset, size, token_path, token, lease, lease_s)
 
 
 def tensor_hash(data: Any) -> bytes:

@@ -9,7 +9,10 @@ Data path, kept zero-copy where pyzmq allows:
 * upload: data frames of a PUB_CHUNK are received with ``recv_into`` straight into the upload's
   slab (one memcpy out of ZeroMQ's buffer, no intermediate bytes object);
 * pull: a CHUNK reply sends a memoryview of the version's slab with ``copy=False, track=True``;
-  the tracker tells the slab pool when the bytes may be recycled.
+  the tracker tells the slab pool when the bytes may be recycled;
+* same host (``shm=auto``): slabs are files in a private shared-memory folder
+  (:mod:`weight_server.shm`); a publisher copies into the upload's file and a puller reads the
+  version's file under a lease, so those bytes never touch a socket.
 
 Any frame that fails to decode or validate gets an ERROR reply; the loop never dies of a
 malformed message. Embeddable: :meth:`start` runs the loop on a background thread (launcher,
@@ -25,17 +28,18 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig
+from rlhf_core.config import ConfigError, WeightServerConfig, validate_shm
 from rlhf_core.wire import WireError, unpack
 from weight_server import protocol as P
 from weight_server.auth import LOOPBACK_HOSTS, MAC_BYTES, ZapHandler, configure_server_socket, signer_for
 from weight_server.handlers import Handlers
 from weight_server.metrics import ServerMetrics
 from weight_server.persist import Persister, load_all
+from weight_server.shm import ShmDir, free_bytes
 from weight_server.store import Refused, Upload, Version, VersionStore
 
 log = logging.getLogger("weight_server")
@@ -45,12 +49,20 @@ _MAX_EXTRA_FRAMES = 8
 
 
 class WeightServer:
-    """Versioned parameter store served over ZeroMQ. Binds in the constructor (port 0 = random)."""
+    """Versioned parameter store served over ZeroMQ. Binds in the constructor (port 0 = random).
 
-    def __init__(self, cfg: WeightServerConfig, ctx: zmq.Context | None = None) -> None:
+    ``shm_free_space(path)`` says how many bytes the shm filesystem can still take (tests pass a
+    small number to see the anonymous-slab fallback; the default asks statvfs).
+    """
+
+    def __init__(
+        self, cfg: WeightServerConfig, ctx: zmq.Context | None = None, shm_free_space: Callable[[str], int] = free_bytes,
+    ) -> None:
         self.cfg = cfg
         self._closed = False
         self.persister: Persister | None = None
+        self.shm: ShmDir | None = None
+        validate_shm(cfg)
         self.signer = signer_for(cfg)
         host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
         if host not in LOOPBACK_HOSTS and cfg.auth == "none":
@@ -97,12 +109,21 @@ class WeightServer:
         self.address = f"tcp://{connect_host}:{self.port}"
         self.pub_address = f"tcp://{connect_host}:{self.pub_port}"
 
-        self.store = VersionStore(cfg.keep_versions)
+        if cfg.shm == "auto":
+            try:
+                self.shm = ShmDir(cfg.shm_dir, shm_free_space)
+            except OSError as exc:
+                log.warning(
+                    "no shared memory for weights: cannot make a folder in weight_server.shm_dir=%s (%s); every byte goes "
+                    "over TCP (set weight_server.shm_dir to a writable tmpfs, or weight_server.shm=off to silence this)",
+                    cfg.shm_dir, exc,
+                )
+        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None)
         self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
         self._metrics = ServerMetrics()
         self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
         if cfg.persist_dir:
-            for ver in load_all(cfg.persist_dir, cfg.max_tensors, cfg.max_version_bytes):
+            for ver in load_all(cfg.persist_dir, cfg.max_tensors, cfg.max_version_bytes, self.store.pool.take):
                 self.store.add(ver)
                 lay = ver.layout
                 self._metrics.published(
@@ -114,12 +135,13 @@ class WeightServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth_log_at = 0.0
-        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics)
+        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
         if cfg.address_file:
             _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
         log.info(
-            "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s)",
+            "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s), shm %s",
             self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
+            self.shm.path if self.shm is not None else "off",
         )
 
     def _socket(self, kind: int) -> zmq.Socket:
@@ -166,6 +188,8 @@ class WeightServer:
         snap = self._metrics.snapshot(self._held)
         if self.zap is not None:
             snap["counters"]["auth_refused"] += self.zap.refused
+        if self.shm is not None:
+            snap["counters"]["anonymous_slabs"] += self.shm.anonymous
         return snap
 
     def _committed(self, ver: Version) -> None:
@@ -185,6 +209,8 @@ class WeightServer:
             self.zap.close()
         if self._own_ctx:
             self.ctx.term()
+        if self.shm is not None:
+            self.shm.close()
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -215,6 +241,7 @@ class WeightServer:
                         self._metrics.count("uploads_aborted")
                         log.warning("dropped upload of %s v%d: no chunk for %.0f s", up.name, up.version, self.cfg.upload_timeout_s)
                     self.handlers.flush_aborted()
+                    self.handlers.expire_leases(now)
                     self.store.pool.collect()
         finally:
             if self._thread is None:

@@ -8,18 +8,23 @@ Pure bookkeeping (numpy buffers, no sockets, no torch), so its rules are testabl
 * the newest ``keep`` versions per name are held; older ones are evicted.
 
 Memory: each version lives in one contiguous slab. Evicted slabs are recycled for later uploads of
-the same size once ZeroMQ has finished sending from them (tracked zero-copy sends), because
-touching fresh pages costs more than the transfer itself on small VMs.
+the same size once ZeroMQ has finished sending from them (tracked zero-copy sends) and no shared-
+memory reader holds a lease on them (pins), because touching fresh pages costs more than the
+transfer itself on small VMs. A slab is anonymous memory, or a file mapping made by an injected
+factory (``weight_server.shm``) that same-host peers map too; a file slab that a reader may still
+map without a lease (its lease expired, or its upload was aborted while the publisher wrote into
+it) is *tainted*: never recycled, its file removed once nothing sends from it.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,14 +41,25 @@ class Refused(Exception):
 
 
 class Slab:
-    """One contiguous byte buffer holding a version (or an upload in progress)."""
+    """One contiguous byte buffer holding a version (or an upload in progress): anonymous memory,
+    or ``buffer`` (a shared mapping of the file ``path``)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.array = np.empty(max(nbytes, 1), dtype=np.uint8)
+    def __init__(self, nbytes: int, buffer: Any = None, path: str | None = None) -> None:
+        self.array = np.empty(max(nbytes, 1), dtype=np.uint8) if buffer is None else np.frombuffer(buffer, dtype=np.uint8)
         self.view = memoryview(self.array)
+        self.path = path
+        self.tainted = False  # someone may map it outside a lease: never recycle it
         self.trackers: list[Any] = []  # zmq.MessageTracker of zero-copy sends still reading this slab
         self._pins = 0
         self._lock = threading.Lock()
+
+    def discard(self) -> None:
+        """Remove the backing file (mappings that exist stay valid until they are unmapped)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     @property
     def capacity(self) -> int:
@@ -68,22 +84,36 @@ class Slab:
             return self._pins == 0 and not self.trackers
 
 
-class SlabPool:
-    """Recycles slabs of evicted versions once nothing reads them any more."""
+SlabFactory = Callable[[int], "Slab | None"]
 
-    def __init__(self, max_free: int = 2) -> None:
+
+class SlabPool:
+    """Recycles slabs of evicted versions once nothing reads them any more.
+
+    ``factory(nbytes)`` makes a file-backed slab, or returns None when it cannot (no room in the
+    shared-memory filesystem): that version then lives in anonymous memory.
+    """
+
+    def __init__(self, max_free: int = 2, factory: SlabFactory | None = None) -> None:
         self.max_free = max_free
+        self.factory = factory
         self.free: list[Slab] = []
         self.retiring: list[Slab] = []
 
     def take(self, nbytes: int) -> Slab:
         self.collect()
         fits = [s for s in self.free if nbytes <= s.capacity <= 2 * max(nbytes, 1)]
-        if fits:
-            best = min(fits, key=lambda s: s.capacity)
-            self.free.remove(best)
-            return best
-        return Slab(nbytes)
+        filed = [s for s in fits if s.path is not None]
+        if filed or (fits and self.factory is None):
+            return self._reuse(min(filed or fits, key=lambda s: s.capacity))
+        made = self.factory(nbytes) if self.factory is not None else None
+        if made is not None:
+            return made
+        return self._reuse(min(fits, key=lambda s: s.capacity)) if fits else Slab(nbytes)
+
+    def _reuse(self, slab: Slab) -> Slab:
+        self.free.remove(slab)
+        return slab
 
     def give(self, slab: Slab) -> None:
         self.retiring.append(slab)
@@ -92,9 +122,16 @@ class SlabPool:
     def collect(self) -> None:
         still = []
         for slab in self.retiring:
-            (self.free if slab.idle() else still).append(slab)
+            if not slab.idle():
+                still.append(slab)
+            elif slab.tainted:
+                slab.discard()
+            else:
+                self.free.append(slab)
         self.retiring = still
-        del self.free[: max(0, len(self.free) - self.max_free)]  # oldest first
+        for slab in self.free[: max(0, len(self.free) - self.max_free)]:  # oldest first
+            slab.discard()
+        del self.free[: max(0, len(self.free) - self.max_free)]
 
 
 @dataclass
@@ -121,6 +158,8 @@ class Upload:
     changed: tuple[int, ...]
     begin_mono: float
     last_activity: float
+    shm: bool = False  # offered its slab file: the publisher may write into it directly
+    grace_s: float = 0.0  # added to the idle timeout (a shm publisher sends nothing while it copies)
     segments: list[tuple[int, int]] = field(default_factory=list)
     wire_bytes: int = 0
     # Cut-through: a full upload arrives in layout order, so every tensor byte below `watermark`
@@ -168,12 +207,12 @@ class Upload:
 class VersionStore:
     """Holds the newest ``keep`` versions of each named parameter set and the uploads in progress."""
 
-    def __init__(self, keep: int, max_names: int = 16) -> None:
+    def __init__(self, keep: int, max_names: int = 16, slab_factory: SlabFactory | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self.max_names = max_names
-        self.pool = SlabPool()
+        self.pool = SlabPool(factory=slab_factory)
         self.versions: dict[str, dict[int, Version]] = {}
         self.uploads: dict[int, Upload] = {}
         self.aborted: list[Upload] = []
@@ -280,6 +319,26 @@ class VersionStore:
         up.wire_bytes += sum(n for _, n in segments)
         return [up.slab.view[o : o + n] for o, n in segments]
 
+    def offer_shm(self, upload_id: int, grace_s: float) -> None:
+        """The publisher was offered the upload's slab file: it may write there without sending
+        anything for ``grace_s`` extra seconds, and the slab is never recycled if the upload fails
+        (the publisher may still be writing into it)."""
+        up = self.uploads[upload_id]
+        up.shm, up.grace_s = True, grace_s
+
+    def shm_written(self, upload_id: int) -> None:
+        """The publisher says it copied every changed tensor into the slab file: count their bytes
+        as received (the commit still checks every hash)."""
+        up = self.uploads.get(upload_id)
+        if up is None:
+            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        if not up.shm:
+            raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as PUB_CHUNKs")
+        spans = [(t.offset, t.nbytes) for t in (up.layout.tensors[i] for i in up.changed) if t.nbytes]
+        up.segments.extend(spans)
+        up.wire_bytes += sum(n for _, n in spans)
+        up.streamable = False  # the bytes did not arrive in order: the commit hashes everything
+
     def received(self, upload_id: int, segments: list[tuple[int, int]]) -> Upload | None:
         """The data frames of a chunk have landed: advance the upload's watermark."""
         up = self.uploads.get(upload_id)
@@ -308,8 +367,7 @@ class VersionStore:
             if newest is not None and up.version <= newest.version:
                 raise Refused(P.E_STALE, f"version {up.version} of {up.name!r} was overtaken by version {newest.version}")
         except Refused:
-            self.pool.give(up.slab)
-            self.aborted.append(up)
+            self._retire(up)
             raise
         ver = Version(up.name, up.version, up.layout, up.slab, up.content_hash, time.time(), up.begin_mono, now)
         return ver, self.add(ver)
@@ -326,8 +384,13 @@ class VersionStore:
     def abort(self, upload_id: int) -> None:
         up = self.uploads.pop(upload_id, None)
         if up is not None:
-            self.pool.give(up.slab)
-            self.aborted.append(up)  # the server tells its parked followers
+            if up.shm:
+                up.slab.tainted = True  # its publisher may still be copying into the file
+            self._retire(up)
+
+    def _retire(self, up: Upload) -> None:
+        self.pool.give(up.slab)
+        self.aborted.append(up)  # the server tells its parked followers
 
     def take_aborted(self) -> list[Upload]:
         out, self.aborted = self.aborted, []
@@ -336,7 +399,7 @@ class VersionStore:
     def expire(self, timeout_s: float, now: float | None = None) -> list[Upload]:
         """Drop uploads that sent nothing for ``timeout_s`` (a publisher that died mid-push)."""
         now = time.monotonic() if now is None else now
-        stale = [up for up in self.uploads.values() if now - up.last_activity > timeout_s]
+        stale = [up for up in self.uploads.values() if now - up.last_activity > timeout_s + up.grace_s]
         for up in stale:
             self.abort(up.id)
         return stale
