@@ -6,6 +6,11 @@ of the tensors (small tensors are packed into one frame), and waits for the PUB_
 the server makes the version visible only after it re-hashed every byte. The number of chunks
 queued is bounded by the socket's high-water mark (``max_inflight_chunks``), so memory stays flat.
 
+Same host (``shm=auto`` on both sides): the server offers the upload's slab file in PUB_READY;
+after checking the server's token the publisher copies the tensors straight into that file and
+commits with ``shm: true``, so no tensor byte crosses a socket. Any problem with the offer (no
+such file here, other token, cannot map) sends the bytes as chunks instead, logged once.
+
 When the server is down or restarts mid-push, the whole publish is retried with exponential
 backoff for ``retry_timeout_s``; a retry of a version that did land is recognised by its hash.
 """
@@ -20,11 +25,13 @@ from typing import Any, Iterator, Sequence
 import torch
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig
+from rlhf_core.config import ConfigError, WeightServerConfig, validate_shm
 from rlhf_core.retry import Backoff
+from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.client import Channel, NoReply
 from weight_server.errors import StaleVersionError, WeightIntegrityError, WeightServerError, WeightServerUnavailable
+from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_in
 from weight_server.tensors import TORCH_TO_WIRE, byte_view, named_tensors, transfer_dtype
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class PublishStats:
     content_hash: str
     retries: int
     duplicate: bool  # the server already held this exact version (a retry whose first reply was lost)
+    via: str = "tcp"  # how the bytes went: "shm" (into the server's shared memory), "tcp", or "none" (duplicate)
 
 
 class _DeltaRefused(Exception):
@@ -63,6 +71,8 @@ class WeightPublisher:
         self.cfg = cfg or WeightServerConfig()
         if self.cfg.chunk_bytes > self.cfg.max_frame_bytes:
             raise ConfigError(f"weight_server.chunk_bytes {self.cfg.chunk_bytes} exceeds max_frame_bytes {self.cfg.max_frame_bytes}")
+        validate_shm(self.cfg)
+        self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.channel = Channel(address, self.cfg, self.ctx)
@@ -72,6 +82,8 @@ class WeightPublisher:
 
     def close(self) -> None:
         self.channel.close()
+        if self._maps is not None:
+            self._maps.close()
         if self._own_ctx:
             self.ctx.term()
 
@@ -130,7 +142,7 @@ class WeightPublisher:
             name=name, version=version, bytes=layout.data_bytes, wire_bytes=int(rep.get("wire_bytes", 0)),
             tensors=len(layout.tensors), changed_tensors=len(layout.tensors) if changed is None else len(changed),
             duration_s=time.monotonic() - t0, content_hash=layout.content_hash().hex(), retries=attempts - 1,
-            duplicate=bool(rep.get("duplicate")),
+            duplicate=bool(rep.get("duplicate")), via=rep.get("via", "none"),
         )
         log.debug("published %s", stats)
         return stats
@@ -153,7 +165,7 @@ class WeightPublisher:
     ) -> dict[str, Any]:
         rep = self._request(
             P.PUB_BEGIN, name=name, version=version, tensors=[t.to_wire() for t in layout.tensors],
-            content_hash=layout.content_hash(), delta_base=base, changed=changed,
+            content_hash=layout.content_hash(), delta_base=base, changed=changed, shm=self._maps is not None,
         )
         if rep["kind"] == P.PUB_DONE:
             return rep  # the server already holds exactly this version
@@ -168,10 +180,14 @@ class WeightPublisher:
             raise WeightServerError(f"unexpected reply {rep['kind']} to PUB_BEGIN from {self.channel.address}", P.E_MALFORMED)
         upload = rep["upload"]
         indices = changed if changed is not None else range(len(layout.tensors))
-        for seq, (segments, frames) in enumerate(plan_chunks(layout, views, indices, self.cfg.chunk_bytes)):
-            self.channel.send(P.PUB_CHUNK, data=frames, upload=upload, seq=seq, segments=segments)
+        via_shm = self._copy_to_shm(rep, layout, views, indices)
+        if not via_shm:
+            for seq, (segments, frames) in enumerate(plan_chunks(layout, views, indices, self.cfg.chunk_bytes)):
+                self.channel.send(P.PUB_CHUNK, data=frames, upload=upload, seq=seq, segments=segments)
         # The server re-hashes every byte before answering: allow for it beyond the usual timeout.
-        rep = self._request(P.PUB_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, upload=upload)
+        rep = self._request(
+            P.PUB_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, upload=upload, shm=via_shm,
+        )
         if rep["kind"] == P.ERROR:
             code, message = P.error_code(rep), str(rep.get("message"))
             if code == P.E_STALE:
@@ -181,7 +197,28 @@ class WeightPublisher:
             raise WeightServerError(f"publish of {name!r} v{version} failed: {message}", code)
         if rep["kind"] != P.PUB_DONE:
             raise WeightServerError(f"unexpected reply {rep['kind']} to PUB_COMMIT from {self.channel.address}", P.E_MALFORMED)
+        rep["via"] = "shm" if via_shm else "tcp"
         return rep
+
+    def _copy_to_shm(self, ready: dict[str, Any], layout: P.Layout, views: list[memoryview], indices: Any) -> bool:
+        """Copy the tensors into the upload's slab file when the server offered one that this
+        process can prove is the server's; False: send them as chunks."""
+        if self._maps is None:
+            return False
+        try:
+            offer = P.parse_shm_offer(ready, "shm", layout.total_bytes, leased=False)
+        except WireError as exc:
+            log.warning("ignoring a malformed shared-memory offer from %s: %s; sending over TCP", self.channel.address, exc)
+            return False
+        if offer is None:
+            return False
+        try:
+            slab = self._maps.open(offer, writable=True)
+        except ShmUnavailable as exc:
+            self._maps.warn_once("publisher", offer, exc)
+            return False
+        copy_in(slab, layout, views, indices)
+        return True
 
     def _request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
         return self.channel.request(kind, timeout_s=timeout_s, **fields)

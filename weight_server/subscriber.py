@@ -8,6 +8,12 @@ fairly and server memory never grows with the number of pullers). Chunk bytes ar
 copied into the target (``copy_``, on the GPU when the target lives there). A half-received or
 mismatched version is never applied: the worker keeps running its current weights.
 
+Same host (``shm=auto`` on both sides): the manifest may offer the version's slab file with a
+lease. After checking the server's token the worker maps the file read-only (cached per file),
+hashes every needed tensor straight from the mapping, copies into the target only when all match
+(through the pinned staging buffer for GPU targets), and releases the lease; no tensor byte
+crosses a socket. A token or mapping problem falls back to the TCP pull above, logged once.
+
 Calls never hang: while the server is down, ``pull`` returns None after ``request_timeout_s``
 and ``poll_announcement`` keeps returning the newest version seen; both work again once the
 server is back on the same address.
@@ -24,13 +30,14 @@ import numpy as np
 import torch
 import zmq
 
-from rlhf_core.config import WeightServerConfig
+from rlhf_core.config import WeightServerConfig, validate_shm
 from rlhf_core.wire import WireError, decode_record
 from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, configure_client_socket
 from weight_server.client import Channel, NoReply
 from weight_server.errors import WeightAuthError
-from weight_server.tensors import TORCH_TO_WIRE, check_target, staged, target_of
+from weight_server.shm_map import ShmMaps, ShmUnavailable, hash_tensors
+from weight_server.tensors import TORCH_TO_WIRE, check_target, readonly_tensor, staged, target_of
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +50,10 @@ class WeightSubscriber:
         name: str = "policy", ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg or WeightServerConfig()
+        validate_shm(self.cfg)
         self.worker_id = worker_id
         self.name = name
+        self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
@@ -60,11 +69,16 @@ class WeightSubscriber:
         self._pending: int | None = None  # newest version whose upload has started (cut-through)
         self._staging: torch.Tensor | None = None  # reused across pulls into a target: no fresh pages per pull
         self._applied: tuple[Any, int, tuple, list[bytes]] | None = None  # (target, version, signature, hashes)
-        self.stats = {"pulls": 0, "bytes_received": 0, "integrity_failures": 0, "timeouts": 0, "last_pull_s": None}
+        self.stats = {
+            "pulls": 0, "pulls_tcp": 0, "pulls_shm": 0, "shm_fallbacks": 0, "bytes_received": 0, "bytes_shm": 0,
+            "integrity_failures": 0, "timeouts": 0, "last_pull_s": None,
+        }
 
     def close(self) -> None:
         self.channel.close()
         self.sub.close(linger=0)
+        if self._maps is not None:
+            self._maps.close()
         if self._own_ctx:
             self.ctx.term()
 
@@ -145,16 +159,42 @@ class WeightSubscriber:
         return result
 
     def _pull(self, version: int | None, into: Any, skip_unchanged: bool, follow: bool, retry_newest: bool) -> Any:
-        man = self.channel.request(P.MANIFEST_REQ, name=self.name, version=version, pending=follow)
+        man = self.channel.request(P.MANIFEST_REQ, name=self.name, version=version, pending=follow, shm=self._maps is not None)
         if man["kind"] == P.ERROR:
             log.info("worker %s: no pull: %s", self.worker_id, man.get("message"))
             return None
         try:
             layout, v, chunk_bytes = self._parse_manifest(man)
+            offer = P.parse_shm_offer(man, "shm", layout.total_bytes, leased=True)
         except WireError as exc:
             self.stats["integrity_failures"] += 1
             log.error("worker %s: rejected a manifest: %s; keeping v%s", self.worker_id, exc, self.version)
             return None
+        if offer is None:
+            return self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
+        # A lease pins the slab on the server until released: release it on every way out, except
+        # when the server stopped answering (it expires the lease by itself).
+        via = None
+        try:
+            plan = self._plan(layout, v, into, skip_unchanged)
+            if plan is None:
+                result = v, None  # already applied
+            elif (slab := self._map(offer)) is None:
+                via = "tcp"
+                result = self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
+            else:
+                result, via = self._pull_shm(man, layout, v, slab, into, *plan)
+        except NoReply:
+            raise
+        except BaseException:
+            self._release(offer.lease, via)
+            raise
+        self._release(offer.lease, via)
+        return result
+
+    def _plan(self, layout: P.Layout, v: int, into: Any, skip_unchanged: bool) -> tuple[Any, list[int]] | None:
+        """(target tensors or None, indices of the tensors to move); None when ``v`` is already
+        applied into ``into``."""
         target = target_of(into) if into is not None else None
         if target is not None:
             check_target(layout, target)
@@ -163,7 +203,17 @@ class WeightSubscriber:
         if target is not None and skip_unchanged and prev is not None and prev[0] is into and prev[2] == layout.signature():
             needed = [i for i, t in enumerate(layout.tensors) if t.hash != prev[3][i]]
             if not needed and prev[1] == v:
-                return v, None  # already applied
+                return None
+        return target, needed
+
+    def _pull_tcp(
+        self, man: dict[str, Any], layout: P.Layout, v: int, chunk_bytes: int, into: Any, skip_unchanged: bool,
+        follow: bool, retry_newest: bool,
+    ) -> Any:
+        plan = self._plan(layout, v, into, skip_unchanged)
+        if plan is None:
+            return v, None  # already applied
+        target, needed = plan
         staging = self._staging_for(layout.total_bytes, target)
         buf = memoryview(staging.numpy())
         error, hashes = self._fetch(layout, v, chunk_bytes, needed, buf)
@@ -174,6 +224,52 @@ class WeightSubscriber:
                 return self._pull(None, into, skip_unchanged, follow, retry_newest=False)
             log.warning("worker %s: pull of v%d failed: %s", self.worker_id, v, error.get("message"))
             return None
+        if not self._verified(layout, v, needed, hashes) or not self._committed(man, layout, v):
+            return None
+        self.stats["pulls_tcp"] += 1
+        return self._finish(layout, v, staging, target, into, needed)
+
+    def _pull_shm(
+        self, man: dict[str, Any], layout: P.Layout, v: int, slab: np.ndarray, into: Any, target: Any, needed: list[int],
+    ) -> tuple[Any, str | None]:
+        """Read version ``v`` from the leased slab mapping: hash every needed tensor there, and copy
+        into the target only when all match. ``into=None`` gets its own copy (never a view of a
+        slab the server may recycle). Returns (result, how the bytes came: "shm" or None)."""
+        if not self._committed(man, layout, v):  # a followed upload: its bytes are final only at the commit
+            return None, None
+        if target is None:
+            staging = self._staging_for(layout.total_bytes, None)
+            source = staging.numpy()
+            np.copyto(source[: layout.total_bytes], slab)  # one memcpy out of shared memory, hashed below
+        else:
+            staging, source = None, slab
+        hashes = hash_tensors(source, layout, needed)
+        self.stats["bytes_shm"] += sum(layout.tensors[i].nbytes for i in needed)
+        if not self._verified(layout, v, needed, hashes):
+            return None, "shm"
+        self.stats["pulls_shm"] += 1
+        return self._finish(layout, v, staging if staging is not None else source, target, into, needed), "shm"
+
+    def _map(self, offer: P.ShmOffer) -> np.ndarray | None:
+        try:
+            return self._maps.open(offer, writable=False)
+        except ShmUnavailable as exc:
+            self.stats["shm_fallbacks"] += 1
+            self._maps.warn_once(f"worker {self.worker_id}", offer, exc)
+            return None
+
+    def _release(self, lease: int, via: str | None) -> None:
+        """Give the slab back to the server (recyclable again). Best effort: a lease the server
+        cannot hear about expires there after its lease_s."""
+        try:
+            rep = self.channel.request(P.SHM_RELEASE, lease=lease, via=via)
+        except NoReply:
+            log.warning("worker %s: no answer releasing shared-memory lease %d; the server expires it", self.worker_id, lease)
+            return
+        if rep["kind"] != P.SHM_RELEASED:
+            log.warning("worker %s: releasing shared-memory lease %d: %s", self.worker_id, lease, rep.get("message"))
+
+    def _verified(self, layout: P.Layout, v: int, needed: list[int], hashes: dict[int, bytes]) -> bool:
         bad = [layout.tensors[i].name for i in needed if hashes[i] != layout.tensors[i].hash]
         if bad:
             self.stats["integrity_failures"] += 1
@@ -181,22 +277,31 @@ class WeightSubscriber:
                 "worker %s: %s v%d failed verification (%d tensor(s), e.g. %r); not applied, keeping v%s",
                 self.worker_id, self.name, v, len(bad), bad[0], self.version,
             )
-            return None
-        if man.get("pending") is True:  # followed an upload: apply only once the server committed it
-            rep = self.channel.request(
-                P.WAIT_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, name=self.name, version=v,
-            )
-            if rep["kind"] != P.COMMITTED or rep.get("content_hash") != layout.content_hash():
-                log.warning("worker %s: followed upload of v%d did not commit (%s); keeping v%s",
-                            self.worker_id, v, rep.get("message"), self.version)
-                return None
-            self._announced = v if self._announced is None else max(self._announced, v)
+        return not bad
+
+    def _committed(self, man: dict[str, Any], layout: P.Layout, v: int) -> bool:
+        """For a followed upload (pending manifest): wait until the server committed it."""
+        if man.get("pending") is not True:
+            return True
+        rep = self.channel.request(
+            P.WAIT_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, name=self.name, version=v,
+        )
+        if rep["kind"] != P.COMMITTED or rep.get("content_hash") != layout.content_hash():
+            log.warning("worker %s: followed upload of v%d did not commit (%s); keeping v%s",
+                        self.worker_id, v, rep.get("message"), self.version)
+            return False
+        self._announced = v if self._announced is None else max(self._announced, v)
+        return True
+
+    def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int]) -> Any:
+        """Verified bytes in ``source`` (an owned staging tensor, or the slab mapping for an in-place
+        pull): return them (``into=None``) or apply them into the target and report it."""
         self.stats["pulls"] += 1
         if target is None:
             self.version = v
-            return v, {layout.tensors[i].name: staged(staging, layout, i) for i in range(len(layout.tensors))}
+            return v, {layout.tensors[i].name: staged(source, layout, i) for i in range(len(layout.tensors))}
         t_apply = time.monotonic()
-        self._apply(layout, staging, target, needed)
+        self._apply(layout, source.numpy() if isinstance(source, torch.Tensor) else source, target, needed)
         apply_s = time.monotonic() - t_apply
         self._applied = (into, v, layout.signature(), layout.hashes())
         self.version = v
@@ -272,9 +377,11 @@ class WeightSubscriber:
         return cur
 
     @torch.no_grad()
-    def _apply(self, layout: P.Layout, staging: torch.Tensor, target: dict[str, torch.Tensor], needed: list[int]) -> None:
+    def _apply(self, layout: P.Layout, source: np.ndarray, target: dict[str, torch.Tensor], needed: list[int]) -> None:
+        """Copy tensors ``needed`` out of ``source`` (the layout's bytes: the staging buffer, or a
+        read-only slab mapping) into the target, converting dtypes where they differ."""
         cuda = False
-        buf = staging.numpy()
+        source_t = None
         for i in needed:
             spec = layout.tensors[i]
             dest = target[spec.name].detach()
@@ -282,10 +389,20 @@ class WeightSubscriber:
                 # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
                 # splits big copies across intra-op threads, which is slower on a busy small box.
                 if spec.nbytes:
-                    np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), buf[spec.offset : spec.offset + spec.nbytes])
+                    np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
                 continue
-            cuda = cuda or dest.is_cuda
-            dest.copy_(staged(staging, layout, i), non_blocking=dest.is_cuda)  # converts dtype if needed
+            if dest.is_cuda:
+                # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
+                # already are (a TCP pull received into the pinned staging buffer).
+                cuda = True
+                stage = self._staging_for(layout.total_bytes, target)
+                if stage.data_ptr() != source.ctypes.data:
+                    np.copyto(stage.numpy()[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes])
+                dest.copy_(staged(stage, layout, i), non_blocking=True)
+                continue
+            if source_t is None:
+                source_t = readonly_tensor(source)
+            dest.copy_(staged(source_t, layout, i))  # converts dtype
         if cuda:
             torch.cuda.synchronize()  # a CPU-GPU sync point: "applied" means the bytes are on the device
 

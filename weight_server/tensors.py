@@ -6,8 +6,10 @@ its storage (``t.view(torch.uint8)``); the wire dtype name travels beside it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from rlhf_core.errors import UserError
@@ -102,6 +104,14 @@ def staged(slab: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
     return slab[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+
+
+def readonly_tensor(data: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over a (possibly read-only) numpy buffer, without a copy. torch has no
+    read-only tensors and warns about them; the caller only reads from it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
 
 
 def target_of(into: Any) -> dict[str, torch.Tensor]:

@@ -19,8 +19,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 @pytest.fixture
 def cfg() -> WeightServerConfig:
+    # The TCP data path (chunks, flow control, bytes served): shared memory is off, or every client
+    # here would move its bytes through the server's shm files. test_weight_server_shm.py covers that.
     return WeightServerConfig(
         chunk_bytes=64 * 1024, max_inflight_chunks=4, request_timeout_s=3.0, retry_timeout_s=5.0, announce_interval_s=0.1,
+        shm="off",
     )
 
 

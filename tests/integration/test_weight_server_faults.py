@@ -32,7 +32,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**kw) -> WeightServerConfig:
-    base = dict(chunk_bytes=64 * 1024, max_inflight_chunks=4, request_timeout_s=2.0, retry_timeout_s=5.0, announce_interval_s=0.1)
+    # Faults of the TCP data path (chunks on either hop, cut-through): shared memory off.
+    # test_weight_server_shm.py has the shared-memory faults.
+    base = dict(
+        chunk_bytes=64 * 1024, max_inflight_chunks=4, request_timeout_s=2.0, retry_timeout_s=5.0, announce_interval_s=0.1,
+        shm="off",
+    )
     return WeightServerConfig(**{**base, **kw})
 
 

@@ -1,0 +1,138 @@
+"""The clients' side of the same-host data path: map a server's slab file, once it is proven to be
+the server's, and move tensor bytes in or out of it.
+
+An offer (:class:`weight_server.protocol.ShmOffer`) names a slab file and the server's token
+file. :meth:`ShmMaps.open` reads the token file and compares its bytes with the offer's before it
+opens anything else: a client on another host, in another container or under another user sees no
+such file or other bytes, and the caller falls back to TCP. Files are opened without following
+links, must be regular files of this user, and large enough for the range; mappings are cached
+per file (a recycled slab is the same file with new bytes), so pages are faulted in once.
+
+Nothing read from a mapping is trusted before its tensor hashes match the manifest.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import stat
+from collections import OrderedDict
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from weight_server import protocol as P
+
+log = logging.getLogger(__name__)
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class ShmUnavailable(Exception):
+    """The offered shared memory cannot be used by this process (the message says why)."""
+
+
+class ShmMaps:
+    """Verified, cached mappings of weight-server slab files (one per client; not thread-safe)."""
+
+    def __init__(self, max_files: int = 4) -> None:
+        self.max_files = max_files
+        self._maps: OrderedDict[str, tuple[tuple[int, int, int, bool], mmap.mmap]] = OrderedDict()
+        self._warned: set[tuple[str, str]] = set()
+
+    def open(self, offer: P.ShmOffer, writable: bool) -> np.ndarray:
+        """The offered bytes ``[offset, offset + size)`` as a uint8 array (read-only unless
+        ``writable``). Raises ShmUnavailable saying why it cannot be used here."""
+        check_token(offer)
+        try:
+            fd = os.open(offer.path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot open {offer.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise ShmUnavailable(f"{offer.path} is not a regular file of this user")
+            if st.st_size < offer.offset + offer.size:
+                raise ShmUnavailable(f"{offer.path} holds {st.st_size} bytes, fewer than the offered {offer.offset + offer.size}")
+            key = (st.st_dev, st.st_ino, st.st_size, writable)
+            cached = self._maps.get(offer.path)
+            if cached is not None and cached[0] == key:
+                self._maps.move_to_end(offer.path)
+                buf = cached[1]
+            else:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                try:
+                    buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
+                except OSError as exc:
+                    raise ShmUnavailable(f"cannot map {offer.path}: {exc.strerror}") from None
+                self._maps[offer.path] = (key, buf)
+                while len(self._maps) > self.max_files:
+                    self._maps.popitem(last=False)  # unmapped once no array uses it any more
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(buf, dtype=np.uint8, count=offer.size, offset=offer.offset)
+        return arr if writable else _readonly(arr)
+
+    def warn_once(self, who: str, offer: P.ShmOffer, exc: Exception) -> None:
+        """Log why an offer was not usable, once per server folder and reason."""
+        key = (os.path.dirname(offer.token_path), type(exc).__name__ + str(exc).split(":")[0])
+        if key in self._warned:
+            log.debug("%s: shared memory not usable (%s); using TCP", who, exc)
+            return
+        self._warned.add(key)
+        log.warning(
+            "%s: the weight server offered shared memory in %s but it is not usable here (%s); moving the bytes over "
+            "TCP instead (normal for a client on another host or in another container; weight_server.shm=off stops "
+            "the offers)", who, os.path.dirname(offer.token_path), exc,
+        )
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def check_token(offer: P.ShmOffer) -> None:
+    """Raise ShmUnavailable unless ``offer.token_path`` is a file of this user holding ``offer.token``."""
+    try:
+        fd = os.open(offer.token_path, os.O_RDONLY | _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise ShmUnavailable(f"no file {offer.token_path} here: the server's shared memory is not this machine's") from None
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot read {offer.token_path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ShmUnavailable(f"{offer.token_path} is not a regular file of this user")
+        data = os.read(fd, P.SHM_TOKEN_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not hmac.compare_digest(data, offer.token):
+        raise ShmUnavailable(f"token mismatch: {offer.token_path} belongs to another server (another host or container)")
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+def copy_in(slab: np.ndarray, layout: P.Layout, views: Sequence[Any], indices: Iterable[int]) -> int:
+    """Copy the bytes of tensors ``indices`` (``views[i]``: contiguous bytes) to their offsets in
+    ``slab``; returns the bytes copied. A single-threaded memcpy per tensor (releases the GIL)."""
+    copied = 0
+    for i in indices:
+        t = layout.tensors[i]
+        if t.nbytes:
+            np.copyto(slab[t.offset : t.offset + t.nbytes], np.frombuffer(views[i], dtype=np.uint8))
+            copied += t.nbytes
+    return copied
+
+
+def hash_tensors(data: np.ndarray, layout: P.Layout, indices: Iterable[int]) -> dict[int, bytes]:
+    """{i: hash of tensor i's bytes in ``data``} for ``indices``."""
+    out = {}
+    for i in indices:
+        t = layout.tensors[i]
+        out[i] = P.tensor_hash(data[t.offset : t.offset + t.nbytes])
+    return out
