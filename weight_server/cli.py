@@ -24,7 +24,8 @@ def run_server(cfg) -> int:
     validate(conf)
     logging.basicConfig(level=conf.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = WeightServer(conf.weight_server)
-    print(f"weight server listening on {server.address} (announcements on {server.pub_address})", flush=True)
+    shm = server.shm.path if server.shm is not None else "off"
+    print(f"weight server listening on {server.address} (announcements on {server.pub_address}; shm {shm})", flush=True)
     server.serve_forever()
     logging.getLogger("weight_server").info("weight server stopped")
     return 0

@@ -1,0 +1,114 @@
+"""Shared-memory bookkeeping without sockets: leases, the slab pool's recycling rules for file
+slabs, the private folder and its token, offers a client must refuse."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weight_server import protocol as P
+from weight_server.shm import Leases, ShmDir, remove_stale
+from weight_server.shm_map import ShmMaps, ShmUnavailable, check_token
+from weight_server.store import Slab, SlabPool
+
+
+@pytest.fixture
+def shm(tmp_path):
+    d = ShmDir(str(tmp_path))
+    yield d
+    d.close()
+
+
+def test_folder_token_and_file_slabs(shm, tmp_path):
+    assert shm.path.parent == tmp_path and shm.path.name.startswith(f"rlhf-ws-{os.getpid()}-")
+    assert Path(shm.token_path).read_bytes() == shm.token and len(shm.token) == 32
+    slab = shm.new_slab(1000)
+    assert slab.capacity == 1000 and os.path.getsize(slab.path) == 1000
+    slab.array[:4] = [1, 2, 3, 4]
+    assert Path(slab.path).read_bytes()[:4] == b"\x01\x02\x03\x04"  # the array is the file
+    offer = shm.offer(slab, 900)
+    assert (offer.path, offer.size, offer.token) == (slab.path, 900, shm.token)
+    assert shm.offer(Slab(10), 10) is None  # anonymous memory cannot be offered
+    shm.close()
+    assert not shm.path.exists() and shm.new_slab(10) is None
+
+
+def test_no_room_gives_none_and_counts(tmp_path):
+    d = ShmDir(str(tmp_path), free_space=lambda path: 0)
+    try:
+        assert d.new_slab(10) is None and d.new_slab(10) is None
+        assert d.anonymous == 2
+    finally:
+        d.close()
+
+
+def test_pool_prefers_file_slabs_and_never_recycles_tainted_ones(shm):
+    pool = SlabPool(max_free=2, factory=shm.new_slab)
+    a = pool.take(100)
+    assert a.path is not None
+    pool.give(a)
+    assert pool.take(100) is a  # recycled: same file
+    a.pin()
+    pool.give(a)
+    b = pool.take(100)
+    assert b is not a and b.path != a.path  # pinned (leased): not reused
+    a.tainted = True
+    a.unpin()
+    pool.collect()
+    assert a not in pool.free and not os.path.exists(a.path)  # an expired lease's slab: dropped, file removed
+    anon = SlabPool(factory=lambda n: None).take(100)
+    assert anon.path is None  # no room: anonymous memory
+
+
+def test_pool_drops_files_beyond_max_free(shm):
+    pool = SlabPool(max_free=1, factory=shm.new_slab)
+    slabs = [pool.take(100) for _ in range(3)]
+    for s in slabs:
+        pool.give(s)
+    assert pool.free == [slabs[2]]
+    assert [os.path.exists(s.path) for s in slabs] == [False, False, True]
+
+
+def test_leases_pin_expire_renew_and_cap():
+    leases = Leases(limit=2)
+    slab = Slab(10)
+    a = leases.take(slab, 1.0, "policy", 1, now=0.0)
+    b = leases.take(slab, 1.0, "policy", 1, now=0.0)
+    assert leases.take(slab, 1.0, "policy", 1, now=0.0) is None  # capped: that pull goes over TCP
+    assert not slab.idle()
+    leases.renew(slab, 5.0, now=0.5)
+    assert leases.expire(now=2.0) == []  # renewed to 5.5
+    assert leases.release(a).version == 1 and leases.release(a) is None
+    [gone] = leases.expire(now=6.0)
+    assert gone.slab is slab and slab.tainted and slab.idle()
+    assert leases.release(b) is None
+
+
+def test_remove_stale_leaves_what_is_not_a_dead_servers_folder(tmp_path):
+    live = tmp_path / f"rlhf-ws-{os.getpid()}-aa"  # this process is alive
+    other = tmp_path / "rlhf-ws-notapid-aa"
+    plain = tmp_path / "something-else"
+    for d in (live, other, plain):
+        d.mkdir()
+    (live / "lock").touch()
+    assert remove_stale(str(tmp_path)) == []
+    assert all(d.exists() for d in (live, other, plain))
+
+
+def test_client_refuses_a_token_it_cannot_prove(shm, tmp_path):
+    slab = shm.new_slab(64)
+    offer = shm.offer(slab, 64, lease=1, lease_s=1.0)
+    maps = ShmMaps()
+    view = maps.open(offer, writable=False)
+    slab.array[:3] = [7, 8, 9]
+    assert list(view[:3]) == [7, 8, 9] and not view.flags.writeable
+    with pytest.raises(ShmUnavailable, match="token mismatch"):
+        check_token(P.ShmOffer(offer.path, 0, 64, offer.token_path, bytes(32), 1, 1.0))
+    with pytest.raises(ShmUnavailable, match="holds 64 bytes, fewer than the offered 65"):
+        maps.open(P.ShmOffer(offer.path, 1, 64, offer.token_path, offer.token, 1, 1.0), writable=False)
+    writable = maps.open(offer, writable=True)
+    writable[:2] = np.array([5, 6], dtype=np.uint8)
+    assert list(slab.array[:2]) == [5, 6]
