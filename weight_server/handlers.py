@@ -95,12 +95,12 @@ class Handlers:
     def chunk_arrived(self, up: Upload) -> None:
         """Answer the parked fetches whose bytes are now all in (cut-through)."""
         still = []
-        for peer, rid, index in up.parked:
+        for peer, rid, index, notice in up.parked:
             offset, length = P.chunk_range(index, up.layout.total_bytes, self.cfg.chunk_bytes)
             if up.has(offset + length):
-                self._send_chunk(peer, rid, up.name, up.version, index, up.slab, up.layout.total_bytes)
+                self._send_chunk(peer, rid, up.name, up.version, index, up.slab, up.layout.total_bytes, notice)
             else:
-                still.append((peer, rid, index))
+                still.append((peer, rid, index, notice))
         up.parked = still
 
     def pub_commit(self, ident: bytes, obj: dict[str, Any]) -> None:
@@ -126,8 +126,8 @@ class Handlers:
         )
         self.out.announce(ver)
         if up is not None:  # followers: the rest of their chunks, then the go-ahead
-            for peer, rid, index in up.parked:
-                self._send_chunk(peer, rid, ver.name, ver.version, index, ver.slab, lay.total_bytes)
+            for peer, rid, index, notice in up.parked:
+                self._send_chunk(peer, rid, ver.name, ver.version, index, ver.slab, lay.total_bytes, notice)
             for peer, rid in up.waiters:
                 self.out.send(peer, P.encode(P.COMMITTED, rid=rid, name=ver.name, version=ver.version, content_hash=ver.content_hash))
             up.parked, up.waiters = [], []
@@ -146,7 +146,7 @@ class Handlers:
         """Followers parked on an upload that will never commit get an ERROR (they keep their weights)."""
         for up in self.store.take_aborted():
             msg = f"upload of {up.name} v{up.version} was aborted; keep the current version"
-            for peer, rid, _ in up.parked:
+            for peer, rid, _, _ in up.parked:
                 self.out.error(peer, rid, P.E_ABORTED, msg)
             for peer, rid in up.waiters:
                 self.out.error(peer, rid, P.E_ABORTED, msg)
@@ -228,7 +228,10 @@ class Handlers:
             )
 
     def fetch(self, ident: bytes, obj: dict[str, Any]) -> None:
+        """A chunk's bytes, or with ``shm: true`` (a follower that maps the slab) only the notice
+        that they are in: answered at once when they are, else parked until they arrive."""
         name, version, index = P.req_name(obj), P.req_int(obj, "version"), P.req_int(obj, "chunk")
+        notice = optional(obj, "shm", bool, False)
         rid = obj.get("rid")
         ver = self.store.get(name, version)
         up = self.store.upload_of(name, version) if ver is None else None
@@ -237,20 +240,27 @@ class Handlers:
         total = ver.layout.total_bytes if ver is not None else up.layout.total_bytes
         if index >= P.chunk_count(total, self.cfg.chunk_bytes):
             raise WireError(f"chunk {index} is out of range for {name} v{version}")
+        if notice and (ver or up).slab.path is None:
+            raise WireError(f"{name} v{version} is not in shared memory; fetch its chunks without shm")
         if ver is not None:
-            self._send_chunk(ident, rid, name, version, index, ver.slab, total)
+            self._send_chunk(ident, rid, name, version, index, ver.slab, total, notice)
             return
         offset, length = P.chunk_range(index, total, self.cfg.chunk_bytes)
         if up.has(offset + length):
-            self._send_chunk(ident, rid, name, version, index, up.slab, total)
+            self._send_chunk(ident, rid, name, version, index, up.slab, total, notice)
         elif len(up.parked) >= MAX_PARKED:
             raise Refused(P.E_TOO_LARGE, f"too many fetches are waiting for {name} v{version}")
         else:
-            up.parked.append((ident, rid, index))  # answered when the bytes arrive (or at commit)
+            up.parked.append((ident, rid, index, notice))  # answered when the bytes arrive (or at commit)
 
-    def _send_chunk(self, ident: bytes, rid: Any, name: str, version: int, index: int, slab: Any, total: int) -> None:
+    def _send_chunk(
+        self, ident: bytes, rid: Any, name: str, version: int, index: int, slab: Any, total: int, notice: bool = False,
+    ) -> None:
         offset, length = P.chunk_range(index, total, self.cfg.chunk_bytes)
-        header = P.encode(P.CHUNK, rid=rid, version=version, chunk=index, offset=offset)
+        header = P.encode(P.CHUNK, rid=rid, version=version, chunk=index, offset=offset, shm=notice)
+        if notice:  # the follower reads the bytes from its mapping of the slab
+            self.out.send(ident, header)
+            return
         self.out.send(ident, header, slab.view[offset : offset + length], slab)
         self.metrics.served(name, version, length)
 

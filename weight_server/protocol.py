@@ -15,14 +15,16 @@ Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply
                  delta_base: int|nil, changed: [index]|nil, shm: bool}
                                                              -> PUB_READY {rid, upload, shm: offer|nil} | PUB_DONE (same
                                                                 version and hash already held) | ERROR
-    PUB_CHUNK   {upload, seq, segments: [[offset, length]]} + one frame per segment
+    PUB_CHUNK   {upload, seq, segments: [[offset, length]], shm: bool} + one frame per segment (none
+                 with shm: the publisher wrote those bytes into the offered slab file)
                                                              -> nothing (ERROR only if it is refused)
     PUB_COMMIT  {rid, upload, shm: bool}                     -> PUB_DONE {rid, name, version, bytes,
                                                                 wire_bytes, duration_s, content_hash} | ERROR
     MANIFEST_REQ{rid, name, version: int|nil, pending: bool, shm: bool}
                                                              -> MANIFEST {rid, name, version, tensors, content_hash,
                                                                 total_bytes, chunk_bytes, pending, shm: offer|nil} | ERROR
-    FETCH       {rid, name, version, chunk}                  -> CHUNK {rid, version, chunk, offset} + 1 frame | ERROR
+    FETCH       {rid, name, version, chunk, shm: bool}       -> CHUNK {rid, version, chunk, offset, shm} + 1 frame
+                                                                (none with shm: the bytes are in the slab file) | ERROR
     WAIT_COMMIT {rid, name, version}                         -> COMMITTED {rid, name, version, content_hash}
                                                                 once the version is visible | ERROR (aborted)
     SHM_RELEASE {rid, lease, via: "shm"|"tcp"|nil}           -> SHM_RELEASED {rid, lease} | ERROR (unknown_lease)
@@ -57,6 +59,12 @@ coverage and every hash as for chunks). A puller's offer carries a *lease*: the 
 slab (never recycled for another version) until SHM_RELEASE, or until ``lease_s`` seconds pass
 with no release (a dead client); a slab whose lease expired is never recycled at all, since its
 reader may still be mapping it.
+
+Cut-through works over shared memory too: the publisher reports each stretch it copied with a
+data-less PUB_CHUNK (``shm: true``), so the server hashes tensors as they complete, and a
+follower holding a lease FETCHes with ``shm: true`` to be told (no data) when each chunk's bytes
+are in, hashing them from its mapping while the rest is still being copied. It applies nothing
+before the commit, as over TCP.
 """
 
 from __future__ import annotations
@@ -274,6 +282,11 @@ def parse_shm_offer(obj: dict[str, Any], field: str, total_bytes: int, leased: b
 def tensor_hash(data: Any) -> bytes:
     """xxh3-128 of one tensor's bytes (a buffer: bytes, memoryview, numpy array)."""
     return xxhash.xxh3_128_digest(data)
+
+
+def tensor_hasher() -> Any:
+    """A streaming form of :func:`tensor_hash` (``update`` piece by piece, then ``digest``)."""
+    return xxhash.xxh3_128()
 
 
 def content_hash(tensors: Iterable[TensorSpec]) -> bytes:

@@ -31,7 +31,7 @@ from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.client import Channel, NoReply
 from weight_server.errors import StaleVersionError, WeightIntegrityError, WeightServerError, WeightServerUnavailable
-from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_in
+from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_bytes
 from weight_server.tensors import TORCH_TO_WIRE, byte_view, named_tensors, transfer_dtype
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class WeightPublisher:
             raise WeightServerError(f"unexpected reply {rep['kind']} to PUB_BEGIN from {self.channel.address}", P.E_MALFORMED)
         upload = rep["upload"]
         indices = changed if changed is not None else range(len(layout.tensors))
-        via_shm = self._copy_to_shm(rep, layout, views, indices)
+        via_shm = self._copy_to_shm(rep, upload, layout, views, indices)
         if not via_shm:
             for seq, (segments, frames) in enumerate(plan_chunks(layout, views, indices, self.cfg.chunk_bytes)):
                 self.channel.send(P.PUB_CHUNK, data=frames, upload=upload, seq=seq, segments=segments)
@@ -200,9 +200,11 @@ class WeightPublisher:
         rep["via"] = "shm" if via_shm else "tcp"
         return rep
 
-    def _copy_to_shm(self, ready: dict[str, Any], layout: P.Layout, views: list[memoryview], indices: Any) -> bool:
+    def _copy_to_shm(self, ready: dict[str, Any], upload: int, layout: P.Layout, views: list[memoryview], indices: Any) -> bool:
         """Copy the tensors into the upload's slab file when the server offered one that this
-        process can prove is the server's; False: send them as chunks."""
+        process can prove is the server's, telling the server every ``chunk_bytes`` or so which
+        bytes are in (data-less PUB_CHUNKs: it hashes them, and followers read them, meanwhile).
+        False: send them as chunks."""
         if self._maps is None:
             return False
         try:
@@ -217,7 +219,20 @@ class WeightPublisher:
         except ShmUnavailable as exc:
             self._maps.warn_once("publisher", offer, exc)
             return False
-        copy_in(slab, layout, views, indices)
+        segments: list[list[int]] = []
+        pending, seq = 0, 0
+        for i in indices:
+            t = layout.tensors[i]
+            if not t.nbytes:
+                continue
+            copy_bytes(slab[t.offset : t.offset + t.nbytes], views[i])
+            segments.append([t.offset, t.nbytes])
+            pending += t.nbytes
+            if pending >= self.cfg.chunk_bytes or len(segments) >= P.MAX_SEGMENTS:
+                self.channel.send(P.PUB_CHUNK, upload=upload, seq=seq, segments=segments, shm=True)
+                segments, pending, seq = [], 0, seq + 1
+        if segments:
+            self.channel.send(P.PUB_CHUNK, upload=upload, seq=seq, segments=segments, shm=True)
         return True
 
     def _request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import zmq
 
 from rlhf_core.config import ConfigError, WeightServerConfig, validate_shm
-from rlhf_core.wire import WireError, unpack
+from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
 from weight_server.auth import LOOPBACK_HOSTS, MAC_BYTES, ZapHandler, configure_server_socket, signer_for
 from weight_server.handlers import Handlers
@@ -358,12 +358,16 @@ class WeightServer:
 
     # -- receiving a chunk of an upload ------------------------------------------------------------
     def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
+        """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
+        has none and says the publisher wrote those bytes into the slab file itself. Either way
+        the watermark advances, tensors complete are hashed, and parked followers are answered."""
         try:
             upload = P.req_int(obj, "upload")
+            via_shm = optional(obj, "shm", bool, False)
             up = self.store.uploads.get(upload)
             total = up.layout.total_bytes if up else 0
             segments = P.parse_segments(obj, total) if up else []
-            targets = self.store.chunk_targets(upload, segments)
+            targets = self.store.chunk_targets(upload, segments, shm=via_shm)
         except (WireError, Refused) as exc:
             self._drain()
             code = exc.code if isinstance(exc, Refused) else P.E_MALFORMED

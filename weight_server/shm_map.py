@@ -19,7 +19,7 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -36,21 +36,27 @@ class ShmUnavailable(Exception):
 
 
 class ShmMaps:
-    """Verified, cached mappings of weight-server slab files (one per client; not thread-safe)."""
+    """Verified, cached mappings of weight-server slab files (one per client; not thread-safe).
+
+    A cached mapping of a file the server has since removed would keep its memory alive, so
+    such entries are dropped at the next open (each keeps its file open to see that).
+    """
 
     def __init__(self, max_files: int = 4) -> None:
         self.max_files = max_files
-        self._maps: OrderedDict[str, tuple[tuple[int, int, int, bool], mmap.mmap]] = OrderedDict()
+        self._maps: OrderedDict[str, tuple[tuple[int, int, int, bool], int, mmap.mmap]] = OrderedDict()
         self._warned: set[tuple[str, str]] = set()
 
     def open(self, offer: P.ShmOffer, writable: bool) -> np.ndarray:
         """The offered bytes ``[offset, offset + size)`` as a uint8 array (read-only unless
         ``writable``). Raises ShmUnavailable saying why it cannot be used here."""
         check_token(offer)
+        self._drop_removed()
         try:
             fd = os.open(offer.path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
         except OSError as exc:
             raise ShmUnavailable(f"cannot open {offer.path}: {exc.strerror}") from None
+        keep = False
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -61,20 +67,35 @@ class ShmMaps:
             cached = self._maps.get(offer.path)
             if cached is not None and cached[0] == key:
                 self._maps.move_to_end(offer.path)
-                buf = cached[1]
+                buf = cached[2]
             else:
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
                 try:
                     buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
                 except OSError as exc:
                     raise ShmUnavailable(f"cannot map {offer.path}: {exc.strerror}") from None
-                self._maps[offer.path] = (key, buf)
+                self._forget(offer.path)
+                self._maps[offer.path] = (key, fd, buf)
+                keep = True
                 while len(self._maps) > self.max_files:
-                    self._maps.popitem(last=False)  # unmapped once no array uses it any more
+                    self._forget(next(iter(self._maps)))
         finally:
-            os.close(fd)
+            if not keep:
+                os.close(fd)
         arr = np.frombuffer(buf, dtype=np.uint8, count=offer.size, offset=offer.offset)
-        return arr if writable else _readonly(arr)
+        if not writable:
+            arr.flags.writeable = False  # the pages are mapped read-only: a write would crash the process
+        return arr
+
+    def _forget(self, path: str) -> None:
+        entry = self._maps.pop(path, None)
+        if entry is not None:
+            os.close(entry[1])  # the mapping itself goes when no array uses it any more
+
+    def _drop_removed(self) -> None:
+        for path, (_, fd, _) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._forget(path)
 
     def warn_once(self, who: str, offer: P.ShmOffer, exc: Exception) -> None:
         """Log why an offer was not usable, once per server folder and reason."""
@@ -90,7 +111,8 @@ class ShmMaps:
         )
 
     def close(self) -> None:
-        self._maps.clear()
+        for path in list(self._maps):
+            self._forget(path)
 
 
 def check_token(offer: P.ShmOffer) -> None:
@@ -112,21 +134,30 @@ def check_token(offer: P.ShmOffer) -> None:
         raise ShmUnavailable(f"token mismatch: {offer.token_path} belongs to another server (another host or container)")
 
 
-def _readonly(arr: np.ndarray) -> np.ndarray:
-    arr.flags.writeable = False
-    return arr
+COPY_BLOCK = 8 << 20  # one memcpy of hundreds of MB out of a shm mapping runs at half the speed of 8 MB pieces
 
 
-def copy_in(slab: np.ndarray, layout: P.Layout, views: Sequence[Any], indices: Iterable[int]) -> int:
-    """Copy the bytes of tensors ``indices`` (``views[i]``: contiguous bytes) to their offsets in
-    ``slab``; returns the bytes copied. A single-threaded memcpy per tensor (releases the GIL)."""
-    copied = 0
+def copy_bytes(dst: np.ndarray, src: Any) -> None:
+    """``dst[:] = src`` (uint8, equal lengths) in COPY_BLOCK pieces: single-threaded memcpy that
+    releases the GIL."""
+    src = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+    for start in range(0, len(dst), COPY_BLOCK):
+        np.copyto(dst[start : start + COPY_BLOCK], src[start : start + COPY_BLOCK])
+
+
+def copy_and_hash(dst: np.ndarray, src: np.ndarray, layout: P.Layout, indices: Iterable[int]) -> dict[int, bytes]:
+    """Copy tensors ``indices`` from ``src`` to the same offsets of ``dst``, hashing each piece of
+    ``dst`` right after it is written (still in cache); returns {i: hash}."""
+    out = {}
     for i in indices:
         t = layout.tensors[i]
-        if t.nbytes:
-            np.copyto(slab[t.offset : t.offset + t.nbytes], np.frombuffer(views[i], dtype=np.uint8))
-            copied += t.nbytes
-    return copied
+        h = P.tensor_hasher()
+        for start in range(t.offset, t.offset + t.nbytes, COPY_BLOCK):
+            end = min(start + COPY_BLOCK, t.offset + t.nbytes)
+            np.copyto(dst[start:end], src[start:end])
+            h.update(dst[start:end])
+        out[i] = h.digest()
+    return out
 
 
 def hash_tensors(data: np.ndarray, layout: P.Layout, indices: Iterable[int]) -> dict[int, bytes]:

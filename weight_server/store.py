@@ -168,7 +168,7 @@ class Upload:
     streamable: bool = False
     followers: int = 0  # pending-manifest requests (pulls that followed this upload)
     watermark: int = 0
-    parked: list[tuple[bytes, int, int]] = field(default_factory=list)  # (peer, rid, chunk) waiting for bytes
+    parked: list[tuple[bytes, int, int, bool]] = field(default_factory=list)  # (peer, rid, chunk, shm notice) waiting for bytes
     waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (peer, rid) waiting for the commit
     hashed: int = 0  # tensors [0, hashed) are complete and their hashes are in `computed`
     computed: list[bytes] = field(default_factory=list)
@@ -309,15 +309,21 @@ class VersionStore:
                 return up
         return None
 
-    def chunk_targets(self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None) -> list[memoryview]:
-        """Where the data frames of a PUB_CHUNK go (writable views of the upload's slab)."""
+    def chunk_targets(
+        self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None, shm: bool = False,
+    ) -> list[memoryview]:
+        """Where the data frames of a PUB_CHUNK go (writable views of the upload's slab). With
+        ``shm`` the chunk carries no data: the publisher says those bytes are already in the slab
+        file it was offered (none for an upload that was not offered shared memory)."""
         up = self.uploads.get(upload_id)
         if up is None:
             raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        if shm and not up.shm:
+            raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as data frames")
         up.last_activity = time.monotonic() if now is None else now
         up.segments.extend(segments)
         up.wire_bytes += sum(n for _, n in segments)
-        return [up.slab.view[o : o + n] for o, n in segments]
+        return [] if shm else [up.slab.view[o : o + n] for o, n in segments]
 
     def offer_shm(self, upload_id: int, grace_s: float) -> None:
         """The publisher was offered the upload's slab file: it may write there without sending
@@ -327,13 +333,16 @@ class VersionStore:
         up.shm, up.grace_s = True, grace_s
 
     def shm_written(self, upload_id: int) -> None:
-        """The publisher says it copied every changed tensor into the slab file: count their bytes
-        as received (the commit still checks every hash)."""
+        """The publisher says it copied every changed tensor into the slab file. Unless it already
+        said so piece by piece (PUB_CHUNKs with ``shm``), count their bytes as received now (the
+        commit still checks coverage and every hash)."""
         up = self.uploads.get(upload_id)
         if up is None:
             raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
         if not up.shm:
             raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as PUB_CHUNKs")
+        if up.segments:
+            return
         spans = [(t.offset, t.nbytes) for t in (up.layout.tensors[i] for i in up.changed) if t.nbytes]
         up.segments.extend(spans)
         up.wire_bytes += sum(n for _, n in spans)

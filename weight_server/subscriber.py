@@ -36,7 +36,7 @@ from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, configure_client_socket
 from weight_server.client import Channel, NoReply
 from weight_server.errors import WeightAuthError
-from weight_server.shm_map import ShmMaps, ShmUnavailable, hash_tensors
+from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_and_hash, copy_bytes, hash_tensors
 from weight_server.tensors import TORCH_TO_WIRE, check_target, readonly_tensor, staged, target_of
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class WeightSubscriber:
                 via = "tcp"
                 result = self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
             else:
-                result, via = self._pull_shm(man, layout, v, slab, into, *plan)
+                result, via = self._pull_shm(man, layout, v, chunk_bytes, slab, into, *plan)
         except NoReply:
             raise
         except BaseException:
@@ -230,25 +230,39 @@ class WeightSubscriber:
         return self._finish(layout, v, staging, target, into, needed)
 
     def _pull_shm(
-        self, man: dict[str, Any], layout: P.Layout, v: int, slab: np.ndarray, into: Any, target: Any, needed: list[int],
+        self, man: dict[str, Any], layout: P.Layout, v: int, chunk_bytes: int, slab: np.ndarray, into: Any,
+        target: Any, needed: list[int],
     ) -> tuple[Any, str | None]:
-        """Read version ``v`` from the leased slab mapping: hash every needed tensor there, and copy
-        into the target only when all match. ``into=None`` gets its own copy (never a view of a
-        slab the server may recycle). Returns (result, how the bytes came: "shm" or None)."""
-        if not self._committed(man, layout, v):  # a followed upload: its bytes are final only at the commit
-            return None, None
-        if target is None:
-            staging = self._staging_for(layout.total_bytes, None)
-            source = staging.numpy()
-            np.copyto(source[: layout.total_bytes], slab)  # one memcpy out of shared memory, hashed below
+        """Read version ``v`` from the leased slab mapping: every needed tensor is hashed there (or
+        while it is copied into the staging buffer) and nothing reaches the target unless all
+        match. ``into=None`` gets its own copy, never a view of a slab the server may recycle.
+        A followed upload is hashed as its bytes land and applied after the commit.
+        Returns (result, how the bytes came: "shm", or None when none were read)."""
+        staging = None
+        if target is None or any(t.is_cuda for t in target.values()):
+            staging = self._staging_for(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
+        if man.get("pending") is True:
+            error, hashes = self._fetch(layout, v, chunk_bytes, needed, slab, notices=True)
+            if error is not None:
+                self.channel.reset()
+                log.info("worker %s: followed upload of v%d went away (%s); keeping v%s", self.worker_id, v,
+                         error.get("message"), self.version)
+                return None, None
+            if not self._committed(man, layout, v):
+                return None, None
+            if staging is not None:
+                for i in needed:
+                    t = layout.tensors[i]
+                    copy_bytes(staging.numpy()[t.offset : t.offset + t.nbytes], slab[t.offset : t.offset + t.nbytes])
+        elif staging is not None:  # hashed while hot, from the copy that is then applied or handed out
+            hashes = copy_and_hash(staging.numpy(), slab, layout, needed)
         else:
-            staging, source = None, slab
-        hashes = hash_tensors(source, layout, needed)
+            hashes = hash_tensors(slab, layout, needed)
         self.stats["bytes_shm"] += sum(layout.tensors[i].nbytes for i in needed)
         if not self._verified(layout, v, needed, hashes):
             return None, "shm"
         self.stats["pulls_shm"] += 1
-        return self._finish(layout, v, staging if staging is not None else source, target, into, needed), "shm"
+        return self._finish(layout, v, staging if staging is not None else slab, target, into, needed), "shm"
 
     def _map(self, offer: P.ShmOffer) -> np.ndarray | None:
         try:
@@ -309,12 +323,13 @@ class WeightSubscriber:
         return v, None
 
     def _fetch(
-        self, layout: P.Layout, v: int, chunk_bytes: int, needed: list[int], buf: memoryview,
+        self, layout: P.Layout, v: int, chunk_bytes: int, needed: list[int], buf: Any, notices: bool = False,
     ) -> tuple[dict[str, Any] | None, dict[int, bytes]]:
         """Fetch the chunks holding tensors ``needed`` into ``buf`` with at most
         ``max_inflight_chunks`` requests outstanding. Each tensor is hashed as soon as all its bytes
-        are in, while later chunks are still arriving. Returns (the ERROR reply that stopped it, if
-        any; {tensor index: hash})."""
+        are in, while later chunks are still arriving. With ``notices`` ``buf`` is the mapping of
+        the upload's slab: the server only says (no data) when each chunk's bytes are there.
+        Returns (the ERROR reply that stopped it, if any; {tensor index: hash})."""
         order = P.chunks_covering(layout, needed, chunk_bytes)
         chunks = deque(order)
         outstanding: dict[int, int] = {}  # request id -> chunk index
@@ -333,15 +348,19 @@ class WeightSubscriber:
         while chunks or outstanding:
             while chunks and len(outstanding) < self.cfg.max_inflight_chunks:  # spend the credits
                 c = chunks.popleft()
-                outstanding[self.channel.send(P.FETCH, name=self.name, version=v, chunk=c)] = c
+                outstanding[self.channel.send(P.FETCH, name=self.name, version=v, chunk=c, shm=notices)] = c
             rep = self.channel.recv(self.cfg.request_timeout_s, into=place)
             if rep["kind"] == P.ERROR:
                 return rep, hashes
             if rep["kind"] != P.CHUNK or rep.get("discarded"):
                 continue
-            c = outstanding.pop(rep["rid"])
+            c = outstanding.get(rep.get("rid"))
+            if c is None or rep.get("chunk") != c or rep.get("version") != v or (rep.get("shm") is True) != notices:
+                continue  # a late reply to an abandoned request, or one without the data asked for
+            del outstanding[rep["rid"]]
             arrived.add(c)
-            self.stats["bytes_received"] += P.chunk_range(c, layout.total_bytes, chunk_bytes)[1]
+            if not notices:
+                self.stats["bytes_received"] += P.chunk_range(c, layout.total_bytes, chunk_bytes)[1]
             while prefix < len(order) and order[prefix] in arrived:
                 prefix += 1
             covered = min(layout.total_bytes, order[prefix - 1] * chunk_bytes + chunk_bytes) if prefix else 0
@@ -389,7 +408,7 @@ class WeightSubscriber:
                 # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
                 # splits big copies across intra-op threads, which is slower on a busy small box.
                 if spec.nbytes:
-                    np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
+                    copy_bytes(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
                 continue
             if dest.is_cuda:
                 # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
@@ -397,7 +416,7 @@ class WeightSubscriber:
                 cuda = True
                 stage = self._staging_for(layout.total_bytes, target)
                 if stage.data_ptr() != source.ctypes.data:
-                    np.copyto(stage.numpy()[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes])
+                    copy_bytes(stage.numpy()[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes])
                 dest.copy_(staged(stage, layout, i), non_blocking=True)
                 continue
             if source_t is None:

@@ -129,9 +129,9 @@ def test_shm_pull_is_identical_to_a_tcp_pull_and_no_byte_crosses_a_socket(peers)
     assert _same(via_shm, data)
     assert (shm_sub.stats["pulls_shm"], shm_sub.stats["bytes_shm"], shm_sub.stats["bytes_received"]) == (1, stats.bytes, 0)
     assert (tcp_sub.stats["pulls_tcp"], tcp_sub.stats["bytes_received"]) == (1, _layout_bytes(data))
-    c = _counters(peers.srv)
+    # only the TCP puller's bytes went out on a socket (counted by the server just after sending)
+    c = wait_for(lambda: (c := _counters(peers.srv))["bytes_served"] == _layout_bytes(data) and c, 5, "bytes served")
     assert (c["publishes_shm"], c["pulls_shm"], c["pulls_tcp"], c["shm_fallbacks"]) == (1, 1, 1, 0)
-    assert c["bytes_served"] == _layout_bytes(data)  # only the TCP puller's bytes went out on a socket
     assert peers.srv.handlers.leases.held == {}  # every lease was released
 
 
@@ -325,6 +325,10 @@ def test_malformed_shm_messages_get_errors_and_the_server_keeps_serving(peers):
         dealer.send(P.encode(P.PUB_COMMIT, rid=10, upload=ready["upload"], shm=True))
         obj = P.decode(recv_with_timeout(dealer, 3000, multipart=True)[0], P.SERVER_KINDS, 1 << 16, 1 << 20)
         assert obj["code"] == P.E_MALFORMED and "was not offered shared memory" in obj["message"]
+        # ...or a data-less chunk for it
+        dealer.send(P.encode(P.PUB_CHUNK, upload=ready["upload"], seq=0, segments=[[0, 4]], shm=True))
+        obj = P.decode(recv_with_timeout(dealer, 3000, multipart=True)[0], P.SERVER_KINDS, 1 << 16, 1 << 20)
+        assert obj["code"] == P.E_MALFORMED and "send its bytes as data frames" in obj["message"]
     finally:
         dealer.close()
     # still serving, over shared memory
@@ -380,6 +384,40 @@ def test_eight_workers_pulling_at_once_over_shm_end_identical(peers):
 
     rec = wait_for(applied_by_all, 5, "8 workers to report")
     assert (rec["pulls"], rec["pulls_shm"], rec["bytes_served"]) == (8, 8, 0)
+    assert peers.srv.handlers.leases.held == {}
+
+
+def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_applies_after_commit(peers):
+    pub, sub, ch = peers.pub(), peers.sub(), peers.channel()
+    target = _zeros(_tensors(1))
+    pub.publish(1, _tensors(1))
+    assert sub.pull(into=target) == (1, None)
+    data = _tensors(2)
+    names = sorted(data)
+    views = [data[n].reshape(-1).view(torch.uint8).numpy() for n in names]
+    from weight_server.tensors import TORCH_TO_WIRE
+
+    lay = P.make_layout([(n, TORCH_TO_WIRE[data[n].dtype], list(data[n].shape)) for n in names], [P.tensor_hash(v) for v in views])
+    ready = ch.request(P.PUB_BEGIN, name="policy", version=2, tensors=[t.to_wire() for t in lay.tensors],
+                       content_hash=lay.content_hash(), shm=True)
+    offer = P.parse_shm_offer(ready, "shm", lay.total_bytes, leased=False)
+    with open(offer.path, "r+b") as f:  # the publisher's copy, by hand, reported piece by piece
+        for seq, (t, v) in enumerate(zip(lay.tensors, views)):
+            f.seek(t.offset)
+            f.write(v.tobytes())
+            f.flush()
+            ch.send(P.PUB_CHUNK, upload=ready["upload"], seq=seq, segments=[[t.offset, t.nbytes]], shm=True)
+    result = {}
+    follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
+    follower.start()
+    # It was told every chunk is in and hashed them all: it now waits for the commit alone...
+    up = peers.srv.store.upload_of("policy", 2)
+    wait_for(lambda: len(up.waiters) == 1, 5, "the follower to wait for the commit")
+    assert up.hashed == len(lay.tensors)  # ...and so did the server: the commit has nothing left to hash
+    assert follower.is_alive() and _same(target, _tensors(1))  # nothing applied before the commit
+    assert ch.request(P.PUB_COMMIT, upload=ready["upload"], shm=True)["kind"] == P.PUB_DONE
+    follower.join(5)
+    assert result["res"] == (2, None) and _same(target, data) and sub.stats["pulls_shm"] == 2
     assert peers.srv.handlers.leases.held == {}
 
 
@@ -497,6 +535,14 @@ def test_a_full_shm_filesystem_gives_anonymous_slabs_served_over_tcp(caplog):
             assert pub.publish(2, _tensors(2)).via == "shm"  # 240 KB fits
             assert _same(sub.pull()[1], _tensors(2)) and sub.stats["pulls_shm"] == 1
             assert pub.publish(3, {"w": big["w"] + 1}).via == "tcp"
+            ctx = zmq.Context()
+            ch = Channel(srv.address, cfg, ctx)
+            try:  # a follower's notice fetch of a version that is not in shared memory
+                rep = ch.request(P.FETCH, name="policy", version=3, chunk=0, shm=True)
+                assert rep["code"] == P.E_MALFORMED and "is not in shared memory" in rep["message"]
+            finally:
+                ch.close()
+                ctx.term()
         c = srv.metrics()["counters"]
         assert (c["anonymous_slabs"], c["publishes_shm"], c["pulls_tcp"], c["pulls_shm"]) == (2, 1, 1, 1)
         assert sum("cannot hold a slab" in r.getMessage() for r in caplog.records) == 1  # logged once
