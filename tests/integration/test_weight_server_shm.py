@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -363,19 +364,14 @@ def test_eight_workers_pulling_at_once_over_shm_end_identical(peers):
     pub.publish(1, data)
     subs = [peers.sub(f"w{i}") for i in range(8)]
     targets = [_zeros(data) for _ in subs]
-    results: list = [None] * 8
-    barrier = threading.Barrier(8)
+    start = threading.Barrier(8)
 
-    def pull(i: int) -> None:
-        barrier.wait()
-        results[i] = subs[i].pull(into=targets[i])
+    def pull(sub: WeightSubscriber, target: dict[str, torch.Tensor]):
+        start.wait()  # all eight map, hash and copy the same slab at once
+        return sub.pull(into=target)
 
-    threads = [threading.Thread(target=pull, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert results == [(1, None)] * 8
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(pull, subs, targets, timeout=30)) == [(1, None)] * 8
     assert all(_same(t, data) for t in targets)
 
     def applied_by_all():
@@ -387,20 +383,31 @@ def test_eight_workers_pulling_at_once_over_shm_end_identical(peers):
     assert peers.srv.handlers.leases.held == {}
 
 
-def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_applies_after_commit(peers):
-    pub, sub, ch = peers.pub(), peers.sub(), peers.channel()
-    target = _zeros(_tensors(1))
-    pub.publish(1, _tensors(1))
+def _worker_at_v1(peers: Peers) -> tuple[WeightSubscriber, Channel, dict[str, torch.Tensor]]:
+    """v1 published and applied by a worker; a raw channel for a hand-made upload."""
+    sub, ch, target = peers.sub(), peers.channel(), _zeros(_tensors(1))
+    peers.pub().publish(1, _tensors(1))
     assert sub.pull(into=target) == (1, None)
-    data = _tensors(2)
-    names = sorted(data)
-    views = [data[n].reshape(-1).view(torch.uint8).numpy() for n in names]
+    return sub, ch, target
+
+
+def _begin_shm_upload(ch: Channel, version: int, data: dict[str, torch.Tensor]):
+    """A publisher by hand: PUB_BEGIN asking for shared memory; returns (PUB_READY, offer, layout,
+    the tensors' bytes) so a test can write the slab file and report or commit as it likes."""
     from weight_server.tensors import TORCH_TO_WIRE
 
+    names = sorted(data)
+    views = [data[n].reshape(-1).view(torch.uint8).numpy() for n in names]
     lay = P.make_layout([(n, TORCH_TO_WIRE[data[n].dtype], list(data[n].shape)) for n in names], [P.tensor_hash(v) for v in views])
-    ready = ch.request(P.PUB_BEGIN, name="policy", version=2, tensors=[t.to_wire() for t in lay.tensors],
+    ready = ch.request(P.PUB_BEGIN, name="policy", version=version, tensors=[t.to_wire() for t in lay.tensors],
                        content_hash=lay.content_hash(), shm=True)
-    offer = P.parse_shm_offer(ready, "shm", lay.total_bytes, leased=False)
+    return ready, P.parse_shm_offer(ready, "shm", lay.total_bytes, leased=False), lay, views
+
+
+def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_applies_after_commit(peers):
+    sub, ch, target = _worker_at_v1(peers)
+    data = _tensors(2)
+    ready, offer, lay, views = _begin_shm_upload(ch, 2, data)
     with open(offer.path, "r+b") as f:  # the publisher's copy, by hand, reported piece by piece
         for seq, (t, v) in enumerate(zip(lay.tensors, views)):
             f.seek(t.offset)
@@ -422,19 +429,9 @@ def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_appli
 
 
 def test_a_follower_waits_for_the_commit_then_reads_shared_memory(peers):
-    pub, sub, ch = peers.pub(), peers.sub(), peers.channel()
-    target = _zeros(_tensors(1))
-    pub.publish(1, _tensors(1))
-    assert sub.pull(into=target) == (1, None)
+    sub, ch, target = _worker_at_v1(peers)
     data = _tensors(2)
-    names = sorted(data)
-    views = [data[n].reshape(-1).view(torch.uint8).numpy() for n in names]
-    from weight_server.tensors import TORCH_TO_WIRE
-
-    lay = P.make_layout([(n, TORCH_TO_WIRE[data[n].dtype], list(data[n].shape)) for n in names], [P.tensor_hash(v) for v in views])
-    ready = ch.request(P.PUB_BEGIN, name="policy", version=2, tensors=[t.to_wire() for t in lay.tensors],
-                       content_hash=lay.content_hash(), shm=True)
-    offer = P.parse_shm_offer(ready, "shm", lay.total_bytes, leased=False)
+    ready, offer, lay, views = _begin_shm_upload(ch, 2, data)
     result = {}
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
@@ -448,8 +445,7 @@ def test_a_follower_waits_for_the_commit_then_reads_shared_memory(peers):
     follower.join(5)
     assert result["res"] == (2, None) and _same(target, data) and sub.stats["pulls_shm"] == 2
     # an upload that never commits: the follower keeps its weights and gives its lease back
-    ready = ch.request(P.PUB_BEGIN, name="policy", version=3, tensors=[t.to_wire() for t in lay.tensors],
-                       content_hash=lay.content_hash(), shm=True)
+    ready = _begin_shm_upload(ch, 3, data)[0]
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
     time.sleep(0.3)
