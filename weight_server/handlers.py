@@ -116,6 +116,7 @@ class Handlers:
             self.metrics.count("publishes_shm")
         # Pullers that leased the upload's slab while following it read from now on.
         self.leases.renew(ver.slab, P.lease_seconds(self.cfg.request_timeout_s, ver.layout.total_bytes))
+        self.store.pool.prepare(ver.layout.total_bytes)  # the next version's slab, off this thread
         verify_s = time.monotonic() - t0
         lay = ver.layout
         delta = up is not None and up.delta_base is not None

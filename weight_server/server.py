@@ -188,8 +188,7 @@ class WeightServer:
         snap = self._metrics.snapshot(self._held)
         if self.zap is not None:
             snap["counters"]["auth_refused"] += self.zap.refused
-        if self.shm is not None:
-            snap["counters"]["anonymous_slabs"] += self.shm.anonymous
+        snap["counters"]["anonymous_slabs"] += self.store.pool.anonymous
         return snap
 
     def _committed(self, ver: Version) -> None:

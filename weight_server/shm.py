@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +76,8 @@ class ShmDir:
         except OSError:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
-        self._seq = 0
-        self.anonymous = 0  # versions that got no room here (served over TCP only)
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()  # the server thread and the pool's spare-making thread both make slabs
         self._warned = False
         self._closed = False
 
@@ -91,8 +93,7 @@ class ShmDir:
         if size > room:
             self._no_room(size, max(room, 0), "not enough free space")
             return None
-        self._seq += 1
-        path = str(self.path / f"{P.SHM_SLAB_PREFIX}{self._seq}")
+        path = str(self.path / f"{P.SHM_SLAB_PREFIX}{next(self._seq)}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -115,9 +116,9 @@ class ShmDir:
         return Slab(size, buffer=buf, path=path)
 
     def _no_room(self, size: int, room: int, why: str) -> None:
-        self.anonymous += 1
-        if not self._warned:  # once per server: every later version would say the same
-            self._warned = True
+        with self._lock:
+            warn, self._warned = not self._warned, True
+        if warn:  # once per server: every later version would say the same
             log.warning(
                 "shared memory %s cannot hold a slab of %.1f MB (%s; %.1f MB usable): that version is served over "
                 "TCP only. Give the container a larger /dev/shm (docker run --shm-size=...), point "

@@ -99,16 +99,43 @@ class SlabPool:
         self.factory = factory
         self.free: list[Slab] = []
         self.retiring: list[Slab] = []
+        self.anonymous = 0  # slabs taken in anonymous memory although a file was wanted
+        self._made: list[Slab] = []  # spares a background thread made, not yet in `free`
+        self._making = False
+        self._lock = threading.Lock()
+
+    def prepare(self, nbytes: int) -> None:
+        """Make a file slab for the next upload of ``nbytes`` on a background thread unless a free
+        one fits: reserving and mapping a fresh file of a large model takes long enough to stall
+        every request behind a PUB_BEGIN that had to do it."""
+        self.collect()
+        if self.factory is None or self._making or any(s.path is not None and self._fits(s, nbytes) for s in self.free):
+            return
+        self._making = True
+        threading.Thread(target=self._make, args=(nbytes,), name="weight-slab", daemon=True).start()
+
+    def _make(self, nbytes: int) -> None:
+        slab = self.factory(nbytes)
+        with self._lock:
+            if slab is not None:
+                self._made.append(slab)
+            self._making = False
+
+    @staticmethod
+    def _fits(slab: Slab, nbytes: int) -> bool:
+        return nbytes <= slab.capacity <= 2 * max(nbytes, 1)
 
     def take(self, nbytes: int) -> Slab:
         self.collect()
-        fits = [s for s in self.free if nbytes <= s.capacity <= 2 * max(nbytes, 1)]
+        fits = [s for s in self.free if self._fits(s, nbytes)]
         filed = [s for s in fits if s.path is not None]
         if filed or (fits and self.factory is None):
             return self._reuse(min(filed or fits, key=lambda s: s.capacity))
         made = self.factory(nbytes) if self.factory is not None else None
         if made is not None:
             return made
+        if self.factory is not None:
+            self.anonymous += 1  # no room for a file: this version lives in anonymous memory
         return self._reuse(min(fits, key=lambda s: s.capacity)) if fits else Slab(nbytes)
 
     def _reuse(self, slab: Slab) -> Slab:
@@ -120,6 +147,9 @@ class SlabPool:
         self.collect()
 
     def collect(self) -> None:
+        with self._lock:
+            made, self._made = self._made, []
+        self.free.extend(made)
         still = []
         for slab in self.retiring:
             if not slab.idle():

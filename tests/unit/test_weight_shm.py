@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from servers import wait_for
 from weight_server import protocol as P
 from weight_server.shm import Leases, ShmDir, remove_stale
 from weight_server.shm_map import ShmMaps, ShmUnavailable, check_token
@@ -36,13 +37,25 @@ def test_folder_token_and_file_slabs(shm, tmp_path):
     assert not shm.path.exists() and shm.new_slab(10) is None
 
 
-def test_no_room_gives_none_and_counts(tmp_path):
+def test_no_room_gives_anonymous_slabs_and_counts_them(tmp_path):
     d = ShmDir(str(tmp_path), free_space=lambda path: 0)
     try:
-        assert d.new_slab(10) is None and d.new_slab(10) is None
-        assert d.anonymous == 2
+        assert d.new_slab(10) is None
+        pool = SlabPool(factory=d.new_slab)
+        assert pool.take(10).path is None and pool.take(10).path is None
+        assert pool.anonymous == 2
     finally:
         d.close()
+
+
+def test_a_spare_slab_is_made_off_the_calling_thread_and_used_next(shm):
+    pool = SlabPool(factory=shm.new_slab)
+    pool.prepare(1000)
+    wait_for(lambda: pool.collect() or pool.free, 5, "the spare slab")
+    [spare] = pool.free
+    assert spare.path is not None and spare.capacity == 1000
+    pool.prepare(1000)  # one that fits is free already: nothing more is made
+    assert pool.take(900) is spare and not pool._making
 
 
 def test_pool_prefers_file_slabs_and_never_recycles_tainted_ones(shm):
