@@ -117,7 +117,7 @@ class ShmDir:
 
     def _no_room(self, size: int, room: int, why: str) -> None:
         with self._lock:
-            warn, self._warned = not self._warned, True
+            warn, self._warned = not (self._warned or self._closed), True  # closed: a spare raced the shutdown
         if warn:  # once per server: every later version would say the same
             log.warning(
                 "shared memory %s cannot hold a slab of %.1f MB (%s; %.1f MB usable): that version is served over "
