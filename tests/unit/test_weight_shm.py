@@ -125,3 +125,20 @@ def test_client_refuses_a_token_it_cannot_prove(shm, tmp_path):
     writable = maps.open(offer, writable=True)
     writable[:2] = np.array([5, 6], dtype=np.uint8)
     assert list(slab.array[:2]) == [5, 6]
+
+
+def test_an_offer_outside_a_weight_server_folder_is_refused_before_anything_is_opened():
+    good = {"path": "/dev/shm/rlhf-ws-1-ab/slab-1", "offset": 0, "size": 128, "token_path": "/dev/shm/rlhf-ws-1-ab/token",
+            "token": bytes(32), "lease": 5, "lease_s": 1.0}
+    assert P.parse_shm_offer({"shm": good}, "shm", 128, leased=True).lease == 5
+    bad = [
+        ({"path": "/etc/passwd"}, "is not a slab file beside the token"),
+        ({"path": "/dev/shm/rlhf-ws-1-ab/../x/slab-1"}, "normalised absolute path"),
+        ({"token_path": "/tmp/rlhf-ws-1-ab/token"}, "is not a slab file beside the token"),
+        ({"size": 64}, "does not match the version's 128 bytes"),
+        ({"token": b"short"}, "token must be 32 bytes"),
+        ({"lease": None}, "must carry a lease"),
+    ]
+    for change, message in bad:
+        with pytest.raises(P.WireError, match=message):
+            P.parse_shm_offer({"shm": {**good, **change}}, "shm", 128, leased=True)
