@@ -543,3 +543,39 @@ def test_shm_settings_are_validated_and_an_unusable_shm_dir_means_tcp(tmp_path, 
             assert _same(sub.pull()[1], _tensors(1)) and sub.stats["pulls_tcp"] == 1
     finally:
         srv.stop()
+
+
+def test_stale_refusal_duplicates_and_a_retry_across_a_server_restart_over_shm(tmp_path):
+    """A restarted server has a new folder and token: the publisher's retry and the worker's next
+    pull find them by themselves."""
+    from servers import free_port
+
+    from weight_server import StaleVersionError
+
+    cfg = _cfg(port=free_port(), pub_port=free_port(), request_timeout_s=0.5, retry_timeout_s=20.0)
+    srv = WeightServer(cfg).start()
+    pub = WeightPublisher(srv.address, cfg)
+    sub = WeightSubscriber(srv.address, srv.pub_address, cfg)
+    target = _zeros(_tensors(1))
+    try:
+        assert pub.publish(1, _tensors(1)).via == "shm"
+        with pytest.raises(StaleVersionError, match="not newer than the newest held version 1"):
+            pub.publish(1, _tensors(9))
+        assert pub.publish(1, _tensors(1)).duplicate
+        assert sub.pull(into=target) == (1, None)
+        old_folder = srv.shm.path
+        srv.stop()
+        result = {}
+        publisher = threading.Thread(target=lambda: result.update(stats=pub.publish(2, _tensors(2))))
+        publisher.start()
+        time.sleep(0.5)
+        srv = WeightServer(cfg).start()  # same ports, a new shm folder and token
+        publisher.join(20)
+        assert not old_folder.exists() and srv.shm.path != old_folder
+        assert (result["stats"].version, result["stats"].via) == (2, "shm") and result["stats"].retries >= 1
+        assert sub.pull(into=target) == (2, None) and _same(target, _tensors(2))
+        assert sub.stats["pulls_shm"] == 2 and sub.stats["shm_fallbacks"] == 0
+    finally:
+        pub.close()
+        sub.close()
+        srv.stop()
