@@ -115,6 +115,8 @@ def test_wrong_type_is_refused_at_composition():
         (["buffer.url=http://localhost"], "must start with redis://"),
         (["weight_server.host=0.0.0.0"], "weight_server.auth=curve"),
         (["weight_server.auth=hmac"], "needs weight_server.secret"),
+        (["weight_server.shm=yes"], "weight_server.shm must be one of auto, off, got 'yes'"),
+        (["weight_server.shm_dir=shm"], "weight_server.shm_dir must be an absolute path"),
         (["buffer.capacity=8"], "buffer.capacity 8 is smaller than one batch"),
     ],
 )
