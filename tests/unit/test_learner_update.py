@@ -132,7 +132,9 @@ def test_micro_batch_size_does_not_change_the_update(agg, base, samples, tiny_mo
         results.append(params(up.engine.module))
     # the gradient's scale (Adam would hide a wrong one) and its direction (the update)
     assert norms[1] == pytest.approx(norms[0], rel=1e-5) and norms[2] == pytest.approx(norms[0], rel=1e-5)
-    assert max_diff(results[0], results[1]) < 5e-6 and max_diff(results[0], results[2]) < 5e-6
+    # Adam (lr 1e-3) turns rounding noise in a near-zero gradient into up to ~lr of movement, and
+    # the rounding depends on the CPU's kernels: within 3% of lr, against updates of > 5e-4
+    assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], results[2]) < 3e-5
     assert max_diff(results[0], params(base)) > 5e-4
 
 
