@@ -47,6 +47,7 @@ from weight_server import StaleVersionError, WeightPublisher
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+PROMPT_CHECK_S = 0.1  # the prompt producer looks at the queue's depth this often
 #: what rlhf_core.records.validate_sample says about token ids beyond the run's vocabulary
 VOCAB_DEAD_LETTER = "outside the vocabulary"
 
@@ -344,16 +345,19 @@ class Learner:
         """Keep the prompt queue topped up (epoch by epoch, cursor kept in Redis) until the run stops."""
         source = prompt_source(self.cfg)
         groups = max(1, self.cfg.learner.batch_size // self.cfg.algo.group_size)
-        low = max(32, 4 * groups)  # enough queued prompts for a few batches of every worker
+        # Workers must never find the queue empty: an empty queue stalls generation until the
+        # next top-up. A small model on CPU consumes ~100 prompts/s, so the queue is checked
+        # every PROMPT_CHECK_S and topped up well beyond what that interval consumes.
+        low = max(32, 4 * groups)
         while not self.stop_event.is_set():
             try:
-                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low)
+                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low, high_watermark=4 * low)
                 if self.buffer.fill_state()["done"]:
                     log.info("all %d epochs of prompts are enqueued", self.cfg.data.epochs)
                     return
             except Exception:  # keep training on what is queued; the log says why prompts stopped
                 log.exception("prompt producer failed; retrying")
-            self.stop_event.wait(0.5)
+            self.stop_event.wait(PROMPT_CHECK_S)
 
     def export(self, out_dir: str | Path) -> Path:
         from learner.checkpoint import export_hf
