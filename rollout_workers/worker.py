@@ -369,15 +369,24 @@ class RolloutWorker:
         return lp[0].float().cpu().numpy()
 
     def _emit_finished_groups(self) -> None:
-        for lease_id in list(self.groups):
-            group = self.groups[lease_id]
+        """Append every group whose samples are all scored, in one Redis round trip (each group
+        still appended and acked atomically on its own)."""
+        ready: list[tuple[str, _Group, list[Sample], list[tuple[str, bytes]]]] = []
+        for lease_id, group in self.groups.items():
             if len(group.futures) < group.size or not all(f.done() for f in group.futures.values()):
                 continue
             outcomes = [group.futures[i].result() for i in range(group.size)]
             samples = [s for s, _, _ in outcomes if s is not None]
             dead = [(reason, raw) for s, reason, raw in outcomes if s is None]
-            with self._buf_lock:  # append + dead letters + ack: one atomic step
-                status = self.buffer.complete(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead])
+            ready.append((lease_id, group, samples, dead))
+        if not ready:
+            return
+        with self._buf_lock:  # per group: append + dead letters + ack, one atomic step
+            statuses = self.buffer.complete_many([
+                self.buffer.prepare(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead])
+                for _, group, samples, dead in ready
+            ])
+        for (lease_id, group, samples, dead), status in zip(ready, statuses):
             del self.groups[lease_id]
             self.stats.dead_letters += len(dead)
             for reason, _ in dead:
