@@ -116,7 +116,7 @@ class BufferConfig:
 class RolloutConfig:
     engine: str = "hf"  # hf | vllm
     num_workers: int = 2
-    slots: int = 16  # continuous-batching slots per worker
+    slots: int = 32  # continuous-batching slots per worker: one learner batch of the default task per wave
     max_prompt_tokens: int = 64
     max_new_tokens: int = 16
     prompt_overflow: str = "reject"  # reject | truncate (left)
