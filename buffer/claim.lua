@@ -3,24 +3,28 @@
 -- ARGV: 1 consumer, 2 max_prompts, 3 lease timeout (ms), 4 now, 5 dead-letter maxlen
 -- Order: prompts given back with release (need budget again), then leases of consumers that
 -- stopped heartbeating (already admitted: no budget), then new prompts (need budget).
--- Pacing (AReaL): admitted <= (max_staleness + version + 1) * batch_size, in samples; each
--- prompt reserves group_size. With a rate limiter (samples_per_insert), a prompt is admitted
+-- Pacing (AReaL): admitted <= (ahead + version + 1) * batch_size, in samples, with
+-- ahead = min(max_staleness, lookahead) (no lookahead: max_staleness); each prompt reserves
+-- group_size. The lookahead keeps workers that outpace the learner from generating batches
+-- that would only wait in the buffer and age up to the staleness bound. With a rate limiter (samples_per_insert), a prompt is admitted
 -- only if its group would be insertable under the limiter counting groups still being generated.
 -- Returns {status, last wake id, learner version, budget left, id, payload, deliveries, how, ...}
 -- status 'noinit' when the run has no parameters yet.
 local consumer = ARGV[1]
 local max_n = tonumber(ARGV[2])
 local p = redis.call('HMGET', KEYS[1], 'group_size', 'batch_size', 'max_staleness', 'max_deliveries',
-                     'samples_per_insert', 'min_size_to_sample', 'error_buffer')
+                     'samples_per_insert', 'min_size_to_sample', 'error_buffer', 'lookahead')
 if not p[1] then return {'noinit', last_id(KEYS[6]), -1, 0} end
 local G, B, eta, maxdel = tonumber(p[1]), tonumber(p[2]), tonumber(p[3]), tonumber(p[4])
 local spi, minsz, errbuf = num(p[5], 0), num(p[6], 0), num(p[7], 0)
+local ahead = eta
+if p[8] and p[8] ~= '' and tonumber(p[8]) < ahead then ahead = tonumber(p[8]) end
 local v = num(redis.call('GET', KEYS[2]), 0)
 local c = redis.call('HMGET', KEYS[3], C.admitted, C.inflight, C.rl_inserts, C.rl_samples)
 local admitted, inflight, inserts, sampled = num(c[1], 0), num(c[2], 0), num(c[3], 0), num(c[4], 0)
 
 local function budget()
-  local b = (eta + v + 1) * B - admitted
+  local b = (ahead + v + 1) * B - admitted
   if spi > 0 then
     -- Reverb CanInsert(n): inserts + n <= min_size, or (inserts + n) * spi - samples <= max_diff
     local ins = inserts + inflight

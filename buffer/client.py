@@ -35,7 +35,7 @@ log = logging.getLogger("buffer")
 
 _INT_PARAMS = ("batch_size", "group_size", "max_staleness", "max_deliveries", "min_size_to_sample",
                "capacity", "max_reuse", "dead_maxlen")
-_OPT_INT_PARAMS = ("max_response_tokens", "vocab_size")
+_OPT_INT_PARAMS = ("max_response_tokens", "vocab_size", "lookahead")
 _FLOAT_PARAMS = ("error_buffer", "lease_timeout_s")
 _OPT_FLOAT_PARAMS = ("samples_per_insert",)
 _STR_PARAMS = ("mode", "sampling")
@@ -105,7 +105,7 @@ class Buffer:
 
         Calling it again with the same values is a no-op; with different values it raises
         :class:`RunParamsMismatch` (a new run needs a new ``buffer.run_id``, or :meth:`delete_run`).
-        Replay/limiter settings come from this process's ``BufferConfig``.
+        Replay/limiter and lookahead settings come from this process's ``BufferConfig``.
         """
         cfg = self.cfg
         if group_size < 1 or batch_size < group_size:
@@ -125,7 +125,7 @@ class Buffer:
             "max_deliveries": cfg.max_deliveries, "lease_timeout_s": cfg.lease_timeout_s,
             "mode": mode, "sampling": cfg.sampling, "max_reuse": cfg.max_reuse, "samples_per_insert": spi,
             "min_size_to_sample": cfg.min_size_to_sample, "error_buffer": cfg.error_buffer,
-            "capacity": cfg.capacity, "dead_maxlen": self.cfg_dead_maxlen,
+            "capacity": cfg.capacity, "dead_maxlen": self.cfg_dead_maxlen, "lookahead": cfg.lookahead,
         }
         assert set(wanted) == set(PARAM_NAMES)
         args: list[Any] = []

@@ -76,10 +76,14 @@ def insert_room(inserts: float, samples: float, spi: float, min_size: int, error
 def admission_budget(params: dict[str, Any], version: int, counters: dict[str, float]) -> int:
     """Samples that may be admitted for generation now (pacing, and the limiter if on)::
 
-        pacing: (max_staleness + version + 1) * batch_size - admitted
+        pacing: (ahead + version + 1) * batch_size - admitted,
+                ahead = min(max_staleness, lookahead) (lookahead None: max_staleness)
         limiter: insert_room(rl_inserts + inflight, rl_samples)
     """
-    budget = (params["max_staleness"] + version + 1) * params["batch_size"] - counters["admitted"]
+    ahead = params["max_staleness"]
+    if params.get("lookahead") is not None:
+        ahead = min(ahead, params["lookahead"])
+    budget = (ahead + version + 1) * params["batch_size"] - counters["admitted"]
     spi = params["samples_per_insert"]
     if spi:
         ins = counters["rl_inserts"] + counters["inflight"]

@@ -98,6 +98,11 @@ class BufferConfig:
     heartbeat_interval_s: float = 2.0
     max_deliveries: int = 3  # a prompt delivered this often goes to the dead-letter stream
     max_reuse: int = 1  # times each sample may be trained on
+    # Batches admitted for generation beyond the one the learner reads next. algo.max_staleness
+    # bounds how stale a sample may be; this bounds how far ahead workers run when generation
+    # is faster than training: 1 keeps the learner fed with the freshest samples; null admits
+    # up to the staleness bound (AReaL pacing), so samples wait in the buffer and age.
+    lookahead: Optional[int] = 1
     samples_per_insert: Optional[float] = None  # Reverb-style rate limit; null = off
     min_size_to_sample: int = 1
     error_buffer: float = 64.0
@@ -380,6 +385,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {algo.dpo_label_smoothing}")
     if buf.max_reuse < 1:
         raise ConfigError(f"buffer.max_reuse must be >= 1, got {buf.max_reuse}")
+    if buf.lookahead is not None and buf.lookahead < 0:
+        raise ConfigError(f"buffer.lookahead must be >= 0 batches or null (up to algo.max_staleness), got {buf.lookahead}")
     if buf.samples_per_insert is not None and buf.samples_per_insert <= 0:
         raise ConfigError(f"buffer.samples_per_insert must be > 0 or null, got {buf.samples_per_insert}")
     if buf.capacity < learner.batch_size:

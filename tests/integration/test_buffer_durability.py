@@ -24,7 +24,8 @@ class SimulatedCrash(BaseException):
 
 
 def _connect(url: str) -> Buffer:
-    return Buffer.connect(url, "dur", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_retry_s=20.0))
+    return Buffer.connect(url, "dur", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_retry_s=20.0,
+                                                  lookahead=None))  # admission up to max_staleness
 
 
 def _state(buf: Buffer) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ G, B = 4, 8  # 2 groups per batch
 
 
 def _buf(url: str, run: str, max_staleness: int = 100, **cfg) -> Buffer:
+    cfg.setdefault("lookahead", None)  # admission up to max_staleness: several batches at version 0
     buf = Buffer.connect(url, run, BufferConfig(lease_timeout_s=5.0, **cfg))
     params = buf.init_run(batch_size=B, group_size=G, max_staleness=max_staleness)
     assert params["mode"] == "replay"
@@ -138,7 +139,7 @@ def test_replay_learner_crash_puts_drawn_groups_back(redis_url):
     assert buf.pending_for("L") == sorted(drawn.ids)
     assert buf.metrics()["counters"]["rl_samples"] == 8
     buf.close()
-    restarted = Buffer.connect(redis_url, "rcrash", BufferConfig(lease_timeout_s=5.0))
+    restarted = Buffer.connect(redis_url, "rcrash", BufferConfig(lease_timeout_s=5.0, lookahead=None))
     again = restarted.read_batch("L", 0, B, timeout_s=0.5)
     assert sorted(again.ids) == sorted(drawn.ids)  # FIFO: the returned groups come first
     assert restarted.metrics()["counters"]["rl_samples"] == 8  # the lost draw was un-counted
