@@ -6,7 +6,9 @@ and an in-process memcpy.
     .venv/bin/python bench/weight_sync.py --full     # S = 1 GB
 
 Processes: two weight servers (their own processes, as in production): one with
-``shm=off`` for the TCP path and one with ``shm=auto`` for the shared-memory path; the publishers
+``shm=off`` for the TCP path and one with ``shm=auto`` for the shared-memory path and the mixed
+path (publish into its slab files, pull over TCP with ``shm=off`` workers: the placement for
+workers on other hosts, with the server beside the learner); the publishers
 (this process, one per server) and up to 4 worker processes, each with a subscriber per server
 pulling into the same preallocated tensors (an in-place apply). After warm-up publishes (the
 servers recycle the slabs of evicted versions, so steady state is what a training run sees),
@@ -38,7 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, write_results  # noqa: E402
 
 MB = 1024 * 1024
-PATHS = ("tcp", "shm")
+PATHS = ("tcp", "shm", "mixed")
+# the weight server each path talks to: "mixed" publishes into the shm server's slab files and
+# pulls from that server over TCP (a server beside the learner, workers on other hosts)
+SERVER_OF = {"tcp": "tcp", "shm": "shm", "mixed": "shm"}
+SERVERS = ("tcp", "shm")
 
 
 def tensor_shapes(total_bytes: int, n_big: int = 16, n_small: int = 32) -> dict[str, int]:
@@ -67,6 +73,7 @@ def server_main(cfg_kwargs: dict, conn) -> None:
 
 
 def path_cfg(cfg_kwargs: dict, path: str) -> dict:
+    """Settings of a server, publisher or subscriber of ``path`` (servers are named by path too)."""
     return {**cfg_kwargs, "shm": "auto" if path == "shm" else "off"}
 
 
@@ -81,7 +88,8 @@ def worker_main(wid: int, addresses: dict, cfg_kwargs: dict, total_bytes: int, c
     cfg = WeightServerConfig(**cfg_kwargs)
     target = {name: torch.zeros(n) for name, n in tensor_shapes(total_bytes).items()}  # touched pages
     subs = {
-        path: WeightSubscriber(*addresses[path], WeightServerConfig(**path_cfg(cfg_kwargs, path)), worker_id=f"w{wid}")
+        path: WeightSubscriber(*addresses[SERVER_OF[path]], WeightServerConfig(**path_cfg(cfg_kwargs, path)),
+                               worker_id=f"w{wid}")
         for path in PATHS
     }
     conn.send("ready")
@@ -167,7 +175,9 @@ def notes(ratios: dict, cpu: dict, nbytes: int, spread: dict) -> list[str]:
         "version is announced.",
         "tcp: both servers' clients with shm=off, every byte through two ZeroMQ hops. shm: the publisher copies into "
         "the server's slab file, the server hashes it at commit, the worker hashes it in place and copies it into "
-        "its tensors; no tensor byte crosses a socket.",
+        "its tensors; no tensor byte crosses a socket. mixed: the publisher copies into the shm server's slab file "
+        "and the workers (shm=off) pull from that server over TCP: a server on the learner's host with workers on "
+        "other hosts, one network hop.",
     ]
     n_cpu = os.cpu_count() or 1
     for path in PATHS:
@@ -179,7 +189,7 @@ def notes(ratios: dict, cpu: dict, nbytes: int, spread: dict) -> list[str]:
         )
         lo, hi = spread[path]
         line += f" Per round the 4/1 aggregate ranged {lo:.2f}-{hi:.2f}."
-        if path == "tcp":
+        if path != "shm":
             line += (
                 " The TCP aggregate is CPU-bound: every pulled byte is copied by the server's send, the worker's receive "
                 "and its recv_into, then hashed and applied, so on this box the 4/1 ratio measures free CPU."
@@ -224,7 +234,7 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     ctx = mp.get_context("spawn")
     servers, addresses = {}, {}
-    for path in PATHS:
+    for path in SERVERS:
         parent, child = ctx.Pipe()
         servers[path] = ctx.Process(target=server_main, args=(path_cfg(cfg_kwargs, path), child), daemon=True)
         servers[path].start()
@@ -238,15 +248,16 @@ def main() -> None:
         pipes.append(parent)
     for p in pipes:
         assert p.recv() == "ready"
-    pubs = {path: WeightPublisher(addresses[path][0], WeightServerConfig(**path_cfg(cfg_kwargs, path))) for path in PATHS}
-    versions = {path: 0 for path in PATHS}
+    pubs = {srv: WeightPublisher(addresses[srv][0], WeightServerConfig(**path_cfg(cfg_kwargs, srv))) for srv in SERVERS}
+    versions = {srv: 0 for srv in SERVERS}
 
     def publish(path: str):
-        versions[path] += 1
+        srv = SERVER_OF[path]
+        versions[srv] += 1
         for t in tensors.values():  # every tensor changes, as after an optimizer step
             t[0] += 1.0
-        stats = pubs[path].publish(versions[path], tensors)
-        assert stats.via == path, (stats.via, path)  # the path under test really was taken
+        stats = pubs[srv].publish(versions[srv], tensors)
+        assert stats.via == srv, (stats.via, path)  # the path under test really was taken
         return stats
 
     procs = [psutil.Process(p.pid) for p in (*servers.values(), *workers)]
@@ -256,11 +267,11 @@ def main() -> None:
         """publish -> worker 0 pulls, verifies and applies in place. After commit: it pulls once the
         version is announced. Cut-through: it follows the upload (TCP: as the bytes arrive; shm:
         from the commit on), and still applies only after the commit and its own hash check."""
-        pipes[0].send(("follow", path, versions[path] + 1, cut_through))
+        pipes[0].send(("follow", path, versions[SERVER_OF[path]] + 1, cut_through))
         t0 = time.monotonic()
         stats = publish(path)
         t_applied, got = pipes[0].recv()
-        assert got == versions[path], (got, versions[path])
+        assert got == versions[SERVER_OF[path]], (got, versions)
         return t_applied - t0, stats.duration_s
 
     def pull_at_once(path: str, n: int) -> dict[str, float]:
@@ -273,7 +284,7 @@ def main() -> None:
             p.send(("pull", path))
         res = [p.recv() for p in pipes[:n]]
         wall = time.monotonic() - t0
-        assert all(r[2] == versions[path] for r in res), res
+        assert all(r[2] == versions[SERVER_OF[path]] for r in res), res
         each = [r[1] - r[0] for r in res]
         return {
             "s": max(r[1] for r in res) - min(r[0] for r in res),
@@ -291,7 +302,7 @@ def main() -> None:
         for p in pipes:
             p.send(("pull", path))
         shm_pulls = [p.recv()[3] for p in pipes]
-        assert all(k > 0 for k in shm_pulls) if path == "shm" else True, shm_pulls  # the shm rows really use shm
+        assert all(k > 0 for k in shm_pulls) if path == "shm" else not any(shm_pulls), shm_pulls  # the path really taken
     # Measured rounds, each measuring everything back to back, so that a change in the load of
     # this shared machine hits the baselines and both paths alike; ratios are per round.
     rounds = []
