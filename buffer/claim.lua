@@ -6,8 +6,9 @@
 -- Pacing (AReaL): admitted <= (ahead + version + 1) * batch_size, in samples, with
 -- ahead = min(max_staleness, lookahead) (no lookahead: max_staleness); each prompt reserves
 -- group_size. The lookahead keeps workers that outpace the learner from generating batches
--- that would only wait in the buffer and age up to the staleness bound. With a rate limiter (samples_per_insert), a prompt is admitted
--- only if its group would be insertable under the limiter counting groups still being generated.
+-- that would only wait in the buffer and age up to the staleness bound. With a rate limiter
+-- (samples_per_insert), a prompt is admitted only if its group would be insertable under the
+-- limiter counting groups still being generated.
 -- Returns {status, last wake id, learner version, budget left, id, payload, deliveries, how, ...}
 -- status 'noinit' when the run has no parameters yet.
 local consumer = ARGV[1]
