@@ -82,7 +82,6 @@ class AlgoConfig:
     dpo_beta: float = 0.1
     normalize_rewards: bool = False
     normalize_advantages: bool = False
-    # added by the learner update (issue 5):
     dpo_label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
     reward_norm_eps: float = 1e-8  # added to the running reward std when normalize_rewards
 
@@ -162,7 +161,6 @@ class LearnerConfig:
     publish_dtype: str = "as_trained"  # as_trained | bfloat16 | float16
     prometheus_port: Optional[int] = None
     export_dir: Optional[str] = None  # HF-format export at the end
-    # added by the learner update (issue 5):
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (OpenRLHF's default floor)
     critic_lr: Optional[float] = None  # critic (gae) learning rate; null = lr
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -319,6 +317,9 @@ def validate_shm(ws: WeightServerConfig) -> None:
         )
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def validate(cfg: Any) -> None:
     """Check derived settings once at start-up. Raises ConfigError naming the numbers."""
     if isinstance(cfg, DictConfig):
@@ -327,7 +328,18 @@ def validate(cfg: Any) -> None:
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    algo, learner, rollout, buf = cfg.algo, cfg.learner, cfg.rollout, cfg.buffer
+    validate_batch_shape(cfg.algo, cfg.learner)
+    validate_algo(cfg.algo)
+    validate_rollout(cfg.rollout)
+    validate_model(cfg.model, cfg.rollout)
+    validate_learner(cfg.learner)
+    validate_buffer(cfg.buffer, cfg.learner)
+    validate_weight_server(cfg.weight_server)
+    validate_run(cfg.run)
+
+
+def validate_batch_shape(algo: AlgoConfig, learner: LearnerConfig) -> None:
+    """Groups, batches, minibatches and micro-batches must divide into each other."""
     if algo.group_size < 1:
         raise ConfigError(f"algo.group_size must be >= 1, got {algo.group_size}")
     if algo.estimator in ("grpo", "dr_grpo", "rloo", "dpo") and algo.group_size < 2:
@@ -349,6 +361,10 @@ def validate(cfg: Any) -> None:
             f"learner.micro_batch_size {learner.micro_batch_size} must be between 1 and the minibatch size "
             f"{learner.batch_size // learner.num_minibatches} (batch_size {learner.batch_size} / num_minibatches {learner.num_minibatches})"
         )
+
+
+def validate_algo(algo: AlgoConfig) -> None:
+    """Staleness bound, clip range, importance-sampling caps and discounting."""
     if algo.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness must be >= 0, got {algo.max_staleness}")
     if not 0 < algo.clip_eps_low < 1 or algo.clip_eps_high <= 0:
@@ -361,6 +377,12 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"algo.dual_clip_c must be > 1 (Ye et al. use 3), got {algo.dual_clip_c}")
     if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
         raise ConfigError(f"algo.gamma {algo.gamma} and algo.lam {algo.lam} must lie in [0, 1]")
+    if not 0 <= algo.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {algo.dpo_label_smoothing}")
+
+
+def validate_rollout(rollout: RolloutConfig) -> None:
+    """Lengths, sampling settings and worker counts."""
     if rollout.max_new_tokens < 1 or rollout.max_prompt_tokens < 1:
         raise ConfigError(
             f"rollout.max_new_tokens {rollout.max_new_tokens} and rollout.max_prompt_tokens {rollout.max_prompt_tokens} must be >= 1"
@@ -371,18 +393,28 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and top_k >= 0, got {rollout.top_p}, {rollout.top_k}")
     if rollout.slots < 1 or rollout.num_workers < 0:
         raise ConfigError(f"rollout.slots {rollout.slots} must be >= 1 and rollout.num_workers {rollout.num_workers} >= 0")
-    if cfg.model.path is None and cfg.model.name == "tiny":
+
+
+def validate_model(model: ModelConfig, rollout: RolloutConfig) -> None:
+    """The built-in tiny model must hold a whole prompt plus response."""
+    if model.path is None and model.name == "tiny":
         need = rollout.max_prompt_tokens + rollout.max_new_tokens
-        if need > cfg.model.tiny.max_position_embeddings:
+        if need > model.tiny.max_position_embeddings:
             raise ConfigError(
                 f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + rollout.max_new_tokens {rollout.max_new_tokens} = {need} "
-                f"exceeds model.tiny.max_position_embeddings {cfg.model.tiny.max_position_embeddings}"
+                f"exceeds model.tiny.max_position_embeddings {model.tiny.max_position_embeddings}"
             )
+
+
+def validate_learner(learner: LearnerConfig) -> None:
+    """The learning-rate floor and the checkpoints kept."""
     if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
                           f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
-    if not 0 <= algo.dpo_label_smoothing < 0.5:
-        raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {algo.dpo_label_smoothing}")
+
+
+def validate_buffer(buf: BufferConfig, learner: LearnerConfig) -> None:
+    """Reuse, pacing, capacity, leases and the Redis URL."""
     if buf.max_reuse < 1:
         raise ConfigError(f"buffer.max_reuse must be >= 1, got {buf.max_reuse}")
     if buf.lookahead is not None and buf.lookahead < 0:
@@ -398,10 +430,17 @@ def validate(cfg: Any) -> None:
         )
     if buf.url is not None and not buf.url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"buffer.url {buf.url!r} must start with redis://, rediss:// or unix://")
-    ws = cfg.weight_server
+
+
+def validate_weight_server(ws: WeightServerConfig) -> None:
+    """Versions kept, exposure without authentication, shared memory, the HMAC secret.
+
+    The weight server calls this too, so a server built without going through ``validate``
+    (tests, embedding) refuses the same settings with the same messages.
+    """
     if ws.keep_versions < 1:
         raise ConfigError(f"weight_server.keep_versions must be >= 1, got {ws.keep_versions}")
-    if ws.host not in ("127.0.0.1", "localhost", "::1") and ws.auth == "none":
+    if ws.host not in LOOPBACK_HOSTS and ws.auth == "none":
         raise ConfigError(
             f"weight_server.host={ws.host} exposes the weight server beyond this machine; set "
             "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
@@ -409,5 +448,8 @@ def validate(cfg: Any) -> None:
     validate_shm(ws)
     if ws.auth == "hmac" and not ws.secret:
         raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
-    if cfg.run.max_seconds is not None and not math.isfinite(cfg.run.max_seconds):
-        raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {cfg.run.max_seconds}")
+
+
+def validate_run(run: RunConfig) -> None:
+    if run.max_seconds is not None and not math.isfinite(run.max_seconds):
+        raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {run.max_seconds}")

@@ -26,7 +26,6 @@ from rlhf_core.config import ConfigError, WeightServerConfig
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"rlhf-weights"
 MAC_BYTES = 32

@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig, validate_shm
+from rlhf_core.config import ConfigError, WeightServerConfig, validate_weight_server
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
-from weight_server.auth import LOOPBACK_HOSTS, MAC_BYTES, ZapHandler, configure_server_socket, signer_for
+from weight_server.auth import MAC_BYTES, ZapHandler, configure_server_socket, signer_for
 from weight_server.handlers import Handlers
 from weight_server.metrics import ServerMetrics
 from weight_server.persist import Persister, load_all
@@ -62,18 +62,12 @@ class WeightServer:
         self._closed = False
         self.persister: Persister | None = None
         self.shm: ShmDir | None = None
-        validate_shm(cfg)
+        validate_weight_server(cfg)
         self.signer = signer_for(cfg)
-        host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
-        if host not in LOOPBACK_HOSTS and cfg.auth == "none":
+        if cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
             raise ConfigError(
-                f"weight_server.host={cfg.host} exposes the weight server beyond this machine; set "
-                "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
-            )
-        if cfg.keep_versions < 1 or cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
-            raise ConfigError(
-                f"weight_server.keep_versions ({cfg.keep_versions}), chunk_bytes ({cfg.chunk_bytes}) and "
-                f"max_inflight_chunks ({cfg.max_inflight_chunks}) must all be >= 1"
+                f"weight_server.chunk_bytes ({cfg.chunk_bytes}) and max_inflight_chunks ({cfg.max_inflight_chunks}) "
+                "must both be >= 1"
             )
         if cfg.chunk_bytes > cfg.max_frame_bytes:
             raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
@@ -82,6 +76,31 @@ class WeightServer:
         # followers run on different connections, so they need not queue behind each other.
         self.ctx = ctx or zmq.Context(io_threads=2)
         self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
+        host = self._bind()
+        self._open_shm(shm_free_space)
+        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None)
+        self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
+        self._metrics = ServerMetrics()
+        self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
+        if cfg.persist_dir:
+            self._restore(cfg.persist_dir)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._auth_log_at = 0.0
+        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
+        if cfg.address_file:
+            _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+        log.info(
+            "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s), shm %s",
+            self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
+            self.shm.path if self.shm is not None else "off",
+        )
+
+    def _bind(self) -> str:
+        """Bind the ROUTER and the PUB socket (port 0: a random free one), set the addresses clients
+        use and return the host bound to."""
+        cfg = self.cfg
+        host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
         self.router = self._socket(zmq.ROUTER)
         # Each honest puller has at most max_inflight_chunks replies queued; the high-water mark
         # leaves room for that and drops (counts) replies to a peer that ignores its credit.
@@ -108,41 +127,33 @@ class WeightServer:
         self.pub_port = _port_of(self.pub)
         self.address = f"tcp://{connect_host}:{self.port}"
         self.pub_address = f"tcp://{connect_host}:{self.pub_port}"
+        return host
 
-        if cfg.shm == "auto":
-            try:
-                self.shm = ShmDir(cfg.shm_dir, shm_free_space)
-            except OSError as exc:
-                log.warning(
-                    "no shared memory for weights: cannot make a folder in weight_server.shm_dir=%s (%s); every byte goes "
-                    "over TCP (set weight_server.shm_dir to a writable tmpfs, or weight_server.shm=off to silence this)",
-                    cfg.shm_dir, exc,
-                )
-        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None)
-        self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
-        self._metrics = ServerMetrics()
-        self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
-        if cfg.persist_dir:
-            for ver in load_all(cfg.persist_dir, cfg.max_tensors, cfg.max_version_bytes, self.store.pool.take):
-                self.store.add(ver)
-                lay = ver.layout
-                self._metrics.published(
-                    ver.name, ver.version, lay.total_bytes, lay.data_bytes, 0, len(lay.tensors), 0, False,
-                    ver.begin_mono, ver.visible_mono, 0.0, source="disk",
-                )
-                log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, cfg.persist_dir)
-            self._held = self.store.held()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._auth_log_at = 0.0
-        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
-        if cfg.address_file:
-            _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
-        log.info(
-            "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s), shm %s",
-            self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
-            self.shm.path if self.shm is not None else "off",
-        )
+    def _open_shm(self, shm_free_space: Callable[[str], int]) -> None:
+        """The private shared-memory folder for version slabs; without one every byte goes over TCP."""
+        if self.cfg.shm != "auto":
+            return
+        try:
+            self.shm = ShmDir(self.cfg.shm_dir, shm_free_space)
+        except OSError as exc:
+            log.warning(
+                "no shared memory for weights: cannot make a folder in weight_server.shm_dir=%s (%s); every byte goes "
+                "over TCP (set weight_server.shm_dir to a writable tmpfs, or weight_server.shm=off to silence this)",
+                self.cfg.shm_dir, exc,
+            )
+
+    def _restore(self, persist_dir: str) -> None:
+        """Serve the versions a previous server persisted, as if they had just been published."""
+        cfg = self.cfg
+        for ver in load_all(persist_dir, cfg.max_tensors, cfg.max_version_bytes, self.store.pool.take):
+            self.store.add(ver)
+            lay = ver.layout
+            self._metrics.published(
+                ver.name, ver.version, lay.total_bytes, lay.data_bytes, 0, len(lay.tensors), 0, False,
+                ver.begin_mono, ver.visible_mono, 0.0, source="disk",
+            )
+            log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, persist_dir)
+        self._held = self.store.held()
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
