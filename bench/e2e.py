@@ -43,17 +43,16 @@ def compose(overrides: list[str]):
 
 def reward_tail(out: Path, frac: float = 0.25) -> list[float]:
     """Batch rewards of the last ``frac`` of the updates."""
-    from learner.report import REWARD_KEY
-    from learner.trainer import METRICS_FILE
+    from rlhf_core.metric_names import METRICS_FILE, REWARD_MEAN
 
     rows = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
-    rewards = [r[REWARD_KEY] for r in rows if r.get(REWARD_KEY) is not None]
+    rewards = [r[REWARD_MEAN] for r in rows if r.get(REWARD_MEAN) is not None]
     return rewards[-max(1, int(len(rewards) * frac)):]
 
 
 def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
-    from learner.launch import run_launcher
-    from learner.report import SUMMARY_FILE
+    from rlhf_run.launch import run_launcher
+    from rlhf_run.report import SUMMARY_FILE
 
     cfg = compose(overrides)
     out = workdir / name

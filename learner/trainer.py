@@ -38,6 +38,7 @@ from buffer import Buffer
 from buffer.datasets import iter_prompts
 from rlhf_core.config import Config, ConfigError, validate
 from rlhf_core.errors import UserError
+from rlhf_core.metric_names import METRICS_FILE
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt
 from rlhf_core.tasks import builtin_prompts
@@ -46,7 +47,6 @@ from weight_server import StaleVersionError, WeightPublisher
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 PROMPT_CHECK_S = 0.1  # the prompt producer looks at the queue's depth this often
 #: what rlhf_core.records.validate_sample says about token ids beyond the run's vocabulary
 VOCAB_DEAD_LETTER = "outside the vocabulary"

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig
 
@@ -24,12 +25,12 @@ def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]
     """One monitor snapshot: the buffer's metrics plus rates derived from the last snapshot."""
     snap = buf.metrics()
     snap["time"] = time.time()
-    workers = {n: c for n, c in snap.get("consumers", {}).items() if not n.startswith("learner")}
-    snap["generated_tokens_per_s"] = sum(float(c.get("stats", {}).get("tokens_per_s", 0.0)) for c in workers.values())
-    snap["generated_samples_per_s"] = sum(float(c.get("stats", {}).get("samples_per_s", 0.0)) for c in workers.values())
-    learner = snap.get("stats", {}).get("learner", {})
-    snap["trained_samples_per_s"] = learner.get("learner/samples_per_s")
-    snap["trained_tokens_per_s"] = learner.get("learner/tokens_per_s")
+    workers = [c.get("stats", {}) for n, c in snap.get("consumers", {}).items() if not n.startswith("learner")]
+    snap["generated_tokens_per_s"] = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
+    snap["generated_samples_per_s"] = sum(float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers)
+    learner = snap.get("stats", {}).get(M.LEARNER_STATS, {})
+    snap["trained_samples_per_s"] = learner.get(M.SAMPLES_PER_S)
+    snap["trained_tokens_per_s"] = learner.get(M.TOKENS_PER_S)
     if previous is not None:
         dt = max(snap["time"] - previous["time"], 1e-9)
         c, p = snap.get("counters", {}), previous.get("counters", {})
@@ -55,7 +56,7 @@ def render(snap: dict[str, Any]):
                  "trained samples/s", str(_fmt(snap.get("trained_samples_per_s"))))
     head.add_row("dead letters", str(c.get("dead_letters")), "reclaimed leases", str(c.get("prompts_reclaimed")),
                  "dropped stale", str(c.get("samples_dropped_stale")))
-    ws = snap.get("stats", {}).get("weight_server", {})
+    ws = snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {})
     head.add_row("weight-sync latency (s)", str(_fmt(ws.get("sync_latency_s"))),
                  "last version bytes", str(ws.get("bytes")), "pulls", str(ws.get("pulls")))
     workers = Table(title="consumers", show_lines=False)
@@ -64,7 +65,7 @@ def render(snap: dict[str, Any]):
     for name, rec in sorted(snap.get("consumers", {}).items()):
         stats = rec.get("stats", {})
         workers.add_row(name, str(rec.get("version")), str(rec.get("age_s")), str(rec.get("leases")),
-                        _fmt(stats.get("tokens_per_s")), str(stats.get("samples", "")))
+                        _fmt(stats.get(M.WORKER_TOKENS_PER_S)), str(stats.get(M.WORKER_SAMPLES, "")))
     hist = Table(title="staleness of consumed samples")
     hist.add_column("versions behind")
     hist.add_column("samples")

@@ -1,7 +1,8 @@
 """What a run shows: a live progress line, and at the end a summary, summary.json and plots.
 
 Sources: the learner's ``metrics.jsonl`` (one line per update, written by ``learner.trainer``)
-and the buffer's counters in Redis (sampled here once a second into ``timeline.jsonl``).
+and the buffer's counters in Redis (sampled here once a second into ``timeline.jsonl``). The
+keys both sides use are named in :mod:`rlhf_core.metric_names`.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_core import metric_names as M
 from rlhf_core.config import Config
 
 log = logging.getLogger(__name__)
 
-REWARD_KEY = "reward/mean"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
-    from learner.trainer import METRICS_FILE
-
-    path = output_dir / METRICS_FILE
+    path = output_dir / M.METRICS_FILE
     if not path.exists():
         return []
     by_update: dict[Any, dict[str, Any]] = {}
@@ -35,7 +34,7 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:  # a line being written as we read
             continue
         # an update re-trained after a crash appears twice; the later line is the real one
-        by_update[row.get("learner/updates", len(by_update))] = row
+        by_update[row.get(M.UPDATES, len(by_update))] = row
     return list(by_update.values())
 
 
@@ -72,7 +71,7 @@ class Progress:
         self._last_sample = now
         try:
             if self.weight_server is not None:
-                self._buf().publish_stats("weight_server", weight_server_stats(self.weight_server.metrics()))
+                self._buf().publish_stats(M.WEIGHT_SERVER_STATS, weight_server_stats(self.weight_server.metrics()))
             snap = self._buf().metrics()
         except Exception as exc:  # Redis restarting: skip a beat
             log.debug("metrics unavailable: %s", exc)
@@ -89,14 +88,14 @@ class Progress:
     def line(self, snap: dict[str, Any]) -> str:
         rows = read_metrics(self.output_dir)
         last = rows[-1] if rows else {}
-        reward = last.get(REWARD_KEY)
-        gen_tps = sum(float(w.get("stats", {}).get("tokens_per_s", 0.0)) for w in snap.get("consumers", {}).values()
+        reward = last.get(M.REWARD_MEAN)
+        gen_tps = sum(float(w.get("stats", {}).get(M.WORKER_TOKENS_PER_S, 0.0)) for w in snap.get("consumers", {}).values()
                       if isinstance(w, dict))
         return (
-            f"[{time.time() - self.started:6.0f}s] version {last.get('learner/version', 0):>4}/{self.cfg.learner.max_updates}"
+            f"[{time.time() - self.started:6.0f}s] version {last.get(M.VERSION, 0):>4}/{self.cfg.learner.max_updates}"
             f"  reward {reward if reward is None else f'{reward:.3f}'}"
-            f"  trained {last.get('learner/samples_trained', 0)}"
-            f"  staleness(mean) {last.get('staleness/mean', 0):.2f}"
+            f"  trained {last.get(M.SAMPLES_TRAINED, 0)}"
+            f"  staleness(mean) {last.get(M.STALENESS_MEAN, 0):.2f}"
             f"  gen {gen_tps:.0f} tok/s  buffered {snap.get('depth', {}).get('samples_in_buffer', '?')}"
         )
 
@@ -137,20 +136,20 @@ def _mean(xs: list[float]) -> float | None:
 
 def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, Any]], wall_s: float,
               exit_reason: str) -> dict[str, Any]:
-    rewards = [r.get(REWARD_KEY) for r in rows]
+    rewards = [r.get(M.REWARD_MEAN) for r in rows]
     k = max(1, min(5, len(rows) // 4 or 1))
-    samples = rows[-1].get("learner/samples_trained", 0) if rows else 0
+    samples = rows[-1].get(M.SAMPLES_TRAINED, 0) if rows else 0
     last_snap = timeline[-1] if timeline else {}
     workers = {n: w.get("stats", {}) for n, w in last_snap.get("consumers", {}).items() if isinstance(w, dict)}
-    gen_samples = sum(int(s.get("samples", 0)) for s in workers.values())
-    staleness_means = [r.get("staleness/mean") for r in rows]
-    staleness_max = max((r.get("staleness/max", 0) for r in rows), default=0)
-    compute = sum(r.get("learner/time_compute_s", 0.0) for r in rows)
-    wait = sum(r.get("learner/time_wait_s", 0.0) for r in rows)
-    publish = sum(r.get("learner/time_publish_s", 0.0) for r in rows)
+    gen_samples = sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values())
+    staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
+    staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
+    compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
+    wait = sum(r.get(M.TIME_WAIT_S, 0.0) for r in rows)
+    publish = sum(r.get(M.TIME_PUBLISH_S, 0.0) for r in rows)
     # the learner's active window (first to last update), so start-up time does not dilute the rate
-    active_s = (rows[-1].get("time", 0.0) - rows[0].get("time", 0.0)) if len(rows) > 1 else 0.0
-    active_samples = samples - (rows[0].get("learner/samples_trained", 0) if rows else 0)
+    active_s = (rows[-1].get(M.TIME, 0.0) - rows[0].get(M.TIME, 0.0)) if len(rows) > 1 else 0.0
+    active_samples = samples - (rows[0].get(M.SAMPLES_TRAINED, 0) if rows else 0)
     return {
         "run_id": cfg.buffer.run_id,
         "exit_reason": exit_reason,
@@ -168,12 +167,12 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "throughput": {
             "trained_samples_per_s": active_samples / active_s if active_s else 0.0,
             # each worker's own rate over its uptime, summed
-            "generated_samples_per_s": sum(float(w.get("samples_per_s", 0.0)) for w in workers.values()),
-            "generated_tokens_per_s": sum(float(w.get("tokens_per_s", 0.0)) for w in workers.values()),
+            "generated_samples_per_s": sum(float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers.values()),
+            "generated_tokens_per_s": sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers.values()),
             "learner_compute_s": compute,
             "learner_wait_s": wait,
             "learner_publish_s": publish,
-            "weight_sync_latency_s": last_snap.get("stats", {}).get("weight_server", {}).get("sync_latency_s"),
+            "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
         },
         "dead_letters": last_snap.get("counters", {}).get("dead_letters"),
         "leases_reclaimed": last_snap.get("counters", {}).get("prompts_reclaimed"),
@@ -206,10 +205,10 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     written: list[Path] = []
     if not rows:
         return written
-    t0 = rows[0].get("time", 0.0) - rows[0].get("learner/time_compute_s", 0.0)
-    wall = [r.get("time", 0.0) - t0 for r in rows]
-    samples = [r.get("learner/samples_trained", 0) for r in rows]
-    reward = [r.get(REWARD_KEY, float("nan")) for r in rows]
+    t0 = rows[0].get(M.TIME, 0.0) - rows[0].get(M.TIME_COMPUTE_S, 0.0)
+    wall = [r.get(M.TIME, 0.0) - t0 for r in rows]
+    samples = [r.get(M.SAMPLES_TRAINED, 0) for r in rows]
+    reward = [r.get(M.REWARD_MEAN, float("nan")) for r in rows]
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot(wall, reward)
@@ -222,17 +221,17 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     fig.tight_layout()
     written.append(_save(fig, output_dir / "reward.png"))
 
-    kl_key = next((k for k in ("loss/kl", "learner/kl", "loss/behav_approx_kl", "loss/approx_kl") if k in rows[-1]), None)
+    kl_key = next((k for k in M.KL_KEYS if k in rows[-1]), None)
     if kl_key:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r.get("learner/version", i) for i, r in enumerate(rows)], [r.get(kl_key, float("nan")) for r in rows])
+        ax.plot([r.get(M.VERSION, i) for i, r in enumerate(rows)], [r.get(kl_key, float("nan")) for r in rows])
         ax.set_xlabel("learner version")
         ax.set_ylabel(kl_key)
         ax.set_title("KL")
         fig.tight_layout()
         written.append(_save(fig, output_dir / "kl.png"))
 
-    hists = [r.get("staleness/hist") for r in rows]
+    hists = [r.get(M.STALENESS_HIST) for r in rows]
     if any(hists):
         width = 1 + max(len(h) for h in hists if h)
         import numpy as np
@@ -256,12 +255,12 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         ts, gen = [], []
         for a, b in zip(timeline, timeline[1:]):
             dt = max(b["time"] - a["time"], 1e-9)
-            tok = lambda s: sum(int(w.get("stats", {}).get("tokens", 0)) for w in s.get("consumers", {}).values()  # noqa: E731
+            tok = lambda s: sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in s.get("consumers", {}).values()  # noqa: E731
                                 if isinstance(w, dict))
             ts.append(b["time"] - tt0)
             gen.append(max(0, tok(b) - tok(a)) / dt)
         ax.plot(ts, gen, label="generated (workers)")
-    trained_tps = [r.get("learner/tokens_per_s") for r in rows]
+    trained_tps = [r.get(M.TOKENS_PER_S) for r in rows]
     if any(v is not None for v in trained_tps):
         ax.plot(wall, [v or 0 for v in trained_tps], label="trained (learner)")
     ax.set_xlabel("wall-clock time (s)")

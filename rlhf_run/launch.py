@@ -209,7 +209,7 @@ class Launcher:
         return learner.exit_code if learner.exit_code is not None else 1
 
     def run(self) -> int:
-        from learner.report import Progress, write_report
+        from rlhf_run.report import Progress, write_report
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         interrupted: list[int] = []
@@ -292,7 +292,7 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import json
 
-        from learner.report import SUMMARY_FILE
+        from rlhf_run.report import SUMMARY_FILE
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = []

@@ -1,0 +1,38 @@
+"""Names one component writes and another reads back by string.
+
+The learner writes one metrics row per update (to ``METRICS_FILE``, to its stats record in the
+buffer, to Prometheus and TensorBoard); workers put their throughput into every heartbeat; the
+run app (``rlhf_run``: live line, summary, plots, monitor) and the benches read these records
+without importing the components that wrote them. Both sides take the names from here, the one
+module every package may import, so a rename cannot silently empty a plot or a summary field.
+"""
+
+from __future__ import annotations
+
+METRICS_FILE = "metrics.jsonl"  # in the run's output folder: one JSON line per learner update
+
+# The components whose stats `Buffer.publish_stats` stores: `Buffer.metrics()["stats"][name]`.
+LEARNER_STATS = "learner"
+WEIGHT_SERVER_STATS = "weight_server"
+
+# Keys of a learner metrics row.
+VERSION = "learner/version"
+UPDATES = "learner/updates"  # an update re-trained after a crash repeats its number
+SAMPLES_TRAINED = "learner/samples_trained"  # cumulative
+SAMPLES_PER_S = "learner/samples_per_s"  # of this update's compute time
+TOKENS_PER_S = "learner/tokens_per_s"
+TIME_WAIT_S = "learner/time_wait_s"
+TIME_COMPUTE_S = "learner/time_compute_s"
+TIME_PUBLISH_S = "learner/time_publish_s"
+TIME = "time"  # wall clock (time.time()) when the row was written
+REWARD_MEAN = "reward/mean"
+STALENESS_MEAN = "staleness/mean"
+STALENESS_MAX = "staleness/max"
+STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch
+KL_KEYS = ("loss/kl", "loss/approx_kl")  # KL against the reference when there is one, else vs pi_prox
+
+# Fields of a worker's stats record (its heartbeat: `Buffer.metrics()["consumers"][id]["stats"]`).
+WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative
+WORKER_SAMPLES = "samples"
+WORKER_TOKENS_PER_S = "tokens_per_s"  # over the worker's uptime
+WORKER_SAMPLES_PER_S = "samples_per_s"
