@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: a folder to write the JSON into instead of bench/results/ (the smoke tests set it, so a quick
+#: run in the suite never overwrites the committed results)
+RESULTS_ENV = "RLHF_BENCH_RESULTS"
 
 
 def machine() -> dict[str, Any]:
@@ -60,9 +63,16 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def results_dir() -> Path:
+    """Where the JSON goes: ``$RLHF_BENCH_RESULTS`` when set, else bench/results/."""
+    override = os.environ.get(RESULTS_ENV)
+    return Path(override).expanduser() if override else RESULTS
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{name}.json"
+    folder = results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.json"
     doc = {"bench": name, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **payload}
     out.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     print(f"\nwrote {out}")

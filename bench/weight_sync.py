@@ -20,7 +20,7 @@ medians over rounds; ratios are medians of per-round ratios, so a change in the 
 machine hits the baselines and both paths alike. Every round is kept in the JSON, with the CPU
 use of our processes and of the whole machine.
 
-Targets (issue 7): publish -> applied in one worker within 2x the raw transfer; 4 workers pulling
+Targets: publish -> applied in one worker within 2x the raw transfer; 4 workers pulling
 at once aggregate >= 1.5x one worker's throughput.
 """
 
@@ -209,134 +209,136 @@ def notes(ratios: dict, cpu: dict, nbytes: int, spread: dict) -> list[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="S = 256 MB (default)")
-    mode.add_argument("--full", action="store_true", help="S = 1 GB")
-    ap.add_argument("--size-mb", type=int, default=None)
-    ap.add_argument("--chunk-mb", type=int, default=4)
-    ap.add_argument("--inflight", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=7, help="measured rounds (medians are reported)")
-    args = ap.parse_args()
-    size_mb = args.size_mb or (1024 if args.full else 256)
-    total = size_mb * MB
-    cfg_kwargs = {"chunk_bytes": args.chunk_mb * MB, "max_inflight_chunks": args.inflight, "keep_versions": 2}
-    t_start = time.monotonic()
+class Rig:
+    """The two servers, the 4 worker processes and one publisher per server, as in production
+    (each in its own process), plus the raw link to worker 0."""
 
-    import psutil
+    def __init__(self, cfg_kwargs: dict, total: int, tensors: dict) -> None:
+        import psutil
 
-    from rlhf_core.config import WeightServerConfig
-    from weight_server import WeightPublisher
-    from weight_server.tensors import byte_view
+        from rlhf_core.config import WeightServerConfig
+        from weight_server import WeightPublisher
+        from weight_server.tensors import byte_view
 
-    tensors = make_tensors(total)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    ctx = mp.get_context("spawn")
-    servers, addresses = {}, {}
-    for path in SERVERS:
-        parent, child = ctx.Pipe()
-        servers[path] = ctx.Process(target=server_main, args=(path_cfg(cfg_kwargs, path), child), daemon=True)
-        servers[path].start()
-        addresses[path] = parent.recv()
-    workers, pipes = [], []
-    for wid in range(4):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker_main, args=(wid, addresses, cfg_kwargs, total, child), daemon=True)
-        p.start()
-        workers.append(p)
-        pipes.append(parent)
-    for p in pipes:
-        assert p.recv() == "ready"
-    pubs = {srv: WeightPublisher(addresses[srv][0], WeightServerConfig(**path_cfg(cfg_kwargs, srv))) for srv in SERVERS}
-    versions = {srv: 0 for srv in SERVERS}
+        self.tensors = tensors
+        ctx = mp.get_context("spawn")
+        self.servers, addresses = {}, {}
+        for path in SERVERS:
+            parent, child = ctx.Pipe()
+            self.servers[path] = ctx.Process(target=server_main, args=(path_cfg(cfg_kwargs, path), child), daemon=True)
+            self.servers[path].start()
+            addresses[path] = parent.recv()
+        self.workers, self.pipes = [], []
+        for wid in range(4):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(wid, addresses, cfg_kwargs, total, child), daemon=True)
+            p.start()
+            self.workers.append(p)
+            self.pipes.append(parent)
+        for p in self.pipes:
+            assert p.recv() == "ready"
+        self.pubs = {srv: WeightPublisher(addresses[srv][0], WeightServerConfig(**path_cfg(cfg_kwargs, srv))) for srv in SERVERS}
+        self.versions = {srv: 0 for srv in SERVERS}
+        self.procs = [psutil.Process(p.pid) for p in (*self.servers.values(), *self.workers)]
+        self.raw = RawLink([byte_view(t) for t in tensors.values()], cfg_kwargs["chunk_bytes"], self.pipes[0])
 
-    def publish(path: str):
+    def publish(self, path: str):
         srv = SERVER_OF[path]
-        versions[srv] += 1
-        for t in tensors.values():  # every tensor changes, as after an optimizer step
+        self.versions[srv] += 1
+        for t in self.tensors.values():  # every tensor changes, as after an optimizer step
             t[0] += 1.0
-        stats = pubs[srv].publish(versions[srv], tensors)
+        stats = self.pubs[srv].publish(self.versions[srv], self.tensors)
         assert stats.via == srv, (stats.via, path)  # the path under test really was taken
         return stats
 
-    procs = [psutil.Process(p.pid) for p in (*servers.values(), *workers)]
-    raw = RawLink([byte_view(t) for t in tensors.values()], cfg_kwargs["chunk_bytes"], pipes[0])
-
-    def follow(path: str, cut_through: bool) -> tuple[float, float]:
+    def follow(self, path: str, cut_through: bool) -> tuple[float, float]:
         """publish -> worker 0 pulls, verifies and applies in place. After commit: it pulls once the
         version is announced. Cut-through: it follows the upload (TCP: as the bytes arrive; shm:
         from the commit on), and still applies only after the commit and its own hash check."""
-        pipes[0].send(("follow", path, versions[SERVER_OF[path]] + 1, cut_through))
+        self.pipes[0].send(("follow", path, self.versions[SERVER_OF[path]] + 1, cut_through))
         t0 = time.monotonic()
-        stats = publish(path)
-        t_applied, got = pipes[0].recv()
-        assert got == versions[SERVER_OF[path]], (got, versions)
+        stats = self.publish(path)
+        t_applied, got = self.pipes[0].recv()
+        assert got == self.versions[SERVER_OF[path]], (got, self.versions)
         return t_applied - t0, stats.duration_s
 
-    def pull_at_once(path: str, n: int) -> dict[str, float]:
+    def pull_at_once(self, path: str, n: int) -> dict[str, float]:
         """n workers pull the published version at once; CPU use of our processes (servers and
         workers) and of the whole machine says whether the figure is CPU-bound on this box."""
-        before = sum(sum(pr.cpu_times()[:2]) for pr in procs)
+        import psutil
+
+        before = sum(sum(pr.cpu_times()[:2]) for pr in self.procs)
         idle_before = psutil.cpu_times().idle
         t0 = time.monotonic()
-        for p in pipes[:n]:
+        for p in self.pipes[:n]:
             p.send(("pull", path))
-        res = [p.recv() for p in pipes[:n]]
+        res = [p.recv() for p in self.pipes[:n]]
         wall = time.monotonic() - t0
-        assert all(r[2] == versions[SERVER_OF[path]] for r in res), res
+        assert all(r[2] == self.versions[SERVER_OF[path]] for r in res), res
         each = [r[1] - r[0] for r in res]
         return {
             "s": max(r[1] for r in res) - min(r[0] for r in res),
-            "ours_cores": (sum(sum(pr.cpu_times()[:2]) for pr in procs) - before) / wall,
+            "ours_cores": (sum(sum(pr.cpu_times()[:2]) for pr in self.procs) - before) / wall,
             "machine_busy_cores": (os.cpu_count() or 1) - (psutil.cpu_times().idle - idle_before) / wall,
             "slowest_over_fastest_puller": max(each) / min(each),
         }
 
-    # Warm-up: server slabs (three of them take turns with keep_versions=2), staging buffers,
-    # mappings and the raw receiver's buffer get their pages once.
-    raw.once()
-    for path in PATHS:
-        for cut_through in (False, True, False):
-            follow(path, cut_through)
-        for p in pipes:
-            p.send(("pull", path))
-        shm_pulls = [p.recv()[3] for p in pipes]
-        assert all(k > 0 for k in shm_pulls) if path == "shm" else not any(shm_pulls), shm_pulls  # the path really taken
-    # Measured rounds, each measuring everything back to back, so that a change in the load of
-    # this shared machine hits the baselines and both paths alike; ratios are per round.
-    rounds = []
-    for _ in range(args.reps):
-        rnd = {"memcpy_s": bench_memcpy(nbytes), "raw_s": raw.once()}
+    def warm_up(self) -> None:
+        """Server slabs (three of them take turns with keep_versions=2), staging buffers, mappings
+        and the raw receiver's buffer get their pages once."""
+        self.raw.once()
         for path in PATHS:
-            r = rnd[path] = {}
-            r["after_commit_s"], r["publish_s"] = follow(path, False)
-            r["cut_through_s"], _ = follow(path, True)
-            r["pull"] = {n: pull_at_once(path, n) for n in (1, 2, 4)}
-        rounds.append(rnd)
-    raw.close()
-    for p in pipes:
-        p.send(("exit",))
-    for w in workers:
-        w.join(10)
-    for pub in pubs.values():
-        pub.close()
-    for srv in servers.values():
-        srv.terminate()
-        srv.join(10)
+            for cut_through in (False, True, False):
+                self.follow(path, cut_through)
+            for p in self.pipes:
+                p.send(("pull", path))
+            shm_pulls = [p.recv()[3] for p in self.pipes]
+            assert all(k > 0 for k in shm_pulls) if path == "shm" else not any(shm_pulls), shm_pulls  # the path really taken
 
+    def rounds(self, reps: int, nbytes: int) -> list[dict]:
+        """Each round measures everything back to back, so that a change in the load of this
+        shared machine hits the baselines and both paths alike; ratios are per round."""
+        rounds = []
+        for _ in range(reps):
+            rnd = {"memcpy_s": bench_memcpy(nbytes), "raw_s": self.raw.once()}
+            for path in PATHS:
+                r = rnd[path] = {}
+                r["after_commit_s"], r["publish_s"] = self.follow(path, False)
+                r["cut_through_s"], _ = self.follow(path, True)
+                r["pull"] = {n: self.pull_at_once(path, n) for n in (1, 2, 4)}
+            rounds.append(rnd)
+        return rounds
+
+    def close(self) -> None:
+        self.raw.close()
+        for p in self.pipes:
+            p.send(("exit",))
+        for w in self.workers:
+            w.join(10)
+        for pub in self.pubs.values():
+            pub.close()
+        for srv in self.servers.values():
+            srv.terminate()
+            srv.join(10)
+
+
+BUSY = "cores busy ours/machine"
+
+
+def summarize(rounds: list[dict], nbytes: int) -> tuple[list[dict], dict, dict, dict, dict]:
+    """Medians over rounds: the table rows, the per-path results, the ratios, the CPU use and the
+    per-round spread of the 4/1 aggregate (lowest, highest)."""
     med = statistics.median
     memcpy_s, raw_s = med(r["memcpy_s"] for r in rounds), med(r["raw_s"] for r in rounds)
     gbps = lambda s, n=1: n * nbytes / s / 1e9  # noqa: E731
-    busy = "cores busy ours/machine"
     rows = [
-        {"measure": "memcpy (in-process)", "seconds": memcpy_s, "GB/s": gbps(memcpy_s), "x raw": memcpy_s / raw_s, busy: None},
+        {"measure": "memcpy (in-process)", "seconds": memcpy_s, "GB/s": gbps(memcpy_s), "x raw": memcpy_s / raw_s, BUSY: None},
         {"measure": "raw ZeroMQ PUSH/PULL", "seconds": raw_s, "GB/s": gbps(raw_s), "x raw": 1.0},
     ]
     results: dict = {"memcpy_s": memcpy_s, "raw_zmq_s": raw_s, "gbps": {"memcpy": gbps(memcpy_s), "raw_zmq": gbps(raw_s)}}
     ratios: dict = {}
     cpu: dict = {}
-    spread: dict = {}  # per-round 4/1 aggregate ratios: (lowest, highest)
+    spread: dict = {}
     for path in PATHS:
         per_round = [4 * r[path]["pull"][1]["s"] / r[path]["pull"][4]["s"] for r in rounds]
         spread[path] = (min(per_round), max(per_round))
@@ -357,7 +359,7 @@ def main() -> None:
         ]
         for n, secs in pulls.items():
             rows.append({"measure": f"{path}: pull, {n} worker(s) at once", "seconds": secs, "GB/s": gbps(secs, n),
-                         "x raw": secs / raw_s, busy: f"{cpu[path][n]['ours_cores']:.2f}/{cpu[path][n]['machine_busy_cores']:.2f}"})
+                         "x raw": secs / raw_s, BUSY: f"{cpu[path][n]['ours_cores']:.2f}/{cpu[path][n]['machine_busy_cores']:.2f}"})
         results[path] = {
             "publish_s": publish_s, "publish_to_applied_s": cut_s, "publish_to_applied_after_commit_s": e2e_s,
             "pull_s": {str(n): secs for n, secs in pulls.items()},
@@ -367,8 +369,11 @@ def main() -> None:
                 **{f"pull_{n}_aggregate": gbps(secs, n) for n, secs in pulls.items()},
             },
         }
-    print_table(rows, f"weight sync, S = {nbytes / MB:.0f} MB, chunk {args.chunk_mb} MB, {args.inflight} chunks in flight")
-    targets = {
+    return rows, results, ratios, cpu, spread
+
+
+def targets_of(ratios: dict) -> dict:
+    return {
         "publish_to_applied_over_raw": {"max": 2.0, **{
             path: {"value": ratios[path]["publish_to_applied_over_raw"], "met": ratios[path]["publish_to_applied_over_raw"] <= 2.0}
             for path in PATHS}},
@@ -376,6 +381,9 @@ def main() -> None:
             path: {"value": ratios[path]["pull_4_over_1_aggregate"], "met": ratios[path]["pull_4_over_1_aggregate"] >= 1.5}
             for path in PATHS}},
     }
+
+
+def print_verdicts(ratios: dict, targets: dict) -> None:
     print()
     for path in PATHS:
         r, t = ratios[path], {k: v[path]["met"] for k, v in targets.items()}
@@ -383,6 +391,36 @@ def main() -> None:
               f"{r['publish_to_applied_after_commit_over_raw']:.2f}; target <= 2.0: {'met' if t['publish_to_applied_over_raw'] else 'MISSED'}); "
               f"4-worker aggregate / 1 worker = {r['pull_4_over_1_aggregate']:.2f} "
               f"(target >= 1.5: {'met' if t['pull_4_over_1_aggregate'] else 'MISSED'})")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="S = 256 MB (default)")
+    mode.add_argument("--full", action="store_true", help="S = 1 GB")
+    ap.add_argument("--size-mb", type=int, default=None)
+    ap.add_argument("--chunk-mb", type=int, default=4)
+    ap.add_argument("--inflight", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=7, help="measured rounds (medians are reported)")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    size_mb = args.size_mb or (1024 if args.full else 256)
+    total = size_mb * MB
+    cfg_kwargs = {"chunk_bytes": args.chunk_mb * MB, "max_inflight_chunks": args.inflight, "keep_versions": 2}
+    t_start = time.monotonic()
+    tensors = make_tensors(total)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    rig = Rig(cfg_kwargs, total, tensors)
+    rig.warm_up()
+    rounds = rig.rounds(args.reps, nbytes)
+    rig.close()
+    rows, results, ratios, cpu, spread = summarize(rounds, nbytes)
+    print_table(rows, f"weight sync, S = {nbytes / MB:.0f} MB, chunk {args.chunk_mb} MB, {args.inflight} chunks in flight")
+    targets = targets_of(ratios)
+    print_verdicts(ratios, targets)
     write_results("weight_sync", {
         "mode": "full" if args.full else "quick",
         "config": {"size_bytes": nbytes, "tensors": len(tensors), "dtype": "float32", "reps": args.reps, **cfg_kwargs},
