@@ -62,8 +62,3 @@ def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig],
         return main
 
     return decorate
-
-
-def not_built_yet(command: str, issue: str) -> int:
-    print(f"{command}: not built yet ({issue}). This release can only show --help.", file=sys.stderr)
-    return 3
