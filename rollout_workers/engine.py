@@ -1,8 +1,9 @@
-"""The generation-engine protocol the worker loop drives, its request/result records and the factory.
+"""The generation-engine protocol the worker loop drives and its request/result records.
 
 Two real implementations: :class:`rollout_workers.hf_engine.HFEngine` (transformers, CPU or
 GPU, continuous batching over a fixed number of slots) and
-:class:`rollout_workers.vllm_engine.VLLMEngine` (vLLM, GPU, when installed).
+:class:`rollout_workers.vllm_engine.VLLMEngine` (vLLM, GPU, when installed); both import this
+module, and :func:`rollout_workers.engine_factory.make_engine` picks one.
 
 How the worker drives an engine (one thread; engines are not thread-safe)::
 
@@ -29,11 +30,9 @@ from typing import Any, Literal, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from rlhf_core.config import ConfigError
 from rlhf_core.errors import UserError
 
 FinishReason = Literal["stop", "length", "abort"]
-ENGINES = ("hf", "vllm")
 
 
 class EngineError(UserError):
@@ -180,28 +179,3 @@ class GenerationEngine(Protocol):
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """Install weights between steps. ``tensors`` None: already copied into :meth:`weights_target`.
         Tokens sampled after this call carry ``version``."""
-
-
-def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> GenerationEngine:
-    """The engine named by ``cfg.rollout.engine``.
-
-    Args:
-        cfg: the full run config (:class:`rlhf_core.config.Config` or its DictConfig); reads
-            ``cfg.rollout`` (engine, slots, seed, vllm settings) and ``cfg.model``.
-        model: hf only: the loaded policy (``rlhf_core.models.load_policy``); loaded from
-            ``cfg.model`` when None. vllm loads its own copy from ``cfg.model`` and ignores it.
-        tokenizer: the policy's tokenizer; loaded from ``cfg.model`` when None.
-    """
-    name = cfg.rollout.engine
-    if name == "hf":
-        from rlhf_core.models import load_policy, load_tokenizer
-        from rollout_workers.hf_engine import HFEngine
-
-        model = load_policy(cfg.model) if model is None else model
-        tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
-        return HFEngine(model, tokenizer, slots=int(cfg.rollout.slots), seed=int(cfg.rollout.seed))
-    if name == "vllm":
-        from rollout_workers.vllm_engine import VLLMEngine
-
-        return VLLMEngine.from_config(cfg, tokenizer=tokenizer)
-    raise ConfigError(f"rollout.engine={name!r} is not one of {', '.join(ENGINES)}")

@@ -54,7 +54,8 @@ from rlhf_core.config import Config, ConfigError, to_object, validate
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
-from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams, make_engine
+from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams
+from rollout_workers.engine_factory import make_engine
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.rewards import RewardError, Scorer
 from weight_server import WeightSubscriber

@@ -17,8 +17,8 @@ from rollout_workers.engine import (
     GenResult,
     RequestError,
     SamplingParams,
-    make_engine,
 )
+from rollout_workers.engine_factory import make_engine
 from rollout_workers.hf_engine import HFEngine
 
 PARITY_ATOL = 1e-4

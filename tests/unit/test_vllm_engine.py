@@ -12,7 +12,8 @@ import torch
 from rlhf_core.config import Config
 from rlhf_core.models import load_policy, load_tokenizer, model_dir
 from rlhf_core.sampling import response_logprobs
-from rollout_workers.engine import EngineError, GenRequest, SamplingParams, make_engine
+from rollout_workers.engine import EngineError, GenRequest, SamplingParams
+from rollout_workers.engine_factory import make_engine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
