@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, write_results  # noqa: E402
 
 from buffer import Buffer  # noqa: E402
-from buffer import testing as T  # noqa: E402
 from rlhf_core.config import BufferConfig  # noqa: E402
+from tests import factories as T  # noqa: E402
 
 MODES = {
     "quick": {"sizes": [1024, 4096], "samples": 8000, "latency_groups": 300, "group_size": 4, "repeats": 3},

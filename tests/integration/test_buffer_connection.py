@@ -10,7 +10,7 @@ import time
 import pytest
 
 from buffer import Buffer, BufferAuthError, BufferUnavailable, RunParamsMismatch
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 from servers import RedisServer, free_port
 

@@ -9,7 +9,7 @@ import pytest
 
 from buffer import Buffer
 from buffer import keys as K
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
 

@@ -11,7 +11,7 @@ import redis
 
 from buffer import Buffer
 from buffer import keys as K
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

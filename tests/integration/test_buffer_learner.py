@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from buffer import Buffer
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

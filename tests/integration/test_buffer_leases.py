@@ -13,7 +13,7 @@ import time
 import pytest
 
 from buffer import Buffer
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

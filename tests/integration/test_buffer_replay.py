@@ -8,7 +8,7 @@ import time
 import pytest
 
 from buffer import Buffer
-from buffer import testing as T
+import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

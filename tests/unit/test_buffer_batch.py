@@ -6,7 +6,7 @@ import math
 from types import SimpleNamespace
 
 from buffer import keys as K
-from buffer import testing as T
+import factories as T
 from buffer.samples import build_batch, decode_entry
 from rlhf_core.config import BufferConfig
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import sample
 from learner.batch import BatchError, check_stop_tokens, collate, gather_response, micro_batches, response_logits
-from learner_helpers import make_sample
 
 PAD = 0
 
 
 def two_samples():
-    a = make_sample([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], [3, 3, 4], reward=1.0, group_id="g0", group_size=2,
-                    group_index=0, ref_logprobs=[-1.0, -1.5, -2.0], components={"count": 0.5})
-    b = make_sample([10, 11, 12], [13], [-0.5], [2], reward=0.0, group_id="g0", group_size=2, group_index=1,
-                    ref_logprobs=[-0.7], finish_reason="length")
+    a = sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], behaviour_logprobs=[-0.1, -0.2, -0.3], token_versions=[3, 3, 4],
+               reward=1.0, group_id="g0", group_size=2, index=0, ref_logprobs=[-1.0, -1.5, -2.0],
+               reward_components={"count": 0.5})
+    b = sample(prompt_ids=[10, 11, 12], response_ids=[13], behaviour_logprobs=[-0.5], token_versions=[2], reward=0.0,
+               group_id="g0", group_size=2, index=1, ref_logprobs=[-0.7], finish_reason="length")
     return a, b
 
 
@@ -80,10 +81,10 @@ def test_response_logits_predict_the_response_tokens(keep_arg):
 
 
 def test_groups_become_contiguous_in_order_of_first_appearance():
-    s = [make_sample([1], [4], group_id="A", group_size=3, group_index=0),
-         make_sample([1], [5], group_id="B", group_size=2, group_index=0),
-         make_sample([1], [6], group_id="A", group_size=3, group_index=2),
-         make_sample([1], [7], group_id="C", group_size=1, group_index=0)]
+    s = [sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=3, index=0),
+         sample(prompt_ids=[1], response_ids=[5], group_id="B", group_size=2, index=0),
+         sample(prompt_ids=[1], response_ids=[6], group_id="A", group_size=3, index=2),
+         sample(prompt_ids=[1], response_ids=[7], group_id="C", group_size=1, index=0)]
     batch = collate(s, PAD)
     assert batch.sample_ids == ["A/0", "A/2", "B/0", "C/0"]
     assert batch.response_ids[:, 0].tolist() == [4, 6, 5, 7]
@@ -98,7 +99,7 @@ def test_ref_logprobs_are_all_or_none():
 
 
 def test_token_ids_outside_the_vocabulary_name_both_vocabularies():
-    s = [make_sample([1, 2], [3, 120])]
+    s = [sample(prompt_ids=[1, 2], response_ids=[3, 120])]
     with pytest.raises(BatchError) as err:
         collate(s, PAD, vocab_size=99)
     msg = str(err.value)
@@ -108,21 +109,21 @@ def test_token_ids_outside_the_vocabulary_name_both_vocabularies():
 
 def test_stop_tokens_must_be_the_learners_end_of_sequence_ids():
     eos = frozenset({2})
-    fine = [make_sample([1], [5, 6, 2]),  # stopped on EOS
-            make_sample([1], [5, 6, 7], finish_reason="length"),  # cut at the length limit: any last token
-            make_sample([1], [2], group_id="g1")]  # EOS as the only token
+    fine = [sample(prompt_ids=[1], response_ids=[5, 6, 2]),  # stopped on EOS
+            sample(prompt_ids=[1], response_ids=[5, 6, 7], finish_reason="length"),  # cut at the length limit: any last token
+            sample(prompt_ids=[1], response_ids=[2], group_id="g1")]  # EOS as the only token
     check_stop_tokens(fine, eos)
-    check_stop_tokens([make_sample([1], [5, 3])], frozenset())  # no EOS known: nothing to check
+    check_stop_tokens([sample(prompt_ids=[1], response_ids=[5, 3])], frozenset())  # no EOS known: nothing to check
     with pytest.raises(BatchError) as err:  # "stop" on <unk> (3): the worker's EOS is not ours
-        check_stop_tokens(fine + [make_sample([1], [5, 3], group_id="odd")], eos)
+        check_stop_tokens(fine + [sample(prompt_ids=[1], response_ids=[5, 3], group_id="odd")], eos)
     assert "sample 'odd/0'" in str(err.value) and "finished with 'stop' on token 3" in str(err.value)
     assert "end-of-sequence token ids [2]" in str(err.value)
     with pytest.raises(BatchError, match="holds token 2 at position 1, where generation should have stopped"):
-        check_stop_tokens([make_sample([1], [5, 2, 7], finish_reason="length")], eos)  # our EOS did not stop it
+        check_stop_tokens([sample(prompt_ids=[1], response_ids=[5, 2, 7], finish_reason="length")], eos)  # our EOS did not stop it
 
 
 def test_a_group_larger_than_its_group_size_is_refused():
-    s = [make_sample([1], [4], group_id="A", group_size=2, group_index=i % 2) for i in range(3)]
+    s = [sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=2, index=i % 2) for i in range(3)]
     with pytest.raises(BatchError, match="group 'A' has 3 samples .* group_size 2"):
         collate(s, PAD)
 
@@ -131,12 +132,12 @@ def test_empty_batch_and_empty_prompt_are_refused():
     with pytest.raises(BatchError, match="empty batch"):
         collate([], PAD)
     with pytest.raises(BatchError, match="empty prompt"):
-        collate([make_sample([], [4])], PAD)
+        collate([sample(prompt_ids=[], response_ids=[4])], PAD)
 
 
 def test_micro_batches_sort_by_length_and_trim_padding():
     lens = [(3, 2), (1, 3), (1, 1), (4, 3)]  # (prompt, response): totals 5, 4, 2, 7
-    s = [make_sample(list(range(1, p + 1)), [9] * r, group_id=f"g{i}") for i, (p, r) in enumerate(lens)]
+    s = [sample(prompt_ids=list(range(1, p + 1)), response_ids=[9] * r, group_id=f"g{i}") for i, (p, r) in enumerate(lens)]
     batch = collate(s, PAD)
     assert tuple(batch.input_ids.shape) == (4, 7)
     got = [(rows.tolist(), tuple(mb.input_ids.shape), tuple(mb.response_mask.shape)) for rows, mb in micro_batches(batch, 2)]

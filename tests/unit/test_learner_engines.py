@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from factories import sample
 from learner.engines import TorchEngine, all_reduce_sum, broadcast_samples, lr_lambda, make_engine, total_optimizer_steps
-from learner_helpers import make_sample
 from rlhf_core.config import Config, ConfigError, LearnerConfig
 from rlhf_core.models import load_critic, load_policy
 
@@ -80,5 +80,5 @@ def test_make_engine_picks_the_critic_lr(base, tiny_model_cfg):
 def test_distributed_helpers_are_identity_in_one_process():
     t = torch.tensor([1.0, 2.0])
     assert all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
-    s = [make_sample([1], [2, 3], reward=0.5)]
+    s = [sample(prompt_ids=[1], response_ids=[2, 3], reward=0.5)]
     assert broadcast_samples(s) == s

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
+from factories import sample
 from learner import estimators as E
 from learner.batch import BatchError, collate
 from learner.engines import make_engine
 from learner.update import MissingReferenceError, PolicyUpdater
-from learner_helpers import digit_reward, generate_samples, make_sample, tiny_config
+from learner_helpers import digit_reward, generate_samples, tiny_config
 from rlhf_core.config import ConfigError
 from rlhf_core.models import load_critic, load_policy
 
@@ -156,10 +157,10 @@ def test_decoupled_equals_ppo_on_policy_and_differs_on_stale_samples(base, sampl
 
 def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg))
-    s = [make_sample([20], [21, 22, 23], versions=[2, 2, 3], reward=1.0, group_id="a", group_size=2, group_index=0,
-                     components={"count": 0.75, "digits": 0.1}),
-         make_sample([20], [24], versions=[5], reward=0.0, group_id="a", group_size=2, group_index=1,
-                     components={"count": 0.25}, finish_reason="length")]
+    s = [sample(prompt_ids=[20], response_ids=[21, 22, 23], token_versions=[2, 2, 3], reward=1.0, group_id="a", group_size=2,
+                index=0, reward_components={"count": 0.75, "digits": 0.1}),
+         sample(prompt_ids=[20], response_ids=[24], token_versions=[5], reward=0.0, group_id="a", group_size=2, index=1,
+                reward_components={"count": 0.25}, finish_reason="length")]
     m = up.update(s, 6)
     # staleness = 6 - oldest token version: [4, 1]; per token [4, 4, 3, 1] -> mean 3
     assert (m["staleness/min"], m["staleness/mean"], m["staleness/max"]) == (1.0, 2.5, 4.0)
@@ -186,8 +187,8 @@ def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
     cfg = tiny_config(tiny_model_cfg)
     up = make(base, cfg)
     with pytest.raises(BatchError, match="same tokenizer.*learner vocab 99"):
-        up.update([make_sample([20], [21, 150])], 0)
-    five = [make_sample([20], [21], group_id="g", group_size=5, group_index=i) for i in range(5)]
+        up.update([sample(prompt_ids=[20], response_ids=[21, 150])], 0)
+    five = [sample(prompt_ids=[20], response_ids=[21], group_id="g", group_size=5, index=i) for i in range(5)]
     with pytest.raises(BatchError, match="5 samples but algo.group_size is 4"):
         up.update(five, 0)
     kl = tiny_config(tiny_model_cfg, **{"algo.kl_coef": 0.1})
@@ -206,7 +207,7 @@ def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
 
 def test_samples_that_stopped_on_another_tokenizers_eos_are_refused(base, tiny_model_cfg):
     cfg = tiny_config(tiny_model_cfg)
-    odd = [make_sample([20], [21, 3], group_id="odd", group_size=4, group_index=i) for i in range(4)]  # "stop" on <unk>
+    odd = [sample(prompt_ids=[20], response_ids=[21, 3], group_id="odd", group_size=4, index=i) for i in range(4)]  # "stop" on <unk>
     engine = make_engine(cfg, copy.deepcopy(base))
     before = params(engine.module)
     with pytest.raises(BatchError, match="end-of-sequence token ids \\[2\\]: it finished with 'stop' on token 3"):
@@ -223,7 +224,7 @@ def test_samples_that_stopped_on_another_tokenizers_eos_are_refused(base, tiny_m
 def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo"}), ref=True)
     w0 = params(up.engine.module)
-    tied = [make_sample([20], [21, 22], reward=1.0, group_id="t", group_size=2, group_index=i) for i in range(2)]
+    tied = [sample(prompt_ids=[20], response_ids=[21, 22], reward=1.0, group_id="t", group_size=2, index=i) for i in range(2)]
     m = up.update(tied, 0)
     assert m["learner/optimizer_steps"] == 0.0 and m["loss/dpo_pairs"] == 0.0
     assert max_diff(w0, params(up.engine.module)) == 0.0

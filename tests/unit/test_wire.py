@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from factories import sample
 from rlhf_core.records import KIND_PROMPT, KIND_SAMPLE, Prompt, Sample, rle_decode, rle_encode, validate_sample
 from rlhf_core.wire import (
     SCHEMA_VERSION,
@@ -24,28 +25,30 @@ from rlhf_core.wire import (
 )
 
 
+# every field set to a value of its own, so a round trip that drops or swaps one is seen
+EVERY_FIELD = dict(
+    sample_id="s-1",
+    prompt_id="p-1",
+    group_id="g-1",
+    prompt_ids=[1, 5, 7],
+    response_ids=[9, 10, 2],
+    behaviour_logprobs=[-0.5, -1.25, -0.125],
+    versions=[[3, 2], [4, 1]],
+    reward=0.75,
+    reward_components={"correct": 1.0, "length": -0.25},
+    finish_reason="stop",
+    worker_id="w-0",
+    group_size=4,
+    index=2,
+    ref_logprobs=[-0.4, -1.0, -0.2],
+    created_at=1700000000.5,
+    finished_at=1700000001.25,
+    metadata={"answer": "42", "difficulty": 3},
+)
+
+
 def make_sample(**overrides) -> Sample:
-    fields = dict(
-        sample_id="s-1",
-        prompt_id="p-1",
-        group_id="g-1",
-        prompt_ids=np.array([1, 5, 7], dtype=np.int32),
-        response_ids=np.array([9, 10, 2], dtype=np.int32),
-        behaviour_logprobs=np.array([-0.5, -1.25, -0.125], dtype=np.float32),
-        versions=[[3, 2], [4, 1]],
-        reward=0.75,
-        reward_components={"correct": 1.0, "length": -0.25},
-        finish_reason="stop",
-        worker_id="w-0",
-        group_size=4,
-        group_index=2,
-        ref_logprobs=np.array([-0.4, -1.0, -0.2], dtype=np.float32),
-        created_at=1700000000.5,
-        finished_at=1700000001.25,
-        metadata={"answer": "42", "difficulty": 3},
-    )
-    fields.update(overrides)
-    return Sample(**fields)
+    return sample(**{**EVERY_FIELD, **overrides})
 
 
 def raw_sample_map(**overrides) -> dict:
@@ -237,7 +240,17 @@ def test_encode_record_roundtrip_generic_kind():
 
 
 def test_validate_accepts_a_good_sample():
-    validate_sample(make_sample(), vocab_size=11, max_response_tokens=3, max_prompt_tokens=3)
+    s = make_sample()  # largest token id 10, 3 response and 3 prompt tokens
+    before = s.encode()
+    assert validate_sample(s, vocab_size=11, max_response_tokens=3, max_prompt_tokens=3) is None  # every limit met exactly
+    assert s.encode() == before  # checking changes nothing
+    # a token sampled with probability 1 has log-prob 0; float error may put it a hair above
+    validate_sample(make_sample(behaviour_logprobs=[0.0, 1e-5, -0.1]), vocab_size=11)
+    # one past each limit is refused, so the limits above were the boundaries
+    with pytest.raises(WireError, match=r"response_ids hold token ids outside the vocabulary \[0, 10\): min 2, max 10"):
+        validate_sample(s, vocab_size=10)
+    with pytest.raises(WireError, match="log-prob > 0"):
+        validate_sample(make_sample(behaviour_logprobs=[0.0, 1e-3, -0.1]))
 
 
 @pytest.mark.parametrize(
