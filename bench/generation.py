@@ -11,7 +11,7 @@ including tokenisation, prefill and sampling. The two are measured alternately i
 
     .venv/bin/python bench/generation.py [--quick|--full] [--slots 8] [--threads 1]
 
-Target (issue 4): ratio engine / generate >= 2 on CPU with the tiny model.
+Target: ratio engine / generate >= 2 on CPU with the tiny model.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Errors a user can cause, as ``rlhf-learner`` (``python -m learner``) shows them: exit code 2
-and one line ``error: <what was wrong and what to do>`` on stderr, no traceback (issue 5, item 6).
+and one line ``error: <what was wrong and what to do>`` on stderr, no traceback.
 
 The tokenizer cases run against a real redis-server and weight server; this test plays a worker
 whose tokenizer does not match the learner's model, through the buffer API a worker uses

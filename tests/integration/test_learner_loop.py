@@ -1,4 +1,4 @@
-"""The learner's outer loop end to end (issue 5, "Integration"): ``python -m learner`` child
+"""The learner's outer loop end to end: ``python -m learner`` child
 processes train the tiny model on samples from real ``python -m rollout_workers`` children,
 through a real redis-server and a real weight server (a thread of this process).
 

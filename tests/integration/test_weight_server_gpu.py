@@ -1,4 +1,4 @@
-"""Issue 7's GPU target: a 1 GB bf16 version (a 0.5B model) applied into a GPU model in under 1 s,
+"""The GPU target: a 1 GB bf16 version (a 0.5B model) applied into a GPU model in under 1 s,
 publish -> applied, over TCP and over same-host shared memory. Skipped without CUDA."""
 
 from __future__ import annotations
