@@ -1,4 +1,4 @@
-"""The one-command run (issue: launcher): the default task learns, the monitor sees a live run,
+"""The one-command run: the default task learns, the monitor sees a live run,
 multirun jobs get separate namespaces, standalone workers join, Ctrl-C leaves nothing behind."""
 
 from __future__ import annotations
