@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from buffer import RunKeys
+from rlhf_core import metric_names as M
 from servers import wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -120,10 +121,19 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         assert snap["learner_version"] >= 2
         workers = {n: c for n, c in snap["consumers"].items() if n.startswith("worker-")}
         assert set(workers) == {"worker-0", "worker-1"}
-        assert all(c["stats"]["tokens"] > 0 for c in workers.values())
+        assert all(c["stats"][M.WORKER_TOKENS] > 0 for c in workers.values())
+        # the fields the report and the monitor read, as the workers write them
+        worker_fields = {M.WORKER_TOKENS, M.WORKER_SAMPLES, M.WORKER_TOKENS_PER_S, M.WORKER_SAMPLES_PER_S}
+        assert all(worker_fields <= set(c["stats"]) for c in workers.values()), workers
         assert snap["counters"]["samples_consumed"] >= 2 * 16
         assert sum(snap["staleness_hist"].values()) == snap["counters"]["samples_consumed"]
-        assert "learner" in snap["stats"] and snap["stats"]["learner"]["learner/version"] >= 2
+        learner = snap["stats"][M.LEARNER_STATS]  # the same row as the learner's metrics.jsonl line
+        assert learner[M.VERSION] >= 2
+        read_by_the_app = {M.VERSION, M.UPDATES, M.SAMPLES_TRAINED, M.SAMPLES_PER_S, M.TOKENS_PER_S, M.TIME_WAIT_S,
+                           M.TIME_COMPUTE_S, M.TIME_PUBLISH_S, M.TIME, M.REWARD_MEAN, M.STALENESS_MEAN,
+                           M.STALENESS_MAX, M.STALENESS_HIST}
+        assert read_by_the_app - set(learner) == set(), "the learner no longer writes what the report reads"
+        assert any(k in learner for k in M.KL_KEYS), sorted(learner)
         pids = json.loads((out / "children.json").read_text())
         assert set(pids) == {"learner", "worker-0", "worker-1"}
         assert all(pid_alive(p) for p in pids.values())
@@ -253,7 +263,7 @@ def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["samples_trained"] == 48
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / M.METRICS_FILE).read_text().splitlines()]
     assert all("reward/rm" in r for r in rows), rows[0].keys()  # the reward model's component
     from transformers import AutoModelForCausalLM
 
