@@ -1,12 +1,13 @@
-"""Pure advantage / return estimators for the learner.
+"""Pure advantage / return estimators: the per-algorithm math on equal-sized groups.
 
-Also online-DPO pair selection (best vs worst sample of each group); the
-loss itself is ``learner.losses.dpo_loss``.
+Tensors in, tensors out, no config: GAE, GRPO/Dr.GRPO, RLOO, REINFORCE++, V-trace, per-token
+rewards with a KL penalty, and online-DPO pair selection (best vs worst sample of each group;
+the loss is :func:`learner.dpo_loss.dpo_loss`). :mod:`learner.batch_advantages` applies them to
+a learner batch (partial groups, config, statistics over data-parallel ranks).
 
-Same conventions as ``learner/losses.py``: per-token tensors are ``[B, T]``,
-``mask`` is a bool/float ``[B, T]`` tensor of response tokens (non-zero =
-real token), masked positions never affect results (even if they hold NaN)
-and are 0 in every per-token output.
+Conventions of :mod:`learner.masked`: per-token tensors are ``[B, T]``, ``mask`` is a bool/float
+``[B, T]`` tensor of response tokens (non-zero = real token), masked positions never affect
+results (even if they hold NaN) and are 0 in every per-token output.
 
 Masked positions *inside* a sequence (e.g. tool-output tokens between two
 generated spans) are transparent to the reverse scans: the recursion goes
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.losses import _as_bool, _check_same_shape, _fill, masked_whiten
+from learner.masked import bool_mask, check_same_shape, masked_whiten, where_real
 
 
 def _check_gamma_lam(gamma: float, lam: float = 1.0) -> None:
@@ -68,9 +69,9 @@ def gae(
         tuple[torch.Tensor, torch.Tensor]: ``advantages [B, T]``, ``returns [B, T]``.
     """
     _check_gamma_lam(gamma, lam)
-    _check_same_shape(rewards=rewards, values=values, mask=mask)
-    m = _as_bool(mask)
-    r, v = _fill(rewards, m), _fill(values, m)
+    check_same_shape(rewards=rewards, values=values, mask=mask)
+    m = bool_mask(mask)
+    r, v = where_real(rewards, m), where_real(values, m)
     next_value = torch.zeros_like(r[:, 0])
     last_adv = torch.zeros_like(r[:, 0])
     advs = []
@@ -80,9 +81,9 @@ def gae(
         adv_t = delta + gamma * lam * last_adv
         last_adv = torch.where(m_t, adv_t, last_adv)
         next_value = torch.where(m_t, v[:, t], next_value)
-        advs.append(_fill(adv_t, m_t))
+        advs.append(where_real(adv_t, m_t))
     advantages = torch.stack(advs[::-1], dim=1)
-    return advantages, _fill(advantages + v, m)
+    return advantages, where_real(advantages + v, m)
 
 
 @torch.no_grad()
@@ -159,7 +160,7 @@ def token_rewards(
     """
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    m = _as_bool(mask)
+    m = bool_mask(mask)
     if seq_rewards.shape != m.shape[:1]:
         raise ValueError(
             f"seq_rewards must have shape [B]={tuple(m.shape[:1])}, got {tuple(seq_rewards.shape)}"
@@ -169,9 +170,9 @@ def token_rewards(
     is_last = m & (positions == last)
     out = torch.where(is_last, seq_rewards.unsqueeze(-1), torch.zeros((), dtype=seq_rewards.dtype, device=seq_rewards.device))
     if kl is not None:
-        _check_same_shape(kl=kl, mask=m)
-        out = out - kl_coef * _fill(kl, m)
-    return _fill(out, m)
+        check_same_shape(kl=kl, mask=m)
+        out = out - kl_coef * where_real(kl, m)
+    return where_real(out, m)
 
 
 @torch.no_grad()
@@ -195,16 +196,16 @@ def reinforce_pp_advantages(
         the un-whitened discounted ``returns [B, T]``.
     """
     _check_gamma_lam(gamma)
-    m = _as_bool(mask)
+    m = bool_mask(mask)
     if rewards.dim() == 1:
         rewards = token_rewards(rewards, m)
-    _check_same_shape(rewards=rewards, mask=m)
-    r = _fill(rewards, m)
+    check_same_shape(rewards=rewards, mask=m)
+    r = where_real(rewards, m)
     running = torch.zeros_like(r[:, 0])
     rets = []
     for t in reversed(range(r.shape[1])):
         running = torch.where(m[:, t], r[:, t] + gamma * running, running)
-        rets.append(_fill(running, m[:, t]))
+        rets.append(where_real(running, m[:, t]))
     returns = torch.stack(rets[::-1], dim=1)
     return masked_whiten(returns, m, eps=eps), returns
 
@@ -251,12 +252,12 @@ def vtrace(
     _check_gamma_lam(gamma)
     if not rho_bar > 0 or not c_bar > 0:
         raise ValueError(f"rho_bar and c_bar must be > 0, got rho_bar={rho_bar}, c_bar={c_bar}")
-    _check_same_shape(
+    check_same_shape(
         behaviour_logp=behaviour_logp, target_logp=target_logp, rewards=rewards, values=values, mask=mask
     )
-    m = _as_bool(mask)
-    r, v = _fill(rewards, m), _fill(values, m)
-    rho = torch.exp(_fill(target_logp, m) - _fill(behaviour_logp, m))
+    m = bool_mask(mask)
+    r, v = where_real(rewards, m), where_real(values, m)
+    rho = torch.exp(where_real(target_logp, m) - where_real(behaviour_logp, m))
     clipped_rho = torch.clamp(rho, max=rho_bar)
     cs = torch.clamp(rho, max=c_bar)
     if bootstrap_value is None:
@@ -278,8 +279,8 @@ def vtrace(
         acc = torch.where(m_t, vs_minus_v, acc)
         next_vs = torch.where(m_t, vs_t, next_vs)
         next_value = torch.where(m_t, v[:, t], next_value)
-        vs_list.append(_fill(vs_t, m_t))
-        adv_list.append(_fill(pg_adv, m_t))
+        vs_list.append(where_real(vs_t, m_t))
+        adv_list.append(where_real(pg_adv, m_t))
     return torch.stack(vs_list[::-1], dim=1), torch.stack(adv_list[::-1], dim=1)
 
 

@@ -10,7 +10,7 @@
 4. recompute, without gradients, the proximal log-probs pi_prox with the rollout's sampling
    settings (so they are comparable to the workers' behaviour log-probs), critic values,
    and reference log-probs when the workers did not send them and KL or DPO needs them;
-5. advantages (:mod:`learner.estimators`), with global statistics across ranks;
+5. advantages (:mod:`learner.batch_advantages`), with global statistics across ranks;
 6. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating gradients over
    sort-by-length micro-batches. Every micro-batch loss is scaled by its share of the
    minibatch (tokens, sequences or pairs, per ``algo.agg_mode``, counted over all ranks), so
@@ -28,17 +28,18 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from learner import estimators as est
+from learner import batch_advantages as batch_adv
 from learner.batch import (
     BatchError, TrainBatch, check_stop_tokens, collate, micro_batches, response_logits, response_values,
 )
 from learner.engines import TrainEngine, all_reduce_max, all_reduce_sum
+from learner.dpo_loss import dpo_loss
 from learner.losses import (
-    aggregate, decoupled_ppo_loss, dpo_loss, entropy_from_logits, kl_estimate, masked_max, masked_mean,
-    masked_sum, ppo_clip_loss, value_loss,
+    ISConfig, decoupled_ppo_loss, entropy_bonus, entropy_from_logits, kl_estimate, ppo_clip_loss, value_loss,
 )
+from learner.masked import aggregate, masked_max, masked_mean, masked_sum
 from learner.stats import MetricSums, RunningMoments
-from rlhf_core.config import Config, ConfigError
+from rlhf_core.config import AlgoConfig, Config, ConfigError
 from rlhf_core.errors import UserError
 from rlhf_core.records import Sample
 from rlhf_core.sampling import process_logits, token_logprobs
@@ -46,6 +47,18 @@ from rlhf_core.sampling import process_logits, token_logprobs
 
 class MissingReferenceError(UserError):
     """KL or DPO needs reference log-probs that neither the samples nor the learner provide."""
+
+
+def importance_sampling(algo: AlgoConfig) -> ISConfig:
+    """The decoupled loss's IS settings: correction and level, with the cap and band of that level
+    (``algo.tis_cap``/``mis_*`` per token, ``algo.seq_tis_cap``/``seq_mis_*`` on the geometric mean)."""
+    seq = "seq_" if algo.is_level == "sequence" else ""
+    try:
+        return ISConfig(correction=algo.is_correction, level=algo.is_level, tis_cap=getattr(algo, f"{seq}tis_cap"),
+                        mis_low=getattr(algo, f"{seq}mis_low"), mis_high=getattr(algo, f"{seq}mis_high"))
+    except ValueError as exc:
+        raise ConfigError(f"algo.is_level={algo.is_level} uses algo.{seq}tis_cap, algo.{seq}mis_low and "
+                          f"algo.{seq}mis_high: {exc}; fix them in the algo config") from None
 
 
 class PolicyUpdater:
@@ -74,12 +87,14 @@ class PolicyUpdater:
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         self.device = next(engine.module.parameters()).device
         self._check_config()
+        # built once; plain PPO has no IS weights, so its unused caps are not checked
+        self.is_config = importance_sampling(self.algo) if self.algo.policy_loss == "decoupled" else None
 
     def _check_config(self) -> None:
         a, lc = self.algo, self.lcfg
         if a.estimator == "gae" and self.critic is None:
             raise ConfigError("algo.estimator=gae needs a critic: build one with rlhf_core.models.load_critic and pass critic_engine")
-        if a.estimator in est.GROUP_ESTIMATORS + ("dpo",) and lc.batch_size % a.group_size:
+        if a.estimator in batch_adv.GROUP_ESTIMATORS + ("dpo",) and lc.batch_size % a.group_size:
             raise ConfigError(f"learner.batch_size {lc.batch_size} is not divisible by algo.group_size {a.group_size}")
         if a.estimator == "dpo" and a.group_size < 2:
             raise ConfigError(f"algo.estimator=dpo pairs responses of one prompt, so algo.group_size must be >= 2, got {a.group_size}")
@@ -141,7 +156,7 @@ class PolicyUpdater:
         batch = collate(samples, self.pad_id, self.device, self.vocab_size)
         if self.eos_ids:
             check_stop_tokens(samples, self.eos_ids)
-        if self.algo.estimator in est.GROUP_ESTIMATORS + ("dpo",):
+        if self.algo.estimator in batch_adv.GROUP_ESTIMATORS + ("dpo",):
             biggest = int(batch.group_sizes.max())
             if biggest > self.algo.group_size:
                 raise BatchError(
@@ -220,11 +235,11 @@ class PolicyUpdater:
         if self.critic is not None:
             self.critic.train(False)
             old_values = self._recompute(self.critic.forward, local, "values")
-        kl = est.kl_per_token(a, prox, ref, mask) if (need_ref and a.kl_mode == "reward") else None
+        kl = batch_adv.kl_per_token(a, prox, ref, mask) if (need_ref and a.kl_mode == "reward") else None
         group_adv = None
-        if a.estimator in est.GROUP_ESTIMATORS:
-            group_adv = est.group_relative_advantages(a.estimator, rewards, batch.group_sizes)[torch.tensor(rows, device=self.device)]
-        adv, returns = est.compute_advantages(
+        if a.estimator in batch_adv.GROUP_ESTIMATORS:
+            group_adv = batch_adv.group_relative_advantages(a.estimator, rewards, batch.group_sizes)[torch.tensor(rows, device=self.device)]
+        adv, returns = batch_adv.compute_advantages(
             a, rewards[torch.tensor(rows, device=self.device)], mask, group_adv=group_adv, values=old_values, kl=kl,
             behav_logp=local.behaviour_logprobs, prox_logp=prox, all_reduce=all_reduce_sum,
         )
@@ -270,21 +285,19 @@ class PolicyUpdater:
         norm_len = self.rollout.max_new_tokens
         logp, entropy = self._logp_entropy(self.engine.forward, mb, True)
         adv, prox = mb.token_extras["adv"], mb.token_extras["prox"]
+        clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high, "dual_clip_c": a.dual_clip_c,
+                "agg_mode": a.agg_mode, "norm_len": norm_len}
         if a.policy_loss == "decoupled":
-            loss, st = decoupled_ppo_loss(
-                logp, prox, mb.behaviour_logprobs, adv, mask, a.clip_eps_low, a.clip_eps_high, a.is_correction,
-                a.is_level, a.tis_cap, a.mis_low, a.mis_high, a.dual_clip_c, a.agg_mode, norm_len,
-            )
+            loss, st = decoupled_ppo_loss(logp, prox, mb.behaviour_logprobs, adv, mask, is_config=self.is_config, **clip)
         else:  # plain PPO: the behaviour policy is "old", no correction for staleness
-            loss, st = ppo_clip_loss(logp, mb.behaviour_logprobs, adv, mask, a.clip_eps_low, a.clip_eps_high,
-                                     a.dual_clip_c, a.agg_mode, norm_len)
+            loss, st = ppo_clip_loss(logp, mb.behaviour_logprobs, adv, mask, **clip)
         total = loss
-        ent = aggregate(entropy, mask, a.agg_mode, norm_len)
+        bonus, ent = entropy_bonus(entropy, mask, coef=a.entropy_coef, agg_mode=a.agg_mode, norm_len=norm_len)
         if a.entropy_coef:
-            total = total - a.entropy_coef * ent
+            total = total + bonus
         if "ref" in mb.token_extras:
-            kl = kl_estimate(logp, mb.token_extras["ref"], a.kl_estimator, mask)
-            kl_agg = aggregate(kl, mask, a.agg_mode, norm_len)
+            kl = kl_estimate(logp, mb.token_extras["ref"], mask, kind=a.kl_estimator)
+            kl_agg = aggregate(kl, mask, mode=a.agg_mode, norm_len=norm_len)
             if a.kl_mode == "loss":
                 total = total + a.kl_coef * kl_agg
             m.add("loss/kl", kl_agg.detach(), count)
@@ -292,7 +305,7 @@ class PolicyUpdater:
         w = float(mask.sum())
         m.add("loss/policy", st.loss, count)
         m.add("loss/total", total.detach(), count)
-        m.add("loss/entropy", ent.detach(), count)
+        m.add("loss/entropy", ent.entropy, count)
         for key in ("clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean"):
             m.add(f"loss/{key}", getattr(st, key), w)
         m.add_max("loss/ratio_max", st.ratio_max)
@@ -302,7 +315,7 @@ class PolicyUpdater:
         if self.critic is not None:
             values = response_values(self.critic.forward, mb)
             vloss, vst = value_loss(values, mb.token_extras["old_values"], mb.token_extras["returns"], mask,
-                                    a.value_clip, a.agg_mode, norm_len)
+                                    clip_eps=a.value_clip, agg_mode=a.agg_mode, norm_len=norm_len)
             self.critic.backward(vloss * a.vf_coef * share)
             m.add("loss/value", vst.loss, count)
             m.add("loss/value_clip_frac", vst.clip_frac, w)
@@ -313,7 +326,7 @@ class PolicyUpdater:
         """Online DPO: best vs worst response of each group against the reference policy."""
         a, lc = self.algo, self.lcfg
         t0 = time.perf_counter()
-        chosen, rejected = est.dpo_pairs(rewards, batch.group_sizes)
+        chosen, rejected = batch_adv.dpo_pairs(rewards, batch.group_sizes)
         n_pairs = int(chosen.shape[0])
         m.set("loss/dpo_pairs", n_pairs)
         if n_pairs == 0:  # every group tied: nothing to prefer, no step (the version still advances)
@@ -347,7 +360,8 @@ class PolicyUpdater:
                     sums = masked_sum(logp, mb.response_mask, dim=-1)
                     rs = mb.row_extras["ref_sum"]
                     v = valid_pair[pp].to(self.device)
-                    loss, st = dpo_loss(sums[0::2], sums[1::2], rs[0::2], rs[1::2], a.dpo_beta, a.dpo_label_smoothing, v)
+                    loss, st = dpo_loss(sums[0::2], sums[1::2], rs[0::2], rs[1::2], beta=a.dpo_beta,
+                                        label_smoothing=a.dpo_label_smoothing, valid=v)
                     count = float(v.sum())
                     share = (count / denom if denom > 0 else 0.0) * self.engine.world_size
                     self.engine.backward(loss * share)

@@ -52,6 +52,21 @@ class ModelConfig:
 
 @dataclass
 class AlgoConfig:
+    """Advantage estimator, policy loss and off-policy correction.
+
+    The decoupled loss weights each token by ``w = pi_prox / mu`` (proximal over behaviour
+    policy), truncated (``is_correction=tis``) or masked outside a band (``mis``).
+    ``is_level=token`` takes ``w`` per token and uses ``tis_cap`` / ``mis_low``-``mis_high``.
+    ``is_level=sequence`` takes the geometric mean of a response's token weights,
+    ``exp(mean_t log w_t)``, and uses ``seq_tis_cap`` / ``seq_mis_low``-``seq_mis_high``: a
+    geometric mean stays near 1 (it reaches 2 only when the mean token log-ratio reaches
+    ln 2 = 0.69), so the token caps would almost never act on it. The sequence defaults,
+    1.001 and [0.999, 1.001], bound the mean log-ratio to +-0.001 nats: the token cap of 2 on
+    the product of a ~700-token response (ln 2 / ln 1.001 = 693), and verl's range for
+    geometric-mean ratios (1.0002-1.001). For short responses, about
+    ``tis_cap ** (1 / rollout.max_new_tokens)`` keeps that meaning.
+    """
+
     name: str = "grpo"
     # advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | gae | dpo
     estimator: str = "grpo"
@@ -64,9 +79,12 @@ class AlgoConfig:
     dual_clip_c: Optional[float] = None
     is_correction: str = "tis"  # none | tis | mis
     is_level: str = "token"  # token | sequence
-    tis_cap: float = 2.0
+    tis_cap: float = 2.0  # is_level=token
     mis_low: float = 0.5
     mis_high: float = 2.0
+    seq_tis_cap: float = 1.001  # is_level=sequence: caps on the geometric mean (see the docstring)
+    seq_mis_low: float = 0.999
+    seq_mis_high: float = 1.001
     agg_mode: str = "token-mean"
     gamma: float = 1.0
     lam: float = 0.95

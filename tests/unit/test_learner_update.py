@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from factories import sample
-from learner import estimators as E
+from learner import batch_advantages as BA
 from learner.batch import BatchError, collate
 from learner.engines import make_engine
-from learner.update import MissingReferenceError, PolicyUpdater
+from learner.losses import decoupled_ppo_loss
+from learner.update import MissingReferenceError, PolicyUpdater, importance_sampling
 from learner_helpers import digit_reward, generate_samples, tiny_config
-from rlhf_core.config import ConfigError
+from rlhf_core.config import AlgoConfig, ConfigError
 from rlhf_core.models import load_critic, load_policy
 
 PROMPTS = [[20, 30], [21, 30, 4, 5, 6], [22]]  # different lengths: padding is exercised
@@ -62,7 +63,7 @@ def test_prox_logprobs_equal_behaviour_logprobs_of_the_same_weights(base, tiny_m
 def test_updates_change_the_weights_and_lower_the_loss_on_a_fixed_batch(base, samples, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg, **{"learner.lr": 3e-3}))
     batch = collate(samples, up.pad_id)
-    adv = E.group_relative_advantages("grpo", batch.rewards, batch.group_sizes)[:, None]
+    adv = BA.group_relative_advantages("grpo", batch.rewards, batch.group_sizes)[:, None]
     m = batch.response_mask
 
     def pg_loss():  # the REINFORCE loss -sum A * log pi / tokens of the fixed batch
@@ -241,3 +242,55 @@ def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_c
     assert 0.0 < expect < 1.0 and m["learner/nonfinite_logprob_frac"] == pytest.approx(expect)
     assert all(math.isfinite(v) for v in m.values()), m
     assert max_diff(w0, params(up.engine.module)) > 1e-6
+
+
+def test_entropy_bonus_enters_the_total_loss(base, samples, tiny_model_cfg):
+    # total = policy - entropy_coef * entropy, per micro-batch and so in the weighted means too
+    plain = make(base, tiny_config(tiny_model_cfg)).update(samples, 0)
+    assert plain["loss/total"] == pytest.approx(plain["loss/policy"], abs=1e-7)
+    up = make(base, tiny_config(tiny_model_cfg, **{"algo.entropy_coef": 0.1}))
+    before = params(up.engine.module)
+    m = up.update(samples, 0)
+    assert m["loss/entropy"] > 1.0  # a random tiny model is far from deterministic
+    assert m["loss/total"] == pytest.approx(m["loss/policy"] - 0.1 * m["loss/entropy"], abs=1e-6)
+    # and it is trained on: the step differs from the one without the bonus
+    without = make(base, tiny_config(tiny_model_cfg))
+    without.update(samples, 0)
+    assert max_diff(params(up.engine.module), params(without.engine.module)) > 1e-6
+    assert max_diff(params(up.engine.module), before) > 0
+
+
+def test_sequence_level_is_uses_its_own_caps():
+    token = importance_sampling(AlgoConfig(is_correction="tis"))
+    assert (token.level, token.tis_cap, token.mis_low, token.mis_high) == ("token", 2.0, 0.5, 2.0)
+    seq = importance_sampling(AlgoConfig(is_correction="tis", is_level="sequence"))
+    assert (seq.level, seq.tis_cap, seq.mis_low, seq.mis_high) == ("sequence", 1.001, 0.999, 1.001)
+    with pytest.raises(ConfigError, match="algo.seq_tis_cap.*tis_cap must be > 0, got 0.0"):
+        importance_sampling(AlgoConfig(is_level="sequence", seq_tis_cap=0.0))
+
+
+def test_sequence_level_defaults_act_where_the_token_caps_would_not():
+    # ratio 1 (logp == prox) and A = 1, so each token's loss is -w.
+    # row 0: log w = [0.03, -0.01] -> geometric mean e^0.01 = 1.01005 (token weights 1.03, 0.99)
+    # row 1: log w = [-0.02, 0.0]  -> geometric mean e^-0.01 = 0.99005
+    prox = torch.full((2, 2), -1.0, dtype=torch.float64)
+    behav = prox - torch.tensor([[0.03, -0.01], [-0.02, 0.0]], dtype=torch.float64)
+    adv, mask = torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool)
+    g0, g1 = math.exp(0.01), math.exp(-0.01)
+
+    def loss(**algo):
+        is_config = importance_sampling(AlgoConfig(is_level="sequence", **algo))
+        out, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=is_config)
+        return out.item(), stats
+
+    # TIS at the token cap 2 leaves both rows alone: -(2 * 1.01005 + 2 * 0.99005) / 4 = -1.00005
+    value, stats = loss(is_correction="tis", seq_tis_cap=2.0)
+    assert value == pytest.approx(-(g0 + g1) / 2, abs=1e-12) and stats.is_truncated_frac.item() == 0.0
+    # the sequence default 1.001 truncates row 0: -(2 * 1.001 + 2 * 0.99005) / 4 = -0.995525
+    value, stats = loss(is_correction="tis")
+    assert value == pytest.approx(-(1.001 + g1) / 2, abs=1e-12) and stats.is_truncated_frac.item() == 0.5
+    # MIS: the band [0.5, 2] keeps everything; the default [0.999, 1.001] drops both rows (loss 0)
+    value, stats = loss(is_correction="mis", seq_mis_low=0.5, seq_mis_high=2.0)
+    assert value == pytest.approx(-(g0 + g1) / 2, abs=1e-12) and stats.is_masked_frac.item() == 0.0
+    value, stats = loss(is_correction="mis")
+    assert value == 0.0 and stats.is_masked_frac.item() == 1.0

@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from learner.losses import (
-    aggregate,
+    ISConfig,
     decoupled_ppo_loss,
-    dpo_loss,
     entropy_bonus,
     entropy_from_logits,
     kl_estimate,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
     ppo_clip_loss,
-    sft_loss,
-    token_logprobs,
     value_loss,
 )
 
@@ -30,141 +23,31 @@ NAN = float("nan")
 INF = float("inf")
 
 
-
-
 # --------------------------------------------------------------------------- #
-# Masked helpers
-# --------------------------------------------------------------------------- #
-X = [[1.0, 2.0, 1e9], [3.0, NAN, 4.0]]
-M = [[1, 1, 0], [1, 0, 1]]
-
-
-class TestMaskedHelpers:
-    def test_sum_and_mean_ignore_garbage(self):
-        # real values 1, 2, 3, 4 -> sum 10, mean 2.5; 1e9 and NaN are masked
-        close(masked_sum(T(X), T(M)), 10.0)
-        close(masked_mean(T(X), T(M)), 2.5)
-        # per row: (1+2)/2 = 1.5, (3+4)/2 = 3.5; bool mask works the same
-        close(masked_mean(T(X), T(M).bool(), dim=-1), [1.5, 3.5])
-        close(masked_sum(T(X), T(M), dim=-1), [3.0, 7.0])
-
-    def test_var_biased_and_unbiased(self):
-        # deviations from 2.5: -1.5, -0.5, 0.5, 1.5 -> squares sum 5
-        close(masked_var(T(X), T(M), unbiased=False), 5 / 4)
-        close(masked_var(T(X), T(M), unbiased=True), 5 / 3)
-        # per row (1,2) and (3,4): biased 0.25, unbiased 0.5
-        close(masked_var(T(X), T(M), unbiased=False, dim=-1), [0.25, 0.25])
-        close(masked_var(T(X), T(M), unbiased=True, dim=-1), [0.5, 0.5])
-
-    def test_var_single_token_is_zero_and_empty_mean_is_zero(self):
-        close(masked_var(T([[7.0, NAN]]), T([[1, 0]]), unbiased=True), 0.0)
-        close(masked_mean(T([[7.0, NAN]]), T([[0, 0]])), 0.0)
-
-    def test_whiten(self):
-        # (x - 2.5) / sqrt(1.25): 1 -> -1.3416, 2 -> -0.4472, 3 -> 0.4472, 4 -> 1.3416
-        s = math.sqrt(1.25)
-        out = masked_whiten(T(X), T(M), eps=0.0)
-        close(out, [[-1.5 / s, -0.5 / s, 0.0], [0.5 / s, 0.0, 1.5 / s]])
-        # shift_mean=False adds the mean 2.5 back to the real tokens only
-        out = masked_whiten(T(X), T(M), shift_mean=False, eps=0.0)
-        close(out, [[-1.5 / s + 2.5, -0.5 / s + 2.5, 0.0], [0.5 / s + 2.5, 0.0, 1.5 / s + 2.5]])
-
-    def test_gradient_is_finite_with_nan_in_masked_positions(self):
-        x = T(X).requires_grad_()
-        masked_mean(x, T(M)).backward()
-        close(x.grad, [[0.25, 0.25, 0.0], [0.25, 0.0, 0.25]])
-
-    def test_shape_mismatch_raises(self):
-        with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 2\)"):
-            masked_sum(T(X), torch.ones(3, 2))
-
-
-# --------------------------------------------------------------------------- #
-# Aggregation
-# --------------------------------------------------------------------------- #
-LOSS = [[1.0, 2.0, 3.0, NAN], [8.0, 1e9, 1e9, 1e9], [NAN, NAN, NAN, NAN]]
-LMASK = [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]  # row 2 has no real token
-
-
-class TestAggregate:
-    @pytest.mark.parametrize(
-        "mode, expected",
-        [
-            ("token-mean", (1 + 2 + 3 + 8) / 4),  # 3.5
-            ("seq-mean-token-mean", (2 + 8) / 2),  # row means 2, 8 -> 5 (row 2 excluded)
-            ("seq-mean-token-sum", (6 + 8) / 2),  # row sums 6, 8 -> 7
-        ],
-    )
-    def test_modes(self, mode, expected):
-        close(aggregate(T(LOSS), T(LMASK), mode), expected)
-
-    def test_dr_grpo_norm(self):
-        # row sums 6, 8 divided by norm_len 4 -> 1.5, 2 -> mean 1.75
-        close(aggregate(T(LOSS), T(LMASK), "seq-mean-token-sum-norm", norm_len=4), 1.75)
-
-    def test_norm_mode_needs_norm_len(self):
-        with pytest.raises(ValueError, match="norm_len"):
-            aggregate(T(LOSS), T(LMASK), "seq-mean-token-sum-norm")
-
-    def test_unknown_mode(self):
-        with pytest.raises(ValueError, match="'token_mean'.*'token-mean'.*'seq-mean-token-mean'"):
-            aggregate(T(LOSS), T(LMASK), "token_mean")
-
-    def test_all_masked_is_zero(self):
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-            close(aggregate(T([[NAN, 1.0]]), T([[0, 0]]), mode), 0.0)
-
-    def test_gradient_weights(self):
-        # seq-mean-token-mean: row 0 tokens get 1/3 * 1/2, row 1 token gets 1 * 1/2
-        x = T(LOSS).requires_grad_()
-        aggregate(x, T(LMASK), "seq-mean-token-mean").backward()
-        close(x.grad, [[1 / 6, 1 / 6, 1 / 6, 0], [0.5, 0, 0, 0], [0, 0, 0, 0]])
-
-
-# --------------------------------------------------------------------------- #
-# Log-probs, KL, entropy, SFT
+# KL, entropy
 # --------------------------------------------------------------------------- #
 class TestKL:
     # log r = ref - logp = [-0.5, 1.0]
     LOGP, REF = [[-1.0, -2.0]], [[-1.5, -1.0]]
 
     def test_k1(self):
-        close(kl_estimate(T(self.LOGP), T(self.REF), "k1"), [[0.5, -1.0]])
+        close(kl_estimate(T(self.LOGP), T(self.REF), kind="k1"), [[0.5, -1.0]])
 
     def test_k2(self):
         # 0.5 * 0.25 = 0.125, 0.5 * 1 = 0.5
-        close(kl_estimate(T(self.LOGP), T(self.REF), "k2"), [[0.125, 0.5]])
+        close(kl_estimate(T(self.LOGP), T(self.REF), kind="k2"), [[0.125, 0.5]])
 
     def test_k3(self):
         # e^-0.5 + 0.5 - 1 = 0.106531, e^1 - 1 - 1 = 0.718282
-        close(kl_estimate(T(self.LOGP), T(self.REF), "k3"), [[0.1065307, 0.7182818]])
+        close(kl_estimate(T(self.LOGP), T(self.REF), kind="k3"), [[0.1065307, 0.7182818]])
 
     def test_mask_zeroes_garbage(self):
-        out = kl_estimate(T([[-1.0, NAN]]), T([[-1.5, 1e9]]), "k3", mask=T([[1, 0]]))
+        out = kl_estimate(T([[-1.0, NAN]]), T([[-1.5, 1e9]]), T([[1, 0]]), kind="k3")
         close(out, [[0.1065307, 0.0]])
 
     def test_unknown_kind(self):
         with pytest.raises(ValueError, match="'k4'.*'k1', 'k2', 'k3'"):
-            kl_estimate(T(self.LOGP), T(self.REF), "k4")
-
-
-class TestTokenLogprobs:
-    def test_values_and_temperature(self):
-        # logits [0, ln 3] -> probs [1/4, 3/4]
-        logits = T([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
-        close(token_logprobs(logits, torch.tensor([[1, 0]])), [[math.log(0.75), math.log(0.25)]])
-        # T=2: logits [0, ln3/2] -> p0 = 1 / (1 + sqrt 3) -> log p0 = -1.005053
-        close(token_logprobs(logits, torch.tensor([[0, 0]]), temperature=2.0), [[-1.0050525] * 2])
-
-    def test_masked_ignore_index_and_upcast(self):
-        logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]], dtype=torch.bfloat16)
-        out = token_logprobs(logits, torch.tensor([[1, -100]]), mask=T([[1, 0]]))
-        assert out.dtype == torch.float32
-        close(out, [[math.log(0.75), 0.0]], atol=1e-2)
-
-    def test_bad_temperature(self):
-        with pytest.raises(ValueError, match="temperature.*0"):
-            token_logprobs(T([[[0.0]]]), torch.tensor([[0]]), temperature=0.0)
+            kl_estimate(T(self.LOGP), T(self.REF), kind="k4")
 
 
 class TestEntropy:
@@ -184,19 +67,6 @@ class TestEntropy:
         loss, stats = entropy_bonus(T([[1.0, 2.0, NAN]]), T([[1, 1, 0]]), coef=0.01)
         close(loss, -0.015)
         close(stats.entropy, 1.5)
-
-
-class TestSFT:
-    def test_nll(self):
-        logp, mask = T([[-1.0, -3.0, NAN], [-5.0, 1e9, 1e9]]), T([[1, 1, 0], [1, 0, 0]])
-        # token-mean: (1 + 3 + 5) / 3 = 3; seq-mean-token-mean: (2 + 5) / 2 = 3.5
-        loss, stats = sft_loss(logp, mask)
-        close(loss, 3.0)
-        close(stats.nll, 3.0)
-        assert stats.num_tokens.item() == 3
-        loss, stats = sft_loss(logp, mask, "seq-mean-token-mean")
-        close(loss, 3.5)
-        close(stats.nll, 3.0)
 
 
 # --------------------------------------------------------------------------- #
@@ -310,11 +180,10 @@ class TestDecoupledPPO:
         logp, prox, _, adv, mask = _random_batch(0)
         a = logp.clone().requires_grad_()
         b = logp.clone().requires_grad_()
-        loss_d, stats_d = decoupled_ppo_loss(
-            a, prox, prox.clone(), adv, mask, 0.2, 0.28, is_correction, is_level,
-            tis_cap=2.0, mis_low=0.5, mis_high=2.0, dual_clip_c=dual_clip_c, agg_mode=agg_mode,
-        )
-        loss_p, stats_p = ppo_clip_loss(b, prox, adv, mask, 0.2, 0.28, dual_clip_c, agg_mode)
+        clip = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": dual_clip_c, "agg_mode": agg_mode}
+        is_config = ISConfig(is_correction, is_level, tis_cap=2.0, mis_low=0.5, mis_high=2.0)
+        loss_d, stats_d = decoupled_ppo_loss(a, prox, prox.clone(), adv, mask, is_config=is_config, **clip)
+        loss_p, stats_p = ppo_clip_loss(b, prox, adv, mask, **clip)
         assert torch.equal(loss_d, loss_p)
         for name, x, y in zip(stats_p._fields, stats_d, stats_p):
             assert torch.equal(x, y), name
@@ -325,10 +194,8 @@ class TestDecoupledPPO:
     @pytest.mark.parametrize("is_level", ["token", "sequence"])
     def test_tis_with_infinite_cap_is_full_is(self, is_level):
         logp, prox, behav, adv, mask = _random_batch(1)
-        full, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, is_correction="none", is_level=is_level)
-        tis, stats = decoupled_ppo_loss(
-            logp, prox, behav, adv, mask, is_correction="tis", is_level=is_level, tis_cap=INF
-        )
+        full, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, is_config=ISConfig("none", is_level))
+        tis, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, is_config=ISConfig("tis", is_level, tis_cap=INF))
         assert torch.equal(full, tis)
         assert stats.is_truncated_frac.item() == 0.0
         # and the weights do matter here (guards against w being ignored)
@@ -341,12 +208,12 @@ class TestDecoupledPPO:
         behav = prox - T([[1.0, -0.5, 0.0]])  # log w = 1, -0.5, 0 -> w = 2.718, 0.607, 1
         adv, mask = T([[1.0, 1.0, 1.0]]), T([[1, 1, 1]])
         # TIS cap 2: w = 2, 0.607, 1 -> loss -(2 + 0.6065 + 1) / 3 = -1.2022
-        loss, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_correction="tis", tis_cap=2.0)
+        loss, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=ISConfig("tis", tis_cap=2.0))
         close(loss, -(2 + math.exp(-0.5) + 1) / 3)
         close(stats.is_truncated_frac, 1 / 3)
         close(stats.is_weight_max, math.e)  # raw weight, before truncation
         # full IS: -(2.718 + 0.6065 + 1) / 3 = -1.4416
-        loss, _ = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_correction="none")
+        loss, _ = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=ISConfig("none"))
         close(loss, -(math.e + math.exp(-0.5) + 1) / 3)
 
     def test_mis_drops_exactly_the_tokens_outside_band(self):
@@ -356,7 +223,7 @@ class TestDecoupledPPO:
         adv, mask = T([[1.0, 1.0, 1.0, 1.0, 1e9]]), T([[1, 1, 1, 1, 0]])
         logp = prox.clone().requires_grad_()
         loss, stats = decoupled_ppo_loss(
-            logp, prox, behav, adv, mask, is_correction="mis", mis_low=0.5, mis_high=2.0
+            logp, prox, behav, adv, mask, is_config=ISConfig("mis", mis_low=0.5, mis_high=2.0)
         )
         # token losses [0, 0, -1.5, -1]; dropped tokens stay in the denominator: -2.5 / 4
         close(loss, -0.625)
@@ -371,20 +238,19 @@ class TestDecoupledPPO:
         # row 1: w = 0.5 (second token masked garbage)
         behav = prox - torch.log(T([[4.0, 1.0], [0.5, 1e9]]))
         adv, mask = T([[1.0, 1.0], [1.0, NAN]]), T([[1, 1], [1, 0]])
-        loss, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_level="sequence")
+        loss, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=ISConfig(level="sequence"))
         close(loss, -(2 + 2 + 0.5) / 3)  # -1.5 (token level would be -(4 + 1 + 0.5) / 3)
         close(stats.is_weight_mean, 1.5)
         close(stats.is_weight_max, 2.0)
         # TIS cap 1.5 truncates all of row 0: -(1.5 + 1.5 + 0.5) / 3
         loss, stats = decoupled_ppo_loss(
-            prox, prox, behav, adv, mask, is_correction="tis", is_level="sequence", tis_cap=1.5
+            prox, prox, behav, adv, mask, is_config=ISConfig("tis", "sequence", tis_cap=1.5)
         )
         close(loss, -3.5 / 3)
         close(stats.is_truncated_frac, 2 / 3)
         # MIS band [0.6, 3] drops the whole of row 1: -(2 + 2) / 3
         loss, stats = decoupled_ppo_loss(
-            prox, prox, behav, adv, mask, is_correction="mis", is_level="sequence",
-            mis_low=0.6, mis_high=3.0,
+            prox, prox, behav, adv, mask, is_config=ISConfig("mis", "sequence", mis_low=0.6, mis_high=3.0)
         )
         close(loss, -4 / 3)
         close(stats.is_masked_frac, 1 / 3)
@@ -406,15 +272,26 @@ class TestDecoupledPPO:
             ({"tis_cap": -1.0}, "tis_cap.*-1.0"),
             ({"mis_low": 2.0, "mis_high": 1.0}, "mis_low=2.0, mis_high=1.0"),
             ({"mis_low": 1.0, "mis_high": 1.0}, "mis_low=1.0, mis_high=1.0"),
-            ({"is_correction": "clip"}, "'clip'.*'none', 'tis', 'mis'"),
-            ({"is_level": "batch"}, "'batch'.*'token', 'sequence'"),
-            ({"agg_mode": "sum"}, "'sum'.*'token-mean'"),
+            ({"correction": "clip"}, "'clip'.*'none', 'tis', 'mis'"),
+            ({"level": "batch"}, "'batch'.*'token', 'sequence'"),
         ],
     )
-    def test_validation(self, kwargs, match):
-        logp, prox, behav, adv, mask = _random_batch(2)
+    def test_is_config_validation(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
-            decoupled_ppo_loss(logp, prox, behav, adv, mask, **kwargs)
+            ISConfig(**kwargs)
+
+    def test_validation(self):
+        logp, prox, behav, adv, mask = _random_batch(2)
+        with pytest.raises(ValueError, match="'sum'.*'token-mean'"):
+            decoupled_ppo_loss(logp, prox, behav, adv, mask, agg_mode="sum")
+
+    def test_options_are_keyword_only(self):
+        # a clip range given by position would land in the wrong slot: refused outright
+        logp, prox, behav, adv, mask = _random_batch(3)
+        with pytest.raises(TypeError):
+            decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2)
+        with pytest.raises(TypeError):
+            ppo_clip_loss(logp, prox, adv, mask, 0.2)
 
 
 # --------------------------------------------------------------------------- #
@@ -456,51 +333,3 @@ class TestValueLoss:
             value_loss(T(self.V), T(self.OLD), T(self.RET), T(self.MASK), clip_eps=-0.2)
 
 
-# --------------------------------------------------------------------------- #
-# Online DPO
-# --------------------------------------------------------------------------- #
-class TestDPOLoss:
-    # pair 0: h = (-10 + 12) - (-11 + 11) = 2 -> beta h = 0.2 -> -logsig(0.2) = log(1 + e^-0.2) = 0.598139
-    #         rewards: chosen 0.1 * 1 = 0.1, rejected 0.1 * -1 = -0.1 -> correct
-    # pair 1: h = (-8 + 5) - (-9 + 7) = -1 -> beta h = -0.1 -> log(1 + e^0.1) = 0.744397
-    #         rewards: chosen 0.1 * 1 = 0.1, rejected 0.1 * 2 = 0.2 -> wrong
-    PC, PR, RC, RR = [-10.0, -8.0], [-12.0, -5.0], [-11.0, -9.0], [-11.0, -7.0]
-
-    def test_worked_example(self):
-        pc = T(self.PC).requires_grad_()
-        loss, stats = dpo_loss(pc, T(self.PR), T(self.RC), T(self.RR), beta=0.1)
-        close(loss, (math.log1p(math.exp(-0.2)) + math.log1p(math.exp(0.1))) / 2)
-        close(stats.reward_accuracy, 0.5)
-        close(stats.reward_margin, (0.2 + -0.1) / 2)
-        close(stats.chosen_reward, 0.1)
-        close(stats.rejected_reward, (-0.1 + 0.2) / 2)
-        loss.backward()
-        # d/dpc of -logsig(beta h) = -beta * sigmoid(-beta h), over 2 pairs
-        sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
-        close(pc.grad, [-0.1 * sig(-0.2) / 2, -0.1 * sig(0.1) / 2])
-
-    def test_label_smoothing(self):
-        # 0.9 * log(1 + e^-0.2) + 0.1 * log(1 + e^0.2) = 0.618139 for pair 0
-        loss, _ = dpo_loss(
-            T(self.PC[:1]), T(self.PR[:1]), T(self.RC[:1]), T(self.RR[:1]), beta=0.1, label_smoothing=0.1
-        )
-        close(loss, 0.9 * math.log1p(math.exp(-0.2)) + 0.1 * math.log1p(math.exp(0.2)))
-
-    def test_invalid_pairs_ignored(self):
-        pc = T([-10.0, NAN]).requires_grad_()
-        loss, stats = dpo_loss(
-            pc, T([-12.0, NAN]), T([-11.0, 1e9]), T([-11.0, NAN]), beta=0.1,
-            valid=torch.tensor([True, False]),
-        )
-        close(loss, math.log1p(math.exp(-0.2)))
-        close(stats.reward_accuracy, 1.0)
-        close(stats.valid_frac, 0.5)
-        loss.backward()
-        assert torch.isfinite(pc.grad).all() and pc.grad[1].item() == 0.0
-
-    @pytest.mark.parametrize(
-        "kwargs, match", [({"beta": 0.0}, "beta.*0.0"), ({"label_smoothing": 0.5}, "label_smoothing.*0.5")]
-    )
-    def test_validation(self, kwargs, match):
-        with pytest.raises(ValueError, match=match):
-            dpo_loss(T(self.PC), T(self.PR), T(self.RC), T(self.RR), **kwargs)

@@ -1,4 +1,4 @@
-"""learner.estimators (partial groups, KL as reward, global whitening) and learner.stats."""
+"""learner.batch_advantages (partial groups, KL as reward, global whitening) and learner.stats."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import math
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 
 from learner import advantages as A
-from learner import estimators as E
-from learner.losses import masked_whiten
+from learner import batch_advantages as BA
+from learner.masked import masked_whiten
 from learner.stats import MetricSums, RunningMoments
-from rlhf_core.config import AlgoConfig
+from rlhf_core.config import AlgoConfig, register_configs, to_object
 
 # Three groups: a full one of 4, a partial one of 3 (one sample dead-lettered), a lone sample.
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 5.0])
@@ -23,52 +24,52 @@ def test_grpo_with_partial_groups():
     # group 1: mean 0.5, std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.86603
     # group 2: mean 2/3, std sqrt(1/3) -> [1/3, -2/3, 1/3] / 0.57735 = [0.57735, -1.1547, 0.57735]
     # group 3 (one sample): no baseline -> 0
-    adv = E.group_relative_advantages("grpo", REWARDS, SIZES)
+    adv = BA.group_relative_advantages("grpo", REWARDS, SIZES)
     expect = [0.5 / S3, -0.5 / S3, -0.5 / S3, 0.5 / S3, (1 / 3) / S3, (-2 / 3) / S3, (1 / 3) / S3, 0.0]
     torch.testing.assert_close(adv, torch.tensor(expect), atol=1e-5, rtol=1e-5)
 
 
 def test_dr_grpo_and_rloo_with_partial_groups():
     # Dr.GRPO: r - group mean
-    torch.testing.assert_close(E.group_relative_advantages("dr_grpo", REWARDS, SIZES),
+    torch.testing.assert_close(BA.group_relative_advantages("dr_grpo", REWARDS, SIZES),
                                torch.tensor([0.5, -0.5, -0.5, 0.5, 1 / 3, -2 / 3, 1 / 3, 0.0]))
     # RLOO: r_i - mean of the others: group 1: 1 - 1/3 = 2/3, 0 - 2/3 = -2/3;
     # group 2 [1, 0, 1]: 1 - 0.5 = 0.5, 0 - 1 = -1; lone sample: 0
-    torch.testing.assert_close(E.group_relative_advantages("rloo", REWARDS, SIZES),
+    torch.testing.assert_close(BA.group_relative_advantages("rloo", REWARDS, SIZES),
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.5, -1.0, 0.5, 0.0]))
 
 
 def test_equal_groups_match_the_pure_estimators():
     r = torch.tensor([0.3, 0.9, 0.1, 0.4, 0.8, 0.8, 0.2, 0.0])
     sizes = torch.tensor([4, 4])
-    torch.testing.assert_close(E.group_relative_advantages("grpo", r, sizes), A.group_advantages(r, 4))
-    torch.testing.assert_close(E.group_relative_advantages("rloo", r, sizes), A.rloo_advantages(r, 4))
+    torch.testing.assert_close(BA.group_relative_advantages("grpo", r, sizes), A.group_advantages(r, 4))
+    torch.testing.assert_close(BA.group_relative_advantages("rloo", r, sizes), A.rloo_advantages(r, 4))
 
 
 def test_dpo_pairs_skip_lone_samples_and_ties():
     # group 1 [1,0,0,1]: best = first max (row 0), worst = first min (row 1)
     # group 2 [1,0,1]: rows 4 and 5; lone sample: no pair; a tied group: no pair
     r = torch.cat([REWARDS, torch.tensor([2.0, 2.0])])
-    chosen, rejected = E.dpo_pairs(r, torch.tensor([4, 3, 1, 2]))
+    chosen, rejected = BA.dpo_pairs(r, torch.tensor([4, 3, 1, 2]))
     assert chosen.tolist() == [0, 4] and rejected.tolist() == [1, 5]
 
 
 def test_group_sizes_must_cover_the_rewards():
     with pytest.raises(ValueError, match="sum to 7 but there are 8"):
-        E.group_relative_advantages("grpo", REWARDS, torch.tensor([4, 3]))
+        BA.group_relative_advantages("grpo", REWARDS, torch.tensor([4, 3]))
 
 
 def test_reverse_cumsum_over_real_tokens():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     # row 0: [1+2+3, 2+3, 3]; row 1: padding (even NaN) is ignored
-    assert E.reverse_cumsum(x, mask).tolist() == [[6.0, 5.0, 3.0], [4.0, 0.0, 0.0]]
+    assert BA.reverse_cumsum(x, mask).tolist() == [[6.0, 5.0, 3.0], [4.0, 0.0, 0.0]]
 
 
 def test_global_whiten_alone_is_masked_whiten():
     torch.manual_seed(0)
     x, mask = torch.randn(4, 6), torch.rand(4, 6) > 0.3
-    torch.testing.assert_close(E.global_whiten(x, mask), masked_whiten(x, mask), rtol=0, atol=0)
+    torch.testing.assert_close(BA.global_whiten(x, mask), masked_whiten(x, mask), rtol=0, atol=0)
 
 
 def test_global_whiten_uses_the_statistics_of_every_rank():
@@ -92,7 +93,7 @@ def test_global_whiten_uses_the_statistics_of_every_rank():
             f = next(calls)
             return f(t) if f else t.add_(sq_other)
 
-        return E.global_whiten(halves[me][0], halves[me][1], fake)
+        return BA.global_whiten(halves[me][0], halves[me][1], fake)
 
     torch.testing.assert_close(torch.cat([run(0), run(1)]), whole, atol=1e-6, rtol=1e-5)
 
@@ -102,10 +103,36 @@ def test_group_advantage_with_kl_penalty_as_reward():
     # -> [1 - 0.5*0.6, 1 - 0.5*0.5, 1 - 0.5*0.3] = [0.7, 0.75, 0.85]
     algo = AlgoConfig(estimator="grpo", kl_coef=0.5, kl_mode="reward")
     mask = torch.tensor([[1, 1, 1]])
-    adv, ret = E.compute_advantages(algo, torch.tensor([0.0]), mask, group_adv=torch.tensor([1.0]),
+    adv, ret = BA.compute_advantages(algo, torch.tensor([0.0]), mask, group_adv=torch.tensor([1.0]),
                                     kl=torch.tensor([[0.1, 0.2, 0.3]]))
     torch.testing.assert_close(adv, torch.tensor([[0.7, 0.75, 0.85]]))
     assert ret is None
+
+
+def test_reinforce_pp_preset_puts_the_k1_kl_into_the_token_rewards():
+    # REINFORCE++ (Hu 2025, eq. 9): r_t = -beta * log(pi_old / pi_SFT) on every token, plus the
+    # sequence reward at the last one. The learner's pi_old is pi_prox; the preset's beta is 0.01.
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        algo = to_object(compose(config_name="config", overrides=["experiment=reinforce_pp"])).algo
+    assert (algo.estimator, algo.kl_mode, algo.kl_estimator, algo.kl_coef) == ("reinforce_pp", "reward", "k1", 0.01)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.8, -1.2, 0.0]])
+    # k1 = log pi_old - log pi_ref: row 0 [0.5, -1.0, 0.0], row 1 [0.5, 0.0, (pad)]
+    # (k3 would give e^-0.5 + 0.5 - 1 = 0.1065 and e^1 - 1 - 1 = 0.7183 for the first two)
+    kl = BA.kl_per_token(algo, old, ref, mask)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [0.5, 0.0, 0.0]]))
+    seq_rewards = torch.tensor([1.0, -1.0])
+    # row 0: -0.01 * 0.5 = -0.005, -0.01 * -1.0 = +0.01, last: 1.0 - 0.01 * 0.0 = 1.0
+    # row 1: -0.005, last: -1.0 - 0.01 * 0.0 = -1.0, padding 0
+    expected = torch.tensor([[-0.005, 0.01, 1.0], [-0.005, -1.0, 0.0]])
+    torch.testing.assert_close(BA.token_rewards(algo, seq_rewards, mask, kl), expected)
+    # gamma 1: returns are the reverse sums, row 0 [1.005, 1.01, 1.0], row 1 [-1.005, -1.0],
+    # whitened over the 5 real tokens of the batch
+    adv, _ = BA.compute_advantages(algo, seq_rewards, mask, kl=kl)
+    returns = torch.tensor([[1.005, 1.01, 1.0], [-1.005, -1.0, 0.0]])
+    torch.testing.assert_close(adv, masked_whiten(returns, mask))
 
 
 def test_gae_and_reinforce_pp_paths_match_the_pure_functions():
@@ -113,12 +140,12 @@ def test_gae_and_reinforce_pp_paths_match_the_pure_functions():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     r, values = torch.tensor([1.0, -0.5]), torch.randn(2, 4)
     algo = AlgoConfig(estimator="gae", gamma=0.9, lam=0.8)
-    adv, ret = E.compute_advantages(algo, r, mask, values=values)
+    adv, ret = BA.compute_advantages(algo, r, mask, values=values)
     ref_adv, ref_ret = A.gae(A.token_rewards(r, mask), values, mask, 0.9, 0.8)
     torch.testing.assert_close(adv, ref_adv)
     torch.testing.assert_close(ret, ref_ret)
     algo = AlgoConfig(estimator="reinforce_pp", gamma=1.0)
-    adv, _ = E.compute_advantages(algo, r, mask)
+    adv, _ = BA.compute_advantages(algo, r, mask)
     torch.testing.assert_close(adv, A.reinforce_pp_advantages(r, mask)[0])
 
 
@@ -127,7 +154,7 @@ def test_vtrace_replaces_the_critic_targets_only():
     r, values = torch.tensor([1.0]), torch.tensor([[0.2, 0.4, 0.6]])
     behav, prox = torch.log(torch.tensor([[0.5, 0.5, 0.5]])), torch.log(torch.tensor([[0.25, 0.5, 1.0]]))
     algo = AlgoConfig(estimator="gae", gamma=1.0, lam=1.0, vtrace=True, vtrace_rho_bar=1.0, vtrace_c_bar=1.0)
-    adv, ret = E.compute_advantages(algo, r, mask, values=values, behav_logp=behav, prox_logp=prox)
+    adv, ret = BA.compute_advantages(algo, r, mask, values=values, behav_logp=behav, prox_logp=prox)
     # advantages stay GAE: lam = gamma = 1 -> A_t = R - V_t = [0.8, 0.6, 0.4]
     torch.testing.assert_close(adv, torch.tensor([[0.8, 0.6, 0.4]]))
     vs, _ = A.vtrace(behav, prox, A.token_rewards(r, mask), values, None, mask, 1.0, 1.0, 1.0)
@@ -138,7 +165,7 @@ def test_vtrace_replaces_the_critic_targets_only():
 def test_normalize_advantages_whitens():
     algo = AlgoConfig(estimator="dr_grpo", normalize_advantages=True)
     mask = torch.tensor([[1, 1], [1, 0]])
-    adv, _ = E.compute_advantages(algo, torch.zeros(2), mask, group_adv=torch.tensor([1.0, -2.0]))
+    adv, _ = BA.compute_advantages(algo, torch.zeros(2), mask, group_adv=torch.tensor([1.0, -2.0]))
     # tokens [1, 1, -2]: mean 0, var 2 -> [1, 1, -2] / sqrt(2)
     torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-2.0, 0.0]]) / math.sqrt(2.0 + 1e-8))
 

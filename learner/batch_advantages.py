@@ -1,6 +1,7 @@
-"""Advantage estimation for a real batch: partial groups, KL as a reward, global statistics.
+"""Advantages for a learner batch, assembled from the config: partial groups, KL as a reward,
+statistics over data-parallel ranks.
 
-The pure estimators in ``learner/advantages.py`` take equal-sized groups and one process's
+The pure estimators in :mod:`learner.advantages` take equal-sized groups and one process's
 tensors. A learner batch differs in three ways, handled here:
 
 * **Partial groups.** A group loses members when a sample is dead-lettered, so group sizes
@@ -11,7 +12,7 @@ tensors. A learner batch differs in three ways, handled here:
   advantage is combined with the per-token KL return, ``A_t = A_seq - kl_coef * sum_{t'>=t} kl_t'``.
 * **Data parallelism.** Each rank holds only its shard of rows, so whitening (REINFORCE++,
   ``normalize_advantages``) uses sums and counts all-reduced across ranks
-  (:func:`global_whiten`); with one process it is exactly ``losses.masked_whiten``.
+  (:func:`global_whiten`); with one process it is exactly :func:`learner.masked.masked_whiten`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Callable
 import torch
 
 from learner import advantages as adv_fn
-from learner.losses import _as_bool, _fill, kl_estimate, masked_sum
+from learner.losses import kl_estimate
+from learner.masked import bool_mask, masked_sum, where_real
 from rlhf_core.config import AlgoConfig
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over ranks; identity when alone
@@ -108,29 +110,37 @@ def dpo_pairs(rewards: torch.Tensor, group_sizes: torch.Tensor) -> tuple[torch.T
 @torch.no_grad()
 def reverse_cumsum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` -> ``y_t = sum_{t' >= t} x_t'`` over real tokens (0 at padding)."""
-    m = _as_bool(mask)
-    xs = _fill(x, m)
-    return _fill(xs.flip(-1).cumsum(-1).flip(-1), m)
+    m = bool_mask(mask)
+    xs = where_real(x, m)
+    return where_real(xs.flip(-1).cumsum(-1).flip(-1), m)
 
 
 @torch.no_grad()
 def global_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = _identity, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) * rsqrt(var + eps)`` with mean and (biased) variance over the real tokens of
-    every rank. One process: identical to ``losses.masked_whiten(x, mask, eps=eps)``."""
-    m = _as_bool(mask)
+    every rank. One process: identical to ``learner.masked.masked_whiten(x, mask, eps=eps)``."""
+    m = bool_mask(mask)
     sums = torch.stack([masked_sum(x, m), m.sum().to(x.dtype)])
     all_reduce(sums)
     mean = sums[0] / sums[1].clamp(min=1)
-    sq = masked_sum((_fill(x, m) - mean) ** 2, m).reshape(1)
+    sq = masked_sum((where_real(x, m) - mean) ** 2, m).reshape(1)
     all_reduce(sq)
     var = sq[0] / sums[1].clamp(min=1)
-    return _fill((_fill(x, m) - mean) * torch.rsqrt(var + eps), m)
+    return where_real((where_real(x, m) - mean) * torch.rsqrt(var + eps), m)
 
 
 @torch.no_grad()
 def kl_per_token(algo: AlgoConfig, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` KL(pi || ref) estimate used as a reward penalty."""
-    return kl_estimate(logp, ref_logp, algo.kl_estimator, mask)
+    return kl_estimate(logp, ref_logp, mask, kind=algo.kl_estimator)
+
+
+@torch.no_grad()
+def token_rewards(algo: AlgoConfig, seq_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+    """``[b, T]`` per-token rewards of the token-level estimators (reinforce_pp, gae): the sequence
+    reward on the last real token, minus ``algo.kl_coef * kl`` on every token when ``kl`` is given
+    (the KL as a reward penalty; REINFORCE++ eq. 9 with ``algo.kl_estimator=k1``)."""
+    return adv_fn.token_rewards(seq_rewards, mask, kl, algo.kl_coef if kl is not None else 0.0)
 
 
 @torch.no_grad()
@@ -162,24 +172,24 @@ def compute_advantages(
     Returns:
         ``advantages [b, T]`` and ``returns [b, T]`` (critic targets; None without a critic).
     """
-    m = _as_bool(mask)
+    m = bool_mask(mask)
     kl_coef = algo.kl_coef if kl is not None else 0.0
     returns = None
     if algo.estimator in GROUP_ESTIMATORS:
         if group_adv is None:
             raise ValueError(f"estimator {algo.estimator} needs group_adv")
-        adv = _fill(group_adv[:, None].expand_as(m).to(torch.float32), m)
+        adv = where_real(group_adv[:, None].expand_as(m).to(torch.float32), m)
         if kl is not None:
             adv = adv - kl_coef * reverse_cumsum(kl, m)
     elif algo.estimator == "reinforce_pp":
-        r_tok = adv_fn.token_rewards(seq_rewards, m, kl, kl_coef)
+        r_tok = token_rewards(algo, seq_rewards, m, kl)
         _, discounted = adv_fn.reinforce_pp_advantages(r_tok, m, gamma=algo.gamma)
         # REINFORCE++ whitens over the global batch: over every rank, not just this one.
         return global_whiten(discounted, m, all_reduce), None
     elif algo.estimator == "gae":
         if values is None:
             raise ValueError("estimator gae needs critic values")
-        r_tok = adv_fn.token_rewards(seq_rewards, m, kl, kl_coef)
+        r_tok = token_rewards(algo, seq_rewards, m, kl)
         adv, returns = adv_fn.gae(r_tok, values, m, gamma=algo.gamma, lam=algo.lam)
         if algo.vtrace:
             if behav_logp is None or prox_logp is None:
