@@ -6,6 +6,7 @@ so ``+reward.functions.x._target_=reward_fns.boom`` works in both.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -85,4 +86,21 @@ def flaky(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) 
 def slow(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], delay_s: float = 0.25) -> float:
     """1.0 after ``delay_s``: keeps a group in flight for a while (scoring is per sample, in order)."""
     time.sleep(delay_s)
+    return 1.0
+
+
+_scored = 0
+
+
+def gate(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], path: str = "", free: int = 4) -> float:
+    """1.0 at once for the first ``free`` samples this process scores; every later one waits
+    while the file ``path`` exists. With ``rollout.slots=1`` a worker generates and scores one
+    group at a time, so it completes exactly ``free / group_size`` groups and then holds the
+    next prompt's lease until the test removes the file: a state a test can wait on."""
+    global _scored
+    with _lock:
+        _scored += 1
+        waits = _scored > free
+    while waits and os.path.exists(path):
+        time.sleep(0.01)
     return 1.0
