@@ -40,7 +40,7 @@ from rlhf_core.config import Config, ConfigError, validate
 from rlhf_core.errors import UserError
 from rlhf_core.metric_names import METRICS_FILE
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
-from rlhf_core.records import Prompt
+from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
 from learner.engines import all_reduce_max, broadcast_samples
 from weight_server import StaleVersionError, WeightPublisher
@@ -222,18 +222,14 @@ class Learner:
         self._checkpointed = self.updates
 
     def run(self, max_updates: int | None = None, max_seconds: float | None = None) -> LearnerResult:
-        cfg = self.cfg
-        max_updates = cfg.learner.max_updates if max_updates is None else max_updates
-        max_seconds = cfg.run.max_seconds if max_seconds is None else max_seconds
+        """Train until ``max_updates`` (default ``learner.max_updates``), ``max_seconds`` (default
+        ``run.max_seconds``) or a stop request, then write the final checkpoint. Collective."""
+        max_updates = self.cfg.learner.max_updates if max_updates is None else max_updates
+        max_seconds = self.cfg.run.max_seconds if max_seconds is None else max_seconds
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         result = LearnerResult(self.version, 0, 0)
-        self._last_publish_s = 0.0
-        self._publish_start()
-        if self.rank0:
-            self.buffer.set_learner_version(self.version)
-            self._producer = threading.Thread(target=self._produce_prompts, name="prompts", daemon=True)
-            self._producer.start()
-        ckpt_every = max(1, cfg.learner.checkpoint_every)
+        self._start()
+        ckpt_every = max(1, self.cfg.learner.checkpoint_every)
         with self.metrics_path.open("a") as metrics_file:
             t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
             while True:
@@ -241,67 +237,96 @@ class Learner:
                 if reason:
                     result.stopped_by = reason
                     break
-                # rank 0 reads, every rank trains on the same samples (broadcast as wire bytes)
-                batch = self.buffer.read_batch(self.consumer, self._read_version(), cfg.learner.batch_size,
-                                               timeout_s=1.0) if self.rank0 else None
-                samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
+                batch, samples = self._read()
                 if not samples:
-                    if self.rank0:
-                        self._check_dead_letters()
                     continue
-                self._last_batch_time = time.time()
-                # the version staleness is measured against (agreed: only rank 0 knows the replay)
-                read_version = batch.learner_version if batch is not None else -1
-                read_version = int(all_reduce_max(torch.tensor([float(read_version)])).item())
-                if batch is not None and self._replay:
-                    # re-delivered entries come first: a batch without one means none is coming back
-                    self._replay = self._replay - set(batch.ids) if self._replay & set(batch.ids) else set()
-                wait_s = time.monotonic() - t_wait
-                lags = [read_version - smp.oldest_version for smp in samples]
-                t_compute = time.monotonic()
-                metrics = self.updater.update(samples, read_version)
-                compute_s = time.monotonic() - t_compute
-                self.version += 1
-                self.updates += 1
-                self.samples_trained += len(samples)
-                if batch is not None:
-                    self.uncommitted.append(list(batch.ids))
-                self.publish()
-                if self.rank0:
-                    self.buffer.set_learner_version(self.version)
-                metrics.update({
-                    "learner/version": self.version,
-                    "learner/updates": self.updates,
-                    "learner/samples_trained": self.samples_trained,
-                    "learner/time_wait_s": wait_s,
-                    "learner/time_compute_s": compute_s,
-                    "learner/time_publish_s": self._last_publish_s,
-                    "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
-                    "time": time.time(),
-                })
+                metrics = self._train_one(batch, samples, t_wait)
                 result.metrics.append(metrics)
-                if self.rank0:
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                    self.buffer.publish_stats("learner", metrics)
-                    if self.exporter is not None:
-                        self.exporter.update(metrics)
-                    if self.tensorboard is not None:
-                        for key, value in metrics.items():
-                            if isinstance(value, (int, float)):
-                                self.tensorboard.add_scalar(key, value, self.version)
+                self._emit(metrics, metrics_file)
                 # after the metrics line: a checkpointed update always has its line
                 if self.updates % ckpt_every == 0:
                     self.checkpoint()
                 t_wait = time.monotonic()
-        self.stop_event.set()  # the prompt producer stops too
+        self._finish(result)
+        return result
+
+    def _start(self) -> None:
+        """Publish the starting weights; rank 0 tells the buffer the version and starts the prompt producer."""
+        self._last_publish_s = 0.0
+        self._publish_start()
+        if self.rank0:
+            self.buffer.set_learner_version(self.version)
+            self._producer = threading.Thread(target=self._produce_prompts, name="prompts", daemon=True)
+            self._producer.start()
+
+    def _read(self) -> tuple[Any, list[Sample]]:
+        """Rank 0 reads a batch (waiting up to 1 s); every rank gets the same samples (broadcast as
+        wire bytes). When nothing came, rank 0 checks the dead letters for a tokenizer mismatch."""
+        batch = self.buffer.read_batch(self.consumer, self._read_version(), self.cfg.learner.batch_size,
+                                       timeout_s=1.0) if self.rank0 else None
+        samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
+        if not samples and self.rank0:
+            self._check_dead_letters()
+        return batch, samples
+
+    def _train_one(self, batch: Any, samples: list[Sample], t_wait: float) -> dict[str, Any]:
+        """One update on ``samples``: train, advance the version, publish it. Returns the update's
+        metrics. ``batch`` is rank 0's read (None elsewhere); ``t_wait`` when waiting for it began."""
+        self._last_batch_time = time.time()
+        # the version staleness is measured against (agreed: only rank 0 knows the replay)
+        read_version = batch.learner_version if batch is not None else -1
+        read_version = int(all_reduce_max(torch.tensor([float(read_version)])).item())
+        if batch is not None and self._replay:
+            # re-delivered entries come first: a batch without one means none is coming back
+            self._replay = self._replay - set(batch.ids) if self._replay & set(batch.ids) else set()
+        wait_s = time.monotonic() - t_wait
+        lags = [read_version - smp.oldest_version for smp in samples]
+        t_compute = time.monotonic()
+        metrics = self.updater.update(samples, read_version)
+        compute_s = time.monotonic() - t_compute
+        self.version += 1
+        self.updates += 1
+        self.samples_trained += len(samples)
+        if batch is not None:
+            self.uncommitted.append(list(batch.ids))
+        self.publish()
+        if self.rank0:
+            self.buffer.set_learner_version(self.version)
+        metrics.update({
+            "learner/version": self.version,
+            "learner/updates": self.updates,
+            "learner/samples_trained": self.samples_trained,
+            "learner/time_wait_s": wait_s,
+            "learner/time_compute_s": compute_s,
+            "learner/time_publish_s": self._last_publish_s,
+            "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
+            "time": time.time(),
+        })
+        return metrics
+
+    def _emit(self, metrics: dict[str, Any], metrics_file: Any) -> None:
+        """Rank 0: one line in metrics.jsonl, the monitor's stats in Redis, Prometheus, TensorBoard."""
+        if not self.rank0:
+            return
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        self.buffer.publish_stats("learner", metrics)
+        if self.exporter is not None:
+            self.exporter.update(metrics)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, self.version)
+
+    def _finish(self, result: LearnerResult) -> None:
+        """Stop the prompt producer, write the final checkpoint (then commit), fill in ``result``."""
+        self.stop_event.set()
         # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
         if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
             self.checkpoint()  # final checkpoint, then commit
         if self._producer is not None:
             self._producer.join(timeout=10)
         result.version, result.updates, result.samples = self.version, self.updates, self.samples_trained
-        return result
 
     def _read_version(self) -> int:
         """The learner version a read filters staleness against: the current one, except while the
