@@ -10,6 +10,10 @@ uniformly from ``[k_min, k_max]`` = [4, 8] (a queue of past weight snapshots pla
 with the same sample budget, the same draws of ``k``, prompts and seeds for every method:
 
 * ``decoupled_tis``: AReaL's decoupled PPO, clip on pi/pi_prox, token weight pi_prox/mu truncated at C = 2;
+* ``decoupled_seq_tis``: the same with ``algo.is_level=sequence``: each response weighted by the geometric
+  mean of its token weights, truncated at its own default cap ``algo.seq_tis_cap`` = 1.001. For this row the
+  bench also measures, before every update, the geometric means of the batch against both the token
+  caps (2, band 0.5-2) and the sequence ones (1.001, band 0.999-1.001): how often each would act;
 * ``ppo``: plain PPO with old = behaviour, no correction (what a synchronous trainer does with stale data);
 * ``on_policy`` (reference, ``--full`` only): k = 0; what staleness costs at all.
 
@@ -35,8 +39,17 @@ Findings (this machine, 2026-11; numbers in bench/results/staleness*.json):
 * With lr 3e-3 and 8 steps per batch both are unstable (final 0.12 vs 0.06).
 * Staleness also costs decoupled+TIS: its curve flattens at ~0.3 while on-policy goes on to
   0.6 (the IS weight reaches ~18 and ~5% of tokens are truncated at C = 2).
+* Sequence level (quick run: 60 updates, 2 seeds). A response's geometric-mean weight averages
+  0.79 (batch min 0.41, max 1.33 on average): staleness pulls it below 1, since
+  E_mu[log w] = -KL(mu || pi_prox). The token caps would almost never act on it: TIS at 2 on 0.08%
+  of responses (the band 0.5-2 on 16%, nearly all below 0.5). The sequence defaults act: TIS at
+  1.001 truncates 19.5% of responses, and the band 0.999-1.001 would drop 98% of them: with 8-token
+  responses 4-8 versions stale, MIS at the sequence defaults trains on almost nothing (for short
+  responses widen it to about 2 ** (1 / max_new_tokens), here 0.917-1.09). decoupled_seq_tis
+  learns a little slower than token-level TIS (final 0.19 vs 0.23; 0.15 reached in 1 of 2 seeds)
+  and far faster than plain PPO (0.02).
 
-    .venv/bin/python bench/staleness.py            # quick: 70 updates, 2 seeds (~40 s of CPU)
+    .venv/bin/python bench/staleness.py            # quick: 60 updates, 2 seeds, 3 methods (~50 s of CPU)
     .venv/bin/python bench/staleness.py --full     # 150 updates, 3 seeds, on-policy reference
 """
 
@@ -61,7 +74,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _common import print_table, write_results  # noqa: E402
+from learner.batch import collate  # noqa: E402
 from learner.engines import TorchEngine  # noqa: E402
+from learner.masked import masked_mean  # noqa: E402
 from learner.update import PolicyUpdater  # noqa: E402
 from rlhf_core.config import Config, ModelConfig  # noqa: E402
 from rlhf_core.models import load_policy, load_tokenizer  # noqa: E402
@@ -87,6 +102,7 @@ REWARDS = {
 
 METHODS = {
     "decoupled_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis"},
+    "decoupled_seq_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis", "algo.is_level": "sequence"},
     "ppo": {"algo.policy_loss": "ppo"},
     "on_policy": {"algo.policy_loss": "ppo"},
 }
@@ -95,15 +111,15 @@ METHODS = {
 def settings(full: bool) -> dict[str, Any]:
     return {
         "task": "successor",
-        "updates": 150 if full else 70,
+        "updates": 150 if full else 60,
         "seeds": [0, 1, 2] if full else [0, 1],
-        "methods": ["decoupled_tis", "ppo", "on_policy"] if full else ["decoupled_tis", "ppo"],
+        "methods": ["decoupled_tis", "decoupled_seq_tis", "ppo"] + (["on_policy"] if full else []),
         "k_min": 4, "k_max": 8,
         "prompts_per_batch": 8, "group_size": 4, "max_new_tokens": 8,
         "eval_every": 10, "eval_prompts": 40, "threshold": 0.15,
         # 8 optimizer steps per batch (4 epochs x 2 minibatches): see "Findings" in the docstring
         "lr": 1e-3, "ppo_epochs": 4, "num_minibatches": 2, "micro_batch_size": 16,
-        "clip_eps": 0.2, "tis_cap": 2.0, "estimator": "grpo", "temperature": 1.0,
+        "clip_eps": 0.2, "tis_cap": 2.0, "seq_tis_cap": 1.001, "estimator": "grpo", "temperature": 1.0,
     }
 
 
@@ -111,6 +127,7 @@ def make_cfg(s: dict[str, Any], method: str, seed: int) -> Config:
     cfg = Config()
     a, lc = cfg.algo, cfg.learner
     a.estimator, a.group_size, a.clip_eps_low, a.clip_eps_high, a.tis_cap = s["estimator"], s["group_size"], s["clip_eps"], s["clip_eps"], s["tis_cap"]
+    a.seq_tis_cap = s["seq_tis_cap"]
     lc.batch_size = s["prompts_per_batch"] * s["group_size"]
     lc.lr, lc.ppo_epochs, lc.num_minibatches, lc.micro_batch_size = s["lr"], s["ppo_epochs"], s["num_minibatches"], s["micro_batch_size"]
     lc.lr_schedule, lc.warmup_steps, lc.seed = "constant", 0, seed
@@ -160,6 +177,23 @@ def generate(model, tok, starts: list[int], s: dict[str, Any], gen: torch.Genera
     return out
 
 
+@torch.no_grad()
+def geometric_weights(updater: PolicyUpdater, samples: list[Sample]) -> dict[str, float]:
+    """The sequence-level IS weights of a batch, exp(mean_t log(pi_prox / mu)) per response, and
+    the fraction of responses each cap would act on: the token level's (tis_cap, mis band) and the
+    sequence level's (seq_tis_cap, seq mis band). pi_prox is the weights the update starts from."""
+    a = updater.algo
+    batch = collate(samples, updater.pad_id, updater.device, updater.vocab_size)
+    w = torch.exp(masked_mean(updater.proximal_logprobs(batch) - batch.behaviour_logprobs, batch.response_mask, dim=-1))
+    frac = lambda hit: float(hit.double().mean())  # noqa: E731
+    return {
+        "geo_w/mean": float(w.mean()), "geo_w/min": float(w.min()), "geo_w/max": float(w.max()),
+        "geo_w/above_tis_cap": frac(w > a.tis_cap), "geo_w/outside_mis_band": frac((w < a.mis_low) | (w > a.mis_high)),
+        "geo_w/above_seq_tis_cap": frac(w > a.seq_tis_cap),
+        "geo_w/outside_seq_mis_band": frac((w < a.seq_mis_low) | (w > a.seq_mis_high)),
+    }
+
+
 def evaluate(model, tok, s: dict[str, Any], seed: int) -> float:
     starts = [i % 10 for i in range(s["eval_prompts"])]
     samples = generate(model, tok, starts, {**s, "group_size": 1}, torch.Generator().manual_seed(10_000 + seed), 0, "eval")
@@ -187,6 +221,9 @@ def run(method: str, seed: int, s: dict[str, Any], base, tok) -> dict[str, Any]:
         samples = generate(actor, tok, starts, s, gen, src, f"v{v}")
         if v % s["eval_every"] == 0:
             curve.append((v, evaluate(policy, tok, s, seed)))
+        if cfg.algo.is_level == "sequence":
+            for key, value in geometric_weights(updater, samples).items():
+                kept.setdefault(key, []).append(value)
         m = updater.update(samples, v)
         batch_rewards.append(m["reward/mean"])
         for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/behav_prox_kl",
@@ -250,6 +287,15 @@ def main() -> None:
     d, p = summary["decoupled_tis"], summary["ppo"]
     ratios = {"final": d["final_eval"] / max(p["final_eval"], 1e-9), "mean_curve": d["mean_eval"] / max(p["mean_eval"], 1e-9)}
     print(f"\ndecoupled+TIS / plain PPO: final reward x{ratios['final']:.2f}, mean over the curve x{ratios['mean_curve']:.2f}")
+    g = summary["decoupled_seq_tis"]
+    a = make_cfg(s, "decoupled_seq_tis", 0).algo
+    print_table([
+        {"caps": f"token: tis {a.tis_cap}, band {a.mis_low}-{a.mis_high}", "tis_acts_on": g["geo_w_above_tis_cap"],
+         "mis_acts_on": g["geo_w_outside_mis_band"]},
+        {"caps": f"sequence: tis {a.seq_tis_cap}, band {a.seq_mis_low}-{a.seq_mis_high}",
+         "tis_acts_on": g["geo_w_above_seq_tis_cap"], "mis_acts_on": g["geo_w_outside_seq_mis_band"]},
+    ], f"decoupled_seq_tis: geometric-mean weight per response, mean {g['geo_w_mean']:.3f} (batch min "
+       f"{g['geo_w_min']:.3f}, max {g['geo_w_max']:.3f} on average); fraction of responses each cap acts on")
     write_results("staleness" if not args.full else "staleness_full", {
         "mode": "full" if args.full else "quick", "config": s, "initial_eval": init, "summary": summary,
         "ratios_decoupled_over_ppo": ratios, "eval_curves": curves, "runs": runs, "findings": FINDINGS,
