@@ -4,13 +4,13 @@ delta, 8 concurrent pullers, metrics."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 import zmq
 
 from rlhf_core.config import WeightServerConfig
+from servers import wait_for
 from weight_server import StaleVersionError, TensorMismatchError, WeightPublisher, WeightServer, WeightSubscriber
 from weight_server import protocol as P
 
@@ -81,16 +81,6 @@ def _applied_by(server: WeightServer, workers: int, version: int = 1) -> dict | 
     return rec if len(rec["applied"]) == workers else None
 
 
-def _wait_for(predicate, timeout: float = 3.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
 def test_publish_then_pull_exact_values_and_metrics(server, clients):
     pub, sub = clients.pub(), clients.sub("w0")
     data = _tensors(1)
@@ -101,7 +91,7 @@ def test_publish_then_pull_exact_values_and_metrics(server, clients):
     assert version == 1
     _assert_same(got, data)
     sub.report_applied(1, apply_s=0.5)
-    rec = _wait_for(lambda: _applied_by(server, 1))
+    rec = wait_for(lambda: _applied_by(server, 1), 30, "the worker's applied report")
     assert rec["bytes"] == stats.bytes
     assert rec["tensors"] == 4
     assert rec["pulls"] == 1
@@ -147,7 +137,7 @@ def test_late_joining_worker_receives_newest(server, clients):
     for v in (1, 2, 3):
         pub.publish(v, _tensors(v))
     sub = clients.sub("late")  # joins after three versions
-    assert _wait_for(lambda: sub.poll_announcement(timeout_ms=50)) == 3  # periodic re-announcement
+    assert wait_for(lambda: sub.poll_announcement(timeout_ms=50), 30, "a re-announcement") == 3  # periodic re-announcement
     version, got = sub.pull()
     assert version == 3
     _assert_same(got, _tensors(3))
@@ -231,7 +221,7 @@ def test_eight_workers_pulling_at_once_end_identical(server, clients, cfg):
     for target in targets:
         _assert_same(target, data)
     total = _layout_bytes(data)
-    rec = _wait_for(lambda: _applied_by(server, 8))
+    rec = wait_for(lambda: _applied_by(server, 8), 30, "8 workers' applied reports")
     assert (rec["pulls"], rec["bytes_served"]) == (8, 8 * total)
     assert server.metrics()["counters"]["dropped_replies"] == 0
 

@@ -19,7 +19,7 @@ import zmq
 
 from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import encode_record
-from servers import free_port, recv_with_timeout
+from servers import free_port, recv_with_timeout, wait_for
 from weight_server import WeightPublisher, WeightServer, WeightServerUnavailable, WeightSubscriber
 from weight_server import protocol as P
 from weight_server.client import Channel
@@ -221,7 +221,7 @@ def _start_child(tmp_path: Path, port: int, pub_port: int, persist: Path) -> sub
     raise AssertionError("weight server child did not start:\n" + "".join(lines))
 
 
-def test_server_killed_and_restarted_mid_run(tmp_path):
+def test_server_killed_and_restarted_mid_run(tmp_path, caplog):
     port, pub_port = free_port(), free_port()
     persist = tmp_path / "weights"
     cfg = _cfg(request_timeout_s=0.5, retry_timeout_s=20.0)
@@ -235,10 +235,7 @@ def test_server_killed_and_restarted_mid_run(tmp_path):
     try:
         pub.publish(1, _tensors(1))
         assert sub.pull(into=target) == (1, None)
-        deadline = time.monotonic() + 10
-        while not path_for(persist, "policy").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert path_for(persist, "policy").exists()
+        wait_for(lambda: path_for(persist, "policy").exists(), 30, "v1 to be persisted")
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         # the worker keeps its weights and its calls return promptly
@@ -250,14 +247,13 @@ def test_server_killed_and_restarted_mid_run(tmp_path):
         result = {}
         publisher = threading.Thread(target=lambda: result.update(stats=pub.publish(2, _tensors(2))))
         publisher.start()
-        time.sleep(0.5)
+        wait_for(lambda: "publishing 'policy' v2" in caplog.text and "retrying in" in caplog.text, 30,
+                 "the publisher to find the server down and back off")
         child = _start_child(tmp_path, port, pub_port, persist)  # same ports, same persist dir
         assert "serving policy v1" in child.startup_log and "restored from" in child.startup_log
         publisher.join(20)
         assert result["stats"].version == 2 and result["stats"].retries >= 1
-        deadline = time.monotonic() + 5
-        while (sub.poll_announcement(timeout_ms=50) or 0) < 2 and time.monotonic() < deadline:
-            pass
+        wait_for(lambda: (sub.poll_announcement(timeout_ms=50) or 0) >= 2, 30, "the restarted server's announcement of v2")
         assert sub.poll_announcement() == 2
         assert sub.pull(into=target) == (2, None)
         assert _same(target, _tensors(2))
@@ -279,11 +275,10 @@ def test_follower_gets_bytes_early_but_applies_only_after_commit(served):
     result = {}
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
-    deadline = time.monotonic() + 5
-    while srv.metrics()["counters"]["chunks_served"] - served_before < n_chunks and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: srv.metrics()["counters"]["chunks_served"] - served_before >= n_chunks, 30, "every chunk served")
     assert srv.metrics()["counters"]["chunks_served"] - served_before == n_chunks  # every byte went out early
-    time.sleep(0.2)
+    up = srv.store.upload_of("policy", 2)
+    wait_for(lambda: up.waiters, 30, "the follower to wait for the commit")
     assert follower.is_alive() and _same(target, _tensors(1))  # ...but nothing was applied before the commit
     rep = ch.request(P.PUB_COMMIT, upload=upload)
     assert rep["kind"] == P.PUB_DONE
@@ -314,8 +309,9 @@ def test_follower_keeps_its_weights_when_the_upload_is_aborted(served):
     result = {}
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
-    time.sleep(0.3)
-    assert follower.is_alive()  # its fetches of the missing chunks are parked
+    up = srv.store.upload_of("policy", 2)
+    wait_for(lambda: up.parked, 30, "the follower's fetches of the missing chunks to be parked")
+    assert follower.is_alive()
     rep = ch.request(P.PUB_COMMIT, upload=upload)
     assert rep["code"] == P.E_INCOMPLETE
     follower.join(5)

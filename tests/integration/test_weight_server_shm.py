@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,7 +130,7 @@ def test_shm_pull_is_identical_to_a_tcp_pull_and_no_byte_crosses_a_socket(peers)
     assert (shm_sub.stats["pulls_shm"], shm_sub.stats["bytes_shm"], shm_sub.stats["bytes_received"]) == (1, stats.bytes, 0)
     assert (tcp_sub.stats["pulls_tcp"], tcp_sub.stats["bytes_received"]) == (1, _layout_bytes(data))
     # only the TCP puller's bytes went out on a socket (counted by the server just after sending)
-    c = wait_for(lambda: (c := _counters(peers.srv))["bytes_served"] == _layout_bytes(data) and c, 5, "bytes served")
+    c = wait_for(lambda: (c := _counters(peers.srv))["bytes_served"] == _layout_bytes(data) and c, 30, "bytes served")
     assert (c["publishes_shm"], c["pulls_shm"], c["pulls_tcp"], c["shm_fallbacks"]) == (1, 1, 1, 0)
     assert peers.srv.handlers.leases.held == {}  # every lease was released
 
@@ -276,7 +275,7 @@ def test_an_expired_lease_taints_its_slab_which_is_dropped_not_recycled(peers, c
             try:
                 lease, offer, layout = _lease(ch, 1)
                 assert 0.3 <= offer.lease_s < 0.31
-                wait_for(lambda: srv.metrics()["counters"]["shm_leases_expired"] == 1, 5, "the lease to expire")
+                wait_for(lambda: srv.metrics()["counters"]["shm_leases_expired"] == 1, 30, "the lease to expire")
                 assert "not released in time" in caplog.text
                 for v in range(2, 6):
                     pub.publish(v, _tensors(v))
@@ -360,7 +359,7 @@ def test_eight_workers_pulling_at_once_over_shm_end_identical(peers):
         rec = peers.srv.metrics()["versions"]["policy"][1]
         return rec if len(rec["applied"]) == 8 else None
 
-    rec = wait_for(applied_by_all, 5, "8 workers to report")
+    rec = wait_for(applied_by_all, 30, "8 workers to report")
     assert (rec["pulls"], rec["pulls_shm"], rec["bytes_served"]) == (8, 8, 0)
     assert peers.srv.handlers.leases.held == {}
 
@@ -401,13 +400,19 @@ def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_appli
     follower.start()
     # It was told every chunk is in and hashed them all: it now waits for the commit alone...
     up = peers.srv.store.upload_of("policy", 2)
-    wait_for(lambda: len(up.waiters) == 1, 5, "the follower to wait for the commit")
+    wait_for(lambda: len(up.waiters) == 1, 30, "the follower to wait for the commit")
     assert up.hashed == len(lay.tensors)  # ...and so did the server: the commit has nothing left to hash
     assert follower.is_alive() and _same(target, _tensors(1))  # nothing applied before the commit
     assert ch.request(P.PUB_COMMIT, upload=ready["upload"], shm=True)["kind"] == P.PUB_DONE
     follower.join(5)
     assert result["res"] == (2, None) and _same(target, data) and sub.stats["pulls_shm"] == 2
     assert peers.srv.handlers.leases.held == {}
+
+
+def _wait_until_following(srv: WeightServer, version: int) -> None:
+    """Until a follower of the pending ``version`` waits at the server (for bytes or for the commit)."""
+    up = srv.store.upload_of("policy", version)
+    wait_for(lambda: up.parked or up.waiters, 30, f"a follower of the upload of v{version}")
 
 
 def test_a_follower_waits_for_the_commit_then_reads_shared_memory(peers):
@@ -417,7 +422,7 @@ def test_a_follower_waits_for_the_commit_then_reads_shared_memory(peers):
     result = {}
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
-    time.sleep(0.3)
+    _wait_until_following(peers.srv, 2)
     assert follower.is_alive() and _same(target, _tensors(1))  # nothing applied before the commit
     with open(offer.path, "r+b") as f:  # the publisher's copy, by hand
         for t, v in zip(lay.tensors, views):
@@ -430,7 +435,7 @@ def test_a_follower_waits_for_the_commit_then_reads_shared_memory(peers):
     ready = _begin_shm_upload(ch, 3, data)[0]
     follower = threading.Thread(target=lambda: result.update(res=sub.pull(into=target, follow=True)))
     follower.start()
-    time.sleep(0.3)
+    _wait_until_following(peers.srv, 3)
     rep = ch.request(P.PUB_COMMIT, upload=ready["upload"], shm=True)  # nothing was written: hashes fail
     assert rep["code"] == P.E_HASH
     follower.join(5)
@@ -451,7 +456,7 @@ def test_stop_removes_the_folder_and_persisted_weights_come_back_in_shared_memor
     with WeightPublisher(srv.address, cfg) as pub:
         pub.publish(1, _tensors(1))
     assert oct(Path(_slab_file(srv, 1)).stat().st_mode & 0o777) == "0o600"
-    wait_for(lambda: srv.persister.written.get("policy") == 1, 10, "v1 to be persisted")
+    wait_for(lambda: srv.persister.written.get("policy") == 1, 30, "v1 to be persisted")
     srv.stop()
     assert not folder.exists() and _folders(tmp_path / "shm") == []
     srv = WeightServer(cfg).start()  # restart: v1 restored from disk into a shared-memory slab
@@ -545,7 +550,7 @@ def test_shm_settings_are_validated_and_an_unusable_shm_dir_means_tcp(tmp_path, 
         srv.stop()
 
 
-def test_stale_refusal_duplicates_and_a_retry_across_a_server_restart_over_shm(tmp_path):
+def test_stale_refusal_duplicates_and_a_retry_across_a_server_restart_over_shm(tmp_path, caplog):
     """A restarted server has a new folder and token: the publisher's retry and the worker's next
     pull find them by themselves."""
     from servers import free_port
@@ -568,7 +573,8 @@ def test_stale_refusal_duplicates_and_a_retry_across_a_server_restart_over_shm(t
         result = {}
         publisher = threading.Thread(target=lambda: result.update(stats=pub.publish(2, _tensors(2))))
         publisher.start()
-        time.sleep(0.5)
+        wait_for(lambda: "publishing 'policy' v2" in caplog.text and "retrying in" in caplog.text, 30,
+                 "the publisher to find the server down and back off")
         srv = WeightServer(cfg).start()  # same ports, a new shm folder and token
         publisher.join(20)
         assert not old_folder.exists() and srv.shm.path != old_folder
