@@ -1,8 +1,9 @@
 """Training engines: what one optimisation step needs, behind one small interface.
 
 Two implementations: :class:`TorchEngine` (plain torch, one process; the default on CPU) and
-``learner.engine_deepspeed.DeepSpeedEngine`` (ZeRO 1/2/3, one or many processes). Both
-optimise with torch's AdamW under a warm-up + cosine schedule (:func:`lr_lambda`).
+``learner.engine_deepspeed.DeepSpeedEngine`` (ZeRO 1/2/3, one or many processes), picked by
+:func:`learner.engine_factory.make_engine`. Both optimise with torch's AdamW under a warm-up +
+cosine schedule (:func:`lr_lambda`).
 
 Gradient accumulation is the caller's: call ``backward`` once per micro-batch with the loss
 already scaled to its share of the minibatch, then ``step`` once. Also here: the few
@@ -162,31 +163,6 @@ class TorchEngine:
         sched = torch.load(d / "scheduler.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(sched["scheduler"])
         self.skipped_steps = int(sched["skipped_steps"])
-
-
-def build_engine(module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> TrainEngine:
-    """The engine ``cfg.engine`` names, wrapping ``module`` (already on its device)."""
-    if cfg.engine == "torch":
-        return TorchEngine(module, cfg, lr)
-    if cfg.engine == "deepspeed":
-        from learner.engine_deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(module, cfg, lr)
-    raise ConfigError(f"learner.engine={cfg.engine!r} is not one of torch, deepspeed")
-
-
-def make_engine(cfg: Any, module: torch.nn.Module, role: str | None = None) -> TrainEngine:
-    """:func:`build_engine` from the whole run config. ``role``: "policy" or "critic" (the
-    critic trains at ``learner.critic_lr``); None guesses from the model (a one-label
-    token-classification head is a critic)."""
-    if role is None:
-        arch = " ".join(getattr(getattr(module, "config", None), "architectures", None) or [type(module).__name__])
-        role = "critic" if "TokenClassification" in arch or "TokenClassification" in type(module).__name__ else "policy"
-    if role not in ("policy", "critic"):
-        raise ValueError(f"role must be policy or critic, got {role!r}")
-    lcfg = cfg.learner
-    lr = lcfg.critic_lr if role == "critic" and lcfg.critic_lr is not None else lcfg.lr
-    return build_engine(module, lcfg, lr)
 
 
 # ---------------------------------------------------------------- distributed helpers

@@ -78,7 +78,7 @@ def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
 class Learner:
     def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
         from learner.checkpoint import load_latest
-        from learner.engines import make_engine
+        from learner.engine_factory import make_engine
         from learner.update import PolicyUpdater
 
         self.cfg = cfg

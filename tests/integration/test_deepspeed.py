@@ -56,7 +56,7 @@ def make_batches(base):
 
 def train(cfg, base, batches, ref):
     """UPDATES updates; returns (updater, [loss/policy per update], [grad norm per update])."""
-    from learner.engines import make_engine
+    from learner.engine_factory import make_engine
     from learner.update import PolicyUpdater
 
     up = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
@@ -74,7 +74,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     in one process; then a ZeRO-3 checkpoint round trip."""
     import torch
     from learner.checkpoint import load_latest, save_checkpoint
-    from learner.engines import make_engine
+    from learner.engine_factory import make_engine
     from learner.update import PolicyUpdater
     from rlhf_core.models import load_policy
 
@@ -128,7 +128,8 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
 
     from learner.checkpoint import load_latest, save_checkpoint
     from learner.engine_deepspeed import init_distributed
-    from learner.engines import broadcast_samples, make_engine
+    from learner.engine_factory import make_engine
+    from learner.engines import broadcast_samples
     from learner.update import PolicyUpdater
     from rlhf_core.config import WeightServerConfig
     from rlhf_core.models import load_policy

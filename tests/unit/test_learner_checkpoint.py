@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from learner.checkpoint import CheckpointError, export_hf, latest_checkpoint, list_checkpoints, load_latest, save_checkpoint
-from learner.engines import make_engine
+from learner.engine_factory import make_engine
 from learner.update import PolicyUpdater
 from learner_helpers import digit_reward, generate_samples, tiny_config
 from rlhf_core.models import load_critic, load_policy, load_tokenizer

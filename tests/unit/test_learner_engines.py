@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from factories import sample
-from learner.engines import TorchEngine, all_reduce_sum, broadcast_samples, lr_lambda, make_engine, total_optimizer_steps
+from learner.engine_factory import make_engine
+from learner.engines import TorchEngine, all_reduce_sum, broadcast_samples, lr_lambda, total_optimizer_steps
 from rlhf_core.config import Config, ConfigError, LearnerConfig
 from rlhf_core.models import load_critic, load_policy
 

@@ -12,7 +12,7 @@ import torch
 from factories import sample
 from learner import batch_advantages as BA
 from learner.batch import BatchError, collate
-from learner.engines import make_engine
+from learner.engine_factory import make_engine
 from learner.losses import decoupled_ppo_loss
 from learner.update import MissingReferenceError, PolicyUpdater, importance_sampling
 from learner_helpers import digit_reward, generate_samples, tiny_config
