@@ -52,6 +52,16 @@ def overrides(redis_url: str, run_id: str, ws: Any, model_cfg: ModelConfig, **se
     return [f"{k}={v}" for k, v in base.items()] + list(extra)
 
 
+def gate_overrides(gate_file: Path, free: int = 0) -> list[str]:
+    """Overrides adding ``reward_fns.gate``: the first ``free`` samples a worker process scores go
+    through, every later one waits while ``gate_file`` exists (created here). A test holds a
+    worker in a known state with it (no group can complete) and opens the gate by removing the
+    file; a worker shuts down only once its scoring thread is let go."""
+    gate_file.touch()
+    return ["+reward.functions.gate._target_=reward_fns.gate", f"+reward.functions.gate.path='{gate_file}'",
+            f"+reward.functions.gate.free={free}"]
+
+
 def compose_unvalidated(override_list: Sequence[str]) -> Config:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module

@@ -10,6 +10,8 @@ SIGTERM) are in ``test_worker_processes.py``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +19,9 @@ import torch
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
 from rlhf_core.tasks import count_up_reward
-from rollout_workers.worker import RolloutWorker
-from worker_helpers import FakeLearner, check_sample, compose, compose_unvalidated, overrides, recompute, wait_for
+from rollout_workers.worker import WEIGHT_RETRY_S, RolloutWorker
+from worker_helpers import (FakeLearner, check_sample, compose, compose_unvalidated, gate_overrides, overrides, recompute,
+                            wait_for)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -226,15 +229,22 @@ def test_too_long_prompt_is_left_truncated_and_counted(run):
     assert (st["prompts_truncated"], st["prompt_tokens_cut"], st["prompts_rejected"]) == (1, 12, 0)
 
 
-def test_stop_without_grace_releases_unfinished_prompts(run):
-    cfg, learner = run(rollout__max_new_tokens=200, rollout__max_prompt_tokens=16, rollout__shutdown_grace_s=0.0)
+def test_stop_without_grace_releases_unfinished_prompts(run, tmp_path):
+    gate_file = tmp_path / "gate"  # closed: no response is scored, so neither prompt can complete
+    cfg, learner = run(rollout__max_new_tokens=200, rollout__max_prompt_tokens=16, rollout__shutdown_grace_s=0.0,
+                       extra=gate_overrides(gate_file))
     learner.publish(0)
     learner.enqueue(2)
     wt = learner.thread(cfg, "w-stop").start()
-    wait_for(lambda: wt.worker.engine.num_steps >= 3 or wt.error, 30, "3 decoding steps")
-    held = learner.leases_of("w-stop")
-    assert len(held) == 2  # 8 slots / group of 4: two prompts in flight
-    wt.stop()
+    try:
+        wait_for(lambda: wt.worker.engine.num_steps >= 3 or wt.error, 30, "3 decoding steps")
+        held = learner.leases_of("w-stop")
+        assert len(held) == 2  # 8 slots / group of 4: two prompts in flight
+        wt.worker.request_stop()
+        wait_for(lambda: wt.worker.stats.released == 2 or wt.error, 30, "the unfinished prompts to be released")
+    finally:
+        gate_file.unlink()  # lets the scoring thread go, so the worker can shut down
+    wt.join()
     assert wt.stats.released == 2 and wt.stats.prompts == 0
     assert learner.leases_of("w-stop") == [] and learner.consumer("w-stop")["leases"] == 0
     assert learner.counters()["prompts_released"] == 2
@@ -243,19 +253,23 @@ def test_stop_without_grace_releases_unfinished_prompts(run):
     assert sorted((l.lease_id, l.how, l.delivery_count) for l in again) == sorted((i, "released", 1) for i in held)
 
 
-def test_lease_taken_over_by_another_worker_is_abandoned(run):
-    # scoring takes 4 x 0.25 s per group: the heartbeat (every 0.5 s) sees the theft before the group is done
-    cfg, learner = run(extra=["~reward.functions.count_up", "+reward.functions.slow._target_=reward_fns.slow"])
+def test_lease_taken_over_by_another_worker_is_abandoned(run, tmp_path):
+    # scoring waits at a closed gate, so the heartbeat sees the theft before either group is done
+    gate_file = tmp_path / "gate"
+    cfg, learner = run(extra=["~reward.functions.count_up", *gate_overrides(gate_file)])
     learner.publish(0)
     prompts = learner.enqueue(2)
     wt = learner.thread(cfg, "w-slow").start()
-    held = wait_for(lambda: len(learner.leases_of("w-slow")) == 2 and learner.leases_of("w-slow"), 30, "two leases")
-    stolen, kept = sorted(held)
-    # what a reclaim does when a worker looks dead: the prompt now belongs to "thief"
-    learner.buffer.redis.xclaim(learner.buffer.keys.prompts, "workers", "thief", 0, [stolen])
-    wait_for(lambda: wt.worker.stats.leases_lost == 1 or wt.error, 10, "the heartbeat to notice the lost lease")
-    assert learner.leases_of("thief") == [stolen]  # the worker dropped it instead of completing it
-    assert stolen not in wt.worker.groups and kept in wt.worker.groups
+    try:
+        held = wait_for(lambda: len(learner.leases_of("w-slow")) == 2 and learner.leases_of("w-slow"), 30, "two leases")
+        stolen, kept = sorted(held)
+        # what a reclaim does when a worker looks dead: the prompt now belongs to "thief"
+        learner.buffer.redis.xclaim(learner.buffer.keys.prompts, "workers", "thief", 0, [stolen])
+        wait_for(lambda: wt.worker.stats.leases_lost == 1 or wt.error, 30, "the heartbeat to notice the lost lease")
+        assert learner.leases_of("thief") == [stolen]  # the worker dropped it instead of completing it
+        assert stolen not in wt.worker.groups and kept in wt.worker.groups
+    finally:
+        gate_file.unlink()
     # "thief" never heartbeats: after the lease timeout the prompt comes back, to this worker
     wait_for(lambda: wt.worker.stats.prompts == 2 or wt.error, 30, "both prompts to complete")
     wt.stop()
@@ -274,13 +288,18 @@ def test_weight_server_down_generation_goes_on_with_the_current_weights(run, wei
     wait_for(lambda: wt.worker.has_weights or wt.error, 30, "the first weights")
     weight_server.stop()
     learner.buffer.set_learner_version(1)  # prompts admitted now ask for weights >= v1, which cannot be pulled
+    t0 = time.monotonic()
     learner.enqueue(3)
     wait_for(lambda: wt.worker.stats.prompts == 3 or wt.error, 30, "3 prompts generated with v0")
     wt.stop()
+    down_s = time.monotonic() - t0
     for group in learner.read_groups(3, learner_version=1):
         assert all(s.versions == [[0, s.num_response_tokens]] for s in group)
-    # one failed pull (0.5 s), then a pause instead of a 0.5 s stall at every claim or decoding step
-    assert (wt.worker.weights.stats["timeouts"], wt.stats.weight_updates, wt.worker.engine.version) == (1, 1, 0)
+    # one failed pull (0.5 s), then a pause of WEIGHT_RETRY_S instead of a 0.5 s stall at every
+    # claim or decoding step (a loaded machine may take long enough for one or two retries)
+    timeouts = wt.worker.weights.stats["timeouts"]
+    assert 1 <= timeouts <= 1 + int(down_s / WEIGHT_RETRY_S), (timeouts, down_s)
+    assert (wt.stats.weight_updates, wt.worker.engine.version) == (1, 0)
 
 
 def test_reference_logprobs_computed_on_the_worker(run):

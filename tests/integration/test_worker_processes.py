@@ -10,7 +10,8 @@ import signal
 import numpy as np
 import pytest
 
-from worker_helpers import FakeLearner, check_sample, compose, log_tail, overrides, recompute, spawn_worker, wait_for
+from worker_helpers import (FakeLearner, check_sample, compose, gate_overrides, log_tail, overrides, recompute, spawn_worker,
+                            wait_for)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -41,9 +42,7 @@ def alive(proc, worker_id, tmp_path):
 def gated(ov: list[str], gate_file) -> list[str]:
     """``ov`` for a worker that completes exactly one group, then holds the next prompt's lease
     while ``gate_file`` exists (one slot: one group generated and scored at a time)."""
-    gate_file.touch()
-    return ov + ["rollout.slots=1", "+reward.functions.gate._target_=reward_fns.gate",
-                 f"+reward.functions.gate.path='{gate_file}'", "+reward.functions.gate.free=4"]
+    return ov + ["rollout.slots=1", *gate_overrides(gate_file, free=4)]
 
 
 @pytest.mark.timeout(240)  # two children start one after the other
