@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from buffer import RunKeys
+from buffer.keys import WORKERS_GROUP
 from rlhf_core import metric_names as M
 from servers import wait_for
 
@@ -152,13 +153,23 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
             assert f'worker="worker-{i}"' in body
 
         # a crashed worker is reported and restarted; the run goes on
+        prompts = RunKeys.for_run(run_id).prompts
         os.kill(pids["worker-0"], signal.SIGKILL)
-        killed_at = time.monotonic()
+        # its leases (id -> deliveries), frozen until they expire after buffer.lease_timeout_s (3 s)
+        orphans = {row["message_id"]: row["times_delivered"]
+                   for row in r.xpending_range(prompts, WORKERS_GROUP, "-", "+", 1000, consumername="worker-0")}
+
+        def taken_over() -> bool:
+            """Every lease the dead worker held is acked or delivered again, to a live worker."""
+            for mid, deliveries in orphans.items():
+                row = r.xpending_range(prompts, WORKERS_GROUP, mid, mid, 1)
+                if row and row[0]["times_delivered"] <= deliveries:
+                    return False
+            return True
+
         new = wait_for(lambda: (p := json.loads((out / "children.json").read_text()))["worker-0"] != pids["worker-0"] and p,
                        60, "worker-0 restarted")
-        # the dead worker's leases expire after buffer.lease_timeout_s (3 s) and are reclaimed
-        # by the next claims; give that time, with updates still coming
-        time.sleep(max(0.0, killed_at + 5 - time.monotonic()))
+        wait_for(taken_over, 120, "the dead worker's leases to be taken over")
         v = learner_version()
         wait_for(lambda: learner_version() >= v + 2, 120, "updates after the restart")
         pids = new
