@@ -25,9 +25,11 @@ workers, the learner and the monitor use this API::
     # monitor / admin
     buf.metrics() -> dict;  buf.dead_letters(n);  buf.delete_run()
 
-Design notes live in the module docstrings: pacing and leases in :mod:`buffer.prompts`, groups
-and FIFO consumption in :mod:`buffer.samples`, replay and the rate limiter in
-:mod:`buffer.replay`, atomicity in :mod:`buffer.scripts`, retries in :mod:`buffer.connection`.
+Design notes live in the module docstrings: the pacing rule and the replay rate limiter (in
+Python and in Lua) in :mod:`buffer.pacing`, leases in :mod:`buffer.prompts`, groups and FIFO
+consumption in :mod:`buffer.samples`, the replay table in :mod:`buffer.replay`, atomicity in
+:mod:`buffer.scripts`, retries in :mod:`buffer.connection`, the one-way layering of the modules
+under this facade in :mod:`buffer.store`.
 """
 
 from buffer.client import Buffer, Completion, RunNotInitialised, RunParamsMismatch

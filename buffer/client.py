@@ -1,8 +1,10 @@
 """The :class:`Buffer` facade: the one object workers, the learner and the monitor use.
 
 It owns the Redis client (injected, or opened by :meth:`Buffer.connect`), the run's key
-names, the scripts and the retry policy, and delegates the work to :mod:`buffer.prompts`,
-:mod:`buffer.samples`, :mod:`buffer.replay` and :mod:`buffer.metrics`. Client-side state is
+names, the scripts and the retry policy (bundled in a :class:`~buffer.store.Store`), and
+delegates the work to :mod:`buffer.prompts`, :mod:`buffer.samples`, :mod:`buffer.replay`,
+:mod:`buffer.metrics` and :mod:`buffer.pacing`, handing each the store, the run parameters and
+the piece of client-side state it updates. Nothing below imports this module. Client-side state is
 small and only a cache or a courtesy: the leases this process holds (renewed by heartbeat),
 the learner's read-but-uncommitted entries, the open iterator of :meth:`fill_prompts`. Every
 fact that matters after a crash is in Redis.
@@ -22,11 +24,12 @@ from typing import Any, Callable, Iterable, NamedTuple
 import redis
 
 from buffer import keys as K
-from buffer import metrics, prompts, replay, samples
+from buffer import metrics, pacing, prompts, replay, samples
 from buffer.connection import Retrying, connect, redact
 from buffer.prompts import Lease
 from buffer.samples import Batch
-from buffer.scripts import Scripts
+from buffer.scripts import Scripts, complete_keys
+from buffer.store import Store
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt, Sample
@@ -68,6 +71,7 @@ class Buffer:
         self.url = url or _url_of(client)
         self.retry = Retrying(self.url, self.cfg.max_retry_s)
         self.scripts = Scripts(client)
+        self._store = Store(client, self.retry, self.keys, self.scripts, self.cfg)
         self._params: dict[str, Any] | None = None
         self._leases: dict[str, dict[str, Lease]] = {}
         self._learners: dict[str, samples.LearnerState] = {}
@@ -162,7 +166,7 @@ class Buffer:
     # ---- producer ------------------------------------------------------------------------
 
     def enqueue_prompts(self, items: Iterable[Prompt]) -> int:
-        return prompts.enqueue(self, items)
+        return prompts.enqueue(self._store, items)
 
     def fill_prompts(
         self,
@@ -172,7 +176,7 @@ class Buffer:
         high_watermark: int | None = None,
     ) -> int:
         """Top up the prompt queue once (call it periodically); see :func:`buffer.prompts.fill`."""
-        return prompts.fill(self, source_fn, epochs, low_watermark, high_watermark)
+        return prompts.fill(self._store, self._filler, source_fn, epochs, low_watermark, high_watermark)
 
     def fill_state(self) -> dict[str, int | bool]:
         """The producer cursor: ``{"epoch", "index", "done"}``."""
@@ -188,7 +192,10 @@ class Buffer:
         higher ``delivery_count``. Generate with weights of version >= ``lease.learner_version``
         to keep pacing's staleness bound.
         """
-        return prompts.claim(self, consumer, max_prompts, block_s)
+        # the run's lease timeout (same for every worker); this process's setting until init_run ran
+        lease_s = self._params["lease_timeout_s"] if self._params else self.cfg.lease_timeout_s
+        held = self._leases.setdefault(consumer, {})
+        return prompts.claim(self._store, held, consumer, max_prompts, block_s, lease_s, self.run_params)
 
     def heartbeat(self, consumer: str, version: int | None = None, stats: dict | None = None) -> list[str]:
         """Renew this process's leases of ``consumer`` and record it for the monitor.
@@ -196,28 +203,29 @@ class Buffer:
         Call every ``heartbeat_interval_s``. Returns the lease ids lost to other workers (this
         one was silent for longer than ``lease_timeout_s``): stop working on those.
         """
-        return prompts.heartbeat(self, consumer, version, stats)
+        return prompts.heartbeat(self._store, self._leases.get(consumer, {}), consumer, version, stats)
 
     def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> str:
         """Append the group and ack the prompt atomically. Returns ``appended``, ``empty`` (no
         valid sample: the prompt is acked, its budget returned) or ``duplicate`` (the prompt was
         already completed; nothing written). Invalid samples go to the dead-letter stream, and so
         do the ``(kind, reason, raw)`` records in ``rejected``, in the same atomic step."""
-        args = samples.prepare(self, lease, group, rejected)
-        res = self.retry(self.scripts.complete, keys=samples.complete_keys(self), args=args)
+        params = self.run_params()
+        args = samples.prepare(self._store, params, lease, group, rejected)
+        res = self.retry(self.scripts.complete, keys=complete_keys(self.keys, params["mode"]), args=args)
         self._leases.get(lease.consumer, {}).pop(lease.lease_id, None)
         return samples.complete_status(res)
 
     def prepare(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> Completion:
         """Validate and encode a group for :meth:`complete_many` ahead of sending (e.g. in a
         scoring thread, so the thread that talks to Redis only sends). Nothing is written yet."""
-        return Completion(lease, samples.prepare(self, lease, group, rejected))
+        return Completion(lease, samples.prepare(self._store, self.run_params(), lease, group, rejected))
 
     def complete_many(self, items: Iterable[Completion | tuple[Lease, list[Sample]]]) -> list[str]:
         """Like :meth:`complete` for several prompts in one round trip (each one atomic on its own).
         Items are ``(lease, samples)`` or :meth:`prepare` results. Safe to retry as a whole."""
         prepared = [it if isinstance(it, Completion) else self.prepare(*it) for it in items]
-        keys = samples.complete_keys(self)
+        keys = complete_keys(self.keys, self.run_params()["mode"])
 
         def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
@@ -233,7 +241,7 @@ class Buffer:
     def release(self, leases: Lease | Iterable[Lease]) -> int:
         """Give prompts back un-done (shutdown): re-delivered to the next claimer, budget returned,
         not counted as a delivery."""
-        return prompts.release(self, [leases] if isinstance(leases, Lease) else leases)
+        return prompts.release(self._store, self._leases, [leases] if isinstance(leases, Lease) else leases)
 
     def dead_letter(self, reason: str, producer: str, raw: bytes, kind: str = "sample") -> None:
         """Record a bad record (e.g. a sample whose reward function raised) in the dead-letter stream."""
@@ -253,12 +261,8 @@ class Buffer:
 
     def dead_letter_prompt(self, lease_id: str, consumer: str, reason: str, payload: bytes) -> None:
         """An undecodable prompt: ack it with no samples (budget returned) and dead-letter it, atomically."""
-        lease = Lease(Prompt("", ""), lease_id, consumer, 0)
-        params = self.run_params()
-        args = [lease_id, consumer, repr(time.time()), self.cfg_dead_maxlen, params["mode"], params["group_size"], 0, "", "", 0, 1,
-                "prompt", f"undecodable prompt: {reason}", payload]
-        self.retry(self.scripts.complete, keys=samples.complete_keys(self), args=args)
-        self._leases.get(lease.consumer, {}).pop(lease_id, None)
+        prompts.dead_letter_prompt(self._store, self.run_params(), lease_id, consumer, reason, payload)
+        self._leases.get(consumer, {}).pop(lease_id, None)
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters, oldest first: ``{"id", "kind", "reason", "producer", "raw", "source", "ts"}``."""
@@ -279,7 +283,7 @@ class Buffer:
         pipe.get(self.keys.version)
         pipe.hgetall(self.keys.counters)
         version, counters = self.retry(pipe.execute)
-        return replay.admission_budget(params, int(version or 0), metrics.read_counters(counters))
+        return pacing.admission_budget(params, int(version or 0), metrics.read_counters(counters))
 
     # ---- learner -------------------------------------------------------------------------
 
@@ -304,9 +308,10 @@ class Buffer:
         Nothing is acked until :meth:`commit`. The first call of a process re-delivers what this
         consumer name read before a crash and did not commit.
         """
-        if self.run_params()["mode"] == "replay":
-            return replay.read_batch(self, consumer, learner_version, batch_size, timeout_s)
-        return samples.read_batch(self, consumer, learner_version, batch_size, timeout_s)
+        params = self.run_params()
+        st = self._learners.setdefault(consumer, samples.LearnerState())
+        read = replay.read_batch if params["mode"] == "replay" else samples.read_batch
+        return read(self._store, st, params, consumer, learner_version, batch_size, timeout_s)
 
     def commit(self, batch: Batch) -> int:
         """Ack a batch once the update that used it is published and checkpointed. Idempotent;
@@ -341,13 +346,13 @@ class Buffer:
                 if i in known:
                     consumer, h = known[i]
                     by_consumer.setdefault(consumer, []).append((i, h.good, h.lag, h.retire, h.bad))
-            n = sum(replay.commit(self, c, entries) for c, entries in by_consumer.items())
+            n = sum(replay.commit(self._store, c, entries) for c, entries in by_consumer.items())
         else:
             entries = []
             for i in ids:
                 h = known.get(i, ("", unknown))[1]
                 entries.append((i, h.good, h.lag, h.bad))
-            n = samples.commit(self, entries)
+            n = samples.commit(self._store, entries)
         for st in self._learners.values():
             for i in ids:
                 st.handed.pop(i, None)
@@ -358,7 +363,7 @@ class Buffer:
         """Entry ids read by ``consumer`` and not committed: what a restarted learner gets again."""
         K.check_consumer(consumer)
         if self.run_params()["mode"] == "replay":
-            return replay.pending(self, consumer)
+            return replay.pending(self._store, consumer)
         out: list[str] = []
         start = "-"
         while True:
@@ -372,7 +377,8 @@ class Buffer:
 
     def metrics(self) -> dict[str, Any]:
         """One snapshot of counters, gauges, histograms, consumers and published stats (see :func:`buffer.metrics.collect`)."""
-        return metrics.collect(self)
+        params = self.run_params() if self.initialised() else None
+        return metrics.collect(self.redis, self.retry, self.keys, params)
 
     def publish_stats(self, component: str, stats: dict[str, Any]) -> None:
         """Store a component's latest stats (e.g. the learner's metrics) for the monitor: ``metrics()["stats"][component]``."""
@@ -400,8 +406,7 @@ class Buffer:
 
     def wait_on(self, stream: str, last_id: bytes | str, timeout_s: float) -> None:
         """Block until an entry newer than ``last_id`` lands on ``stream``, or ``timeout_s`` passes."""
-        ms = max(1, int(timeout_s * 1000))
-        self.retry(self.redis.xread, {stream: last_id}, count=1, block=ms)
+        self._store.wait_on(stream, last_id, timeout_s)
 
 
 def _parse_params(raw: dict) -> dict[str, Any]:

@@ -28,14 +28,14 @@ Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import msgpack
+import redis
 
-from buffer.keys import WORKERS_GROUP
-
-if TYPE_CHECKING:  # pragma: no cover
-    from buffer.client import Buffer
+from buffer import pacing
+from buffer.connection import Retrying
+from buffer.keys import WORKERS_GROUP, RunKeys
 
 COUNTERS = (
     "prompts_enqueued",
@@ -113,16 +113,16 @@ def unpack_record(raw: bytes) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {"error": "unreadable record"}
 
 
-def collect(buf: "Buffer") -> dict[str, Any]:
-    """One snapshot for the monitor. Shapes::
+def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One snapshot for the monitor (``params``: the run parameters, None before ``init_run``). Shapes::
 
         {"run_id": str, "learner_version": int, "admission_budget": int, "mode": "fifo"|"replay",
          "counters": {name: number}, "depth": {...}, "staleness_hist": {lag: samples},
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
          "stats": {component: {...}}}   # what publish_stats stored
     """
-    k = buf.keys
-    pipe = buf.redis.pipeline(transaction=True)
+    k = keys
+    pipe = client.pipeline(transaction=True)
     pipe.hgetall(k.counters)
     pipe.get(k.version)
     pipe.hgetall(k.hist_consumed)
@@ -130,9 +130,8 @@ def collect(buf: "Buffer") -> dict[str, Any]:
     pipe.hgetall(k.consumers)
     pipe.xlen(k.dead)
     pipe.hgetall(k.stats)
-    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw = buf.retry(pipe.execute)
-    initialised = buf.initialised()
-    pel = buf.retry(buf.redis.xpending, k.prompts, WORKERS_GROUP) if initialised else None
+    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw = retry(pipe.execute)
+    pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw)
     now = time.time()
     consumers = {}
@@ -142,12 +141,11 @@ def collect(buf: "Buffer") -> dict[str, Any]:
             rec["age_s"] = round(now - float(rec["last_seen"]), 3)
         consumers[name.decode()] = rec
     leased = int(pel["pending"]) if isinstance(pel, dict) else 0
-    params = buf.run_params() if initialised else {}
     return {
         "run_id": k.run_id,
         "learner_version": int(version or 0),
-        "admission_budget": buf.admission_budget() if params else 0,
-        "mode": params.get("mode", "fifo"),
+        "admission_budget": pacing.admission_budget(params, int(version or 0), counters) if params else 0,
+        "mode": params["mode"] if params else "fifo",
         "counters": counters,
         "depth": {
             "prompts_waiting": counters["prompts_waiting"],

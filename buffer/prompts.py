@@ -9,8 +9,8 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
   died or hung; the next claimer takes it over (``claim.lua``: ``XPENDING IDLE`` + ``XCLAIM``,
   which re-checks the idle time atomically) and gets ``delivery_count`` + 1. A prompt
   delivered more than ``max_deliveries`` times goes to the dead-letter stream instead.
-* Pacing: a claim admits new prompts only within the admission budget (see ``claim.lua`` and
-  :meth:`Buffer.admission_budget`); re-delivered prompts were admitted once and need none.
+* Pacing: a claim admits new prompts only within the admission budget (the rule is in
+  :mod:`buffer.pacing`); re-delivered prompts were admitted once and need none.
 * Blocking: when nothing can be claimed, :func:`claim` waits on the ``wake:prompts`` stream
   with ``XREAD BLOCK`` from the id the claim script returned, so an enqueue, a returned budget
   or a new learner version wakes it at once and no wake-up is lost between the check and the
@@ -20,6 +20,9 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
   done) is in Redis and advances in the same MULTI/EXEC as the enqueued prompts (WATCHed, so
   two producers never enqueue the same slice), so a restarted producer continues where the
   last one stopped.
+
+The functions take a :class:`~buffer.store.Store` and the client-side state they update (the
+leases this process holds, the producer's open iterator), never the facade.
 """
 
 from __future__ import annotations
@@ -28,18 +31,17 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import redis
 
 from buffer import keys as K
 from buffer import metrics
+from buffer.scripts import claim_keys, complete_keys
+from buffer.store import Store
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt
 from rlhf_core.wire import WireError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from buffer.client import Buffer
 
 log = logging.getLogger("buffer")
 
@@ -69,53 +71,62 @@ class Lease:
         return isinstance(other, Lease) and (self.lease_id, self.consumer) == (other.lease_id, other.consumer)
 
 
-def enqueue(buf: "Buffer", prompts: Iterable[Prompt]) -> int:
+def enqueue(store: Store, prompts: Iterable[Prompt]) -> int:
     """Append prompts to the queue (MULTI/EXEC per chunk, so counters match the stream)."""
+    k = store.keys
     total = 0
     for chunk in _chunks(prompts, ENQUEUE_CHUNK):
         payloads = [p.encode() for p in chunk]
 
         def send(payloads=payloads) -> None:
-            pipe = buf.redis.pipeline(transaction=True)
+            pipe = store.redis.pipeline(transaction=True)
             for data in payloads:
-                pipe.xadd(buf.keys.prompts, {K.PROMPT_FIELD: data})
-            pipe.hincrby(buf.keys.counters, "prompts_enqueued", len(payloads))
-            pipe.hincrby(buf.keys.counters, "prompts_waiting", len(payloads))
-            pipe.xadd(buf.keys.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
+                pipe.xadd(k.prompts, {K.PROMPT_FIELD: data})
+            pipe.hincrby(k.counters, "prompts_enqueued", len(payloads))
+            pipe.hincrby(k.counters, "prompts_waiting", len(payloads))
+            pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
             pipe.execute()
 
-        buf.retry(send)
+        store.retry(send)
         total += len(payloads)
     return total
 
 
-def claim(buf: "Buffer", consumer: str, max_prompts: int, block_s: float) -> list[Lease]:
+def claim(
+    store: Store,
+    held: dict[str, Lease],
+    consumer: str,
+    max_prompts: int,
+    block_s: float,
+    lease_timeout_s: float,
+    run_params: Callable[[], dict[str, Any]],
+) -> list[Lease]:
+    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
+    leases are added to ``held`` (this process's leases of ``consumer``). An undecodable prompt
+    is dead-lettered (``run_params`` is asked for the run's parameters then) and not returned."""
     K.check_consumer(consumer)
+    k = store.keys
+    lease_ms = str(max(1, int(lease_timeout_s * 1000)))
     deadline = time.monotonic() + max(0.0, block_s)
     while True:
-        # the run's lease timeout (same for every worker); this process's setting until init_run ran
-        lease_s = buf._params["lease_timeout_s"] if buf._params else buf.cfg.lease_timeout_s
-        lease_ms = str(max(1, int(lease_s * 1000)))
-        res = buf.retry(
-            buf.scripts.claim,
-            keys=[buf.keys.params, buf.keys.version, buf.keys.counters, buf.keys.prompts, buf.keys.dead, buf.keys.wake_prompts],
-            args=[consumer, max(0, int(max_prompts)), lease_ms, repr(time.time()), buf.cfg_dead_maxlen],
+        res = store.retry(
+            store.scripts.claim,
+            keys=claim_keys(k),
+            args=[consumer, max(0, int(max_prompts)), lease_ms, repr(time.time()), store.dead_maxlen],
         )
         status, wake_id, version = res[0].decode(), res[1], int(res[2])
         leases: list[Lease] = []
-        bad: list[Lease] = []
         items = res[4:]
         for i in range(0, len(items), 4):
             lease_id, payload, deliveries, how = items[i].decode(), items[i + 1], int(items[i + 2]), items[i + 3].decode()
             try:
-                prompt = Prompt.decode(payload or b"", max_bytes=buf.cfg.max_record_bytes)
+                prompt = Prompt.decode(payload or b"", max_bytes=store.cfg.max_record_bytes)
             except WireError as exc:
-                bad.append(Lease(Prompt("", ""), lease_id, consumer, deliveries, how, version))
-                buf.dead_letter_prompt(lease_id, consumer, str(exc), payload or b"")
+                dead_letter_prompt(store, run_params(), lease_id, consumer, str(exc), payload or b"")
+                held.pop(lease_id, None)
                 continue
             leases.append(Lease(prompt, lease_id, consumer, deliveries, how, version))
         if leases:
-            held = buf._leases.setdefault(consumer, {})
             for lease in leases:
                 held[lease.lease_id] = lease
             return leases
@@ -123,19 +134,27 @@ def claim(buf: "Buffer", consumer: str, max_prompts: int, block_s: float) -> lis
         if remaining <= 0 or max_prompts <= 0:
             return []
         if status == "noinit":
-            log.debug("run %s is not initialised yet; waiting", buf.keys.run_id)
-        buf.wait_on(buf.keys.wake_prompts, wake_id, min(remaining, WAIT_CAP_S))
+            log.debug("run %s is not initialised yet; waiting", k.run_id)
+        store.wait_on(k.wake_prompts, wake_id, min(remaining, WAIT_CAP_S))
 
 
-def heartbeat(buf: "Buffer", consumer: str, version: int | None, stats: dict | None) -> list[str]:
-    """Renew this process's leases of ``consumer``; return the ids it lost to other workers."""
+def dead_letter_prompt(store: Store, params: dict[str, Any], lease_id: str, consumer: str, reason: str, payload: bytes) -> None:
+    """An undecodable prompt: ack it with no samples (budget returned) and dead-letter it, atomically
+    (``complete.lua`` with the prompt itself as the one bad record)."""
+    args = [lease_id, consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"], 0, "", "", 0, 1,
+            "prompt", f"undecodable prompt: {reason}", payload]
+    store.retry(store.scripts.complete, keys=complete_keys(store.keys, params["mode"]), args=args)
+
+
+def heartbeat(store: Store, held: dict[str, Lease], consumer: str, version: int | None, stats: dict | None) -> list[str]:
+    """Renew the leases in ``held`` (this process's leases of ``consumer``); drop from it and
+    return the ids lost to other workers."""
     K.check_consumer(consumer)
-    held = buf._leases.get(consumer, {})
     ids = list(held)  # a copy: complete() in another thread may drop one meanwhile
     record = metrics.pack_consumer(time.time(), version, stats, len(ids))
-    lost = buf.retry(
-        buf.scripts.heartbeat,
-        keys=[buf.keys.prompts, buf.keys.consumers],
+    lost = store.retry(
+        store.scripts.heartbeat,
+        keys=[store.keys.prompts, store.keys.consumers],
         args=[consumer, record, *ids],
     )
     lost_ids = [x.decode() for x in lost]
@@ -144,22 +163,18 @@ def heartbeat(buf: "Buffer", consumer: str, version: int | None, stats: dict | N
     return lost_ids
 
 
-def release(buf: "Buffer", leases: Iterable[Lease]) -> int:
+def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Lease]) -> int:
+    """Give ``leases`` back un-done (``release.lua``) and drop them from ``held`` (consumer -> leases)."""
     by_consumer: dict[str, list[str]] = {}
     for lease in leases:
         by_consumer.setdefault(lease.consumer, []).append(lease.lease_id)
+    k = store.keys
     n = 0
     for consumer, ids in by_consumer.items():
-        n += int(
-            buf.retry(
-                buf.scripts.release,
-                keys=[buf.keys.prompts, buf.keys.counters, buf.keys.wake_prompts, buf.keys.params],
-                args=[consumer, *ids],
-            )
-        )
-        held = buf._leases.get(consumer, {})
+        n += int(store.retry(store.scripts.release, keys=[k.prompts, k.counters, k.wake_prompts, k.params], args=[consumer, *ids]))
+        mine = held.get(consumer, {})
         for lease_id in ids:
-            held.pop(lease_id, None)
+            mine.pop(lease_id, None)
     return n
 
 
@@ -194,7 +209,8 @@ class Filler:
 
 
 def fill(
-    buf: "Buffer",
+    store: Store,
+    filler: Filler,
     source_fn: Callable[[int], Iterable[Prompt]],
     epochs: int,
     low_watermark: int,
@@ -203,22 +219,21 @@ def fill(
     """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
     ``high_watermark`` (default ``2 * low_watermark``), walking epochs ``0 .. epochs-1`` of
     ``source_fn(epoch)`` in order. Returns the number enqueued (0 when above the low
-    watermark or when every epoch is done; :meth:`Buffer.fill_state` says which).
+    watermark or when every epoch is done; :meth:`Buffer.fill_state` says which). ``filler``
+    keeps this process's open iterator of the current epoch between calls.
     """
     high = max(low_watermark, high_watermark if high_watermark is not None else 2 * low_watermark)
-    k = buf.keys
-    filler: Filler = buf._filler
     while True:
         try:
-            return buf.retry(_fill_once, buf, filler, source_fn, epochs, low_watermark, high)
+            return store.retry(_fill_once, store, filler, source_fn, epochs, low_watermark, high)
         except redis.exceptions.WatchError:
             filler.forget()  # another producer moved the cursor; re-read it
-            log.debug("fill cursor of run %s moved under us; retrying", k.run_id)
+            log.debug("fill cursor of run %s moved under us; retrying", store.keys.run_id)
 
 
-def _fill_once(buf: "Buffer", filler: Filler, source_fn, epochs: int, low: int, high: int) -> int:
-    k = buf.keys
-    with buf.redis.pipeline(transaction=True) as pipe:
+def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, high: int) -> int:
+    k = store.keys
+    with store.redis.pipeline(transaction=True) as pipe:
         pipe.watch(k.fill)
         state = pipe.hgetall(k.fill)
         waiting = int(pipe.hget(k.counters, "prompts_waiting") or 0)

@@ -14,99 +14,41 @@ that is out; :meth:`Buffer.commit` counts a use and removes entries used ``max_r
 a learner that crashes before committing gets its drawn entries put back (the draws are
 un-counted) on its first read, so nothing is lost and no use is counted twice.
 
-Rate limiter (Reverb's ``SampleToInsertRatio``, counted in samples)::
+The draws obey the sample side of the rate limiter (``samples_per_insert``); the rule, both
+sides, lives in :mod:`buffer.pacing`. A draw that the limiter or the table's size refuses
+waits in :func:`read_batch` (woken by inserts).
 
-    offset   = samples_per_insert * min_size_to_sample
-    min_diff = offset - error_buffer        max_diff = offset + error_buffer
-    can_insert(n): inserts + n <= min_size_to_sample  or  (inserts + n) * spi - samples <= max_diff
-    can_sample(n): size >= min_size_to_sample  and  inserts * spi - (samples + n) >= min_diff
-
-The insert side blocks at admission, not after generation: ``claim.lua`` admits a prompt only
-if its group would be insertable counting the groups still being generated (``inflight``), so
-a worker never holds a finished group it may not insert; it waits in :meth:`Buffer.claim`
-(woken by draws). The sample side waits in :meth:`Buffer.read_batch` (woken by inserts).
-When an entry leaves the table before it was drawn ``spi`` times (evicted at ``capacity``, too
-stale, corrupt) the draws it still owed are forgiven (added to ``samples``); otherwise a
-learner that can never catch up would block inserts forever.
+The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
+state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), never the facade.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 from buffer import keys as K
 from buffer.prompts import WAIT_CAP_S
 from buffer.samples import Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of
-
-if TYPE_CHECKING:  # pragma: no cover
-    from buffer.client import Buffer
-
-
-# ---- the limiter, as plain functions (the Lua scripts implement the same rules) -------------
-
-
-def max_diff(spi: float, min_size: int, error_buffer: float) -> float:
-    return spi * min_size + error_buffer
-
-
-def min_diff(spi: float, min_size: int, error_buffer: float) -> float:
-    return spi * min_size - error_buffer
-
-
-def can_insert(inserts: float, samples: float, n: int, spi: float, min_size: int, error_buffer: float) -> bool:
-    if inserts + n <= min_size:
-        return True
-    return (inserts + n) * spi - samples <= max_diff(spi, min_size, error_buffer)
-
-
-def can_sample(inserts: float, samples: float, size: int, n: int, spi: float, min_size: int, error_buffer: float) -> bool:
-    if size < min_size or size < n:
-        return False
-    return inserts * spi - (samples + n) >= min_diff(spi, min_size, error_buffer)
-
-
-def insert_room(inserts: float, samples: float, spi: float, min_size: int, error_buffer: float) -> int:
-    """The largest n with ``can_insert(n)``: how many more samples may be inserted now."""
-    room = math.floor((max_diff(spi, min_size, error_buffer) + samples) / spi) - inserts
-    return int(max(room, min_size - inserts))
-
-
-def admission_budget(params: dict[str, Any], version: int, counters: dict[str, float]) -> int:
-    """Samples that may be admitted for generation now (pacing, and the limiter if on)::
-
-        pacing: (ahead + version + 1) * batch_size - admitted,
-                ahead = min(max_staleness, lookahead) (lookahead None: max_staleness)
-        limiter: insert_room(rl_inserts + inflight, rl_samples)
-    """
-    ahead = params["max_staleness"]
-    if params.get("lookahead") is not None:
-        ahead = min(ahead, params["lookahead"])
-    budget = (ahead + version + 1) * params["batch_size"] - counters["admitted"]
-    spi = params["samples_per_insert"]
-    if spi:
-        ins = counters["rl_inserts"] + counters["inflight"]
-        budget = min(budget, insert_room(ins, counters["rl_samples"], spi, params["min_size_to_sample"], params["error_buffer"]))
-    return int(max(0, budget))
+from buffer.store import Store
 
 
 # ---- learner side ------------------------------------------------------------------------
 
 
-def read_batch(buf: "Buffer", consumer: str, learner_version: int, batch_size: int, timeout_s: float) -> Batch | None:
+def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
+               batch_size: int, timeout_s: float) -> Batch | None:
+    """Replay mode: draw the next batch of ``consumer`` (whose state in this process is ``st``), or None on timeout."""
     K.check_consumer(consumer)
-    params = buf.run_params()
-    st: LearnerState = buf._learners.setdefault(consumer, LearnerState())
     if st.synced_at is None:
-        return_undone(buf, consumer, pending(buf, consumer))
-        st.synced_at = buf.retry.reconnects
+        return_undone(store, consumer, pending(store, consumer))
+        st.synced_at = store.retry.reconnects
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
-    k = buf.keys
+    k = store.keys
     while True:
-        res = buf.retry(
-            buf.scripts.replay_draw,
+        res = store.retry(
+            store.scripts.replay_draw,
             keys=[k.params, k.counters, k.samples, k.replay_index, k.replay_n, k.replay_uses, k.replay_out,
                   k.hist_dropped, k.wake_replay, k.wake_prompts],
             args=[consumer, learner_version, want, params["sampling"]],
@@ -117,29 +59,31 @@ def read_batch(buf: "Buffer", consumer: str, learner_version: int, batch_size: i
             for i in range(0, len(items), 2):
                 flat = items[i + 1] or []
                 fields = {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
-                groups.append(decode_entry(buf, items[i].decode(), fields))
+                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes))
             batch = build_batch(groups, consumer, learner_version)
             st.handed.update(handed_of(batch))
             return batch
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
-        buf.wait_on(k.wake_replay, res[1], min(remaining, WAIT_CAP_S))
+        store.wait_on(k.wake_replay, res[1], min(remaining, WAIT_CAP_S))
 
 
-def pending(buf: "Buffer", consumer: str) -> list[str]:
-    out = buf.retry(buf.redis.hgetall, buf.keys.replay_out)
+def pending(store: Store, consumer: str) -> list[str]:
+    """Entries drawn by ``consumer`` and not committed, oldest first."""
+    out = store.retry(store.redis.hgetall, store.keys.replay_out)
     return sorted((k.decode() for k, v in out.items() if v.decode() == consumer), key=_id_key)
 
 
-def return_undone(buf: "Buffer", consumer: str, ids: list[str]) -> int:
+def return_undone(store: Store, consumer: str, ids: list[str]) -> int:
+    """Put entries ``consumer`` drew and did not commit back into the table, un-counting the draws."""
     if not ids:
         return 0
-    k = buf.keys
-    return int(buf.retry(buf.scripts.replay_return, keys=[k.counters, k.replay_n, k.replay_out, k.wake_replay], args=[consumer, *ids]))
+    k = store.keys
+    return int(store.retry(store.scripts.replay_return, keys=[k.counters, k.replay_n, k.replay_out, k.wake_replay], args=[consumer, *ids]))
 
 
-def commit(buf: "Buffer", consumer: str, entries: list[tuple[str, Any, Any, bool, list]]) -> int:
+def commit(store: Store, consumer: str, entries: list[tuple[str, Any, Any, bool, list]]) -> int:
     """entries: (id, good samples or '', lag or '', retire, dead letters)."""
     args: list[Any] = []
     for entry_id, good, lag, retire, bad in entries:
@@ -148,13 +92,13 @@ def commit(buf: "Buffer", consumer: str, entries: list[tuple[str, Any, Any, bool
             args += [reason, producer, raw]
     if not entries:
         return 0
-    k = buf.keys
+    k = store.keys
     return int(
-        buf.retry(
-            buf.scripts.replay_commit,
+        store.retry(
+            store.scripts.replay_commit,
             keys=[k.params, k.counters, k.samples, k.replay_index, k.replay_n, k.replay_uses, k.replay_out,
                   k.hist_consumed, k.dead, k.version],
-            args=[consumer, repr(time.time()), buf.cfg_dead_maxlen, len(entries), *args],
+            args=[consumer, repr(time.time()), store.dead_maxlen, len(entries), *args],
         )
     )
 

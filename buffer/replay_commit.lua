@@ -1,41 +1,42 @@
 -- Count drawn groups as used (replay mode); remove those used max_reuse times.
--- KEYS: 1 params, 2 counters, 3 samples, 4 replay_index, 5 replay_n, 6 replay_uses, 7 replay_out,
---       8 hist_consumed, 9 dead, 10 version
 -- ARGV: 1 consumer, 2 now, 3 dead-letter maxlen, 4 number of entries, then per entry:
 --       id, good samples ('' = all), lag ('' = from stored version), retire (1 = remove now: it
 --       held bad samples, dead-lettered here once), bad count, then per bad: reason, producer, raw
 -- Only entries this consumer holds are counted: a repeated commit is a no-op.
-local max_reuse = tonumber(redis.call('HGET', KEYS[1], 'max_reuse'))
-local version = num(redis.call('GET', KEYS[10]), 0)
+local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local uses_key, out_key, hist_key, dead_key, version_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local consumer, now, dead_maxlen, n_entries = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local max_reuse = tonumber(redis.call('HGET', params_key, 'max_reuse'))
+local version = num(redis.call('GET', version_key), 0)
 local pos, done = 5, 0
-for _ = 1, tonumber(ARGV[4]) do
+for _ = 1, n_entries do
   local id, good, lag, retire, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3], tonumber(ARGV[pos + 4])
   pos = pos + 5
-  if redis.call('HGET', KEYS[7], id) == ARGV[1] then
-    redis.call('HDEL', KEYS[7], id)
-    local n = num(redis.call('HGET', KEYS[5], id), 0)
-    local uses = redis.call('HINCRBY', KEYS[6], id, 1)
-    local g = num(good, n)
-    local l = lag
-    if l == '' then
-      local score = redis.call('ZSCORE', KEYS[4], id)
-      l = version - math.floor(num(score, 0) / VSCALE)
+  if redis.call('HGET', out_key, id) == consumer then
+    redis.call('HDEL', out_key, id)
+    local n = num(redis.call('HGET', n_key, id), 0)
+    local uses = redis.call('HINCRBY', uses_key, id, 1)
+    local n_good = num(good, n)
+    local entry_lag = lag
+    if entry_lag == '' then
+      local score = redis.call('ZSCORE', index_key, id)
+      entry_lag = version - math.floor(num(score, 0) / VSCALE)
     end
-    incr(KEYS[2], C.samples_consumed, g)
-    incr(KEYS[2], C.groups_consumed, 1)
-    if g > 0 then incr(KEYS[8], l, g) end
+    incr(counters_key, C.samples_consumed, n_good)
+    incr(counters_key, C.groups_consumed, 1)
+    if n_good > 0 then incr(hist_key, entry_lag, n_good) end
     for i = 0, n_bad - 1 do
       local b = pos + 3 * i
-      dead_letter(KEYS[9], KEYS[2], ARGV[3], 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, ARGV[2])
+      dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
     end
     if uses >= max_reuse or retire == '1' then
-      redis.call('ZREM', KEYS[4], id)
-      redis.call('HDEL', KEYS[5], id)
-      redis.call('HDEL', KEYS[6], id)
-      redis.call('XDEL', KEYS[3], id)
-      incr(KEYS[2], C.samples_removed, n)
-      incr(KEYS[2], C.groups_removed, 1)
-      incr(KEYS[2], C.replay_size, -n)
+      redis.call('ZREM', index_key, id)
+      redis.call('HDEL', n_key, id)
+      redis.call('HDEL', uses_key, id)
+      redis.call('XDEL', samples_key, id)
+      incr(counters_key, C.samples_removed, n)
+      incr(counters_key, C.groups_removed, 1)
+      incr(counters_key, C.replay_size, -n)
     end
     done = done + 1
   end

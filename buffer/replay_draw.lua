@@ -1,85 +1,85 @@
 -- Draw whole groups from the replay table for one batch (replay mode), under the rate limiter.
--- KEYS: 1 params, 2 counters, 3 samples, 4 replay_index, 5 replay_n, 6 replay_uses, 7 replay_out,
---       8 hist_dropped, 9 wake_replay, 10 wake_prompts
--- ARGV: 1 consumer, 2 learner version, 3 groups wanted, 4 policy (fifo|uniform)
 -- First removes entries too stale to train on (counted per lag). Then blocks (returns 'wait')
 -- while the table holds fewer than min_size_to_sample samples or fewer free groups than wanted,
--- or while drawing would push inserts * spi - samples below min_diff (Reverb's CanSample).
--- Drawn entries are marked out to this consumer until commit (uses count then) or return.
+-- or while drawing would break the sample side of the limiter (limiter_can_sample, from
+-- buffer/pacing.py through the preamble). Drawn entries are marked out to this consumer until
+-- commit (uses count then) or return.
 -- Returns {'wait', last wake_replay id, why} or {'ok', id, fields, id, fields, ...}.
-local p = redis.call('HMGET', KEYS[1], 'max_staleness', 'samples_per_insert', 'min_size_to_sample', 'error_buffer')
-local eta, spi, minsz, errbuf = tonumber(p[1]), num(p[2], 0), num(p[3], 0), num(p[4], 0)
-local v, want = tonumber(ARGV[2]), tonumber(ARGV[3])
+local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local uses_key, out_key, hist_key, wake_replay_key, wake_prompts_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local consumer, version, want, policy = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local pace = pacing_params(params_key)
+local max_staleness = pace.max_staleness
 
--- 1. too stale: version < v - eta, i.e. score < (v - eta) * VSCALE
-if v - eta > 0 then
-  local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. ((v - eta) * VSCALE), 'WITHSCORES')
+-- 1. too stale: entry version < version - max_staleness, i.e. score < (version - max_staleness) * VSCALE
+if version - max_staleness > 0 then
+  local stale = redis.call('ZRANGEBYSCORE', index_key, '-inf', '(' .. ((version - max_staleness) * VSCALE), 'WITHSCORES')
   local dropped = 0
   for i = 1, #stale, 2 do
     local m = stale[i]
-    if redis.call('HEXISTS', KEYS[7], m) == 0 then
-      local n = num(redis.call('HGET', KEYS[5], m), 0)
-      local uses = num(redis.call('HGET', KEYS[6], m), 0)
-      local lag = v - math.floor(tonumber(stale[i + 1]) / VSCALE)
-      redis.call('ZREM', KEYS[4], m)
-      redis.call('HDEL', KEYS[5], m)
-      redis.call('HDEL', KEYS[6], m)
-      redis.call('XDEL', KEYS[3], m)
-      incr(KEYS[2], C.samples_dropped_stale, n)
-      incr(KEYS[2], C.groups_dropped_stale, 1)
-      incr(KEYS[8], lag, n)
-      incr(KEYS[2], C.samples_removed, n)
-      incr(KEYS[2], C.groups_removed, 1)
-      incr(KEYS[2], C.replay_size, -n)
-      if spi > uses then incrf(KEYS[2], C.rl_samples, n * (spi - uses)) end
+    if redis.call('HEXISTS', out_key, m) == 0 then
+      local n = num(redis.call('HGET', n_key, m), 0)
+      local uses = num(redis.call('HGET', uses_key, m), 0)
+      local lag = version - math.floor(tonumber(stale[i + 1]) / VSCALE)
+      redis.call('ZREM', index_key, m)
+      redis.call('HDEL', n_key, m)
+      redis.call('HDEL', uses_key, m)
+      redis.call('XDEL', samples_key, m)
+      incr(counters_key, C.samples_dropped_stale, n)
+      incr(counters_key, C.groups_dropped_stale, 1)
+      incr(hist_key, lag, n)
+      incr(counters_key, C.samples_removed, n)
+      incr(counters_key, C.groups_removed, 1)
+      incr(counters_key, C.replay_size, -n)
+      limiter_forgive(counters_key, pace.samples_per_insert, n, uses)
       dropped = dropped + 1
     end
   end
-  if dropped > 0 then wake(KEYS[10], 'dropped') end
+  if dropped > 0 then wake(wake_prompts_key, 'dropped') end
 end
 
 -- 2. size gate
-local c = redis.call('HMGET', KEYS[2], C.replay_size, C.rl_inserts, C.rl_samples)
+local c = redis.call('HMGET', counters_key, C.replay_size, C.rl_inserts, C.rl_samples)
 local size, inserts, sampled = num(c[1], 0), num(c[2], 0), num(c[3], 0)
-if size < minsz or size == 0 then return {'wait', last_id(KEYS[9]), 'size'} end
+if size < pace.min_size_to_sample or size == 0 then return {'wait', last_id(wake_replay_key), 'size'} end
 
 -- 3. choose free entries
 local chosen = {}
-if ARGV[4] == 'uniform' then
-  local pool = redis.call('ZRANDMEMBER', KEYS[4], want + redis.call('HLEN', KEYS[7]))
+if policy == 'uniform' then
+  local pool = redis.call('ZRANDMEMBER', index_key, want + redis.call('HLEN', out_key))
   for _, m in ipairs(pool) do
     if #chosen >= want then break end
-    if redis.call('HEXISTS', KEYS[7], m) == 0 then chosen[#chosen + 1] = m end
+    if redis.call('HEXISTS', out_key, m) == 0 then chosen[#chosen + 1] = m end
   end
 else
   local start = 0
   while #chosen < want do
-    local cand = redis.call('ZRANGE', KEYS[4], start, start + 63)
+    local cand = redis.call('ZRANGE', index_key, start, start + 63)
     if #cand == 0 then break end
     for _, m in ipairs(cand) do
       if #chosen >= want then break end
-      if redis.call('HEXISTS', KEYS[7], m) == 0 then chosen[#chosen + 1] = m end
+      if redis.call('HEXISTS', out_key, m) == 0 then chosen[#chosen + 1] = m end
     end
     start = start + 64
   end
 end
-if #chosen < want then return {'wait', last_id(KEYS[9]), 'entries'} end
+if #chosen < want then return {'wait', last_id(wake_replay_key), 'entries'} end
 local total = 0
-for _, m in ipairs(chosen) do total = total + num(redis.call('HGET', KEYS[5], m), 0) end
+for _, m in ipairs(chosen) do total = total + num(redis.call('HGET', n_key, m), 0) end
 
--- 4. ratio gate: Reverb CanSample(n): inserts * spi - (samples + n) >= spi * min_size - error_buffer
-if spi > 0 and inserts * spi - (sampled + total) < spi * minsz - errbuf then
-  return {'wait', last_id(KEYS[9]), 'ratio'}
+-- 4. ratio gate
+if not limiter_can_sample(pace, inserts, sampled, total) then
+  return {'wait', last_id(wake_replay_key), 'ratio'}
 end
 
-incrf(KEYS[2], C.rl_samples, total)
+incrf(counters_key, C.rl_samples, total)
 local res = {'ok'}
 for _, m in ipairs(chosen) do
-  redis.call('HSET', KEYS[7], m, ARGV[1])
-  local e = redis.call('XRANGE', KEYS[3], m, m)
+  redis.call('HSET', out_key, m, consumer)
+  local e = redis.call('XRANGE', samples_key, m, m)
   res[#res + 1] = m
   if #e == 1 then res[#res + 1] = e[1][2] else res[#res + 1] = {} end
 end
 -- sampling makes room for inserts under the limiter
-if spi > 0 then wake(KEYS[10], 'sampled') end
+if pace.samples_per_insert > 0 then wake(wake_prompts_key, 'sampled') end
 return res

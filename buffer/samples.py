@@ -17,6 +17,9 @@ whole groups, in arrival order; a partial group (some samples dead-lettered) cou
 group. Groups whose staleness ``learner_version - oldest token version`` exceeds
 ``max_staleness`` are dropped (counted per lag, admission budget returned); undecodable or
 invalid samples are dead-lettered when their group is committed (or dropped).
+
+The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
+state they update (a learner consumer's :class:`LearnerState`), never the facade.
 """
 
 from __future__ import annotations
@@ -24,17 +27,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import msgpack
 
 from buffer import keys as K
+from buffer.prompts import Lease
+from buffer.store import Store
 from rlhf_core.records import Sample, validate_sample
 from rlhf_core.wire import WireError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from buffer.client import Buffer
-    from buffer.prompts import Lease
 
 log = logging.getLogger("buffer")
 
@@ -104,7 +105,7 @@ def groups_per_batch(batch_size: int, group_size: int) -> int:
 # ---- worker side ---------------------------------------------------------------------------
 
 
-def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample],
+def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list[Sample],
             rejected: Iterable[tuple[str, str, bytes]] = ()) -> list[Any]:
     """Validate and encode a group; return the ``complete.lua`` arguments.
 
@@ -112,7 +113,7 @@ def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample],
     reward function raised, a prompt too long to generate from); they reach the dead-letter
     stream in the same atomic step as the append and the ack.
     """
-    params = buf.run_params()
+    max_bytes = store.cfg.max_record_bytes
     group_ids = {s.group_id for s in samples}
     if len(group_ids) > 1:
         raise ValueError(f"complete() got samples of several groups {sorted(group_ids)}: pass one prompt's group per call")
@@ -123,8 +124,8 @@ def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample],
     for s in samples:
         raw = s.encode()
         try:
-            if len(raw) > buf.cfg.max_record_bytes:
-                raise WireError(f"record of {len(raw)} bytes exceeds buffer.max_record_bytes={buf.cfg.max_record_bytes}")
+            if len(raw) > max_bytes:
+                raise WireError(f"record of {len(raw)} bytes exceeds buffer.max_record_bytes={max_bytes}")
             validate_sample(s, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
         except WireError as exc:
             bad += ["sample", str(exc), raw]
@@ -134,18 +135,9 @@ def prepare(buf: "Buffer", lease: "Lease", samples: list[Sample],
         bad += [kind, reason, raw]
     oldest = min((s.oldest_version for s, _ in good), default=0)
     group_id = samples[0].group_id if samples else ""
-    head = [lease.lease_id, lease.consumer, repr(time.time()), buf.cfg_dead_maxlen, params["mode"], params["group_size"],
+    head = [lease.lease_id, lease.consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"],
             oldest, group_id, lease.prompt.prompt_id, len(good), len(bad) // 3]
     return head + [raw for _, raw in good] + bad
-
-
-def complete_keys(buf: "Buffer") -> list[str]:
-    """Keys of ``complete.lua``: the replay ones only in replay mode (fewer arguments on the hot path)."""
-    k = buf.keys
-    keys = [k.prompts, k.samples, k.counters, k.dead, k.wake_prompts]
-    if buf.run_params()["mode"] == "replay":
-        keys += [k.params, k.replay_index, k.replay_n, k.replay_uses, k.replay_out, k.wake_replay]
-    return keys
 
 
 def complete_status(res: list[Any]) -> str:
@@ -158,9 +150,9 @@ def complete_status(res: list[Any]) -> str:
 # ---- learner side (FIFO) -----------------------------------------------------------------
 
 
-def decode_entry(buf: "Buffer", entry_id: str, fields: dict[bytes, bytes] | None) -> Group:
-    """Decode and validate one stream entry. Never raises: what is wrong goes to ``Group.bad``."""
-    params = buf.run_params()
+def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mapping[str, Any], max_record_bytes: int) -> Group:
+    """Decode and validate one stream entry against the run parameters (``vocab_size``,
+    ``max_response_tokens``). Never raises: what is wrong goes to ``Group.bad``."""
     fields = fields or {}
     producer = _text(fields.get(K.F_PRODUCER.encode()), "?")
     try:
@@ -175,7 +167,7 @@ def decode_entry(buf: "Buffer", entry_id: str, fields: dict[bytes, bytes] | None
     group = Group(entry_id, group_id, prompt_id, producer, [])
     for raw in raws:
         try:
-            sample = Sample.decode(raw, max_bytes=buf.cfg.max_record_bytes)
+            sample = Sample.decode(raw, max_bytes=max_record_bytes)
             validate_sample(sample, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
         except WireError as exc:
             group.bad.append(("sample", str(exc), producer, raw))
@@ -238,16 +230,16 @@ class LearnerState:
     synced_at: int | None = None  # Buffer.retry.reconnects when last synced; None: never
 
 
-def read_batch(buf: "Buffer", consumer: str, learner_version: int, batch_size: int, timeout_s: float) -> Batch | None:
+def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
+               batch_size: int, timeout_s: float) -> Batch | None:
+    """FIFO mode: the next batch of ``consumer`` (whose state in this process is ``st``), or None on timeout."""
     K.check_consumer(consumer)
-    params = buf.run_params()
-    st: LearnerState = buf._learners.setdefault(consumer, LearnerState())
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
     while True:
-        if st.synced_at != buf.retry.reconnects:
-            _resync(buf, consumer, st)
-        _filter(buf, st, learner_version, params["max_staleness"])
+        if st.synced_at != store.retry.reconnects:
+            _resync(store, params, consumer, st)
+        _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
             chosen, st.carry = st.carry[:want], st.carry[want:]
             batch = build_batch(chosen, consumer, learner_version)
@@ -257,23 +249,23 @@ def read_batch(buf: "Buffer", consumer: str, learner_version: int, batch_size: i
         if remaining <= 0:
             return None
         block_ms = max(1, int(min(remaining, READ_BLOCK_CAP_S) * 1000))
-        res = buf.retry(
-            buf.redis.xreadgroup, K.LEARNER_GROUP, consumer, {buf.keys.samples: ">"},
+        res = store.retry(
+            store.redis.xreadgroup, K.LEARNER_GROUP, consumer, {store.keys.samples: ">"},
             count=want - len(st.carry), block=block_ms,
         )
         for entry_id, fields in stream_entries(res):
-            st.carry.append(decode_entry(buf, _text(entry_id), fields))
+            st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes))
 
 
-def _resync(buf: "Buffer", consumer: str, st: LearnerState) -> None:
+def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState) -> None:
     """Re-read this consumer's pending entries (a restarted learner, or replies lost in a
     reconnect) that this process has not handed out or carried yet, oldest first."""
-    reconnects = buf.retry.reconnects
+    reconnects = store.retry.reconnects
     known = set(st.handed) | {g.entry_id for g in st.carry}
     cursor = "0-0"
     found: list[Group] = []
     while True:
-        res = buf.retry(buf.redis.xreadgroup, K.LEARNER_GROUP, consumer, {buf.keys.samples: cursor}, count=HISTORY_CHUNK)
+        res = store.retry(store.redis.xreadgroup, K.LEARNER_GROUP, consumer, {store.keys.samples: cursor}, count=HISTORY_CHUNK)
         entries = stream_entries(res)
         if not entries:
             break
@@ -283,16 +275,16 @@ def _resync(buf: "Buffer", consumer: str, st: LearnerState) -> None:
             if eid in known:
                 continue
             if not fields:  # deleted while pending: nothing left to train on
-                buf.retry(buf.redis.xack, buf.keys.samples, K.LEARNER_GROUP, eid)
+                store.retry(store.redis.xack, store.keys.samples, K.LEARNER_GROUP, eid)
                 continue
-            found.append(decode_entry(buf, eid, fields))
+            found.append(decode_entry(eid, fields, params, store.cfg.max_record_bytes))
     if found:
         log.info("learner %s: %d group(s) read before a restart or reconnect are delivered again", consumer, len(found))
     st.carry = found + st.carry
     st.synced_at = reconnects
 
 
-def _filter(buf: "Buffer", st: LearnerState, learner_version: int, max_staleness: int) -> None:
+def _filter(store: Store, st: LearnerState, learner_version: int, max_staleness: int) -> None:
     """Drop carried groups that are too stale or hold nothing usable (``drop.lua``)."""
     keep: list[Group] = []
     args: list[Any] = []
@@ -311,16 +303,16 @@ def _filter(buf: "Buffer", st: LearnerState, learner_version: int, max_staleness
             args += [kind, reason, producer, raw]
     if not n:
         return
-    k = buf.keys
-    buf.retry(
-        buf.scripts.drop,
+    k = store.keys
+    store.retry(
+        store.scripts.drop,
         keys=[k.samples, k.counters, k.hist_dropped, k.dead, k.params, k.wake_prompts],
-        args=[repr(time.time()), buf.cfg_dead_maxlen, n, *args],
+        args=[repr(time.time()), store.dead_maxlen, n, *args],
     )
     st.carry = keep
 
 
-def commit(buf: "Buffer", entries: Iterable[tuple[str, int | str, int | str, list]]) -> int:
+def commit(store: Store, entries: Iterable[tuple[str, int | str, int | str, list]]) -> int:
     """Ack (id, good samples or '', lag or '', dead letters) entries; returns how many were new."""
     args: list[Any] = []
     n = 0
@@ -331,11 +323,11 @@ def commit(buf: "Buffer", entries: Iterable[tuple[str, int | str, int | str, lis
             args += [reason, producer, raw]
     if not n:
         return 0
-    k = buf.keys
-    done = buf.retry(
-        buf.scripts.commit,
+    k = store.keys
+    done = store.retry(
+        store.scripts.commit,
         keys=[k.samples, k.counters, k.hist_consumed, k.dead, k.version],
-        args=[repr(time.time()), buf.cfg_dead_maxlen, n, *args],
+        args=[repr(time.time()), store.dead_maxlen, n, *args],
     )
     return int(done)
 

@@ -8,10 +8,14 @@ then refuses a write script up front when it is out of memory, instead of failin
 write after earlier writes already happened.
 
 Names are defined once in Python and reach Lua through the preamble: stream fields and
-consumer groups from :mod:`buffer.keys`, counter names from
-:mod:`buffer.metrics` (as the table ``C``, which raises on an unknown name), and the shared
-``dead_letter`` helper. Redis caches scripts by SHA; redis-py's ``Script`` reloads a script
-transparently after a Redis restart (NOSCRIPT).
+consumer groups from :mod:`buffer.keys`, counter names from :mod:`buffer.metrics` (as the
+table ``C``, which raises on an unknown name), the shared ``dead_letter`` helper, and the
+pacing rule and rate limiter of :mod:`buffer.pacing` (the Lua twins of its Python functions,
+with the parameter names they read). Each script gives its ``KEYS`` entries names in locals on
+its first lines; the caller passes them in that order (:func:`claim_keys` and
+:func:`complete_keys` build the lists of the scripts called from more than one place).
+Redis caches scripts by SHA; redis-py's ``Script`` reloads a script transparently after a
+Redis restart (NOSCRIPT).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import redis
 
 from buffer import keys as K
-from buffer import metrics
+from buffer import metrics, pacing
 
 _DIR = Path(__file__).resolve().parent
 
@@ -114,6 +118,7 @@ local function num(x, default)
 end
 """
     )
+    lines.append(pacing.lua())
     return "\n".join(lines)
 
 
@@ -123,6 +128,19 @@ def source(name: str) -> str:
     if body.startswith("#!"):
         body = body.split("\n", 1)[1]
     return "#!lua\n" + preamble() + "\n" + body
+
+
+def claim_keys(keys: K.RunKeys) -> list[str]:
+    """``KEYS`` of ``claim.lua`` (the pacing check runs there)."""
+    return [keys.params, keys.version, keys.counters, keys.prompts, keys.dead, keys.wake_prompts]
+
+
+def complete_keys(keys: K.RunKeys, mode: str) -> list[str]:
+    """``KEYS`` of ``complete.lua``: the replay ones only in replay mode (fewer arguments on the hot path)."""
+    out = [keys.prompts, keys.samples, keys.counters, keys.dead, keys.wake_prompts]
+    if mode == "replay":
+        out += [keys.params, keys.replay_index, keys.replay_n, keys.replay_uses, keys.replay_out, keys.wake_replay]
+    return out
 
 
 class Scripts:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 from buffer import keys as K
 import factories as T
 from buffer.samples import build_batch, decode_entry
 from rlhf_core.config import BufferConfig
 
-STUB = SimpleNamespace(run_params=lambda: {"vocab_size": 100, "max_response_tokens": 16}, cfg=BufferConfig())
+PARAMS = {"vocab_size": 100, "max_response_tokens": 16}
+MAX_BYTES = BufferConfig().max_record_bytes
 
 
 def _entry(samples, producer=b"w1", count=None):
@@ -24,7 +23,7 @@ def _entry(samples, producer=b"w1", count=None):
 def test_decode_entry_keeps_good_samples_and_lists_bad_ones():
     good = [T.sample("p", index=i, version=3 + i) for i in range(2)]
     nan = T.sample("p", index=2, reward=math.nan).encode()
-    g = decode_entry(STUB, "1-0", _entry([good[0].encode(), nan, good[1].encode(), b"\xc1"]))
+    g = decode_entry("1-0", _entry([good[0].encode(), nan, good[1].encode(), b"\xc1"]), PARAMS, MAX_BYTES)
     assert [s.sample_id for s in g.samples] == [good[0].sample_id, good[1].sample_id]
     assert g.oldest_version == 3  # from the samples themselves, not the entry's field
     assert [(kind, producer, raw) for kind, _, producer, raw in g.bad] == [("sample", "w1", nan), ("sample", "w1", b"\xc1")]
@@ -32,14 +31,14 @@ def test_decode_entry_keeps_good_samples_and_lists_bad_ones():
 
 
 def test_malformed_entry_is_one_bad_record():
-    g = decode_entry(STUB, "1-0", _entry([T.sample().encode()], count=3))  # says 3, holds 1
+    g = decode_entry("1-0", _entry([T.sample().encode()], count=3), PARAMS, MAX_BYTES)  # says 3, holds 1
     assert g.samples == [] and len(g.bad) == 1 and g.bad[0][0] == "entry"
     assert "malformed sample-stream entry" in g.bad[0][1]
 
 
 def test_build_batch_slices_groups_and_staleness():
-    g1 = decode_entry(STUB, "1-0", _entry([T.sample("a", index=i, version=4).encode() for i in range(4)]))
-    g2 = decode_entry(STUB, "2-0", _entry([T.sample("b", index=i, version=3).encode() for i in range(2)]))
+    g1 = decode_entry("1-0", _entry([T.sample("a", index=i, version=4).encode() for i in range(4)]), PARAMS, MAX_BYTES)
+    g2 = decode_entry("2-0", _entry([T.sample("b", index=i, version=3).encode() for i in range(2)]), PARAMS, MAX_BYTES)
     b = build_batch([g1, g2], "L", learner_version=5)
     assert b.ids == ["1-0", "2-0"] and b.group_sizes == [4, 2] and len(b) == 6
     assert [(s.start, s.end, s.lag) for s in b.groups] == [(0, 4, 1), (4, 6, 2)]

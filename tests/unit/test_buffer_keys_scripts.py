@@ -9,7 +9,7 @@ import pytest
 from redis.crc import key_slot
 
 from buffer import keys as K
-from buffer import metrics, scripts
+from buffer import metrics, pacing, scripts
 
 
 def test_every_key_of_a_run_is_under_its_prefix_in_one_cluster_slot():
@@ -52,13 +52,28 @@ def test_each_script_file_is_registered_and_starts_with_flags():
 
 def test_lua_uses_only_declared_counters_and_no_hardcoded_names():
     declared = set(metrics.COUNTERS)
-    for path in LUA:
-        body = path.read_text()
-        used = set(re.findall(r"\bC\.(\w+)", body))
-        assert used <= declared, f"{path.name}: unknown counters {used - declared}"
-        # group / consumer names come from the preamble, never as literals
+    for name in scripts.SCRIPT_NAMES:
+        src = scripts.source(name)  # the body with the preamble (pacing's Lua included)
+        used = set(re.findall(r"\bC\.(\w+)", src))
+        assert used <= declared, f"{name}.lua: unknown counters {used - declared}"
+        # group / consumer names come from the preamble, never as literals in a body
         for literal in (K.WORKERS_GROUP, K.LEARNER_GROUP, K.RELEASED_CONSUMER):
-            assert f"'{literal}'" not in body, f"{path.name} hard-codes {literal!r}"
+            assert f"'{literal}'" not in (Path(scripts.__file__).parent / f"{name}.lua").read_text(), f"{name}.lua hard-codes {literal!r}"
+
+
+def test_every_script_names_its_keys_once_at_the_top():
+    # KEYS[i] appears only in the `local ..._key = KEYS[i]` lines that name them, so the body
+    # reads `prompts_key`, never a bare index a caller could misorder unnoticed
+    for path in LUA:
+        lines = path.read_text().splitlines()
+        naming = [i for i, line in enumerate(lines) if "KEYS[" in line]
+        assert naming, f"{path.name} names no KEYS"
+        for i in naming:
+            line = lines[i]
+            decl = line.startswith("local ") or (i > 0 and lines[i - 1].startswith("local ") and lines[i - 1].rstrip().endswith("="))
+            assert decl and "redis.call" not in line, f"{path.name}:{i + 1} uses KEYS outside the naming lines: {line.strip()}"
+        names = re.findall(r"(\w+_key)\b", " ".join(lines[i] for i in naming))
+        assert len(names) == len(set(names)), f"{path.name} names a key twice: {names}"
 
 
 def test_preamble_counter_table_matches_metrics():
@@ -68,11 +83,19 @@ def test_preamble_counter_table_matches_metrics():
     assert f"local WORKERS = '{K.WORKERS_GROUP}'" in pre and f"local F_COUNT = '{K.F_COUNT}'" in pre
 
 
+def test_preamble_carries_pacing_with_its_parameter_names():
+    pre = scripts.preamble()
+    assert "local function admission_budget(" in pre and "local function limiter_can_sample(" in pre
+    assert "'HMGET', params_key, " + ", ".join(f"'{n}'" for n in pacing.PARAMS) in pre
+    assert set(pacing.COUNTERS) <= set(metrics.COUNTERS)
+
+
 def test_run_parameters_read_by_lua_are_written_by_init_run():
     from buffer.client import PARAM_NAMES
 
     read = set()
-    for path in LUA:
-        for call in re.findall(r"'HM?GET', KEYS\[\d+\], ([^)]*)\)", path.read_text()):
+    for name in scripts.SCRIPT_NAMES:
+        for call in re.findall(r"'HM?GET', \w+, ([^)]*)\)", scripts.source(name)):
             read.update(re.findall(r"'(\w+)'", call))
+    assert set(pacing.PARAMS) <= read  # pacing's reads are seen too
     assert read and read <= set(PARAM_NAMES), read - set(PARAM_NAMES)

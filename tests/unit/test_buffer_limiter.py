@@ -1,8 +1,9 @@
-"""The pacing rule and the Reverb-style limiter as plain arithmetic (the Lua scripts mirror it)."""
+"""The pacing rule and the Reverb-style limiter as plain arithmetic (buffer.pacing; its Lua twins
+are checked against it on a real Redis in tests/integration/test_buffer_pacing.py)."""
 
 from __future__ import annotations
 
-from buffer import replay
+from buffer import pacing
 from buffer.samples import groups_per_batch
 
 # spi 2, min_size 8, error_buffer 8: offset 16, min_diff 8, max_diff 24
@@ -10,29 +11,29 @@ SPI, MIN, ERR = 2.0, 8, 8.0
 
 
 def test_diffs():
-    assert (replay.min_diff(SPI, MIN, ERR), replay.max_diff(SPI, MIN, ERR)) == (8.0, 24.0)
+    assert (pacing.min_diff(SPI, MIN, ERR), pacing.max_diff(SPI, MIN, ERR)) == (8.0, 24.0)
 
 
 def test_can_insert():
-    assert replay.can_insert(0, 0, 8, SPI, MIN, ERR)  # 0 + 8 <= min_size: always
-    assert replay.can_insert(8, 0, 4, SPI, MIN, ERR)  # 12*2 - 0 = 24 <= 24
-    assert not replay.can_insert(8, 0, 5, SPI, MIN, ERR)  # 13*2 - 0 = 26 > 24
-    assert replay.can_insert(12, 8, 4, SPI, MIN, ERR)  # 16*2 - 8 = 24 <= 24
+    assert pacing.can_insert(0, 0, 8, SPI, MIN, ERR)  # 0 + 8 <= min_size: always
+    assert pacing.can_insert(8, 0, 4, SPI, MIN, ERR)  # 12*2 - 0 = 24 <= 24
+    assert not pacing.can_insert(8, 0, 5, SPI, MIN, ERR)  # 13*2 - 0 = 26 > 24
+    assert pacing.can_insert(12, 8, 4, SPI, MIN, ERR)  # 16*2 - 8 = 24 <= 24
 
 
 def test_can_sample():
-    assert not replay.can_sample(4, 0, 4, 4, SPI, MIN, ERR)  # size 4 < min_size 8
-    assert replay.can_sample(8, 0, 8, 8, SPI, MIN, ERR)  # 8*2 - (0+8) = 8 >= 8
-    assert not replay.can_sample(8, 8, 8, 8, SPI, MIN, ERR)  # 16 - 16 = 0 < 8
-    assert replay.can_sample(12, 8, 12, 8, SPI, MIN, ERR)  # 24 - 16 = 8 >= 8
+    assert not pacing.can_sample(4, 0, 4, 4, SPI, MIN, ERR)  # size 4 < min_size 8
+    assert pacing.can_sample(8, 0, 8, 8, SPI, MIN, ERR)  # 8*2 - (0+8) = 8 >= 8
+    assert not pacing.can_sample(8, 8, 8, 8, SPI, MIN, ERR)  # 16 - 16 = 0 < 8
+    assert pacing.can_sample(12, 8, 12, 8, SPI, MIN, ERR)  # 24 - 16 = 8 >= 8
 
 
 def test_insert_room_is_the_largest_insertable_n():
     for inserts, samples in [(0, 0), (8, 0), (12, 8), (30, 40), (3, 0)]:
-        room = replay.insert_room(inserts, samples, SPI, MIN, ERR)
-        assert replay.can_insert(inserts, samples, room, SPI, MIN, ERR)
-        assert not replay.can_insert(inserts, samples, room + 1, SPI, MIN, ERR)
-    assert replay.insert_room(0, 0, SPI, MIN, ERR) == 12  # floor((24 + 0) / 2) - 0
+        room = pacing.insert_room(inserts, samples, SPI, MIN, ERR)
+        assert pacing.can_insert(inserts, samples, room, SPI, MIN, ERR)
+        assert not pacing.can_insert(inserts, samples, room + 1, SPI, MIN, ERR)
+    assert pacing.insert_room(0, 0, SPI, MIN, ERR) == 12  # floor((24 + 0) / 2) - 0
 
 
 def _params(**kw):
@@ -47,19 +48,19 @@ def _counters(admitted=0, inflight=0, rl_inserts=0, rl_samples=0):
 
 def test_pacing_budget():
     # (max_staleness 2 + version 0 + 1) * batch 8 = 24 samples may ever be admitted at version 0
-    assert replay.admission_budget(_params(), 0, _counters()) == 24
-    assert replay.admission_budget(_params(), 0, _counters(admitted=24)) == 0
+    assert pacing.admission_budget(_params(), 0, _counters()) == 24
+    assert pacing.admission_budget(_params(), 0, _counters(admitted=24)) == 0
     # each published version admits one more batch
-    assert replay.admission_budget(_params(), 1, _counters(admitted=24)) == 8
+    assert pacing.admission_budget(_params(), 1, _counters(admitted=24)) == 8
     # max_staleness 0: exactly one batch ahead, i.e. synchronous
-    assert replay.admission_budget(_params(max_staleness=0), 5, _counters(admitted=40)) == 8
-    assert replay.admission_budget(_params(), 0, _counters(admitted=30)) == 0  # never negative
+    assert pacing.admission_budget(_params(max_staleness=0), 5, _counters(admitted=40)) == 8
+    assert pacing.admission_budget(_params(), 0, _counters(admitted=30)) == 0  # never negative
 
 
 def test_budget_is_the_tighter_of_pacing_and_limiter():
     p = _params(samples_per_insert=SPI, max_staleness=100)
     # limiter room: floor((24 + 0) / 2) - (0 + 4 in flight) = 8; pacing: 101 * 8 = 808
-    assert replay.admission_budget(p, 0, _counters(admitted=4, inflight=4)) == 8
+    assert pacing.admission_budget(p, 0, _counters(admitted=4, inflight=4)) == 8
 
 
 def test_groups_per_batch_rule():
