@@ -387,10 +387,13 @@ def validate_algo(algo: AlgoConfig) -> None:
         raise ConfigError(f"algo.max_staleness must be >= 0, got {algo.max_staleness}")
     if not 0 < algo.clip_eps_low < 1 or algo.clip_eps_high <= 0:
         raise ConfigError(f"clip range needs 0 < algo.clip_eps_low < 1 and algo.clip_eps_high > 0, got {algo.clip_eps_low}, {algo.clip_eps_high}")
-    if algo.is_correction == "tis" and not algo.tis_cap > 0:
-        raise ConfigError(f"algo.tis_cap must be > 0 (use a large number to disable truncation), got {algo.tis_cap}")
-    if algo.is_correction == "mis" and not 0 <= algo.mis_low < algo.mis_high:
-        raise ConfigError(f"masked IS needs 0 <= algo.mis_low < algo.mis_high, got [{algo.mis_low}, {algo.mis_high}]")
+    # the caps of the level in use: is_level=sequence reads the seq_* fields
+    prefix = "seq_" if algo.is_level == "sequence" else ""
+    cap, low, high = (getattr(algo, f"{prefix}{name}") for name in ("tis_cap", "mis_low", "mis_high"))
+    if algo.is_correction == "tis" and not cap > 0:
+        raise ConfigError(f"algo.{prefix}tis_cap must be > 0 (use a large number to disable truncation), got {cap}")
+    if algo.is_correction == "mis" and not 0 <= low < high:
+        raise ConfigError(f"masked IS needs 0 <= algo.{prefix}mis_low < algo.{prefix}mis_high, got [{low}, {high}]")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         raise ConfigError(f"algo.dual_clip_c must be > 1 (Ye et al. use 3), got {algo.dual_clip_c}")
     if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
