@@ -27,15 +27,9 @@ local function evict(size, cap, spi)
       if redis.call('HEXISTS', out_key, m) == 0 then
         local n = num(redis.call('HGET', n_key, m), 0)
         local uses = num(redis.call('HGET', uses_key, m), 0)
-        redis.call('ZREM', index_key, m)
-        redis.call('HDEL', n_key, m)
-        redis.call('HDEL', uses_key, m)
-        redis.call('XDEL', samples_key, m)
+        replay_remove(index_key, n_key, uses_key, samples_key, counters_key, m, n)
         size = size - n
         incr(counters_key, C.samples_evicted, n)
-        incr(counters_key, C.samples_removed, n)
-        incr(counters_key, C.groups_removed, 1)
-        incr(counters_key, C.replay_size, -n)
         limiter_forgive(counters_key, spi, n, uses)
       else
         start = start + 1

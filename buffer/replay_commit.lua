@@ -30,13 +30,7 @@ for _ = 1, n_entries do
       dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
     end
     if uses >= max_reuse or retire == '1' then
-      redis.call('ZREM', index_key, id)
-      redis.call('HDEL', n_key, id)
-      redis.call('HDEL', uses_key, id)
-      redis.call('XDEL', samples_key, id)
-      incr(counters_key, C.samples_removed, n)
-      incr(counters_key, C.groups_removed, 1)
-      incr(counters_key, C.replay_size, -n)
+      replay_remove(index_key, n_key, uses_key, samples_key, counters_key, id, n)
     end
     done = done + 1
   end

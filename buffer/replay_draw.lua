@@ -21,16 +21,10 @@ if version - max_staleness > 0 then
       local n = num(redis.call('HGET', n_key, m), 0)
       local uses = num(redis.call('HGET', uses_key, m), 0)
       local lag = version - math.floor(tonumber(stale[i + 1]) / VSCALE)
-      redis.call('ZREM', index_key, m)
-      redis.call('HDEL', n_key, m)
-      redis.call('HDEL', uses_key, m)
-      redis.call('XDEL', samples_key, m)
+      replay_remove(index_key, n_key, uses_key, samples_key, counters_key, m, n)
       incr(counters_key, C.samples_dropped_stale, n)
       incr(counters_key, C.groups_dropped_stale, 1)
       incr(hist_key, lag, n)
-      incr(counters_key, C.samples_removed, n)
-      incr(counters_key, C.groups_removed, 1)
-      incr(counters_key, C.replay_size, -n)
       limiter_forgive(counters_key, pace.samples_per_insert, n, uses)
       dropped = dropped + 1
     end

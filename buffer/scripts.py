@@ -116,6 +116,16 @@ local function num(x, default)
   if x == false or x == nil or x == '' then return default end
   return tonumber(x)
 end
+-- take one group of n samples out of the replay table (index, sizes, use counts, stream entry)
+local function replay_remove(index_key, n_key, uses_key, samples_key, counters_key, id, n)
+  redis.call('ZREM', index_key, id)
+  redis.call('HDEL', n_key, id)
+  redis.call('HDEL', uses_key, id)
+  redis.call('XDEL', samples_key, id)
+  incr(counters_key, C.samples_removed, n)
+  incr(counters_key, C.groups_removed, 1)
+  incr(counters_key, C.replay_size, -n)
+end
 """
     )
     lines.append(pacing.lua())
