@@ -114,6 +114,17 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
             return int(v or 0)
 
         wait_for(lambda: learner_version() >= 2, 180, "two learner updates")
+        # Both workers must have reported generated tokens before the snapshot: on a loaded machine
+        # one worker can start late, and two updates may be done by the other alone.
+        from buffer import Buffer
+
+        watch = Buffer(r, run_id=run_id)
+
+        def workers_with_tokens() -> set[str]:
+            consumers = watch.metrics()["consumers"]
+            return {n for n, c in consumers.items() if n.startswith("worker-") and c["stats"].get(M.WORKER_TOKENS, 0) > 0}
+
+        wait_for(lambda: workers_with_tokens() == {"worker-0", "worker-1"}, 180, "both workers generating")
         snap_proc = run_cmd([script("rlhf-monitor"), f"url={redis_server.url}", f"run_id={run_id}", "--once", "--json"],
                             tmp_path, timeout=60)
         assert snap_proc.returncode == 0, snap_proc.stderr
