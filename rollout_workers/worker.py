@@ -481,6 +481,7 @@ class RolloutWorker:
             if self._hb_thread is not None:
                 self._hb_thread.join(timeout=10)
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self.engine.close()
             self.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()
             if self._own_buffer:
