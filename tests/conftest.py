@@ -69,6 +69,14 @@ def tiny_model_cfg(model_cache):
     return ModelConfig(cache_dir=str(model_cache))
 
 
+@pytest.fixture(scope="session")
+def tiny_vllm_cfg(model_cache):
+    """The tiny model in conf/model/tiny_vllm.yaml's shape (head_dim 64, which vLLM's CPU attention runs)."""
+    from rlhf_core.config import ModelConfig, TinyModelConfig
+
+    return ModelConfig(cache_dir=str(model_cache), tiny=TinyModelConfig(hidden_size=128, num_heads=2, intermediate_size=256))
+
+
 @pytest.fixture
 def weight_server():
     """A real weight server in a thread of this process (loopback, random ports)."""

