@@ -26,6 +26,7 @@ COMMON_KEYS = {"bench", "date", "machine", "mode", "config"}
 # bench -> (arguments, the JSON's own top-level keys besides COMMON_KEYS)
 BENCHES = {
     "buffer": (["--quick"], {"results", "targets", "notes"}),
+    "engines": (["--quick"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
     "generation": (["--quick"], {"results", "runs_s", "ratio", "target_ratio", "met"}),
     "staleness": (["--quick"], {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
@@ -37,8 +38,13 @@ def _digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
+NEEDS = {"engines": "vllm"}  # bench -> the optional package it needs (installed by ./quickstart.sh)
+
+
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     args, keys = BENCHES[name]
     committed = BENCH / "results" / f"{name}.json"
     before = _digest(committed)
