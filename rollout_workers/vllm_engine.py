@@ -58,6 +58,7 @@ INSTALL_HINT = (
 )
 WEIGHTS_FILE = "weights.safetensors"
 DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
+OWNER_POLL_S = 1.0  # how often vLLM's worker process checks that the rollout worker still lives
 
 
 def import_vllm() -> Any:
@@ -119,6 +120,40 @@ class WeightLoaderExtension:
 
     Kept free of project imports so vLLM's worker process can import it cheaply.
     """
+
+    def rlhf_watch_owner(self, owner_pid: int) -> int:
+        """Tie vLLM's processes to the rollout worker that started them. vLLM's engine core does not
+        watch its parent, so a SIGKILLed worker (OOM killer, ``kill -9``) would leave the engine
+        core and this process running, holding memory (GPU memory on a GPU). A daemon thread here
+        stops both once the owner is gone. Returns this process's pid."""
+        import signal
+        import threading
+        import time
+
+        import psutil
+
+        owner = psutil.Process(owner_pid)
+        born = owner.create_time()
+        core = os.getppid() if os.getppid() != owner_pid else None  # None: this process is the engine core
+
+        def owner_alive() -> bool:
+            try:
+                return owner.create_time() == born and owner.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        def watch() -> None:
+            while owner_alive():
+                time.sleep(OWNER_POLL_S)
+            if core is not None:
+                try:
+                    os.kill(core, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os._exit(1)
+
+        threading.Thread(target=watch, name="rlhf-owner-watch", daemon=True).start()
+        return os.getpid()
 
     def rlhf_reload_weights(self, path: str) -> int:
         from safetensors.torch import load_file
@@ -182,6 +217,7 @@ class VLLMEngine:
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
         )
         self.engine = self._vllm.LLMEngine.from_engine_args(args)
+        self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(),))
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shm))
         self.tokenizer = tokenizer

