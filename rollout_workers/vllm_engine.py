@@ -194,6 +194,7 @@ class VLLMEngine:
                  cpu_kv_cache_gb: int = 1) -> None:
         self._vllm = import_vllm()
         check_model_shape(model_path)
+        self._shapes = checkpoint_shapes(model_path)  # before vLLM starts: a refusal leaves nothing running
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -224,7 +225,6 @@ class VLLMEngine:
         self.slots = slots
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
-        self._shapes = checkpoint_shapes(model_path)
         self.version = 0
         self._tracks: dict[str, _Track] = {}
 
