@@ -148,6 +148,20 @@ def make_result(
     )
 
 
+def check_weight_update(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], version: int) -> None:
+    """Refuse a weight update with a name or shape the model does not have (``shapes``: the model's
+    {name: shape}), before an engine copies or sends anything, so nothing is ever half-applied."""
+    unknown = [n for n in tensors if n not in shapes]
+    if unknown:
+        raise EngineError(
+            f"weight update v{version} has {len(unknown)} tensor(s) this model does not have, e.g. "
+            f"{unknown[:3]}; the learner and the workers must load the same model architecture"
+        )
+    bad = [(n, tuple(t.shape), tuple(shapes[n])) for n, t in tensors.items() if tuple(t.shape) != tuple(shapes[n])]
+    if bad:
+        raise EngineError(f"weight update v{version}: shape mismatch (name, got, expected): {bad[:3]}")
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """What the worker loop needs from an engine. All calls come from one thread."""

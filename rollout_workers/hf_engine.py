@@ -38,7 +38,8 @@ from typing import Any, Mapping
 import torch
 
 from rlhf_core.sampling import process_logits, sample_tokens, token_logprobs
-from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams, make_result
+from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
+                                    make_result)
 
 log = logging.getLogger(__name__)
 
@@ -172,15 +173,7 @@ class HFEngine:
         checked before the first copy, so a mismatch never leaves half-updated weights."""
         if tensors is not None:
             own = self.model.state_dict(keep_vars=True)
-            unknown = [n for n in tensors if n not in own]
-            if unknown:
-                raise EngineError(
-                    f"weight update v{version} has {len(unknown)} tensor(s) this model does not have, e.g. "
-                    f"{unknown[:3]}; the learner and the workers must load the same model architecture"
-                )
-            bad = [(n, tuple(t.shape), tuple(own[n].shape)) for n, t in tensors.items() if t.shape != own[n].shape]
-            if bad:
-                raise EngineError(f"weight update v{version}: shape mismatch (name, got, expected): {bad[:3]}")
+            check_weight_update(tensors, {n: tuple(t.shape) for n, t in own.items()}, version)
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     own[name].copy_(tensor)  # copy_ converts device and dtype

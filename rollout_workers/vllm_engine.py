@@ -46,7 +46,8 @@ from typing import Any, Mapping
 
 import torch
 
-from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams, make_result
+from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
+                                    make_result)
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ class VLLMEngine:
             raise EngineError("the vllm engine has no in-process weights_target(); pass the tensors to update_weights")
         from safetensors.torch import save_file
 
-        self._check_weights(tensors)
+        check_weight_update(tensors, self._shapes, version)  # vLLM's worker would fail mid-reload, maybe taking the core down
         # one private file (0600) per update, removed once vLLM has read it: nothing stays behind
         fd, file_name = tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".safetensors", dir=self._shm)
         os.close(fd)
@@ -343,18 +344,6 @@ class VLLMEngine:
             log.warning("vllm: engine core shutdown: %s", exc)
 
     # ----------------------------------------------------------------------------- internals
-
-    def _check_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refuse names or shapes the checkpoint does not have before anything reaches vLLM (its worker
-        would fail inside the reload, which can take the engine core down)."""
-        unknown = sorted(set(tensors) - set(self._shapes))
-        if unknown:
-            raise EngineError(f"weights {unknown[:5]} are not in the model's checkpoint ({len(unknown)} unknown); "
-                              "were they published for another model?")
-        wrong = {n: (tuple(t.shape), self._shapes[n]) for n, t in tensors.items() if tuple(t.shape) != self._shapes[n]}
-        if wrong:
-            raise EngineError(f"shape mismatch for {len(wrong)} weights, e.g. {next(iter(wrong.items()))} (got, want); "
-                              "were they published for another model?")
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking call into vLLM's engine core that cannot outlive the core.
