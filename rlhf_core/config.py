@@ -152,6 +152,9 @@ class RolloutConfig:
     restart_on_crash: bool = True
     prometheus_port: Optional[int] = None
     seed: int = 0
+    # hf engine only
+    prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per engine step at most (longer prompts are chunked)
+    cuda_graphs: bool = True  # capture the decoding step as CUDA graphs (on a CUDA device)
     # vllm engine only
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
@@ -413,6 +416,8 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(f"rollout.temperature must be > 0 (sampling is required for RL), got {rollout.temperature}")
     if not 0 < rollout.top_p <= 1 or rollout.top_k < 0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and top_k >= 0, got {rollout.top_p}, {rollout.top_k}")
+    if rollout.prefill_chunk_tokens < 1:
+        raise ConfigError(f"rollout.prefill_chunk_tokens must be >= 1, got {rollout.prefill_chunk_tokens}")
     if rollout.slots < 1 or rollout.num_workers < 0:
         raise ConfigError(f"rollout.slots {rollout.slots} must be >= 1 and rollout.num_workers {rollout.num_workers} >= 0")
 

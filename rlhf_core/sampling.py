@@ -31,7 +31,7 @@ import torch
 
 Setting = Union[float, int, torch.Tensor]
 
-__all__ = ["process_logits", "sample_tokens", "token_logprobs", "response_logprobs"]
+__all__ = ["process_logits", "process_logits_rows", "sample_tokens", "token_logprobs", "response_logprobs"]
 
 
 def _rows(value: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -54,65 +54,80 @@ def process_logits(
         ``[..., V]`` float32. Differentiable with respect to ``logits`` (the learner backprops
         through it); the filtering masks themselves carry no gradient.
     """
+    if any(isinstance(s, torch.Tensor) for s in (temperature, top_k, top_p)):
+        rows, device = logits.shape[0], logits.device
+        t, k, p = (_per_row(s, rows, dtype, device) for s, dtype in
+                   ((temperature, torch.float32), (top_k, torch.long), (top_p, torch.float32)))
+        use_k = bool(((t == 0) | ((k > 0) & (k < logits.shape[-1]))).any())
+        return process_logits_rows(logits, t, k, p, use_top_k=use_k, use_top_p=bool((p < 1).any()))
     x = logits.float()
-    ndim, vocab = x.ndim, x.shape[-1]
-    neg_inf = float("-inf")
-
-    # Greedy rows: temperature 0 -> temperature 1, top_k 1.
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(device=x.device, dtype=torch.float32)
-        greedy = temperature == 0
-        if isinstance(top_k, torch.Tensor) or bool(greedy.any()):
-            k = top_k if isinstance(top_k, torch.Tensor) else torch.full_like(greedy, int(top_k), dtype=torch.long)
-            top_k = torch.where(greedy, torch.ones_like(k, dtype=torch.long), k.to(device=x.device, dtype=torch.long))
-        x = x / _rows(torch.where(greedy, torch.ones_like(temperature), temperature), ndim)
-    elif temperature == 0:
-        top_k = 1 if not isinstance(top_k, torch.Tensor) else torch.ones_like(top_k)
+    if temperature == 0:
+        top_k = 1
     elif temperature != 1.0:
         x = x / float(temperature)
-
-    # Top-k.
-    if isinstance(top_k, torch.Tensor):
-        k = top_k.to(device=x.device, dtype=torch.long)
-        k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
-        if bool((k < vocab).any()):
-            sorted_x = x.sort(dim=-1, descending=True).values
-            index = _rows(k - 1, ndim).expand(*x.shape[:-1], 1)
-            kth = sorted_x.gather(-1, index)
-            x = x.masked_fill(x < kth, neg_inf)
-    elif 0 < int(top_k) < vocab:
+    if 0 < int(top_k) < x.shape[-1]:
         kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, neg_inf)
-
-    # Top-p on the (renormalised) top-k distribution.
-    if isinstance(top_p, torch.Tensor):
-        p = _rows(top_p.to(device=x.device, dtype=torch.float32), ndim)
-        apply_p = bool((top_p < 1).any())
-    else:
-        p, apply_p = float(top_p), float(top_p) < 1.0
-    if apply_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = sorted_x.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep a token while the mass of the more likely tokens is still below top_p; the
-        # first token has mass_before 0 and is always kept. Rows with top_p >= 1 keep all.
-        remove_sorted = mass_before >= p
-        if isinstance(p, torch.Tensor):
-            remove_sorted &= p < 1
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        x = x.masked_fill(remove, neg_inf)
+        x = x.masked_fill(x < kth, float("-inf"))
+    if float(top_p) < 1.0:
+        x = _top_p(x, float(top_p))
     return x
+
+
+def process_logits_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    *, use_top_k: bool = True, use_top_p: bool = True,
+) -> torch.Tensor:
+    """:func:`process_logits` with one ``[B]`` tensor per setting and no data-dependent control
+    flow: no host sync, so it can run inside a captured CUDA graph. ``use_top_k`` / ``use_top_p``
+    say (from what the caller knows on the host) whether any row filters by top-k (greedy rows
+    included) or top-p; a False flag skips that sort, a True one is exact for every row.
+    """
+    x = logits.float()
+    ndim, vocab = x.ndim, x.shape[-1]
+    greedy = temperature == 0
+    x = x / _rows(torch.where(greedy, torch.ones_like(temperature), temperature), ndim)
+    if use_top_k:
+        k = torch.where(greedy, torch.ones_like(top_k), top_k)
+        k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
+        sorted_x = x.sort(dim=-1, descending=True).values
+        kth = sorted_x.gather(-1, _rows(k - 1, ndim).expand(*x.shape[:-1], 1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if use_top_p:
+        x = _top_p(x, _rows(top_p, ndim))
+    return x
+
+
+def _per_row(value: Setting, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((rows,), value, dtype=dtype, device=device)
+
+
+def _top_p(x: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
+    """Nucleus filter on ``softmax(x)``: keep the smallest prefix of the tokens sorted by
+    probability whose mass reaches ``p`` (the most likely token is always kept; rows with
+    ``p >= 1`` keep everything)."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep a token while the mass of the more likely tokens is still below top_p; the first
+    # token has mass_before 0 and is always kept.
+    remove_sorted = (mass_before >= p) & (p < 1)
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return x.masked_fill(remove, float("-inf"))
 
 
 def sample_tokens(processed: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row from ``softmax(processed)``: ``[..., V]`` -> ``[...]`` int64.
 
-    Entries at -inf have probability exactly 0 and are never drawn.
+    ``argmax(p / q)`` with ``q ~ Exp(1)`` per entry: the exponential race, which is how
+    ``torch.multinomial`` draws one sample (the same draws for the same generator state), but
+    without its host-side validity check, so it can run inside a captured CUDA graph. Entries at
+    -inf have probability exactly 0 and are never drawn.
     """
     probs = processed.softmax(dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    tokens = torch.multinomial(flat, 1, generator=generator)
-    return tokens.reshape(probs.shape[:-1])
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return probs.div_(race).argmax(dim=-1)
 
 
 def token_logprobs(processed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

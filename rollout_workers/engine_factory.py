@@ -31,7 +31,10 @@ def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> Generatio
 
         model = load_policy(cfg.model) if model is None else model
         tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
-        return HFEngine(model, tokenizer, slots=int(cfg.rollout.slots), seed=int(cfg.rollout.seed))
+        r = cfg.rollout
+        return HFEngine(model, tokenizer, slots=int(r.slots), seed=int(r.seed),
+                        max_model_len=int(r.max_prompt_tokens) + int(r.max_new_tokens),
+                        prefill_chunk=int(r.prefill_chunk_tokens), cuda_graphs=bool(r.cuda_graphs))
     if name == "vllm":
         from rollout_workers.vllm_engine import VLLMEngine
 

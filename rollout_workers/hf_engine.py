@@ -1,63 +1,73 @@
-"""The `hf` generation engine: a transformers causal LM with continuous batching over a KV cache.
+"""The `hf` generation engine: a transformers causal LM, continuous batching over a static slot cache.
 
-Design (sample-level streaming, RLHFuse): up to ``slots`` sequences decode together; a
-sequence that finishes frees its row and the next waiting request takes it at the next
-:meth:`HFEngine.step`, so one long response never holds a whole batch.
+Design (sample-level streaming, RLHFuse): up to ``slots`` sequences run at once, each owning one
+row ("slot") of a preallocated KV cache (:mod:`rollout_workers.slot_kv`); a sequence that
+finishes frees its slot and the next waiting request takes it, so one long response never holds
+a whole batch. The same code runs on a CPU and on a GPU; on a GPU the decoding step is also
+captured once per batch-size bucket as a CUDA graph and replayed.
 
-The batch is ONE ``transformers.DynamicCache`` whose rows are the active sequences
-(``layers[i].keys/values``: ``[B, kv_heads, T, head_dim]``), each row right-aligned: a row's
-real tokens occupy its last ``n_cached`` columns, the columns left of them are padding,
-masked out by a 2-D boolean attention mask ``[B, T]``. Positions (``position_ids``) count only
-a row's real tokens, so RoPE sees exactly the positions of an unpadded forward pass; that is
-what makes the behaviour log-probs reproducible by the learner (see ``tests/unit/test_hf_engine.py``).
+Per :meth:`HFEngine.step`:
 
-Per step:
+1. release the slots of sequences that finished (or were aborted) since the last step;
+2. admit waiting requests into free slots (lowest free slot first, which keeps the running
+   slots packed at the front);
+3. prefill: newcomers' ``prompt[:-1]`` are written into their slots by batched forward passes
+   of at most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an
+   admission never stalls decoding for long). The last prompt token is not prefilled: it is the
+   sequence's input of its first decoding pass, so every decoding sequence samples exactly one
+   token per step;
+4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
+   power of two, the bucket its graph was captured for): one token per slot at its own
+   position, written in place into its own column; free or still-prefilling slots inside the
+   batch feed a pad token at the scratch column and are ignored. Then temperature/top-k/top-p,
+   sampling and log-probs for all rows at once through :mod:`rlhf_core.sampling`, and one host
+   sync for the sampled ids.
 
-1. release the rows of sequences that finished (or were aborted) since the last step;
-2. admit waiting requests: prefill ``prompt[:-1]`` of all newcomers in one left-padded
-   forward pass into a fresh cache, then write each newcomer's K/V into a free row (padding
-   the batch cache on the left when a newcomer is longer than it) or append a row. The last
-   prompt token is not prefilled: it is the newcomer's input of this step's decoding pass, so
-   every active sequence samples exactly one token per step;
-3. drop rows still free (nothing was waiting for them) and the leading columns that are
-   padding in every row (a view; the cache's own concatenation in the next forward copies it);
-4. one forward pass of ``[B, 1]`` tokens, then temperature/top-k/top-p, sampling and
-   log-probs for all rows at once through :mod:`rlhf_core.sampling`, one host sync for the
-   sampled ids.
+Positions count only a sequence's real tokens, so RoPE sees exactly the positions of an
+unpadded forward pass: that is what makes the behaviour log-probs reproducible by the learner
+(see ``tests/unit/test_hf_engine.py``).
 
-Models whose cache is not a plain full-attention ``DynamicCache`` (sliding-window or linear
-attention layers) are refused with a clear error; use the vllm engine for them.
+CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
+settings) that are refilled before each replay; weight updates ``copy_`` into the same parameter
+storage, so a replay after an update computes with the new weights. A capture that fails (a
+model whose forward syncs with the host) is logged once and that bucket runs eagerly.
+
+Models whose cache is not plain full attention (sliding-window or linear attention layers) are
+refused with a clear error; use the vllm engine for them.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
 from typing import Any, Mapping
 
 import torch
 
-from rlhf_core.sampling import process_logits, sample_tokens, token_logprobs
+from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
+from rollout_workers.slot_kv import COLUMN_ALIGN, SlotKVCache, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
 
 
 class _Seq:
-    """One active sequence (a batch row of the cache)."""
+    """One running sequence and the slot it owns."""
 
-    __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "n_cached", "next_input",
+    __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "slot", "n_cached", "next_input",
                  "stop_ids", "stop_window", "done")
 
-    def __init__(self, request: GenRequest, stop_ids: frozenset[int]) -> None:
+    def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int) -> None:
         self.request = request
         self.params = request.params
         self.prompt = request.prompt_ids
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.n_cached = len(self.prompt) - 1  # real tokens of this row in the cache
+        self.slot = slot
+        self.n_cached = 0  # columns of the slot holding this sequence's K/V (= position of the next input)
         self.next_input = self.prompt[-1]  # fed at the next decoding pass
         self.stop_ids = stop_ids
         # A stop string of n characters spans at most n tokens when each token decodes to >= 1
@@ -66,6 +76,10 @@ class _Seq:
         self.stop_window = longest + 8
         self.done = False
 
+    @property
+    def prefilled(self) -> bool:
+        return self.n_cached >= len(self.prompt) - 1
+
 
 class HFEngine:
     """Continuous-batching generation with a transformers model. See the module docstring.
@@ -73,39 +87,55 @@ class HFEngine:
     Args:
         model: a causal LM (``AutoModelForCausalLM``); it is put in eval mode and used in place.
         tokenizer: its tokenizer (EOS ids, pad id, decoding of texts and stop strings).
-        slots: sequences decoded together at most.
+        slots: sequences decoded together at most (rows of the KV cache).
         seed: seed of the engine's sampling generator (on the model's device).
-        max_model_len: context limit; defaults to ``config.max_position_embeddings``.
+        max_model_len: longest prompt + response; sizes the KV cache. Defaults to
+            ``config.max_position_embeddings``: pass the run's real limit for models with a long
+            context, whose cache would otherwise be sized for it.
+        prefill_chunk: prompt tokens prefilled per step at most (a longer prompt is chunked).
+        cuda_graphs: capture the decoding step as CUDA graphs (used only on a CUDA device).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: int = 16, seed: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, prefill_chunk: int = 4096, cuda_graphs: bool = True) -> None:
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
+        if prefill_chunk < 1:
+            raise EngineError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.slots = int(slots)
+        self.prefill_chunk = int(prefill_chunk)
         self.version = 0
         config = model.config
         self.device = next(model.parameters()).device
-        self._dtype = next(model.parameters()).dtype
-        self._attn_impl = getattr(config, "_attn_implementation", None)
-        self.max_model_len = int(max_model_len or getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self._check_cache_layout()
+        limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_model_len = min(int(max_model_len), limit) if max_model_len else limit
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad or 0)
         self.eos_ids = frozenset(_eos_ids(tokenizer, model))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(seed))
-        self.num_steps = 0  # decoding steps run (one forward pass of [B, 1] each)
-        self.num_prefills = 0
+        self.num_steps = 0  # decoding steps run (one forward pass of [n, 1] each)
+        self.num_prefills = 0  # prefill forward passes run
         self.tokens_generated = 0
         self._waiting: deque[GenRequest] = deque()
-        self._known: dict[str, GenRequest | _Seq] = {}  # waiting or active, by request id
-        self._rows: list[_Seq | None] = []  # batch row -> sequence; None = free row
-        self._cache: Any = None  # DynamicCache, None while no row has a cached token
-        self._mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, T] True = real token
-        self._check_cache_layout()
+        self._known: dict[str, GenRequest | _Seq] = {}  # waiting or running, by request id
+        self._running: list[_Seq] = []  # in admission order
+        self._free = list(range(self.slots))  # a heap: the lowest free slot is taken first
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache(config, self.slots, self.max_model_len, dtype, self.device)
+        self._graphs = _DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
+        # Static inputs of a decoding pass (rows 0..n-1 are used): what a CUDA graph reads.
+        self._in_ids_pos = torch.zeros(2, self.slots, dtype=torch.long, device=self.device)  # token ids; positions
+        self._in_temp = torch.ones(self.slots, dtype=torch.float32, device=self.device)
+        self._in_top_k = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self._in_top_p = torch.ones(self.slots, dtype=torch.float32, device=self.device)
+        self._loaded_keys: dict[int, tuple[float, int, float]] = {}  # slot -> sampling key in the buffers
+        self._loaded_rows = 0
+        self._filters = (False, False)
 
     # ----------------------------------------------------------------------------- protocol
 
@@ -130,14 +160,10 @@ class HFEngine:
         self._known[request.request_id] = request
 
     def step(self) -> list[GenResult]:
-        with torch.inference_mode():
+        with torch.inference_mode(), slot_attention_for(self.model):
             self._release_finished()
             self._admit()
-            self._drop_free_rows()
-            if not self._rows:
-                self._reset_cache()
-                return []
-            self._trim_leading_padding()
+            self._prefill()
             return self._decode()
 
     def has_work(self) -> bool:
@@ -156,7 +182,7 @@ class HFEngine:
         if isinstance(entry, GenRequest):
             self._waiting.remove(entry)
             return make_result(request_id, entry.prompt_ids, [], [], [], "abort", "")
-        entry.done = True  # its row is released at the next step
+        entry.done = True  # its slot is released at the next step
         return self._result(entry, "abort")
 
     def abort_all(self) -> list[GenResult]:
@@ -169,8 +195,9 @@ class HFEngine:
         pass  # everything lives in this process
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
-        """Copy ``tensors`` (state-dict names) into the model in place; all names and shapes are
-        checked before the first copy, so a mismatch never leaves half-updated weights."""
+        """Copy ``tensors`` (state-dict names) into the model in place (the storage CUDA graphs
+        read); all names and shapes are checked before the first copy, so a mismatch never
+        leaves half-updated weights."""
         if tensors is not None:
             own = self.model.state_dict(keep_vars=True)
             check_weight_update(tensors, {n: tuple(t.shape) for n, t in own.items()}, version)
@@ -194,155 +221,111 @@ class HFEngine:
             )
 
     def _release_finished(self) -> None:
-        for i, seq in enumerate(self._rows):
-            if seq is not None and seq.done:
-                self._rows[i] = None
+        for seq in self._running:
+            if seq.done:
+                heapq.heappush(self._free, seq.slot)
+        self._running = [seq for seq in self._running if not seq.done]
 
     def _admit(self) -> None:
-        n_live = sum(seq is not None for seq in self._rows)
-        take = min(self.slots - n_live, len(self._waiting))
-        if take <= 0:
-            return
-        seqs = []
-        for _ in range(take):
+        while self._waiting and self._free:
             request = self._waiting.popleft()
             stop_ids = frozenset(request.params.stop_token_ids) | (frozenset() if request.params.ignore_eos else self.eos_ids)
-            seq = _Seq(request, stop_ids)
+            seq = _Seq(request, stop_ids, heapq.heappop(self._free))
             self._known[request.request_id] = seq
-            seqs.append(seq)
-        new_cache, new_mask = self._prefill(seqs)
-        self._place(seqs, new_cache, new_mask)
+            self._running.append(seq)
 
-    def _prefill(self, seqs: list[_Seq]) -> tuple[Any, torch.Tensor]:
-        """A cache holding ``prompt[:-1]`` of each newcomer, left-padded to the longest (K/V per
-        layer ``[n, kv_heads, P, head_dim]``; None when P == 0), and its mask ``[n, P]``."""
-        from transformers import DynamicCache
-
-        n, width = len(seqs), max(seq.n_cached for seq in seqs)
-        real = [[False] * (width - s.n_cached) + [True] * s.n_cached for s in seqs]
-        mask = torch.tensor(real, dtype=torch.bool, device=self.device).reshape(n, width)
-        if width == 0:
-            return None, mask
-        ids = [[self.pad_id] * (width - s.n_cached) + s.prompt[:-1] for s in seqs]
-        positions = [[0] * (width - s.n_cached) + list(range(s.n_cached)) for s in seqs]
-        cache = DynamicCache(config=self.model.config)
-        self.model(
-            input_ids=torch.tensor(ids, device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor(positions, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,  # the logits are not needed; keep the LM head cheap
-        )
+    def _prefill(self) -> None:
+        """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots."""
+        budget, chunk = self.prefill_chunk, []
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if not seq.prefilled:
+                take = min(len(seq.prompt) - 1 - seq.n_cached, budget)
+                chunk.append((seq, take))
+                budget -= take
+        if not chunk:
+            return
+        width = max(take for _, take in chunk)
+        ids, positions = [], []
+        for seq, take in chunk:
+            start, pad = seq.n_cached, width - take
+            ids.append(seq.prompt[start : start + take] + [self.pad_id] * pad)
+            positions.append(list(range(start, start + take)) + [self.cache.scratch] * pad)
+            seq.n_cached += take
+        rows = torch.tensor([seq.slot for seq, _ in chunk], device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        self._forward(torch.tensor(ids, device=self.device), pos, rows, max(s.n_cached for s, _ in chunk))
         self.num_prefills += 1
-        return cache, mask
 
-    def _place(self, seqs: list[_Seq], new_cache: Any, new_mask: torch.Tensor) -> None:
-        """Write the newcomers' K/V into free rows first, then append rows (right-aligned)."""
-        if self._cache is None:
-            # No cached tokens yet, so no rows either (see step()): the newcomers are the batch.
-            self._rows = list(seqs)
-            self._cache, self._mask = new_cache, new_mask
-            return
-        width, total = new_mask.shape[1], self._mask.shape[1]
-        if width > total:  # a newcomer is longer than every cached row: grow the batch on the left
-            self._grow_left(width - total)
-            total = width
-        free = [i for i, seq in enumerate(self._rows) if seq is None][: len(seqs)]
-        n_reuse = len(free)
-        index = torch.tensor(free, dtype=torch.long, device=self.device)
-        for li, layer in enumerate(self._cache.layers):
-            for attr in ("keys", "values"):
-                cur = getattr(layer, attr)
-                if new_cache is None:
-                    rows = cur.new_zeros(len(seqs), cur.shape[1], total, cur.shape[3])
-                else:
-                    rows = _pad_left_kv(getattr(new_cache.layers[li], attr), total)
-                if n_reuse:
-                    # Overwrite the whole row: the previous occupant's K/V left of the newcomer
-                    # would be masked, but zeros also rule out inf/NaN leaking through 0 * x.
-                    cur[index] = rows[:n_reuse]
-                if n_reuse < len(seqs):
-                    cur = torch.cat([cur, rows[n_reuse:]], 0)
-                setattr(layer, attr, cur)
-        mask_rows = _pad_left(new_mask, total)
-        if n_reuse:
-            self._mask[index] = mask_rows[:n_reuse]
-        if n_reuse < len(seqs):
-            self._mask = torch.cat([self._mask, mask_rows[n_reuse:]], 0)
-        for i, seq in zip(free, seqs):
-            self._rows[i] = seq
-        self._rows.extend(seqs[n_reuse:])
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
+        """One forward pass of ``ids`` ``[n, C]`` at ``positions`` through the slot cache; returns
+        the last input's logits ``[n, V]``. ``seen``: columns any real input may attend to."""
+        width = self.cache.columns if self._graphs is not None else min(self.cache.columns, round_up(seen, 8))
+        self.cache.select(rows, positions, width)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.cache.attention_mask(positions, width),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
-    def _grow_left(self, extra: int) -> None:
-        for layer in self._cache.layers:
-            layer.keys = _pad_left_kv(layer.keys, layer.keys.shape[2] + extra)
-            layer.values = _pad_left_kv(layer.values, layer.values.shape[2] + extra)
-        self._mask = _pad_left(self._mask, self._mask.shape[1] + extra)
-
-    def _drop_free_rows(self) -> None:
-        keep = [i for i, seq in enumerate(self._rows) if seq is not None]
-        if len(keep) == len(self._rows):
-            return
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._mask = self._mask.index_select(0, index)
-        if self._cache is not None:
-            for layer in self._cache.layers:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
-
-    def _trim_leading_padding(self) -> None:
-        total = self._mask.shape[1]
-        lead = min(total - seq.n_cached for seq in self._rows)  # host bookkeeping: no device sync
-        if lead <= 0 or self._cache is None:
-            return
-        # Views only: the concatenation inside the next forward pass makes the copy anyway.
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[:, :, lead:]
-            layer.values = layer.values[:, :, lead:]
-        self._mask = self._mask[:, lead:]
-
-    def _reset_cache(self) -> None:
-        self._cache = None
-        self._mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
-
-    def _sampling_settings(self) -> tuple[Any, Any, Any]:
-        """Scalars when every row shares its settings (the usual case), else ``[B]`` tensors."""
-        keys = [seq.params.key for seq in self._rows]
-        first = keys[0]
-        if all(k == first for k in keys):
-            return first
-        temps, ks, ps = zip(*keys)
-        return (torch.tensor(temps, dtype=torch.float32, device=self.device),
-                torch.tensor(ks, dtype=torch.long, device=self.device),
-                torch.tensor(ps, dtype=torch.float32, device=self.device))
+    def _decode_pass(self, rows: torch.Tensor | int, n: int, seen: int, use_top_k: bool,
+                     use_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, logit processing, sampling and log-probs of ``n`` rows from the static inputs
+        (what a CUDA graph captures). ``rows``: slots ``0..n-1`` (an int) or ``[n]`` slot ids.
+        Returns ``[n]`` tokens and ``[n]`` log-probs."""
+        logits = self._forward(self._in_ids_pos[0, :n, None], self._in_ids_pos[1, :n, None], rows, seen)
+        processed = process_logits_rows(logits, self._in_temp[:n], self._in_top_k[:n], self._in_top_p[:n],
+                                        use_top_k=use_top_k, use_top_p=use_top_p)
+        tokens = sample_tokens(processed, self.generator)
+        return tokens, token_logprobs(processed, tokens)
 
     def _decode(self) -> list[GenResult]:
-        from transformers import DynamicCache
-
-        rows = self._rows
-        n = len(rows)
-        input_ids = torch.tensor([[seq.next_input] for seq in rows], device=self.device)
-        positions = torch.tensor([[seq.n_cached] for seq in rows], device=self.device)
-        mask = torch.cat([self._mask, torch.ones(n, 1, dtype=torch.bool, device=self.device)], 1)
-        cache = self._cache if self._cache is not None else DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=self._decode_mask(mask), position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self._cache, self._mask = cache, mask
-        temperature, top_k, top_p = self._sampling_settings()
-        processed = process_logits(out.logits[:, -1], temperature, top_k, top_p)
-        tokens = sample_tokens(processed, self.generator)
-        logprobs = token_logprobs(processed, tokens)
+        decoding = [seq for seq in self._running if seq.prefilled]
+        if not decoding:
+            return []
+        n = max(seq.slot for seq in decoding) + 1
+        seen = max(seq.n_cached for seq in decoding) + 1
+        if self._graphs is not None:
+            n = self._graphs.bucket(n)
+            row_of = [seq.slot for seq in decoding]
+            use_top_k, use_top_p = self._load_inputs(decoding, row_of, n)
+            tokens, logprobs = self._graphs.run(n, use_top_k, use_top_p)
+        else:
+            # Eagerly, a batch with free slots in it runs the decoding slots only (gathered).
+            packed = len(decoding) < n
+            rows: torch.Tensor | int = torch.tensor([seq.slot for seq in decoding], device=self.device) if packed else n
+            row_of = list(range(len(decoding))) if packed else [seq.slot for seq in decoding]
+            n = len(decoding) if packed else n
+            use_top_k, use_top_p = self._load_inputs(decoding, row_of, n)
+            tokens, logprobs = self._decode_pass(rows, n, seen, use_top_k, use_top_p)
         token_list = tokens.tolist()  # the one device sync of the step
         logprob_list = logprobs.tolist()
         self.num_steps += 1
-        self.tokens_generated += n
-        version = self.version
-        finished = []
-        for seq, token, logprob in zip(rows, token_list, logprob_list):
+        self.tokens_generated += len(decoding)
+        return self._record(decoding, [token_list[i] for i in row_of], [logprob_list[i] for i in row_of])
+
+    def _load_inputs(self, decoding: list[_Seq], row_of: list[int], n: int) -> tuple[bool, bool]:
+        """Fill the static inputs of rows ``0..n-1`` (``decoding[i]`` feeds row ``row_of[i]``); rows
+        no sequence feeds get a pad token at the scratch column. Returns whether any row filters
+        by top-k / top-p."""
+        ids_pos = [[self.pad_id] * n, [self.cache.scratch] * n]
+        for seq, row in zip(decoding, row_of):
+            ids_pos[0][row], ids_pos[1][row] = seq.next_input, seq.n_cached
+        self._in_ids_pos[:, :n].copy_(torch.tensor(ids_pos), non_blocking=True)
+        keys = {row: seq.params.key for seq, row in zip(decoding, row_of)}
+        if keys != self._loaded_keys or n > self._loaded_rows:  # settings change only on admission
+            temp, top_k, top_p = [1.0] * n, [0] * n, [1.0] * n
+            for row, (t, k, p) in keys.items():
+                temp[row], top_k[row], top_p[row] = t, k, p
+            self._in_temp[:n].copy_(torch.tensor(temp), non_blocking=True)
+            self._in_top_k[:n].copy_(torch.tensor(top_k), non_blocking=True)
+            self._in_top_p[:n].copy_(torch.tensor(top_p), non_blocking=True)
+            self._loaded_keys, self._loaded_rows = keys, n
+            self._filters = (any(t == 0 or 0 < k < self.vocab_size for t, k in zip(temp, top_k)), any(p < 1 for p in top_p))
+        return self._filters
+
+    def _record(self, decoding: list[_Seq], token_list: list[int], logprob_list: list[float]) -> list[GenResult]:
+        version, finished = self.version, []
+        for seq, token, logprob in zip(decoding, token_list, logprob_list):
             seq.n_cached += 1
             seq.next_input = token
             seq.tokens.append(token)
@@ -354,19 +337,6 @@ class HFEngine:
                 del self._known[seq.request.request_id]
                 finished.append(self._result(seq, reason))
         return finished
-
-    def _decode_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """The attention mask of a decoding pass, prepared as 4-D where we know the attention's
-        convention: a single query per row attends to every real column, so no causal part is
-        needed, and transformers' generic mask construction (~10% of a tiny-model step) is skipped."""
-        impl = self._attn_impl
-        if impl == "sdpa":  # boolean, True = attend
-            return mask[:, None, None, :]
-        if impl == "eager":  # additive
-            dtype = self._dtype
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-                ~mask, torch.finfo(dtype).min)[:, None, None, :]
-        return mask  # other kernels (flash, flex, paged) build their own from the 2-D mask
 
     def _finish_reason(self, seq: _Seq, token: int) -> str | None:
         if token in seq.stop_ids:
@@ -384,20 +354,55 @@ class HFEngine:
         return make_result(seq.request.request_id, seq.prompt, seq.tokens, seq.logprobs, seq.versions, reason, text)
 
 
-def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B, T]`` bool -> ``[B, width]`` with False columns prepended."""
-    extra = width - mask.shape[1]
-    if extra <= 0:
-        return mask
-    return torch.cat([mask.new_zeros(mask.shape[0], extra), mask], 1)
+class _DecodeGraphs:
+    """The decoding pass captured as one CUDA graph per (batch bucket, top-k used, top-p used).
 
+    Buckets are powers of two up to the engine's slots (and the slot count itself). Graphs are
+    captured on first use, after two eager warm-up passes on a side stream, and share one memory
+    pool. The engine's sampling generator is registered with each graph, so replays draw fresh
+    random numbers.
+    """
 
-def _pad_left_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B, H, T, D]`` -> ``[B, H, width, D]`` with zero columns prepended."""
-    extra = width - kv.shape[2]
-    if extra <= 0:
-        return kv
-    return torch.cat([kv.new_zeros(kv.shape[0], kv.shape[1], extra, kv.shape[3]), kv], 2)
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.buckets = sorted({1 << i for i in range(engine.slots.bit_length()) if 1 << i < engine.slots} | {engine.slots})
+        self.graphs: dict[tuple[int, bool, bool], tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def run(self, n: int, use_top_k: bool, use_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (n, use_top_k, use_top_p)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        entry = self.graphs[key]
+        if entry is None:  # capture failed: this bucket runs eagerly
+            return self.engine._decode_pass(n, n, self.engine.cache.columns, use_top_k, use_top_p)
+        graph, outputs = entry
+        graph.replay()
+        return outputs
+
+    def _capture(self, n: int, use_top_k: bool, use_top_p: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
+        engine, columns = self.engine, self.engine.cache.columns
+        # Warm-up passes run for real on the current inputs: they write the same K/V the replay
+        # will write (or into the scratch column) and only advance the sampling generator.
+        stream = torch.cuda.Stream(device=engine.device)
+        stream.wait_stream(torch.cuda.current_stream(engine.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                engine._decode_pass(n, n, columns, use_top_k, use_top_p)
+        torch.cuda.current_stream(engine.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.register_generator_state(engine.generator)
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = engine._decode_pass(n, n, columns, use_top_k, use_top_p)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this bucket
+            log.warning("hf engine: capturing the decoding step of %d slots as a CUDA graph failed (%s); "
+                        "that bucket runs eagerly", n, exc)
+            return None
+        return graph, outputs
 
 
 def _eos_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:

@@ -95,6 +95,72 @@ def test_logprob_parity_with_a_plain_forward_pass(fresh_policy, tokenizer, attn)
     assert worst < PARITY_ATOL, f"behaviour log-probs differ from the recomputation by {worst}"
 
 
+def reference_decode(models, result: GenResult, params: SamplingParams) -> tuple[list[int], np.ndarray]:
+    """Batch-1 incremental decoding with a DynamicCache: no slots, no padding, no batching. The
+    input that predicts token t is fed with the weights of ``versions[t]`` (the engine's in-flight
+    update: columns already cached keep the K/V of the weights that wrote them), and the prompt's
+    prefill with ``versions[0]``. Returns each step's argmax of the processed distribution and the
+    log-probs of the engine's tokens."""
+    from transformers import DynamicCache
+
+    from rlhf_core.sampling import process_logits, token_logprobs
+
+    prompt, tokens, versions = result.prompt_ids.tolist(), result.token_ids.tolist(), result.versions.tolist()
+    cache = DynamicCache(config=models[0].config)
+    argmax, logps = [], []
+    with torch.no_grad():
+        if len(prompt) > 1:
+            models[versions[0]](input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        for t, (x, v) in enumerate(zip([prompt[-1]] + tokens[:-1], versions)):
+            logits = models[v](input_ids=torch.tensor([[x]]), past_key_values=cache, use_cache=True).logits[:, -1]
+            processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
+            argmax.append(int(processed.argmax()))
+            logps.append(float(token_logprobs(processed, torch.tensor([tokens[t]]))[0]))
+    return argmax, np.array(logps, dtype=np.float32)
+
+
+@pytest.mark.parametrize("prefill_chunk", [4096, 7])
+def test_tokens_and_logprobs_match_an_unbatched_reference_across_admissions_aborts_and_updates(
+        fresh_policy, tokenizer, prefill_chunk):
+    # 3 slots, 7 requests: rows are refilled while others run; with prefill_chunk=7 the 56-token
+    # prompt is prefilled over 8 steps while the other slots keep decoding. Even requests decode
+    # greedily (tokens comparable with the reference), odd ones sample with every filter on.
+    import copy
+
+    v0 = copy.deepcopy(fresh_policy)
+    v1 = copy.deepcopy(fresh_policy)
+    with torch.no_grad():
+        for p in v1.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    engine = HFEngine(fresh_policy, tokenizer, slots=3, seed=5, prefill_chunk=prefill_chunk)
+    params = {i: SamplingParams(temperature=0.0, max_new_tokens=4 + 5 * i, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=4 + 5 * i, ignore_eos=True)
+              for i in range(7)}
+    for i, text in enumerate(PROMPTS + ["late arrival"]):
+        engine.add(GenRequest(f"r{i}", ids(tokenizer, text), params[i]))
+    results = {}
+    for _ in range(3):
+        results.update({r.request_id: r for r in engine.step()})
+    results["r1"] = engine.abort("r1")  # running: its slot goes to the next request
+    results["r6"] = engine.abort("r6")  # still waiting
+    # The update lands between steps when no prompt is half-prefilled, so each prompt's columns
+    # come from one weight version (the reference prefills a prompt in one pass).
+    while any(not s.prefilled for s in engine._running):
+        results.update({r.request_id: r for r in engine.step()})
+    engine.update_weights(dict(v1.state_dict()), version=1)
+    more, _ = run(engine)
+    results.update(more)
+    assert results["r6"].num_tokens == 0 and results["r1"].finish_reason == "abort"
+    assert {r.versions[-1] for i, r in results.items() if i not in ("r1", "r6")} == {1}  # all saw the update
+    assert any(r.versions[0] == 0 for r in results.values() if r.num_tokens)  # ... and some started before it
+    for i in range(6):
+        r = results[f"r{i}"]
+        argmax, logps = reference_decode({0: v0, 1: v1}, r, params[i])
+        if params[i].temperature == 0:
+            assert r.token_ids.tolist() == argmax, f"r{i}"
+        np.testing.assert_allclose(r.logprobs, logps, rtol=0, atol=PARITY_ATOL, err_msg=f"r{i}")
+
+
 def test_logprob_parity_with_different_settings_per_row(policy, tokenizer):
     # Rows with different temperature / top-k / top-p decode in the same step (the per-row tensor path).
     settings = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8), (0.9, 30, 0.95), (0.5, 0, 1.0), (1.0, 3, 0.5)]

@@ -1,0 +1,149 @@
+"""The hf engine's KV cache: one preallocated row ("slot") per running sequence, written in place.
+
+Every layer's keys and values live in ``[slots, kv_heads, columns, head_dim]`` tensors allocated
+once. Column ``j`` of a slot holds the K/V of that sequence's token at position ``j``, so a
+decoding step writes exactly one column per slot and a newcomer's prefill writes its prompt's
+columns into a free slot: no concatenation, no re-alignment, no allocation per step (which is
+also what lets a decoding step be captured in a CUDA graph and replayed).
+
+Each forward pass names the slots it feeds and, per input token, its position (= the column it
+writes); the attention of a token at position ``p`` sees columns ``0..p`` of its own slot. The
+last column is a scratch column no real token ever reaches: inputs that only fill a batch (a
+free slot inside a decoding batch, the padding of a prefill chunk) write there.
+
+The attention itself is :func:`slot_attention`, plugged into a transformers model for the
+duration of the engine's forward passes (:func:`slot_attention_for`); it folds grouped-query
+heads into the query axis so SDPA reads each K/V head once instead of a repeated copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from rollout_workers.engine import EngineError
+
+ATTENTION_NAME = "rlhf_slots"
+COLUMN_ALIGN = 64  # columns are allocated (and, without CUDA graphs, attended) in multiples of this
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a transformers decoder config."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return int(config.num_hidden_layers), kv_heads, head_dim
+
+
+class SlotKVCache:
+    """Per-layer K/V ``[slots, kv_heads, columns, head_dim]`` with the transformers cache's
+    ``update`` hook. Call :meth:`select` before each forward pass.
+
+    Args:
+        config: the model's config (layers, heads, head_dim).
+        slots: sequences held at once.
+        max_len: longest sequence (prompt + response) a slot holds; one scratch column is
+            added and the total rounded up to :data:`COLUMN_ALIGN`.
+    """
+
+    def __init__(self, config: Any, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers, kv_heads, head_dim = kv_shape(config)
+        self.slots = int(slots)
+        self.columns = round_up(int(max_len) + 1, COLUMN_ALIGN)
+        self.scratch = self.columns - 1
+        shape = (self.slots, kv_heads, self.columns, head_dim)
+        self.nbytes = 2 * layers * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        try:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        except torch.OutOfMemoryError as exc:
+            raise EngineError(
+                f"the KV cache ({self.nbytes / 2**30:.1f} GiB: {layers} layers x {shape}) does not fit on {device}; "
+                "lower rollout.slots or the longest sequence (rollout.max_prompt_tokens + rollout.max_new_tokens)"
+            ) from exc
+        self._all_rows = torch.arange(self.slots, device=device)
+        self._col_index = torch.arange(self.columns, device=device)
+        self._rows: torch.Tensor | int = 0
+        self._write_rows = self._all_rows[:0, None]
+        self._cols = self._all_rows[:0, None]
+        self._width = self.columns
+
+    def select(self, rows: torch.Tensor | int, positions: torch.Tensor, width: int) -> None:
+        """The next forward pass feeds ``rows`` (an int n: slots 0..n-1, read as views; or a
+        ``[n]`` long tensor of slot ids) with tokens at ``positions`` ``[n, C]`` (the columns they
+        write), and attends over the first ``width`` columns."""
+        self._rows = rows
+        self._write_rows = (self._all_rows[:rows] if isinstance(rows, int) else rows)[:, None]
+        self._cols = positions
+        self._width = int(width)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this pass's K/V ``[n, kv_heads, C, head_dim]`` at (row, position) in place and
+        return the rows' K/V over the attended columns, ``[n, kv_heads, width, head_dim]``."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        # Advanced indices split by a slice put their broadcast shape [n, C] first: [n, C, H, D].
+        keys[self._write_rows, :, self._cols] = key_states.transpose(1, 2).to(keys.dtype)
+        values[self._write_rows, :, self._cols] = value_states.transpose(1, 2).to(values.dtype)
+        if isinstance(self._rows, int):  # a view: no copy
+            return keys[: self._rows, :, : self._width], values[: self._rows, :, : self._width]
+        return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
+
+    def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """``[n, 1, C, width]`` boolean, True where column ``j <= position``: each token sees its
+        own slot's prefix and itself (causal within a prefill chunk)."""
+        return self._col_index[:width] <= positions[:, None, :, None]
+
+    # The rest of transformers' cache interface that a forward pass with explicit positions and
+    # a prepared 4-D mask can touch.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA over a slot cache. ``query`` ``[n, H, C, D]``, ``key``/``value`` ``[n, H_kv, W, D]``,
+    ``attention_mask`` ``[n, 1, C, W]`` bool. Returns ``[n, C, H, D]`` (transformers' layout).
+
+    Grouped-query attention: query head ``h`` reads K/V head ``h // G`` (G = H / H_kv), so the G
+    heads of a group are folded into the query axis, ``[n, H_kv, G*C, D]``, and SDPA runs as plain
+    multi-head attention over H_kv heads without materialising repeated K/V.
+    """
+    n, heads, q_len, dim = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    mask = attention_mask
+    if group > 1:
+        query = query.reshape(n, kv_heads, group * q_len, dim)
+        if mask is not None and q_len > 1:
+            mask = mask[:, :, None].expand(n, 1, group, q_len, width).reshape(n, 1, group * q_len, width)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(n, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def slot_attention_for(model: torch.nn.Module) -> Iterator[None]:
+    """Route ``model``'s attention through :func:`slot_attention` inside the block (the model's
+    own implementation is restored after, so other users of the model are unaffected)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
