@@ -28,7 +28,7 @@ BENCHES = {
     "buffer": (["--quick"], {"results", "targets", "notes"}),
     "engines": (["--quick"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
-    "generation": (["--quick"], {"results", "runs_s", "ratio", "target_ratio", "met"}),
+    "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
     "staleness": (["--quick"], {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
     "weight_sync": (["--quick", "--size-mb", "32", "--reps", "2"], {"results", "ratios", "targets", "rounds"}),
 }
@@ -58,3 +58,15 @@ def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
     assert (doc["bench"], doc["mode"]) == (name, "quick")
     assert f"wrote {out / (name + '.json')}" in proc.stdout
     assert _digest(committed) == before, f"the smoke run overwrote {committed}"
+
+
+def test_generation_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
+    # --gpu-check: the --gpu mode's model builder, workloads and methods with a 2-layer model.
+    out = tmp_path / "results"
+    env = dict(os.environ, RLHF_BENCH_RESULTS=str(out), RLHF_TEST_CACHE=str(model_cache), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCH / "generation.py"), "--gpu-check"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((out / "generation_gpu_check.json").read_text())
+    assert {r["workload"] for r in doc["results"]} == {"uniform", "skewed"}
+    assert set(doc["ratios"]["uniform"]) == {"engine_over_generate"}
