@@ -48,7 +48,7 @@ import torch
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
-from rollout_workers.slot_kv import COLUMN_ALIGN, SlotKVCache, round_up, slot_attention_for
+from rollout_workers.slot_kv import SlotKVCache, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +396,8 @@ class _DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             graph.register_generator_state(engine.generator)
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a weight pull copying on another thread must not break the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 outputs = engine._decode_pass(n, n, columns, use_top_k, use_top_p)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for this bucket
             log.warning("hf engine: capturing the decoding step of %d slots as a CUDA graph failed (%s); "
