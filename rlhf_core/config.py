@@ -155,6 +155,9 @@ class RolloutConfig:
     # hf engine only
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per engine step at most (longer prompts are chunked)
     cuda_graphs: bool = True  # capture the decoding step as CUDA graphs (on a CUDA device)
+    # placement on a multi-GPU machine: worker i sees GPU devices[i % len(devices)] (CUDA_VISIBLE_DEVICES); null = inherit
+    devices: Optional[list[int]] = None
+    gpu_memory_fraction: Optional[float] = None  # hf engine sharing a GPU (e.g. the learner's): cap of this worker's memory
     # vllm engine only
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
@@ -188,6 +191,7 @@ class LearnerConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
+    devices: Optional[list[int]] = None  # GPU indices of the learner (CUDA_VISIBLE_DEVICES); > 1 runs it under torchrun
 
 
 @dataclass
@@ -358,6 +362,20 @@ def validate(cfg: Any) -> None:
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
     validate_run(cfg.run)
+    validate_placement(cfg.learner, cfg.rollout)
+
+
+def validate_placement(learner: LearnerConfig, rollout: RolloutConfig) -> None:
+    """GPU indices and the memory share of a worker on a shared GPU."""
+    for key, devices in (("learner.devices", learner.devices), ("rollout.devices", rollout.devices)):
+        if devices is not None and (not devices or any(int(d) < 0 for d in devices)):
+            raise ConfigError(f"{key} must be null or a non-empty list of GPU indices >= 0, got {devices}")
+    if learner.devices is not None and len(learner.devices) > 1 and learner.engine != "deepspeed":
+        raise ConfigError(f"learner.devices={list(learner.devices)} runs the learner on {len(learner.devices)} GPUs, "
+                          "which needs learner.engine=deepspeed (the torch engine is single-process)")
+    frac = rollout.gpu_memory_fraction
+    if frac is not None and not 0 < frac <= 1:
+        raise ConfigError(f"rollout.gpu_memory_fraction must be in (0, 1] (or null), got {frac}")
 
 
 def validate_batch_shape(algo: AlgoConfig, learner: LearnerConfig) -> None:

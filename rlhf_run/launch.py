@@ -127,21 +127,42 @@ class Launcher:
         ]
 
     def start_children(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.cfg.rollout.num_workers + 1))))
-        env["PYTHONUNBUFFERED"] = "1"
-        logs = self.output_dir / "logs"
-        learner = Child("learner", "learner", self.child_cmd("learner", "learner"), logs / "learner.log", env)
-        self.children.append(learner)
-        for i in range(self.cfg.rollout.num_workers):
-            wenv = dict(env, **{WORKER_ID_ENV: f"worker-{i}"})
-            self.children.append(
-                Child(f"worker-{i}", "worker", self.child_cmd("rollout_workers", f"worker-{i}"), logs / f"worker-{i}.log", wenv)
-            )
+        self.children.extend(self.plan_children())
         for child in self.children:
             child.start()
             log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
         self.write_pids()
+
+    def plan_children(self) -> list[Child]:
+        """The learner and the workers, each with its command and environment (not started).
+
+        Placement: ``learner.devices`` / ``rollout.devices`` set each child's
+        ``CUDA_VISIBLE_DEVICES`` (worker i gets ``rollout.devices[i % len]``, so several workers
+        may share a GPU, or share the learner's); a learner with more than one GPU runs under
+        ``torchrun`` with one process per GPU.
+        """
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, self.cfg.rollout.num_workers + 1))))
+        env["PYTHONUNBUFFERED"] = "1"
+        logs = self.output_dir / "logs"
+        learner_devices = self.cfg.learner.devices
+        learner_cmd = self.child_cmd("learner", "learner")
+        learner_env = dict(env)
+        if learner_devices is not None:
+            learner_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(d)) for d in learner_devices)
+            if len(learner_devices) > 1:
+                learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={len(learner_devices)}", *learner_cmd[1:]]
+        children = [Child("learner", "learner", learner_cmd, logs / "learner.log", learner_env)]
+        worker_devices = self.cfg.rollout.devices
+        for i in range(self.cfg.rollout.num_workers):
+            wenv = dict(env, **{WORKER_ID_ENV: f"worker-{i}"})
+            if worker_devices is not None:
+                wenv["CUDA_VISIBLE_DEVICES"] = str(int(worker_devices[i % len(worker_devices)]))
+            children.append(
+                Child(f"worker-{i}", "worker", self.child_cmd("rollout_workers", f"worker-{i}"), logs / f"worker-{i}.log", wenv)
+            )
+        return children
 
     def write_pids(self) -> None:
         """children.json: which processes belong to this run (for operators and tests)."""

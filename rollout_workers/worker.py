@@ -550,6 +550,9 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
     if cfg.buffer.run_id == "auto":
         raise ConfigError("rlhf-worker needs buffer.run_id=<the run id that rlhf-run printed> to join a run")
     threads = _set_threads()
+    frac = cfg.rollout.gpu_memory_fraction
+    if frac is not None and cfg.rollout.engine == "hf" and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(frac))  # leave the rest of a shared GPU to the learner
     early: list[int] = []
     if install_signals:  # a signal while the model loads must still end in a clean exit
         for sig in (signal.SIGTERM, signal.SIGINT):

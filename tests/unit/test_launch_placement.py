@@ -1,0 +1,59 @@
+"""Placement on a multi-GPU machine: the environment and command each child of `rlhf-run` gets.
+Nothing is started; the plan is what `Launcher.start_children` starts."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from rlhf_core.cli import WORKER_ID_ENV
+from rlhf_core.config import Config, ConfigError, validate
+from rlhf_run.launch import Launcher
+
+
+def plan(tmp_path, **settings):
+    cfg = Config()
+    cfg.rollout.num_workers = 3
+    for key, value in settings.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    validate(cfg)
+    children = Launcher(cfg, tmp_path).plan_children()
+    return {c.name: c for c in children}
+
+
+def test_without_devices_every_child_inherits_the_visible_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    children = plan(tmp_path)
+    assert sorted(children) == ["learner", "worker-0", "worker-1", "worker-2"]
+    assert {c.env["CUDA_VISIBLE_DEVICES"] for c in children.values()} == {"4,5"}
+    assert children["learner"].cmd[:3] == [sys.executable, "-m", "learner"]
+
+
+def test_devices_pin_the_learner_and_spread_the_workers(tmp_path):
+    # learner on GPU 0; workers 0 and 2 on GPU 1, worker 1 on GPU 0 beside the learner
+    children = plan(tmp_path, learner__devices=[0], rollout__devices=[1, 0])
+    assert children["learner"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert [children[f"worker-{i}"].env["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["1", "0", "1"]
+    assert [children[f"worker-{i}"].env[WORKER_ID_ENV] for i in range(3)] == ["worker-0", "worker-1", "worker-2"]
+    assert children["learner"].cmd[:3] == [sys.executable, "-m", "learner"]  # one GPU: no torchrun
+
+
+def test_a_learner_on_several_gpus_runs_under_torchrun(tmp_path):
+    children = plan(tmp_path, learner__engine="deepspeed", learner__devices=[2, 3], rollout__devices=[0, 1])
+    learner = children["learner"]
+    assert learner.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert learner.cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert learner.cmd[5:7] == ["-m", "learner"] and "--config-name" in learner.cmd
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(learner__devices=[0, 1]), "learner.engine=deepspeed"),
+    (dict(rollout__devices=[]), "rollout.devices"),
+    (dict(learner__devices=[-1]), "learner.devices"),
+    (dict(rollout__gpu_memory_fraction=1.5), "gpu_memory_fraction"),
+])
+def test_bad_placements_are_refused(tmp_path, settings, match):
+    with pytest.raises(ConfigError, match=match):
+        plan(tmp_path, **settings)
