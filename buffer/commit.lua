@@ -15,8 +15,8 @@ for _ = 1, n_entries do
     local e = redis.call('XRANGE', samples_key, id, id)
     local n, entry_version = 0, version
     if #e == 1 then
-      n = num(field(e[1][2], F_COUNT), 0)
-      entry_version = num(field(e[1][2], F_VERSION), version)
+      n = field_int(field(e[1][2], F_COUNT), 0)
+      entry_version = field_int(field(e[1][2], F_VERSION), version)
     end
     local n_good = num(good, n)
     local entry_lag = num(lag, version - entry_version)

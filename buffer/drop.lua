@@ -14,7 +14,7 @@ for _ = 1, n_entries do
   if redis.call('XACK', samples_key, LEARNER, id) == 1 then
     local e = redis.call('XRANGE', samples_key, id, id)
     local n = 0
-    if #e == 1 then n = num(field(e[1][2], F_COUNT), 0) end
+    if #e == 1 then n = field_int(field(e[1][2], F_COUNT), 0) end
     redis.call('XDEL', samples_key, id)
     incr(counters_key, C.samples_removed, n)
     incr(counters_key, C.groups_removed, 1)

@@ -59,7 +59,7 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
             for i in range(0, len(items), 2):
                 flat = items[i + 1] or []
                 fields = {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
-                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes))
+                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, learner_version))
             batch = build_batch(groups, consumer, learner_version)
             st.handed.update(handed_of(batch))
             return batch

@@ -34,7 +34,7 @@ import msgpack
 from buffer import keys as K
 from buffer.prompts import Lease
 from buffer.store import Store
-from rlhf_core.records import Sample, validate_sample
+from rlhf_core.records import MAX_VERSION, Sample, validate_sample
 from rlhf_core.wire import WireError
 
 log = logging.getLogger("buffer")
@@ -42,6 +42,8 @@ log = logging.getLogger("buffer")
 #: Longest single XREADGROUP BLOCK of the learner (it wakes as soon as an entry arrives).
 READ_BLOCK_CAP_S = 2.0
 HISTORY_CHUNK = 256
+#: Most samples one stream entry may name (a group); larger counts mark the entry malformed.
+MAX_GROUP_SAMPLES = 1 << 16
 
 
 class GroupSlice(NamedTuple):
@@ -150,32 +152,52 @@ def complete_status(res: list[Any]) -> str:
 # ---- learner side (FIFO) -----------------------------------------------------------------
 
 
-def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mapping[str, Any], max_record_bytes: int) -> Group:
+def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mapping[str, Any], max_record_bytes: int,
+                 learner_version: int | None = None) -> Group:
     """Decode and validate one stream entry against the run parameters (``vocab_size``,
-    ``max_response_tokens``). Never raises: what is wrong goes to ``Group.bad``."""
+    ``max_response_tokens``) and, when given, the learner's version (a sample cannot carry a
+    newer one). Never raises: what is wrong goes to ``Group.bad`` (and is logged once per entry),
+    so the Lua scripts and the learner see only records that passed."""
     fields = fields or {}
     producer = _text(fields.get(K.F_PRODUCER.encode()), "?")
     try:
-        count = int(fields[K.F_COUNT.encode()])
+        count = _field_int(fields, K.F_COUNT, 1, MAX_GROUP_SAMPLES)
+        _field_int(fields, K.F_VERSION, 0, MAX_VERSION)
         raws = [fields[f"{K.SAMPLE_FIELD_PREFIX}{i}".encode()] for i in range(count)]
         group_id = _text(fields[K.F_GROUP.encode()], "")
         prompt_id = _text(fields[K.F_PROMPT_ID.encode()], "")
     except (KeyError, ValueError, TypeError) as exc:
         raw = msgpack.packb({k: v for k, v in fields.items()}, use_bin_type=True)
-        reason = f"malformed sample-stream entry (missing or bad field: {exc!r}); was it written by another program?"
+        reason = f"malformed sample-stream entry (missing or bad field: {exc}); was it written by another program?"
+        log.warning("dead-lettering stream entry %s from %s: %s", entry_id, producer, reason)
         return Group(entry_id, "", "", producer, [], [("entry", reason, producer, raw)])
     group = Group(entry_id, group_id, prompt_id, producer, [])
     for raw in raws:
         try:
             sample = Sample.decode(raw, max_bytes=max_record_bytes)
             validate_sample(sample, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
+            if learner_version is not None and sample.newest_version > learner_version:
+                raise WireError(f"policy version {sample.newest_version} is newer than the learner's version "
+                                f"{learner_version}; versions come only from the learner, so the record is from "
+                                "another run or a corrupted worker")
         except WireError as exc:
             group.bad.append(("sample", str(exc), producer, raw))
             continue
         group.samples.append(sample)
+    if group.bad:
+        log.warning("dead-lettering %d of %d sample(s) of stream entry %s from %s, e.g.: %s",
+                    len(group.bad), len(raws), entry_id, producer, group.bad[0][1])
     if group.samples:
         group.oldest_version = min(s.oldest_version for s in group.samples)
     return group
+
+
+def _field_int(fields: Mapping[bytes, bytes], name: str, low: int, high: int) -> int:
+    """A stream field that must be a decimal integer in ``[low, high]`` (raises ValueError)."""
+    text = fields[name.encode()].decode("ascii", "replace")
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ValueError(f"{name}={text[:40]!r} is not an integer in [{low}, {high}]")
+    return int(text)
 
 
 def build_batch(groups: list[Group], consumer: str, learner_version: int) -> Batch:
@@ -238,7 +260,7 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
     deadline = time.monotonic() + max(0.0, timeout_s)
     while True:
         if st.synced_at != store.retry.reconnects:
-            _resync(store, params, consumer, st)
+            _resync(store, params, consumer, st, learner_version)
         _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
             chosen, st.carry = st.carry[:want], st.carry[want:]
@@ -254,10 +276,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
             count=want - len(st.carry), block=block_ms,
         )
         for entry_id, fields in stream_entries(res):
-            st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes))
+            st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes, learner_version))
 
 
-def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState) -> None:
+def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState, learner_version: int) -> None:
     """Re-read this consumer's pending entries (a restarted learner, or replies lost in a
     reconnect) that this process has not handed out or carried yet, oldest first."""
     reconnects = store.retry.reconnects
@@ -277,7 +299,7 @@ def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerS
             if not fields:  # deleted while pending: nothing left to train on
                 store.retry(store.redis.xack, store.keys.samples, K.LEARNER_GROUP, eid)
                 continue
-            found.append(decode_entry(eid, fields, params, store.cfg.max_record_bytes))
+            found.append(decode_entry(eid, fields, params, store.cfg.max_record_bytes, learner_version))
     if found:
         log.info("learner %s: %d group(s) read before a restart or reconnect are delivered again", consumer, len(found))
     st.carry = found + st.carry

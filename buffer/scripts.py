@@ -116,6 +116,13 @@ local function num(x, default)
   if x == false or x == nil or x == '' then return default end
   return tonumber(x)
 end
+-- a field a producer wrote (count, version): a non-negative integer, else default; the learner
+-- dead-letters such entries before any script sees them, this keeps the arithmetic safe anyway
+local function field_int(x, default)
+  local v = tonumber(x)
+  if v == nil or v ~= math.floor(v) or v < 0 or v > 9007199254740991 then return default end
+  return v
+end
 -- take one group of n samples out of the replay table (index, sizes, use counts, stream entry)
 local function replay_remove(index_key, n_key, uses_key, samples_key, counters_key, id, n)
   redis.call('ZREM', index_key, id)

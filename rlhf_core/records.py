@@ -30,6 +30,8 @@ KIND_SAMPLE = "sample"
 KIND_PROMPT = "prompt"
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
+#: Largest policy version a record may carry (integers stay exact in Lua's doubles up to 2^53).
+MAX_VERSION = 2**53 - 1
 _SCALAR = (str, int, float, bool)
 
 
@@ -273,8 +275,8 @@ def validate_sample(
                     f"{name} hold token ids outside the vocabulary [0, {vocab_size}): "
                     f"min {int(ids.min())}, max {int(ids.max())}; do the worker and learner use the same tokenizer?"
                 )
-    if any(v < 0 for v, _ in sample.versions):
-        raise WireError(f"negative policy version in {sample.versions}")
+    if any(v < 0 or v > MAX_VERSION for v, _ in sample.versions):
+        raise WireError(f"policy version out of range [0, {MAX_VERSION}] in {sample.versions[:4]}")
 
 
 def now() -> float:

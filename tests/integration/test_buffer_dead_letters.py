@@ -119,3 +119,48 @@ def _produce_one(buf: Buffer, pid: str) -> None:
     buf.enqueue_prompts([Prompt(pid, "x")])
     (lease,) = buf.claim("w", 1)
     buf.complete(lease, [T.sample(pid, index=0)])
+
+
+def _raw_entry(buf: Buffer, pid: str, samples: list, **overrides) -> None:
+    """One group written straight into the stream, with the given fields overridden."""
+    fields = {K.F_GROUP: f"g-{pid}", K.F_PROMPT_ID: pid, K.F_VERSION: 0, K.F_COUNT: len(samples), K.F_PRODUCER: "rogue",
+              K.F_TIME: 0}
+    fields.update(overrides)
+    for i, s in enumerate(samples):
+        fields[f"{K.SAMPLE_FIELD_PREFIX}{i}"] = s.encode()
+    buf.redis.xadd(buf.keys.samples, fields)
+
+
+# (poison entry, what the dead letter's reason says): each once ended or wedged the learner
+# (a Lua error in the drop or commit script, an OverflowError while collating, a sample
+# trained at staleness -999,998).
+POISON = {
+    "count not a number": (dict(n="abc"), [T.sample("px")], "entry", "n='abc' is not an integer"),
+    "fractional count": (dict(n="1.5"), [T.sample("px")], "entry", "n='1.5' is not an integer"),
+    "negative count": (dict(n="-3"), [T.sample("px")], "entry", "n='-3' is not an integer"),
+    "version field not a number": (dict(v="zz"), [T.sample("px")], "entry", "v='zz' is not an integer"),
+    "token version 2^64-1": ({}, [T.sample("px", token_versions=[2**64 - 1] * 8)], "sample", "policy version out of range"),
+    "version ahead of the learner": ({}, [T.sample("px", version=1_000_000)], "sample",
+                                     "newer than the learner's version 2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POISON))
+def test_a_poison_entry_is_dead_lettered_and_training_goes_on(buf, name):
+    overrides, samples, kind, reason = POISON[name]
+    buf.set_learner_version(2)
+    _raw_entry(buf, "px", samples, **overrides)
+    _produce_one(buf, "p1")
+    batch = buf.read_batch("L", 2, 8, timeout_s=2.0)
+    assert [g.group_id for g in batch.groups] == ["g-p1"]  # the poison entry was dropped, not handed out
+    assert buf.commit(batch) == 1
+    dead = buf.dead_letters()
+    assert [d["kind"] for d in dead] == [kind] and reason in dead[0]["reason"], dead
+    assert dead[0]["producer"] == "rogue"
+    c = buf.metrics()["counters"]
+    assert c["dead_letters"] == 1 and c["samples_consumed"] == 1
+    # no counter went negative or non-numeric (the *_in_buffer gauges are derived: appended -
+    # removed, and an entry written around the buffer API was never counted as appended)
+    negative = {k: v for k, v in c.items() if k.startswith(("samples_", "groups_")) and not k.endswith("_in_buffer")
+                and not v >= 0}
+    assert not negative, negative
