@@ -33,7 +33,7 @@ under this facade in :mod:`buffer.store`.
 """
 
 from buffer.client import Buffer, Completion, RunNotInitialised, RunParamsMismatch
-from buffer.connection import BufferAuthError, BufferUnavailable, redact
+from buffer.connection import BufferAuthError, BufferUnavailable, CorruptStateError, redact
 from buffer.datasets import DataError, iter_prompts
 from buffer.keys import BadName, RunKeys
 from buffer.prompts import Lease, PromptsExhausted
@@ -46,6 +46,7 @@ __all__ = [
     "BufferAuthError",
     "BufferUnavailable",
     "Completion",
+    "CorruptStateError",
     "DataError",
     "GroupSlice",
     "Lease",

@@ -14,9 +14,10 @@ local p = redis.call('HMGET', params_key, 'group_size', 'max_deliveries')
 if not p[1] then return {'noinit', last_id(wake_key), -1, 0} end
 local group_size, max_deliveries = tonumber(p[1]), tonumber(p[2])
 local pace = pacing_params(params_key)
-local version = num(redis.call('GET', version_key), 0)
+local version = ctl(redis.call('GET', version_key), 0, version_key, '')
 local c = redis.call('HMGET', counters_key, C.admitted, C.inflight, C.rl_inserts, C.rl_samples)
-local admitted, inflight, inserts, sampled = num(c[1], 0), num(c[2], 0), num(c[3], 0), num(c[4], 0)
+local admitted, inflight = ctl(c[1], 0, counters_key, C.admitted), ctl(c[2], 0, counters_key, C.inflight)
+local inserts, sampled = ctl(c[3], 0, counters_key, C.rl_inserts), ctl(c[4], 0, counters_key, C.rl_samples)
 
 local function budget()
   return admission_budget(pace, version, admitted, inflight, inserts, sampled)

@@ -25,7 +25,7 @@ import redis
 
 from buffer import keys as K
 from buffer import metrics, pacing, prompts, replay, samples
-from buffer.connection import Retrying, connect, redact
+from buffer.connection import Retrying, connect, control_int, redact
 from buffer.prompts import Lease
 from buffer.samples import Batch
 from buffer.scripts import Scripts, complete_keys
@@ -283,7 +283,8 @@ class Buffer:
         pipe.get(self.keys.version)
         pipe.hgetall(self.keys.counters)
         version, counters = self.retry(pipe.execute)
-        return pacing.admission_budget(params, int(version or 0), metrics.read_counters(counters))
+        return pacing.admission_budget(params, control_int(version, self.keys.version, ""),
+                                       metrics.read_counters(counters, self.keys.counters))
 
     # ---- learner -------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@
 -- retried or repeated commit (commit_ids after a restart) never counts twice.
 local samples_key, counters_key, hist_key, dead_key, version_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now, dead_maxlen, n_entries = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local version = num(redis.call('GET', version_key), 0)
+local version = ctl(redis.call('GET', version_key), 0, version_key, '')
 local pos, done = 4, 0
 for _ = 1, n_entries do
   local id, good, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])

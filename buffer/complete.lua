@@ -25,8 +25,8 @@ local function evict(size, cap, spi)
     for _, m in ipairs(cand) do
       if size <= cap then break end
       if redis.call('HEXISTS', out_key, m) == 0 then
-        local n = num(redis.call('HGET', n_key, m), 0)
-        local uses = num(redis.call('HGET', uses_key, m), 0)
+        local n = ctl(redis.call('HGET', n_key, m), 0, n_key, m)
+        local uses = ctl(redis.call('HGET', uses_key, m), 0, uses_key, m)
         replay_remove(index_key, n_key, uses_key, samples_key, counters_key, m, n)
         size = size - n
         incr(counters_key, C.samples_evicted, n)
@@ -62,7 +62,7 @@ if n_good > 0 then
     incr(counters_key, C.rl_inserts, n_good)
     local size = redis.call('HINCRBY', counters_key, C.replay_size, n_good)
     local cap = tonumber(redis.call('HGET', params_key, 'capacity'))
-    local spi = num(redis.call('HGET', params_key, 'samples_per_insert'), 0)
+    local spi = ctl(redis.call('HGET', params_key, 'samples_per_insert'), 0, params_key, 'samples_per_insert')
     evict(size, cap, spi)
     wake(wake_replay_key, 'insert')
   end

@@ -51,6 +51,62 @@ class BufferAuthError(UserError, PermissionError):
     """Redis refused the user name / password (or the ACL user lacks a permission)."""
 
 
+class CorruptStateError(UserError):
+    """A key the service keeps for itself (counters, version, fill cursor, wake streams,
+    histograms) holds a value or type the service never writes: another client changed it.
+    Processes stop with this message (no restart helps); nothing is repaired behind the user."""
+
+
+#: Prefix of the error the Lua scripts raise on a corrupt control value (``ctl`` in the preamble).
+CORRUPT_MARK = "RLHF_CORRUPT"
+_CORRUPT_REPLIES = ("WRONGTYPE", "hash value is not an integer", "value is not an integer")
+
+
+def corrupt_state(detail: str) -> CorruptStateError:
+    return CorruptStateError(
+        f"the run's control state in Redis is corrupt: {detail}. Another client wrote to the service's own "
+        "keys (rlhf:{<run id>}:*). Stop the run, inspect the key with redis-cli (TYPE / HGETALL / GET), then "
+        "restore Redis from its append-only file or start a new run (buffer.run_id); keep other clients off "
+        "the run's keys with a Redis ACL (docs/operations.md)"
+    )
+
+
+def control_int(raw: bytes | str | None, key: str, name: str, default: int = 0) -> int:
+    """An integer the service stored under ``key`` (a hash field ``name``, or the value itself);
+    :class:`CorruptStateError` naming both when it is not one."""
+    if raw is None or raw == b"" or raw == "":
+        return default
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        return int(text)
+    except ValueError:
+        where = f"{key} {name}" if name else key
+        raise corrupt_state(f"{where} holds {text[:40]!r}, not an integer") from None
+
+
+def _keys_of(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """The keys a call touches, for naming them in an error: a script's ``keys``, a pipeline's
+    queued commands, or a command's first argument (a key, or a {stream: id} mapping)."""
+    if kwargs.get("keys"):
+        return [str(k) for k in kwargs["keys"]]
+    stack = getattr(getattr(fn, "__self__", None), "command_stack", None)
+    if stack:
+        return list(dict.fromkeys(str(cmd[0][1]) for cmd in stack if len(cmd[0]) > 1))
+    if args and isinstance(args[0], dict):
+        return [str(k) for k in args[0]]
+    return [str(args[0])] if args and isinstance(args[0], (str, bytes)) else []
+
+
+def _corrupt_reply(exc: redis.exceptions.ResponseError, keys: list[str]) -> CorruptStateError | None:
+    text = str(exc)
+    if CORRUPT_MARK in text:
+        return corrupt_state(text.split(CORRUPT_MARK, 1)[1].split(" script:", 1)[0].strip())
+    if any(mark in text for mark in _CORRUPT_REPLIES):
+        where = f" on one of {keys}" if keys else ""
+        return corrupt_state(f"Redis replied {text.split(' script:', 1)[0]!r}{where}")
+    return None
+
+
 def redact(url: str) -> str:
     """The URL with its password replaced by ``***`` (safe for logs and error messages)."""
     parts = urlsplit(url)
@@ -128,6 +184,7 @@ class Retrying:
     def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S, self.max_retry_s)
         while True:
+            keys = _keys_of(fn, args, kwargs)  # before the call: a pipeline forgets its commands
             try:
                 return fn(*args, **kwargs)
             except _AUTH as exc:
@@ -137,6 +194,11 @@ class Retrying:
                     f"Redis at {address(self.url)[0]} denied a command to this ACL user ({exc}): grant it "
                     "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
                 ) from None
+            except redis.exceptions.ResponseError as exc:
+                corrupt = _corrupt_reply(exc, keys)
+                if corrupt is None:
+                    raise
+                raise corrupt from None
             except _TRANSIENT as exc:
                 delay = backoff.next_delay()
                 if delay is None:

@@ -34,7 +34,7 @@ import msgpack
 import redis
 
 from buffer import pacing
-from buffer.connection import Retrying
+from buffer.connection import Retrying, control_int, corrupt_state
 from buffer.keys import WORKERS_GROUP, RunKeys
 
 COUNTERS = (
@@ -71,26 +71,35 @@ COUNTERS = (
 FLOAT_COUNTERS = frozenset({"rl_samples"})
 
 
-def _num(raw: bytes | str | None, name: str) -> int | float:
+def _num(raw: bytes | str | None, name: str, key: str) -> int | float:
     if raw is None:
         return 0
-    value = float(raw)
-    return value if name in FLOAT_COUNTERS else int(value)
+    if name not in FLOAT_COUNTERS:
+        return control_int(raw, key, name)
+    try:
+        return float(raw)
+    except ValueError:
+        raise corrupt_state(f"{key} {name} holds {raw[:40]!r}, not a number") from None
 
 
-def read_counters(raw: dict[bytes, bytes]) -> dict[str, int | float]:
+def read_counters(raw: dict[bytes, bytes], key: str = "counters") -> dict[str, int | float]:
+    """The counters hash (``key``: its name, for the error when a field is not a number)."""
     out = {name: 0 for name in COUNTERS}
     for k, v in raw.items():
-        name = k.decode() if isinstance(k, bytes) else k
-        out[name] = _num(v, name)
+        name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
+        out[name] = _num(v, name, key)
     out["prompts_acked"] = out["groups_appended"] + out["completions_empty"]
     out["samples_in_buffer"] = out["samples_appended"] - out["samples_removed"]
     out["groups_in_buffer"] = out["groups_appended"] - out["groups_removed"]
     return out
 
 
-def read_hist(raw: dict[bytes, bytes]) -> dict[int, int]:
-    return dict(sorted((int(k), int(v)) for k, v in raw.items() if int(v) != 0))
+def read_hist(raw: dict[bytes, bytes], key: str = "histogram") -> dict[int, int]:
+    """A lag histogram hash {lag: samples}; a field or value that is not an integer raises
+    :class:`~buffer.connection.CorruptStateError` naming ``key``."""
+    pairs = ((control_int(k, key, "field"), control_int(v, key, k.decode("utf-8", "replace") if isinstance(k, bytes) else k))
+             for k, v in raw.items())
+    return dict(sorted((lag, n) for lag, n in pairs if n != 0))
 
 
 def pack_consumer(last_seen: float, version: int | None, stats: dict[str, Any] | None, leases: int) -> bytes:
@@ -132,7 +141,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
     pipe.hgetall(k.stats)
     counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw = retry(pipe.execute)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
-    counters = read_counters(counters_raw)
+    counters = read_counters(counters_raw, k.counters)
+    learner_version = control_int(version, k.version, "")
     now = time.time()
     consumers = {}
     for name, raw in consumers_raw.items():
@@ -143,8 +153,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
     leased = int(pel["pending"]) if isinstance(pel, dict) else 0
     return {
         "run_id": k.run_id,
-        "learner_version": int(version or 0),
-        "admission_budget": pacing.admission_budget(params, int(version or 0), counters) if params else 0,
+        "learner_version": learner_version,
+        "admission_budget": pacing.admission_budget(params, learner_version, counters) if params else 0,
         "mode": params["mode"] if params else "fifo",
         "counters": counters,
         "depth": {
@@ -156,8 +166,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
             "replay_size": counters["replay_size"],
             "dead_letters": int(dead_len),
         },
-        "staleness_hist": read_hist(hist_c),
-        "dropped_stale_hist": read_hist(hist_d),
+        "staleness_hist": read_hist(hist_c, k.hist_consumed),
+        "dropped_stale_hist": read_hist(hist_d, k.hist_dropped),
         "consumers": consumers,
         "stats": {name.decode(): unpack_record(raw) for name, raw in stats_raw.items()},
     }

@@ -37,6 +37,7 @@ import redis
 
 from buffer import keys as K
 from buffer import metrics
+from buffer.connection import control_int
 from buffer.scripts import claim_keys, complete_keys
 from buffer.store import Store
 from rlhf_core.errors import UserError
@@ -236,9 +237,9 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
     with store.redis.pipeline(transaction=True) as pipe:
         pipe.watch(k.fill)
         state = pipe.hgetall(k.fill)
-        waiting = int(pipe.hget(k.counters, "prompts_waiting") or 0)
-        epoch = int(state.get(b"epoch", 0))
-        index = int(state.get(b"index", 0))
+        waiting = control_int(pipe.hget(k.counters, "prompts_waiting"), k.counters, "prompts_waiting")
+        epoch = control_int(state.get(b"epoch"), k.fill, "epoch")
+        index = control_int(state.get(b"index"), k.fill, "index")
         if state.get(b"done") == b"1" or epoch >= epochs or waiting >= low:
             pipe.unwatch()
             return 0

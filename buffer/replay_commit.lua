@@ -7,14 +7,14 @@ local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2]
 local uses_key, out_key, hist_key, dead_key, version_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local consumer, now, dead_maxlen, n_entries = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local max_reuse = tonumber(redis.call('HGET', params_key, 'max_reuse'))
-local version = num(redis.call('GET', version_key), 0)
+local version = ctl(redis.call('GET', version_key), 0, version_key, '')
 local pos, done = 5, 0
 for _ = 1, n_entries do
   local id, good, lag, retire, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3], tonumber(ARGV[pos + 4])
   pos = pos + 5
   if redis.call('HGET', out_key, id) == consumer then
     redis.call('HDEL', out_key, id)
-    local n = num(redis.call('HGET', n_key, id), 0)
+    local n = ctl(redis.call('HGET', n_key, id), 0, n_key, id)
     local uses = redis.call('HINCRBY', uses_key, id, 1)
     local n_good = num(good, n)
     local entry_lag = lag

@@ -18,8 +18,8 @@ if version - max_staleness > 0 then
   for i = 1, #stale, 2 do
     local m = stale[i]
     if redis.call('HEXISTS', out_key, m) == 0 then
-      local n = num(redis.call('HGET', n_key, m), 0)
-      local uses = num(redis.call('HGET', uses_key, m), 0)
+      local n = ctl(redis.call('HGET', n_key, m), 0, n_key, m)
+      local uses = ctl(redis.call('HGET', uses_key, m), 0, uses_key, m)
       local lag = version - math.floor(tonumber(stale[i + 1]) / VSCALE)
       replay_remove(index_key, n_key, uses_key, samples_key, counters_key, m, n)
       incr(counters_key, C.samples_dropped_stale, n)
@@ -34,7 +34,8 @@ end
 
 -- 2. size gate
 local c = redis.call('HMGET', counters_key, C.replay_size, C.rl_inserts, C.rl_samples)
-local size, inserts, sampled = num(c[1], 0), num(c[2], 0), num(c[3], 0)
+local size, inserts = ctl(c[1], 0, counters_key, C.replay_size), ctl(c[2], 0, counters_key, C.rl_inserts)
+local sampled = ctl(c[3], 0, counters_key, C.rl_samples)
 if size < pace.min_size_to_sample or size == 0 then return {'wait', last_id(wake_replay_key), 'size'} end
 
 -- 3. choose free entries
@@ -59,7 +60,7 @@ else
 end
 if #chosen < want then return {'wait', last_id(wake_replay_key), 'entries'} end
 local total = 0
-for _, m in ipairs(chosen) do total = total + num(redis.call('HGET', n_key, m), 0) end
+for _, m in ipairs(chosen) do total = total + ctl(redis.call('HGET', n_key, m), 0, n_key, m) end
 
 -- 4. ratio gate
 if not limiter_can_sample(pace, inserts, sampled, total) then

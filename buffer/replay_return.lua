@@ -7,7 +7,7 @@ for i = 2, #ARGV do
   local id = ARGV[i]
   if redis.call('HGET', out_key, id) == consumer then
     redis.call('HDEL', out_key, id)
-    incrf(counters_key, C.rl_samples, -num(redis.call('HGET', n_key, id), 0))
+    incrf(counters_key, C.rl_samples, -ctl(redis.call('HGET', n_key, id), 0, n_key, id))
     n = n + 1
   end
 end

@@ -27,6 +27,7 @@ import redis
 
 from buffer import keys as K
 from buffer import metrics, pacing
+from buffer.connection import CORRUPT_MARK
 
 _DIR = Path(__file__).resolve().parent
 
@@ -69,6 +70,7 @@ def preamble() -> str:
         "D_SOURCE": K.D_SOURCE,
         "D_TIME": K.D_TIME,
         "WAKE_MAXLEN": str(K.WAKE_MAXLEN),
+        "CORRUPT": CORRUPT_MARK,
     }
     lines = [f"local {name} = {_lua_str(value)}" for name, value in consts.items()]
     counters = ", ".join(f"{n} = {_lua_str(n)}" for n in metrics.COUNTERS)
@@ -115,6 +117,18 @@ end
 local function num(x, default)
   if x == false or x == nil or x == '' then return default end
   return tonumber(x)
+end
+-- a control value the service wrote (a counter, the version): a number, else stop with an error
+-- naming the key (buffer.connection turns it into CorruptStateError); never arithmetic on nil
+local function ctl(x, default, key, name)
+  if x == false or x == nil or x == '' then return default end
+  local v = tonumber(x)
+  if v == nil then
+    local where = key
+    if name ~= '' then where = where .. ' ' .. tostring(name) end
+    error(CORRUPT .. ' ' .. where .. " holds '" .. string.sub(x, 1, 40) .. "', not a number")
+  end
+  return v
 end
 -- a field a producer wrote (count, version): a non-negative integer, else default; the learner
 -- dead-letters such entries before any script sees them, this keeps the arithmetic safe anyway

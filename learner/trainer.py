@@ -125,6 +125,7 @@ class Learner:
         ]
         self.metrics_path = self.output_dir / METRICS_FILE
         self._producer: threading.Thread | None = None
+        self._producer_error: UserError | None = None
         self._vocab = vocab
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         self.exporter = None
@@ -261,7 +262,10 @@ class Learner:
 
     def _read(self) -> tuple[Any, list[Sample]]:
         """Rank 0 reads a batch (waiting up to 1 s); every rank gets the same samples (broadcast as
-        wire bytes). When nothing came, rank 0 checks the dead letters for a tokenizer mismatch."""
+        wire bytes). When nothing came, rank 0 checks the dead letters for a tokenizer mismatch.
+        A prompt producer that stopped on an error the user must fix ends the run here."""
+        if self._producer_error is not None:
+            raise self._producer_error
         batch = self.buffer.read_batch(self.consumer, self._read_version(), self.cfg.learner.batch_size,
                                        timeout_s=1.0) if self.rank0 else None
         samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
@@ -380,6 +384,10 @@ class Learner:
                 if self.buffer.fill_state()["done"]:
                     log.info("all %d epochs of prompts are enqueued", self.cfg.data.epochs)
                     return
+            except UserError as exc:  # bad data, corrupt state, Redis gone: retrying cannot help
+                log.error("prompt producer stopped: %s", exc)
+                self._producer_error = exc  # the training loop raises it at its next read
+                return
             except Exception:  # keep training on what is queued; the log says why prompts stopped
                 log.exception("prompt producer failed; retrying")
             self.stop_event.wait(PROMPT_CHECK_S)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -498,3 +498,28 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
 def validate_run(run: RunConfig) -> None:
     if run.max_seconds is not None and not math.isfinite(run.max_seconds):
         raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {run.max_seconds}")
+
+
+def import_reward_target(name: str, path: str) -> Any:
+    """The function or class ``reward.functions.<name>._target_`` names (the user's own config:
+    trusted, never from the wire); :class:`ConfigError` when it cannot be imported."""
+    from hydra.utils import get_method
+
+    try:
+        return get_method(path)
+    except Exception as exc:  # hydra wraps ImportError/AttributeError in its own types
+        raise ConfigError(
+            f"reward.functions.{name}._target_={path!r} cannot be imported ({exc}); give the dotted path of a "
+            "function in an importable module (on PYTHONPATH or installed)"
+        ) from None
+
+
+def check_reward_targets(reward: Any) -> None:
+    """Import every configured reward function, so a typo stops ``rlhf-run`` before any process
+    starts (the workers would otherwise exit on it one after the other)."""
+    functions = reward.functions
+    if isinstance(functions, DictConfig):
+        functions = OmegaConf.to_container(functions, resolve=True)
+    for name, spec in (functions or {}).items():
+        if isinstance(spec, Mapping) and isinstance(spec.get("_target_"), str):
+            import_reward_target(name, spec["_target_"])

@@ -27,11 +27,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf_core.cli import WORKER_ID_ENV, hydra_entry
-from rlhf_core.config import Config, ConfigError, to_object, validate
+from rlhf_core.config import Config, ConfigError, check_reward_targets, to_object, validate
 
 log = logging.getLogger(__name__)
 
 RESOLVED_CONFIG = "run_config"
+#: the exit code of a process that stopped on a UserError (rlhf_core.cli): never restarted
+USER_ERROR_EXIT = 2
+MAX_RESTARTS = 5  # per worker
 
 
 @dataclass
@@ -61,6 +64,12 @@ class Child:
         except OSError:
             return "(no log)"
 
+    def last_error(self) -> str:
+        """The child's last ``error:`` line (what a user error prints), else its last log line."""
+        lines = [line.strip() for line in self.tail(200).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error: ")]
+        return (errors or lines or ["(no output)"])[-1]
+
     def signal(self, sig: int) -> None:
         if self.alive():
             try:
@@ -84,6 +93,7 @@ class Launcher:
     weight_server: Any = None
     stopping: bool = False
     exit_reason: str = ""
+    failure: str = ""  # set when a child failed in a way that fails the run
 
     # ------------------------------------------------------------------ start
 
@@ -184,20 +194,28 @@ class Launcher:
                 if code == 0:
                     self.exit_reason = "learner finished"
                 else:
-                    self.exit_reason = f"learner exited with code {code}"
+                    self.exit_reason = f"learner exited with code {code}: {child.last_error()}"
                     log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
                 return False
             if self.stopping:
                 child.exit_code = code
                 continue
             log.error("%s exited with code %d; last lines of %s:\n%s", child.name, code, child.log_path, child.tail())
-            if self.cfg.rollout.restart_on_crash and child.restarts < 5:
+            if code == USER_ERROR_EXIT:  # a config, data or state error: a restart would only repeat it
+                child.exit_code = code
+                self.failure = self.exit_reason = f"{child.name} stopped: {child.last_error()}"
+                return False
+            if self.cfg.rollout.restart_on_crash and child.restarts < MAX_RESTARTS:
                 child.restarts += 1
                 log.info("restarting %s (restart %d)", child.name, child.restarts)
                 child.start()
                 self.write_pids()
             else:
                 child.exit_code = code
+                if not any(c.alive() for c in self.children if c.kind == "worker"):
+                    self.failure = self.exit_reason = (f"no worker left: {child.name} exited with code {code} "
+                                                       f"({child.last_error()})")
+                    return False
         return True
 
     def stop_children(self, grace_s: float | None = None) -> None:
@@ -241,6 +259,7 @@ class Launcher:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         progress = None
         try:
+            check_reward_targets(self.cfg.reward)  # before anything starts
             self.start_infrastructure()
             self.write_resolved_config()
             self.start_children()
@@ -262,6 +281,9 @@ class Launcher:
             print(summary, flush=True)
             if interrupted:
                 return 130
+            if self.failure:
+                print(f"run failed: {self.failure}", file=sys.stderr, flush=True)
+                return 1
             return 0 if self.learner_code() == 0 else 1
         finally:
             if any(c.alive() for c in self.children):

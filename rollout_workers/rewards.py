@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rlhf_core.config import ConfigError, ModelConfig, RewardConfig
+from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, import_reward_target
 from rlhf_core.models import load_reward_model
 
 _RESERVED = ("_target_", "weight")
@@ -67,18 +67,6 @@ def _plain(node: Any) -> Any:
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node
-
-
-def _import_target(name: str, path: str) -> Any:
-    from hydra.utils import get_method
-
-    try:
-        return get_method(path)  # the user's own config names it: trusted, never from the wire
-    except Exception as exc:  # hydra wraps ImportError/AttributeError in its own types
-        raise ConfigError(
-            f"reward.functions.{name}._target_={path!r} cannot be imported ({exc}); give the dotted path of a "
-            "function in an importable module (on PYTHONPATH or installed)"
-        ) from None
 
 
 def _weight(section: str, name: str, spec: Mapping[str, Any]) -> float:
@@ -121,7 +109,7 @@ class Scorer:
             if not target or not isinstance(target, str):
                 raise ConfigError(f"reward.functions.{name} needs a _target_: dotted.path.to.function")
             kwargs = {k: v for k, v in spec.items() if k not in _RESERVED}
-            obj = _import_target(name, target)
+            obj = import_reward_target(name, target)
             if inspect.isclass(obj):
                 try:
                     obj = obj(**kwargs)

@@ -146,3 +146,21 @@ def test_samples_with_other_special_tokens_stop_the_learner_with_a_clear_error(t
     assert "from worker bad-worker" in line
     assert "point model.path / model.tokenizer_path of workers and learner at the same tokenizer" in line
     assert "start a new run (buffer.run_id): this batch stays in the buffer" in line
+
+
+# ------------------------------------------------------------------ bad prompt data
+@pytest.mark.parametrize("content, words", [
+    ('{"prompt": "fine"}\n{"prompt": "fine too"\n', ["prompts.jsonl:2: not valid JSON"]),
+    ('{"prompt": "fine"}\n["a list"]\n', ["prompts.jsonl:2: each line must be a JSON object, got list"]),
+    ("", ["has no rows"]),
+], ids=["malformed line", "non-object line", "empty file"])
+def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, servers, model_cache, content, words):
+    """The prompt producer once logged the error and looped on a dead iterator for ever."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(content)
+    redis_url, ws = servers
+    args = [f"buffer.url={redis_url}", f"buffer.run_id=data{abs(hash(content)) % 10**6}", f"weight_server.address={ws.address}",
+            f"weight_server.pub_address={ws.pub_address}", f"model.cache_dir={model_cache}", "data=jsonl",
+            f"data.path={data}", f"run.output_dir={tmp_path / 'out'}"]
+    line = one_clear_line(learner(args, tmp_path, timeout=90))
+    assert all(w in line for w in words), line

@@ -314,3 +314,39 @@ def test_a_crashed_learner_fails_the_run_and_stops_everything(tmp_path, redis_se
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_an_unimportable_reward_stops_the_run_before_anything_starts(tmp_path, model_cache):
+    # once: each worker exited on it in turn, then the run idled with no workers
+    out = tmp_path / "out"
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache),
+                    "+reward.functions.typo._target_=rlhf_core.tasks.no_such_reward"], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "reward.functions.typo._target_='rlhf_core.tasks.no_such_reward' cannot be imported" in proc.stderr
+    assert not (out / "children.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_corrupt_control_state_stops_the_run_naming_the_key(tmp_path, redis_server, model_cache):
+    # once: workers crash-looped on a Lua error ("attempt to perform arithmetic on a nil value")
+    out = tmp_path / "out"
+    run_id = "corrupt-run"
+    proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
+                     "rollout.num_workers=1")
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+        keys = RunKeys.for_run(run_id)
+        wait_for(lambda: int(r.get(keys.version) or 0) >= 1, 180, "a learner update")
+        pids = json.loads((out / "children.json").read_text())
+        r.hset(keys.counters, "admitted", "abc")
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0, output[-3000:]
+        assert f"{keys.counters} admitted holds 'abc'" in output, output[-3000:]
+        assert "Traceback" not in output[-1500:]
+        assert not [n for n, p in pids.items() if pid_alive(p)], "children left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
