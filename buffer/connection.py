@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rlhf_core.config import BufferConfig
-from rlhf_core.errors import UserError
+from rlhf_core.errors import Unavailable, UserError
 from rlhf_core.retry import Backoff
 
 log = logging.getLogger("buffer")
@@ -43,7 +43,7 @@ _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, C
 _AUTH = (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
 
 
-class BufferUnavailable(UserError, ConnectionError):
+class BufferUnavailable(Unavailable, ConnectionError):
     """Redis cannot be reached. The message names the address and how to start Redis."""
 
 
@@ -126,7 +126,8 @@ def address(url: str) -> tuple[str, str]:
         return f"unix socket {parts.path}", f"redis-server --port 0 --unixsocket {parts.path}"
     port = parts.port or 6379
     host = parts.hostname or "localhost"
-    start = f"redis-server --port {port}"
+    # the same data dir and append-only file, or the restarted server starts empty
+    start = f"redis-server --port {port} --dir <its data dir> --appendonly yes"
     if parts.scheme == "rediss":
         start = f"redis-server --port 0 --tls-port {port} --tls-cert-file ... --tls-key-file ... --tls-ca-cert-file ..."
     return f"{host}:{port}", start

@@ -8,6 +8,7 @@ Redis.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -58,13 +59,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             self.port = port or free_port()
-            args = [
-                self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
-                "--save", "", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"),
-            ]
-            if self.password:
-                args += ["--requirepass", self.password]
+            args = self.args()
             # own process group: a Ctrl-C aimed at the launcher does not kill Redis before the
             # children have written their final state
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -75,6 +70,21 @@ class RedisServer:
             if port is not None:
                 break
         raise UserError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+
+    def args(self) -> list[str]:
+        """The command line of this server (port, data dir, append-only file)."""
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
+            "--save", "", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def restart_command(self) -> str:
+        """What to type to bring this server back on the same port and data (its AOF)."""
+        return shlex.join(self.args())
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

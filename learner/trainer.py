@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -61,7 +62,7 @@ class LearnerResult:
     version: int
     updates: int
     samples: int
-    metrics: list[dict[str, Any]] = field(default_factory=list)
+    metrics: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))  # the latest updates' (bounded)
     stopped_by: str = "budget"
 
 

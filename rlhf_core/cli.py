@@ -3,7 +3,8 @@
     @hydra_entry()
     def main(cfg): return run_worker(cfg)
 
-A :class:`~rlhf_core.errors.UserError` is printed as one clear line (exit 2), not a traceback.
+A :class:`~rlhf_core.errors.UserError` is printed as one clear line (exit 2, or 75 for a server
+that stayed unreachable), not a traceback.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig],
             except UserError as exc:
                 logging.getLogger(fn.__module__).error("%s", exc)
                 print(f"error: {exc}", file=sys.stderr)
-                sys.exit(2)
+                sys.exit(exc.exit_code)
             if code:
                 sys.exit(code)
 

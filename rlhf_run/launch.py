@@ -35,6 +35,7 @@ RESOLVED_CONFIG = "run_config"
 #: the exit code of a process that stopped on a UserError (rlhf_core.cli): never restarted
 USER_ERROR_EXIT = 2
 MAX_RESTARTS = 5  # per worker
+REDIS_DOWN_HINT_S = 10.0  # Redis unreachable this long: print how to restart it on the same data
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Launcher:
     stopping: bool = False
     exit_reason: str = ""
     failure: str = ""  # set when a child failed in a way that fails the run
+    _redis_hint_given: bool = False
 
     # ------------------------------------------------------------------ start
 
@@ -243,6 +245,21 @@ class Launcher:
             self.redis.stop()
             self.redis = None
 
+    def check_progress(self, progress: Any) -> bool:
+        """True when the run must end on what the progress thread met (corrupt control state);
+        says how to bring back a Redis this launcher started when it stays unreachable."""
+        if progress.error is not None:
+            self.failure = self.exit_reason = str(progress.error)
+            log.error("%s", progress.error)
+            return True
+        since = progress.unreachable_since
+        if since is not None and self.redis is not None and time.time() - since > REDIS_DOWN_HINT_S \
+                and not self._redis_hint_given:
+            self._redis_hint_given = True
+            log.error("Redis of this run has been unreachable for %.0f s. It keeps the run's state in its append-only "
+                      "file; restart it on the same data with:\n  %s", time.time() - since, self.redis.restart_command())
+        return False
+
     def learner_code(self) -> int:
         learner = next(c for c in self.children if c.kind == "learner")
         return learner.exit_code if learner.exit_code is not None else 1
@@ -263,21 +280,19 @@ class Launcher:
             self.start_infrastructure()
             self.write_resolved_config()
             self.start_children()
-            progress = Progress(self.cfg, self.output_dir, self.weight_server)
+            progress = Progress(self.cfg, self.output_dir, self.weight_server).start()
             print(f"run {self.cfg.buffer.run_id}: output in {self.output_dir}  "
                   f"(monitor: rlhf-monitor url={self.cfg.buffer.url} run_id={self.cfg.buffer.run_id})", flush=True)
-            while not interrupted and self.supervise_once():
-                progress.update()
+            # Supervision never touches Redis (the progress thread does), so a Redis outage
+            # cannot stop it from restarting children.
+            while not interrupted and self.supervise_once() and not self.check_progress(progress):
                 time.sleep(0.5)
             if interrupted:
                 self.exit_reason = f"interrupted by signal {interrupted[0]}"
                 log.info("%s: stopping children", self.exit_reason)
             self.stop_children()
-            if progress is not None:
-                progress.update(force=True)  # the workers' final heartbeats
+            progress.close()
             summary = write_report(self.cfg, self.output_dir, progress, self.exit_reason)
-            if progress is not None:
-                progress.close()
             print(summary, flush=True)
             if interrupted:
                 return 130

@@ -7,23 +7,29 @@ keys both sides use are named in :mod:`rlhf_core.metric_names`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config
+from rlhf_core.errors import UserError
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
+SAMPLE_INTERVAL_S = 1.0
+PROBE_RETRY_S = 2.0
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """Every update's metrics line (read once, at the end of a run)."""
     path = output_dir / M.METRICS_FILE
     if not path.exists():
         return []
@@ -38,47 +44,114 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     return list(by_update.values())
 
 
+class MetricsTail:
+    """The newest line of the learner's ``metrics.jsonl``, read incrementally: each call parses
+    only what was appended since the last one (a long run's file is tens of MB)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.last: dict[str, Any] = {}
+
+    def poll(self) -> dict[str, Any]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.last
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()  # an unfinished line waits for the rest
+        for line in reversed(lines):
+            try:
+                self.last = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+        return self.last
+
+
 class Progress:
-    """A live line (rich, when stdout is a terminal; a plain line every 10 s otherwise)."""
+    """Samples the buffer once a second on its own thread (so the launcher's supervision never
+    waits on Redis), streams the snapshots to ``timeline.jsonl`` and shows a live line (rich,
+    when stdout is a terminal; a plain line every 10 s otherwise). Memory stays bounded: the
+    first and the latest snapshots are kept, the rest is on disk.
+
+    ``error``: a :class:`~rlhf_core.errors.UserError` the sampling met other than Redis being
+    unreachable (corrupt control state): the launcher ends the run with it.
+    """
 
     def __init__(self, cfg: Config, output_dir: Path, weight_server: Any = None) -> None:
         self.cfg = cfg
         self.weight_server = weight_server  # embedded server: its numbers are forwarded to Redis
         self.output_dir = output_dir
         self.started = time.time()
-        self.timeline: list[dict[str, Any]] = []
-        self._last_sample = 0.0
+        self.first: dict[str, Any] | None = None
+        self.latest: dict[str, Any] | None = None
+        self.error: Exception | None = None
+        self.unreachable_since: float | None = None
+        self._tail = MetricsTail(output_dir / M.METRICS_FILE)
+        self._timeline = (output_dir / TIMELINE_FILE).open("w")
         self._last_print = 0.0
         self._buffer = None
         self._live = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if cfg.run.progress and sys.stdout.isatty():
             from rich.live import Live
 
             self._live = Live("", refresh_per_second=2, transient=False)
             self._live.start()
 
+    def start(self) -> "Progress":
+        self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            self.update()
+
     def _buf(self):
         if self._buffer is None:
             from buffer import Buffer
 
-            self._buffer = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
+            # a short retry budget: an outage shows up within seconds (the children keep their own)
+            cfg = dataclasses.replace(self.cfg.buffer, max_retry_s=min(self.cfg.buffer.max_retry_s, PROBE_RETRY_S))
+            self._buffer = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, cfg)
         return self._buffer
 
-    def update(self, force: bool = False) -> None:
-        now = time.time()
-        if now - self._last_sample < 1.0 and not force:
-            return
-        self._last_sample = now
-        try:
-            if self.weight_server is not None:
-                self._buf().publish_stats(M.WEIGHT_SERVER_STATS, weight_server_stats(self.weight_server.metrics()))
-            snap = self._buf().metrics()
-        except Exception as exc:  # Redis restarting: skip a beat
-            log.debug("metrics unavailable: %s", exc)
-            return
-        snap["time"] = now
-        self.timeline.append(snap)
-        line = self.line(snap)
+    def update(self) -> None:
+        """One sample: buffer snapshot -> timeline, live line. Called by the thread (and once at the end)."""
+        from buffer import BufferUnavailable
+
+        with self._lock:
+            now = time.time()
+            try:
+                if self.weight_server is not None:
+                    self._buf().publish_stats(M.WEIGHT_SERVER_STATS, weight_server_stats(self.weight_server.metrics()))
+                snap = self._buf().metrics()
+            except BufferUnavailable as exc:  # Redis restarting: skip beats, say so once
+                if self.unreachable_since is None:
+                    self.unreachable_since = now
+                    log.warning("buffer unreachable: %s", exc)
+                return
+            except UserError as exc:  # corrupt control state: the run must end
+                self.error = exc
+                return
+            except Exception as exc:  # a transient hiccup: skip a beat
+                log.debug("metrics unavailable: %s", exc)
+                return
+            self.unreachable_since = None
+            snap["time"] = now
+            self.first = self.first or snap
+            self.latest = snap
+            self._timeline.write(json.dumps(snap, default=str) + "\n")
+            self._timeline.flush()
+            line = self.line(snap)
         if self._live is not None:
             self._live.update(line)
         elif self.cfg.run.progress and now - self._last_print >= 10:
@@ -86,8 +159,7 @@ class Progress:
             print(line, flush=True)
 
     def line(self, snap: dict[str, Any]) -> str:
-        rows = read_metrics(self.output_dir)
-        last = rows[-1] if rows else {}
+        last = self._tail.poll()
         reward = last.get(M.REWARD_MEAN)
         gen_tps = sum(float(w.get("stats", {}).get(M.WORKER_TOKENS_PER_S, 0.0)) for w in snap.get("consumers", {}).values()
                       if isinstance(w, dict))
@@ -99,13 +171,33 @@ class Progress:
             f"  gen {gen_tps:.0f} tok/s  buffered {snap.get('depth', {}).get('samples_in_buffer', '?')}"
         )
 
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every snapshot of the run, from ``timeline.jsonl`` (for the report at the end)."""
+        return read_jsonl(self.output_dir / TIMELINE_FILE)
+
     def close(self) -> None:
+        """Stop sampling, take one last sample (the workers' final heartbeats), release everything."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=35)  # one sample may wait on Redis's retry budget
+        self.update()
         if self._live is not None:
             self._live.stop()
-        if self.timeline:
-            with (self.output_dir / TIMELINE_FILE).open("w") as f:
-                for snap in self.timeline:
-                    f.write(json.dumps(snap, default=str) + "\n")
+        self._timeline.close()
+        if self._buffer is not None:
+            self._buffer.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def weight_server_stats(metrics: dict[str, Any], name: str = "policy") -> dict[str, Any]:
@@ -141,7 +233,9 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     samples = rows[-1].get(M.SAMPLES_TRAINED, 0) if rows else 0
     last_snap = timeline[-1] if timeline else {}
     workers = {n: w.get("stats", {}) for n, w in last_snap.get("consumers", {}).items() if isinstance(w, dict)}
-    gen_samples = sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values())
+    # the buffer's count: the workers' own counters restart with each worker process
+    gen_samples = last_snap.get("counters", {}).get("samples_appended",
+                                                    sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values()))
     staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
@@ -282,7 +376,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_reason: str) -> str:
     rows = read_metrics(output_dir)
-    timeline = progress.timeline if progress else []
+    timeline = progress.timeline() if progress else read_jsonl(output_dir / TIMELINE_FILE)
     wall = time.time() - (progress.started if progress else time.time())
     summary = summarize(cfg, rows, timeline, wall, exit_reason)
     try:

@@ -7,7 +7,7 @@ message without a traceback. Each message says what was wrong and what to do.
 
 from __future__ import annotations
 
-from rlhf_core.errors import UserError
+from rlhf_core.errors import Unavailable, UserError
 
 
 class WeightServerError(Exception):
@@ -30,7 +30,7 @@ class StaleVersionError(UserError, ValueError):
         self.newest = newest
 
 
-class WeightServerUnavailable(UserError, TimeoutError):
+class WeightServerUnavailable(Unavailable, TimeoutError):
     """No reply from the weight server within the retry budget."""
 
 

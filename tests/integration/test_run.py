@@ -350,3 +350,76 @@ def test_corrupt_control_state_stops_the_run_naming_the_key(tmp_path, redis_serv
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class Lines:
+    """A child's merged output, read on a thread so the test can wait on single lines."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        self.thread.start()
+
+    def find(self, text: str) -> str | None:
+        return next((line for line in list(self.lines) if text in line), None)
+
+    def after(self, text: str) -> str | None:
+        lines = list(self.lines)
+        i = next((i for i, line in enumerate(lines) if text in line), None)
+        return lines[i + 1].strip() if i is not None and i + 1 < len(lines) else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_redis_down_supervision_goes_on_and_the_printed_command_brings_the_data_back(tmp_path, model_cache):
+    import re
+    import shlex
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), "learner.max_updates=100000",
+         "rollout.num_workers=1", "buffer.max_retry_s=120"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    lines = Lines(proc)
+    restarted = None
+    try:
+        wait_for(lambda: lines.find("started private redis-server pid"), 120, "the launcher's Redis")
+        redis_pid, url = re.search(r"pid (\d+) at (\S+)", lines.find("started private redis-server pid")).groups()
+        r = redis.Redis.from_url(url)
+        wait_for(lambda: lines.find(": output in"), 120, "the run line")
+        run_id = re.search(r"run (\S+): output in", lines.find(": output in")).group(1)
+        version_key = RunKeys.for_run(run_id).version
+        wait_for(lambda: int(r.get(version_key) or 0) >= 2, 180, "learner updates")
+        os.kill(int(redis_pid), signal.SIGKILL)
+        # the launcher still supervises: a worker killed while Redis is down is restarted
+        pids = json.loads((out / "children.json").read_text())
+        os.kill(pids["worker-0"], signal.SIGKILL)
+        wait_for(lambda: json.loads((out / "children.json").read_text())["worker-0"] != pids["worker-0"], 30,
+                 "worker-0 restarted while Redis is down")
+        wait_for(lambda: lines.after("restart it on the same data with:"), 40, "the restart command")
+        command = lines.after("restart it on the same data with:")
+        assert "--appendonly yes" in command and "--dir" in command and f"--port {url.rsplit(':', 1)[1].split('/')[0]}" in command
+        restarted = subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        wait_for(lambda: _ping(r), 30, "Redis back")
+        back_at = int(r.get(version_key) or 0)
+        assert back_at >= 2, "the append-only file did not bring the run's state back"
+        wait_for(lambda: int(r.get(version_key) or 0) >= back_at + 3, 180, "training to go on after the outage")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if restarted is not None and restarted.poll() is None:
+            restarted.kill()
+            restarted.wait()
+
+
+def _ping(r: redis.Redis) -> bool:
+    try:
+        return bool(r.ping())
+    except redis.exceptions.ConnectionError:
+        return False

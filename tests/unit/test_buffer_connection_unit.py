@@ -19,8 +19,8 @@ def test_redact_hides_only_the_password():
 
 
 def test_address_and_start_hint():
-    assert C.address("redis://h:6390/0") == ("h:6390", "redis-server --port 6390")
-    assert C.address("redis://h/0") == ("h:6379", "redis-server --port 6379")
+    assert C.address("redis://h:6390/0") == ("h:6390", "redis-server --port 6390 --dir <its data dir> --appendonly yes")
+    assert C.address("redis://h/0") == ("h:6379", "redis-server --port 6379 --dir <its data dir> --appendonly yes")
     assert C.address("unix:///tmp/r.sock")[0] == "unix socket /tmp/r.sock"
     assert "--tls-port 6390" in C.address("rediss://h:6390/0")[1]
 
