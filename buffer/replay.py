@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 from buffer import keys as K
 from buffer.prompts import WAIT_CAP_S
-from buffer.samples import Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of
+from buffer.samples import (Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of,
+                            newest_version)
 from buffer.store import Store
 
 
@@ -55,11 +56,12 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         )
         if res[0] == b"ok":
             groups: list[Group] = []
+            newest = newest_version(store, learner_version)
             items = res[1:]
             for i in range(0, len(items), 2):
                 flat = items[i + 1] or []
                 fields = {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
-                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, learner_version))
+                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, newest))
             batch = build_batch(groups, consumer, learner_version)
             st.handed.update(handed_of(batch))
             return batch

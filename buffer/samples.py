@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import msgpack
 
 from buffer import keys as K
+from buffer.connection import control_int
 from buffer.prompts import Lease
 from buffer.store import Store
 from rlhf_core.records import MAX_VERSION, Sample, validate_sample
@@ -152,12 +153,21 @@ def complete_status(res: list[Any]) -> str:
 # ---- learner side (FIFO) -----------------------------------------------------------------
 
 
+def newest_version(store: Store, learner_version: int) -> int:
+    """The newest policy version that can exist: the learner's, or the one it stored in Redis
+    when that is newer (a restarted learner reads against its checkpoint's older version while
+    the workers already sampled with the versions it published before the crash)."""
+    stored = store.retry(store.redis.get, store.keys.version)
+    return max(int(learner_version), control_int(stored, store.keys.version, ""))
+
+
 def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mapping[str, Any], max_record_bytes: int,
-                 learner_version: int | None = None) -> Group:
+                 newest: int | None = None) -> Group:
     """Decode and validate one stream entry against the run parameters (``vocab_size``,
-    ``max_response_tokens``) and, when given, the learner's version (a sample cannot carry a
-    newer one). Never raises: what is wrong goes to ``Group.bad`` (and is logged once per entry),
-    so the Lua scripts and the learner see only records that passed."""
+    ``max_response_tokens``) and, when given, the newest version that exists (a sample cannot
+    carry a newer one: see :func:`newest_version`). Never raises: what is wrong goes to
+    ``Group.bad`` (and is logged once per entry), so the Lua scripts and the learner see only
+    records that passed."""
     fields = fields or {}
     producer = _text(fields.get(K.F_PRODUCER.encode()), "?")
     try:
@@ -176,9 +186,9 @@ def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mappi
         try:
             sample = Sample.decode(raw, max_bytes=max_record_bytes)
             validate_sample(sample, vocab_size=params["vocab_size"], max_response_tokens=params["max_response_tokens"])
-            if learner_version is not None and sample.newest_version > learner_version:
+            if newest is not None and sample.newest_version > newest:
                 raise WireError(f"policy version {sample.newest_version} is newer than the learner's version "
-                                f"{learner_version}; versions come only from the learner, so the record is from "
+                                f"{newest}; versions come only from the learner, so the record is from "
                                 "another run or a corrupted worker")
         except WireError as exc:
             group.bad.append(("sample", str(exc), producer, raw))
@@ -258,9 +268,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
     K.check_consumer(consumer)
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
+    ceiling = newest_version(store, learner_version)
     while True:
         if st.synced_at != store.retry.reconnects:
-            _resync(store, params, consumer, st, learner_version)
+            _resync(store, params, consumer, st, ceiling)
         _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
             chosen, st.carry = st.carry[:want], st.carry[want:]
@@ -276,10 +287,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
             count=want - len(st.carry), block=block_ms,
         )
         for entry_id, fields in stream_entries(res):
-            st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes, learner_version))
+            st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes, ceiling))
 
 
-def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState, learner_version: int) -> None:
+def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState, ceiling: int) -> None:
     """Re-read this consumer's pending entries (a restarted learner, or replies lost in a
     reconnect) that this process has not handed out or carried yet, oldest first."""
     reconnects = store.retry.reconnects
@@ -299,7 +310,7 @@ def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerS
             if not fields:  # deleted while pending: nothing left to train on
                 store.retry(store.redis.xack, store.keys.samples, K.LEARNER_GROUP, eid)
                 continue
-            found.append(decode_entry(eid, fields, params, store.cfg.max_record_bytes, learner_version))
+            found.append(decode_entry(eid, fields, params, store.cfg.max_record_bytes, ceiling))
     if found:
         log.info("learner %s: %d group(s) read before a restart or reconnect are delivered again", consumer, len(found))
     st.carry = found + st.carry

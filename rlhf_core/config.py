@@ -254,6 +254,7 @@ class RunConfig:
     output_dir: str = "."
     log_level: str = "INFO"
     progress: bool = True
+    learner_restarts: int = 3  # a crashed learner (not a user error) is restarted from its checkpoint this often
 
 
 @dataclass
@@ -498,6 +499,8 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
 def validate_run(run: RunConfig) -> None:
     if run.max_seconds is not None and not math.isfinite(run.max_seconds):
         raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {run.max_seconds}")
+    if run.learner_restarts < 0:
+        raise ConfigError(f"run.learner_restarts must be >= 0 (0: a crashed learner ends the run), got {run.learner_restarts}")
 
 
 def import_reward_target(name: str, path: str) -> Any:

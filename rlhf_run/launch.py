@@ -192,6 +192,16 @@ class Launcher:
                 continue
             code = child.proc.returncode
             if child.kind == "learner":
+                if code not in (0, USER_ERROR_EXIT) and not self.stopping and child.restarts < self.cfg.run.learner_restarts:
+                    # an OOM kill, a crash: the learner resumes from its last checkpoint, the
+                    # buffer re-delivers what it had read and not committed
+                    log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
+                    child.restarts += 1
+                    log.info("restarting the learner from its last checkpoint (restart %d of %d)", child.restarts,
+                             self.cfg.run.learner_restarts)
+                    child.start()
+                    self.write_pids()
+                    continue
                 child.exit_code = code
                 if code == 0:
                     self.exit_reason = "learner finished"

@@ -295,11 +295,11 @@ def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, t
 
 
 @pytest.mark.timeout(300)
-def test_a_crashed_learner_fails_the_run_and_stops_everything(tmp_path, redis_server, model_cache):
+def test_a_crashed_learner_without_restarts_left_fails_the_run_and_stops_everything(tmp_path, redis_server, model_cache):
     out = tmp_path / "out"
     run_id = "learner-crash"
     proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
-                     "rollout.num_workers=1")
+                     "rollout.num_workers=1", "run.learner_restarts=0")
     try:
         r = redis.Redis.from_url(redis_server.url)
         wait_for(lambda: int(r.get(RunKeys.for_run(run_id).version) or 0) >= 1, 180, "a learner update")
@@ -423,3 +423,28 @@ def _ping(r: redis.Redis) -> bool:
         return bool(r.ping())
     except redis.exceptions.ConnectionError:
         return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_killed_learner_is_restarted_from_its_checkpoint_and_the_run_finishes(tmp_path, redis_server, model_cache):
+    # once: the launcher restarted a killed worker in 0.3 s but ended the run when the learner died
+    out = tmp_path / "out"
+    proc = start_run(tmp_path, out, redis_server.url, "learner-restart", model_cache, "learner.max_updates=24",
+                     "rollout.num_workers=1")
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+        wait_for(lambda: int(r.get(RunKeys.for_run("learner-restart").version) or 0) >= 5, 180, "learner updates")
+        first = json.loads((out / "children.json").read_text())["learner"]
+        os.kill(first, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+        assert "restarting the learner from its last checkpoint (restart 1 of 3)" in output
+        assert "resumed from checkpoint at version" in (out / "logs" / "learner.log").read_text()
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps"] == 24 and summary["exit_reason"] == "learner finished", summary
+        assert summary["dead_letters"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
