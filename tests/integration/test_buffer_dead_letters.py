@@ -164,3 +164,15 @@ def test_a_poison_entry_is_dead_lettered_and_training_goes_on(buf, name):
     negative = {k: v for k, v in c.items() if k.startswith(("samples_", "groups_")) and not k.endswith("_in_buffer")
                 and not v >= 0}
     assert not negative, negative
+
+
+def test_versions_a_restarted_learner_published_before_its_crash_are_not_refused(buf):
+    # The learner published up to v8 and crashed; restored at v4 it reads against v4 while the
+    # workers sampled with v7: possible, so trained. Only versions above the stored one are not.
+    buf.set_learner_version(8)
+    _raw_entry(buf, "pa", [T.sample("pa", version=7)])
+    _raw_entry(buf, "pb", [T.sample("pb", version=9)])
+    batch = buf.read_batch("L", 4, 8, timeout_s=2.0)
+    assert [g.group_id for g in batch.groups] == ["g-pa"]
+    buf.commit(batch)
+    assert [d["reason"].split(";")[0] for d in buf.dead_letters()] == ["policy version 9 is newer than the learner's version 8"]
