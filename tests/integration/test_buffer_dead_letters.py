@@ -175,4 +175,5 @@ def test_versions_a_restarted_learner_published_before_its_crash_are_not_refused
     batch = buf.read_batch("L", 4, 8, timeout_s=2.0)
     assert [g.group_id for g in batch.groups] == ["g-pa"]
     buf.commit(batch)
+    assert buf.read_batch("L", 4, 8, timeout_s=0.5) is None  # the v9 group is dropped on this read
     assert [d["reason"].split(";")[0] for d in buf.dead_letters()] == ["policy version 9 is newer than the learner's version 8"]
