@@ -234,6 +234,10 @@ class RewardConfig:
     functions: dict[str, Any] = field(default_factory=dict)
     # name -> {path: local HF dir of an AutoModelForSequenceClassification, weight: float}
     models: dict[str, Any] = field(default_factory=dict)
+    # a worker whose last `failure_window` samples failed to score more often than this share stops
+    # the run with the reward's error (single failures are dead-lettered and the run goes on)
+    max_failure_share: float = 0.5
+    failure_window: int = 64
 
 
 @dataclass
@@ -363,6 +367,7 @@ def validate(cfg: Any) -> None:
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
     validate_run(cfg.run)
+    validate_reward(cfg.reward)
     validate_placement(cfg.learner, cfg.rollout)
 
 
@@ -494,6 +499,12 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
     validate_shm(ws)
     if ws.auth == "hmac" and not ws.secret:
         raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
+
+
+def validate_reward(reward: RewardConfig) -> None:
+    if not 0 < reward.max_failure_share <= 1 or reward.failure_window < 1:
+        raise ConfigError(f"reward.max_failure_share must be in (0, 1] (1: never stop) and reward.failure_window >= 1, "
+                          f"got {reward.max_failure_share}, {reward.failure_window}")
 
 
 def validate_run(run: RunConfig) -> None:

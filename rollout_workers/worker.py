@@ -57,7 +57,7 @@ from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.rewards import RewardError, Scorer
+from rollout_workers.rewards import FailureWindow, RewardError, Scorer
 from weight_server import WeightSubscriber
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ class RolloutWorker:
         self._abort_drain = False
         # Reward config errors surface before any connection is opened or the policy is loaded.
         self.scorer = Scorer(cfg.reward, cfg.model)
+        self.reward_failures = FailureWindow(cfg.reward.failure_window, cfg.reward.max_failure_share)
+        self._logged_reasons: dict[str, int] = {}  # dead-letter reason -> times seen (logging is rate-limited)
         self._own_buffer = buffer is None
         self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self._buf_lock = threading.Lock()
@@ -391,7 +393,7 @@ class RolloutWorker:
             del self.groups[lease_id]
             self.stats.dead_letters += len(dead)
             for reason, _ in dead:
-                log.warning("worker %s: a sample of prompt %s dead-lettered: %s", self.worker_id, group.lease.prompt.prompt_id, reason)
+                self._log_dead_letter(group, reason)
             if status == "duplicate":
                 self.stats.duplicates += 1
                 log.info("worker %s: prompt %s was already completed by another worker", self.worker_id, group.lease.prompt.prompt_id)
@@ -400,6 +402,20 @@ class RolloutWorker:
                 self.stats.samples += len(samples)
             else:
                 self.stats.prompts_empty += 1
+        for _, _, samples, dead in ready:  # after the groups are stored: a stop loses nothing scored
+            for _ in samples:
+                self.reward_failures.record(False)
+            for reason, _ in dead:
+                self.reward_failures.record(True, reason)
+
+    def _log_dead_letter(self, group: _Group, reason: str) -> None:
+        """The first occurrence of each reason, then every 100th (a reward failing on every sample
+        once wrote 126 MB of log in two minutes)."""
+        key = reason[:200]
+        seen = self._logged_reasons[key] = self._logged_reasons.get(key, 0) + 1
+        if seen == 1 or seen % 100 == 0:
+            log.warning("worker %s: a sample of prompt %s dead-lettered (%d time(s) for this reason): %s",
+                        self.worker_id, group.lease.prompt.prompt_id, seen, reason)
 
     def _abandon_lost_leases(self) -> None:
         """Stop generating for prompts another worker reclaimed (this one was silent too long)."""

@@ -346,3 +346,20 @@ def test_threads_follow_omp_num_threads_else_one(monkeypatch):
         assert _set_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_reward_that_always_fails_stops_the_worker_with_its_error(run):
+    # once: every group dead-lettered for ever (313,000 log lines in 2 minutes) and nothing trained
+    from rollout_workers.rewards import RewardFailing
+
+    cfg, learner = run(extra=["~reward.functions.count_up", "+reward.functions.boom._target_=reward_fns.boom",
+                              "reward.failure_window=8"])
+    learner.publish(0)
+    learner.enqueue(6)
+    with pytest.raises(RewardFailing) as err:
+        RolloutWorker(cfg, "w-boom").run(max_prompts=6)
+    message = str(err.value)
+    assert "of the last 8 samples could not be scored" in message
+    assert "reward function 'boom' raised ValueError: boom" in message
+    c = learner.counters()
+    assert c["samples_dead_lettered"] >= 8 and c["samples_appended"] == 0  # what it scored is accounted for
