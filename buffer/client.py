@@ -17,6 +17,7 @@ thread its own consumer name, or a lock.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Callable, Iterable, NamedTuple
@@ -248,10 +249,13 @@ class Buffer:
         counter = {"sample": "samples_dead_lettered", "prompt": "prompts_dead_lettered"}.get(kind, "entries_dead_lettered")
         k = self.keys
 
+        size, sha = len(raw), hashlib.sha1(raw).hexdigest() if len(raw) > K.DEAD_RAW_MAX else ""
+        raw = raw[: K.DEAD_RAW_MAX]  # as the scripts' dead_letter keeps it
+
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(k.dead, {K.D_KIND: kind, K.D_REASON: reason, K.D_PRODUCER: producer, K.D_RAW: raw,
-                               K.D_SOURCE: "", K.D_TIME: repr(time.time())},
+            pipe.xadd(k.dead, {K.D_KIND: kind, K.D_REASON: reason[:4096], K.D_PRODUCER: producer, K.D_RAW: raw,
+                               K.D_RAW_BYTES: size, K.D_RAW_SHA1: sha, K.D_SOURCE: "", K.D_TIME: repr(time.time())},
                       maxlen=self.cfg_dead_maxlen, approximate=True)
             pipe.hincrby(k.counters, "dead_letters", 1)
             pipe.hincrby(k.counters, counter, 1)
@@ -265,14 +269,19 @@ class Buffer:
         self._leases.get(consumer, {}).pop(lease_id, None)
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
-        """The newest dead letters, oldest first: ``{"id", "kind", "reason", "producer", "raw", "source", "ts"}``."""
+        """The newest dead letters, oldest first: ``{"id", "kind", "reason", "producer", "raw",
+        "raw_bytes", "raw_sha1", "source", "ts"}``. ``raw`` is the record's first
+        ``keys.DEAD_RAW_MAX`` bytes; ``raw_bytes`` its full size, ``raw_sha1`` (when ``raw`` is a
+        prefix) the SHA-1 of the whole record."""
         entries = self.retry(self.redis.xrevrange, self.keys.dead, count=count)
         out = []
         for entry_id, fields in reversed(entries):
-            rec = {"id": entry_id.decode()}
-            for name in (K.D_KIND, K.D_REASON, K.D_PRODUCER, K.D_SOURCE, K.D_TIME):
+            rec: dict[str, Any] = {"id": entry_id.decode()}
+            for name in (K.D_KIND, K.D_REASON, K.D_PRODUCER, K.D_SOURCE, K.D_TIME, K.D_RAW_SHA1):
                 rec[name] = fields.get(name.encode(), b"").decode("utf-8", "replace")
             rec[K.D_RAW] = fields.get(K.D_RAW.encode(), b"")
+            size = fields.get(K.D_RAW_BYTES.encode())
+            rec[K.D_RAW_BYTES] = int(size) if size is not None and size.isdigit() else len(rec[K.D_RAW])
             out.append(rec)
         return out
 

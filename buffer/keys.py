@@ -145,8 +145,12 @@ SAMPLE_FIELD_PREFIX = "s"
 D_KIND = "kind"  # sample | prompt | entry
 D_REASON = "reason"
 D_PRODUCER = "producer"
-D_RAW = "raw"  # the bytes as received (never decoded further)
+D_RAW = "raw"  # the bytes as received (never decoded further), the first DEAD_RAW_MAX of them
+D_RAW_BYTES = "raw_bytes"  # the record's full size
+D_RAW_SHA1 = "raw_sha1"  # SHA-1 of the whole record (when the stored bytes are a prefix)
 D_SOURCE = "source"  # stream id of the prompt or sample entry it came from, if any
 D_TIME = "ts"
+#: bytes of a dead record kept in the dead-letter stream (a 10 MB record once went in whole)
+DEAD_RAW_MAX = 64 * 1024
 #: wake streams are notifications only; keep the last few hundred
 WAKE_MAXLEN = 256

@@ -67,12 +67,15 @@ def preamble() -> str:
         "D_REASON": K.D_REASON,
         "D_PRODUCER": K.D_PRODUCER,
         "D_RAW": K.D_RAW,
+        "D_RAW_BYTES": K.D_RAW_BYTES,
+        "D_RAW_SHA1": K.D_RAW_SHA1,
         "D_SOURCE": K.D_SOURCE,
         "D_TIME": K.D_TIME,
         "WAKE_MAXLEN": str(K.WAKE_MAXLEN),
         "CORRUPT": CORRUPT_MARK,
     }
     lines = [f"local {name} = {_lua_str(value)}" for name, value in consts.items()]
+    lines.append(f"local DEAD_RAW_MAX = {int(K.DEAD_RAW_MAX)}")
     counters = ", ".join(f"{n} = {_lua_str(n)}" for n in metrics.COUNTERS)
     lines.append(f"local C = setmetatable({{{counters}}}, {{__index = function(_, k) error('unknown counter ' .. tostring(k)) end}})")
     lines.append(
@@ -94,9 +97,15 @@ local function wake(stream, why)
   redis.call('XADD', stream, 'MAXLEN', '~', WAKE_MAXLEN, '*', 'e', why)
 end
 -- one dead letter; kind is 'sample' | 'prompt' | 'entry'
+-- a dead letter keeps the first DEAD_RAW_MAX bytes of the record, its size and (when cut) its SHA-1
 local function dead_letter(dead, counters, maxlen, kind, reason, producer, raw, source, now)
-  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', D_KIND, kind, D_REASON, reason,
-             D_PRODUCER, producer, D_RAW, raw, D_SOURCE, source, D_TIME, now)
+  local size, sha = #raw, ''
+  if size > DEAD_RAW_MAX then
+    sha = redis.sha1hex(raw)
+    raw = string.sub(raw, 1, DEAD_RAW_MAX)
+  end
+  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', D_KIND, kind, D_REASON, string.sub(reason, 1, 4096),
+             D_PRODUCER, producer, D_RAW, raw, D_RAW_BYTES, size, D_RAW_SHA1, sha, D_SOURCE, source, D_TIME, now)
   redis.call('HINCRBY', counters, C.dead_letters, 1)
   if kind == 'sample' then
     redis.call('HINCRBY', counters, C.samples_dead_lettered, 1)

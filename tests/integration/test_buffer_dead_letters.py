@@ -177,3 +177,32 @@ def test_versions_a_restarted_learner_published_before_its_crash_are_not_refused
     buf.commit(batch)
     assert buf.read_batch("L", 4, 8, timeout_s=0.5) is None  # the v9 group is dropped on this read
     assert [d["reason"].split(";")[0] for d in buf.dead_letters()] == ["policy version 9 is newer than the learner's version 8"]
+
+
+def test_a_huge_dead_record_keeps_a_bounded_prefix_its_size_and_hash(buf):
+    import hashlib
+
+    from buffer.keys import DEAD_RAW_MAX
+
+    huge = b"\x01" * (10 * 1024 * 1024)  # once copied whole into the dead-letter stream
+    buf.dead_letter("reward fn raised on a 10 MB sample", "w3", huge)
+    buf.dead_letter("small", "w3", b"\x02\x03")
+    big, small = buf.dead_letters()
+    assert big["raw"] == huge[:DEAD_RAW_MAX] and big["raw_bytes"] == len(huge)
+    assert big["raw_sha1"] == hashlib.sha1(huge).hexdigest()
+    assert (small["raw"], small["raw_bytes"], small["raw_sha1"]) == (b"\x02\x03", 2, "")
+
+
+def test_the_scripts_keep_a_bounded_prefix_of_a_huge_dead_record_too(buf):
+    import hashlib
+
+    from buffer.keys import DEAD_RAW_MAX
+
+    garbage = b"\xc1" + b"\x00" * (1024 * 1024)  # undecodable, 1 MB
+    fields = {K.F_GROUP: "g-ph", K.F_PROMPT_ID: "ph", K.F_VERSION: 0, K.F_COUNT: 1, K.F_PRODUCER: "rogue", K.F_TIME: 0,
+              f"{K.SAMPLE_FIELD_PREFIX}0": garbage}
+    buf.redis.xadd(buf.keys.samples, fields)
+    assert buf.read_batch("L", 0, 8, timeout_s=0.5) is None  # nothing usable: dropped by drop.lua
+    (dead,) = buf.dead_letters()
+    assert dead["raw"] == garbage[:DEAD_RAW_MAX] and dead["raw_bytes"] == len(garbage)
+    assert dead["raw_sha1"] == hashlib.sha1(garbage).hexdigest()
