@@ -217,6 +217,9 @@ class WeightServerConfig:
     max_tensors: int = 100_000
     max_frame_bytes: int = 64 * 1024 * 1024  # ZMQ_MAXMSGSIZE: a peer sending a larger frame is dropped
     max_version_bytes: int = 64 * 1024**3
+    max_uploads: int = 4  # uploads in progress at once (a newer version of a name supersedes its older upload)
+    # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: no cap)
+    max_upload_bytes: Optional[int] = None
     request_timeout_s: float = 5.0  # clients: wait this long for each reply before calling the server down
     retry_timeout_s: float = 60.0  # publisher: keep retrying (exponential backoff) this long
     announce_interval_s: float = 1.0  # the server re-announces its newest versions this often (late joiners)
@@ -497,6 +500,9 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
             "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret"
         )
     validate_shm(ws)
+    if ws.max_uploads < 1 or (ws.max_upload_bytes is not None and ws.max_upload_bytes < 1):
+        raise ConfigError(f"weight_server.max_uploads must be >= 1 and weight_server.max_upload_bytes >= 1 (or null), "
+                          f"got {ws.max_uploads}, {ws.max_upload_bytes}")
     if ws.auth == "hmac" and not ws.secret:
         raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
 

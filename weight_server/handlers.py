@@ -22,7 +22,8 @@ from weight_server.store import Refused, Slab, Upload, Version, VersionStore
 log = logging.getLogger("weight_server")
 
 MAX_PARKED = 4096  # fetches waiting for an upload's bytes; each honest follower parks <= max_inflight_chunks
-_REFUSAL_COUNTERS = {P.E_STALE: "stale_refused", P.E_HASH: "hash_mismatch", P.E_INCOMPLETE: "incomplete"}
+_REFUSAL_COUNTERS = {P.E_STALE: "stale_refused", P.E_HASH: "hash_mismatch", P.E_INCOMPLETE: "incomplete",
+                     P.E_BUSY: "uploads_refused"}
 
 Handler = Callable[[bytes, dict[str, Any]], None]
 

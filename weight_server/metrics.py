@@ -24,6 +24,7 @@ COUNTERS = (
     "hash_mismatch",      # uploads dropped because bytes did not match their hash
     "incomplete",         # uploads committed with missing bytes
     "uploads_aborted",    # uploads superseded, timed out or refused mid-way
+    "uploads_refused",    # upload starts refused: weight_server.max_uploads / max_upload_bytes in progress
     "malformed",          # frames that failed to decode or validate
     "auth_refused",       # messages or peers refused by HMAC or CURVE
     "pulls",              # manifests served (a pull starts with one)

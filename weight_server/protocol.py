@@ -123,6 +123,7 @@ E_HASH = "hash_mismatch"
 E_INCOMPLETE = "incomplete"
 E_ABORTED = "aborted"
 E_UNKNOWN_LEASE = "unknown_lease"
+E_BUSY = "busy"  # too many uploads (or bytes of them) in progress: retry after the others finish or expire
 
 ALIGN = 64
 HASH_BYTES = 16

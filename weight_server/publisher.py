@@ -64,6 +64,10 @@ class _Transient(Exception):
     pass
 
 
+class _Busy(Exception):
+    """The server's upload budget is held by other uploads: retried until they finish or expire."""
+
+
 class WeightPublisher:
     """Publishes versions to the server at ``address``. Not thread-safe (one per thread)."""
 
@@ -175,6 +179,8 @@ class WeightPublisher:
                 raise StaleVersionError(f"publish refused: {message}")
             if code == P.E_BAD_DELTA and base is not None:
                 raise _DeltaRefused(message)
+            if code == P.E_BUSY:  # other uploads hold the server's upload budget until they finish or expire
+                raise _Busy(message)
             raise WeightServerError(f"publish of {name!r} v{version} refused: {message}", code)
         if rep["kind"] != P.PUB_READY or not isinstance(rep.get("upload"), int):
             raise WeightServerError(f"unexpected reply {rep['kind']} to PUB_BEGIN from {self.channel.address}", P.E_MALFORMED)
@@ -244,13 +250,16 @@ class WeightPublisher:
         while True:
             try:
                 return fn()
-            except (NoReply, _Transient) as exc:
+            except (NoReply, _Transient, _Busy) as exc:
                 if isinstance(exc, _Transient):
                     integrity_failures += 1
                     if integrity_failures >= 3:
                         raise WeightIntegrityError(f"{what}: the server rejected the bytes {integrity_failures} times ({exc})") from None
                 self.channel.reset()  # drop anything queued for the dead connection
                 delay = backoff.next_delay()
+                if delay is None and isinstance(exc, _Busy):
+                    raise WeightServerError(f"{what}: the server stayed busy for {self.cfg.retry_timeout_s:g} s "
+                                            f"(weight_server.retry_timeout_s): {exc}", P.E_BUSY) from None
                 if delay is None:
                     raise WeightServerUnavailable(
                         f"{what}: no answer from the weight server at {self.channel.address} for "

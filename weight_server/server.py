@@ -78,7 +78,8 @@ class WeightServer:
         self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
         host = self._bind()
         self._open_shm(shm_free_space)
-        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None)
+        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None,
+                                  max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes)
         self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
         self._metrics = ServerMetrics()
         self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
@@ -200,6 +201,7 @@ class WeightServer:
         if self.zap is not None:
             snap["counters"]["auth_refused"] += self.zap.refused
         snap["counters"]["anonymous_slabs"] += self.store.pool.anonymous
+        snap["uploads"] = {"in_progress": len(self.store.uploads), "bytes": self.store.upload_bytes()}
         return snap
 
     def _committed(self, ver: Version) -> None:

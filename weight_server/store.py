@@ -32,6 +32,10 @@ from weight_server import protocol as P
 from weight_server.protocol import Layout
 
 
+#: the least the default upload byte cap allows (the cap is twice the largest version held)
+DEFAULT_UPLOAD_FLOOR = 1 << 30
+
+
 class Refused(Exception):
     """A request the store refuses; ``code`` is the protocol error code sent back to the client."""
 
@@ -237,11 +241,14 @@ class Upload:
 class VersionStore:
     """Holds the newest ``keep`` versions of each named parameter set and the uploads in progress."""
 
-    def __init__(self, keep: int, max_names: int = 16, slab_factory: SlabFactory | None = None) -> None:
+    def __init__(self, keep: int, max_names: int = 16, slab_factory: SlabFactory | None = None,
+                 max_uploads: int = 4, max_upload_bytes: int | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self.max_names = max_names
+        self.max_uploads = max_uploads  # uploads in progress at once, over all names
+        self.max_upload_bytes = max_upload_bytes  # their total bytes (None: no cap)
         self.pool = SlabPool(factory=slab_factory)
         self.versions: dict[str, dict[int, Version]] = {}
         self.uploads: dict[int, Upload] = {}
@@ -292,6 +299,7 @@ class VersionStore:
                 self.abort(up.id)  # a retry, or a newer version superseding an unfinished one
         if name not in self.versions and len(self.versions) >= self.max_names:
             raise Refused(P.E_TOO_LARGE, f"the server already holds {self.max_names} parameter-set names")
+        self._check_upload_budget(layout.total_bytes)
         base = None
         if delta_base is not None:
             base = self.get(name, delta_base)
@@ -323,6 +331,28 @@ class VersionStore:
             up._ends = [b for _, b in spans]
         self.uploads[up.id] = up
         return up
+
+    def _check_upload_budget(self, nbytes: int) -> None:
+        """Uploads pin memory (shared memory when offered) until they commit, abort or expire:
+        cap how many run at once and their bytes, so unauthenticated starts cannot pin the RAM."""
+        busy = self.upload_bytes()
+        if len(self.uploads) >= self.max_uploads:
+            raise Refused(P.E_BUSY, f"{len(self.uploads)} uploads are in progress (weight_server.max_uploads="
+                                    f"{self.max_uploads}); retry when one finishes or expires")
+        cap = self.upload_byte_cap()
+        if cap is not None and busy + nbytes > cap:
+            raise Refused(P.E_BUSY, f"uploads in progress hold {busy} bytes; {nbytes} more would pass the cap of {cap} "
+                                    "(weight_server.max_upload_bytes; by default twice the largest version held, "
+                                    "at least 1 GiB)")
+
+    def upload_byte_cap(self) -> int | None:
+        if self.max_upload_bytes is not None:
+            return self.max_upload_bytes
+        held = [v.layout.total_bytes for vs in self.versions.values() for v in vs.values()]
+        return max(2 * max(held), DEFAULT_UPLOAD_FLOOR) if held else None
+
+    def upload_bytes(self) -> int:
+        return sum(up.layout.total_bytes for up in self.uploads.values())
 
     def pending(self, name: str) -> Upload | None:
         """The upload of ``name`` newer than the newest held version, if any (a follower's chunks
@@ -423,8 +453,10 @@ class VersionStore:
     def abort(self, upload_id: int) -> None:
         up = self.uploads.pop(upload_id, None)
         if up is not None:
-            if up.shm:
-                up.slab.tainted = True  # its publisher may still be copying into the file
+            # Never recycled: its publisher may still be copying into the file, and an aborted
+            # upload's size says nothing about the next (three expired 512 MB starts once stayed
+            # held as free slabs). Freed once nothing reads it.
+            up.slab.tainted = True
             self._retire(up)
 
     def _retire(self, up: Upload) -> None:

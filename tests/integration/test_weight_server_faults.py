@@ -318,3 +318,50 @@ def test_follower_keeps_its_weights_when_the_upload_is_aborted(served):
     assert result["res"] == (1, None)  # told "aborted", fell back to the newest committed version (already applied)
     assert _same(target, _tensors(1)) and sub.version == 1
     assert srv.metrics()["held"] == {"policy": [1]}
+
+
+def _begin(ch: Channel, name: str, data: dict[str, torch.Tensor]) -> dict:
+    lay, _ = _layout(data)
+    return ch.request(P.PUB_BEGIN, name=name, version=1, tensors=[t.to_wire() for t in lay.tensors],
+                      content_hash=lay.content_hash(), delta_base=None, changed=None)
+
+
+def test_upload_starts_beyond_the_caps_are_refused_and_a_publisher_gets_through_when_they_expire(zmq_ctx):
+    # Once: three unauthenticated 512 MB starts under different names pinned 1.6 GB of /dev/shm,
+    # and 1 GB stayed held after they expired.
+    cfg = _cfg(max_uploads=2, upload_timeout_s=1.0, retry_timeout_s=20.0)
+    srv = WeightServer(cfg).start()
+    pub = WeightPublisher(srv.address, cfg, ctx=zmq_ctx)
+    ch = Channel(srv.address, cfg, zmq_ctx)
+    try:
+        pub.publish(1, _tensors(1))
+        assert _begin(ch, "junk-1", _tensors(7))["kind"] == P.PUB_READY
+        assert _begin(ch, "junk-2", _tensors(8))["kind"] == P.PUB_READY
+        refused = _begin(ch, "junk-3", _tensors(9))
+        assert (refused["kind"], P.error_code(refused)) == (P.ERROR, P.E_BUSY), refused
+        assert "weight_server.max_uploads=2" in refused["message"]
+        m = srv.metrics()
+        assert m["uploads"]["in_progress"] == 2 and m["counters"]["uploads_refused"] == 1
+        # the learner's next publish waits (E_BUSY is retried) until the junk uploads expire
+        pub.publish(2, _tensors(2))
+        m = srv.metrics()
+        assert m["uploads"] == {"in_progress": 0, "bytes": 0} and m["counters"]["uploads_aborted"] >= 2
+        # the server's loop collects idle slabs each second; no version was evicted, so nothing may be kept
+        wait_for(lambda: srv.store.pool.free == [] and srv.store.pool.retiring == [], 10, "expired uploads' slabs freed")
+    finally:
+        ch.close()
+        pub.close()
+        srv.stop()
+
+
+def test_upload_bytes_cap(zmq_ctx):
+    cfg = _cfg(max_upload_bytes=400_000)
+    srv = WeightServer(cfg).start()
+    ch = Channel(srv.address, cfg, zmq_ctx)
+    try:
+        assert _begin(ch, "a", _tensors(1))["kind"] == P.PUB_READY  # 280 KB
+        refused = _begin(ch, "b", _tensors(2))
+        assert P.error_code(refused) == P.E_BUSY and "max_upload_bytes" in refused["message"]
+    finally:
+        ch.close()
+        srv.stop()
