@@ -141,8 +141,8 @@ def check_vocab(samples: Sequence[Sample], vocab_size: int) -> None:
         )
 
 
-def check_stop_tokens(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int]) -> None:
-    """Raise :class:`BatchError` if the samples contradict the learner's end-of-sequence ids.
+def stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int]) -> list[tuple[int, str]]:
+    """``(index, why)`` of the samples that contradict the learner's end-of-sequence ids.
 
     A worker stops a response at its first end-of-sequence token, so (without stop strings)
     a ``"stop"`` response ends on one of ``eos_ids`` and no response holds one before its last
@@ -150,22 +150,35 @@ def check_stop_tokens(samples: Sequence[Sample], eos_ids: frozenset[int] | set[i
     """
     eos = np.fromiter(sorted(eos_ids), dtype=np.int64)
     if not eos.size:
-        return
-    for s in samples:
+        return []
+    out = []
+    for i, s in enumerate(samples):
         r = s.response_ids
         inside = np.flatnonzero(np.isin(r[:-1], eos))
         if s.finish_reason == "stop" and int(r[-1]) not in eos_ids:
-            why = f"finished with 'stop' on token {int(r[-1])}, which is not one of them"
+            out.append((i, f"finished with 'stop' on token {int(r[-1])}, which is not one of them"))
         elif inside.size:
-            why = f"holds token {int(r[inside[0]])} at position {int(inside[0])}, where generation should have stopped"
-        else:
-            continue
+            out.append((i, f"holds token {int(r[inside[0]])} at position {int(inside[0])}, where generation should "
+                           "have stopped"))
+    return out
+
+
+def stop_token_message(sample: Sample, eos_ids: frozenset[int] | set[int], why: str) -> str:
+    return (f"sample {sample.sample_id!r} from worker {sample.worker_id or '?'} does not fit the learner's "
+            f"end-of-sequence token ids {sorted(eos_ids)}: it {why}")
+
+
+def check_stop_tokens(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int]) -> None:
+    """Raise :class:`BatchError` if any sample contradicts the learner's end-of-sequence ids
+    (see :func:`stop_token_misfits`): a tokenizer mismatch between workers and learner."""
+    misfits = stop_token_misfits(samples, eos_ids)
+    if misfits:
+        i, why = misfits[0]
         raise BatchError(
-            f"sample {s.sample_id!r} from worker {s.worker_id or '?'} does not fit the learner's end-of-sequence token "
-            f"ids {sorted(eos_ids)}: it {why}. The workers use a tokenizer with other special tokens than the "
-            "learner's: point model.path / model.tokenizer_path of workers and learner at the same tokenizer, and "
-            "start a new run (buffer.run_id): this batch stays in the buffer. (With rollout.stop_strings set a "
-            "response may also stop on other tokens, and this check is off)"
+            f"{stop_token_message(samples[i], eos_ids, why)}. The workers use a tokenizer with other special "
+            "tokens than the learner's: point model.path / model.tokenizer_path of workers and learner at the same "
+            "tokenizer, and start a new run (buffer.run_id): this batch stays in the buffer. (With "
+            "rollout.stop_strings set a response may also stop on other tokens, and this check is off)"
         )
 
 

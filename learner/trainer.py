@@ -38,11 +38,12 @@ import torch
 from buffer import Buffer
 from buffer.datasets import iter_prompts
 from rlhf_core.config import Config, ConfigError, validate
-from rlhf_core.errors import UserError
+from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.metric_names import METRICS_FILE
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
+from learner.batch import stop_token_message, stop_token_misfits
 from learner.engines import all_reduce_max, broadcast_samples
 from weight_server import StaleVersionError, WeightPublisher
 
@@ -127,6 +128,7 @@ class Learner:
         self.metrics_path = self.output_dir / METRICS_FILE
         self._producer: threading.Thread | None = None
         self._producer_error: UserError | None = None
+        self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._vocab = vocab
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         self.exporter = None
@@ -269,10 +271,28 @@ class Learner:
             raise self._producer_error
         batch = self.buffer.read_batch(self.consumer, self._read_version(), self.cfg.learner.batch_size,
                                        timeout_s=1.0) if self.rank0 else None
+        if batch is not None:
+            batch.samples = self._drop_stop_token_misfits(batch.samples)
         samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
         if not samples and self.rank0:
             self._check_dead_letters()
         return batch, samples
+
+    def _drop_stop_token_misfits(self, samples: list[Sample]) -> list[Sample]:
+        """Dead-letter the few samples whose end-of-sequence tokens contradict the learner's (one
+        such record once crash-looped the learner: re-delivered after every restart). When most
+        recent samples misfit (more than half of the last 64, once 8 are seen), the tokenizers
+        differ: the samples stay and the update's check stops the learner with that diagnosis."""
+        misfits = stop_token_misfits(samples, self.updater.eos_ids)
+        bad = dict(misfits)
+        if any([self._misfits.record(i in bad) for i in range(len(samples))]):
+            return samples  # systemic: PolicyUpdater.update raises BatchError on them
+        for i, why in misfits:
+            s = samples[i]
+            reason = stop_token_message(s, self.updater.eos_ids, why)
+            log.warning("dead-lettering %s", reason)
+            self.buffer.dead_letter(reason, s.worker_id or "?", s.encode())
+        return [s for i, s in enumerate(samples) if i not in bad]
 
     def _train_one(self, batch: Any, samples: list[Sample], t_wait: float) -> dict[str, Any]:
         """One update on ``samples``: train, advance the version, publish it. Returns the update's

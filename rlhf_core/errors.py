@@ -17,3 +17,30 @@ class Unavailable(UserError):
     """A server this process needs stayed unreachable past its retry budget."""
 
     exit_code = 75
+
+
+class FailureWindow:
+    """The share of failures over the last ``window`` events (scorings, samples checked).
+
+    :meth:`record` returns True once at least ``min_count`` events (default: a full window) are
+    in the window and more than ``max_share`` of them failed: the caller then stops with its own
+    error. Failures now and then stay under the share.
+    """
+
+    def __init__(self, window: int, max_share: float, min_count: int | None = None) -> None:
+        from collections import deque
+
+        self.window, self.max_share = int(window), float(max_share)
+        self.min_count = self.window if min_count is None else int(min_count)
+        self.recent: deque[bool] = deque(maxlen=self.window)
+        self.failures = 0  # in the window
+        self.last_reason = ""
+
+    def record(self, failed: bool, reason: str = "") -> bool:
+        if len(self.recent) == self.window:
+            self.failures -= self.recent[0]
+        self.recent.append(failed)
+        self.failures += failed
+        if failed:
+            self.last_reason = reason
+        return len(self.recent) >= self.min_count and self.failures > self.max_share * len(self.recent)

@@ -28,14 +28,13 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, import_reward_target
-from rlhf_core.errors import UserError
+from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 
 _RESERVED = ("_target_", "weight")
@@ -46,33 +45,12 @@ class RewardFailing(UserError):
     no batch could ever form, so the worker stops the run with the reward's own error."""
 
 
-class FailureWindow:
-    """The share of failed scorings over the last ``window`` samples.
-
-    :meth:`record` each scored sample; it raises :class:`RewardFailing` once the window is full
-    and more than ``max_share`` of it failed. A reward that fails now and then stays under the
-    share: those samples are dead-lettered and the run goes on.
-    """
-
-    def __init__(self, window: int, max_share: float) -> None:
-        self.window, self.max_share = int(window), float(max_share)
-        self.recent: deque[bool] = deque(maxlen=self.window)
-        self.failures = 0  # in the window
-        self.last_reason = ""
-
-    def record(self, failed: bool, reason: str = "") -> None:
-        if len(self.recent) == self.window:
-            self.failures -= self.recent[0]
-        self.recent.append(failed)
-        self.failures += failed
-        if failed:
-            self.last_reason = reason
-        if len(self.recent) == self.window and self.failures > self.max_share * self.window:
-            raise RewardFailing(
-                f"{self.failures} of the last {self.window} samples could not be scored (more than "
-                f"reward.max_failure_share={self.max_share:g}), the last because: {self.last_reason}. Fix the reward "
-                "function (reward.functions) or its inputs; no batch can form while it fails"
-            )
+def reward_failing(window: FailureWindow) -> RewardFailing:
+    return RewardFailing(
+        f"{window.failures} of the last {len(window.recent)} samples could not be scored (more than "
+        f"reward.max_failure_share={window.max_share:g}), the last because: {window.last_reason}. Fix the reward "
+        "function (reward.functions) or its inputs; no batch can form while it fails"
+    )
 
 
 class RewardError(Exception):

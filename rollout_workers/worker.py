@@ -51,13 +51,14 @@ from buffer import Buffer, Lease
 from buffer.keys import check_consumer
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, to_object, validate
+from rlhf_core.errors import FailureWindow
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.rewards import FailureWindow, RewardError, Scorer
+from rollout_workers.rewards import RewardError, Scorer, reward_failing
 from weight_server import WeightSubscriber
 
 log = logging.getLogger(__name__)
@@ -403,10 +404,9 @@ class RolloutWorker:
             else:
                 self.stats.prompts_empty += 1
         for _, _, samples, dead in ready:  # after the groups are stored: a stop loses nothing scored
-            for _ in samples:
-                self.reward_failures.record(False)
-            for reason, _ in dead:
-                self.reward_failures.record(True, reason)
+            outcomes = [(False, "")] * len(samples) + [(True, reason) for reason, _ in dead]
+            if any([self.reward_failures.record(failed, reason) for failed, reason in outcomes]):
+                raise reward_failing(self.reward_failures)
 
     def _log_dead_letter(self, group: _Group, reason: str) -> None:
         """The first occurrence of each reason, then every 100th (a reward failing on every sample

@@ -164,3 +164,30 @@ def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, server
             f"data.path={data}", f"run.output_dir={tmp_path / 'out'}"]
     line = one_clear_line(learner(args, tmp_path, timeout=90))
     assert all(w in line for w in words), line
+
+
+def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_goes_on(tmp_path, servers, model_cache):
+    """One group of four stopping on <unk> among good groups: those samples become dead letters
+    (once, a single such record crash-looped the learner: re-delivered after every restart); the
+    rest trains."""
+    from rlhf_core.models import load_tokenizer
+
+    redis_url, ws = servers
+    proc = start_learner(tmp_path, redis_url, ws, model_cache, "few-misfits")
+    buf = Buffer.connect(redis_url, "few-misfits")
+    tok = load_tokenizer(ModelConfig(cache_dir=str(model_cache)))
+    try:
+        play_worker(buf, tok, [40, 41, 3], "stop", groups=1)        # 4 misfits ...
+        play_worker(buf, tok, [40, 41, EOS], "stop", groups=3)      # ... and 12 good samples: one batch of 16
+        wait = time.monotonic() + 60
+        while buf.learner_version() < 2 and time.monotonic() < wait:  # two batches of 8 trained
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        assert buf.learner_version() >= 2
+        dead = buf.dead_letters()
+        assert len(dead) == GROUP and all("finished with 'stop' on token 3" in d["reason"] for d in dead), dead
+        assert proc.poll() is None  # still training
+    finally:
+        proc.kill()
+        proc.wait()
+        buf.close()

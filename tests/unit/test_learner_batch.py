@@ -156,3 +156,19 @@ def test_select_carries_extras_and_blanks_filler_rows():
     assert sub.response_mask.tolist() == [[True, False, False], [False, False, False]]  # row 2 is a filler
     only_b = batch.select([1])
     assert tuple(only_b.input_ids.shape) == (1, 4) and only_b.token_extras["adv"].tolist() == [[4.0]]
+
+
+def test_stop_token_misfits_name_each_offending_sample():
+    from learner.batch import stop_token_misfits
+
+    eos = frozenset({2})
+    samples = [
+        sample(prompt_ids=[1], response_ids=[5, 2]),                         # fine: stops on EOS
+        sample(prompt_ids=[1], response_ids=[5, 3], group_id="g2"),          # 'stop' on 3, not an EOS
+        sample(prompt_ids=[1], response_ids=[2, 5, 6], finish_reason="length", group_id="g3"),  # EOS inside
+    ]
+    assert stop_token_misfits(samples, eos) == [
+        (1, "finished with 'stop' on token 3, which is not one of them"),
+        (2, "holds token 2 at position 0, where generation should have stopped"),
+    ]
+    assert stop_token_misfits(samples, frozenset()) == []

@@ -1,26 +1,24 @@
-"""The share of failed scorings over a window, and when it stops a worker."""
+"""The share of failures over a window (rlhf_core.errors.FailureWindow), and the reward's stop."""
 
 from __future__ import annotations
 
-import pytest
-
-from rollout_workers.rewards import FailureWindow, RewardFailing
+from rlhf_core.errors import FailureWindow
+from rollout_workers.rewards import RewardFailing, reward_failing
 
 
 def test_failures_now_and_then_stay_under_the_share():
     w = FailureWindow(window=4, max_share=0.5)
-    for failed in [True, False, True, False] * 5:  # 2 of every 4: exactly the share, not more
-        w.record(failed, "sometimes")
-    assert w.failures == 2
+    trips = [w.record(failed, "sometimes") for failed in [True, False, True, False] * 5]  # 2 of every 4: not more
+    assert not any(trips) and w.failures == 2
 
 
-def test_more_than_the_share_of_a_full_window_stops_with_the_last_reason():
+def test_more_than_the_share_of_a_full_window_trips_and_names_the_last_reason():
     w = FailureWindow(window=4, max_share=0.5)
-    w.record(True, "early")
-    w.record(True, "early")
-    w.record(False)  # [T, T, F]: 2 failures, and the window is not full yet
-    with pytest.raises(RewardFailing, match=r"3 of the last 4 samples could not be scored .* the last because: late"):
-        w.record(True, "late")  # [T, T, F, T]: 3 of 4 > 0.5 * 4
+    assert [w.record(True, "early"), w.record(True, "early"), w.record(False)] == [False] * 3  # window not full
+    assert w.record(True, "late")  # [T, T, F, T]: 3 of 4 > 0.5 * 4
+    err = reward_failing(w)
+    assert isinstance(err, RewardFailing)
+    assert "3 of the last 4 samples could not be scored" in str(err) and "the last because: late" in str(err)
 
 
 def test_the_window_slides():
@@ -29,7 +27,12 @@ def test_the_window_slides():
     for failed in [True, True, False, False, False]:
         w.record(failed, "x")
     assert list(w.recent) == [True, False, False, False] and w.failures == 1
-    w.record(True, "y")  # [F, F, F, T]
-    w.record(True, "y")  # [F, F, T, T]: 2 of 4, not more than half
-    with pytest.raises(RewardFailing):
-        w.record(True, "z")  # [F, T, T, T]: 3 of 4
+    assert not w.record(True, "y")  # [F, F, F, T]
+    assert not w.record(True, "y")  # [F, F, T, T]: 2 of 4, not more than half
+    assert w.record(True, "z")  # [F, T, T, T]: 3 of 4
+
+
+def test_a_minimum_count_trips_before_the_window_is_full():
+    # min_count 2: two failures out of two already say "most fail" in a window of 64
+    w = FailureWindow(window=64, max_share=0.5, min_count=2)
+    assert not w.record(True) and w.record(True)
