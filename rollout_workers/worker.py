@@ -51,7 +51,7 @@ from buffer import Buffer, Lease
 from buffer.keys import check_consumer
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, to_object, validate
-from rlhf_core.errors import FailureWindow
+from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken early by new prompts/budget)
 BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
+
+
+class PromptsRejected(UserError):
+    """Most recent prompts were rejected (too long for the context, unrenderable): the data or the
+    limits are wrong, and the run would otherwise idle with nothing to train on."""
 
 
 @dataclass
@@ -130,6 +135,7 @@ class RolloutWorker:
         # Reward config errors surface before any connection is opened or the policy is loaded.
         self.scorer = Scorer(cfg.reward, cfg.model)
         self.reward_failures = FailureWindow(cfg.reward.failure_window, cfg.reward.max_failure_share)
+        self.prompt_rejections = FailureWindow(window=64, max_share=0.5, min_count=16)  # prompts too long, unrenderable
         self._logged_reasons: dict[str, int] = {}  # dead-letter reason -> times seen (logging is rate-limited)
         self._own_buffer = buffer is None
         self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
@@ -281,12 +287,21 @@ class RolloutWorker:
             self._start_group(lease)
 
     def _reject_prompt(self, lease: Lease, reason: str) -> None:
-        log.warning("worker %s: prompt %s dead-lettered: %s", self.worker_id, lease.prompt.prompt_id, reason)
+        seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1
+        if seen == 1 or seen % 100 == 0:
+            log.warning("worker %s: prompt %s dead-lettered (%d time(s) for this reason): %s", self.worker_id,
+                        lease.prompt.prompt_id, seen, reason)
         with self._buf_lock:
             # dead letter + ack with no samples (its admission budget goes back), in one atomic step
             self.buffer.complete(lease, [], rejected=[("prompt", reason, lease.prompt.encode())])
         self.stats.dead_letters += 1
         self.stats.prompts_empty += 1
+        if self.prompt_rejections.record(True, reason):
+            raise PromptsRejected(
+                f"{self.prompt_rejections.failures} of the last {len(self.prompt_rejections.recent)} prompts were "
+                f"rejected, the last because: {reason}. Fix the data or the limits (rollout.max_prompt_tokens, "
+                "rollout.prompt_overflow=truncate, the model's context); no batch can form while most are rejected"
+            )
 
     def _start_group(self, lease: Lease) -> None:
         prompt = lease.prompt
@@ -309,6 +324,7 @@ class RolloutWorker:
             self._reject_prompt(lease, str(exc))
             return
         self.groups[lease.lease_id] = group
+        self.prompt_rejections.record(False)
 
     def _step(self) -> None:
         t0 = time.monotonic()

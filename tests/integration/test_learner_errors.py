@@ -153,11 +153,13 @@ def test_samples_with_other_special_tokens_stop_the_learner_with_a_clear_error(t
     ('{"prompt": "fine"}\n{"prompt": "fine too"\n', ["prompts.jsonl:2: not valid JSON"]),
     ('{"prompt": "fine"}\n["a list"]\n', ["prompts.jsonl:2: each line must be a JSON object, got list"]),
     ("", ["has no rows"]),
-], ids=["malformed line", "non-object line", "empty file"])
+    (None, ["prompts.jsonl' does not exist"]),
+], ids=["malformed line", "non-object line", "empty file", "missing file"])
 def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, servers, model_cache, content, words):
     """The prompt producer once logged the error and looped on a dead iterator for ever."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text(content)
+    if content is not None:
+        data.write_text(content)
     redis_url, ws = servers
     args = [f"buffer.url={redis_url}", f"buffer.run_id=data{abs(hash(content)) % 10**6}", f"weight_server.address={ws.address}",
             f"weight_server.pub_address={ws.pub_address}", f"model.cache_dir={model_cache}", "data=jsonl",

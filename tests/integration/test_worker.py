@@ -363,3 +363,17 @@ def test_a_reward_that_always_fails_stops_the_worker_with_its_error(run):
     assert "reward function 'boom' raised ValueError: boom" in message
     c = learner.counters()
     assert c["samples_dead_lettered"] >= 8 and c["samples_appended"] == 0  # what it scored is accounted for
+
+
+def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
+    # once: every prompt was dead-lettered one by one and the run idled with nothing to train on
+    from rollout_workers.worker import PromptsRejected
+
+    cfg, learner = run(rollout__max_prompt_tokens=8)
+    learner.publish(0)
+    learner.buffer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
+    with pytest.raises(PromptsRejected) as err:
+        RolloutWorker(cfg, "w-long").run(max_prompts=20)
+    assert "16 of the last 16 prompts were rejected" in str(err.value)
+    assert "more than rollout.max_prompt_tokens=8" in str(err.value)
+    assert learner.counters()["prompts_dead_lettered"] == 16
