@@ -4,7 +4,7 @@ Layout under ``root_dir``::
 
     latest                 one line: the name of the newest complete checkpoint
     v00000012/             one checkpoint (the caller names it)
-        policy/            the engine's state (torch: model.pt, optimizer.pt, scheduler.pt;
+        policy/            the engine's state (torch: model.pt, optimizer.pt, scheduler.pt, masters.pt for a bf16 model;
                            DeepSpeed: its own save_checkpoint, every rank's partition)
         critic/            the same for the critic, when there is one
         rng/rank<r>.json   python and numpy RNG states of rank r

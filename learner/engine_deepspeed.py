@@ -53,8 +53,12 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` (see the module docstring for the choices)."""
+def ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool, bf16_model: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg`` (see the module docstring for the choices).
+
+    ``bf16_model``: the model is held in bf16 (``model.dtype=bfloat16``); DeepSpeed's bf16 mode
+    is then on whatever ``learner.bf16`` says, because that mode is what keeps fp32 master weights
+    (stepped directly, bf16 weights lose every update below their precision)."""
     if cfg.zero_stage not in (1, 2, 3):
         raise ConfigError(f"learner.zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
     if cfg.bf16 and not on_gpu:
@@ -79,7 +83,7 @@ def ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool) -> dict[str, An
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,  # torch AdamW also under offload (same numbers as the torch engine)
-        "bf16": {"enabled": bool(cfg.bf16)},
+        "bf16": {"enabled": bool(cfg.bf16) or bf16_model},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -98,7 +102,8 @@ class DeepSpeedEngine:
         self.world_size = torch.distributed.get_world_size()
         self.cfg = cfg
         on_gpu = next(module.parameters()).is_cuda
-        self.config = ds_config(cfg, self.world_size, on_gpu)
+        bf16_model = any(p.dtype == torch.bfloat16 for p in module.parameters())
+        self.config = ds_config(cfg, self.world_size, on_gpu, bf16_model)
         optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr)
         schedule = lr_lambda(cfg)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
