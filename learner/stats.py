@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from rlhf_core import metric_names as M
+
 
 class RunningMoments:
     """Mean and variance of everything seen so far (Chan et al.'s parallel merge of batches).
@@ -106,3 +108,36 @@ class MetricSums:
         out.update(self._max)
         out.update(self._set)
         return out
+
+
+#: Dense bf16 peak TFLOPS by device name (NVIDIA's datasheets, without sparsity); the first
+#: key contained in ``torch.cuda.get_device_name()`` wins.
+PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("L4", 121.0),
+               ("4090", 165.0))
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """The device's peak in FLOP/s for MFU: ``learner.peak_tflops`` when set, else by GPU name;
+    None when unknown (a CPU, an unlisted GPU), and then MFU is not reported."""
+    if override_tflops:
+        return float(override_tflops) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def flops_metrics(params: int, tokens: float, seconds: float, peak: float | None) -> dict[str, float]:
+    """Training FLOP/s as ``6 * params * tokens / seconds`` (forward 2, backward 4 per parameter
+    and token; recomputation passes and attention are not counted) and MFU against ``peak``.
+
+    E.g. 1e6 params, 1e4 tokens in 0.5 s: 6e10 / 0.5 = 1.2e11 FLOP/s = 0.12 TFLOPS; against a
+    1e12 peak, MFU 0.12.
+    """
+    if seconds <= 0:
+        return {}
+    achieved = 6.0 * params * tokens / seconds
+    out = {M.TRAIN_TFLOPS: achieved / 1e12}
+    if peak:
+        out[M.MFU] = achieved / peak
+    return out

@@ -38,7 +38,7 @@ from learner.losses import (
     ISConfig, decoupled_ppo_loss, entropy_bonus, entropy_from_logits, kl_estimate, ppo_clip_loss, value_loss,
 )
 from learner.masked import aggregate, masked_max, masked_mean, masked_sum
-from learner.stats import MetricSums, RunningMoments
+from learner.stats import MetricSums, RunningMoments, flops_metrics, peak_flops
 from rlhf_core.config import AlgoConfig, Config, ConfigError
 from rlhf_core.errors import UserError
 from rlhf_core.records import Sample
@@ -86,6 +86,10 @@ class PolicyUpdater:
         pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else model_cfg.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         self.device = next(engine.module.parameters()).device
+        # ds_numel: under ZeRO-3 a parameter here is an empty placeholder for its partitions
+        self.trainable_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()
+                                    if p.requires_grad)
+        self.peak_flops = peak_flops(self.device, self.lcfg.peak_tflops)
         self._check_config()
         # built once; plain PPO has no IS weights, so its unused caps are not checked
         self.is_config = importance_sampling(self.algo) if self.algo.policy_loss == "decoupled" else None
@@ -188,6 +192,7 @@ class PolicyUpdater:
             "learner/samples_per_s": batch.num_rows / elapsed,
             "learner/tokens_per_s": float(batch.response_mask.sum()) / elapsed,
         })
+        out.update(flops_metrics(self.trainable_params, float(batch.attention_mask.sum()), elapsed, self.peak_flops))
         return out
 
     def _shard(self, n: int) -> tuple[list[int], list[bool]]:

@@ -183,6 +183,7 @@ class LearnerConfig:
     zero_stage: int = 2
     offload_optimizer: bool = False
     bf16: bool = False
+    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for learner/mfu; null = known GPUs by name
     publish_dtype: str = "as_trained"  # as_trained | bfloat16 | float16
     prometheus_port: Optional[int] = None
     export_dir: Optional[str] = None  # HF-format export at the end

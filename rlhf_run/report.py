@@ -266,6 +266,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "learner_compute_s": compute,
             "learner_wait_s": wait,
             "learner_publish_s": publish,
+            "learner_tflops": _mean([r.get(M.TRAIN_TFLOPS) for r in rows]),
+            "learner_mfu": _mean([r.get(M.MFU) for r in rows]),  # None without a known device peak
             "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
         },
         "dead_letters": last_snap.get("counters", {}).get("dead_letters"),

@@ -294,3 +294,16 @@ def test_sequence_level_defaults_act_where_the_token_caps_would_not():
     assert value == pytest.approx(-(g0 + g1) / 2, abs=1e-12) and stats.is_masked_frac.item() == 0.0
     value, stats = loss(is_correction="mis")
     assert value == 0.0 and stats.is_masked_frac.item() == 1.0
+
+
+def test_flops_and_mfu_of_an_update():
+    import torch
+
+    from learner.stats import flops_metrics, peak_flops
+    from rlhf_core import metric_names as M
+
+    # 1e6 params x 1e4 tokens x 6 = 6e10 FLOP in 0.5 s = 1.2e11 FLOP/s = 0.12 TFLOPS; peak 1e12: MFU 0.12
+    assert flops_metrics(10**6, 1e4, 0.5, 1e12) == pytest.approx({M.TRAIN_TFLOPS: 0.12, M.MFU: 0.12})
+    assert flops_metrics(10**6, 1e4, 0.5, None) == pytest.approx({M.TRAIN_TFLOPS: 0.12})  # no peak: no MFU
+    assert peak_flops(torch.device("cpu"), None) is None
+    assert peak_flops(torch.device("cpu"), 50.0) == 50e12  # learner.peak_tflops
