@@ -26,6 +26,7 @@ import torch
 
 from rlhf_core.errors import UserError
 from rlhf_core.records import Sample
+from rlhf_core.sampling import token_logprobs
 
 
 class BatchError(UserError, ValueError):
@@ -319,3 +320,49 @@ def response_values(forward: Callable[..., Any], batch: TrainBatch) -> torch.Ten
     if logits.dim() == 3:
         logits = logits[..., 0]
     return gather_response(logits.float(), batch)
+
+
+def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder body, LM head) of a transformers causal LM whose logits are exactly
+    ``head(body(...).last_hidden_state)``; None when that is not known to hold (logit scaling or
+    soft-capping after the head, or no such attributes), and the caller keeps full logits."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(body, torch.nn.Module) or body is model or not isinstance(head, torch.nn.Linear):
+        return None
+    return body, head
+
+
+def chunked_response_logprobs(
+    body: torch.nn.Module, head: torch.nn.Module, batch: TrainBatch, process: Callable[[torch.Tensor], torch.Tensor],
+    chunk_tokens: int, entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs of the response tokens (and entropies with ``entropy_fn``) without
+    materialising ``[B, T, V]`` logits: the body runs once, then the LM head, ``process`` (the
+    sampling's logit processing) and the log-softmax gather run over ``chunk_tokens`` response
+    positions at a time, each chunk under activation checkpointing, so backward keeps only the
+    ``[B, T, H]`` hidden states and recomputes one chunk's logits at a time. At vocab 151k,
+    16 x 512 tokens of fp32 logits are 5 GB; a chunk of 1024 is 0.6 GB.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+    h = gather_response(hidden, batch)  # [B, T, H]
+    B, T = batch.response_ids.shape
+    flat_h, flat_ids = h.reshape(B * T, -1), batch.response_ids.reshape(B * T)
+
+    def chunk(hc: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        processed = process(head(hc))
+        logp = token_logprobs(processed, ids)
+        ent = entropy_fn(processed) if entropy_fn is not None else torch.zeros_like(logp)
+        return logp, ent
+
+    parts = [checkpoint(chunk, flat_h[i : i + chunk_tokens], flat_ids[i : i + chunk_tokens], use_reentrant=False)
+             if torch.is_grad_enabled() else chunk(flat_h[i : i + chunk_tokens], flat_ids[i : i + chunk_tokens])
+             for i in range(0, B * T, chunk_tokens)]
+    logp = torch.cat([p[0] for p in parts]).reshape(B, T)
+    ent = torch.cat([p[1] for p in parts]).reshape(B, T) if entropy_fn is not None else None
+    return logp, ent

@@ -30,7 +30,8 @@ import torch
 
 from learner import batch_advantages as batch_adv
 from learner.batch import (
-    BatchError, TrainBatch, check_stop_tokens, collate, micro_batches, response_logits, response_values,
+    BatchError, TrainBatch, check_stop_tokens, chunked_response_logprobs, collate, lm_parts, micro_batches,
+    response_logits, response_values,
 )
 from learner.engines import TrainEngine, all_reduce_max, all_reduce_sum
 from learner.dpo_loss import dpo_loss
@@ -119,6 +120,13 @@ class PolicyUpdater:
         its per-token entropy when asked (same processed logits; differentiable only when the
         entropy bonus is on, otherwise a detached statistic that keeps no graph)."""
         r = self.rollout
+        model = self.engine.module if forward == self.engine.forward else forward
+        parts = lm_parts(model) if mb.response_ids.numel() > self.lcfg.logits_chunk_tokens else None
+        if parts is not None:  # long responses x a large vocabulary: never all the logits at once
+            logp, ent = chunked_response_logprobs(
+                *parts, mb, lambda x: process_logits(x, r.temperature, r.top_k, r.top_p), self.lcfg.logits_chunk_tokens,
+                entropy_from_logits if entropy else None)
+            return logp, (ent if ent is None or self.algo.entropy_coef else ent.detach())
         processed = process_logits(response_logits(forward, mb), r.temperature, r.top_k, r.top_p)
         logp = token_logprobs(processed, mb.response_ids)
         if not entropy:

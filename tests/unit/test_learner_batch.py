@@ -172,3 +172,32 @@ def test_stop_token_misfits_name_each_offending_sample():
         (2, "holds token 2 at position 0, where generation should have stopped"),
     ]
     assert stop_token_misfits(samples, frozenset()) == []
+
+
+@pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_chunked_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, settings):
+    # Chunks of 5 response positions (the batch has 3 x 7 = 21): the numbers and the gradients
+    # must be those of one [B, T, V] logits tensor, to float tolerance.
+    import copy
+
+    from learner.batch import chunked_response_logprobs, lm_parts
+    from learner.losses import entropy_from_logits
+    from rlhf_core.models import load_policy
+    from rlhf_core.sampling import process_logits, token_logprobs
+
+    model = load_policy(tiny_model_cfg)
+    twin = copy.deepcopy(model)
+    batch = collate([sample(prompt_ids=[1, 5 + i, 6], response_ids=[7 + j for j in range(3 + 2 * i)], group_id=f"g{i}")
+                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
+    t, k, p = settings
+    process = lambda x: process_logits(x, t, k, p)  # noqa: E731
+    full = process(response_logits(model, batch))
+    want_logp, want_ent = token_logprobs(full, batch.response_ids), entropy_from_logits(full)
+    got_logp, got_ent = chunked_response_logprobs(*lm_parts(twin), batch, process, 5, entropy_from_logits)
+    mask = batch.response_mask
+    torch.testing.assert_close(got_logp[mask], want_logp[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_ent[mask], want_ent[mask], rtol=0, atol=1e-5)
+    ((want_logp + want_ent) * mask).sum().backward()
+    ((got_logp + got_ent) * mask).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

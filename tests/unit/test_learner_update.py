@@ -307,3 +307,18 @@ def test_flops_and_mfu_of_an_update():
     assert flops_metrics(10**6, 1e4, 0.5, None) == pytest.approx({M.TRAIN_TFLOPS: 0.12})  # no peak: no MFU
     assert peak_flops(torch.device("cpu"), None) is None
     assert peak_flops(torch.device("cpu"), 50.0) == 50e12  # learner.peak_tflops
+
+
+def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg):
+    # learner.logits_chunk_tokens=4: every micro-batch goes through the chunked LM head
+    from learner.batch import lm_parts
+
+    assert lm_parts(base) is not None  # the tiny Llama's body and head are found
+    results, norms = [], []
+    for chunk in (4, 10**6):
+        up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk,
+                                                      "algo.entropy_coef": 0.01}))
+        norms.append(up.update(samples, 0)["learner/grad_norm"])
+        results.append(params(up.engine.module))
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], params(base)) > 5e-4
