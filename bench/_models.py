@@ -12,8 +12,6 @@ covers every id of the model (``t0`` .. ``t<V-1>``), so any sampled id decodes.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 #: Qwen2-0.5B's shape (its config.json), with tied embeddings as in the released model.
@@ -48,6 +46,8 @@ def qwen2_05b_dir(cache_dir: str | os.PathLike, dtype: str = "bfloat16", seed: i
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from rlhf_core.models import save_model_dir
+
     shape = {**QWEN2_05B, **overrides}
     tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     out = Path(cache_dir).expanduser() / f"qwen2-0.5b-shape-{dtype}-s{seed}{'-' + tag if tag else ''}"
@@ -58,16 +58,5 @@ def qwen2_05b_dir(cache_dir: str | os.PathLike, dtype: str = "bfloat16", seed: i
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(model, tokenizer, out)
     return out

@@ -98,20 +98,26 @@ def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: st
     with gen:
         torch.manual_seed(tiny.seed)
         model = cls(config)
+    save_model_dir(model, tokenizer, out)
+    log.info("built tiny %s model in %s", head, out)
+    return out
+
+
+def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically: written into a
+    temporary sibling folder and renamed, so a concurrent builder either wins or finds it done."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
-            os.rename(tmp, out)  # atomic: a concurrent builder either wins or finds it done
+            os.rename(tmp, out)
         except OSError:
             if not (out / "config.json").exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built tiny %s model in %s", head, out)
-    return out
 
 
 def model_dir(cfg: ModelConfig) -> Path:
