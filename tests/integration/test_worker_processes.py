@@ -32,6 +32,13 @@ def engine(request, tiny_model_cfg, tiny_vllm_cfg):
 
 
 @pytest.fixture
+def hf_engine(tiny_model_cfg):
+    """The hf engine alone: the two-worker kill test is about the buffer's leases, and a vLLM
+    worker's kill is covered by test_vllm_processes.py (two vLLM workers cost minutes here)."""
+    return tiny_model_cfg, [], START_S
+
+
+@pytest.fixture
 def children(tmp_path):
     """Spawned workers, killed (by PID) if a test leaves one running."""
     procs = {}
@@ -59,8 +66,8 @@ def gated(ov: list[str], gate_file) -> list[str]:
 
 
 @pytest.mark.timeout(720)  # two children start one after the other
-def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, weight_server, engine, children, tmp_path):
-    model_cfg, engine_ov, start_s = engine
+def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, weight_server, hf_engine, children, tmp_path):
+    model_cfg, engine_ov, start_s = hf_engine
     # a lease outlives a heartbeat missed on a loaded machine: nothing is reclaimed before the kill
     ov = overrides(redis_url, "two-workers", weight_server, model_cfg, buffer__lease_timeout_s=10.0,
                    rollout__slots=4, rollout__max_new_tokens=32, rollout__max_prompt_tokens=16, extra=engine_ov)
