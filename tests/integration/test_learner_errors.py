@@ -154,7 +154,8 @@ def test_samples_with_other_special_tokens_stop_the_learner_with_a_clear_error(t
     ('{"prompt": "fine"}\n["a list"]\n', ["prompts.jsonl:2: each line must be a JSON object, got list"]),
     ("", ["has no rows"]),
     (None, ["prompts.jsonl' does not exist"]),
-], ids=["malformed line", "non-object line", "empty file", "missing file"])
+    ('{"question": "no prompt field"}\n', ["no string field 'prompt'", "set data.text_field"]),
+], ids=["malformed line", "non-object line", "empty file", "missing file", "no prompt field"])
 def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, servers, model_cache, content, words):
     """The prompt producer once logged the error and looped on a dead iterator for ever."""
     data = tmp_path / "prompts.jsonl"
