@@ -104,3 +104,8 @@ def gate(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], p
     while waits and os.path.exists(path):
         time.sleep(0.01)
     return 1.0
+
+
+def exit_process(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
+    """Ends the worker process at its first scoring with exit code 3 (a crash, not a user error)."""
+    os._exit(3)

@@ -448,3 +448,17 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint_and_the_run_finishes(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_run_with_no_worker_left_fails_with_the_last_workers_exit(tmp_path, model_cache):
+    # once: the run idled for ever once its workers were gone
+    out = tmp_path / "out"
+    tests_dir = str(Path(__file__).resolve().parents[1])  # reward_fns, for the launcher and its worker
+    env = child_env(PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), "rollout.num_workers=1",
+                           "rollout.restart_on_crash=false", "~reward.functions.count_up",
+                           "+reward.functions.exit._target_=reward_fns.exit_process"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "run failed: no worker left: worker-0 exited with code 3" in proc.stderr
