@@ -262,12 +262,18 @@ def main() -> None:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--task", choices=sorted(REWARDS), default="successor")
+    ap.add_argument("--updates", type=int, default=None, help="override the mode's updates per run")
+    ap.add_argument("--seeds", type=int, default=None, help="override the mode's number of seeds")
     args = ap.parse_args()
     # One thread: the tiny model's matmuls are too small to split, and on a shared 2-core
     # machine two threads per process fight (measured: 3-10x slower under load).
     torch.set_num_threads(1)
     s = settings(args.full)
     s["task"] = args.task
+    if args.updates:
+        s["updates"] = args.updates
+    if args.seeds:
+        s["seeds"] = list(range(args.seeds))
     mcfg = ModelConfig()
     base, tok = load_policy(mcfg), load_tokenizer(mcfg)
     init = evaluate(base, tok, s, 0)

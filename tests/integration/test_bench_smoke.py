@@ -29,7 +29,8 @@ BENCHES = {
     "engines": (["--quick"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
-    "staleness": (["--quick"], {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
+    "staleness": (["--quick", "--updates", "20", "--seeds", "1"],
+                  {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
     "weight_sync": (["--quick", "--size-mb", "32", "--reps", "2"], {"results", "ratios", "targets", "rounds"}),
 }
 
