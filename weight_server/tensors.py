@@ -116,9 +116,22 @@ def readonly_tensor(data: np.ndarray) -> torch.Tensor:
 
 def target_of(into: Any) -> dict[str, torch.Tensor]:
     """The tensors a pull writes into: an nn.Module's state_dict (shares storage with its
-    parameters and buffers) or a dict of preallocated tensors."""
+    parameters and buffers) or a dict of preallocated tensors.
+
+    A module's tied weights (e.g. ``lm_head.weight`` sharing ``embed_tokens.weight``, as in
+    Qwen2-0.5B) appear once, under their first name: ``named_parameters`` order, which is what a
+    learner publishes, so an alias is never asked for and is updated through the tensor it shares.
+    """
     if isinstance(into, torch.nn.Module):
-        return dict(into.state_dict())
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        out = {}
+        for name, t in into.state_dict().items():
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if t.numel() and key in seen:
+                continue
+            seen.add(key)
+            out[name] = t
+        return out
     if isinstance(into, Mapping):
         bad = [k for k, v in into.items() if not isinstance(v, torch.Tensor)]
         if bad:

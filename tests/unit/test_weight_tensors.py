@@ -79,3 +79,25 @@ def test_target_of_rejects_other_types():
         target_of([torch.zeros(1)])
     with pytest.raises(UserError, match="values must be tensors"):
         target_of({"a": 1.0})
+
+
+def test_target_of_a_module_with_tied_weights_names_each_tensor_once():
+    # Qwen2-0.5B ties lm_head to the embedding: a learner publishes named_parameters(), which
+    # holds the shared tensor once, under its first name; the pull target must not ask for the alias.
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.ones(3))
+
+    m = Tied()
+    assert list(m.state_dict()) == ["scale", "embed.weight", "head.weight"]
+    target = target_of(m)
+    assert list(target) == ["scale", "embed.weight"]
+    assert [n for n, _ in m.named_parameters()] == ["embed.weight"]  # what a learner publishes, with "scale"
+    target["embed.weight"].copy_(torch.full((5, 3), 2.0))
+    assert bool((m.head.weight == 2.0).all())  # the alias follows the tensor it shares
+    # untied modules keep every name
+    assert list(target_of(torch.nn.Linear(2, 2))) == ["weight", "bias"]
