@@ -11,11 +11,12 @@ Per :meth:`HFEngine.step`:
 1. release the slots of sequences that finished (or were aborted) since the last step;
 2. admit waiting requests into free slots (lowest free slot first, which keeps the running
    slots packed at the front);
-3. prefill: newcomers' ``prompt[:-1]`` are written into their slots by batched forward passes
-   of at most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an
-   admission never stalls decoding for long). The last prompt token is not prefilled: it is the
-   sequence's input of its first decoding pass, so every decoding sequence samples exactly one
-   token per step;
+3. prefill: newcomers' prompts are written into their slots by batched forward passes of at
+   most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an admission
+   never stalls decoding for long). Rows are padded on the left, so the pass's last column is
+   every row's last real token: a sequence whose prompt completes in the pass samples its first
+   token from it (a response of n tokens takes n forward passes, not n + 1) and decodes from
+   this step on;
 4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
    power of two, the bucket its graph was captured for): one token per slot at its own
    position, written in place into its own column; free or still-prefilling slots inside the
@@ -68,7 +69,7 @@ class _Seq:
         self.versions: list[int] = []
         self.slot = slot
         self.n_cached = 0  # columns of the slot holding this sequence's K/V (= position of the next input)
-        self.next_input = self.prompt[-1]  # fed at the next decoding pass
+        self.next_input = -1  # the last sampled token, fed at the next decoding pass
         self.stop_ids = stop_ids
         # A stop string of n characters spans at most n tokens when each token decodes to >= 1
         # character; the margin covers tokenizers that merge a leading space into a word.
@@ -78,7 +79,7 @@ class _Seq:
 
     @property
     def prefilled(self) -> bool:
-        return self.n_cached >= len(self.prompt) - 1
+        return self.n_cached >= len(self.prompt)
 
 
 class HFEngine:
@@ -163,8 +164,8 @@ class HFEngine:
         with torch.inference_mode(), slot_attention_for(self.model):
             self._release_finished()
             self._admit()
-            self._prefill()
-            return self._decode()
+            first = self._prefill()
+            return first + self._decode()
 
     def has_work(self) -> bool:
         return bool(self._known)
@@ -234,29 +235,44 @@ class HFEngine:
             self._known[request.request_id] = seq
             self._running.append(seq)
 
-    def _prefill(self) -> None:
-        """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots."""
+    def _prefill(self) -> list[GenResult]:
+        """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots;
+        the sequences whose prompt is now complete sample their first token from the pass.
+        Returns those that finished on it."""
         budget, chunk = self.prefill_chunk, []
         for seq in self._running:
             if budget <= 0:
                 break
             if not seq.prefilled:
-                take = min(len(seq.prompt) - 1 - seq.n_cached, budget)
+                take = min(len(seq.prompt) - seq.n_cached, budget)
                 chunk.append((seq, take))
                 budget -= take
         if not chunk:
-            return
+            return []
         width = max(take for _, take in chunk)
         ids, positions = [], []
-        for seq, take in chunk:
+        for seq, take in chunk:  # padded on the left: column -1 is each row's last real token
             start, pad = seq.n_cached, width - take
-            ids.append(seq.prompt[start : start + take] + [self.pad_id] * pad)
-            positions.append(list(range(start, start + take)) + [self.cache.scratch] * pad)
+            ids.append([self.pad_id] * pad + seq.prompt[start : start + take])
+            positions.append([self.cache.scratch] * pad + list(range(start, start + take)))
             seq.n_cached += take
         rows = torch.tensor([seq.slot for seq, _ in chunk], device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        self._forward(torch.tensor(ids, device=self.device), pos, rows, max(s.n_cached for s, _ in chunk))
+        logits = self._forward(torch.tensor(ids, device=self.device), pos, rows, max(s.n_cached for s, _ in chunk))
         self.num_prefills += 1
+        done = [i for i, (seq, _) in enumerate(chunk) if seq.prefilled]
+        if not done:
+            return []
+        seqs = [chunk[i][0] for i in done]
+        keys = [seq.params.key for seq in seqs]
+        temp, top_k, top_p = (torch.tensor(v, device=self.device) for v in zip(*keys))
+        processed = process_logits_rows(
+            logits[torch.tensor(done, device=self.device)], temp.float(), top_k.long(), top_p.float(),
+            use_top_k=any(t == 0 or 0 < k < self.vocab_size for t, k, _ in keys), use_top_p=any(p < 1 for *_, p in keys))
+        tokens = sample_tokens(processed, self.generator)
+        logprobs = token_logprobs(processed, tokens)
+        self.tokens_generated += len(seqs)
+        return self._record(seqs, tokens.tolist(), logprobs.tolist())
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
         """One forward pass of ``ids`` ``[n, C]`` at ``positions`` through the slot cache; returns
@@ -279,7 +295,7 @@ class HFEngine:
         return tokens, token_logprobs(processed, tokens)
 
     def _decode(self) -> list[GenResult]:
-        decoding = [seq for seq in self._running if seq.prefilled]
+        decoding = [seq for seq in self._running if seq.prefilled and not seq.done]
         if not decoding:
             return []
         n = max(seq.slot for seq in decoding) + 1
@@ -301,6 +317,8 @@ class HFEngine:
         logprob_list = logprobs.tolist()
         self.num_steps += 1
         self.tokens_generated += len(decoding)
+        for seq in decoding:  # its input went into column n_cached
+            seq.n_cached += 1
         return self._record(decoding, [token_list[i] for i in row_of], [logprob_list[i] for i in row_of])
 
     def _load_inputs(self, decoding: list[_Seq], row_of: list[int], n: int) -> tuple[bool, bool]:
@@ -326,7 +344,6 @@ class HFEngine:
     def _record(self, decoding: list[_Seq], token_list: list[int], logprob_list: list[float]) -> list[GenResult]:
         version, finished = self.version, []
         for seq, token, logprob in zip(decoding, token_list, logprob_list):
-            seq.n_cached += 1
             seq.next_input = token
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
