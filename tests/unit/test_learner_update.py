@@ -322,3 +322,55 @@ def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg
         results.append(params(up.engine.module))
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], params(base)) > 5e-4
+
+
+def test_prox_comes_from_the_training_pass_only_when_provably_the_same():
+    from learner.update import has_dropout, prox_is_training_pass
+    from rlhf_core.config import Config
+
+    plain = torch.nn.Linear(2, 2)
+
+    def cfg(**kw):
+        c = Config()
+        for key, value in kw.items():
+            section, name = key.split(".")
+            setattr(getattr(c, section), name, value)
+        return c
+
+    assert prox_is_training_pass(cfg(), plain)  # one epoch, one minibatch, no filtering, no dropout
+    for not_same in ({"learner.ppo_epochs": 2}, {"learner.num_minibatches": 2}, {"rollout.top_k": 5},
+                     {"rollout.top_p": 0.9}, {"rollout.temperature": 0.0}, {"algo.vtrace": True}, {"algo.estimator": "dpo"},
+                     {"algo.kl_coef": 0.1, "algo.kl_mode": "reward"}):
+        assert not prox_is_training_pass(cfg(**not_same), plain), not_same
+    assert prox_is_training_pass(cfg(**{"algo.kl_coef": 0.1, "algo.kl_mode": "loss"}), plain)  # KL after the pass
+    assert not prox_is_training_pass(cfg(), torch.nn.Sequential(plain, torch.nn.Dropout(0.1)))
+    # HF attention applies config.attention_dropout functionally: the config counts too
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    assert not has_dropout(LlamaForCausalLM(LlamaConfig(**tiny)))
+    assert has_dropout(LlamaForCausalLM(LlamaConfig(**tiny, attention_dropout=0.1)))
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_prox_from_the_training_pass_gives_the_update_of_a_separate_pass(stale, base, samples, tiny_model_cfg):
+    # With one epoch of one minibatch the training pass runs the weights before the update, so
+    # pi_prox read off it (detached) equals the no-grad pass's: the same step and the same metrics.
+    cfg = tiny_config(tiny_model_cfg, **{"learner.lr": 3e-3, "learner.micro_batch_size": 3})
+    results = []
+    for reuse in (True, False):
+        up = make(base, cfg)
+        assert up.prox_from_training_pass
+        up.prox_from_training_pass = reuse
+        if stale:  # samples made by older weights: pi_prox != mu, the IS weights act
+            up.update(samples, 0)
+        m = up.update(samples, 1 if stale else 0)
+        assert m["learner/prox_pass"] == float(not reuse)
+        results.append((params(up.engine.module), m))
+    (w_reuse, m_reuse), (w_pass, m_pass) = results
+    assert max_diff(w_reuse, w_pass) < 1e-6
+    for key in ("loss/policy", "loss/ratio_mean", "staleness/is_weight_mean", "staleness/is_weight_max",
+                "staleness/behav_prox_kl", "staleness/is_truncated_frac", "learner/grad_norm"):
+        assert m_reuse[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7), key
+    if stale:
+        assert m_pass["staleness/behav_prox_kl"] > 1e-4  # the check compares real IS weights
