@@ -42,7 +42,7 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
     keys = RunKeys.for_run(run_id)
     cmd = [str(BIN / "rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false",
            f"buffer.url={redis_server.url}", f"buffer.run_id={run_id}", "rollout.num_workers=3", "rollout.slots=8",
-           "learner.batch_size=16", "learner.micro_batch_size=16", "learner.checkpoint_every=2", "learner.max_updates=40",
+           "learner.batch_size=16", "learner.micro_batch_size=16", "learner.checkpoint_every=2", "learner.max_updates=100000",
            "buffer.heartbeat_interval_s=0.5", f"buffer.lease_timeout_s={LEASE_S}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -63,12 +63,18 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
         v = version(r, keys)
         wait_for(lambda: version(r, keys) >= v + 3, 180, "training after the learner's restart")
         redis_server.restart()  # SIGKILL, then the same port and append-only file
+        wait_for(lambda: version(r, keys) >= 0, 60, "Redis to answer again")
+        v = version(r, keys)
+        wait_for(lambda: version(r, keys) >= v + 3, 180, "training after Redis's restart")
+        # The budget is out of reach: the run ends on Ctrl-C once every fault is behind it, not
+        # on a number of updates a fast machine could reach before the faults are over.
+        proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, output[-4000:]
+    assert proc.returncode == 130, output[-4000:]  # stopped by Ctrl-C, cleanly
     assert "restarting worker-0" in output and "restarting the learner from its last checkpoint" in output
 
     summary = json.loads((out / "summary.json").read_text())
@@ -78,7 +84,7 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
         in_stream = r.xlen(keys.samples)
     finally:
         buf.close()
-    assert summary["steps"] == 40 and summary["dead_letters"] == 0, summary
+    assert summary["steps"] >= 12 and summary["dead_letters"] == 0, summary
     # every group appended was consumed, dropped as stale (counted with a reason) or is still there
     assert c["groups_appended"] == c["groups_removed"] + in_stream, c
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c

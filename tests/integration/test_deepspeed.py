@@ -163,6 +163,9 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     else:
         assert state == {} and reloaded == {}, "only rank 0 receives gathered tensors"
         (Path(out_dir) / "rank1.json").write_text(json.dumps({"losses": losses, "samples": [len(b) for b in batches]}))
+    # rank 1 must not tear gloo down while rank 0 is still publishing: it aborted ("terminate called
+    # without an active exception") in CI when it reached destroy_process_group first
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
