@@ -38,6 +38,21 @@ def word_tokenizer(vocab_size: int):
                                    eos_token="</s>", unk_token="<unk>", padding_side="left")
 
 
+def tokenizer_dir(model_path: Path) -> Path:
+    """The word tokenizer of a model built here, in a folder of its own (``model.tokenizer_path``).
+
+    Loaded from the model's folder, transformers picks the tokenizer class of the model type
+    (``Qwen2Tokenizer`` for qwen2), whose byte-level pre-tokenizer maps every word to nothing
+    in this vocabulary; from a folder without ``config.json`` it loads as saved.
+    """
+    out = model_path / "word-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        from transformers import AutoConfig
+
+        word_tokenizer(AutoConfig.from_pretrained(model_path).vocab_size).save_pretrained(out)
+    return out
+
+
 def qwen2_05b_dir(cache_dir: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0, **overrides) -> Path:
     """A Qwen2-0.5B-shaped model + tokenizer under ``cache_dir`` (built once, atomically).
 

@@ -61,13 +61,29 @@ def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
     assert _digest(committed) == before, f"the smoke run overwrote {committed}"
 
 
-def test_generation_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
-    # --gpu-check: the --gpu mode's model builder, workloads and methods with a 2-layer model.
+def gpu_check(name: str, tmp_path: Path, model_cache: Path) -> dict:
+    """Run ``bench/<name>.py --gpu-check`` (the --gpu mode's path on a CPU with a 2-layer model);
+    return its JSON."""
     out = tmp_path / "results"
     env = dict(os.environ, RLHF_BENCH_RESULTS=str(out), RLHF_TEST_CACHE=str(model_cache), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(BENCH / "generation.py"), "--gpu-check"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--gpu-check"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    doc = json.loads((out / "generation_gpu_check.json").read_text())
+    return json.loads((out / f"{name}_gpu_check.json").read_text())
+
+
+def test_generation_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
+    # the --gpu mode's model builder, workloads and methods
+    doc = gpu_check("generation", tmp_path, model_cache)
     assert {r["workload"] for r in doc["results"]} == {"uniform", "skewed"}
     assert set(doc["ratios"]["uniform"]) == {"engine_over_generate"}
+
+
+def test_vs_trl_runs_trl_and_the_service_on_a_real_model_shape(tmp_path, model_cache):
+    # --gpu-check: the --gpu mode's path on a CPU (a 2-layer Qwen2-shaped model with tied
+    # embeddings, prompts from a JSONL file, model=hf) for TRL, this service async and sync.
+    pytest.importorskip("trl")
+    doc = gpu_check("vs_trl", tmp_path, model_cache)
+    assert [(r["system"], r["updates"]) for r in doc["runs"]] == [("trl", 4), ("async", 4), ("sync", 4)]
+    assert all(r["trained_samples_per_s"] > 0 for r in doc["runs"])
+    assert doc["async_over_trl"] == doc["summary"]["async"]["trained_samples_per_s"] / doc["summary"]["trl"]["trained_samples_per_s"]

@@ -1,0 +1,276 @@
+"""This service against TRL's ``GRPOTrainer``, side by side in one invocation.
+
+Both train the same model directory with the same tokenizer, prompts, reward function, group
+size, samples per update, response length, learning rate (and schedule, clipping, AdamW
+settings) and number of updates, one after the other: TRL first (in a child process, with every
+core of the machine, as a user runs it), then this service asynchronously
+(``algo.max_staleness=2``) and synchronously (``algo.max_staleness=0``). Reported per run:
+trained samples/s, wall-clock and the mean batch reward over the last quarter of the updates;
+the ratios to TRL go into the JSON. Target on the CPU machine: async >= 2x TRL at equal reward.
+
+Modes:
+
+- ``--quick`` (default): the default task and tiny model, 600 updates of 32 samples (group 4,
+  6 new tokens, lr 3e-4), one seed; under 3 minutes on the 2-core machine.
+- ``--full``: the same with 1,200 updates and 3 seeds (the per-seed spread of the reward).
+- ``--gpu``: a Qwen2-0.5B-shaped model built from its config (random bf16 weights), batch 64,
+  group 8, 128 prompt + 256 new tokens, on CUDA.
+- ``--gpu-check``: the ``--gpu`` code path on a CPU, with a 2-layer model and a few updates.
+
+Speed: trained samples/s over the training window (first to last update; start-up is excluded
+on both sides, so a model load or a compile does not count). TRL's updates are timed by a
+callback at the end of each optimizer step.
+
+    .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N]
+
+Needs TRL (the ``baseline`` extra: ``pip install -c constraints-cpu.txt -e .[baseline]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the repository root first: bench/buffer.py must not shadow the `buffer` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import print_table, write_results  # noqa: E402
+
+MODES: dict[str, dict[str, Any]] = {
+    "quick": dict(model="tiny", device="cpu", dtype="float32", updates=600, seeds=1, batch=32, group=4,
+                  prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32),
+    "full": dict(model="tiny", device="cpu", dtype="float32", updates=1200, seeds=3, batch=32, group=4,
+                 prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32),
+    "gpu": dict(model="qwen2-0.5b", device="cuda", dtype="bfloat16", updates=30, seeds=1, batch=64, group=8,
+                prompt_tokens=128, new_tokens=256, lr=1e-6, micro_batch=16),
+    "gpu-check": dict(model="qwen2-0.5b", shape=dict(num_hidden_layers=2, vocab_size=4096), device="cpu",
+                      dtype="float32", updates=4, seeds=1, batch=8, group=4, prompt_tokens=16, new_tokens=8, lr=1e-6,
+                      micro_batch=8),
+}
+NUM_PROMPTS = 256
+
+
+# ---------------------------------------------------------------------- the shared task
+
+def prompts(spec: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    """The prompt records both sides train on: the built-in count_up prompts for the tiny model;
+    for a real-sized model, ``prompt_tokens`` random words of its tokenizer (same count_up reward)."""
+    from rlhf_core.tasks import count_up_prompts
+
+    rows = [{"prompt": p.text, "start": p.metadata["start"]} for p in count_up_prompts(NUM_PROMPTS, seed, 0)]
+    if spec["prompt_tokens"]:
+        import random
+
+        rng = random.Random(seed)
+        vocab = spec.get("shape", {}).get("vocab_size", 151936)
+        for r in rows:  # the digit stays first: the reward reads the start from it
+            r["prompt"] = f"{r['start']}: " + " ".join(f"t{rng.randrange(4, vocab)}" for _ in range(spec["prompt_tokens"] - 1))
+    return rows
+
+
+def model_path(spec: dict[str, Any], cache: Path) -> Path:
+    if spec["model"] == "tiny":
+        from rlhf_core.config import ModelConfig
+        from rlhf_core.models import model_dir
+
+        return model_dir(ModelConfig(cache_dir=str(cache)))
+    from _models import qwen2_05b_dir
+
+    return qwen2_05b_dir(cache, dtype="bfloat16" if spec["dtype"] == "bfloat16" else "float32", **spec.get("shape", {}))
+
+
+def tokenizer_path(spec: dict[str, Any], path: Path) -> Path:
+    if spec["model"] == "tiny":
+        return path
+    from _models import tokenizer_dir
+
+    return tokenizer_dir(path)
+
+
+def count_up(prompts: list[str], completions: list[str], start: list[int], **_: Any) -> list[float]:
+    """The default task's reward in TRL's signature (the dataset's ``start`` column comes as a keyword)."""
+    from rlhf_core.tasks import count_up_reward
+
+    return [count_up_reward(p, c, [], {"start": s}) for p, c, s in zip(prompts, completions, start)]
+
+
+# ---------------------------------------------------------------------- TRL (child process)
+
+def trl_child(spec_file: str, out_file: str) -> None:
+    """Train with TRL's GRPOTrainer as ``spec_file`` says; write timings and rewards to ``out_file``."""
+    spec = json.loads(Path(spec_file).read_text())
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    step_times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            step_times.append(time.monotonic())
+
+    tok = AutoTokenizer.from_pretrained(spec["tokenizer_path"])
+    bf16 = spec["dtype"] == "bfloat16"
+    args = GRPOConfig(
+        output_dir=spec["output_dir"], max_steps=spec["updates"],
+        # one optimizer step per `batch` samples, accumulated over micro-batches as this service does
+        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=spec["batch"] // spec["micro_batch"],
+        num_generations=spec["group"], max_completion_length=spec["new_tokens"], learning_rate=spec["lr"],
+        # this service's schedule and optimizer: cosine to 0.1 x lr, no warm-up, clip 1.0, AdamW defaults
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0,
+        num_iterations=1, logging_steps=1, report_to="none", save_strategy="no", seed=spec["seed"],
+        use_cpu=spec["device"] == "cpu", bf16=bf16,
+        model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
+    )
+    trainer = GRPOTrainer(model=spec["model_path"], reward_funcs=[count_up], args=args,
+                          train_dataset=Dataset.from_list(spec["prompts"]), processing_class=tok,
+                          callbacks=[StepTimes()])
+    t0 = time.monotonic()
+    trainer.train()
+    wall = time.monotonic() - t0
+    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    Path(out_file).write_text(json.dumps({"step_times": step_times, "train_wall_s": wall, "rewards": rewards}))
+
+
+def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[str, Any]:
+    child = {**spec, "model_path": str(path), "tokenizer_path": str(tokenizer_path(spec, path)), "seed": seed, "prompts": prompts(spec, seed),
+             "output_dir": str(workdir / f"trl-s{seed}")}
+    spec_file, out_file = workdir / f"trl-s{seed}.json", workdir / f"trl-s{seed}.out.json"
+    spec_file.write_text(json.dumps(child))
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)], check=True)
+    wall = time.monotonic() - t0
+    res = json.loads(out_file.read_text())
+    times, rewards = res["step_times"], res["rewards"]
+    window = times[-1] - times[0] if len(times) > 1 else res["train_wall_s"]
+    trained = (len(times) - 1) * spec["batch"] if len(times) > 1 else spec["updates"] * spec["batch"]
+    tail = rewards[-max(1, len(rewards) // 4):]
+    return {"system": "trl", "seed": seed, "updates": len(times), "wall_s": wall, "training_window_s": window,
+            "trained_samples_per_s": trained / window if window else 0.0,
+            "reward_start": rewards[0] if rewards else None,
+            "reward_last_quarter": statistics.fmean(tail) if tail else None}
+
+
+# ---------------------------------------------------------------------- this service
+
+def service_overrides(spec: dict[str, Any], path: Path, seed: int, data_file: Path | None, cache: Path) -> list[str]:
+    o = [f"model.cache_dir={cache}",
+        f"learner.max_updates={spec['updates']}", f"learner.batch_size={spec['batch']}",
+        f"learner.micro_batch_size={spec['micro_batch']}", f"algo.group_size={spec['group']}",
+        f"rollout.max_new_tokens={spec['new_tokens']}", f"learner.lr={spec['lr']}",
+        f"learner.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}",
+        "rollout.num_workers=1", "run.progress=false", "learner.checkpoint_every=1000",
+    ]
+    if spec["model"] != "tiny":
+        o += ["model=hf", f"model.path={path}", f"model.tokenizer_path={tokenizer_path(spec, path)}", f"model.dtype={spec['dtype']}", f"model.device={spec['device']}",
+              f"rollout.max_prompt_tokens={spec['prompt_tokens']}", "data=jsonl", f"data.path={data_file}"]
+    return o
+
+
+def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, staleness: int, workdir: Path,
+                data_file: Path | None, cache: Path) -> dict[str, Any]:
+    from e2e import run_one
+
+    overrides = service_overrides(spec, path, seed, data_file, cache) + [f"algo.max_staleness={staleness}"]
+    row = run_one(f"{name}-s{seed}", overrides, workdir)
+    if row["exit_code"] != 0:
+        raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
+    return {"system": name, "seed": seed, "updates": row["updates"], "wall_s": row["wall_s"],
+            "training_window_s": row["training_window_s"], "trained_samples_per_s": row["trained_samples_per_s"],
+            "reward_start": row["reward_start"], "reward_last_quarter": row["reward_last_quarter"],
+            "staleness_mean": row["staleness_mean"], "learner_compute_s": row["learner_compute_s"],
+            "learner_wait_s": row["learner_wait_s"]}
+
+
+# ---------------------------------------------------------------------- main
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in ("trl", "async", "sync"):
+        mine = [r for r in rows if r["system"] == system]
+        rewards = [r["reward_last_quarter"] for r in mine if r["reward_last_quarter"] is not None]
+        out[system] = {
+            "trained_samples_per_s": statistics.median(r["trained_samples_per_s"] for r in mine),
+            "reward_last_quarter": statistics.fmean(rewards) if rewards else None,
+            "reward_spread": (max(rewards) - min(rewards)) if len(rewards) > 1 else None,
+            "wall_s": statistics.fmean(r["wall_s"] for r in mine),
+        }
+    trl = out["trl"]["trained_samples_per_s"] or 1e-9
+    out["async_over_trl"] = out["async"]["trained_samples_per_s"] / trl
+    out["sync_over_trl"] = out["sync"]["trained_samples_per_s"] / trl
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = ap.add_mutually_exclusive_group()
+    for m in MODES:
+        group.add_argument(f"--{m}", action="store_true")
+    ap.add_argument("--updates", type=int, default=None)
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "~/.cache/rlhf-service",
+                    help="where the models are built (the tiny one as rlhf-run builds it)")
+    ap.add_argument("--trl-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_child:
+        return trl_child(*args.trl_child)
+    mode = next((m for m in MODES if getattr(args, m.replace("-", "_"))), "quick")
+    spec = dict(MODES[mode])
+    spec["updates"] = args.updates or spec["updates"]
+    seeds = args.seeds or spec["seeds"]
+    if spec["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        sys.exit("TRL is not installed: pip install -c constraints-cpu.txt -e '.[baseline]'")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # this service's children; TRL's child sets its own
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
+        workdir = Path(tmp)
+        cache = Path(args.cache_dir).expanduser()
+        path = model_path(spec, cache)
+        for seed in range(seeds):
+            data_file = None
+            if spec["model"] != "tiny":
+                data_file = workdir / f"prompts-s{seed}.jsonl"
+                data_file.write_text("".join(json.dumps(r) + "\n" for r in prompts(spec, seed)))
+            # the three back to back per seed: a change in the machine's load hits all of them
+            rows.append(run_trl(spec, path, seed, workdir))
+            rows.append(run_service("async", spec, path, seed, 2, workdir, data_file, cache))
+            rows.append(run_service("sync", spec, path, seed, 0, workdir, data_file, cache))
+    s = summarise(rows)
+    print_table(rows, f"{mode}: TRL GRPOTrainer vs this service (same model, task, samples, lr, updates)")
+    print(f"\nasync / TRL trained samples/s: {s['async_over_trl']:.2f}x (target >= 2x on CPU, 5x on an H100); "
+          f"sync / TRL: {s['sync_over_trl']:.2f}x")
+    print("reward over the last quarter: " + ", ".join(
+        f"{k} {s[k]['reward_last_quarter']:.3f}" for k in ("trl", "async", "sync") if s[k]['reward_last_quarter'] is not None))
+    write_results("vs_trl" if mode == "quick" else f"vs_trl_{mode.replace('-', '_')}", {
+        "mode": mode, "config": {**spec, "seeds": seeds}, "runs": rows, "summary": s,
+        "async_over_trl": s["async_over_trl"], "sync_over_trl": s["sync_over_trl"],
+        "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
+        "notes": "trained samples/s over the training window (first to last update); reward = mean batch reward over "
+                 "the last quarter of the updates; TRL runs in its own process with every core, this service's "
+                 "learner and worker with one thread each (one worker); neither side checkpoints during the run "
+                 "(TRL save_strategy=no, learner.checkpoint_every=1000)",
+    })
+
+
+if __name__ == "__main__":
+    main()
