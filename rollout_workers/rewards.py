@@ -33,11 +33,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, import_reward_target
+from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 
-_RESERVED = ("_target_", "weight")
+_RESERVED = ("_target_", "weight", "default")
 
 
 class RewardFailing(UserError):
@@ -114,9 +114,7 @@ class Scorer:
     def __init__(self, cfg: RewardConfig, model_cfg: ModelConfig) -> None:
         self.functions: list[_RewardFn] = []
         self.models: list[_RewardModel] = []
-        for name, spec in (_plain(cfg.functions) or {}).items():
-            if spec is None:  # `reward.functions.count_up=null` switches a default off
-                continue
+        for name, spec in active_reward_functions(cfg).items():
             if not isinstance(spec, Mapping):
                 raise ConfigError(f"reward.functions.{name} must be a mapping with _target_: dotted.path, got {spec!r}")
             target = spec.get("_target_")

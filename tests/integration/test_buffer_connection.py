@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,16 +34,30 @@ def test_wrong_password_gives_a_clear_error(tmp_path):
         server.stop()
 
 
-def test_acl_user_and_a_missing_permission(tmp_path):
+def readme_acl_rule() -> list[str]:
+    """The ACL rule the README gives for a run on a shared Redis."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return shlex.split(text.split("`ACL SETUSER ", 1)[1].split("`", 1)[0])
+
+
+def test_the_readmes_acl_user_runs_the_buffer_and_a_missing_permission_is_named(tmp_path):
     server = RedisServer(tmp_path / "r", password="admin").start()
     try:
         admin = Buffer.connect(server.url, "acl", BufferConfig()).redis
-        admin.execute_command("ACL", "SETUSER", "worker", "on", ">wpw", "~rlhf:*", "&*", "+@all")
+        rule = readme_acl_rule()
+        assert rule[0] == "rlhf" and "-@dangerous" in rule
+        admin.execute_command("ACL", "SETUSER", *rule)
         admin.execute_command("ACL", "SETUSER", "outsider", "on", ">opw", "~elsewhere:*", "+@all")
-        ok = Buffer.connect(f"redis://worker:wpw@127.0.0.1:{server.port}/0", "acl", BufferConfig())
+        ok = Buffer.connect(f"redis://rlhf:SECRET@127.0.0.1:{server.port}/0", "acl", BufferConfig())
         ok.init_run(batch_size=4, group_size=4, max_staleness=0)
         ok.enqueue_prompts(T.prompts(1))
-        assert len(ok.claim("w", 1)) == 1
+        [lease] = ok.claim("w", 1)
+        assert ok.complete(lease, T.group(lease.prompt, 4)) == "appended"
+        batch = ok.read_batch("learner-0", 0, 4, timeout_s=1.0)
+        assert batch is not None and len(batch.samples) == 4
+        ok.commit(batch)
+        assert ok.metrics()["counters"]["samples_appended"] == 4
+        assert ok.delete_run() > 0
         denied = Buffer.connect(f"redis://outsider:opw@127.0.0.1:{server.port}/0", "acl", BufferConfig())
         with pytest.raises(BufferAuthError, match="denied a command to this ACL user"):
             denied.init_run(batch_size=4, group_size=4, max_staleness=0)

@@ -49,6 +49,19 @@ def test_ids_and_messages_fields(tmp_path):
     assert by_id["7"].messages is None and by_id["7"].text == "plain"
 
 
+def test_a_messages_field_is_read_without_configuration(tmp_path):
+    # once: a JSONL with only `messages` failed unless data.messages_field=messages was set
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+            {"prompt": "plain", "answer": 1}]
+    cfg = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "m.jsonl", rows)))
+    by_text = {p.text: p for p in iter_prompts(cfg, 0)}
+    assert by_text[""].messages == rows[0]["messages"] and by_text[""].metadata == {}
+    assert by_text["plain"].messages is None and by_text["plain"].metadata == {"answer": 1}
+    off = DataConfig(source="jsonl", path=cfg.path, messages_field=None)  # null: only the text field
+    with pytest.raises(DataError, match="no string field 'prompt'"):
+        list(iter_prompts(off, 0))
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

@@ -179,21 +179,36 @@ def test_class_target_that_fails_to_build_is_a_config_error(tiny_model_cfg):
         scorer(tiny_model_cfg, {"c": fn("reward_fns.CallCounter", begin=1)})
 
 
-def test_default_reward_config_composes_into_a_scorer(tiny_model_cfg):
+def composed_reward(overrides: list[str]):
     from hydra import compose, initialize_config_module
 
     from rlhf_core.config import register_configs, to_object
 
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = to_object(compose("config", overrides=["+reward.functions.extra._target_=reward_fns.constant",
-                                                     "+reward.functions.extra.value=0.5"]))
-    s = Scorer(cfg.reward, tiny_model_cfg)
-    total, parts = s.score("3:", "45", [1, 2], {"start": 3})
-    # count_up (target_len 6): "3:" -> "45" holds the first two digits -> 2/6; extra 0.5
-    assert parts == {"count_up": 2 / 6, "extra": 0.5}
+        return to_object(compose("config", overrides=overrides)).reward
+
+
+def test_default_reward_config_composes_into_a_scorer(tiny_model_cfg):
+    # the default task's reward alone: count_up (target_len 6): "3:" -> "45" holds the first two digits -> 2/6
+    assert Scorer(composed_reward([]), tiny_model_cfg).score("3:", "45", [1, 2], {"start": 3}) == (2 / 6, {"count_up": 2 / 6})
+
+
+def test_a_reward_of_your_own_replaces_the_default_unless_you_keep_both(tiny_model_cfg):
+    # once: `+reward.functions.mine...` silently kept count_up in the sum
+    mine = ["+reward.functions.extra._target_=reward_fns.constant", "+reward.functions.extra.value=0.5"]
+    assert Scorer(composed_reward(mine), tiny_model_cfg).score("3:", "45", [1, 2], {"start": 3}) == (0.5, {"extra": 0.5})
+    both = Scorer(composed_reward(mine + ["reward.functions.count_up.default=false"]), tiny_model_cfg)
+    total, parts = both.score("3:", "45", [1, 2], {"start": 3})
+    assert parts == {"count_up": 2 / 6, "extra": 0.5}  # count_up 2/6 + extra 0.5
     assert total == pytest.approx(2 / 6 + 0.5, abs=1e-12)
-    assert not math.isnan(total)
+    # a reward model is a reward of your own too
+    from rlhf_core.config import active_reward_functions
+
+    assert active_reward_functions(RewardConfig(functions={"count_up": {"_target_": "x", "default": True}},
+                                                models={"rm": {"path": "/m"}})) == {}
+    # a typo in a default that steps aside is not imported (nor reported)
+    assert list(active_reward_functions(composed_reward(mine))) == ["extra"]
 
 
 def test_count_up_is_anchored_to_the_prompt():
