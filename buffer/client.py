@@ -184,6 +184,26 @@ class Buffer:
         raw = self.retry(self.redis.hgetall, self.keys.fill)
         return {"epoch": int(raw.get(b"epoch", 0)), "index": int(raw.get(b"index", 0)), "done": raw.get(b"done") == b"1"}
 
+    def restore_fill_state(self, state: dict[str, Any]) -> bool:
+        """Set the producer cursor to ``state`` (a learner checkpoint's) when this run has none, so
+        a run resumed on a fresh Redis goes on from where its prompts had reached, not from the
+        first one (the prompts queued but untrained at that checkpoint are skipped, never trained
+        twice). Returns whether it was set."""
+        mapping = {"epoch": int(state["epoch"]), "index": int(state["index"]), "done": int(bool(state.get("done")))}
+
+        def once() -> bool:
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.watch(self.keys.fill)
+                if pipe.exists(self.keys.fill):
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.hset(self.keys.fill, mapping=mapping)
+                pipe.execute()  # a WatchError (a producer got there first) propagates: nothing was set
+                return True
+
+        return self.retry(once)
+
     # ---- worker --------------------------------------------------------------------------
 
     def claim(self, consumer: str, max_prompts: int, block_s: float = 0.0) -> list[Lease]:

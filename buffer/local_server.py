@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from rlhf_core.cli import die_with_parent as _die_with_parent
 from rlhf_core.errors import UserError
 
 
@@ -30,8 +31,9 @@ class RedisServer:
     """A redis-server child process on a random port, with its data in ``workdir``."""
 
     def __init__(self, workdir: str | os.PathLike, password: str | None = None, appendonly: bool = True,
-                 fsync: str = "always") -> None:
+                 fsync: str = "always", die_with_parent: bool = False) -> None:
         self.workdir = Path(workdir)
+        self.die_with_parent = die_with_parent  # SIGTERM (flush the AOF, exit) when the starting process dies
         self.password = password
         self.appendonly = appendonly
         self.fsync = fsync  # always: a SIGKILL loses nothing (tests); everysec: at most a second (runs)
@@ -63,7 +65,8 @@ class RedisServer:
             # own process group: a Ctrl-C aimed at the launcher does not kill Redis before the
             # children have written their final state
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent(signal.SIGTERM) if self.die_with_parent else None)
             if self._wait_ready(10.0):
                 return self
             self.stop()

@@ -70,6 +70,9 @@ COUNTERS = (
 #: Counters that hold floats (HINCRBYFLOAT); all others are integers.
 FLOAT_COUNTERS = frozenset({"rl_samples"})
 
+#: The gauges among the counters hash's fields and the derived values (the rest only grow).
+LEVELS = frozenset({"prompts_waiting", "admitted", "inflight", "replay_size", "samples_in_buffer", "groups_in_buffer"})
+
 
 def _num(raw: bytes | str | None, name: str, key: str) -> int | float:
     if raw is None:

@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -111,11 +112,15 @@ class Learner:
             )
         ws = cfg.weight_server
         self.publisher = WeightPublisher(ws.address, ws) if self.rank0 else None
+        # rank 0 sends version v+1 on this thread while update v+2 trains (see publish)
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="publish") if self.rank0 else None
+        self._sending: Future | None = None
         self.incarnation = uuid.uuid4().hex[:8]
         self.version = self._restored_version = 0
         self.samples_trained = 0
         self.updates = 0
         self.uncommitted: list[Any] = []  # rank 0: ids of the batches trained since the last checkpoint
+        self._tracker_state: dict[str, str] = {}  # the trackers' run ids in the checkpoint
         self._checkpointed = 0  # self.updates at the last checkpoint (every rank knows it; ids only rank 0)
         extra = load_latest(self.ckpt_dir, self.engine, self.critic)
         if extra is not None:
@@ -133,19 +138,28 @@ class Learner:
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         self.exporter = None
         if self.rank0 and cfg.learner.prometheus_port is not None:
-            from rlhf_core.prometheus import Exporter
+            from rlhf_core.prometheus import learner_exporter
 
-            self.exporter = Exporter("rlhf", {"run": cfg.buffer.run_id})
-            self.exporter.serve(cfg.learner.prometheus_port)
-        self.tensorboard = _tensorboard(self.output_dir) if self.rank0 else None
+            self.exporter = learner_exporter(cfg.buffer.run_id)
+            self.exporter.serve(cfg.learner.prometheus_port, setting="learner.prometheus_port")
+        self.trackers = None
+        if self.rank0 and cfg.run.loggers:
+            from learner.trackers import Trackers
+
+            self.trackers = Trackers(cfg, self.output_dir, self._tracker_state)
+        self._last_trained: list[tuple[Sample, int]] = []  # the batch just trained, with staleness (the trackers' table)
 
     # ------------------------------------------------------------------ resume
 
     def _restore(self, extra: dict[str, Any]) -> None:
         self.version = self._restored_version = int(extra["version"])
+        self._tracker_state = dict(extra.get("trackers") or {})
         self.samples_trained = int(extra.get("samples_trained", 0))
         self.updates = self._checkpointed = int(extra.get("updates", 0))
         self.updater.load_state_dict(extra.get("updater", {}))
+        if self.rank0 and extra.get("fill") and self.buffer.restore_fill_state(extra["fill"]):
+            log.info("a fresh buffer: prompts go on from the checkpoint's cursor (epoch %d, prompt %d)",
+                     extra["fill"]["epoch"], extra["fill"]["index"])
         trained_ids = extra.get("trained_ids", [])
         if self.rank0 and trained_ids:
             # in the weights already: ack them so they are not delivered again (idempotent)
@@ -182,18 +196,29 @@ class Learner:
 
     # ------------------------------------------------------------------ the loop
 
-    def publish(self, refusable: bool = False) -> bool:
+    def publish(self, refusable: bool = False, background: bool = False) -> bool:
         """Publish the current weights as ``self.version``. Collective: every rank gathers (under
-        ZeRO-3 module by module), rank 0 streams them to the weight server as they come.
+        ZeRO-3 module by module) CPU copies of the weights; rank 0 sends them to the weight server.
+
+        ``background``: rank 0 sends on its publish thread and returns at once, so the next
+        update trains while the weight server takes this version; the buffer learns the new
+        version when the send is done. At most one send is in flight: the next publish, a
+        checkpoint's commit (a batch is acked only once its version is published) and the end
+        of the run wait for it, and re-raise its error.
 
         Returns False (rank 0, only when ``refusable``) if the server holds other weights under
         that version or a newer one; other ranks return True.
         """
+        self.wait_published()
         t0 = time.monotonic()
         tensors = self.engine.named_full_parameters(self._publish_dtype)
         if self.publisher is None:
             for _ in tensors:  # keep in step with rank 0's gathers
                 pass
+            return True
+        if background:
+            # the copies are a snapshot: the next optimizer step changes the weights in place
+            self._sending = self._sender.submit(self._send, self.version, list(tensors), t0)
             return True
         try:
             self.publisher.publish(self.version, tensors)
@@ -206,8 +231,24 @@ class Learner:
         self._last_publish_s = time.monotonic() - t0
         return True
 
+    def _send(self, version: int, tensors: list[tuple[str, torch.Tensor]], t0: float) -> None:
+        """The publish thread: send ``version``, then tell the buffer (workers pace against it)."""
+        self.publisher.publish(version, tensors)
+        self.buffer.set_learner_version(version)
+        self._last_publish_s = time.monotonic() - t0
+
+    def wait_published(self) -> None:
+        """Wait for the send in flight, if any; re-raise what it raised."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.result()
+
     def checkpoint(self) -> None:
+        """Save the weights, then ack the batches they hold. The version being sent is waited for
+        first: a batch is acked only once the version it made is published (invariant 3)."""
         from learner.checkpoint import save_checkpoint
+
+        self.wait_published()
 
         extra = {
             "version": self.version,
@@ -216,6 +257,10 @@ class Learner:
             "updater": self.updater.state_dict(),
             "trained_ids": [i for ids in self.uncommitted for i in ids],
             "incarnation": self.incarnation,
+            # the prompt cursor: a run resumed on a fresh Redis starts its prompts here
+            "fill": self.buffer.fill_state() if self.rank0 else None,
+            # the trackers' run ids (those not in run.loggers now kept too: named again, they resume their run)
+            "trackers": {**self._tracker_state, **(self.trackers.state() if self.trackers is not None else {})},
         }
         save_checkpoint(self.ckpt_dir, f"v{self.version:08d}", self.engine, self.critic, extra,
                         keep=self.cfg.learner.keep_checkpoints)
@@ -312,11 +357,10 @@ class Learner:
         self.version += 1
         self.updates += 1
         self.samples_trained += len(samples)
+        self._last_trained = list(zip(samples, lags)) if self.trackers is not None else []
         if batch is not None:
             self.uncommitted.append(list(batch.ids))
-        self.publish()
-        if self.rank0:
-            self.buffer.set_learner_version(self.version)
+        self.publish(background=True)
         metrics.update({
             "learner/version": self.version,
             "learner/updates": self.updates,
@@ -338,14 +382,33 @@ class Learner:
         self.buffer.publish_stats("learner", metrics)
         if self.exporter is not None:
             self.exporter.update(metrics)
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, self.version)
+        if self.trackers is not None:
+            self.trackers.log_update(metrics, self.version)
+            if self.trackers.due(self.version):
+                self.trackers.log_details(self._sample_rows(), self._worker_stats(), self.version)
+
+    def _sample_rows(self) -> list[list[Any]]:
+        """The trackers' table: prompt and response text, reward, staleness, worker of the batch just trained."""
+        def text(ids: Any) -> str:
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else str(ids)
+
+        return [[text(s.prompt_ids), text(s.response_ids), float(s.reward), lag, s.worker_id]
+                for s, lag in self._last_trained[: self.cfg.run.log_samples]]
+
+    def _worker_stats(self) -> dict[str, Any]:
+        """Per-worker stats from the buffer snapshot (empty when Redis does not answer: never stops training)."""
+        try:
+            consumers = self.buffer.metrics().get("consumers", {})
+        except Exception:  # noqa: BLE001
+            log.debug("no buffer snapshot for the trackers", exc_info=True)
+            return {}
+        return {name: c.get("stats", {}) for name, c in consumers.items() if isinstance(c, dict)}
 
     def _finish(self, result: LearnerResult) -> None:
         """Stop the prompt producer, write the final checkpoint (then commit), fill in ``result``."""
         self.stop_event.set()
+        self.wait_published()
         # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
         if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
             self.checkpoint()  # final checkpoint, then commit
@@ -427,12 +490,14 @@ class Learner:
         self.stop_event.set()
         if self._producer is not None:
             self._producer.join(timeout=10)
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
         if self.publisher is not None:
             self.publisher.close()
         if self.exporter is not None:
             self.exporter.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.trackers is not None:
+            self.trackers.close()
         self.buffer.close()
 
 
@@ -463,15 +528,6 @@ def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
                 "tokenizer the model was trained with"
             )
     return frozenset(eos)
-
-
-def _tensorboard(output_dir: Path) -> Any:
-    """TensorBoard scalars when tensorboard is installed (optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(output_dir / "tensorboard"))
 
 
 def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> LearnerResult:

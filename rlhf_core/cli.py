@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -24,6 +25,27 @@ CONFIG_PATH = "pkg://conf"
 #: set by rlhf-run for each worker child it starts (the worker id in logs, metrics and leases)
 WORKER_ID_ENV = "RLHF_WORKER_ID"
 VERSION_BASE = "1.3"
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the kernel sends ``sig`` to the child when the
+    process that started it dies, even by SIGKILL (Linux's ``PR_SET_PDEATHSIG``), so a killed
+    ``rlhf-run`` leaves no learner training unsupervised and no redis-server holding the run's
+    data. ``None`` (no such guarantee) on other systems. Start children from the main thread:
+    the signal is tied to the thread that forked them."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, sig)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def quiet_libraries() -> None:

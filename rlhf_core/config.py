@@ -264,6 +264,15 @@ class RunConfig:
     log_level: str = "INFO"
     progress: bool = True
     learner_restarts: int = 3  # a crashed learner (not a user error) is restarted from its checkpoint this often
+    # experiment trackers fed by the learner (extra `tracking`): any of tensorboard, wandb, mlflow
+    loggers: list[str] = field(default_factory=list)
+    tracker_project: str = "rlhf-service"  # wandb project / MLflow experiment
+    wandb_mode: Optional[str] = None  # online | offline | disabled; null: wandb's own (WANDB_MODE)
+    wandb_entity: Optional[str] = None  # team or user; null: wandb's own (WANDB_ENTITY, else your default)
+    mlflow_tracking_uri: Optional[str] = None  # null: MLFLOW_TRACKING_URI, else file:<output dir>/mlruns
+    log_samples_every: int = 50  # a table of sample responses and the workers' throughput every N updates (0: never)
+    log_samples: int = 8  # rows in that table
+    prometheus_port: Optional[int] = None  # the run's own scrape target (from its Redis snapshot); 0 = any free port
 
 
 @dataclass
@@ -277,6 +286,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # rlhf-run resume=<output folder>: continue that run (its saved config, run id, Redis data, checkpoint)
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -286,12 +297,16 @@ class MonitorConfig:
     once: bool = False
     json: bool = False
     refresh_s: float = 1.0
+    prometheus_port: Optional[int] = None  # serve the run's Prometheus target while watching it live
 
 
 def register_configs() -> None:
     """Register the schemas so YAML files can extend them (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
+    if not OmegaConf.has_resolver("resume_or"):
+        # hydra.run.dir of rlhf-run: a resumed run logs into its own folder, not a new one
+        OmegaConf.register_new_resolver("resume_or", lambda resume, default: resume or default)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(name="base_monitor", node=MonitorConfig)
@@ -527,7 +542,29 @@ def validate_reward(reward: RewardConfig) -> None:
                           f"got {reward.max_failure_share}, {reward.failure_window}")
 
 
+#: run.loggers -> the module each needs (extra `tracking`)
+LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def validate_loggers(run: RunConfig) -> None:
+    import importlib.util
+
+    for name in run.loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"run.loggers names {name!r}; the trackers are {', '.join(LOGGERS)}")
+        if importlib.util.find_spec(LOGGERS[name]) is None:
+            raise ConfigError(f"run.loggers names {name}, but {LOGGERS[name]} is not installed: "
+                              "pip install -e '.[tracking]' (or drop it from run.loggers)")
+    if run.wandb_mode not in (None, *WANDB_MODES):
+        raise ConfigError(f"run.wandb_mode must be one of {', '.join(WANDB_MODES)} or null (wandb's own setting), "
+                          f"got {run.wandb_mode!r}")
+    if run.log_samples_every < 0 or run.log_samples < 0:
+        raise ConfigError(f"run.log_samples_every and run.log_samples must be >= 0, got {run.log_samples_every}, {run.log_samples}")
+
+
 def validate_run(run: RunConfig) -> None:
+    validate_loggers(run)
     if run.max_seconds is not None and not math.isfinite(run.max_seconds):
         raise ConfigError(f"run.max_seconds must be a finite number of seconds or null, got {run.max_seconds}")
     if run.learner_restarts < 0:

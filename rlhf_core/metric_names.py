@@ -38,3 +38,11 @@ WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative
 WORKER_SAMPLES = "samples"
 WORKER_TOKENS_PER_S = "tokens_per_s"  # over the worker's uptime
 WORKER_SAMPLES_PER_S = "samples_per_s"
+
+# Running totals (Prometheus counters); every other number of these records is a level (a gauge).
+LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)
+WORKER_TOTALS = (
+    "prompts", "prompts_empty", WORKER_SAMPLES, WORKER_TOKENS, "dead_letters", "duplicates", "leases_lost",
+    "released", "weight_updates", "t_generate", "t_score", "t_wait", "t_weights", "weight_pulls", "weight_timeouts",
+    "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
+)

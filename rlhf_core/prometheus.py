@@ -1,10 +1,21 @@
-"""A minimal Prometheus text-format endpoint (no extra dependency).
+"""Prometheus endpoints on ``prometheus_client``: the learner's, each worker's, and the run's.
 
-The learner and each worker call :meth:`Exporter.update` with their flat metrics dict
-(``learner/version``, ``reward/mean``, ``tokens_per_s`` ...); names are mapped to conventional
-Prometheus names (``rlhf_learner_version``, ``rlhf_reward_mean``, ``rlhf_worker_tokens_per_s``)
-and served at ``http://host:port/metrics``. Off unless a port is configured
-(``learner.prometheus_port`` / ``rollout.prometheus_port``; workers add their index).
+An :class:`Exporter` owns its own ``CollectorRegistry`` (several live in one process in tests)
+and serves it with prometheus_client's HTTP server at ``http://host:port/metrics``. It is fed
+the component's flat metrics dict (``learner/version``, ``reward/mean``, ``tokens`` ...):
+
+* keys named as running totals become counters (``learner/samples_trained`` ->
+  ``rlhf_learner_samples_trained_total``), raised by how much the total grew: a total that
+  goes down (its process restarted, or resumed from a checkpointed value) raises nothing until
+  it grows again from there, so a counter never goes down;
+* the key of a :class:`Hist` feeds a histogram: a number is one observation, a list counts the
+  observations of 0, 1, 2 ... (the learner's ``staleness/hist``); :meth:`Exporter.observe`
+  feeds a histogram directly (the workers' latencies);
+* every other finite number becomes a gauge with the conventional name (``reward/mean`` ->
+  ``rlhf_reward_mean``), so every key of the dict is exported.
+
+Off unless a port is configured (``learner.prometheus_port`` / ``rollout.prometheus_port``,
+worker i on port + i); the run's own target (``run.prometheus_port``) is ``rlhf_run.run_exporter``.
 """
 
 from __future__ import annotations
@@ -13,12 +24,20 @@ import logging
 import math
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from rlhf_core import metric_names as M
+from rlhf_core.errors import UserError
 
 log = logging.getLogger(__name__)
 
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # staleness, in learner versions
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 def metric_name(prefix: str, key: str) -> str:
@@ -27,59 +46,112 @@ def metric_name(prefix: str, key: str) -> str:
     return re.sub(r"_+", "_", name)
 
 
-def _label_value(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def number(value: Any) -> float | None:
+    """A finite number (bools count as 0/1), else None."""
+    if isinstance(value, (bool, int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Hist:
+    """A histogram ``<prefix>_<name>``, fed from the metrics dict's ``key`` (None: by observe())."""
+
+    name: str
+    doc: str
+    buckets: tuple[float, ...]
+    key: str | None = None
+
+
+class Totals:
+    """Running totals -> how much their counter grows: the first total counts whole, later ones
+    by their growth; a total below the last one (a restart) adds nothing and is the new base."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, float] = {}
+        self._counts: dict[Hashable, float] = {}
+
+    def growth(self, series: Hashable, total: float) -> float:
+        last = self._last.get(series)
+        self._last[series] = total
+        return max(0.0, total if last is None else total - last)
+
+    def count(self, series: Hashable, total: float) -> float:
+        """The counter's value after this total: the sum of the growths so far."""
+        self._counts[series] = self._counts.get(series, 0.0) + self.growth(series, total)
+        return self._counts[series]
 
 
 class Exporter:
-    def __init__(self, prefix: str, labels: Mapping[str, str] | None = None) -> None:
+    def __init__(self, prefix: str, labels: Mapping[str, str] | None = None, totals: tuple[str, ...] = (),
+                 histograms: tuple[Hist, ...] = ()) -> None:
         self.prefix = prefix
         self.labels = dict(labels or {})
-        self._values: dict[str, float] = {}
+        self.registry = CollectorRegistry()
+        self._totals = frozenset(totals)
+        self._growth = Totals()
+        self._metrics: dict[str, Any] = {}  # name -> the labelled series
+        self._skipped: set[str] = set()
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._hists = {h.name: self._series(Histogram, metric_name(prefix, h.name), h.doc, buckets=h.buckets)
+                       for h in histograms}
+        self._hist_keys = {h.key: h.name for h in histograms if h.key}
+
+    def _series(self, kind: type, name: str, doc: str, **kw: Any) -> Any:
+        series = self._metrics.get(name)
+        if series is None:
+            series = kind(name, doc, labelnames=sorted(self.labels), registry=self.registry, **kw)
+            series = series.labels(**self.labels) if self.labels else series
+            self._metrics[name] = series
+        return series
 
     def update(self, metrics: Mapping[str, Any]) -> None:
+        """Feed one metrics dict (see the module docstring); non-numbers and NaN are skipped."""
         with self._lock:
             for key, value in metrics.items():
-                if isinstance(value, bool):
-                    value = float(value)
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._values[metric_name(self.prefix, key)] = float(value)
+                if key in self._skipped:
+                    continue
+                try:
+                    self._feed(key, value)
+                except ValueError as exc:  # its name is taken by another metric of this registry
+                    self._skipped.add(key)
+                    log.warning("Prometheus: %r is not exported: %s", key, exc)
+
+    def _feed(self, key: str, value: Any) -> None:
+        if key in self._hist_keys:
+            hist = self._hists[self._hist_keys[key]]
+            if isinstance(value, (list, tuple)):  # value[i]: how many observations of i
+                for observed, n in enumerate(value):
+                    for _ in range(int(n)):
+                        hist.observe(observed)
+            elif number(value) is not None:
+                hist.observe(number(value))
+        x = number(value)
+        if x is None:
+            return
+        name = metric_name(self.prefix, key)
+        if key in self._totals:
+            self._series(Counter, name, f"running total {key!r}").inc(self._growth.growth(key, x))
+        else:
+            self._series(Gauge, name, f"{key!r}").set(x)
+
+    def observe(self, hist: str, value: float) -> None:
+        """One observation of the histogram named ``hist`` (a :class:`Hist`'s name)."""
+        self._hists[hist].observe(value)
 
     def render(self) -> str:
-        labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in sorted(self.labels.items()))
-        suffix = f"{{{labels}}}" if labels else ""
-        with self._lock:
-            items = sorted(self._values.items())
-        lines = []
-        for name, value in items:
-            lines.append(f"# TYPE {name} gauge")
-            lines.append(f"{name}{suffix} {value!r}")
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start serving in a daemon thread; returns the bound port (0 picks a free one)."""
-        exporter = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                body = exporter.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:  # keep scrapes out of the logs
-                pass
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True).start()
-        bound = self._server.server_address[1]
+    def serve(self, port: int, host: str = "127.0.0.1", setting: str = "the port") -> int:
+        """Serve ``/metrics`` on a daemon thread; returns the bound port (0 picks a free one)."""
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except (OSError, OverflowError) as exc:  # in use, or not a port number
+            raise UserError(f"cannot serve Prometheus metrics on {host}:{port}: {getattr(exc, 'strerror', None) or exc}. Set {setting} "
+                            "to a free port (0 picks any)") from exc
+        bound = int(self._server.server_port)
         log.info("Prometheus metrics at http://%s:%d/metrics", host, bound)
         return bound
 
@@ -87,4 +159,27 @@ class Exporter:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self._server = None
+            self._thread.join(timeout=5)
+            self._server = self._thread = None
+
+
+def learner_exporter(run_id: str) -> Exporter:
+    """The learner's metrics row: ``rlhf_learner_*``, ``rlhf_reward_*``, ``rlhf_loss_*`` ..."""
+    return Exporter("rlhf", {"run": run_id}, totals=M.LEARNER_TOTALS, histograms=(
+        Hist("learner_staleness_versions", "versions between a trained sample's oldest token and the policy it "
+             "trains", LAG_BUCKETS, key=M.STALENESS_HIST),
+        Hist("learner_step_seconds", "compute time of one update (forward, backward, optimizer)", SECONDS_BUCKETS,
+             key=M.TIME_COMPUTE_S),
+    ))
+
+
+WEIGHT_SYNC = "weight_sync_seconds"
+GENERATION = "generation_seconds"
+
+
+def worker_exporter(worker_id: str, run_id: str) -> Exporter:
+    """A worker's heartbeat stats: ``rlhf_worker_*``, and its two latency histograms."""
+    return Exporter("rlhf_worker", {"worker": worker_id, "run": run_id}, totals=M.WORKER_TOTALS, histograms=(
+        Hist(WEIGHT_SYNC, "pulling and applying one new weight version", SECONDS_BUCKETS),
+        Hist(GENERATION, "per sample: from its prompt entering the engine to the response finished", SECONDS_BUCKETS),
+    ))

@@ -1,11 +1,14 @@
 """`rlhf-run`: a whole run on one machine.
 
-Starts a private redis-server when no ``buffer.url`` is given (random port, temp dir, AOF on,
-stopped by PID at exit), the weight server (embedded, in this process), the learner and
-``rollout.num_workers`` workers as child processes with their logs under the Hydra output
-folder. SIGINT/SIGTERM are forwarded, so everything shuts down cleanly with a final
-checkpoint. A crashed worker is reported with its log tail and restarted (per config); a
-crashed learner fails the run. At the end: a summary, ``summary.json`` and plots.
+Starts a private redis-server when no ``buffer.url`` is given (random port, AOF on, its data in
+``redis/`` of the output folder, stopped by PID at exit), the weight server (embedded, in this
+process), the learner and ``rollout.num_workers`` workers as child processes with their logs
+under the output folder. SIGINT/SIGTERM are forwarded, so everything shuts down cleanly with a
+final checkpoint; the children and Redis die with the launcher even when it is SIGKILLed. A
+crashed worker is reported with its log tail and restarted (per config); a crashed learner is
+restarted from its checkpoint. At the end: a summary, ``summary.json`` and plots; the Redis data
+is removed when the run finished cleanly and kept otherwise, so that
+``rlhf-run resume=<output folder>`` continues the run where it stopped (:func:`resume_config`).
 
 The launcher starts workers as processes and never imports ``rollout_workers``.
 """
@@ -17,21 +20,27 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from omegaconf import OmegaConf
 
-from rlhf_core.cli import WORKER_ID_ENV, hydra_entry
+from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, hydra_entry
 from rlhf_core.config import Config, ConfigError, check_reward_targets, to_object, validate
 
 log = logging.getLogger(__name__)
 
 RESOLVED_CONFIG = "run_config"
+#: the run's config as given (run id filled in, addresses of a private Redis and weight server
+#: not): what ``resume=`` starts from
+LAUNCH_CONFIG = "launch_config.yaml"
+REDIS_DIR = "redis"  # the private redis-server's data, inside the output folder
+PIDS_FILE = "children.json"
 #: the exit code of a process that stopped on a UserError (rlhf_core.cli): never restarted
 USER_ERROR_EXIT = 2
 MAX_RESTARTS = 5  # per worker
@@ -52,8 +61,9 @@ class Child:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")
+        # SIGKILL when the launcher dies: no child trains on unsupervised; resume restarts them
         self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
         logf.close()
 
     def alive(self) -> bool:
@@ -96,25 +106,34 @@ class Launcher:
     exit_reason: str = ""
     failure: str = ""  # set when a child failed in a way that fails the run
     _redis_hint_given: bool = False
+    _weight_server_log: Any = None  # undoes own_log_file for the in-process weight server
 
     # ------------------------------------------------------------------ start
 
+    def save_launch_config(self) -> None:
+        """Fix the run id and keep the config as given, before addresses are filled in: what
+        ``resume=`` starts from."""
+        if self.cfg.buffer.run_id in ("", "auto"):
+            self.cfg.buffer.run_id = generate_run_id()
+        OmegaConf.save(OmegaConf.structured(self.cfg), self.output_dir / LAUNCH_CONFIG)
+
     def start_infrastructure(self) -> None:
         cfg = self.cfg
-        if cfg.buffer.run_id in ("", "auto"):
-            cfg.buffer.run_id = generate_run_id()
         if cfg.buffer.url is None:
             from buffer.local_server import RedisServer
 
-            workdir = Path(tempfile.mkdtemp(prefix="rlhf-redis-"))
+            workdir = self.output_dir / REDIS_DIR
+            if workdir.is_dir():
+                log.info("continuing on the run's Redis data in %s", workdir)
             # everysec: at most one second of appends is at risk if the machine dies; the test
             # fixture uses `always`
-            self.redis = RedisServer(workdir, fsync="everysec").start()
+            self.redis = RedisServer(workdir, fsync="everysec", die_with_parent=True).start()
             cfg.buffer.url = self.redis.url
             log.info("started private redis-server pid %d at %s (data in %s)", self.redis.pid, self.redis.url, workdir)
         if cfg.weight_server.address is None:
             from weight_server import WeightServer
 
+            self._weight_server_log = own_log_file("weight_server", self.output_dir / "logs" / "weight-server.log")
             self.weight_server = WeightServer(cfg.weight_server)
             self.weight_server.start()
             cfg.weight_server.address = self.weight_server.address
@@ -180,8 +199,10 @@ class Launcher:
         """children.json: which processes belong to this run (for operators and tests)."""
         import json
 
-        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
-        (self.output_dir / "children.json").write_text(json.dumps(pids) + "\n")
+        pids = {"launcher": os.getpid(), **{c.name: c.proc.pid for c in self.children if c.proc is not None}}
+        if self.redis is not None:
+            pids["redis"] = self.redis.pid
+        (self.output_dir / PIDS_FILE).write_text(json.dumps(pids) + "\n")
 
     # ------------------------------------------------------------------ supervise
 
@@ -247,12 +268,22 @@ class Launcher:
             if child.proc is not None and child.exit_code is None:
                 child.exit_code = child.proc.returncode
 
-    def shutdown_infrastructure(self) -> None:
+    def shutdown_infrastructure(self, clean: bool = False) -> None:
+        """Stop the weight server and a private Redis. Its data goes when the run finished
+        cleanly (``clean``); otherwise it stays for ``resume=``."""
         if self.weight_server is not None:
             self.weight_server.stop()
             self.weight_server = None
+        if self._weight_server_log is not None:
+            self._weight_server_log()
+            self._weight_server_log = None
         if self.redis is not None:
             self.redis.stop()
+            if clean:
+                shutil.rmtree(self.redis.workdir, ignore_errors=True)
+            else:
+                print(f"the run's Redis data is kept in {self.redis.workdir}; continue the run with:\n"
+                      f"  rlhf-run resume={self.output_dir}", file=sys.stderr, flush=True)
             self.redis = None
 
     def check_progress(self, progress: Any) -> bool:
@@ -285,8 +316,10 @@ class Launcher:
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         progress = None
+        code = 1
         try:
             check_reward_targets(self.cfg.reward)  # before anything starts
+            self.save_launch_config()
             self.start_infrastructure()
             self.write_resolved_config()
             self.start_children()
@@ -305,17 +338,43 @@ class Launcher:
             summary = write_report(self.cfg, self.output_dir, progress, self.exit_reason)
             print(summary, flush=True)
             if interrupted:
-                return 130
-            if self.failure:
+                code = 130
+            elif self.failure:
                 print(f"run failed: {self.failure}", file=sys.stderr, flush=True)
-                return 1
-            return 0 if self.learner_code() == 0 else 1
+            else:
+                code = 0 if self.learner_code() == 0 else 1
+            return code
         finally:
             if any(c.alive() for c in self.children):
                 self.stop_children(grace_s=5)
-            self.shutdown_infrastructure()
+            self.shutdown_infrastructure(clean=code == 0)
             for s, h in old.items():
                 signal.signal(s, h)
+
+
+def own_log_file(logger_name: str, path: Path) -> Callable[[], None]:
+    """Send ``logger_name``'s records to ``path`` instead of the console, warnings and errors
+    to both: a component running inside the launcher (the weight server logs two lines per
+    version) keeps its chatter in its own log like the children, and the console shows the live
+    line. Returns the function that undoes it."""
+    logger = logging.getLogger(logger_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    warnings = logging.Handler(logging.WARNING)
+    warnings.emit = lambda record: logging.getLogger().handle(record)  # type: ignore[method-assign]
+    before = logger.propagate
+    logger.addHandler(to_file)
+    logger.addHandler(warnings)
+    logger.propagate = False
+
+    def undo() -> None:
+        logger.removeHandler(to_file)
+        logger.removeHandler(warnings)
+        logger.propagate = before
+        to_file.close()
+
+    return undo
 
 
 def hydra_output_dir() -> Path:
@@ -325,6 +384,55 @@ def hydra_output_dir() -> Path:
         return Path(HydraConfig.get().runtime.output_dir)
     except Exception:  # called outside a Hydra app (tests call run_launcher directly)
         return Path(tempfile.mkdtemp(prefix="rlhf-run-"))
+
+
+def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, Path]:
+    """The config and output folder of the run ``rlhf-run resume=<folder>`` continues: the
+    folder's saved config (same run id, data, model, algorithm), changed only by the ``key=value``
+    overrides given with ``resume=`` (``learner.max_updates=2000`` to train on). The learner
+    restores its checkpoint, the private Redis its data (or, where that is gone, the learner the
+    prompt cursor), the trackers their runs."""
+    out = Path(resume).expanduser().resolve()
+    saved = out / LAUNCH_CONFIG
+    if not saved.is_file():
+        raise ConfigError(f"resume={resume}: {saved} does not exist, so this is not the output folder of an rlhf-run "
+                          "run; give the folder the run printed at its start ('output in ...')")
+    changes = []
+    for item in overrides:
+        key = item.lstrip("+").split("=", 1)[0]
+        if key == "resume" or key.startswith("hydra."):
+            continue
+        if item.startswith("~") or "." not in key or key == "buffer.run_id":
+            raise ConfigError(f"resume continues the run's saved config, which {item!r} cannot change: only settings "
+                              "such as learner.max_updates=2000 can, not a config group, a deletion or the run id")
+        changes.append(item.lstrip("+"))
+    node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved), OmegaConf.from_dotlist(changes))
+    cfg = to_object(node)
+    cfg.resume = None
+    _refuse_if_running(out)
+    return cfg, out
+
+
+def _refuse_if_running(out: Path) -> None:
+    """Refuse to resume a run whose launcher, children or Redis still run (two learners on one
+    run, two redis-servers on one append-only file)."""
+    import json
+
+    import psutil
+
+    path = out / PIDS_FILE
+    if not path.is_file():
+        return
+    started_before = path.stat().st_mtime + 1.0  # a pid reused by a newer process is not the run's
+    for name, pid in json.loads(path.read_text()).items():
+        try:
+            proc = psutil.Process(int(pid))
+            alive = proc.create_time() <= started_before and proc.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+        if alive:
+            raise ConfigError(f"the run in {out} is still running: its {name} (pid {pid}) is alive. Stop the run "
+                              f"first (Ctrl-C in its terminal, or kill {pid}), then resume it")
 
 
 def run_launcher(cfg: Config, output_dir: str | Path | None = None) -> int:
@@ -340,6 +448,12 @@ def main(cfg) -> int:
     obj = to_object(cfg)
     if not isinstance(obj, Config):
         raise ConfigError("rlhf-run needs the `config` primary config")
+    if obj.resume:
+        from hydra.core.hydra_config import HydraConfig
+
+        obj, out = resume_config(obj.resume, HydraConfig.get().overrides.task)
+        print(f"resuming run {obj.buffer.run_id} in {out}", flush=True)
+        return run_launcher(obj, out)
     return run_launcher(obj)
 
 

@@ -2,6 +2,7 @@
 
     rlhf-monitor url=redis://127.0.0.1:6379 run_id=run-20261122-101500-ab12
     rlhf-monitor url=... run_id=... --once --json      # one snapshot for scripts
+    rlhf-monitor url=... run_id=... prometheus_port=9300   # and serve the run's Prometheus target
 
 Everything shown comes from Redis (the buffer's counters, the consumers' heartbeats and the
 stats the learner and weight server publish there), so the monitor needs no other address.
@@ -10,13 +11,16 @@ stats the learner and weight server publish there), so the monitor needs no othe
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any
 
 from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
-from rlhf_core.config import BufferConfig
+from rlhf_core.config import BufferConfig, ConfigError
+
+log = logging.getLogger(__name__)
 
 _FLAGS = {"--once": "once=true", "--json": "json=true"}
 
@@ -79,11 +83,21 @@ def _fmt(x: Any) -> str:
 
 
 def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False, refresh_s: float = 1.0,
-                out: Any = None) -> dict[str, Any]:
+                out: Any = None, prometheus_port: int | None = None) -> dict[str, Any]:
+    """Show the run (``once``: one snapshot). ``prometheus_port``: also serve the run's Prometheus
+    target (:mod:`rlhf_run.run_exporter`) from the live view's snapshots, for a run whose
+    ``rlhf-run`` does not (``run.prometheus_port``) or that was started by hand."""
     from buffer import Buffer
+
+    from buffer import RunNotInitialised
 
     out = out or sys.stdout
     buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id))
+    try:
+        buf.run_params()
+    except RunNotInitialised:  # a wrong run_id would otherwise show a page of zeros
+        log.warning("run %r has not started at %s (no run parameters there): check run_id; rlhf-run prints it "
+                    "at start as 'monitor: rlhf-monitor url=... run_id=...'", run_id, url)
     if once:
         snap = snapshot(buf)
         if as_json:
@@ -96,21 +110,40 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     from rich.live import Live
 
     prev = snapshot(buf)
-    with Live(render(prev), refresh_per_second=max(1, int(1 / refresh_s))) as live:
-        try:
+    target = None
+    if prometheus_port is not None:
+        from rlhf_run.run_exporter import RunExporter
+
+        target = RunExporter(run_id)
+        target.update(prev)
+        target.serve(prometheus_port, setting="prometheus_port")
+    try:
+        with Live(render(prev), refresh_per_second=max(1, int(1 / refresh_s))) as live:
             while True:
                 time.sleep(refresh_s)
-                snap = snapshot(buf, prev)
-                live.update(render(snap))
-                prev = snap
-        except KeyboardInterrupt:
-            pass
+                prev = snapshot(buf, prev)
+                live.update(render(prev))
+                if target is not None:
+                    target.update(prev)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if target is not None:
+            target.close()
     return prev
 
 
 @hydra_entry("monitor")
 def _main(cfg) -> int:
-    run_monitor(cfg.url, cfg.run_id, once=cfg.once, as_json=cfg.json, refresh_s=cfg.refresh_s)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg, "url"):
+        raise ConfigError("rlhf-monitor needs url=redis://HOST:PORT/DB and run_id=RUN: rlhf-run prints both when it "
+                          "starts ('monitor: rlhf-monitor url=... run_id=...'); rlhf-monitor --help says more")
+    if cfg.once and cfg.prometheus_port is not None:
+        raise ConfigError("rlhf-monitor serves prometheus_port only in the live view: drop --once, or drop prometheus_port")
+    run_monitor(cfg.url, cfg.run_id, once=cfg.once, as_json=cfg.json, refresh_s=cfg.refresh_s,
+                prometheus_port=cfg.prometheus_port)
     return 0
 
 

@@ -93,13 +93,19 @@ class Progress:
         self.error: Exception | None = None
         self.unreachable_since: float | None = None
         self._tail = MetricsTail(output_dir / M.METRICS_FILE)
-        self._timeline = (output_dir / TIMELINE_FILE).open("w")
+        self._timeline = (output_dir / TIMELINE_FILE).open("a")  # a resumed run appends
         self._last_print = 0.0
         self._buffer = None
         self._live = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.prometheus = None  # the run's scrape target (run.prometheus_port), fed every snapshot
+        if cfg.run.prometheus_port is not None:
+            from rlhf_run.run_exporter import RunExporter
+
+            self.prometheus = RunExporter(cfg.buffer.run_id)
+            self.prometheus_port = self.prometheus.serve(cfg.run.prometheus_port)
         if cfg.run.progress and sys.stdout.isatty():
             from rich.live import Live
 
@@ -112,8 +118,14 @@ class Progress:
         return self
 
     def _loop(self) -> None:
+        failed = False
         while not self._stop.wait(SAMPLE_INTERVAL_S):
-            self.update()
+            try:
+                self.update()
+            except Exception:  # a bug in a view of the snapshot must not stop the sampling for good
+                if not failed:
+                    log.exception("the progress thread's sampling failed (said once; it goes on every second)")
+                failed = True
 
     def _buf(self):
         if self._buffer is None:
@@ -151,6 +163,8 @@ class Progress:
             self.latest = snap
             self._timeline.write(json.dumps(snap, default=str) + "\n")
             self._timeline.flush()
+            if self.prometheus is not None:
+                self.prometheus.update(snap)
             line = self.line(snap)
         if self._live is not None:
             self._live.update(line)
@@ -184,6 +198,8 @@ class Progress:
         if self._live is not None:
             self._live.stop()
         self._timeline.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self._buffer is not None:
             self._buffer.close()
 
@@ -227,7 +243,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, Any]], wall_s: float,
-              exit_reason: str) -> dict[str, Any]:
+              exit_reason: str, since: float | None = None) -> dict[str, Any]:
+    """``rows``: every update of the run; rates count those after ``since`` (this launch's start:
+    a resumed run's rows before the stop would stretch the window over the pause)."""
     rewards = [r.get(M.REWARD_MEAN) for r in rows]
     k = max(1, min(5, len(rows) // 4 or 1))
     samples = rows[-1].get(M.SAMPLES_TRAINED, 0) if rows else 0
@@ -242,8 +260,9 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     wait = sum(r.get(M.TIME_WAIT_S, 0.0) for r in rows)
     publish = sum(r.get(M.TIME_PUBLISH_S, 0.0) for r in rows)
     # the learner's active window (first to last update), so start-up time does not dilute the rate
-    active_s = (rows[-1].get(M.TIME, 0.0) - rows[0].get(M.TIME, 0.0)) if len(rows) > 1 else 0.0
-    active_samples = samples - (rows[0].get(M.SAMPLES_TRAINED, 0) if rows else 0)
+    window = [r for r in rows if since is None or r.get(M.TIME, 0.0) >= since] or rows
+    active_s = (window[-1].get(M.TIME, 0.0) - window[0].get(M.TIME, 0.0)) if len(window) > 1 else 0.0
+    active_samples = samples - (window[0].get(M.SAMPLES_TRAINED, 0) if window else 0)
     return {
         "run_id": cfg.buffer.run_id,
         "exit_reason": exit_reason,
@@ -272,6 +291,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         },
         "dead_letters": last_snap.get("counters", {}).get("dead_letters"),
         "leases_reclaimed": last_snap.get("counters", {}).get("prompts_reclaimed"),
+        # the buffer's own counters at the end, for audits (appended = consumed + stale + left)
+        "buffer_counters": last_snap.get("counters", {}),
     }
 
 
@@ -380,7 +401,7 @@ def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_
     rows = read_metrics(output_dir)
     timeline = progress.timeline() if progress else read_jsonl(output_dir / TIMELINE_FILE)
     wall = time.time() - (progress.started if progress else time.time())
-    summary = summarize(cfg, rows, timeline, wall, exit_reason)
+    summary = summarize(cfg, rows, timeline, wall, exit_reason, since=progress.started if progress else None)
     try:
         summary["plots"] = [p.name for p in plot(output_dir, rows, timeline)]
     except Exception as exc:  # a plot must never lose the summary

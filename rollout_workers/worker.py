@@ -53,6 +53,7 @@ from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, to_object, validate
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reference, load_tokenizer
+from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams
@@ -162,13 +163,14 @@ class RolloutWorker:
         self._failed_pull: tuple[int | None, float] = (None, 0.0)  # (announced version, retry after)
         self.exporter = None
         if cfg.rollout.prometheus_port is not None:
-            from rlhf_core.prometheus import Exporter
+            from rlhf_core.prometheus import worker_exporter
 
             # workers started by rlhf-run are named worker-<i>: worker i serves on port + i
             tail = self.worker_id.rsplit("-", 1)[-1]
             index = int(tail) if tail.isdigit() else 0
-            self.exporter = Exporter("rlhf_worker", {"worker": self.worker_id, "run": cfg.buffer.run_id})
-            self.exporter.serve(cfg.rollout.prometheus_port + index if cfg.rollout.prometheus_port else 0)
+            self.exporter = worker_exporter(self.worker_id, cfg.buffer.run_id)
+            self.exporter.serve(cfg.rollout.prometheus_port + index if cfg.rollout.prometheus_port else 0,
+                                setting="rollout.prometheus_port (worker i serves on it + i)")
 
     # ------------------------------------------------------------------ joining
 
@@ -207,6 +209,8 @@ class RolloutWorker:
         self.has_weights = True
         self.stats.weight_updates += 1
         self.stats.t_weights += time.monotonic() - t0
+        if self.exporter is not None:
+            self.exporter.observe(WEIGHT_SYNC, time.monotonic() - t0)
         log.info("worker %s applied weights version %d", self.worker_id, version)
         return True
 
@@ -336,6 +340,8 @@ class RolloutWorker:
             if group is None:  # abandoned group
                 continue
             self.stats.tokens += result.num_tokens
+            if self.exporter is not None:
+                self.exporter.observe(GENERATION, time.time() - group.created_at)
             group.futures[int(index)] = self.pool.submit(self._score, group, int(index), result)
 
     # ------------------------------------------------------------------ score + emit

@@ -59,3 +59,15 @@ def test_fill_with_an_empty_source_says_so(redis_url):
     buf.init_run(batch_size=4, group_size=4, max_staleness=0)
     with pytest.raises(PromptsExhausted, match="no prompts for epoch 0"):
         buf.fill_prompts(lambda epoch: [], epochs=3, low_watermark=2)
+
+
+def test_a_checkpoints_cursor_starts_a_fresh_run_where_its_prompts_had_reached(redis_url, data_cfg):
+    source = lambda epoch: iter_prompts(data_cfg, epoch)  # noqa: E731
+    fresh = Buffer.connect(redis_url, "fresh", BufferConfig())  # a resume on a new Redis: no cursor yet
+    fresh.init_run(batch_size=400, group_size=4, max_staleness=0)
+    assert fresh.restore_fill_state({"epoch": 1, "index": 3, "done": False}) is True
+    assert fresh.restore_fill_state({"epoch": 0, "index": 0, "done": False}) is False  # never moves a live cursor back
+    # epoch 1 from row 3: rows 3 and 4 of that epoch's order, then the run's 2 epochs are done
+    assert fresh.fill_prompts(source, epochs=2, low_watermark=3, high_watermark=4) == 2
+    assert [(e, i) for e, i, _ in _drain(fresh)] == [(1, 3), (1, 4)]
+    assert fresh.fill_state() == {"epoch": 2, "index": 0, "done": True}

@@ -358,6 +358,38 @@ def test_final_hf_export_loads_with_transformers_as_is(make_run, tmp_path):
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and bool(torch.isfinite(logits).all())
 
 
+# ------------------------------------------------------------------ experiment trackers
+@pytest.mark.timeout(300)
+def test_trackers_log_offline_and_a_restored_learner_continues_their_runs(make_run, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = ("run.loggers=[tensorboard,mlflow,wandb]", "run.wandb_mode=offline", "run.log_samples_every=2")
+    run = make_run(max_updates=3)
+    run.learner("learner-a", *trackers)
+    run.worker("w0")
+    assert run.wait("learner-a", 2 * START_S) == 0, run.log("learner-a")
+    ids = run.latest()["trackers"]
+    assert set(ids) == {"mlflow", "wandb"}  # TensorBoard has no run id: it appends to its folder
+    run.learner_args = [a for a in run.learner_args if not a.startswith("learner.max_updates=")]
+    run.learner("learner-b", *trackers, "learner.max_updates=5")  # restored from the checkpoint of update 3
+    assert run.wait("learner-b", 2 * START_S) == 0, run.log("learner-b")
+    assert run.latest()["trackers"] == ids and run.latest()["version"] == 5
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the learner sets it for its own folder
+    client = MlflowClient((run.out / "mlruns").as_uri())
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("rlhf-service").experiment_id])
+    assert mlflow_run.info.run_id == ids["mlflow"]
+    history = client.get_metric_history(ids["mlflow"], "learner/updates")
+    assert sorted((m.step, m.value) for m in history) == [(u, u) for u in range(1, 6)]  # step = version, continued
+    assert [a.path for a in client.list_artifacts(ids["mlflow"], "samples")] == \
+        ["samples/step_00000002.json", "samples/step_00000004.json"]
+    wandb_runs = list((run.out / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(f"-{ids['wandb']}" in p.name for p in wandb_runs), wandb_runs
+    events = EventAccumulator(str(run.out / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("learner/updates")] == [1, 2, 3, 4, 5]
+
+
 def _initial(run: Run) -> dict[str, Any]:
     """The weights every learner starts from (the tiny model on disk)."""
     from rlhf_core.config import ModelConfig

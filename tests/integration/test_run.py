@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from omegaconf import OmegaConf
 
 from buffer import RunKeys
 from buffer.keys import WORKERS_GROUP
 from rlhf_core import metric_names as M
+from rlhf_run.report import read_metrics
 from servers import wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -73,6 +75,79 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def scrape(port: int) -> dict:
+    """The target's families by name, parsed with prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(families: dict, family: str, kind: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` of ``family`` (of type ``kind``) with these labels; 0 when absent."""
+    fam = families.get(family)
+    if fam is None:
+        return 0.0
+    assert fam.type == kind, (family, fam.type)
+    return sum(s.value for s in fam.samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learner_port: int, worker_port: int,
+                             run_port: int) -> None:
+    """The learner's, each worker's (worker i on the port + i) and the run's target (served by
+    rlhf-run, and by rlhf-monitor): a counter, a histogram and a gauge each, with their labels."""
+    learner = wait_for(lambda: (f := scrape(learner_port)) and sample(
+        f, "rlhf_learner_staleness_versions", "histogram", "rlhf_learner_staleness_versions_count") > 0 and f,
+        30, "the learner's staleness histogram")
+    assert sample(learner, "rlhf_learner_updates", "counter", "rlhf_learner_updates_total", run=run_id) >= 2
+    assert sample(learner, "rlhf_learner_version", "gauge", "rlhf_learner_version") >= 2
+    for i in range(2):
+        worker = wait_for(lambda: (f := scrape(worker_port + i)) and sample(
+            f, "rlhf_worker_generation_seconds", "histogram", "rlhf_worker_generation_seconds_count") > 0 and f,
+            30, f"worker-{i}'s generation latencies")
+        labels = {"worker": f"worker-{i}", "run": run_id}
+        assert sample(worker, "rlhf_worker_tokens", "counter", "rlhf_worker_tokens_total", **labels) > 0
+        assert sample(worker, "rlhf_worker_weight_sync_seconds", "histogram", "rlhf_worker_weight_sync_seconds_count") >= 1
+        assert sample(worker, "rlhf_worker_tokens_per_s", "gauge", "rlhf_worker_tokens_per_s", **labels) > 0
+
+    def run_target(port: int) -> dict | None:
+        """The run's target once its snapshot has two updates' samples consumed and both workers'
+        tokens (it is refreshed once a second; the one before may predate a worker's heartbeat)."""
+        try:
+            families = scrape(port)
+        except OSError:  # rlhf-monitor not listening yet
+            return None
+        consumed = sample(families, "rlhf_run_samples_consumed", "counter", "rlhf_run_samples_consumed_total", run=run_id)
+        tokens = [sample(families, "rlhf_run_worker_tokens", "counter", "rlhf_run_worker_tokens_total", worker=f"worker-{i}")
+                  for i in range(2)]
+        return families if consumed >= 32 and all(tokens) else None
+
+    run = wait_for(lambda: run_target(run_port), 30, "the run's target")
+    assert sample(run, "rlhf_run_staleness_versions", "histogram", "rlhf_run_staleness_versions_count") >= 32
+    assert "rlhf_run_depth_samples_in_buffer" in run and run["rlhf_run_depth_samples_in_buffer"].type == "gauge"
+    # rlhf-monitor serves the same target for a run it watches
+    from servers import free_port
+
+    monitor_port = free_port()
+    log = (tmp_path / "monitor.log").open("w")
+    monitor = subprocess.Popen([script("rlhf-monitor"), f"url={redis_url}", f"run_id={run_id}",
+                                f"prometheus_port={monitor_port}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=log, env=child_env())
+    try:
+        def up() -> dict | None:
+            assert monitor.poll() is None, (tmp_path / "monitor.log").read_text()[-2000:]
+            return run_target(monitor_port)
+
+        watched = wait_for(up, 60, "rlhf-monitor's Prometheus target")
+        assert sample(watched, "rlhf_run_version", "gauge", "rlhf_run_version", run=run_id) >= 2
+    finally:
+        monitor.send_signal(signal.SIGINT)
+        assert monitor.wait(timeout=30) == 0, (tmp_path / "monitor.log").read_text()[-2000:]
+        log.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_run_learns_and_reports(tmp_path, model_cache):
@@ -94,6 +169,12 @@ def test_default_run_learns_and_reports(tmp_path, model_cache):
     for png in ("reward.png", "staleness.png", "throughput.png"):
         assert (out / png).stat().st_size > 1000, png
     assert (out / "logs" / "learner.log").exists() and (out / "logs" / "worker-0.log").exists()
+    # per-version chatter stays in the weight server's own log; once it was 2,500 console lines
+    console = proc.stdout + proc.stderr
+    assert "published policy" not in console and "applied policy" not in console
+    ws_log = (out / "logs" / "weight-server.log").read_text()
+    assert "published policy v250" in ws_log and "applied policy v" in ws_log
+    assert len(console.splitlines()) < 40, console
 
 
 @pytest.mark.timeout(300)
@@ -102,10 +183,10 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
 
     out = tmp_path / "out"
     run_id = "live-run"
-    learner_port, worker_port = free_port(), free_port()
+    learner_port, worker_port, run_port = free_port(), free_port(), free_port()
     proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
                      "rollout.num_workers=2", f"learner.prometheus_port={learner_port}",
-                     f"rollout.prometheus_port={worker_port}")
+                     f"rollout.prometheus_port={worker_port}", f"run.prometheus_port={run_port}")
     try:
         r = redis.Redis.from_url(redis_server.url)
 
@@ -147,21 +228,10 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         assert read_by_the_app - set(learner) == set(), "the learner no longer writes what the report reads"
         assert any(k in learner for k in M.KL_KEYS), sorted(learner)
         pids = json.loads((out / "children.json").read_text())
-        assert set(pids) == {"learner", "worker-0", "worker-1"}
+        assert set(pids) == {"launcher", "learner", "worker-0", "worker-1"}  # Redis is the test's here
         assert all(pid_alive(p) for p in pids.values())
 
-        # Prometheus on the learner and on each worker (worker i on the port + i)
-        import urllib.request
-
-        def scrape(port: int) -> str:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-
-        assert "rlhf_learner_version" in wait_for(lambda: "rlhf_learner_version" in scrape(learner_port)
-                                                  and scrape(learner_port), 30, "learner metrics")
-        for i in range(2):
-            body = wait_for(lambda: "rlhf_worker_tokens" in scrape(worker_port + i) and scrape(worker_port + i),
-                            30, f"worker-{i} metrics")
-            assert f'worker="worker-{i}"' in body
+        check_prometheus_targets(tmp_path, redis_server.url, run_id, learner_port, worker_port, run_port)
 
         # a crashed worker is reported and restarted; the run goes on
         prompts = RunKeys.for_run(run_id).prompts
@@ -224,42 +294,65 @@ def test_multirun_jobs_get_separate_namespaces(tmp_path, redis_server, model_cac
     assert "sweep comparison" in proc.stdout
 
 
+def readme_block(after: str) -> list[list[str]]:
+    """The commands of the README's first bash block after ``after`` (continuations joined, comments dropped)."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_standalone_workers_join_and_leave(tmp_path, redis_server, model_cache):
-    """rlhf-run with no workers and external Redis; rlhf-worker processes join, one leaves."""
-    out = tmp_path / "out"
-    run_id = "standalone"
-    run = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "rollout.num_workers=0",
-                    "learner.max_updates=6", "weight_server.port=0")
-    workers: list[subprocess.Popen] = []
-    try:
-        cfg_path = wait_for(lambda: (out / "run_config.yaml").exists() and out / "run_config.yaml", 120, "run config")
-        import yaml
+def test_standalone_workers_join_and_leave_as_the_readme_says(tmp_path, model_cache):
+    """The README's standalone-workers commands, run as written (loopback for 10.0.0.5, free ports):
+    Redis with a password, CURVE keys, rlhf-run with no workers; rlhf-worker processes join, one leaves."""
+    from servers import free_port
 
-        ws = yaml.safe_load(cfg_path.read_text())["weight_server"]
-        r = redis.Redis.from_url(redis_server.url)
+    redis_port, port, pub_port = free_port(), free_port(), free_port()
+    swap = {"10.0.0.5": "127.0.0.1", "6379": str(redis_port), "5555": str(port), "5556": str(pub_port),
+            "/var/lib/rlhf-redis": str(tmp_path / "redis")}
+
+    def as_here(cmd: list[str]) -> list[str]:
+        for old, new in swap.items():
+            cmd = [arg.replace(old, new) for arg in cmd]
+        return [script(cmd[0]) if cmd[0].startswith("rlhf-") else cmd[0], *cmd[1:]]
+
+    mkdir_cmd, redis_cmd, keys_cmd, run_cmd_, worker_cmd = [as_here(c) for c in readme_block("**Standalone workers.**")]
+    assert mkdir_cmd[0] == "mkdir" and redis_cmd[0] == "redis-server" and keys_cmd[1:] == ["--gen-keys", "keys/"]
+    assert run_cmd(mkdir_cmd, tmp_path, timeout=10).returncode == 0
+    out, run_id = tmp_path / "out", "exp1"
+    redis_proc = subprocess.Popen(redis_cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+    procs: list[subprocess.Popen] = [redis_proc]
+    try:
+        r = redis.Redis(port=redis_port, password="SECRET")
+        wait_for(lambda: _ping(r), 30, "the README's Redis")
+        assert run_cmd(keys_cmd, tmp_path, timeout=60).returncode == 0
+        run = subprocess.Popen([*run_cmd_, f"hydra.run.dir={out}", *base_overrides(model_cache), "learner.max_updates=6"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+        procs.append(run)
+        wait_for(lambda: (out / "run_config.yaml").exists(), 120, "run config")
         version = lambda: int(r.get(RunKeys.for_run(run_id).version) or 0)  # noqa: E731
         time.sleep(2)
         assert version() == 0, "no worker yet, so no update can have happened"
         for i in range(2):
-            workers.append(subprocess.Popen(
-                [script("rlhf-worker"), *base_overrides(model_cache), f"buffer.url={redis_server.url}",
-                 f"buffer.run_id={run_id}", f"weight_server.address={ws['address']}",
-                 f"weight_server.pub_address={ws['pub_address']}", f"hydra.run.dir={tmp_path / f'w{i}'}"],
-                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=child_env(RLHF_WORKER_ID=f"ext-{i}")))
+            procs.append(subprocess.Popen(
+                [*worker_cmd, *base_overrides(model_cache), f"hydra.run.dir={tmp_path / f'w{i}'}"],
+                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(RLHF_WORKER_ID=f"ext-{i}")))
         wait_for(lambda: version() >= 2, 240, "updates from joined workers")
         consumers = lambda: {k.decode() for k in r.hkeys(RunKeys.for_run(run_id).consumers)}  # noqa: E731
         wait_for(lambda: {"ext-0", "ext-1"} <= consumers(), 120, "both external workers to join")
-        workers[0].send_signal(signal.SIGTERM)  # one leaves; the run goes on
-        assert workers[0].wait(timeout=60) == 0
+        procs[2].send_signal(signal.SIGTERM)  # one leaves; the run goes on
+        assert procs[2].wait(timeout=60) == 0
         output, _ = run.communicate(timeout=300)
         assert run.returncode == 0, output[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["steps"] == 6
     finally:
-        for p in workers + [run]:
+        for p in reversed(procs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -324,6 +417,19 @@ def test_an_unimportable_reward_stops_the_run_before_anything_starts(tmp_path, m
                     "+reward.functions.typo._target_=rlhf_core.tasks.no_such_reward"], tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "reward.functions.typo._target_='rlhf_core.tasks.no_such_reward' cannot be imported" in proc.stderr
+    assert not (out / "children.json").exists()
+
+
+@pytest.mark.parametrize("group, message", [
+    ("model=hf", "model=hf needs model.path=/local/hf/dir"),
+    ("data=jsonl", "data.source=jsonl needs data.path="),
+])
+def test_a_required_path_left_out_stops_the_run_before_anything_starts(group, message, tmp_path, model_cache):
+    # once: Redis, the weight server and three children started, and a child log said why ~10 s later
+    out = tmp_path / "out"
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), group], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
     assert not (out / "children.json").exists()
 
 
@@ -427,11 +533,13 @@ def _ping(r: redis.Redis) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_killed_learner_is_restarted_from_its_checkpoint_and_the_run_finishes(tmp_path, redis_server, model_cache):
+def test_a_killed_learner_is_restarted_from_its_checkpoint_and_the_run_finishes(tmp_path, redis_server, model_cache,
+                                                                                 monkeypatch):
     # once: the launcher restarted a killed worker in 0.3 s but ended the run when the learner died
     out = tmp_path / "out"
     proc = start_run(tmp_path, out, redis_server.url, "learner-restart", model_cache, "learner.max_updates=24",
-                     "rollout.num_workers=1")
+                     "rollout.num_workers=1", "run.loggers=[tensorboard,mlflow,wandb]", "run.wandb_mode=offline",
+                     "run.log_samples_every=4")
     try:
         r = redis.Redis.from_url(redis_server.url)
         wait_for(lambda: int(r.get(RunKeys.for_run("learner-restart").version) or 0) >= 5, 180, "learner updates")
@@ -444,10 +552,77 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint_and_the_run_finishes(
         summary = json.loads((out / "summary.json").read_text())
         assert summary["steps"] == 24 and summary["exit_reason"] == "learner finished", summary
         assert summary["dead_letters"] == 0
+        # the trackers' run ids came back from the checkpoint: one MLflow run and one wandb id, every step
+        from mlflow.tracking import MlflowClient
+
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the learner sets it for its own folder
+        client = MlflowClient((out / "mlruns").as_uri())
+        [run] = client.search_runs([client.get_experiment_by_name("rlhf-service").experiment_id])
+        # every update of both learner processes (the step is the version, which jumps past those published before the crash)
+        updates = {m.value for m in client.get_metric_history(run.info.run_id, "learner/updates")}
+        assert updates == set(range(1, 25)), sorted(updates)
+        assert client.list_artifacts(run.info.run_id, "samples")
+        wandb_ids = {p.name.split("-")[3] for p in (out / "wandb").glob("offline-run-*")}
+        assert len(wandb_ids) == 1 and len(list((out / "wandb").glob("offline-run-*"))) == 2
+        assert any((out / "tensorboard").glob("events.out.tfevents.*"))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_after_the_whole_launcher_is_killed_loses_nothing_and_trains_nothing_twice(tmp_path, model_cache):
+    """rlhf-run with its private Redis SIGKILLed mid-run (launcher only: its children and Redis
+    must die with it), then `rlhf-run resume=<folder>`: the same run id, the Redis data of the
+    folder and the learner's checkpoint carry it to its budget; the buffer's counters audit it."""
+    out = tmp_path / "out"
+    with (tmp_path / "first.log").open("w") as log_file:  # a budget out of reach: the kill ends it
+        first = subprocess.Popen([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache),
+                                  "learner.max_updates=100000", "rollout.num_workers=1"],
+                                 cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        metrics = out / M.METRICS_FILE
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 12, 240, "12 updates")
+        busy = run_cmd([script("rlhf-run"), f"resume={out}"], tmp_path, timeout=60)
+        assert busy.returncode == 2 and "is still running" in busy.stderr, busy.stderr[-2000:]
+        pids = json.loads((out / "children.json").read_text())
+        assert set(pids) == {"launcher", "redis", "learner", "worker-0"}
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        wait_for(lambda: not [n for n, p in pids.items() if pid_alive(p)], 30, "the run's processes to die with the launcher")
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert (out / "redis" / "appendonlydir").is_dir()
+    run_id = OmegaConf.load(out / "launch_config.yaml").buffer.run_id
+    updates = max(row[M.UPDATES] for row in read_metrics(out)) + 20  # a new budget, given with resume=
+
+    resumed = run_cmd([script("rlhf-run"), f"resume={out}", f"learner.max_updates={updates}"], tmp_path, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming run {run_id} in {out}" in resumed.stdout
+    assert "continuing on the run's Redis data" in (out / "cli.log").read_text()  # the resumed launcher logs here too
+    assert "resumed from checkpoint at version" in (out / "logs" / "learner.log").read_text()
+    assert not (tmp_path / "outputs").exists()  # no new folder for the resumed launcher
+    assert not (out / "redis").exists()  # a clean finish removes the Redis data
+    summary = json.loads((out / "summary.json").read_text())
+    c = summary["buffer_counters"]
+    assert (summary["run_id"], summary["steps"]) == (run_id, updates)
+    # samples the killed learner's last, uncheckpointed version generated are trained, not
+    # dead-lettered as "newer than the learner" (the resumed learner numbers its weights above them)
+    assert summary["dead_letters"] == 0, (out / "logs" / "learner.log").read_text()[-3000:]
+    # the weights hold exactly what the buffer handed out and acked: an update lost with the
+    # launcher is trained again from the checkpoint, a batch trained twice would break this
+    assert summary["samples_trained"] == updates * 16 == c["samples_consumed"], (summary, c)
+    assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
+
+    # a finished run trains on when given a larger budget: a fresh Redis, the prompts from the checkpoint's cursor
+    more = run_cmd([script("rlhf-run"), f"resume={out}", f"learner.max_updates={updates + 4}"], tmp_path, timeout=300)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert "a fresh buffer: prompts go on from the checkpoint's cursor" in (out / "logs" / "learner.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["samples_trained"] == (updates + 4) * 16
 
 
 @pytest.mark.timeout(180)
@@ -462,3 +637,18 @@ def test_a_run_with_no_worker_left_fails_with_the_last_workers_exit(tmp_path, mo
                           cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run failed: no worker left: worker-0 exited with code 3" in proc.stderr
+
+
+def test_monitor_says_what_is_wrong_and_keeps_its_json_clean(tmp_path, redis_server):
+    # once: a raw OmegaConf error without url, a page of zeros for a wrong run_id, a cli.log left
+    # in the current folder, and --help listing the trainer's config groups
+    monitor = script("rlhf-monitor")
+    missing = run_cmd([monitor], tmp_path, timeout=60)
+    assert missing.returncode == 2 and "rlhf-monitor needs url=redis://HOST:PORT/DB and run_id=RUN" in missing.stderr
+    wrong = run_cmd([monitor, f"url={redis_server.url}", "run_id=no-such-run", "--once", "--json"], tmp_path, timeout=60)
+    assert wrong.returncode == 0, wrong.stderr
+    assert json.loads(wrong.stdout)["run_id"] == "no-such-run"  # stdout is the JSON alone
+    assert "run 'no-such-run' has not started" in wrong.stderr
+    help_text = run_cmd([monitor, "--help"], tmp_path, timeout=60).stdout
+    assert "--once --json" in help_text and "algo:" not in help_text
+    assert not list(tmp_path.glob("*.log")), list(tmp_path.iterdir())

@@ -1,11 +1,41 @@
-"""The Prometheus endpoint serves the metrics it was given, with conventional names."""
+"""The Prometheus targets (learner, worker, run), scraped over HTTP and parsed with prometheus_client's
+own parser: types, histogram buckets, counters that never go down, labels; and the Grafana
+dashboard's queries name only metrics these targets export."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import socket
 import urllib.request
+from pathlib import Path
 
-from rlhf_core.prometheus import Exporter, metric_name
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlhf_core import metric_names as M
+from rlhf_core.errors import UserError
+from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC, learner_exporter, metric_name, worker_exporter
+from rlhf_run.run_exporter import RunExporter
+
+ROOT = Path(__file__).resolve().parents[2]
+INPUTS = json.loads((Path(__file__).parent / "data" / "prometheus_inputs.json").read_text())
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def families(text: str) -> dict[str, object]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict, family: str, sample: str, **labels: str) -> float:
+    """The value of ``sample`` in ``family`` whose labels include ``labels``."""
+    hits = [s.value for s in fams[family].samples if s.name == sample and labels.items() <= s.labels.items()]
+    assert len(hits) == 1, (family, sample, labels, fams[family].samples)
+    return hits[0]
 
 
 def test_names_are_conventional():
@@ -13,24 +43,180 @@ def test_names_are_conventional():
     assert metric_name("rlhf_worker", "tokens-per.s") == "rlhf_worker_tokens_per_s"
 
 
-def test_render_skips_non_numbers_and_nan():
-    ex = Exporter("rlhf_learner", {"run": 'a"b'})
-    ex.update({"learner/version": 3, "reward/mean": 0.25, "note": "text", "bad": math.nan, "flag": True})
-    text = ex.render()
-    assert 'rlhf_learner_learner_version{run="a\\"b"} 3.0' in text
-    assert 'rlhf_learner_reward_mean{run="a\\"b"} 0.25' in text
-    assert "rlhf_learner_flag" in text and "note" not in text and "bad" not in text
-
-
-def test_http_endpoint_serves_metrics():
-    ex = Exporter("rlhf_worker", {"worker": "w0"})
-    ex.update({"tokens_per_s": 120.5})
+def test_learner_target_over_http_counters_gauges_histograms():
+    ex = learner_exporter("run-a")
     port = ex.serve(0)
     try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'rlhf_worker_tokens_per_s{worker="w0"} 120.5' in body
-        ex.update({"tokens_per_s": 99.0})
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'rlhf_worker_tokens_per_s{worker="w0"} 99.0' in body
+        ex.update({M.VERSION: 1, M.UPDATES: 1, M.SAMPLES_TRAINED: 32, M.TIME_COMPUTE_S: 0.3,
+                   M.STALENESS_HIST: [20, 10, 2], M.REWARD_MEAN: 0.25, "note": "text", "bad": math.nan})
+        ex.update({M.VERSION: 2, M.UPDATES: 2, M.SAMPLES_TRAINED: 64, M.TIME_COMPUTE_S: 0.7,
+                   M.STALENESS_HIST: [16, 12, 3, 1], M.REWARD_MEAN: 0.5})
+        fams = families(scrape(port))
     finally:
         ex.close()
+    assert fams["rlhf_learner_updates"].type == "counter"
+    assert value(fams, "rlhf_learner_updates", "rlhf_learner_updates_total", run="run-a") == 2
+    assert value(fams, "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total") == 64
+    assert fams["rlhf_learner_version"].type == "gauge" and value(fams, "rlhf_learner_version", "rlhf_learner_version") == 2
+    assert value(fams, "rlhf_reward_mean", "rlhf_reward_mean") == 0.5  # the last update's
+    assert not any("note" in name or "bad" in name for name in fams)
+    # staleness: lag 0 observed 20 + 16 = 36 times, lag 1 10 + 12 = 22, lag 2 2 + 3 = 5, lag 3 once
+    stale = "rlhf_learner_staleness_versions"
+    assert fams[stale].type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in fams[stale].samples if s.name == f"{stale}_bucket"}
+    assert buckets["0.0"] == 36 and buckets["1.0"] == 36 + 22 and buckets["2.0"] == 58 + 5
+    assert buckets["3.0"] == buckets["64.0"] == buckets["+Inf"] == 64
+    assert value(fams, stale, f"{stale}_count") == 64
+    assert value(fams, stale, f"{stale}_sum") == 0 * 36 + 1 * 22 + 2 * 5 + 3 * 1
+    # step time: 0.3 s falls in le=0.5, 0.7 s in le=1.0
+    step = {s.labels["le"]: s.value for s in fams["rlhf_learner_step_seconds"].samples if s.name.endswith("_bucket")}
+    assert (step["0.25"], step["0.5"], step["1.0"], step["+Inf"]) == (0, 1, 2, 2)
+    assert value(fams, "rlhf_learner_time_compute_s", "rlhf_learner_time_compute_s") == 0.7  # the gauge stays
+
+
+def test_counter_never_goes_down_across_a_restart():
+    ex = learner_exporter("r")
+    for total in (100, 200):
+        ex.update({M.SAMPLES_TRAINED: total})
+    # the learner restarted from a checkpoint at 150: the total goes back, the counter stays at 200 ...
+    ex.update({M.SAMPLES_TRAINED: 150})
+    assert value(families(ex.render()), "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total") == 200
+    # ... and grows with the total again: 200 + (170 - 150)
+    ex.update({M.SAMPLES_TRAINED: 170})
+    assert value(families(ex.render()), "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total") == 220
+
+
+def test_worker_target_labels_and_latency_histograms():
+    ex = worker_exporter('w"0', "run-a")
+    port = ex.serve(0)
+    try:
+        ex.update({M.WORKER_TOKENS: 120, M.WORKER_TOKENS_PER_S: 40.5, "version": None, "active": 3})
+        for seconds in (0.02, 0.2, 3.0):
+            ex.observe(GENERATION, seconds)
+        ex.observe(WEIGHT_SYNC, 0.04)
+        fams = families(scrape(port))
+    finally:
+        ex.close()
+    tokens = fams["rlhf_worker_tokens"]
+    assert tokens.type == "counter"
+    assert tokens.samples[0].labels == {"worker": 'w"0', "run": "run-a"}  # escaped and parsed back
+    assert value(fams, "rlhf_worker_tokens_per_s", "rlhf_worker_tokens_per_s") == 40.5
+    assert "rlhf_worker_version" not in fams  # None before the first weights
+    gen = {s.labels["le"]: s.value for s in fams["rlhf_worker_generation_seconds"].samples if s.name.endswith("_bucket")}
+    # 0.02 s <= 0.025, 0.2 s <= 0.25, 3.0 s <= 5.0
+    assert (gen["0.01"], gen["0.025"], gen["0.25"], gen["2.5"], gen["5.0"], gen["+Inf"]) == (0, 1, 2, 2, 3, 3)
+    assert value(fams, "rlhf_worker_weight_sync_seconds", "rlhf_worker_weight_sync_seconds_count") == 1
+
+
+def test_every_running_total_of_a_worker_is_named_a_total():
+    import dataclasses
+
+    from rollout_workers.prompts import PromptCounters
+    from rollout_workers.worker import WorkerStats
+
+    counts = {f.name for f in dataclasses.fields(WorkerStats) if f.name != "started"}
+    counts |= set(PromptCounters().as_dict()) | {"weight_pulls", "weight_timeouts"}
+    assert counts == set(M.WORKER_TOTALS)
+
+
+def test_run_target_from_a_snapshot():
+    target = RunExporter("r1")
+    snap = json.loads(json.dumps(INPUTS["snapshot"]))
+    target.update(snap)
+    port = target.serve(0)
+    try:
+        fams = families(scrape(port))
+        assert fams["rlhf_run_samples_appended"].type == "counter"
+        assert value(fams, "rlhf_run_samples_appended", "rlhf_run_samples_appended_total", run="r1") == 3972
+        assert fams["rlhf_run_depth_samples_in_buffer"].type == "gauge"
+        assert value(fams, "rlhf_run_prompts_waiting", "rlhf_run_prompts_waiting") == 0  # a level: a gauge
+        # consumed samples by lag {0: 108, 1: 424, 2: 1068}: le=0 108, le=1 532, le=2 and up 1600
+        stale = "rlhf_run_staleness_versions"
+        assert fams[stale].type == "histogram"
+        buckets = {s.labels["le"]: s.value for s in fams[stale].samples if s.name == f"{stale}_bucket"}
+        assert (buckets["0.0"], buckets["1.0"], buckets["2.0"], buckets["+Inf"]) == (108, 532, 1600, 1600)
+        assert value(fams, stale, f"{stale}_sum") == 424 + 2 * 1068
+        assert value(fams, "rlhf_run_worker_tokens", "rlhf_run_worker_tokens_total", worker="worker-1") == 14149
+        assert value(fams, "rlhf_run_learner_samples_trained", "rlhf_run_learner_samples_trained_total") == 14400
+        assert value(fams, "rlhf_run_weight_server_ws_pulls", "rlhf_run_weight_server_ws_pulls_total") == 83
+        # worker-1 restarts (its totals from 0): its counter holds, then grows by what the new process adds
+        snap["consumers"]["worker-1"]["stats"][M.WORKER_TOKENS] = 40
+        target.update(snap)
+        snap["consumers"]["worker-1"]["stats"][M.WORKER_TOKENS] = 100
+        target.update(snap)
+        fams = families(scrape(port))
+        assert value(fams, "rlhf_run_worker_tokens", "rlhf_run_worker_tokens_total", worker="worker-1") == 14149 + 60
+    finally:
+        target.close()
+
+
+def test_a_port_in_use_names_the_setting_and_close_frees_the_port():
+    ex = learner_exporter("r")
+    port = ex.serve(0)
+    with pytest.raises(UserError, match="learner.prometheus_port"):
+        learner_exporter("r").serve(port, setting="learner.prometheus_port")
+    ex.close()
+    with socket.socket() as s:  # free again
+        s.bind(("127.0.0.1", port))
+
+
+# ---- the Grafana dashboard
+
+_NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset",
+                "le", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects: label matchers, ranges, strings, grouping
+    clauses, functions and keywords removed."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for m in re.finditer(r"(?<![\w:.])[A-Za-z_:][\w:]*", expr):  # not the unit of a number (5m)
+        rest = expr[m.end():].lstrip()
+        if not rest.startswith("(") and m.group() not in _NOT_METRICS:  # a function is followed by "("
+            names.add(m.group())
+    return names
+
+
+def test_promql_names_are_extracted():
+    expr = 'histogram_quantile(0.95, sum by (le, worker) (rate(a_bucket{run=~"$run", x="y{z}"}[5m]))) / b_total offset 5m'
+    assert promql_metric_names(expr) == {"a_bucket", "b_total"}
+
+
+def exposed_samples() -> dict[str, str]:
+    """{sample name: its family's type} of the three targets fed a real run's records."""
+    learner = learner_exporter("r1")
+    learner.update(INPUTS["learner_row"])
+    worker = worker_exporter("worker-0", "r1")
+    worker.update(INPUTS["snapshot"]["consumers"]["worker-0"]["stats"])
+    worker.observe(GENERATION, 0.1)
+    worker.observe(WEIGHT_SYNC, 0.01)
+    run = RunExporter("r1")
+    run.update(INPUTS["snapshot"])
+    out = {}
+    for text in (learner.render(), worker.render(), run.render()):
+        for fam in text_string_to_metric_families(text):
+            out.update({s.name: fam.type for s in fam.samples})
+    return out
+
+
+def test_grafana_dashboard_queries_name_exported_metrics():
+    dash = json.loads((ROOT / "docs" / "grafana" / "rlhf.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(dash["panels"]) >= 9 and all(exprs)
+    exposed = exposed_samples()
+    used = set().union(*(promql_metric_names(e) for e in exprs))
+    missing = sorted(used - set(exposed))
+    assert not missing, f"the dashboard queries metrics no target exports: {missing}"
+    for name in used:  # a suffix names the right kind: _bucket of a histogram, _total of a counter
+        if name.endswith("_bucket"):
+            assert exposed[name] == "histogram", name
+        if name.endswith("_total"):
+            assert exposed[name] == "counter", name
+    quantiles = [e for e in exprs if "histogram_quantile" in e]
+    assert {n for e in quantiles for n in promql_metric_names(e)} >= {
+        "rlhf_learner_staleness_versions_bucket", "rlhf_learner_step_seconds_bucket",
+        "rlhf_worker_weight_sync_seconds_bucket", "rlhf_worker_generation_seconds_bucket"}
