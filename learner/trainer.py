@@ -175,8 +175,13 @@ class Learner:
         there (a restart after a clean checkpoint): training continues at the same version. It
         refuses other weights under a held number, and then (or when a version beyond the
         checkpoint was already published) the weights go out as the newest version + 1.
+
+        "Published" counts the buffer's learner version too: a run restarted whole (``rlhf-run
+        resume=``) has a fresh weight server, but its Redis data keeps samples tagged with the
+        versions the dead learner published, and those numbers must not name other weights
+        (such samples would look newer than the learner and be dead-lettered).
         """
-        newest = self.publisher.latest_version() if self.publisher else None
+        newest = self._newest_published()
         offer = self.version if newest is None or newest <= self.version else newest + 1
         for _ in range(3):  # a refusal means another publisher got there first: look again
             # only rank 0 asks the weight server; the others take its answer
@@ -189,10 +194,18 @@ class Learner:
                     log.info("published the %s as version %d: the weight server already held versions up to %d, "
                              "published before a crash", what, self.version, self.version - 1)
                 return
-            newest = self.publisher.latest_version() if self.publisher else None
+            newest = self._newest_published()
             offer = (newest if newest is not None else self.version) + 1
         raise UserError(f"the weight server at {self.cfg.weight_server.address} keeps refusing version {offer}: is a "
                         "second learner publishing to it? Give each run its own weight server")
+
+    def _newest_published(self) -> int | None:
+        """Rank 0: the newest version the weight server holds or the buffer was told of (None on other ranks)."""
+        if not self.publisher:
+            return None
+        held = self.publisher.latest_version()
+        told = self.buffer.learner_version()  # 0 when never set: no higher than any checkpoint's
+        return told if held is None else max(held, told)
 
     # ------------------------------------------------------------------ the loop
 
