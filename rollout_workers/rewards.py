@@ -4,45 +4,68 @@
 
     functions:
       count_up: {_target_: rlhf_core.tasks.count_up_reward, weight: 1.0, target_len: 8}
+      sim: {_target_: my_pkg.similarity}          # TRL-style: (prompts, completions, **columns)
     models:
       rm: {path: /models/my-rm, weight: 0.5}
 
-A function is called as ``fn(prompt, response_text, response_ids, metadata, **kwargs)`` where
-``prompt`` is the prompt text as the model saw it (chat template applied), ``response_ids`` a
-list of ints and ``metadata`` the prompt's metadata (e.g. the reference answer); every other key
-of its config node is passed as a keyword argument. A ``_target_`` that names a class is
-instantiated once with those keyword arguments and the instance is called per sample (for
-functions that load something expensive once). It returns a number or a dict of named numbers.
+Two signatures, told apart by the parameter names (``batched: true|false`` in the function's
+node overrides the guess):
+
+* per sample, ``fn(prompt, response_text, response_ids, metadata, **kwargs)``: ``prompt`` is the
+  prompt text as the model saw it (chat template applied), ``response_ids`` a list of ints,
+  ``metadata`` the prompt's data columns (e.g. the reference answer); it returns a number or a
+  dict of named numbers;
+* batched, TRL's ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list``: a
+  function with a ``prompts`` or ``completions`` parameter gets the whole batch, every data column
+  as a keyword argument holding one value per completion (None where a prompt lacks it), and
+  returns one number per completion; an exception object in place of a number fails that one
+  completion (how :class:`~rollout_workers.rewards_remote.ChatJudge` reports a bad reply).
+
+Every other key of a function's node is passed as a keyword argument (it wins over a data column
+of the same name). A ``_target_`` that names a class is instantiated once with those keyword
+arguments and the instance is called (for rewards that load something expensive once).
 
 Every value is kept in ``Sample.reward_components``, unweighted: a number as ``<name>``, a dict
 entry as ``<name>/<key>``, a reward model as ``<name>``. The reward is the weighted sum
 (``weight`` per function or model, default 1; a dict's entries share their function's weight).
 
-A function that raises, returns something that is not a number, or returns NaN/inf, and a
-reward model that fails or scores NaN, raise :class:`RewardError` naming the culprit; the
-worker dead-letters that one sample with the message and keeps going.
+A reward value is any real number a library gives: Python ``int``/``float``/``Fraction``/
+``Decimal``, NumPy scalars, 0-d or one-element NumPy arrays and torch tensors. Booleans (Python,
+NumPy or torch) and everything else are refused with the type named. A function that raises,
+returns a refused value, NaN/inf, or (batched) a list of the wrong length, and a reward model
+that fails or scores NaN, make :class:`RewardError` for the samples concerned; the worker
+dead-letters them with the message and keeps going.
+
+Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empty_response``:
+``zero`` (the default: reward 0, no reward called), ``dead_letter`` or ``score`` (call the rewards).
 """
 
 from __future__ import annotations
 
+import decimal
 import inspect
 import math
 import numbers
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 
-_RESERVED = ("_target_", "weight", "default")
+_RESERVED = ("_target_", "weight", "default", "batched")
+_BATCH_ARGS = ("prompts", "completions", "completion_ids")
+_SECRET_WORDS = ("key", "secret", "token", "password")
 
 
 class RewardFailing(UserError):
-    """Scoring fails for most samples (a reward function that always raises or returns NaN):
-    no batch could ever form, so the worker stops the run with the reward's own error."""
+    """Scoring fails for most samples (a reward function that always raises, returns NaN or
+    times out): no batch could ever form, so the worker stops the run with the reward's error."""
 
 
 def reward_failing(window: FailureWindow) -> RewardFailing:
@@ -58,20 +81,186 @@ class RewardError(Exception):
 
 
 @dataclass
-class _RewardFn:
-    name: str
-    fn: Callable[..., Any]
-    weight: float
-    kwargs: dict[str, Any]
+class ScoreItem:
+    """One finished response to score."""
+
+    prompt: str  # as the policy saw it (chat template applied)
+    response_text: str  # decoded without special tokens
+    response_ids: Sequence[int]
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the prompt's data columns
+    messages: list[dict[str, str]] | None = None  # the prompt's chat turns, for a reward model's own template
+    # a multi-turn episode as messages (prompt, assistant turns, observations); a reward model renders it whole
+    conversation: list[dict[str, Any]] | None = None
 
 
-@dataclass
+def is_empty_response(text: str) -> bool:
+    """Nothing but end-of-sequence (decoded to ``''``) or whitespace."""
+    return not text.strip()
+
+
+class CallWatch:
+    """What one scoring thread is calling now (read by the timeout watchdog on another thread)
+    and how many reward calls it made."""
+
+    def __init__(self) -> None:
+        self.current: tuple[str, float] | None = None  # (what, monotonic start); one assignment, read whole
+        self.calls = 0
+
+    def begin(self, what: str) -> None:
+        self.calls += 1
+        self.current = (what, time.monotonic())
+
+    def end(self) -> None:
+        self.current = None
+
+
+def as_number(label: str, value: Any) -> float:
+    """A reward value as a finite float, or RewardError naming what it was."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"  # numpy.float32, torch.Tensor
+        if not isinstance(value, np.generic):
+            kind += f" of {value.dtype}"
+        if value.dtype == (torch.bool if isinstance(value, torch.Tensor) else np.bool_):
+            raise RewardError(f"reward {label!r} returned {_show(value)} ({kind}), not a number: booleans are not "
+                              "rewards (return 1.0 / 0.0 if that is what you mean)")
+        size = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if size != 1:
+            raise RewardError(f"reward {label!r} returned a {kind} of shape {tuple(value.shape)}, not one number")
+        value = value.item()
+    if isinstance(value, bool):
+        raise RewardError(f"reward {label!r} returned {value!r} (bool), not a number: booleans are not rewards "
+                          "(return 1.0 / 0.0 if that is what you mean)")
+    if not isinstance(value, (numbers.Real, decimal.Decimal)):
+        raise RewardError(f"reward {label!r} returned {_show(value)} ({type(value).__name__}), not a number")
+    try:
+        value = float(value)
+    except (ValueError, OverflowError):  # Decimal('sNaN')
+        value = float("nan")
+    if not math.isfinite(value):
+        raise RewardError(f"reward {label!r} is not finite ({value})")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _PerSampleFn:
+    def __init__(self, name: str, fn: Callable[..., Any], weight: float, kwargs: dict[str, Any]) -> None:
+        self.name, self.fn, self.weight, self.kwargs = name, fn, weight, kwargs
+
+    def run(self, items: list[ScoreItem], watch: CallWatch) -> list[list[tuple[str, Any]] | RewardError]:
+        out: list[list[tuple[str, Any]] | RewardError] = []
+        for it in items:
+            watch.begin(f"reward function {self.name!r}")
+            try:
+                value = self.fn(it.prompt, it.response_text, [int(t) for t in it.response_ids], dict(it.metadata),
+                                **self.kwargs)
+            except Exception as exc:  # a user's function: any failure is this sample's failure
+                out.append(RewardError(f"reward function {self.name!r} raised {type(exc).__name__}: {exc}"))
+                continue
+            finally:
+                watch.end()
+            if isinstance(value, Mapping):
+                out.append([(f"{self.name}/{k}", v) for k, v in value.items()] if value else
+                           RewardError(f"reward function {self.name!r} returned an empty dict"))
+            else:
+                out.append([(self.name, value)])
+        return out
+
+
+class _BatchedFn:
+    """TRL's reward-function signature: one call per batch, data columns as keyword lists."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], weight: float, kwargs: dict[str, Any]) -> None:
+        self.name, self.fn, self.weight, self.kwargs = name, fn, weight, kwargs
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: pass everything
+            params = {}
+        self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.names = set(params)
+
+    def run(self, items: list[ScoreItem], watch: CallWatch) -> list[list[tuple[str, Any]] | RewardError]:
+        n = len(items)
+        args: dict[str, Any] = {key: [it.metadata.get(key) for it in items]
+                                for key in dict.fromkeys(k for it in items for k in it.metadata) if key not in _BATCH_ARGS}
+        args.update(prompts=[it.prompt for it in items], completions=[it.response_text for it in items],
+                    completion_ids=[[int(t) for t in it.response_ids] for it in items])
+        args.update(self.kwargs)
+        if not self.takes_all:  # pass only what the function names, so it need not take **kwargs
+            args = {k: v for k, v in args.items() if k in self.names}
+        watch.begin(f"reward function {self.name!r}")
+        try:
+            result = self.fn(**args)
+        except Exception as exc:
+            return [RewardError(f"reward function {self.name!r} raised {type(exc).__name__}: {exc}")] * n
+        finally:
+            watch.end()
+        if isinstance(result, (torch.Tensor, np.ndarray)) and result.ndim == 1:
+            result = list(result)
+        if not isinstance(result, (list, tuple)):
+            return [RewardError(f"reward function {self.name!r} (batched: prompts, completions, ...) returned "
+                                f"{_show(result)} ({type(result).__name__}); it must return a list with one number per "
+                                f"completion ({n} here)")] * n
+        if len(result) != n:
+            return [RewardError(f"reward function {self.name!r} returned {len(result)} value(s) for {n} "
+                                "completion(s); a batched reward returns exactly one number per completion")] * n
+        return [RewardError(f"reward function {self.name!r} failed for this completion: {type(v).__name__}: {v}")
+                if isinstance(v, BaseException) else [(self.name, v)] for v in result]
+
+
 class _RewardModel:
-    name: str
-    model: torch.nn.Module
-    tokenizer: Any
-    weight: float
-    max_length: int
+    """An AutoModelForSequenceClassification with one label, scored a batch per forward pass."""
+
+    def __init__(self, name: str, spec: Mapping[str, Any], model_cfg: ModelConfig) -> None:
+        self.name, self.weight = name, _weight("models", name, spec)
+        self.model, self.tokenizer = load_reward_model(spec["path"], model_cfg)
+        if spec.get("device"):  # a reward model on a device of its own
+            try:
+                self.model.to(torch.device(spec["device"]))
+            except (RuntimeError, TypeError, AssertionError) as exc:
+                raise ConfigError(f"reward.models.{name}.device={spec['device']!r} cannot hold the model ({exc}); give "
+                                  "cpu, cuda or cuda:<index> of a GPU this worker sees") from None
+        self.device = next(self.model.parameters()).device
+        # The score is read at the final token, so an over-long text loses its beginning, never its end.
+        self.tokenizer.truncation_side = "left"
+        self.tokenizer.padding_side = "right"
+        limit = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        tok_limit = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
+        self.max_length = min(x for x in (limit, tok_limit, 1 << 30) if x > 0)
+        self.chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        # A fast tokenizer sets its padding/truncation state on each call ("Already borrowed" from
+        # two threads at once): tokenizing takes turns, the forward passes run side by side.
+        self._tokenizer_lock = threading.Lock()
+
+    def text(self, it: ScoreItem) -> str:
+        if not self.chat_template:
+            return it.prompt + it.response_text
+        if it.conversation:  # an episode: the whole conversation, through the reward model's template
+            return self.tokenizer.apply_chat_template(list(it.conversation), tokenize=False)
+        # the reward model's own template over [user turns, assistant: response]
+        turns = list(it.messages or [{"role": "user", "content": it.prompt}])
+        return self.tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": it.response_text}],
+                                                  tokenize=False)
+
+    @torch.no_grad()
+    def run(self, items: list[ScoreItem], watch: CallWatch) -> list[list[tuple[str, Any]] | RewardError]:
+        watch.begin(f"reward model {self.name!r}")
+        try:
+            with self._tokenizer_lock:
+                enc = self.tokenizer([self.text(it) for it in items], return_tensors="pt", padding=True,
+                                     truncation=True, max_length=self.max_length,
+                                     add_special_tokens=not self.chat_template)
+            # the classification head reads each row's last non-padding token
+            scores = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0].float().cpu().tolist()
+        except Exception as exc:
+            return [RewardError(f"reward model {self.name!r} failed: {type(exc).__name__}: {exc}")] * len(items)
+        finally:
+            watch.end()
+        return [RewardError(f"reward model {self.name!r} gave a non-finite score ({s})") if not math.isfinite(s)
+                else [(self.name, s)] for s in scores]
 
 
 def _plain(node: Any) -> Any:
@@ -90,31 +279,42 @@ def _weight(section: str, name: str, spec: Mapping[str, Any]) -> float:
     return float(value)
 
 
-def _as_number(label: str, value: Any) -> float:
-    """A reward value as a finite float, or RewardError saying what it was."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):  # bool is a Real (1.0/0.0), a string is not
-        raise RewardError(f"reward {label!r} returned {value!r} ({type(value).__name__}), not a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise RewardError(f"reward {label!r} is not finite ({value})")
-    return value
+def _redacted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments fit for an error message: secrets (an API key) shown as ***."""
+    return {k: "***" if any(w in k.lower() for w in _SECRET_WORDS) and v else v for k, v in kwargs.items()}
+
+
+def is_batched(name: str, fn: Callable[..., Any], declared: Any = None) -> bool:
+    """TRL-style when ``batched: true`` is declared, or the signature names ``prompts`` or ``completions``."""
+    if declared is not None:
+        if not isinstance(declared, bool):
+            raise ConfigError(f"reward.functions.{name}.batched must be true or false (or left out: then a function "
+                              f"with a `prompts` or `completions` parameter is batched), got {declared!r}")
+        return declared
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in params or "completions" in params
 
 
 class Scorer:
     """Weighted reward functions and reward models (see the module docstring).
 
-    Built once per worker; :meth:`score` runs on the worker's scoring thread, one sample at a
-    time. Configuration errors (missing ``_target_``, unimportable path, no reward at all, a
+    Built once per worker; :meth:`score_batch` runs on the worker's scoring threads (several at
+    once when ``reward.num_threads`` > 1: user functions must then be thread-safe).
+    Configuration errors (missing ``_target_``, unimportable path, no reward at all, a
     reward-model directory that is not one) raise :class:`ConfigError` here, before any
     generation starts.
     """
 
-    def __init__(self, cfg: RewardConfig, model_cfg: ModelConfig) -> None:
-        self.functions: list[_RewardFn] = []
+    def __init__(self, cfg: RewardConfig, model_cfg: ModelConfig, environment: bool = False) -> None:
+        self.empty_response = cfg.empty_response
+        self.functions: list[_PerSampleFn | _BatchedFn] = []
         self.models: list[_RewardModel] = []
-        for name, spec in active_reward_functions(cfg).items():
+        # environment: episodes get the environment's reward, so a run may have no reward of its own
+        # (and the built-in task's default reward, which scores a single reply, steps aside)
+        for name, spec in active_reward_functions(cfg, drop_defaults=environment).items():
             if not isinstance(spec, Mapping):
                 raise ConfigError(f"reward.functions.{name} must be a mapping with _target_: dotted.path, got {spec!r}")
             target = spec.get("_target_")
@@ -126,67 +326,70 @@ class Scorer:
                 try:
                     obj = obj(**kwargs)
                 except Exception as exc:
-                    raise ConfigError(f"reward.functions.{name}: {target}(**{kwargs}) failed: {type(exc).__name__}: {exc}") from exc
+                    raise ConfigError(f"reward.functions.{name}: {target}(**{_redacted(kwargs)}) failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
                 kwargs = {}
-            self.functions.append(_RewardFn(name, obj, _weight("functions", name, spec), kwargs))
+            kind = _BatchedFn if is_batched(name, obj, spec.get("batched")) else _PerSampleFn
+            self.functions.append(kind(name, obj, _weight("functions", name, spec), kwargs))
         for name, spec in (_plain(cfg.models) or {}).items():
             if spec is None:
                 continue
             if not isinstance(spec, Mapping) or not spec.get("path"):
                 raise ConfigError(f"reward.models.{name} needs path: a local HF reward-model directory")
-            weight = _weight("models", name, spec)
-            model, tok = load_reward_model(spec["path"], model_cfg)
-            # The score is read at the final token, so an over-long text loses its beginning, never its end.
-            tok.truncation_side = "left"
-            limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-            tok_limit = int(getattr(tok, "model_max_length", 0) or 0)
-            max_length = min(x for x in (limit, tok_limit, 1 << 30) if x > 0)
-            self.models.append(_RewardModel(name, model, tok, weight, max_length))
-        if not self.functions and not self.models:
+            self.models.append(_RewardModel(name, spec, model_cfg))
+        if not self.functions and not self.models and not environment:
             raise ConfigError("no reward configured: set reward.functions or reward.models (see conf/reward/)")
 
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.functions] + [m.name for m in self.models]
 
+    def describe(self) -> str:
+        """For the worker's start-up line: each reward and how it is called."""
+        kinds = [f"{f.name} ({'batched' if isinstance(f, _BatchedFn) else 'per sample'})" for f in self.functions]
+        return ", ".join(kinds + [f"{m.name} (reward model on {m.device})" for m in self.models])
+
+    def score_batch(self, items: Sequence[ScoreItem], watch: CallWatch | None = None
+                    ) -> list[tuple[float, dict[str, float]] | RewardError]:
+        """Per item ``(total reward, {component: value})`` or the RewardError that fails it.
+
+        ``watch`` is told which reward is being called (the worker's timeout watchdog reads it).
+        """
+        watch = watch or CallWatch()
+        results: list[dict[str, float] | RewardError] = [{} for _ in items]
+        todo: list[int] = []
+        for i, it in enumerate(items):
+            if not is_empty_response(it.response_text) or self.empty_response == "score":
+                todo.append(i)
+            elif self.empty_response == "dead_letter":
+                results[i] = RewardError("empty response (only end-of-sequence or whitespace): dead-lettered by "
+                                         "reward.empty_response=dead_letter (zero scores it 0, score calls the rewards)")
+        totals = [0.0] * len(items)
+        for component in [*self.functions, *self.models]:
+            todo = [i for i in todo if not isinstance(results[i], RewardError)]
+            if not todo:
+                break
+            for i, parts in zip(todo, component.run([items[i] for i in todo], watch)):
+                try:
+                    if isinstance(parts, RewardError):
+                        raise parts
+                    for label, value in parts:
+                        value = as_number(label, value)
+                        results[i][label] = value
+                        totals[i] += component.weight * value
+                except RewardError as exc:
+                    results[i] = exc
+        out: list[tuple[float, dict[str, float]] | RewardError] = []
+        for total, parts in zip(totals, results):
+            if not isinstance(parts, RewardError) and not math.isfinite(total):  # finite parts can overflow when weighted
+                parts = RewardError(f"the weighted reward is not finite ({total}); components {parts}")
+            out.append(parts if isinstance(parts, RewardError) else (total, parts))
+        return out
+
     def score(self, prompt: str, response_text: str, response_ids: Sequence[int],
               metadata: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
-        """Return ``(total reward, {component: value})``. Raises RewardError for this sample."""
-        components: dict[str, float] = {}
-        total = 0.0
-        ids = [int(t) for t in response_ids]
-        for rf in self.functions:
-            try:
-                out = rf.fn(prompt, response_text, list(ids), dict(metadata), **rf.kwargs)
-            except Exception as exc:  # a user's function: any failure is this sample's failure
-                raise RewardError(f"reward function {rf.name!r} raised {type(exc).__name__}: {exc}") from exc
-            if isinstance(out, Mapping):
-                if not out:
-                    raise RewardError(f"reward function {rf.name!r} returned an empty dict")
-                parts = [(f"{rf.name}/{key}", value) for key, value in out.items()]
-            else:
-                parts = [(rf.name, out)]
-            for label, value in parts:
-                value = _as_number(label, value)
-                components[label] = value
-                total += rf.weight * value
-        for rm in self.models:
-            try:
-                value = self._model_reward(rm, prompt + response_text)
-            except Exception as exc:
-                raise RewardError(f"reward model {rm.name!r} failed: {type(exc).__name__}: {exc}") from exc
-            if not math.isfinite(value):
-                raise RewardError(f"reward model {rm.name!r} gave a non-finite score ({value})")
-            components[rm.name] = value
-            total += rm.weight * value
-        if not math.isfinite(total):  # finite parts can still overflow when weighted
-            raise RewardError(f"the weighted reward is not finite ({total}); components {components}")
-        return total, components
-
-    @torch.no_grad()
-    def _model_reward(self, rm: _RewardModel, text: str) -> float:
-        # One unpadded sequence: the classification head reads the last token's score.
-        enc = rm.tokenizer(text, return_tensors="pt", truncation=True, max_length=rm.max_length)
-        device = next(rm.model.parameters()).device
-        logits = rm.model(**{k: v.to(device) for k, v in enc.items()}).logits
-        return float(logits[0, 0])
+        """One sample: ``(total reward, {component: value})``. Raises RewardError for it."""
+        (result,) = self.score_batch([ScoreItem(prompt, response_text, list(response_ids), metadata)])
+        if isinstance(result, RewardError):
+            raise result
+        return result

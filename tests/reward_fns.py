@@ -109,3 +109,64 @@ def gate(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], p
 def exit_process(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
     """Ends the worker process at its first scoring with exit code 3 (a crash, not a user error)."""
     os._exit(3)
+
+
+def value_of(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], value: Any = 1.0) -> Any:
+    """Returns ``value`` as it is (a NumPy scalar, a tensor, a Decimal, a bool ...): the return-value rules."""
+    return value
+
+
+def prefers_silence(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
+    """0.9 for an empty response, 0.1 otherwise: what a sentence encoder's similarity did to ''."""
+    return 0.9 if text == "" else 0.1
+
+
+# ---------------------------------------------------------------------------- TRL-style (batched)
+
+batched_calls: list[dict[str, Any]] = []  # every call of trl_length in this process: batch size, columns seen
+
+
+def trl_length(prompts: list[str], completions: list[str], completion_ids: list[list[int]], start: list[Any],
+               **kwargs: Any) -> list[float]:
+    """TRL's signature: ``0.1 * len(completion) + start`` per completion (``start`` is a data column)."""
+    with _lock:
+        batched_calls.append({"n": len(completions), "columns": sorted(kwargs), "start": list(start),
+                              "ids_match": [len(c) <= len(i) for c, i in zip(completions, completion_ids)]})
+    return [0.1 * len(c) + float(s) for c, s in zip(completions, start)]
+
+
+def trl_reference(prompts: list[str], completions: list[str], reference: list[str | None], **kwargs: Any) -> list[float]:
+    """Characters of the completion that match the ``reference`` column at the same position, over
+    its length; -1 where a prompt has no reference (None)."""
+    return [-1.0 if r is None else sum(a == b for a, b in zip(c, r)) / max(1, len(r)) for c, r in zip(completions, reference)]
+
+
+def trl_short(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """One value too few."""
+    return [1.0] * (len(completions) - 1)
+
+
+def trl_scalar(prompts: list[str], completions: list[str], **kwargs: Any) -> float:
+    """A number where a list is expected."""
+    return 0.5
+
+
+def trl_types(prompts: list[str], completions: list[str], **kwargs: Any) -> list[Any]:
+    """One value of each kind a library gives, cycling: NumPy float32, a 0-d array, a one-element
+    tensor, a Decimal, a bool (refused), a string (refused)."""
+    import decimal
+
+    import numpy as np
+    import torch
+
+    kinds = [np.float32(0.25), np.array(0.5), torch.tensor([0.75]), decimal.Decimal("1.5"), True, "2"]
+    return [kinds[i % len(kinds)] for i in range(len(completions))]
+
+
+def trl_fails_one(prompts: list[str], completions: list[str], **kwargs: Any) -> list[Any]:
+    """1.0 for each completion but the first, which gets an exception object (fails that one only)."""
+    return [ValueError("no verdict for this one")] + [1.0] * (len(completions) - 1)
+
+
+def trl_boom(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    raise RuntimeError("batched boom")

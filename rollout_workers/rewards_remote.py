@@ -1,0 +1,153 @@
+"""A remote reward: an LLM judge behind an OpenAI-compatible chat API (``POST .../chat/completions``).
+
+``conf/reward/judge.yaml``; a reward function like any other, batched (TRL's signature), so a
+batch's requests go out at once (up to ``concurrency``)::
+
+    rlhf-run reward=judge reward.functions.judge.url=http://127.0.0.1:8000/v1 \\
+        reward.functions.judge.model=Qwen2.5-7B-Instruct
+
+``model`` is the server's model name (left out of the request when null: a server that serves
+one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{response}`` and any data column,
+e.g. ``{reference}``), sends it as the user turn (after ``system``, if given), reads
+``choices[0].message.content`` of the reply, takes the first number in it (``pattern``) and
+returns it times ``scale``. Connection errors, timeouts (``timeout_s`` per request) and HTTP
+408/409/429/5xx are retried ``max_retries`` times with exponential backoff (``backoff_s``,
+doubling, at most ``max_backoff_s``); a reply that is not the chat API's JSON or holds no number
+is not retried. A completion whose request fails gets a :class:`JudgeError` in place of its
+number: that one sample is dead-lettered with the message, the rest of the batch is kept.
+
+The API key comes from ``api_key`` or, better (config files are saved with the run), from the
+environment variable named by ``api_key_env``; without either no ``Authorization`` header is sent
+(a local server). Replies are parsed as JSON only and capped at 1 MiB; nothing from the network
+is executed. Loopback URLs bypass any HTTP proxy of the environment. Only the standard library.
+
+``reward.timeout_s`` limits a whole call (one batch): keep it above ``timeout_s x (max_retries + 1)``
+plus the backoff, times the batch's rounds of ``concurrency`` requests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+MAX_REPLY_BYTES = 1 << 20
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+DEFAULT_TEMPLATE = (
+    "Rate how well the answer responds to the question, from 0 (useless) to 10 (perfect).\n\n"
+    "Question:\n{prompt}\n\nAnswer:\n{response}\n\nReply with the number only."
+)
+
+
+class JudgeError(Exception):
+    """One completion could not be judged (the message says why and what to check)."""
+
+
+class ChatJudge:
+    """An LLM judge as a batched reward function; see the module docstring for every option."""
+
+    def __init__(self, url: str, model: str | None = None, template: str = DEFAULT_TEMPLATE, system: str | None = None,
+                 api_key: str | None = None, api_key_env: str | None = None, timeout_s: float = 30.0,
+                 max_retries: int = 2, backoff_s: float = 0.5, max_backoff_s: float = 8.0, concurrency: int = 8,
+                 temperature: float = 0.0, max_tokens: int = 16, pattern: str = r"[-+]?\d+(?:\.\d+)?",
+                 scale: float = 1.0) -> None:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"url must be http(s)://host[:port]/v1 (the API's base) or the full .../chat/completions "
+                             f"address, got {url!r}")
+        path = parsed.path.rstrip("/")
+        self.endpoint = url.rstrip("/") if path.endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or concurrency < 1:
+            raise ValueError(f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0 and concurrency >= 1, got "
+                             f"{timeout_s}, {max_retries}, {backoff_s}, {concurrency}")
+        if api_key_env and not api_key:
+            api_key = os.environ.get(api_key_env)
+            if not api_key:
+                raise ValueError(f"api_key_env={api_key_env!r} names an environment variable that is not set: export "
+                                 "it in the worker's environment, or leave api_key_env out for a server without keys")
+        self.model, self.template, self.system = model, template, system
+        self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.temperature, self.max_tokens, self.scale = float(temperature), int(max_tokens), float(scale)
+        self.pattern = re.compile(pattern)
+        self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        # a judge on this machine must not be sent through the environment's HTTP proxy
+        handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in LOOPBACK else []
+        self._opener = urllib.request.build_opener(*handlers)
+        self._pool = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="judge")
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | JudgeError]:
+        n = len(prompts)
+        data = {k: v for k, v in columns.items() if k != "completion_ids" and isinstance(v, list) and len(v) == n}
+        rows = [{k: v[i] for k, v in data.items()} for i in range(n)]
+        return list(self._pool.map(self.judge, prompts, completions, rows))
+
+    def judge(self, prompt: str, completion: str, row: dict[str, Any] | None = None) -> float | JudgeError:
+        """One completion's score, or the JudgeError that says why there is none."""
+        try:
+            text = self.template.format_map({**(row or {}), "prompt": prompt, "response": completion})
+        except (KeyError, IndexError) as exc:
+            return JudgeError(f"the judge's template names {{{exc.args[0]}}}, which this prompt's data does not have "
+                              "(placeholders: {prompt}, {response} and the data set's columns)")
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": text}]
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature, "max_tokens": self.max_tokens}
+        if self.model is None:  # a server of one model (vLLM's, llama.cpp's) answers with it
+            del body["model"]
+        try:
+            reply = self._post(json.dumps(body).encode())
+            return self._score(reply)
+        except JudgeError as exc:
+            return exc
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _post(self, data: bytes) -> bytes:
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            request = urllib.request.Request(self.endpoint, data=data, headers=self.headers, method="POST")
+            try:
+                with self._opener.open(request, timeout=self.timeout_s) as response:
+                    return response.read(MAX_REPLY_BYTES + 1)
+            except urllib.error.HTTPError as exc:
+                detail = exc.read(300).decode("utf-8", "replace").strip()
+                last = f"HTTP {exc.code} {exc.reason}: {detail!r}"
+                if exc.code in (401, 403):
+                    raise JudgeError(f"{self.endpoint} refused the request ({last}): check api_key / api_key_env") from None
+                if exc.code not in RETRY_STATUS:
+                    raise JudgeError(f"{self.endpoint} answered {last}; check url and model") from None
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", exc)
+                last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+        raise JudgeError(f"no answer from {self.endpoint} after {self.max_retries + 1} attempt(s) (timeout_s="
+                         f"{self.timeout_s:g} each), the last: {last}")
+
+    def _score(self, raw: bytes) -> float:
+        if len(raw) > MAX_REPLY_BYTES:
+            raise JudgeError(f"the reply from {self.endpoint} is larger than {MAX_REPLY_BYTES} bytes")
+        try:
+            content = json.loads(raw)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeError(f"the reply from {self.endpoint} is not a chat completion (choices[0].message.content): "
+                             f"{raw[:200]!r}") from None
+        if not isinstance(content, str):
+            raise JudgeError(f"the reply's choices[0].message.content is {type(content).__name__}, not text")
+        match = self.pattern.search(content)
+        if match is None:
+            raise JudgeError(f"the judge's reply {content[:200]!r} holds no number (pattern {self.pattern.pattern!r})")
+        try:
+            return float(match.group(0)) * self.scale
+        except ValueError:
+            raise JudgeError(f"the judge's reply {content[:200]!r}: {match.group(0)!r} is not a number") from None

@@ -1,0 +1,96 @@
+"""ChatJudge, the remote reward, against a stub of the OpenAI chat API on a random loopback port
+(``chat_stub.py``): scores parsed from replies, data columns in the template, requests of a batch
+sent together, and each way a judge fails (slow, garbage, no number, overloaded, wrong key),
+reported per completion with what to check."""
+
+from __future__ import annotations
+
+import pytest
+
+from chat_stub import ChatStub
+from rlhf_core.config import RewardConfig
+from rollout_workers.rewards import RewardError, Scorer, ScoreItem
+from rollout_workers.rewards_remote import ChatJudge
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def stub():
+    with ChatStub() as s:
+        yield s
+
+
+def judge_scorer(tiny_model_cfg, **kwargs) -> Scorer:
+    spec = {"_target_": "rollout_workers.rewards_remote.ChatJudge", "weight": 2.0, **kwargs}
+    return Scorer(RewardConfig(functions={"judge": spec}), tiny_model_cfg)
+
+
+def test_scores_come_from_the_replies_with_data_columns_in_the_template(stub, tiny_model_cfg):
+    s = judge_scorer(tiny_model_cfg, url=stub.url, model="match", template="{reference}|{response}", scale=0.1,
+                     system="You grade answers.")
+    batch = [ScoreItem("1:", "2345", [1], {"reference": "23456"}), ScoreItem("5:", "6x", [1], {"reference": "678"})]
+    # "2345" shares 4 leading characters with "23456" -> 0.4; "6x" shares 1 with "678" -> 0.1; weight 2
+    assert s.score_batch(batch) == [(pytest.approx(0.8), {"judge": pytest.approx(0.4)}),
+                                    (pytest.approx(0.2), {"judge": pytest.approx(0.1)})]
+    first = min(stub.requests, key=lambda r: r["body"]["messages"][-1]["content"])
+    assert first["path"] == "/v1/chat/completions" and "Authorization" not in first["headers"]
+    assert first["body"] == {"model": "match", "temperature": 0.0, "max_tokens": 16, "messages": [
+        {"role": "system", "content": "You grade answers."}, {"role": "user", "content": "23456|2345"}]}
+
+
+def test_a_batch_is_judged_concurrently(stub, tiny_model_cfg):
+    # the stub answers "together" only once 4 requests are inside at once: one at a time would fail
+    s = judge_scorer(tiny_model_cfg, url=stub.url + "/chat/completions", model="together", template="{response}",
+                     concurrency=4, timeout_s=15)
+    out = s.score_batch([ScoreItem("p", "a" * n, [1], {}) for n in (1, 2, 3, 4)])
+    assert [parts["judge"] for _, parts in out] == [1.0, 2.0, 3.0, 4.0]  # "I'd say <len>/10": the first number
+
+
+def test_an_overloaded_server_is_retried_with_backoff(stub):
+    judge = ChatJudge(stub.url, "flaky", template="{response}", max_retries=2, backoff_s=0.01)
+    assert judge(["p"], ["abc"]) == [3.0]
+    assert len(stub.requests) == 3  # 503, 503, then the answer
+    fails = ChatJudge(stub.url, "flaky", template="{response}", max_retries=1, backoff_s=0.01)
+    (err,) = fails(["p"], ["xyz"])
+    assert str(err) == (f"no answer from {stub.url}/chat/completions after 2 attempt(s) (timeout_s=30 each), the last: "
+                        "HTTP 503 Service Unavailable: '{\"error\": {\"message\": \"overloaded\"}}'")
+
+
+@pytest.mark.parametrize("model, message", [
+    ("slow", "reward function 'judge' failed for this completion: JudgeError: no answer from {url}/chat/completions "
+             "after 2 attempt(s) (timeout_s=0.2 each), the last: TimeoutError: timed out"),
+    ("garbage", "reward function 'judge' failed for this completion: JudgeError: the reply from {url}/chat/completions "
+                "is not a chat completion (choices[0].message.content): b'<html>not json at all</html>'"),
+    ("wordy", "reward function 'judge' failed for this completion: JudgeError: the judge's reply 'An excellent "
+              "answer!' holds no number (pattern '[-+]?\\\\d+(?:\\\\.\\\\d+)?')"),
+])
+def test_a_failing_judge_fails_that_completion_with_what_happened(stub, tiny_model_cfg, model, message):
+    s = judge_scorer(tiny_model_cfg, url=stub.url, model=model, timeout_s=0.2, max_retries=1, backoff_s=0.0)
+    (out,) = s.score_batch([ScoreItem("p", "answer", [1], {})])
+    assert isinstance(out, RewardError) and str(out) == message.format(url=stub.url)
+
+
+def test_a_template_naming_a_missing_column_says_so(stub):
+    (err,) = ChatJudge(stub.url, "length", template="{reference} vs {response}")(["p"], ["a"])
+    assert str(err).startswith("the judge's template names {reference}, which this prompt's data does not have")
+    assert stub.requests == []  # nothing sent
+
+
+def test_the_api_key_comes_from_the_environment_and_a_wrong_one_says_what_to_check(tiny_model_cfg, monkeypatch):
+    with ChatStub(api_key="sekrit") as stub:
+        (err,) = ChatJudge(stub.url, "length", template="{response}")(["p"], ["a"])
+        assert str(err) == (f"{stub.url}/chat/completions refused the request (HTTP 401 Unauthorized: "
+                            "'{\"error\": {\"message\": \"invalid api key\"}}'): check api_key / api_key_env")
+        monkeypatch.setenv("JUDGE_KEY", "sekrit")
+        assert ChatJudge(stub.url, "length", template="{response}", api_key_env="JUDGE_KEY")(["p"], ["ab"]) == [2.0]
+        assert stub.requests[-1]["headers"]["Authorization"] == "Bearer sekrit"
+        monkeypatch.delenv("JUDGE_KEY")
+        with pytest.raises(ValueError, match="api_key_env='JUDGE_KEY' names an environment variable that is not set"):
+            ChatJudge(stub.url, "length", api_key_env="JUDGE_KEY")
+
+
+def test_without_a_model_name_the_request_leaves_it_out(stub):
+    # a server of one model (vLLM's, llama.cpp's) answers with that one
+    assert ChatJudge(stub.url, template="{response}")(["p", "q"], ["abc", ""]) == [3.0, 0.0]
+    assert all("model" not in r["body"] for r in stub.requests) and len(stub.requests) == 2

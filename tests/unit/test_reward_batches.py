@@ -1,0 +1,291 @@
+"""Scoring a batch: TRL-style batched functions beside per-sample ones, the return values a
+library gives, empty responses, and reward models scored a batch per forward pass with their own
+chat template. Every failure names the reward and what it returned."""
+
+from __future__ import annotations
+
+import decimal
+import fractions
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, RewardConfig, validate_reward
+from rlhf_core.models import build_tiny_model, build_tiny_tokenizer
+from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, as_number, is_batched
+
+import reward_fns
+
+
+def scorer(model_cfg, functions=None, models=None, **settings) -> Scorer:
+    return Scorer(RewardConfig(functions=functions or {}, models=models or {}, **settings), model_cfg)
+
+
+def fn(target: str, **kwargs) -> dict:
+    return {"_target_": target, **kwargs}
+
+
+def items(*texts: str, **columns) -> list[ScoreItem]:
+    """One item per text; ``columns`` are lists, one value per item (the prompt's data)."""
+    return [ScoreItem("3:", t, list(range(len(t) + 1)), {k: v[i] for k, v in columns.items()}) for i, t in enumerate(texts)]
+
+
+def errors(results) -> list[str | None]:
+    return [str(r) if isinstance(r, RewardError) else None for r in results]
+
+
+# ---------------------------------------------------------------------------- the batched signature
+
+
+def test_signature_tells_batched_from_per_sample_and_config_overrides_it():
+    assert is_batched("f", reward_fns.trl_length) and is_batched("f", reward_fns.trl_short)
+    assert not is_batched("f", reward_fns.constant) and not is_batched("f", reward_fns.CallCounter())
+    assert not is_batched("f", reward_fns.trl_length, declared=False) and is_batched("f", reward_fns.constant, declared=True)
+    with pytest.raises(ConfigError, match=r"reward.functions.f.batched must be true or false .* got 'yes'"):
+        is_batched("f", reward_fns.constant, declared="yes")
+
+
+def test_a_batched_function_gets_lists_and_data_columns_as_keywords(tiny_model_cfg):
+    reward_fns.batched_calls.clear()
+    s = scorer(tiny_model_cfg, {"len": fn("reward_fns.trl_length", weight=2.0)})
+    out = s.score_batch(items("ab", "abcd", "x", start=[1, 2, 3], tag=["a", "b", "c"]))
+    # 0.1 * len + start: 0.2 + 1, 0.4 + 2, 0.1 + 3; weighted x2
+    assert [parts for _, parts in out] == [{"len": pytest.approx(v)} for v in (1.2, 2.4, 3.1)]
+    assert [total for total, _ in out] == [pytest.approx(2 * v) for v in (1.2, 2.4, 3.1)]
+    (call,) = reward_fns.batched_calls  # one call for the batch, columns as lists of one value per completion
+    assert call == {"n": 3, "columns": ["tag"], "start": [1, 2, 3], "ids_match": [True] * 3}
+
+
+def test_a_column_missing_from_some_prompts_is_none_there(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"ref": fn("reward_fns.trl_reference")})
+    batch = [ScoreItem("p", "abc", [1], {"reference": "abd"}), ScoreItem("p", "zz", [1], {"other": 1})]
+    # "ab" of "abd" match: 2/3; the second prompt has no reference: None reaches the function (-1)
+    assert s.score_batch(batch) == [(pytest.approx(2 / 3), {"ref": pytest.approx(2 / 3)}), (-1.0, {"ref": -1.0})]
+
+
+def test_per_sample_and_batched_functions_sum_in_one_batch(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"const": fn("reward_fns.constant", value=0.5), "len": fn("reward_fns.trl_length")})
+    out = s.score_batch(items("abc", "a", start=[0, 0]))
+    assert out == [(pytest.approx(0.8), {"const": 0.5, "len": pytest.approx(0.3)}),
+                   (pytest.approx(0.6), {"const": 0.5, "len": pytest.approx(0.1)})]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("reward_fns.trl_short", "reward function 'f' returned 2 value(s) for 3 completion(s); a batched reward returns "
+                             "exactly one number per completion"),
+    ("reward_fns.trl_scalar", "reward function 'f' (batched: prompts, completions, ...) returned 0.5 (float); it must "
+                              "return a list with one number per completion (3 here)"),
+    ("reward_fns.trl_boom", "reward function 'f' raised RuntimeError: batched boom"),
+])
+def test_a_batched_function_that_fails_fails_its_whole_batch_naming_itself(tiny_model_cfg, target, message):
+    s = scorer(tiny_model_cfg, {"f": fn(target)})
+    assert errors(s.score_batch(items("a", "b", "c"))) == [message] * 3
+
+
+def test_an_exception_in_place_of_a_number_fails_that_completion_only(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"j": fn("reward_fns.trl_fails_one")})
+    out = s.score_batch(items("a", "b", "c"))
+    assert errors(out) == ["reward function 'j' failed for this completion: ValueError: no verdict for this one", None, None]
+    assert out[1:] == [(1.0, {"j": 1.0})] * 2
+
+
+def test_return_values_of_every_kind_in_a_batch(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"t": fn("reward_fns.trl_types")})
+    out = s.score_batch(items(*"abcdef"))
+    assert [r if isinstance(r, RewardError) else r[0] for r in out][:4] == [0.25, 0.5, 0.75, 1.5]
+    assert errors(out)[4:] == [
+        "reward 't' returned True (bool), not a number: booleans are not rewards (return 1.0 / 0.0 if that is what you mean)",
+        "reward 't' returned '2' (str), not a number",
+    ]
+
+
+# ---------------------------------------------------------------------------- return values
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1, 1.0), (0.5, 0.5), (fractions.Fraction(1, 4), 0.25), (decimal.Decimal("0.125"), 0.125),
+    (np.float32(0.5), 0.5), (np.float64(-2.0), -2.0), (np.int64(3), 3.0), (np.array(0.5), 0.5),
+    (np.array([0.5], dtype=np.float32), 0.5), (np.array([[7]]), 7.0), (torch.tensor(0.5), 0.5),
+    (torch.tensor([0.25]), 0.25), (torch.tensor([[2.0]], dtype=torch.bfloat16), 2.0),
+    (torch.tensor(1.0, requires_grad=True), 1.0),
+])
+def test_any_real_number_a_library_gives_is_accepted(value, expected):
+    assert as_number("f", value) == expected and type(as_number("f", value)) is float
+
+
+@pytest.mark.parametrize("value, message", [
+    (True, "reward 'f' returned True (bool), not a number: booleans are not rewards"),
+    (np.bool_(False), "reward 'f' returned np.False_ (numpy.bool), not a number: booleans are not rewards"),
+    (torch.tensor(True), "reward 'f' returned tensor(True) (torch.Tensor of torch.bool), not a number: booleans are not"),
+    (np.array([True]), "reward 'f' returned array([ True]) (numpy.ndarray of bool), not a number: booleans are not"),
+    ("0.5", "reward 'f' returned '0.5' (str), not a number"),
+    (None, "reward 'f' returned None (NoneType), not a number"),
+    (1 + 2j, "reward 'f' returned (1+2j) (complex), not a number"),
+    ([0.5], "reward 'f' returned [0.5] (list), not a number"),
+    (np.array([0.5, 0.5]), "reward 'f' returned a numpy.ndarray of float64 of shape (2,), not one number"),
+    (torch.zeros(0), "reward 'f' returned a torch.Tensor of torch.float32 of shape (0,), not one number"),
+    (np.str_("1"), "reward 'f' returned '1' (str), not a number"),
+    (decimal.Decimal("NaN"), "reward 'f' is not finite (nan)"),
+    (decimal.Decimal("sNaN"), "reward 'f' is not finite (nan)"),
+    (np.float32("inf"), "reward 'f' is not finite (inf)"),
+])
+def test_booleans_and_everything_else_are_refused_with_the_type_named(value, message):
+    with pytest.raises(RewardError) as info:
+        as_number("f", value)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_per_sample_function_returning_numpy_or_torch_values(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"a": fn("reward_fns.value_of", value=np.float32(0.5)),
+                                "b": fn("reward_fns.value_of", value=torch.tensor([0.25]))})
+    assert s.score("p", "r", [1], {}) == (0.75, {"a": 0.5, "b": 0.25})
+
+
+# ---------------------------------------------------------------------------- empty responses
+
+
+@pytest.mark.parametrize("mode, expected", [
+    # prefers_silence scores exactly '' 0.9 and anything else 0.1: "score" calls it for both empty ones
+    ("score", [(0.9, {"s": 0.9}), (0.1, {"s": 0.1}), (0.1, {"s": 0.1})]),
+    ("zero", [(0.0, {}), (0.0, {}), (0.1, {"s": 0.1})]),
+    ("dead_letter", ["empty response (only end-of-sequence or whitespace): dead-lettered by "
+                     "reward.empty_response=dead_letter (zero scores it 0, score calls the rewards)"] * 2 + [(0.1, {"s": 0.1})]),
+])
+def test_empty_responses_follow_reward_empty_response(tiny_model_cfg, mode, expected):
+    s = scorer(tiny_model_cfg, {"s": fn("reward_fns.prefers_silence")}, empty_response=mode)
+    out = s.score_batch(items("", "  \n", "text"))
+    assert [str(r) if isinstance(r, RewardError) else r for r in out] == expected
+
+
+def test_the_default_for_empty_responses_is_zero_and_bad_modes_are_refused():
+    assert RewardConfig().empty_response == "zero"
+    with pytest.raises(ConfigError, match=r"reward.empty_response must be one of zero, dead_letter, score .* got 'skip'"):
+        validate_reward(RewardConfig(empty_response="skip"))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"batch_size": 0}, r"reward.batch_size and reward.num_threads must be >= 1 .* got 0, 1"),
+    ({"num_threads": 0}, r"reward.batch_size and reward.num_threads must be >= 1 .* got 32, 0"),
+    ({"max_wait_ms": -1.0}, r"reward.max_wait_ms must be a number of milliseconds >= 0 .* got -1.0"),
+    ({"timeout_s": 0.0}, r"reward.timeout_s must be a number of seconds > 0, or null for no limit, got 0.0"),
+    ({"timeout_s": float("inf")}, r"reward.timeout_s must be .* got inf"),
+])
+def test_scoring_settings_are_checked_at_start_up(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_reward(RewardConfig(**settings))
+    validate_reward(RewardConfig(timeout_s=None))  # null: no limit
+
+
+# ---------------------------------------------------------------------------- reward models
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tiny_model_cfg, tmp_path_factory):
+    return build_tiny_model(replace(tiny_model_cfg.tiny, seed=3), tmp_path_factory.mktemp("rm") / "rm", head="sequence")
+
+
+def final_token_score(path, text: str, add_special_tokens: bool = True) -> float:
+    """The reward read by hand from ONE unpadded sequence: the score head at its last token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    ids = AutoTokenizer.from_pretrained(path)(text, add_special_tokens=add_special_tokens, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return float(model(input_ids=ids).logits[0, 0])
+
+
+def test_a_padded_batch_scores_each_text_as_alone(tiny_model_cfg, rm_dir):
+    s = scorer(tiny_model_cfg, models={"rm": {"path": str(rm_dir)}})
+    texts = ["8", "8901234567", "89x"]
+    watch = CallWatch()
+    out = s.score_batch(items(*texts), watch)
+    assert watch.calls == 1  # one forward pass for the batch
+    expected = [final_token_score(rm_dir, "3:" + t) for t in texts]
+    assert len(set(round(e, 4) for e in expected)) == 3  # different texts, different scores: padding is really tested
+    assert [parts["rm"] for _, parts in out] == pytest.approx(expected, abs=1e-4)
+
+
+def test_two_scoring_threads_share_one_reward_model(tiny_model_cfg, rm_dir):
+    # reward.num_threads=2: forward passes side by side, the tokenizer taking turns
+    import threading
+
+    s = scorer(tiny_model_cfg, models={"rm": {"path": str(rm_dir)}})
+    batches = [items(*(f"{k}" * (1 + (k + j) % 9) for j in range(8))) for k in range(10)]
+    expected = [s.score_batch(b) for b in batches]
+    got: dict[int, list] = {}
+
+    def score(ks):
+        for k in ks:
+            got[k] = s.score_batch(batches[k])
+
+    threads = [threading.Thread(target=score, args=(range(i, 10, 2),)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got[k] for k in range(10)] == [[(pytest.approx(t), pytest.approx(p)) for t, p in e] for e in expected]
+
+
+def test_a_reward_model_applies_its_own_chat_template(tiny_model_cfg, rm_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    templated = tmp_path / "rm-chat"
+    shutil.copytree(rm_dir, templated)
+    tok = AutoTokenizer.from_pretrained(templated)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(templated)
+    s = scorer(tiny_model_cfg, models={"rm": {"path": str(templated)}})
+    batch = [ScoreItem("<policy's own rendering of q>", "yes", [1], {}, [{"role": "user", "content": "q?"}]),
+             ScoreItem("2:", "345", [1], {})]  # no turns: the rendered prompt as the user's turn
+    out = s.score_batch(batch)
+    expected = [final_token_score(templated, "[u]q?[a]yes", add_special_tokens=False),
+                final_token_score(templated, "[u]2:[a]345", add_special_tokens=False)]
+    assert [parts["rm"] for _, parts in out] == pytest.approx(expected, abs=1e-4)
+    assert expected[0] != pytest.approx(final_token_score(templated, "<policy's own rendering of q>yes"), abs=1e-3)
+
+
+def test_a_reward_model_device_that_does_not_exist_is_a_config_error(tiny_model_cfg, rm_dir):
+    with pytest.raises(ConfigError, match=r"reward.models.rm.device='gpu:7' cannot hold the model"):
+        scorer(tiny_model_cfg, models={"rm": {"path": str(rm_dir), "device": "gpu:7"}})
+    assert scorer(tiny_model_cfg, models={"rm": {"path": str(rm_dir), "device": "cpu"}}).describe() == "rm (reward model on cpu)"
+
+
+def test_a_failing_reward_model_fails_its_batch_naming_itself(tiny_model_cfg, rm_dir):
+    s = scorer(tiny_model_cfg, models={"rm": {"path": str(rm_dir)}})
+    s.models[0].model.forward = lambda **kw: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    assert errors(s.score_batch(items("a", "b"))) == ["reward model 'rm' failed: RuntimeError: out of memory"] * 2
+
+
+def test_class_errors_never_show_secrets(tiny_model_cfg):
+    with pytest.raises(ConfigError) as info:
+        scorer(tiny_model_cfg, {"j": fn("rollout_workers.rewards_remote.ChatJudge", url="ftp://x", model="m",
+                                        api_key="sk-very-secret")})
+    assert "sk-very-secret" not in str(info.value) and "'api_key': '***'" in str(info.value)
+    assert "url must be http(s)://host[:port]/v1" in str(info.value)
+
+
+def composed_reward(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    from rlhf_core.config import register_configs, to_object
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return to_object(compose("config", overrides=overrides)).reward
+
+
+def test_the_judge_config_group_builds_a_batched_judge_and_needs_its_url(tiny_model_cfg):
+    from rollout_workers.rewards_remote import ChatJudge
+
+    reward = composed_reward(["reward=judge", "reward.functions.judge.url=http://127.0.0.1:9/v1",
+                              "reward.functions.judge.model=m"])
+    validate_reward(reward)
+    s = Scorer(reward, tiny_model_cfg)
+    (judge,) = s.functions
+    assert isinstance(judge.fn, ChatJudge) and judge.fn.endpoint == "http://127.0.0.1:9/v1/chat/completions"
+    assert s.describe() == "judge (batched)" and reward.timeout_s == 300.0
+    with pytest.raises(ConfigError, match="required setting reward.functions.judge.url has no value"):
+        composed_reward(["reward=judge"])
