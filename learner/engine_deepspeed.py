@@ -114,6 +114,7 @@ class DeepSpeedEngine:
         )
         self.module = self.engine.module
         self.zero_stage = cfg.zero_stage
+        self._frozen = any(not p.requires_grad for p in self.module.parameters())
 
     @property
     def is_rank0(self) -> bool:
@@ -148,16 +149,26 @@ class DeepSpeedEngine:
         Under ZeRO-3 this is a collective: EVERY rank must iterate it to the end (ranks other
         than 0 gather too, and get nothing yielded).
         """
+        yield from self._gathered(dtype, trainable_only=False)
+        if self.is_rank0:
+            yield from persistent_buffers(self.module, dtype)
+
+    def named_trainable_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor on the CPU) for every parameter that trains (LoRA: the adapters);
+        a collective under ZeRO-3 like :meth:`named_full_parameters`."""
+        yield from self._gathered(dtype, trainable_only=True)
+
+    def _gathered(self, dtype: torch.dtype | None, trainable_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:
             if self.is_rank0:
                 for name, p in self.module.named_parameters():
-                    yield name, p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
-                yield from persistent_buffers(self.module, dtype)
+                    if p.requires_grad or not trainable_only:
+                        yield name, p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
             return
         import deepspeed
 
         for mod_name, mod in self.module.named_modules():
-            params = list(mod.named_parameters(recurse=False))
+            params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad or not trainable_only]
             if not params:
                 continue
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
@@ -168,16 +179,17 @@ class DeepSpeedEngine:
                     ]
             if self.is_rank0:
                 yield from copies  # outside the context: the consumer never holds the gathered weights
-        if self.is_rank0:
-            yield from persistent_buffers(self.module, dtype)
 
     def save_state(self, directory: str | Path) -> None:
         """Collective: every rank writes its partition into ``directory`` (shared filesystem)."""
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+        # frozen parameters (the base weights under LoRA) come from model.path: not saved again
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False,
+                                    exclude_frozen_parameters=self._frozen)
 
     def load_state(self, directory: str | Path) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=not self._frozen,
         )
         if path is None:
             raise ConfigError(f"no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) in {directory}")

@@ -159,7 +159,9 @@ class Channel:
             self._drain()
             raise WireError(f"unreadable reply from the weight server at {self.address}: {exc}") from None
         views: list[memoryview] = []
-        if obj["kind"] == P.CHUNK and self.sock.rcvmore:
+        # A CHUNK notice (``shm: true``: the bytes are in the follower's mapping) carries no data
+        # frame; under HMAC its next frame is the MAC, which must not be taken for chunk data.
+        if obj["kind"] == P.CHUNK and obj.get("shm") is not True and self.sock.rcvmore:
             wanted = into(obj) if into is not None else None
             if wanted is None:  # a late reply to an abandoned request: discard its data unread
                 self._drain()

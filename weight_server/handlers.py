@@ -136,8 +136,8 @@ class Handlers:
         self.on_commit(ver)
         dur = rec["publish_duration_s"]
         log.info(
-            "published %s v%d: %.1f MB in %d tensors (%d sent%s), %.3f s (%.2f GB/s), hash %s; holding %s",
-            ver.name, ver.version, lay.data_bytes / 1e6, len(lay.tensors), changed, ", delta" if delta else "",
+            "published %s v%d: %s in %d tensors (%d sent%s), %.3f s (%.2f GB/s), hash %s; holding %s",
+            ver.name, ver.version, _size(lay.data_bytes), len(lay.tensors), changed, ", delta" if delta else "",
             dur, wire_bytes / max(dur, 1e-9) / 1e9, ver.content_hash.hex()[:16], self.store.held()[ver.name],
         )
         if evicted:
@@ -291,3 +291,11 @@ class Handlers:
         # msgpack map keys must be strings on our wire (strict_map_key)
         snap["versions"] = {n: {str(v): rec for v, rec in per.items()} for n, per in snap["versions"].items()}
         self.out.send(ident, P.encode(P.METRICS, rid=obj.get("rid"), metrics=snap))
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a log line: a LoRA adapter of a few kB shows as such, not as 0.0 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -169,7 +169,85 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def child_lora(cache: str, out: str, ckpt: str) -> None:
+    """LoRA (model.lora.r=4) under torch, ZeRO-2 and ZeRO-3: the adapters alone train and are
+    gathered for publishing; a ZeRO-3 checkpoint holds them without the frozen base weights and
+    restores them; the ZeRO-3 export is the merged model."""
+    import torch
+    from learner.checkpoint import export_hf, load_latest, save_checkpoint
+    from learner.engine_factory import make_engine
+    from rlhf_core import lora
+    from rlhf_core.config import LoraConfig
+    from rlhf_core.models import load_policy
+
+    def lora_cfg(engine: str, stage: int):
+        cfg = make_cfg(cache, engine, stage)
+        cfg.model.lora = LoraConfig(r=4, alpha=8.0, target_modules=["all-linear", "lm_head"])
+        cfg.algo.kl_coef = 0.0  # no reference model: the adapters' own trajectory
+        return cfg
+
+    batches = make_batches(load_policy(make_cfg(cache, "torch").model))
+    result, published = {}, {}
+    for name, (engine, stage) in {"torch": ("torch", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}.items():
+        cfg = lora_cfg(engine, stage)
+        torch.manual_seed(0)  # the same initial adapters (peft draws lora_A from the global RNG)
+        model = load_policy(cfg.model)
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        up, losses, norms = train(cfg, model, batches, None)
+        published[name] = dict(up.engine.named_trainable_parameters())
+        full = full_state(up.engine)
+        result[name] = {"loss": losses, "grad_norm": norms, "names": sorted(published[name]),
+                        "adapter_names": sorted(lora.adapter_parameters(up.engine.module)),
+                        "frozen_max_change": max(float((full[n] - v).abs().max()) for n, v in frozen.items())}
+        if stage == 3:
+            save_checkpoint(ckpt, "v3", up.engine, None, {"version": 3})
+            torch.manual_seed(1)  # other initial adapters: the checkpoint must replace them
+            fresh = make_engine(cfg, load_policy(cfg.model))
+            load_latest(ckpt, fresh)
+            restored = dict(fresh.named_trainable_parameters())
+            result["ckpt_diff"] = max(float((restored[k] - v).abs().max()) for k, v in published[name].items())
+            result["ckpt_bytes"] = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())
+            export_hf(up.engine, None, Path(ckpt).parent / "export")
+            from transformers import AutoModelForCausalLM
+
+            exported = AutoModelForCausalLM.from_pretrained(Path(ckpt).parent / "export").eval()
+            x = torch.tensor([[5, 40, 41, 20, 21]])
+            with torch.no_grad():
+                want = load_policy(cfg.model)
+                want.load_state_dict({**want.state_dict(), **published[name]})
+                result["export_logit_diff"] = float((exported(input_ids=x).logits - want.eval()(input_ids=x).logits).abs().max())
+    for name in ("zero2", "zero3"):
+        result[name]["max_param_diff"] = max(float((published[name][k] - v).abs().max()) for k, v in published["torch"].items())
+    result["model_bytes"] = sum(p.numel() * 4 for p in load_policy(make_cfg(cache, "torch").model).parameters())
+    Path(out).write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
 # ------------------------------------------------------------------ tests
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lora_trains_adapters_only_under_zero2_and_zero3(model_cache, tmp_path):
+    out = tmp_path / "lora.json"
+    proc = subprocess.run([sys.executable, str(HERE), "lora", str(model_cache), str(out), str(tmp_path / "ckpt")],
+                          env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads(out.read_text())
+    torch_run = r["torch"]
+    assert torch_run["names"] == torch_run["adapter_names"] and len(torch_run["names"]) == 30  # 15 layers x (A, B)
+    for stage in ("zero2", "zero3"):
+        ds = r[stage]
+        assert ds["names"] == torch_run["names"]  # what is published: the adapters, gathered
+        assert ds["loss"] == pytest.approx(torch_run["loss"], rel=1e-4, abs=1e-6)
+        assert ds["grad_norm"] == pytest.approx(torch_run["grad_norm"], rel=1e-4)
+        assert ds["max_param_diff"] < PARAM_TOL
+        assert ds["frozen_max_change"] == 0.0
+    assert torch_run["frozen_max_change"] == 0.0
+    assert r["ckpt_diff"] == 0.0
+    assert r["ckpt_bytes"] < r["model_bytes"]  # adapters, optimizer state for them, no base weights
+    assert r["export_logit_diff"] < 1e-4
+
+
 @pytest.fixture(scope="module")
 def single_run(model_cache, tmp_path_factory):
     d = tmp_path_factory.mktemp("ds-single")
@@ -258,4 +336,4 @@ def test_two_process_zero3_trains_gathers_and_publishes(model_cache, tmp_path):
 if __name__ == "__main__":
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     mode, *args = sys.argv[1:]
-    {"single": child_single, "multi": child_multi}[mode](*args)
+    {"single": child_single, "multi": child_multi, "lora": child_lora}[mode](*args)

@@ -125,3 +125,36 @@ def test_gen_keys_command_writes_key_pairs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"weight_server.curve_server_secret={(tmp_path / 'k' / 'server.key_secret').resolve()}" in out
     assert gen_keys(["--gen-keys"]) == 2
+
+
+def test_a_signed_chunk_notice_is_not_taken_for_chunk_data(zmq_ctx):
+    # once: under HMAC a follower on shared memory read the notice's MAC into its slab view; the
+    # next reply then began with a stray frame ("unreadable reply ... malformed msgpack (32 bytes)")
+    # and the worker crashed, again and again, in every launcher=ray run (HMAC is on there)
+    import zmq
+
+    from weight_server import protocol as P
+    from weight_server.auth import Signer
+    from weight_server.client import Channel
+
+    cfg = _cfg(auth="hmac", secret=SECRET)
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    channel = Channel(f"tcp://127.0.0.1:{port}", cfg, zmq_ctx)
+    try:
+        rid = channel.send(P.FETCH, name="policy", version=1, chunk=0, shm=True)
+        assert router.poll(5000), "the fetch did not arrive"
+        ident = router.recv_multipart()[0]
+        sign = Signer(SECRET).sign
+        notice = P.encode(P.CHUNK, rid=rid, version=1, chunk=0, offset=0, shm=True)
+        committed = P.encode(P.COMMITTED, rid=rid + 1, name="policy", version=1, content_hash=b"\0" * 16)
+        router.send_multipart([ident, notice, sign([notice])])
+        router.send_multipart([ident, committed, sign([committed])])
+        slab = bytearray(64)  # where the chunk's bytes already are
+        got = channel.recv(5.0, into=lambda header: [memoryview(slab)])
+        assert got["kind"] == P.CHUNK and got["shm"] is True and slab == bytearray(64)
+        assert channel.recv(5.0)["kind"] == P.COMMITTED  # the MAC was consumed with its message
+    finally:
+        channel.close()
+        router.close(0)

