@@ -48,9 +48,13 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return preexec
 
 
-def quiet_libraries() -> None:
-    """Offline, quiet libraries; set through the environment so nothing heavy is imported here."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def quiet_libraries(hub_offline: bool = True) -> None:
+    """Offline, quiet libraries; set through the environment so nothing heavy is imported here.
+    ``hub_offline``: the Hugging Face Hub is read from the local cache only unless the user set
+    ``HF_HUB_OFFLINE`` (rlhf-run passes False: it fetches a Hub id once and pins its children to
+    the folder, which never touch the network)."""
+    if hub_offline:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -59,8 +63,10 @@ def quiet_libraries() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise probe for CUDA
 
 
-def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
-    """Turn ``fn(cfg) -> exit code`` into a console-script ``main()`` backed by Hydra."""
+def hydra_entry(config_name: str = "config", hub_offline: bool = True
+                ) -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
+    """Turn ``fn(cfg) -> exit code`` into a console-script ``main()`` backed by Hydra
+    (``hub_offline``: see :func:`quiet_libraries`)."""
     import hydra
 
     def decorate(fn: Callable[[DictConfig], int | None]) -> Callable[[], None]:
@@ -78,7 +84,7 @@ def hydra_entry(config_name: str = "config") -> Callable[[Callable[[DictConfig],
         @functools.wraps(fn)
         def main() -> None:
             register_configs()
-            quiet_libraries()
+            quiet_libraries(hub_offline)
             _app()
 
         main.config_name = config_name  # type: ignore[attr-defined]  # read by the config tests

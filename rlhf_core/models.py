@@ -1,8 +1,12 @@
-"""Model and tokenizer loading: local HF-format directories, or the `tiny` builder.
+"""Model and tokenizer loading: HF-format directories or Hub ids, or the `tiny` builder.
 
-Nothing is ever downloaded. The `tiny` model (a small random-initialised Llama-style causal LM
-with a character-level tokenizer) is built once, saved with ``save_pretrained`` under the cache
-dir, and then loaded through the same ``from_pretrained`` path as a real model.
+A model path is a local folder written by ``save_pretrained`` or a Hugging Face Hub id
+(``Qwen/Qwen2.5-0.5B-Instruct``), resolved by the Hub client to its snapshot folder in the local
+cache (``HF_HOME`` / ``HF_HUB_CACHE``; see :mod:`rlhf_core.model_paths`); ``rlhf-run`` fetches
+what is missing once and pins every process to that folder (vLLM included).
+The `tiny` model (a small random-initialised Llama-style causal LM with a character-level
+tokenizer) is built once, saved with ``save_pretrained`` under the cache dir, and then loaded
+through the same ``from_pretrained`` path as a real model.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 
 import torch
 
+from rlhf_core import lora
 from rlhf_core.config import ConfigError, ModelConfig, TinyModelConfig
+from rlhf_core.model_paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +79,29 @@ def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: st
 
     ``sequence`` gives an AutoModelForSequenceClassification with one label (a reward model).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     out = Path(out_dir).expanduser()
     if (out / "config.json").exists():
         return out
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
+    config = tiny_model_config(tiny, tokenizer)
+    cls = {"causal": LlamaForCausalLM, "sequence": LlamaForSequenceClassification}[head]
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(tiny.seed)
+        model = cls(config)
+    save_model_dir(model, tokenizer, out)
+    log.info("built tiny %s model in %s", head, out)
+    return out
+
+
+def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
+    """The tiny model's ``LlamaConfig`` (the builder's, and the shape checks' without building it)."""
+    from transformers import LlamaConfig
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -93,14 +115,6 @@ def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: st
         tie_word_embeddings=False,
         num_labels=1,
     )
-    cls = {"causal": LlamaForCausalLM, "sequence": LlamaForSequenceClassification}[head]
-    gen = torch.random.fork_rng(devices=[])
-    with gen:
-        torch.manual_seed(tiny.seed)
-        model = cls(config)
-    save_model_dir(model, tokenizer, out)
-    log.info("built tiny %s model in %s", head, out)
-    return out
 
 
 def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
@@ -121,15 +135,10 @@ def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
 
 
 def model_dir(cfg: ModelConfig) -> Path:
-    """The local directory the policy is loaded from (building the tiny model if needed)."""
+    """The local directory the policy is loaded from (a Hub id resolved to its cached snapshot;
+    the tiny model built if needed)."""
     if cfg.path:
-        path = Path(cfg.path).expanduser()
-        if not (path / "config.json").exists():
-            raise ConfigError(
-                f"model.path={cfg.path} is not a local HF-format model directory (no config.json); "
-                "models are never downloaded: point model.path at a directory written by save_pretrained"
-            )
-        return path
+        return resolve_path(str(cfg.path), "model.path")
     if cfg.name != "tiny":
         raise ConfigError(f"model.name={cfg.name!r} needs model.path=/local/hf/dir (only 'tiny' is built locally)")
     cache = Path(cfg.cache_dir).expanduser()
@@ -140,7 +149,8 @@ def load_tokenizer(cfg: ModelConfig):
     """The tokenizer (with its chat template, when the directory has one). Pads on the left."""
     from transformers import AutoTokenizer
 
-    path = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir(cfg)
+    path = resolve_path(str(cfg.tokenizer_path), "model.tokenizer_path", "tokenizer_config.json") \
+        if cfg.tokenizer_path else model_dir(cfg)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -154,19 +164,44 @@ def _from_pretrained(cls: Any, path: Path, cfg: ModelConfig, **kwargs: Any) -> t
 
 
 def load_policy(cfg: ModelConfig) -> torch.nn.Module:
+    """The policy: the base model, with LoRA adapters in place when ``model.lora.r`` > 0
+    (:mod:`rlhf_core.lora`; the learner and every worker build the same module names)."""
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, model_dir(cfg), cfg)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if lora.enabled(cfg.lora):
+        lora.apply_lora(model, cfg.lora)
+        if cfg.gradient_checkpointing:
+            # frozen embeddings give checkpointed blocks inputs without grad: no gradient would reach the adapters
+            model.enable_input_require_grads()
+        adapters, total = lora.counts(model)
+        log.info("LoRA r=%d on %d layers: %d adapter parameters of %d (%.2f%%)", cfg.lora.r,
+                 len(lora.lora_layers(model)), adapters, total, 100.0 * adapters / total)
     return model
+
+
+def check_lora(cfg: ModelConfig) -> tuple[int, int] | None:
+    """Apply ``model.lora`` to a weightless copy of the policy (meta device; the tiny model's is
+    not even built): a ConfigError now instead of in every process later. Returns (adapter
+    parameters, all parameters), or None when LoRA is off."""
+    if not lora.enabled(cfg.lora):
+        return None
+    from transformers import AutoConfig
+
+    if cfg.path is None and cfg.name == "tiny":
+        config = tiny_model_config(cfg.tiny)
+    else:
+        config = AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=cfg.trust_remote_code)
+    return lora.check_targets(config, cfg.lora, trust_remote_code=cfg.trust_remote_code)
 
 
 def load_reference(cfg: ModelConfig) -> torch.nn.Module:
     """The frozen reference policy (the initial policy unless model.ref_path says otherwise)."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(cfg.ref_path).expanduser() if cfg.ref_path else model_dir(cfg)
+    path = resolve_path(str(cfg.ref_path), "model.ref_path") if cfg.ref_path else model_dir(cfg)
     model = _from_pretrained(AutoModelForCausalLM, path, cfg)
     model.eval().requires_grad_(False)
     return model
@@ -179,7 +214,7 @@ def load_critic(cfg: ModelConfig) -> torch.nn.Module:
     """
     from transformers import AutoModelForTokenClassification
 
-    path = Path(cfg.critic_path).expanduser() if cfg.critic_path else model_dir(cfg)
+    path = resolve_path(str(cfg.critic_path), "model.critic_path") if cfg.critic_path else model_dir(cfg)
     return _from_pretrained(AutoModelForTokenClassification, path, cfg, num_labels=1)
 
 
@@ -187,9 +222,7 @@ def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[torch.
     """A reward model (AutoModelForSequenceClassification, one label) and its tokenizer."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    p = Path(path).expanduser()
-    if not (p / "config.json").exists():
-        raise ConfigError(f"reward model directory {path} has no config.json; expected a save_pretrained directory")
+    p = resolve_path(str(path), "the reward model's path")
     model = _from_pretrained(AutoModelForSequenceClassification, p, cfg)
     model.eval().requires_grad_(False)
     if model.config.num_labels != 1:
