@@ -226,21 +226,25 @@ class Buffer:
         """
         return prompts.heartbeat(self._store, self._leases.get(consumer, {}), consumer, version, stats)
 
-    def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> str:
+    def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = (),
+                 filtered: str | None = None) -> str:
         """Append the group and ack the prompt atomically. Returns ``appended``, ``empty`` (no
-        valid sample: the prompt is acked, its budget returned) or ``duplicate`` (the prompt was
-        already completed; nothing written). Invalid samples go to the dead-letter stream, and so
-        do the ``(kind, reason, raw)`` records in ``rejected``, in the same atomic step."""
+        valid sample: the prompt is acked, its budget returned), ``filtered`` (``filtered`` names
+        why the group teaches nothing: acked and budget returned like an empty one, nothing
+        appended, counted per reason) or ``duplicate`` (the prompt was already completed; nothing
+        written). Invalid samples go to the dead-letter stream, and so do the ``(kind, reason,
+        raw)`` records in ``rejected``, in the same atomic step."""
         params = self.run_params()
-        args = samples.prepare(self._store, params, lease, group, rejected)
+        args = samples.prepare(self._store, params, lease, group, rejected, filtered)
         res = self.retry(self.scripts.complete, keys=complete_keys(self.keys, params["mode"]), args=args)
         self._leases.get(lease.consumer, {}).pop(lease.lease_id, None)
         return samples.complete_status(res)
 
-    def prepare(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = ()) -> Completion:
+    def prepare(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = (),
+                filtered: str | None = None) -> Completion:
         """Validate and encode a group for :meth:`complete_many` ahead of sending (e.g. in a
         scoring thread, so the thread that talks to Redis only sends). Nothing is written yet."""
-        return Completion(lease, samples.prepare(self._store, self.run_params(), lease, group, rejected))
+        return Completion(lease, samples.prepare(self._store, self.run_params(), lease, group, rejected, filtered))
 
     def complete_many(self, items: Iterable[Completion | tuple[Lease, list[Sample]]]) -> list[str]:
         """Like :meth:`complete` for several prompts in one round trip (each one atomic on its own).
@@ -413,6 +417,25 @@ class Buffer:
     def publish_stats(self, component: str, stats: dict[str, Any]) -> None:
         """Store a component's latest stats (e.g. the learner's metrics) for the monitor: ``metrics()["stats"][component]``."""
         self.retry(self.redis.hset, self.keys.stats, component, metrics.pack_stats(stats))
+
+    def stats(self, component: str) -> dict[str, Any] | None:
+        """One component's latest stats (what :meth:`publish_stats` stored), None when there are none."""
+        raw = self.retry(self.redis.hget, self.keys.stats, component)
+        return None if raw is None else metrics.unpack_record(raw)
+
+    def set_worker_target(self, workers: int) -> int | None:
+        """Ask the run's launcher to keep ``workers`` worker actors (``launcher=ray`` scales to it);
+        returns the previous target (None: never set)."""
+        if workers < 0:
+            raise UserError(f"the number of workers must be >= 0, got {workers}")
+        old = self.retry(self.redis.hget, self.keys.control, K.CONTROL_WORKERS)
+        self.retry(self.redis.hset, self.keys.control, K.CONTROL_WORKERS, int(workers))
+        return None if old is None else control_int(old, self.keys.control, K.CONTROL_WORKERS)
+
+    def worker_target(self) -> int | None:
+        """The number of worker actors asked for (:meth:`set_worker_target`); None when never set."""
+        raw = self.retry(self.redis.hget, self.keys.control, K.CONTROL_WORKERS)
+        return None if raw is None else control_int(raw, self.keys.control, K.CONTROL_WORKERS)
 
     def delete_run(self) -> int:
         """Delete this run's keys (SCAN by prefix + UNLINK); other runs and keys are untouched."""

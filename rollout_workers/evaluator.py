@@ -1,0 +1,244 @@
+"""Periodic evaluation: the policy of version 0 and of every ``eval.every``-th version after it,
+sampled ``eval.n`` times on held-out prompts, scored by the run's own rewards.
+
+The evaluator is a rollout worker without the buffer's prompt queue: the same engine (hf or
+vllm), prompt renderer and :class:`~rollout_workers.rewards.Scorer`, weights from the weight
+server. It follows the announcements; when a version at or past the next due one exists, it
+pulls the newest, generates ``n`` responses to each of the first ``eval.num_prompts`` prompts of
+``eval.data`` (continuous batching over ``rollout.slots``), scores them in batches of
+``reward.batch_size`` and records, tagged with the version evaluated:
+
+* ``eval/reward_mean``, ``eval/reward_std`` over the scored samples;
+* ``eval/pass@k`` for each ``k`` of ``eval.k``: the unbiased estimate (Chen et al. 2021, "Evaluating
+  Large Language Models Trained on Code") of the chance that at least one of ``k`` samples
+  passes (reward >= ``eval.pass_threshold``), averaged over prompts;
+* ``eval/response_len_mean``, ``eval/prompts``, ``eval/samples``, ``eval/failed`` (rewards that
+  failed), ``eval/seconds``.
+
+The record goes to ``eval.jsonl`` in the run's output folder (the report's summary reads it) and
+to the buffer's stats (``Buffer.stats("eval")``), where the learner merges it into its next
+metrics line (so trackers get it) and the monitor shows it. A stop request lets an evaluation in
+progress finish (a second one abandons it). Its prompts are never trained on: nothing here
+touches the prompt queue, the admission budget or the sample stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from buffer import Buffer
+from buffer.datasets import iter_prompts
+from rlhf_core.config import Config, ConfigError, validate
+from rlhf_core.metric_names import EVAL_FILE, EVAL_REWARD_MEAN, EVAL_STATS, EVAL_VERSION
+from rlhf_core.models import load_tokenizer
+from rlhf_core.records import Prompt
+from rlhf_core.tasks import builtin_prompts
+from rollout_workers.engine import GenRequest, GenResult, SamplingParams
+from rollout_workers.engine_factory import make_engine
+from rollout_workers.prompts import PromptRejected, PromptRenderer
+from rollout_workers.rewards import RewardError, Scorer, ScoreItem
+from weight_server import WeightSubscriber
+
+log = logging.getLogger("rollout_workers.evaluator")  # also when run as __main__
+
+ANNOUNCE_WAIT_MS = 500  # how long one wait for a new version announcement blocks
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` pass: ``1 - C(n - c, k) / C(n, k)``, the
+    chance that a draw of ``k`` of the ``n`` without replacement holds at least one that passes."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(rewards: Sequence[Sequence[float]], ks: Iterable[int], threshold: float) -> dict[str, float]:
+    """Mean reward and pass@k over prompts; ``rewards[i]`` holds prompt i's scored samples (a
+    prompt with fewer than ``k`` of them is left out of pass@k for that ``k``)."""
+    flat = [r for per in rewards for r in per]
+    out = {EVAL_REWARD_MEAN: statistics.fmean(flat) if flat else math.nan,
+           "eval/reward_std": statistics.pstdev(flat) if flat else math.nan}
+    for k in ks:
+        est = [pass_at_k(len(per), sum(r >= threshold for r in per), k) for per in rewards if len(per) >= k]
+        out[f"eval/pass@{k}"] = statistics.fmean(est) if est else math.nan
+    return out
+
+
+def eval_prompts(cfg: Config) -> list[Prompt]:
+    """The first ``eval.num_prompts`` prompts of ``eval.data`` (its epoch 0 order)."""
+    data = cfg.eval.data
+
+    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
+        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
+
+    prompts = []
+    for p in iter_prompts(data, 0, builtin=builtin):
+        if cfg.eval.num_prompts is not None and len(prompts) >= cfg.eval.num_prompts:
+            break
+        prompts.append(p)
+    if not prompts:
+        raise ConfigError(f"eval.data ({data.source} {data.path or data.task}) holds no prompts")
+    return prompts
+
+
+class Evaluator:
+    """See the module docstring. ``run()`` evaluates until stopped (or ``max_evals``)."""
+
+    def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
+        self.cfg, ev = cfg, cfg.eval
+        self.stop_event = threading.Event()
+        self._abort = False
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.renderer = PromptRenderer(self.tokenizer, cfg.rollout.max_prompt_tokens, cfg.rollout.prompt_overflow)
+        self.prompts = eval_prompts(cfg)
+        self.scorer = Scorer(cfg.reward, cfg.model)
+        self.sampling = SamplingParams.from_config(
+            cfg.rollout, **({} if ev.temperature is None else {"temperature": float(ev.temperature)}))
+        engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=int(ev.seed)))
+        self.engine = make_engine(engine_cfg, None, self.tokenizer)
+        ws = cfg.weight_server
+        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id="evaluator")
+        self._own_buffer = buffer is None
+        self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.path = Path(output_dir or cfg.run.output_dir) / EVAL_FILE
+        self.due = 0  # the next version to evaluate (or the first one after it that exists)
+        self.records: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ one evaluation
+
+    def evaluate(self) -> dict[str, Any]:
+        """Sample and score every prompt ``eval.n`` times with the engine's current weights."""
+        t0, n = time.monotonic(), self.cfg.eval.n
+        rendered: dict[str, tuple[Prompt, str]] = {}
+        for i, prompt in enumerate(self.prompts):
+            try:
+                text, ids = self.renderer.render(prompt)
+            except PromptRejected as exc:
+                log.warning("evaluator: prompt %s left out: %s", prompt.prompt_id, exc)
+                continue
+            rendered[str(i)] = (prompt, text)
+            for j in range(n):
+                self.engine.add(GenRequest(f"{i}/{j}", ids, self.sampling))
+        results: list[GenResult] = []
+        while self.engine.has_work():
+            if self._abort:
+                self.engine.abort_all()
+                raise InterruptedError("evaluation abandoned by a second stop request")
+            results.extend(self.engine.step())
+        per_prompt: dict[str, list[float]] = {key: [] for key in rendered}
+        failed, size = 0, max(1, int(self.cfg.reward.batch_size))
+        for start in range(0, len(results), size):
+            chunk = results[start:start + size]
+            items = []
+            for r in chunk:
+                prompt, text = rendered[r.request_id.split("/")[0]]
+                items.append(ScoreItem(text, r.text, r.token_ids.tolist(), prompt.metadata,
+                                       prompt.messages or [{"role": "user", "content": prompt.text}]))
+            for r, score in zip(chunk, self.scorer.score_batch(items)):
+                if isinstance(score, RewardError):
+                    failed += 1
+                    continue
+                per_prompt[r.request_id.split("/")[0]].append(score[0])
+        ev = self.cfg.eval
+        out: dict[str, Any] = {EVAL_VERSION: self.engine.version,
+                               **eval_metrics(list(per_prompt.values()), ev.k, ev.pass_threshold)}
+        out.update({
+            "eval/response_len_mean": statistics.fmean(r.num_tokens for r in results) if results else math.nan,
+            "eval/prompts": len(rendered), "eval/samples": len(results), "eval/failed": failed,
+            "eval/seconds": time.monotonic() - t0, "time": time.time(),
+        })
+        return out
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        """One evaluation into ``eval.jsonl`` and the buffer's stats (the learner and monitor read them)."""
+        self.records.append(metrics)
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.buffer.publish_stats(EVAL_STATS, metrics)
+        ks = ", ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in self.cfg.eval.k)
+        log.info("evaluator: version %d: reward %.4f, %s (%d prompts x %d, %.1f s)", metrics[EVAL_VERSION],
+                 metrics[EVAL_REWARD_MEAN], ks, metrics["eval/prompts"], self.cfg.eval.n, metrics["eval/seconds"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def _pull_newest(self) -> bool:
+        got = self.weights.pull(None, into=self.engine.weights_target())
+        if got is None:
+            return False
+        version, tensors = got
+        self.engine.update_weights(tensors, version)
+        return True
+
+    def run(self, max_evals: int | None = None) -> list[dict[str, Any]]:
+        every = int(self.cfg.eval.every)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        have = False
+        try:
+            while not self.stop_event.is_set() and (max_evals is None or len(self.records) < max_evals):
+                newest = self.weights.poll_announcement(timeout_ms=ANNOUNCE_WAIT_MS)
+                if not have or (newest is not None and newest >= self.due > self.engine.version):
+                    have = self._pull_newest() or have
+                if not have or self.engine.version < self.due:
+                    continue
+                self.record(self.evaluate())
+                self.due = (self.engine.version // every + 1) * every
+        except InterruptedError as exc:
+            log.info("evaluator: %s", exc)
+        finally:
+            self.engine.close()
+            self.weights.close()
+            if self._own_buffer:
+                self.buffer.close()
+        return self.records
+
+    def request_stop(self, *_: Any) -> None:
+        """Finish the evaluation in progress, then stop; a second request abandons it."""
+        if self.stop_event.is_set():
+            self._abort = True
+        self.stop_event.set()
+
+
+def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> list[dict[str, Any]]:
+    """Entry-point body (``python -m rollout_workers.evaluator``, started by ``rlhf-run`` when
+    ``eval.every`` > 0)."""
+    validate(cfg)
+    if cfg.eval.every < 1:
+        raise ConfigError("the evaluator needs eval.every >= 1 (learner versions between evaluations)")
+    if cfg.buffer.url is None or cfg.weight_server.address is None or cfg.buffer.run_id == "auto":
+        raise ConfigError("the evaluator needs buffer.url, buffer.run_id and weight_server.address/pub_address "
+                          "(rlhf-run passes them)")
+    from rollout_workers.worker import _set_threads
+
+    _set_threads()
+    evaluator = Evaluator(cfg)
+    if install_signals:
+        signal.signal(signal.SIGTERM, evaluator.request_stop)
+        signal.signal(signal.SIGINT, evaluator.request_stop)
+    return evaluator.run(**budget)
+
+
+def main() -> None:
+    from rlhf_core.cli import hydra_entry
+    from rlhf_core.config import to_object
+
+    @hydra_entry()
+    def app(cfg: Any) -> int:
+        run_evaluator(to_object(cfg))
+        return 0
+
+    app()
+
+
+if __name__ == "__main__":
+    main()
