@@ -60,6 +60,8 @@ def print_table(rows: Sequence[dict[str, Any]], title: str = "") -> None:
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, dict):
+        return " ".join(f"{k}={_fmt(x)}" for k, x in v.items())
     return "" if v is None else str(v)
 
 
@@ -77,3 +79,80 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     out.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     print(f"\nwrote {out}")
     return out
+
+
+class CpuPerUpdate:
+    """CPU seconds each process of a run spends per learner update, over the training window.
+
+    A thread samples, every ``interval_s``, the cumulative CPU time (user + system) of this
+    process (the in-process launcher with its weight-server thread) and of every child (learner,
+    workers, redis-server; a worker's engine core too), and the number of updates written to
+    ``metrics.jsonl``. The window runs from the first sample that saw ``warmup`` updates to the
+    first that saw the last one, so start-up (imports, model builds) and shutdown (the final
+    checkpoint, plots) are left out. CPU per update is what two cores share, so unlike wall
+    time it barely moves with the machine's other load.
+    """
+
+    def __init__(self, metrics_file: Path, warmup: int = 20, interval_s: float = 0.25) -> None:
+        import threading
+
+        self.metrics_file, self.warmup, self.interval_s = metrics_file, warmup, interval_s
+        self._stop = threading.Event()
+        self._first: tuple[int, dict[str, float]] | None = None
+        self._last: tuple[int, dict[str, float]] | None = None
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> "CpuPerUpdate":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    @staticmethod
+    def _role(proc: Any) -> str:
+        cmd = " ".join(proc.cmdline())
+        for marker, role in (("-m learner", "learner"), ("rollout_workers", "workers"), ("redis-server", "redis")):
+            if marker in cmd:
+                return role
+        return "other"
+
+    def _sample(self) -> tuple[int, dict[str, float]] | None:
+        import psutil
+
+        me = psutil.Process()
+        cpu: dict[str, float] = {}
+        alive = False
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                role = "launcher" if proc.pid == me.pid else self._role(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            alive |= role == "learner"
+            cpu[role] = cpu.get(role, 0.0) + t.user + t.system
+        try:
+            updates = self.metrics_file.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            updates = 0
+        return (updates, cpu) if alive else None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            sample = self._sample()
+            if sample is None or sample[0] < self.warmup:
+                continue
+            self._first = self._first or sample
+            if self._last is None or sample[0] > self._last[0]:  # not the final checkpoint and shutdown
+                self._last = sample
+
+    def result(self) -> dict[str, float]:
+        """``{role: CPU ms per update}`` plus ``total`` (empty when the window saw no update).
+        The launcher's share includes this benchmark's own thread, a negligible sampler."""
+        if self._first is None or self._last is None or self._last[0] <= self._first[0]:
+            return {}
+        (u0, c0), (u1, c1) = self._first, self._last
+        out = {role: 1e3 * (c1[role] - c0.get(role, 0.0)) / (u1 - u0) for role in sorted(c1)}
+        out["total"] = sum(out.values())
+        return out

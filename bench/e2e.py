@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the repository root first: bench/buffer.py must not shadow the `buffer` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import print_table, write_results  # noqa: E402
+from _common import CpuPerUpdate, print_table, write_results  # noqa: E402
 
 
 def compose(overrides: list[str]):
@@ -54,10 +54,13 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
     from rlhf_run.launch import run_launcher
     from rlhf_run.report import SUMMARY_FILE
 
+    from rlhf_core.metric_names import METRICS_FILE
+
     cfg = compose(overrides)
     out = workdir / name
     t0 = time.monotonic()
-    code = run_launcher(cfg, out)
+    with CpuPerUpdate(out / METRICS_FILE) as cpu:
+        code = run_launcher(cfg, out)
     wall = time.monotonic() - t0
     summary = json.loads((out / SUMMARY_FILE).read_text())
     tail = reward_tail(out)
@@ -80,6 +83,7 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
         "generated_tokens_per_s": summary["throughput"]["generated_tokens_per_s"],
         "learner_compute_s": summary["throughput"]["learner_compute_s"],
         "learner_wait_s": summary["throughput"]["learner_wait_s"],
+        "cpu_ms_per_update": cpu.result(),
         "_tail": tail,
     }
 

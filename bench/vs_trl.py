@@ -4,7 +4,8 @@ Both train the same model directory with the same tokenizer, prompts, reward fun
 size, samples per update, response length, learning rate (and schedule, clipping, AdamW
 settings) and number of updates, one after the other: TRL first (in a child process, with every
 core of the machine, as a user runs it), then this service asynchronously
-(``algo.max_staleness=2``) and synchronously (``algo.max_staleness=0``). Reported per run:
+(``algo.max_staleness=2``, one worker with ``buffer.lookahead=2`` and two batches of slots: the
+one-worker setting the README recommends) and synchronously (``algo.max_staleness=0``). Reported per run:
 trained samples/s, wall-clock and the mean batch reward over the last quarter of the updates;
 the ratios to TRL go into the JSON. Target on the CPU machine: async >= 2x TRL at equal reward.
 
@@ -19,7 +20,10 @@ Modes:
 
 Speed: trained samples/s over the training window (first to last update; start-up is excluded
 on both sides, so a model load or a compile does not count). TRL's updates are timed by a
-callback at the end of each optimizer step.
+callback at the end of each optimizer step. Cost: CPU milliseconds per update of every process
+of each system over the same window after 20 warm-up updates (TRL's one process; this
+service's learner, workers, launcher with its weight server, and redis-server), which says
+where the time goes and, unlike wall time, barely moves with the machine's other load.
 
     .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N]
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -151,8 +156,11 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
     spec_file, out_file = workdir / f"trl-s{seed}.json", workdir / f"trl-s{seed}.out.json"
     spec_file.write_text(json.dumps(child))
     t0 = time.monotonic()
-    subprocess.run([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)], check=True)
+    child = subprocess.Popen([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)])
+    cpu_samples = sample_cpu(child)  # (monotonic time, CPU seconds) of the child, until it exits
     wall = time.monotonic() - t0
+    if child.returncode:
+        raise SystemExit(f"the TRL child exited with {child.returncode}")
     res = json.loads(out_file.read_text())
     times, rewards = res["step_times"], res["rewards"]
     window = times[-1] - times[0] if len(times) > 1 else res["train_wall_s"]
@@ -161,7 +169,36 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
     return {"system": "trl", "seed": seed, "updates": len(times), "wall_s": wall, "training_window_s": window,
             "trained_samples_per_s": trained / window if window else 0.0,
             "reward_start": rewards[0] if rewards else None,
-            "reward_last_quarter": statistics.fmean(tail) if tail else None}
+            "reward_last_quarter": statistics.fmean(tail) if tail else None,
+            "cpu_ms_per_update": trl_cpu_per_update(cpu_samples, times)}
+
+
+def sample_cpu(proc: subprocess.Popen, interval_s: float = 0.25) -> list[tuple[float, float]]:
+    """Cumulative CPU seconds (its threads and children) of ``proc`` every ``interval_s`` until it exits."""
+    import psutil
+
+    ps, out = psutil.Process(proc.pid), []
+    while proc.poll() is None:
+        try:
+            t = ps.cpu_times()
+            out.append((time.monotonic(), t.user + t.system + t.children_user + t.children_system))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(interval_s)
+    proc.wait()
+    return out
+
+
+def trl_cpu_per_update(samples: list[tuple[float, float]], step_times: list[float], warmup: int = 20) -> dict[str, float]:
+    """TRL's CPU ms per update over its steps after ``warmup`` (the same window as this service's)."""
+    if len(step_times) <= warmup + 1:
+        return {}
+    inside = [(t, c) for t, c in samples if step_times[warmup] <= t <= step_times[-1]]
+    if len(inside) < 2:
+        return {}
+    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    updates = sum(t0 <= t <= t1 for t in step_times) - 1
+    return {"trl": 1e3 * (c1 - c0) / updates, "total": 1e3 * (c1 - c0) / updates} if updates > 0 else {}
 
 
 # ---------------------------------------------------------------------- this service
@@ -185,6 +222,10 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
     from e2e import run_one
 
     overrides = service_overrides(spec, path, seed, data_file, cache) + [f"algo.max_staleness={staleness}"]
+    if staleness > 0:
+        # One worker: two batches admitted ahead, decoded in one wave, so the worker never waits for
+        # a new version to be published and pulled (README, "Staleness vs lookahead")
+        overrides += ["buffer.lookahead=2", f"rollout.slots={2 * spec['batch']}"]
     row = run_one(f"{name}-s{seed}", overrides, workdir)
     if row["exit_code"] != 0:
         raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
@@ -192,7 +233,7 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
             "training_window_s": row["training_window_s"], "trained_samples_per_s": row["trained_samples_per_s"],
             "reward_start": row["reward_start"], "reward_last_quarter": row["reward_last_quarter"],
             "staleness_mean": row["staleness_mean"], "learner_compute_s": row["learner_compute_s"],
-            "learner_wait_s": row["learner_wait_s"]}
+            "learner_wait_s": row["learner_wait_s"], "cpu_ms_per_update": row["cpu_ms_per_update"]}
 
 
 # ---------------------------------------------------------------------- main
@@ -207,6 +248,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "reward_last_quarter": statistics.fmean(rewards) if rewards else None,
             "reward_spread": (max(rewards) - min(rewards)) if len(rewards) > 1 else None,
             "wall_s": statistics.fmean(r["wall_s"] for r in mine),
+            # CPU of every process of the system per update (see bench/_common.CpuPerUpdate)
+            "cpu_ms_per_update": statistics.median(r["cpu_ms_per_update"].get("total", math.nan) for r in mine),
         }
     trl = out["trl"]["trained_samples_per_s"] or 1e-9
     out["async_over_trl"] = out["async"]["trained_samples_per_s"] / trl
@@ -259,6 +302,7 @@ def main() -> None:
     print_table(rows, f"{mode}: TRL GRPOTrainer vs this service (same model, task, samples, lr, updates)")
     print(f"\nasync / TRL trained samples/s: {s['async_over_trl']:.2f}x (target >= 2x on CPU, 5x on an H100); "
           f"sync / TRL: {s['sync_over_trl']:.2f}x")
+    print("CPU per update, all processes: " + ", ".join(f"{k} {s[k]['cpu_ms_per_update']:.0f} ms" for k in ("trl", "async", "sync")))
     print("reward over the last quarter: " + ", ".join(
         f"{k} {s[k]['reward_last_quarter']:.3f}" for k in ("trl", "async", "sync") if s[k]['reward_last_quarter'] is not None))
     write_results("vs_trl" if mode == "quick" else f"vs_trl_{mode.replace('-', '_')}", {
