@@ -3,6 +3,7 @@
     rlhf-monitor url=redis://127.0.0.1:6379 run_id=run-20261122-101500-ab12
     rlhf-monitor url=... run_id=... --once --json      # one snapshot for scripts
     rlhf-monitor url=... run_id=... prometheus_port=9300   # and serve the run's Prometheus target
+    rlhf-monitor url=... run_id=... workers=4              # a launcher=ray run: keep 4 worker actors
 
 Everything shown comes from Redis (the buffer's counters, the consumers' heartbeats and the
 stats the learner and weight server publish there), so the monitor needs no other address.
@@ -19,6 +20,7 @@ from typing import Any
 from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig, ConfigError
+from rlhf_core.dapo import FILTER_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +62,29 @@ def render(snap: dict[str, Any]):
                  "trained samples/s", str(_fmt(snap.get("trained_samples_per_s"))))
     head.add_row("dead letters", str(c.get("dead_letters")), "reclaimed leases", str(c.get("prompts_reclaimed")),
                  "dropped stale", str(c.get("samples_dropped_stale")))
+    if c.get("groups_filtered"):  # algo.filter_groups: groups dropped because they teach nothing
+        head.add_row("groups filtered", str(c.get("groups_filtered")), "by reason",
+                     "  ".join(f"{r} {c.get(f'groups_filtered_{r}', 0)}" for r in FILTER_REASONS), "", "")
+    target = (snap.get("control") or {}).get("workers")
+    if target is not None:  # a launcher=ray run: the worker actors it keeps (workers=N changes it)
+        head.add_row("worker target", str(target), "", "", "", "")
     ws = snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {})
     head.add_row("weight-sync latency (s)", str(_fmt(ws.get("sync_latency_s"))),
                  "last version bytes", str(ws.get("bytes")), "pulls", str(ws.get("pulls")))
+    ev = snap.get("stats", {}).get(M.EVAL_STATS)
+    if ev:  # the newest evaluation (eval.every > 0)
+        passes = "  ".join(f"{k.removeprefix(M.EVAL_PREFIX)} {_fmt(v)}" for k, v in ev.items() if k.startswith("eval/pass@"))
+        head.add_row("eval (version)", str(ev.get(M.EVAL_VERSION)), "eval reward", _fmt(ev.get(M.EVAL_REWARD_MEAN)),
+                     "eval", passes)
     workers = Table(title="consumers", show_lines=False)
-    for col in ("name", "version", "heartbeat age (s)", "leases", "tokens/s", "samples"):
+    for col in ("name", "version", "heartbeat age (s)", "leases", "tokens/s", "samples", "scoring busy", "reward calls/s"):
         workers.add_column(col)
     for name, rec in sorted(snap.get("consumers", {}).items()):
         stats = rec.get("stats", {})
+        share = stats.get(M.WORKER_SCORE_SHARE)
         workers.add_row(name, str(rec.get("version")), str(rec.get("age_s")), str(rec.get("leases")),
-                        _fmt(stats.get(M.WORKER_TOKENS_PER_S)), str(stats.get(M.WORKER_SAMPLES, "")))
+                        _fmt(stats.get(M.WORKER_TOKENS_PER_S)), str(stats.get(M.WORKER_SAMPLES, "")),
+                        "-" if share is None else f"{share:.0%}", _fmt(stats.get(M.WORKER_REWARD_CALLS_PER_S)))
     hist = Table(title="staleness of consumed samples")
     hist.add_column("versions behind")
     hist.add_column("samples")
@@ -133,6 +148,25 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     return prev
 
 
+def set_workers(url: str, run_id: str, workers: int) -> int | None:
+    """``rlhf-monitor ... workers=N``: ask the run's launcher for N worker actors (a ``launcher=ray``
+    run adds or retires workers within seconds); returns the target before."""
+    from buffer import Buffer, RunNotInitialised
+
+    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id))
+    try:
+        try:
+            buf.run_params()
+        except RunNotInitialised:
+            raise ConfigError(f"run {run_id!r} has not started at {url}: check run_id (rlhf-run prints it)") from None
+        before = buf.set_worker_target(workers)
+    finally:
+        buf.close()
+    print(f"run {run_id}: worker target {before if before is not None else '-'} -> {workers} (rlhf-run launcher=ray "
+          "starts or stops worker actors to match; workers started by hand are not counted)", flush=True)
+    return before
+
+
 @hydra_entry("monitor")
 def _main(cfg) -> int:
     from omegaconf import OmegaConf
@@ -140,6 +174,9 @@ def _main(cfg) -> int:
     if OmegaConf.is_missing(cfg, "url"):
         raise ConfigError("rlhf-monitor needs url=redis://HOST:PORT/DB and run_id=RUN: rlhf-run prints both when it "
                           "starts ('monitor: rlhf-monitor url=... run_id=...'); rlhf-monitor --help says more")
+    if cfg.workers is not None:
+        set_workers(cfg.url, cfg.run_id, int(cfg.workers))
+        return 0
     if cfg.once and cfg.prometheus_port is not None:
         raise ConfigError("rlhf-monitor serves prometheus_port only in the live view: drop --once, or drop prometheus_port")
     run_monitor(cfg.url, cfg.run_id, once=cfg.once, as_json=cfg.json, refresh_s=cfg.refresh_s,

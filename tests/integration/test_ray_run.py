@@ -1,0 +1,235 @@
+"""`rlhf-run launcher=ray` on a Ray cluster of several nodes on this one machine
+(``ray.cluster_utils.Cluster``: a head and two more raylets, every one on 127.0.0.1; custom
+resources decide which "node" runs what), shared by the tests of this module. One run trains the
+default task with a two-rank DeepSpeed learner and workers spread over three nodes; another lives
+through everything a cluster does to a run (a worker actor killed, workers added and retired, a
+hand-started `rlhf-worker` joining, the learner's node and a worker's node lost at once) and its
+buffer's counters show nothing was lost. A run without ray.address starts a Ray instance of its
+own, and a placement it cannot hold is refused, naming the resource, before anything starts.
+
+Skipped when the `ray` extra is missing. Ray is started cheaply (no dashboard, 80 MB object
+stores, 1 logical CPU a node, a lost node declared dead after ~5 s) and every wait is on an
+event (a counter, a file, a line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+
+# Ray picks the machine's network address for its nodes unless told that this is one machine;
+# with this (read when ray is imported, here and in every process the cluster starts) the
+# cluster, the run's servers and all traffic stay on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray", reason="the `ray` extra is not installed: pip install -e '.[ray]' (CI installs it)")
+
+from buffer import Buffer, RunKeys  # noqa: E402
+from rlhf_core import metric_names as M  # noqa: E402
+from servers import wait_for  # noqa: E402
+from test_run import Lines, base_overrides, child_env, pid_alive, script  # noqa: E402
+
+pytestmark = [pytest.mark.integration]
+
+LOOPBACK = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20}
+#: a node whose raylet is gone is declared dead after 5 missed health checks a second apart
+#: (Ray's default: 3 s apart); answering within 10 s still counts, however loaded the machine
+FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+
+
+def ray_env(**extra: str) -> dict[str, str]:
+    return child_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **extra)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (1 CPU) and two nodes (1 CPU and 2 `rollout` each: room for one worker asking for 2,
+    or two asking for 1)."""
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before the variable was set
+    c = Cluster(initialize_head=True, head_node_args=dict(LOOPBACK, num_cpus=1, include_dashboard=False,
+                                                          _system_config=FAST_NODE_DEATH))
+    for _ in range(2):
+        c.add_node(**LOOPBACK, num_cpus=1, resources={"rollout": 2})
+    yield c
+    c.shutdown()
+
+
+def rlhf_run(tmp_path: Path, out: Path, cache: Path, *args: str) -> list[str]:
+    return [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(cache), *args]
+
+
+def until(lines: Lines, predicate, timeout_s: float, what: str):
+    """``wait_for`` that shows the run's last output lines when it times out."""
+    try:
+        return wait_for(predicate, timeout_s, what, interval=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the run's output ends with:\n" + "\n".join(list(lines.lines)[-40:])) from None
+
+
+def actors(out: Path) -> dict:
+    try:
+        return json.loads((out / "actors.json").read_text())
+    except OSError:  # not written yet (it is written atomically)
+        return {}
+
+
+def version_of(r: redis.Redis, run_id: str) -> int:
+    return int(r.get(RunKeys.for_run(run_id).version) or 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_default_task_trains_with_a_two_rank_deepspeed_learner_and_workers_on_three_nodes(tmp_path, cluster,
+                                                                                              model_cache):
+    """The default task at a higher learning rate. The learner's two ranks are a STRICT_SPREAD
+    placement group (rank 0 on the driver's node, rank 1 on another; gloo, the rendezvous on
+    rank 0's node); the workers one per `rollout` node; the private redis-server and the weight
+    server in actors on the driver's node. The output folder, report and plots are the
+    one-machine launcher's."""
+    out = tmp_path / "out"
+    proc = subprocess.run([script("rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}",
+                           "run.progress=false", "learner.max_updates=250", "learner.lr=1e-3",
+                           "learner.checkpoint_every=100",
+                           "launcher=ray", f"ray.address={cluster.address}", "learner.engine=deepspeed",
+                           "ray.learner.ranks=2", "ray.learner.strategy=STRICT_SPREAD", "ray.learner.num_cpus=0.5",
+                           "ray.worker.num_cpus=0.5", "+ray.worker.resources.rollout=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=560, env=ray_env(DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 250 and summary["samples_trained"] == 250 * 32, summary
+    # random level is ~0.01 (one right digit in 99); 250 updates at this rate reach ~0.05
+    assert summary["reward_start"] < 0.03 and summary["reward_end"] > summary["reward_start"] + 0.02, summary
+    assert summary["staleness_max"] <= 2 and summary["dead_letters"] == 0
+    placed = actors(out)
+    node = {name: placed[name]["node_id"] for name in ("learner", "learner-1", "worker-0", "worker-1", "redis",
+                                                        "weight_server")}
+    # the driver's node (with every node on 127.0.0.1, the driver attaches to any of them)
+    assert node["learner"] == node["redis"] == node["weight_server"], placed
+    assert node["learner-1"] != node["learner"] and node["worker-0"] != node["worker-1"], placed
+    assert "learner done at version 250 after 250 updates" in (out / "logs" / "learner-1.log").read_text()
+    assert "applied policy v250" in (out / "logs" / "weight-server.log").read_text()
+    for png in ("reward.png", "staleness.png", "throughput.png"):
+        assert (out / png).stat().st_size > 1000, png
+    assert (out / "run_config.yaml").stat().st_mode & 0o077 == 0  # it holds the secret and the password
+    assert "auth: hmac" in (out / "run_config.yaml").read_text()
+    assert not (out / "redis").exists()  # a clean finish removes the private Redis's data
+    assert "learner finished" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_lost_nodes(tmp_path, cluster,
+                                                                                         redis_server, model_cache):
+    """On the test's Redis, so the buffer can be audited after Ctrl-C. The learner runs on a node
+    of its own (`trainer`; ``ray.learner.on_driver_node=false``: the output folder must be one
+    every node sees, here the same disk). In turn: worker-0's process is SIGKILLed (Ray restarts
+    its actor); `rlhf-monitor workers=3` adds a worker and a hand-started `rlhf-worker` joins;
+    `workers=1` retires two (they drain); then the learner's node and worker-0's node are lost
+    together and new nodes join: Ray re-places worker-0 and the learner's placement group, the
+    learner resumes from its checkpoint and trains on."""
+    out, run_id = tmp_path / "out", "ray-chaos"
+    r = redis.Redis.from_url(redis_server.url)
+    trainer = cluster.add_node(**LOOPBACK, num_cpus=1, resources={"trainer": 1})
+    proc = subprocess.Popen(rlhf_run(tmp_path, out, model_cache, "launcher=ray", f"ray.address={cluster.address}",
+                                     "+ray.learner.resources.trainer=1", "ray.learner.on_driver_node=false",
+                                     "ray.worker.num_cpus=0.5", "+ray.worker.resources.rollout=1",
+                                     f"buffer.url={redis_server.url}",
+                                     f"buffer.run_id={run_id}", "learner.max_updates=100000"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env())
+    lines, procs = Lines(proc), [proc]
+
+    def generating() -> set[str]:
+        snap = Buffer(r, run_id=run_id).metrics()["consumers"]
+        return {n for n, c in snap.items() if c.get("stats", {}).get(M.WORKER_TOKENS, 0) > 0}
+
+    def monitor_workers(n: int) -> str:
+        done = subprocess.run([script("rlhf-monitor"), f"url={redis_server.url}", f"run_id={run_id}", f"workers={n}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, env=ray_env())
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        until(lines, lambda: version_of(r, run_id) >= 2, 240, "two updates")
+        first = until(lines, lambda: (a := actors(out)).get("worker-1") and a, 60, "both workers placed")
+        assert first["learner"]["node_id"] == trainer.node_id
+        os.kill(first["worker-0"]["pid"], signal.SIGKILL)  # the process of a worker actor
+        until(lines, lambda: actors(out).get("worker-0", {}).get("restarts") == 1
+              and actors(out)["worker-0"]["pid"] != first["worker-0"]["pid"], 120, "worker-0 restarted by Ray")
+
+        assert "worker target 2 -> 3" in monitor_workers(3)
+        hand = subprocess.Popen([script("rlhf-worker"), "--config-path", str(out), "--config-name", "run_config",
+                                 f"hydra.run.dir={tmp_path / 'ext'}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=ray_env(RLHF_WORKER_ID="ext-0"))
+        procs.append(hand)
+        until(lines, lambda: {"worker-2", "ext-0"} <= generating(), 180, "worker-2 and the hand-started worker generating")
+        assert "worker target 3 -> 1" in monitor_workers(1)
+        until(lines, lambda: all(lines.find(f"worker-{i} left (scaled down; exit 0)") for i in (1, 2)), 120,
+              "workers 1 and 2 to drain and leave")
+        assert {n for n in actors(out) if n.startswith("worker-")} == {"worker-0"}
+        hand.send_signal(signal.SIGTERM)
+        assert hand.wait(timeout=60) == 0
+
+        # the learner's node and worker-0's node are lost (their raylets and every process on them)
+        placed = actors(out)
+        lost = next(n for n in cluster.worker_nodes if n.node_id == placed["worker-0"]["node_id"])
+        cluster.remove_node(trainer, allow_graceful=False)
+        cluster.remove_node(lost, allow_graceful=False)
+        trainer = cluster.add_node(**LOOPBACK, num_cpus=1, resources={"trainer": 1})
+        cluster.add_node(**LOOPBACK, num_cpus=1, resources={"rollout": 2})  # the fixture's two rollout nodes again
+        until(lines, lambda: actors(out).get("learner", {}).get("node_id") == trainer.node_id
+              and actors(out).get("worker-0", {}).get("node_id") not in (None, lost.node_id), 180,
+              "the learner and worker-0 placed again")
+        until(lines, lambda: "resumed from checkpoint at version" in (out / "logs" / "learner.log").read_text(), 120,
+              "the learner to resume from its checkpoint")
+        v = version_of(r, run_id)
+        until(lines, lambda: version_of(r, run_id) >= v + 2, 180, "two updates after the nodes were lost")
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) == 130
+        lines.thread.join(timeout=10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if trainer in cluster.worker_nodes:
+            cluster.remove_node(trainer, allow_graceful=False)
+    output = "\n".join(lines.lines)
+    # what was trained is what the buffer handed out and acked; every group appended left the
+    # stream consumed or stale; nothing dead-lettered, no lease or sample in flight left
+    summary = json.loads((out / "summary.json").read_text())
+    snap = Buffer(r, run_id=run_id).metrics()
+    c = snap["counters"]
+    assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
+    assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
+    assert summary["dead_letters"] == 0 and snap["depth"]["dead_letters"] == 0, output[-3000:]
+    assert snap["depth"]["prompts_leased"] == 0 and snap["depth"]["samples_inflight"] == 0, snap["depth"]
+    assert "restarting worker-0 (restart 1 of 5" in output and "restarting worker-0 (restart 2 of 5" in output
+    assert "worker-0 exited with code -9 (the actor died" in output
+    assert "scaling the workers from 2 to 3" in output and "scaling the workers from 3 to 1" in output
+    assert "restarting the learner from its last checkpoint (restart 1 of 3)" in output, output[-3000:]
+    assert {k.decode() for k in r.hkeys(RunKeys.for_run(run_id).consumers)} >= {"worker-0", "worker-1", "worker-2", "ext-0"}
+    local = json.loads((out / "children.json").read_text())
+    assert not [n for n, p in local.items() if pid_alive(p)], "processes left running"
+
+
+@pytest.mark.timeout(120)
+def test_a_placement_a_local_ray_instance_cannot_hold_is_refused_naming_the_resource(tmp_path, model_cache):
+    """Without ray.address the run starts a Ray instance of its own (never joining another on
+    this machine, such as the test cluster), which has no GPU."""
+    out = tmp_path / "out"
+    proc = subprocess.run(rlhf_run(tmp_path, out, model_cache, "launcher=ray", "ray.worker.num_gpus=1"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100, env=ray_env())
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("the run asks for 2 GPU in all (worker-0 1, worker-1 1) but the Ray cluster at this machine (a local "
+            "instance) has 0 GPU on 1 alive node(s)" in proc.stderr), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "started a local Ray instance" in proc.stdout + proc.stderr
+    assert not (out / "children.json").exists() and not (out / "logs").exists()  # nothing started
