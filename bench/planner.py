@@ -1,0 +1,277 @@
+"""The planner against real runs: predicted vs measured trained samples/s and mean staleness.
+
+Each configuration of the default task runs as ``rlhf-run`` does (in-process launcher, private
+Redis, learner and workers as child processes); the bench reads its ``metrics.jsonl`` and
+samples the machine while it trains. The simulator is given the profile and the run's plan,
+and the cores other jobs kept busy during that run's training window (the machine is shared:
+its load is an input to the prediction, as the device count is on GPUs, and is recorded): the
+other jobs' demand is the one under which the simulated run leaves them the cores they got.
+
+    python bench/planner.py            # quick (< 60 s): the committed profile, two short runs
+    python bench/planner.py --full     # calibrate, 7 configurations and the search's pick x 3 runs
+                                       # (the pick vs the default side by side), the at-scale table
+
+Rates are steady-state: trained samples/s from the learner's update ``--warmup`` to its last
+(start-up and torch's warm-up left out, as the simulator's ``warmup`` does); staleness is the
+mean over the same updates. Each configuration's figures are the medians of its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import RESULTS, print_table, write_results  # noqa: E402
+
+PROFILE = RESULTS / "planner_profile.json"
+#: the validation grid: 1-3 workers, staleness 0/2/4, batch 32/64; plus the search's pick
+CONFIGS = {
+    "w1-s0-b32": ["rollout.num_workers=1", "algo.max_staleness=0"],
+    "w1-s2-b32": ["rollout.num_workers=1", "algo.max_staleness=2"],
+    "w2-s2-b32 (default)": ["rollout.num_workers=2", "algo.max_staleness=2"],
+    "w3-s4-b32": ["rollout.num_workers=3", "algo.max_staleness=4"],
+    "w2-s0-b64": ["rollout.num_workers=2", "algo.max_staleness=0", "learner.batch_size=64", "learner.micro_batch_size=64"],
+    "w1-s4-b64": ["rollout.num_workers=1", "algo.max_staleness=4", "learner.batch_size=64", "learner.micro_batch_size=64"],
+    "w3-s2-b64": ["rollout.num_workers=3", "algo.max_staleness=2", "learner.batch_size=64", "learner.micro_batch_size=64"],
+}
+QUICK = {"w1-s0-b32": CONFIGS["w1-s0-b32"], "w1-s2-b32": CONFIGS["w1-s2-b32"]}
+GPUS = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+class Window:
+    """Samples, every 0.25 s, the learner's update count, this process tree's CPU and the whole
+    machine's busy time: the cores other jobs used between update ``warmup`` and the last."""
+
+    def __init__(self, metrics: Path, warmup: int) -> None:
+        self.metrics, self.warmup = metrics, warmup
+        self.first: tuple | None = None
+        self.last: tuple | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> tuple[int, float, float, float]:
+        from rlhf_run.plan.measure import cpu_seconds
+
+        try:
+            updates = self.metrics.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            updates = 0
+        return (updates, time.monotonic(), *cpu_seconds())
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            s = self._sample()
+            if s[0] < self.warmup:
+                continue
+            self.first = self.first or s
+            if self.last is None or s[0] > self.last[0]:
+                self.last = s
+
+    def __enter__(self) -> "Window":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def background(self) -> float | None:
+        if not self.first or not self.last or self.last[1] <= self.first[1]:
+            return None
+        (_, t0, o0, b0), (_, t1, o1, b1) = self.first, self.last
+        return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+
+    def span(self) -> tuple[float, float] | None:
+        return (self.first[1], self.last[1]) if self.first and self.last else None
+
+    def ours(self) -> float | None:
+        if not self.first or not self.last or self.last[1] <= self.first[1]:
+            return None
+        return (self.last[2] - self.first[2]) / (self.last[1] - self.first[1])
+
+
+def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup: int, reference_s: float) -> dict:
+    from e2e import compose
+    from rlhf_run.launch import run_launcher
+
+    cfg = compose([f"learner.max_updates={updates}", "run.progress=false", *overrides])
+    out = workdir / re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")  # a path Hydra overrides can carry
+    load0 = os.getloadavg()[0]
+    from rlhf_run.plan.measure import Probe
+
+    with Window(out / "metrics.jsonl", warmup) as window, Probe() as probe:
+        code = run_launcher(cfg, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    w = rows[warmup:]
+    rate = (w[-1]["learner/samples_trained"] - w[0]["learner/samples_trained"]) / (w[-1]["time"] - w[0]["time"])
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "exit_code": code, "trained_samples_per_s": rate,
+        "staleness_mean": statistics.fmean(r["staleness/mean"] for r in w[1:]),
+        "samples_dropped": summary["buffer_counters"].get("samples_dropped_stale", 0),
+        "summary_trained_samples_per_s": summary["throughput"]["trained_samples_per_s"],
+        "background_cores": window.background(), "our_cores": window.ours(), "loadavg_1m": [load0, os.getloadavg()[0]],
+        "slowdown": probe.slowdown(reference_s, *window.span()) if window.span() else None,
+    }, cfg
+
+
+def background_demand(profile, plan, used: float, slowdown: float, updates: int, warmup: int) -> tuple[float, object]:
+    """The other jobs' demand (runnable threads) under which the simulated run leaves them ``used``
+    cores, as they got during the measured run: the cores they used depend on how busy ours
+    were, so the measured use is matched, not copied (bisection; returns it and the simulation)."""
+    from rlhf_run.plan.simulate import simulate
+
+    lo, hi = 0.0, 6.0
+    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0, slowdown=slowdown)
+    if used <= 0.01:
+        return 0.0, best
+    for _ in range(8):
+        mid = (lo + hi) / 2
+        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid, slowdown=slowdown)
+        if sim.background_cores_used < used:
+            lo = mid
+        else:
+            hi = mid
+        best = sim
+    return (lo + hi) / 2, best
+
+
+def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, warmup: int) -> list[dict]:
+    from rlhf_run.plan.search import plan_from_config
+    from rlhf_run.plan.simulate import simulate
+
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    plans = {}
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
+        for rep in range(reps):  # all configurations once, then again: a change of load hits them all
+            for name, overrides in configs.items():
+                m, cfg = measure(f"{name}-r{rep}", overrides, Path(tmp), updates, warmup, profile.machine.reference_s)
+                plan = plan_from_config(cfg)
+                plans[name] = plan
+                bg = m["background_cores"] or 0.0
+                slow = m["slowdown"] or 1.0
+                demand, pred = background_demand(profile, plan, bg, slow, updates, warmup)
+                m["background_demand"] = demand
+                m["predicted"] = {"trained_samples_per_s": pred.trained_samples_per_s, "staleness_mean": pred.staleness_mean,
+                                  "background_cores_used": pred.background_cores_used}
+                runs[name].append(m)
+                print(f"  {name} run {rep + 1}: measured {m['trained_samples_per_s']:.0f} samples/s, staleness "
+                      f"{m['staleness_mean']:.2f} (other jobs {bg:.2f} cores, cores {slow:.2f}x slower); predicted "
+                      f"{pred.trained_samples_per_s:.0f}, {pred.staleness_mean:.2f}", flush=True)
+    rows = []
+    for name, ms in runs.items():
+        med = lambda key: statistics.median(m[key] for m in ms)  # noqa: E731
+        pmed = lambda key: statistics.median(m["predicted"][key] for m in ms)  # noqa: E731
+        bg = statistics.median(m["background_cores"] or 0.0 for m in ms)
+        slow = statistics.median(m["slowdown"] or 1.0 for m in ms)
+        quiet_pred = simulate(profile, plans[name], updates=updates, warmup=warmup, background=0.0, slowdown=1.0)
+        meas, pred = med("trained_samples_per_s"), pmed("trained_samples_per_s")
+        rows.append({
+            "config": name, "overrides": configs[name], "runs": len(ms),
+            "measured_samples_per_s": meas, "predicted_samples_per_s": pred, "error": (pred - meas) / meas,
+            "measured_staleness": med("staleness_mean"), "predicted_staleness": pmed("staleness_mean"),
+            "staleness_error": pmed("staleness_mean") - med("staleness_mean"),
+            "background_cores": bg, "slowdown": slow, "predicted_quiet_samples_per_s": quiet_pred.trained_samples_per_s,
+            "plan": asdict(plans[name]), "per_run": ms,
+        })
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the default")
+    ap.add_argument("--reps", type=int, default=None, help="runs per configuration (quick 1, full 3)")
+    ap.add_argument("--updates", type=int, default=None, help="updates per run (quick 60, full 200)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--profile", default=None, help="use this profile instead (full: calibrate a new one)")
+    ap.add_argument("--skip-scale", action="store_true", help="full mode without the at-scale table")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from rlhf_run.plan.profile import load
+
+    full = args.full
+    reps = args.reps or (3 if full else 1)
+    updates = args.updates or (200 if full else 60)
+    if args.profile:
+        profile = load(args.profile)
+    elif full:
+        from e2e import compose
+        from rlhf_run.plan.measure import calibrate
+
+        print("calibrating (every stage alone)...", flush=True)
+        profile = calibrate(compose([]))
+        profile.source["overrides"] = []
+        if os.environ.get("RLHF_BENCH_RESULTS") is None:
+            profile.save(PROFILE)
+    else:
+        profile = load(PROFILE)
+    configs = CONFIGS if full else QUICK
+    pick = None
+    if full:
+        from e2e import compose
+        from rlhf_run.plan.search import Request, overrides, plan_from_config, search
+
+        base = plan_from_config(compose([]))
+        ranked = search(Request(base=base, max_staleness=base.max_staleness, max_workers=3), profile, top=3)
+        pick = ranked[0]
+        configs = dict(configs)
+        configs["search pick"] = overrides(pick.plan, gpu=False)
+        print("search's pick for this machine: " + " ".join(configs["search pick"]), flush=True)
+    rows = validate(profile, configs, reps, updates, args.warmup)
+    print_table([{k: v for k, v in r.items() if k in ("config", "measured_samples_per_s", "predicted_samples_per_s", "error",
+                                                       "measured_staleness", "predicted_staleness", "background_cores",
+                                                       "slowdown")}
+                 for r in rows], "planner: predicted vs measured (medians of each configuration's runs)")
+    grid = [r for r in rows if r["config"] != "search pick"]
+    errors = [abs(r["error"]) for r in grid]
+    stale = [abs(r["staleness_error"]) for r in grid]
+    payload = {
+        "mode": "full" if full else "quick",
+        "config": {"reps": reps, "updates": updates, "warmup": args.warmup, "profile": str(args.profile or PROFILE)},
+        "profile": profile.to_dict(),
+        "validation": rows,
+        "summary": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors),
+                    "max_abs_staleness_error": max(stale),
+                    "within_15pct": sum(e <= 0.15 for e in errors), "within_0_3_staleness": sum(s <= 0.3 for s in stale),
+                    "configs": len(grid)},
+        "targets": {"samples_per_s_error": 0.15, "staleness_error": 0.3},
+        "notes": "measured: trained samples/s from update `warmup` to the last, staleness mean over the same updates, "
+                 "medians over runs; predicted: the simulator with the profile and the cores other jobs used during "
+                 "each run's window (background_cores); predicted_quiet_samples_per_s: the same plan on an idle machine",
+    }
+    print(f"\nerror on trained samples/s: median {100 * payload['summary']['median_abs_error']:.1f}%, max "
+          f"{100 * payload['summary']['max_abs_error']:.1f}% ({payload['summary']['within_15pct']}/{len(grid)} within 15%); "
+          f"staleness: max {payload['summary']['max_abs_staleness_error']:.2f} versions")
+    if pick is not None:
+        default = next(r for r in rows if r["config"].endswith("(default)"))
+        chosen = next(r for r in rows if r["config"] == "search pick")
+        payload["search"] = {"pick": asdict(pick.plan), "overrides": configs["search pick"],
+                             "predicted_samples_per_s": pick.result.trained_samples_per_s,
+                             "measured_samples_per_s": chosen["measured_samples_per_s"],
+                             "default_measured_samples_per_s": default["measured_samples_per_s"],
+                             "pick_over_default": chosen["measured_samples_per_s"] / default["measured_samples_per_s"]}
+        print(f"search's pick vs the default config, measured: {payload['search']['pick_over_default']:.2f}x")
+    if full and not args.skip_scale:
+        from rlhf_run.plan.scale import SOURCES, table
+
+        payload["scale"] = {"model": "Qwen2.5-7B shape, bf16, H100 SXM 80 GB, 8 per node", "sources": SOURCES,
+                            "weight_server": table(GPUS, "weight_server"), "nccl_what_if": table(GPUS, "nccl")}
+        for key in ("weight_server", "nccl_what_if"):
+            print_table(payload["scale"][key], f"at scale ({key}): best plan per GPU count (predicted)")
+    write_results("planner", payload)
+
+
+if __name__ == "__main__":
+    main()

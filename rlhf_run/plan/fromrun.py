@@ -1,0 +1,108 @@
+"""A profile fitted from a finished run's folder (``rlhf-plan profile --from-run DIR``).
+
+Where no calibration can run (a cluster run already done, a machine one cannot stop), the
+run's own records give most stage costs, more coarsely than :mod:`rlhf_run.plan.measure`:
+
+* the learner, from ``metrics.jsonl``: ``learner/time_compute_s`` fitted against the batch's
+  tokens; what each update spends besides computing and waiting (snapshot, metrics,
+  checkpoints) from the time between updates; ``learner/time_publish_s`` is the send;
+* generation, from the workers' last heartbeats in ``timeline.jsonl``: time in the engine per
+  token; with the run's slots and the share of slots busy this becomes a per-step cost;
+* lengths, from ``reward/response_len_mean`` and ``reward/truncated_frac`` (a two-point
+  distribution: the cap, and the mean of the rest) and the tokens per sample;
+* weight sync: the learner's send time, and the workers' time pulling per version.
+
+All of these are wall-clock times measured while the processes shared the machine, so they
+include its contention: the profile's ``contention`` is 1 and its ``notes`` say so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rlhf_run.report import read_jsonl
+from rlhf_run.plan.profile import Generation, Learner, Lengths, Machine, Profile, ProfileError, Sync, Worker, identity_of
+
+
+def _config(folder: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    from rlhf_core.config import Config, register_configs, to_object
+
+    register_configs()
+    path = folder / "run_config.yaml"
+    if not path.exists():
+        raise ProfileError(f"{folder} has no run_config.yaml: is it the output folder of an rlhf-run run?")
+    doc = OmegaConf.load(path)
+    doc.pop("defaults", None)
+    cfg = to_object(OmegaConf.merge(OmegaConf.structured(Config), doc))
+    return cfg
+
+
+def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
+    from rlhf_core import metric_names as M
+    from rlhf_run.plan.measure import fit
+
+    folder = Path(folder)
+    if not (folder / M.METRICS_FILE).exists():
+        raise ProfileError(f"{folder} has no {M.METRICS_FILE}: give the output folder of a run that trained")
+    cfg = _config(folder)
+    rows = read_jsonl(folder / M.METRICS_FILE)
+    if len(rows) < warmup + 10:
+        raise ProfileError(f"{folder} has {len(rows)} updates; at least {warmup + 10} are needed to fit the costs")
+    rows = rows[warmup:]
+    timeline = read_jsonl(folder / "timeline.jsonl")
+    batch = float(statistics.median(r.get("learner/num_samples", cfg.learner.batch_size) for r in rows))
+    tokens = [float(r.get("learner/num_tokens", 0.0)) for r in rows]
+    compute = [float(r.get(M.TIME_COMPUTE_S, 0.0)) for r in rows]
+    coef = fit([[1.0, t] for t in tokens], compute)
+    gaps = [b[M.TIME] - a[M.TIME] - b.get(M.TIME_WAIT_S, 0.0) - b.get(M.TIME_COMPUTE_S, 0.0) for a, b in zip(rows, rows[1:])]
+    every = max(1, cfg.learner.checkpoint_every)
+    plain = [g for r, g in zip(rows[1:], gaps) if r.get(M.UPDATES, 0) % every]
+    ckpt = [g for r, g in zip(rows[1:], gaps) if not r.get(M.UPDATES, 0) % every]
+    per_update = max(0.0, statistics.median(plain)) if plain else 0.0
+    checkpoint = max(0.0, statistics.median(ckpt) - per_update) if ckpt else 0.0
+    send = statistics.median(float(r.get(M.TIME_PUBLISH_S, 0.0)) for r in rows)
+
+    cap = int(cfg.rollout.max_new_tokens)
+    mean_len = statistics.fmean(float(r.get("reward/response_len_mean", cap)) for r in rows)
+    trunc = statistics.fmean(float(r.get("reward/truncated_frac", 1.0)) for r in rows)
+    rest = (mean_len - trunc * cap) / (1.0 - trunc) if trunc < 1.0 else cap
+    rest = min(cap, max(1, round(rest)))
+    lengths = Lengths([rest, cap], [1.0 - trunc, trunc]) if rest != cap else Lengths([cap], [1.0])
+    prompt = max(1, round(statistics.fmean(tokens) / batch - mean_len))
+
+    last = timeline[-1] if timeline else {}
+    workers = [w.get("stats", {}) for w in last.get("consumers", {}).values() if isinstance(w, dict)]
+    # a worker's time not spent waiting for budget or pulling weights: its engine steps and their loop
+    busy = sum(float(w.get("uptime_s", 0.0)) - float(w.get("t_wait", 0.0)) - float(w.get("t_weights", 0.0)) for w in workers)
+    gen_tokens = sum(float(w.get("tokens", 0.0)) for w in workers)
+    pulls = sum(float(w.get("weight_updates", 0.0)) for w in workers)
+    pull_s = sum(float(w.get("t_weights", 0.0)) for w in workers) / pulls if pulls else 0.0
+    if gen_tokens <= 0:
+        raise ProfileError(f"{folder}/timeline.jsonl has no worker statistics (tokens generated): the run's workers "
+                           "never reported; calibrate instead (`rlhf-plan profile`)")
+    # rows per step: the slots, or what pacing lets run, whichever is smaller
+    ahead = cfg.algo.max_staleness if cfg.buffer.lookahead is None else min(cfg.algo.max_staleness, cfg.buffer.lookahead)
+    rows_per_step = max(1.0, min(cfg.rollout.slots, (ahead + 1) * batch / max(1, cfg.rollout.num_workers)))
+    step_s = busy / max(1.0, gen_tokens / rows_per_step)
+    sync_bytes = float((last.get("stats", {}).get("weight_server") or {}).get("bytes") or 0.0)
+    return Profile(
+        kind="gpu" if identity_of(cfg)["device"] == "cuda" else "cpu",
+        identity=identity_of(cfg),
+        source={"how": "run", "folder": str(folder), "updates": len(rows) + warmup, "overrides": []},
+        machine=Machine(cores=2.0, contention=1.0, background=0.0, launcher_per_s=0.0),
+        generation=Generation(decode_base=step_s, decode_per_row=0.0, decode_per_ctx_token=0.0, prefill_base=step_s,
+                              prefill_per_row=0.0, prefill_per_token=0.0, prompt_tokens=Lengths([prompt], [1.0]),
+                              response_tokens=lengths, max_new_tokens=cap),
+        worker=Worker(per_iteration=0.0, claim_call=0.0, per_prompt=0.0, emit_call=0.0, per_sample_emit=0.0,
+                      score_batch=0.0, score_sample=0.0),
+        learner=Learner(update_base=coef[0], update_per_micro=0.0, update_per_sample=0.0, update_per_token=coef[1],
+                        per_update=per_update, read_base=0.0, read_per_sample=0.0, checkpoint_s=checkpoint),
+        sync=Sync(bytes=sync_bytes, transport="shm" if cfg.weight_server.shm == "auto" else "tcp", snapshot_base=0.0,
+                  snapshot_per_byte=0.0, send_base=send, send_per_byte=0.0, pull_base=pull_s, pull_per_byte=0.0),
+        notes=["fitted from a run's records: wall-clock costs under that run's own sharing of the machine "
+               "(contention 1); the worker loop's glue is inside the per-step cost; coarser than a calibration"],
+    )
