@@ -1,9 +1,12 @@
 -- Append a prompt's group of samples and ack the prompt, in one atomic step.
 -- KEYS (scripts.complete_keys): the first five always, the replay ones in replay mode only.
 -- ARGV: 1 lease id, 2 consumer, 3 now, 4 dead-letter maxlen, 5 mode (fifo|replay), 6 group_size,
---       7 oldest token version of the group, 8 group id, 9 prompt id, 10 good samples, 11 bad records,
---       12.. the good samples' bytes, then per bad record: kind (sample|prompt), reason, raw bytes
--- (an undecodable prompt is completed with no samples and itself as the bad record)
+--       7 oldest token version of the group, 8 group id, 9 prompt id, 10 filter reason ('' for none),
+--       11 samples filtered, 12 good samples, 13 bad records,
+--       14.. the good samples' bytes, then per bad record: kind (sample|prompt), reason, raw bytes
+-- (an undecodable prompt is completed with no samples and itself as the bad record; a group the
+-- worker filtered (algo.filter_groups) is completed with no samples and its reason, counted in
+-- groups_filtered_<reason>, and gives its budget back like an empty one)
 -- Idempotent: XACK returns 0 when the prompt was already completed (a retry after a lost reply,
 -- or a slow worker finishing a prompt that was re-delivered and completed elsewhere); then
 -- nothing is written and the call returns {0}. Exactly one group per prompt lands.
@@ -13,8 +16,9 @@ local prompts_key, samples_key, counters_key, dead_key, wake_prompts_key = KEYS[
 local params_key, index_key, n_key, uses_key, out_key, wake_replay_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local lease_id, consumer, now, dead_maxlen, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local group_size, oldest_version, group_id, prompt_id = tonumber(ARGV[6]), ARGV[7], ARGV[8], ARGV[9]
-local n_good, n_bad = tonumber(ARGV[10]), tonumber(ARGV[11])
-local first_good, first_bad = 12, 12 + n_good
+local filter_reason, n_filtered = ARGV[10], tonumber(ARGV[11])
+local n_good, n_bad = tonumber(ARGV[12]), tonumber(ARGV[13])
+local first_good, first_bad = 14, 14 + n_good
 
 -- the stalest entries (lowest score) beyond capacity leave the table, unless a learner holds them now
 local function evict(size, cap, spi)
@@ -67,8 +71,15 @@ if n_good > 0 then
     wake(wake_replay_key, 'insert')
   end
 else
-  -- every sample was bad: the prompt produced nothing, so its reservation goes back
-  incr(counters_key, C.completions_empty, 1)
+  -- every sample was bad, or the group was filtered: the prompt produced nothing to train on,
+  -- so its reservation goes back and pacing admits another prompt in its place
+  if filter_reason ~= '' then
+    incr(counters_key, C.groups_filtered, 1)
+    incr(counters_key, C.samples_filtered, n_filtered)
+    incr(counters_key, C['groups_filtered_' .. filter_reason], 1)
+  else
+    incr(counters_key, C.completions_empty, 1)
+  end
   incr(counters_key, C.admitted, -group_size)
   incr(counters_key, C.budget_returned, group_size)
   wake(wake_prompts_key, 'budget')
@@ -77,4 +88,4 @@ for i = 0, n_bad - 1 do
   local b = first_bad + 3 * i
   dead_letter(dead_key, counters_key, dead_maxlen, ARGV[b], ARGV[b + 1], consumer, ARGV[b + 2], lease_id, now)
 end
-return {1, id}
+return {1, id, filter_reason}

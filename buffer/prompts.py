@@ -142,8 +142,9 @@ def claim(
 def dead_letter_prompt(store: Store, params: dict[str, Any], lease_id: str, consumer: str, reason: str, payload: bytes) -> None:
     """An undecodable prompt: ack it with no samples (budget returned) and dead-letter it, atomically
     (``complete.lua`` with the prompt itself as the one bad record)."""
-    args = [lease_id, consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"], 0, "", "", 0, 1,
-            "prompt", f"undecodable prompt: {reason}", payload]
+    # oldest version 0, no group or prompt id, no filter reason, 0 filtered, 0 good samples, 1 bad record
+    args = [lease_id, consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"], 0, "", "", "", 0,
+            0, 1, "prompt", f"undecodable prompt: {reason}", payload]
     store.retry(store.scripts.complete, keys=complete_keys(store.keys, params["mode"]), args=args)
 
 

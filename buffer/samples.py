@@ -35,6 +35,7 @@ from buffer import keys as K
 from buffer.connection import control_int
 from buffer.prompts import Lease
 from buffer.store import Store
+from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.records import MAX_VERSION, Sample, validate_sample
 from rlhf_core.wire import WireError
 
@@ -109,13 +110,22 @@ def groups_per_batch(batch_size: int, group_size: int) -> int:
 
 
 def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list[Sample],
-            rejected: Iterable[tuple[str, str, bytes]] = ()) -> list[Any]:
+            rejected: Iterable[tuple[str, str, bytes]] = (), filtered: str | None = None) -> list[Any]:
     """Validate and encode a group; return the ``complete.lua`` arguments.
 
     ``rejected``: ``(kind, reason, raw)`` records the caller already refused (a sample whose
     reward function raised, a prompt too long to generate from); they reach the dead-letter
     stream in the same atomic step as the append and the ack.
+
+    ``filtered``: the group teaches nothing (``algo.filter_groups``; one of
+    :data:`rlhf_core.dapo.FILTER_REASONS`): its prompt is acked and its admission budget
+    returned, nothing is appended, and ``groups_filtered_<reason>`` counts it.
     """
+    n_filtered = 0
+    if filtered is not None:
+        if filtered not in FILTER_REASONS:
+            raise ValueError(f"filter reason {filtered!r} is not one of {FILTER_REASONS}")
+        n_filtered, samples = len(samples), []
     max_bytes = store.cfg.max_record_bytes
     group_ids = {s.group_id for s in samples}
     if len(group_ids) > 1:
@@ -139,14 +149,16 @@ def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list
     oldest = min((s.oldest_version for s, _ in good), default=0)
     group_id = samples[0].group_id if samples else ""
     head = [lease.lease_id, lease.consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"],
-            oldest, group_id, lease.prompt.prompt_id, len(good), len(bad) // 3]
+            oldest, group_id, lease.prompt.prompt_id, filtered or "", n_filtered, len(good), len(bad) // 3]
     return head + [raw for _, raw in good] + bad
 
 
 def complete_status(res: list[Any]) -> str:
-    """``complete.lua`` reply -> appended | empty | duplicate."""
+    """``complete.lua`` reply -> appended | filtered | empty | duplicate."""
     if int(res[0]) == 0:
         return "duplicate"
+    if len(res) > 2 and res[2]:
+        return "filtered"
     return "appended" if res[1] else "empty"
 
 

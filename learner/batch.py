@@ -11,6 +11,11 @@ Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + respo
   ``response_start[b] - 1 + t`` (see :func:`gather_response`).
 * Samples of one group (one prompt) are contiguous, groups in order of first appearance;
   ``group_sizes [G]`` may hold fewer than ``algo.group_size`` when a sample was dead-lettered.
+* ``response_mask`` marks every real response token (the forward pass, the alignment);
+  ``policy_mask`` the ones the policy sampled: ``response_mask`` AND the sample's ``loss_mask``
+  (a multi-turn episode's observations and template tokens are 0 there). Every loss, KL,
+  entropy, advantage and statistic of the policy reduces over ``policy_mask`` (or a mask derived
+  from it), never over ``response_mask``.
 
 ``token_extras`` / ``row_extras`` carry tensors computed later (proximal log-probs,
 advantages, ...) so that :meth:`TrainBatch.select` slices them with the batch.
@@ -39,7 +44,8 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, L] int64, 1 = real token
     response_start: torch.Tensor  # [B] int64, index in input_ids of the first response token (= prompt length)
     response_ids: torch.Tensor  # [B, T] int64, pad_id after the response
-    response_mask: torch.Tensor  # [B, T] bool
+    response_mask: torch.Tensor  # [B, T] bool: real response tokens
+    policy_mask: torch.Tensor  # [B, T] bool: response tokens the policy sampled (response_mask & loss_mask)
     behaviour_logprobs: torch.Tensor  # [B, T] float32, 0 at padding
     ref_logprobs: torch.Tensor | None  # [B, T] float32 when every sample carried them, else None
     token_versions: torch.Tensor  # [B, T] int64, -1 at padding
@@ -69,6 +75,11 @@ class TrainBatch:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
+    @property
+    def policy_lengths(self) -> torch.Tensor:
+        """``[B]`` tokens the policy sampled per row."""
+        return self.policy_mask.sum(-1)
+
     def select(self, rows: Sequence[int] | torch.Tensor, drop: Sequence[bool] | None = None) -> "TrainBatch":
         """The rows ``rows`` (in that order), trimmed to their own longest ``L`` and ``T``.
 
@@ -81,11 +92,13 @@ class TrainBatch:
         idx = idx.to(self.input_ids.device)
         attn = self.attention_mask[idx]
         resp_mask = self.response_mask[idx]
+        policy = self.policy_mask[idx]
         L = max(int(attn.sum(-1).max()), 1) if idx.numel() else 1
         T = max(int(resp_mask.sum(-1).max()), 1) if idx.numel() else 1
         if drop is not None:
             keep = torch.tensor([not d for d in drop], dtype=torch.bool, device=resp_mask.device)
             resp_mask = resp_mask & keep[:, None]
+            policy = policy & keep[:, None]
         tok = lambda x: x[idx][:, :T]  # noqa: E731
         return TrainBatch(
             input_ids=self.input_ids[idx][:, :L],
@@ -93,6 +106,7 @@ class TrainBatch:
             response_start=self.response_start[idx],
             response_ids=tok(self.response_ids),
             response_mask=resp_mask[:, :T],
+            policy_mask=policy[:, :T],
             behaviour_logprobs=tok(self.behaviour_logprobs),
             ref_logprobs=None if self.ref_logprobs is None else tok(self.ref_logprobs),
             token_versions=tok(self.token_versions),
@@ -147,8 +161,13 @@ def stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[
 
     A worker stops a response at its first end-of-sequence token, so (without stop strings)
     a ``"stop"`` response ends on one of ``eos_ids`` and no response holds one before its last
-    token. A worker whose tokenizer has other special tokens breaks one of the two.
+    token. A worker whose tokenizer has other special tokens breaks one of the two. Multi-turn
+    episodes (samples with a ``loss_mask``) are not checked: each turn may end on one, the chat
+    template writes others between turns, and an episode stops when its environment says so.
     """
+    single = [i for i, s in enumerate(samples) if s.loss_mask is None]
+    if len(single) < len(samples):
+        return [(single[i], why) for i, why in stop_token_misfits([samples[i] for i in single], eos_ids)]
     eos = np.fromiter(sorted(eos_ids), dtype=np.int64)
     if not eos.size or not samples:
         return []
@@ -222,6 +241,7 @@ def collate(
     attn = np.zeros((B, L), dtype=np.int64)
     resp_ids = np.full((B, T), pad_id, dtype=np.int64)
     resp_mask = np.zeros((B, T), dtype=bool)
+    policy_mask = np.zeros((B, T), dtype=bool)
     behav = np.zeros((B, T), dtype=np.float32)
     versions = np.full((B, T), -1, dtype=np.int64)
     has_ref = all(s.ref_logprobs is not None for s in ordered)
@@ -232,6 +252,7 @@ def collate(
         attn[b, : p + r] = 1
         resp_ids[b, :r] = s.response_ids
         resp_mask[b, :r] = True
+        policy_mask[b, :r] = True if s.loss_mask is None else s.policy_mask()
         behav[b, :r] = s.behaviour_logprobs
         versions[b, :r] = s.token_versions()
         if ref is not None:
@@ -244,6 +265,7 @@ def collate(
         response_start=t(np.asarray(P, dtype=np.int64)),
         response_ids=t(resp_ids),
         response_mask=t(resp_mask),
+        policy_mask=t(policy_mask),
         behaviour_logprobs=t(behav),
         ref_logprobs=None if ref is None else t(ref),
         token_versions=t(versions),
@@ -337,7 +359,8 @@ def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] 
         return None
     body = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(body, torch.nn.Module) or body is model or not isinstance(head, torch.nn.Linear):
+    linear = isinstance(head, torch.nn.Linear) or isinstance(getattr(head, "base_layer", None), torch.nn.Linear)
+    if not isinstance(body, torch.nn.Module) or body is model or not linear:  # base_layer: a LoRA-adapted head
         return None
     return body, head
 

@@ -29,7 +29,8 @@ from rlhf_core.wire import (
 KIND_SAMPLE = "sample"
 KIND_PROMPT = "prompt"
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
+#: ``max_turns``: a multi-turn episode ended by ``rollout.max_turns`` before its environment said done.
+FINISH_REASONS = frozenset({"stop", "length", "abort", "max_turns"})
 #: Largest policy version a record may carry (integers stay exact in Lua's doubles up to 2^53).
 MAX_VERSION = 2**53 - 1
 _SCALAR = (str, int, float, bool)
@@ -123,6 +124,12 @@ class Sample:
     float32 [R] (log-prob of each sampled token under the exact distribution it was sampled
     from), ``ref_logprobs`` float32 [R] or None. ``versions`` is the policy version of each
     response token, run-length encoded as ``[[version, count], ...]`` summing to R.
+
+    ``loss_mask`` uint8 [R] or None (None: every response token is the policy's). A multi-turn
+    episode is one response: the tokens the policy sampled (1) with the environment's and the
+    chat template's tokens between turns (0), see :mod:`rlhf_core.episode`. A token under 0 has
+    behaviour log-prob 0 and the version of the policy token before it, never enters a loss, and
+    is not counted by :attr:`oldest_version` (staleness is a property of policy tokens).
     """
 
     sample_id: str
@@ -142,14 +149,29 @@ class Sample:
     created_at: float = 0.0
     finished_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    loss_mask: np.ndarray | None = None
 
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
     @property
+    def num_policy_tokens(self) -> int:
+        """Response tokens the policy sampled (all of them without a loss mask)."""
+        return self.num_response_tokens if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
+
+    def policy_mask(self) -> np.ndarray:
+        """``[R]`` bool: True at tokens the policy sampled."""
+        if self.loss_mask is None:
+            return np.ones(self.num_response_tokens, dtype=bool)
+        return np.asarray(self.loss_mask) != 0
+
+    @property
     def oldest_version(self) -> int:
-        """Policy version of the oldest token; staleness = learner_version - this."""
+        """Policy version of the oldest policy token; staleness = learner_version - this."""
+        if self.loss_mask is not None:
+            policy = self.token_versions()[self.policy_mask()]
+            return int(policy.min()) if policy.size else -1
         return min(v for v, _ in self.versions) if self.versions else -1
 
     @property
@@ -182,6 +204,8 @@ class Sample:
                 "created_at": float(self.created_at),
                 "finished_at": float(self.finished_at),
                 "metadata": self.metadata,
+                # only when present: a single-turn sample is as small as before
+                **({} if self.loss_mask is None else {"loss_mask": encode_tensor(np.asarray(self.loss_mask, dtype=np.uint8))}),
             },
         )
 
@@ -208,6 +232,15 @@ class Sample:
             total += run[1]
         if total != n:
             raise WireError(f"field 'versions': runs cover {total} tokens but the response has {n}")
+        mask = optional(obj, "loss_mask", dict)
+        if mask is not None:
+            if obj["schema_version"] < 2:
+                raise WireError("field 'loss_mask' needs schema_version >= 2 (the record says 1)")
+            mask = decode_tensor(mask, "loss_mask", dtype="uint8", ndim=1)
+            if mask.shape[0] != n:
+                raise WireError(f"field 'loss_mask': {mask.shape[0]} values for {n} response tokens")
+            if mask.size and int(mask.max()) > 1:
+                raise WireError(f"field 'loss_mask': values must be 0 or 1, got {int(mask.max())}")
         components = optional(obj, "reward_components", dict, {})
         for k, v in components.items():
             if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -234,6 +267,7 @@ class Sample:
             created_at=float(require(obj, "created_at", (int, float))),
             finished_at=float(require(obj, "finished_at", (int, float))),
             metadata=_check_metadata(optional(obj, "metadata", dict, {}), "metadata"),
+            loss_mask=mask,
         )
 
 
@@ -266,6 +300,14 @@ def validate_sample(
         raise WireError("behaviour_logprobs contain NaN or inf")
     if np.any(logp > 1e-4):  # a little float slack above 0
         raise WireError(f"behaviour_logprobs contain a log-prob > 0 (max {float(logp.max()):.4g})")
+    if sample.loss_mask is not None:
+        mask = np.asarray(sample.loss_mask)
+        if mask.shape != (n,):
+            raise WireError(f"loss_mask has shape {list(mask.shape)} for {n} response tokens")
+        if not np.isin(mask, (0, 1)).all():
+            raise WireError("loss_mask holds values other than 0 and 1")
+        if not mask.any():
+            raise WireError("loss_mask is 0 everywhere: the response has no token the policy sampled")
     if sample.ref_logprobs is not None and not np.all(np.isfinite(sample.ref_logprobs)):
         raise WireError("ref_logprobs contain NaN or inf")
     if vocab_size is not None:

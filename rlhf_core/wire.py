@@ -2,7 +2,7 @@
 
 Every record that crosses Redis or the network is a msgpack map::
 
-    {"schema_version": 1, "kind": "<kind>", ...fields}
+    {"schema_version": 2, "kind": "<kind>", ...fields}
 
 Tensors travel as ``{"dtype": "float32", "shape": [3], "data": <raw little-endian bytes>}``.
 Nothing is ever unpickled or evaluated. Decoding untrusted bytes raises :class:`WireError`
@@ -23,7 +23,11 @@ from typing import Any, Mapping
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+#: The version this build writes. 2 added the sample's optional ``loss_mask`` (multi-turn
+#: episodes); a field a version adds is optional, so every version in
+#: :data:`READABLE_SCHEMA_VERSIONS` still decodes (a record of version 1 has no mask: all ones).
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 #: Default cap on one encoded record. A sample of a few thousand tokens is a few tens of KB;
 #: anything near this cap is a bug or an attack. Callers may pass their own cap.
@@ -159,9 +163,10 @@ def decode_record(
     version = obj.get("schema_version")
     if version is None:
         raise WireError("record has no 'schema_version'")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS or isinstance(version, bool):
         raise WireError(
-            f"schema_version {version!r} is not supported (this build reads {SCHEMA_VERSION}); "
+            f"schema_version {version!r} is not supported (this build reads "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
             "upgrade the older side so producers and consumers run the same release"
         )
     got = obj.get("kind")

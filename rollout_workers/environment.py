@@ -1,0 +1,176 @@
+"""The environment protocol of multi-turn episodes, and the records that cross it.
+
+An environment is a class named by ``rollout.env._target_`` (checked at start-up by
+:func:`rlhf_core.config.import_env_target`); the other keys of ``rollout.env`` are its
+constructor's keyword arguments. The worker makes one instance per episode and calls, off its
+main thread::
+
+    first = env.reset(prompt)        # Prompt -> first observation (None: the prompt as it is)
+    result = env.step(turn)          # AssistantTurn -> StepResult(observation, reward, done)
+    ...                              # until done, or rollout.max_turns turns
+    env.close()                      # if it has one, when the episode ends however it ends
+
+Either method may be ``async def``: async environments run on one event loop in a thread of
+their own, sync ones on a thread pool (``rollout.env_threads``). ``step`` may also return a tuple
+``(observation, reward, done)`` or ``(observation, done)``.
+
+Observations: ``None`` (nothing to add), a string (a message of role ``tool`` when the turn made
+tool calls, else ``user``; without a chat template, the text as it is), a message dict
+(``{"role": "tool", "content": ...}``) or a list of them. What :meth:`reset` returns replaces the
+prompt: a string is the first user message, a list the messages.
+
+Optional attributes an environment may have:
+
+* ``tools``: JSON-schema tool descriptions, rendered by the tokenizer's chat template
+  (``apply_chat_template(..., tools=env.tools)``); the turn's tool calls are parsed in the
+  template's format (:mod:`rollout_workers.tool_calls`);
+* ``tool_call_pattern``: a regular expression for tool calls, used when the template has no tool
+  format (group 1, or the whole match, holds ``{"name": ..., "arguments": {...}}``);
+* ``close()``.
+
+Rewards: the episode's reward is the sum of the rewards ``step`` returned (component ``env``)
+plus the run's reward functions and models on the whole conversation, if any are configured.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Mapping, Protocol, Union
+
+from rlhf_core.config import ConfigError, env_target, import_env_target
+from rlhf_core.records import Prompt
+
+Message = Mapping[str, Any]
+Observation = Union[str, Message, list, None]
+
+
+@dataclass
+class ToolCall:
+    """One call the policy wrote: ``name`` and ``arguments`` as parsed, ``text`` as written."""
+
+    name: str
+    arguments: dict[str, Any]
+    text: str = ""
+
+
+@dataclass
+class AssistantTurn:
+    """One policy turn, as the environment sees it.
+
+    ``text``: decoded without special tokens; ``raw_text``: with them; ``token_ids``: as sampled;
+    ``finish_reason``: ``stop`` (end of turn) or ``length`` (cut at ``rollout.max_new_tokens``);
+    ``index``: 0 for the first turn. ``tool_calls`` are the calls the parser read;
+    ``tool_call_errors`` one message per call it could not read (the environment should answer
+    with an error observation: the policy learns from it, nothing crashes).
+    """
+
+    text: str
+    raw_text: str
+    token_ids: list[int]
+    finish_reason: str
+    index: int
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """What ``step`` returns: the next observation (ignored when ``done``), an optional reward
+    (summed over the episode), and whether the episode is over."""
+
+    observation: Observation = None
+    reward: float | None = None
+    done: bool = False
+
+
+class Environment(Protocol):
+    """What the worker needs of an environment (see the module docstring)."""
+
+    def reset(self, prompt: Prompt) -> Observation | Awaitable[Observation]: ...
+
+    def step(self, turn: AssistantTurn) -> StepResult | tuple | Awaitable[StepResult | tuple]: ...
+
+
+class EnvContractError(Exception):
+    """An environment broke its contract (a step result of the wrong shape); the episode dies."""
+
+
+def as_step_result(value: Any) -> StepResult:
+    """Normalise what ``step`` returned: a StepResult, ``(obs, reward, done)`` or ``(obs, done)``."""
+    if isinstance(value, StepResult):
+        result = value
+    elif isinstance(value, tuple) and len(value) == 3:
+        result = StepResult(value[0], value[1], bool(value[2]))
+    elif isinstance(value, tuple) and len(value) == 2:
+        result = StepResult(value[0], None, bool(value[1]))
+    else:
+        raise EnvContractError(f"step() returned {type(value).__name__}; return a StepResult(observation, reward, done) "
+                                "or a tuple (observation, reward, done)")
+    reward = result.reward
+    if reward is not None:
+        if isinstance(reward, bool) or type(reward).__name__.startswith("bool"):
+            raise EnvContractError(f"step() returned reward {reward!r}: booleans are not rewards (return 1.0 or 0.0)")
+        try:
+            result.reward = float(reward)  # Python, NumPy and torch scalars
+        except (TypeError, ValueError):
+            raise EnvContractError(f"step() returned reward {reward!r} ({type(reward).__name__}), not a number") from None
+        if not math.isfinite(result.reward):
+            raise EnvContractError(f"step() returned reward {reward!r}, not a finite number")
+    return result
+
+
+def observation_messages(observation: Observation, role: str) -> list[dict[str, Any]]:
+    """An observation as chat messages (a string gets ``role``)."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": role, "content": observation}]
+    if isinstance(observation, Mapping):
+        return [dict(observation)]
+    if isinstance(observation, list) and all(isinstance(m, Mapping) for m in observation):
+        return [dict(m) for m in observation]
+    raise EnvContractError(f"an observation must be None, a string, a message dict or a list of them, got "
+                            f"{type(observation).__name__}")
+
+
+def observation_text(observation: Observation) -> str:
+    """An observation as plain text (no chat template): a string as it is, messages' contents joined."""
+    return "".join(str(m.get("content", "")) for m in observation_messages(observation, "user"))
+
+
+class EnvFactory:
+    """Makes one environment per episode from ``rollout.env`` (class and keyword arguments).
+
+    Built by the worker before the model loads: an unimportable path, a class without
+    ``reset``/``step`` and keyword arguments the constructor does not take are
+    :class:`ConfigError` here, naming the path.
+    """
+
+    def __init__(self, rollout: Any) -> None:
+        cls = import_env_target(rollout)
+        if cls is None:
+            raise ConfigError("rollout.env has no _target_: no environment to run")
+        self.cls, self.path = cls, env_target(rollout)
+        env = rollout.env
+        items = env.items() if isinstance(env, Mapping) else ()
+        self.kwargs = {str(k): _plain(v) for k, v in items if k != "_target_"}
+        try:
+            inspect.signature(cls).bind(**self.kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"rollout.env: {self.path}({', '.join(f'{k}=...' for k in self.kwargs)}) does not fit its "
+                              f"constructor: {exc}; set only the keys it takes (+rollout.env.<key>=value)") from None
+        except ValueError:  # a signature inspect cannot read (a C extension): let the first episode tell
+            pass
+
+    def make(self) -> Any:
+        return self.cls(**self.kwargs)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value

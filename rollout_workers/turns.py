@@ -1,0 +1,116 @@
+"""The tokens between two policy turns: what the environment said, in the chat template's format.
+
+An episode's context is token ids (:class:`rlhf_core.episode.Transcript`): the policy's turns as
+sampled and, after each, the ids this module gives for the observation. Two formats:
+
+* **Chat template** (:class:`TemplateConversation`, the tokenizer has one). The conversation is
+  kept as messages too. After a turn, the template renders the conversation with the turn (its
+  text as the assistant message) and the observation (``add_generation_prompt=True``). When that
+  rendering starts with the rendering before the turn followed by the turn's own text (special
+  tokens included), the rest is exactly what the template puts between the turn and the next
+  one: the end-of-turn tokens the policy did not write (e.g. the ``\\n`` after ``<|im_end|>``),
+  the observation's message and the next generation prompt. Those characters are tokenised and
+  appended. When the template re-renders history differently (it trims the assistant's text,
+  drops reasoning, formats tool calls its own way) the delta is taken from a fixed two-message
+  conversation instead: the end of an assistant message, then the observation's messages.
+  Either way the template's rendering of the WHOLE conversation, tokenised, is compared with the
+  context ids; a difference is counted as **retokenisation drift** (per turn, in the worker's
+  stats) and the episode still trains on its own ids: the tokens the policy sampled, never
+  others.
+* **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
+  text is tokenised as it is and appended; the task's environment writes its own separators.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rollout_workers.environment import Observation, observation_messages, observation_text
+
+#: a fixed conversation the template renders to find what surrounds an observation and how an
+#: assistant message ends (the contents are placeholders no template changes)
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a0a1a2"}]
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Ids of ``text`` without added BOS/EOS (templates and tasks write their own special tokens)."""
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]] if text else []
+
+
+class PlainConversation:
+    """No chat template: an observation is its text, tokenised as it is."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def after_turn(self, context_ids: Sequence[int], turn_ids: Sequence[int], content: str, observation: Observation,
+                   role: str) -> tuple[list[int], bool]:
+        """``(ids to append, drift)``; drift is never counted without a template."""
+        return encode(self.tokenizer, observation_text(observation)), False
+
+
+class TemplateConversation:
+    """One episode's conversation through the tokenizer's chat template (see the module docstring).
+
+    Args:
+        tokenizer: with a ``chat_template``.
+        messages: the conversation so far (the prompt's messages, or what ``reset`` returned).
+        tools: the environment's tool descriptions (rendered by the template), or None.
+    """
+
+    def __init__(self, tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None = None) -> None:
+        self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
+        self.messages = [dict(m) for m in messages]
+        self.rendered = self.render(self.messages, generation_prompt=True)
+
+    def render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
+        kwargs = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kwargs)
+
+    def initial_ids(self) -> list[int]:
+        return encode(self.tokenizer, self.rendered)
+
+    def after_turn(self, context_ids: Sequence[int], turn_ids: Sequence[int], content: str, observation: Observation,
+                   role: str) -> tuple[list[int], bool]:
+        """The ids to append after a turn (``turn_ids``, already at the end of ``context_ids``) for
+        ``observation`` (a string gets ``role``), and whether the template's rendering of the
+        whole conversation, tokenised, differs from the context ids with them (drift)."""
+        turn_text = self.tokenizer.decode(list(turn_ids), skip_special_tokens=False)
+        obs = observation_messages(observation, role)
+        self.messages.append({"role": "assistant", "content": content})
+        self.messages.extend(obs)
+        full = self.render(self.messages, generation_prompt=True)
+        head = self.rendered + turn_text
+        if full.startswith(head):
+            delta = full[len(head):]
+        else:  # history re-rendered otherwise: a fixed conversation gives what follows a turn
+            delta = self._turn_end(turn_text) + self._observation_delta(obs)
+        self.rendered = full
+        ids = encode(self.tokenizer, delta)
+        drift = encode(self.tokenizer, full) != [*map(int, context_ids), *ids]
+        return ids, drift
+
+    def _turn_end(self, turn_text: str) -> str:
+        """What the template writes after an assistant message's content that the turn did not
+        (``<|im_end|>\\n`` minus the ``<|im_end|>`` the policy sampled)."""
+        base = self.render(_BASE, generation_prompt=False)
+        content = _BASE[-1]["content"]
+        at = base.rfind(content)
+        end = base[at + len(content):] if at >= 0 else ""
+        for k in range(len(end), 0, -1):  # the longest start of `end` the turn already wrote
+            if turn_text.endswith(end[:k]):
+                return end[k:]
+        return end
+
+    def _observation_delta(self, obs: list[dict[str, Any]]) -> str:
+        base = self.render(_BASE, generation_prompt=False)
+        with_obs = self.render([*_BASE, *obs], generation_prompt=True)
+        if with_obs.startswith(base):
+            return with_obs[len(base):]
+        common = 0  # a template that renders the base otherwise once more follows: keep what differs
+        for a, b in zip(base, with_obs):
+            if a != b:
+                break
+            common += 1
+        return with_obs[common:]
