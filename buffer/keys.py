@@ -24,6 +24,8 @@ Layout (``P = rlhf:{run_id}:``)::
     P replay:n        hash    entry id -> samples in the entry
     P replay:uses     hash    entry id -> committed uses
     P replay:out      hash    entry id -> learner consumer holding it in an uncommitted batch
+    P control         hash    settings changed from outside while the run goes on: ``workers`` (the
+                              number of worker actors a ``launcher=ray`` run keeps; ``rlhf-monitor workers=N``)
 
 The fields of the stream entries are defined at the end of this module; the Lua scripts get
 all of these names through the preamble built in :mod:`buffer.scripts`.
@@ -95,6 +97,7 @@ class RunKeys:
     replay_n: str
     replay_uses: str
     replay_out: str
+    control: str
 
     @classmethod
     def for_run(cls, run_id: str) -> "RunKeys":
@@ -120,6 +123,7 @@ class RunKeys:
             replay_n=p + "replay:n",
             replay_uses=p + "replay:uses",
             replay_out=p + "replay:out",
+            control=p + "control",
         )
 
     def pattern(self) -> str:
@@ -129,6 +133,9 @@ class RunKeys:
     def all(self) -> list[str]:
         return [v for k, v in self.__dict__.items() if k not in ("run_id", "prefix")]
 
+
+#: control hash: the number of worker actors the run's launcher keeps (rlhf-monitor workers=N sets it)
+CONTROL_WORKERS = "workers"
 
 # ---- stream entry layouts (the fields of the entries in the streams above) ----------------
 #: prompts stream: one field holding the encoded rlhf_core.records.Prompt

@@ -1,4 +1,5 @@
-"""A private redis-server child process: random loopback port, data in a temp dir, AOF on.
+"""A private redis-server child process: random loopback port (or another interface, with a
+password), data in a temp dir, AOF on.
 
 `rlhf-run` uses it when no ``buffer.url`` is given, and the integration tests use it (they
 kill and restart it by PID). It is stopped by PID, never by a shutdown command to some other
@@ -20,10 +21,10 @@ from rlhf_core.cli import die_with_parent as _die_with_parent
 from rlhf_core.errors import UserError
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -31,8 +32,12 @@ class RedisServer:
     """A redis-server child process on a random port, with its data in ``workdir``."""
 
     def __init__(self, workdir: str | os.PathLike, password: str | None = None, appendonly: bool = True,
-                 fsync: str = "always", die_with_parent: bool = False) -> None:
+                 fsync: str = "always", die_with_parent: bool = False, host: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)
+        # another interface than loopback (other machines' workers reach it): only with a password
+        if host not in ("127.0.0.1", "localhost") and not password:
+            raise UserError(f"a redis-server bound to {host} is reachable from other machines: give it a password")
+        self.host = host
         self.die_with_parent = die_with_parent  # SIGTERM (flush the AOF, exit) when the starting process dies
         self.password = password
         self.appendonly = appendonly
@@ -50,7 +55,7 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -60,7 +65,7 @@ class RedisServer:
     def start(self, port: int | None = None) -> "RedisServer":
         self.workdir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
-            self.port = port or free_port()
+            self.port = port or free_port(self.host)
             args = self.args()
             # own process group: a Ctrl-C aimed at the launcher does not kill Redis before the
             # children have written their final state
@@ -77,7 +82,8 @@ class RedisServer:
     def args(self) -> list[str]:
         """The command line of this server (port, data dir, append-only file)."""
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+            self.binary, "--port", str(self.port), "--bind", self.host, "--protected-mode", "yes",
+            "--dir", str(self.workdir),
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
             "--save", "", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"),
         ]
@@ -95,7 +101,7 @@ class RedisServer:
             if self.proc is not None and self.proc.poll() is not None:
                 return False
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     if self.password:
                         s.sendall(f"AUTH {self.password}\r\n".encode())
                         s.recv(64)

@@ -10,7 +10,9 @@ Counters (monotonic):
     prompts_enqueued, prompts_claimed (first deliveries), prompts_reclaimed (re-delivered after a
     lease expired), prompts_released (given back un-done), prompts_dead_lettered,
     completions_empty (completed with no valid sample), completions_duplicate (a completion for
-    a prompt already completed), groups_appended, samples_appended, groups_consumed,
+    a prompt already completed), groups_filtered and samples_filtered (completed without being
+    appended because the group teaches nothing: ``algo.filter_groups``), groups_filtered_<reason>
+    per reason of :data:`rlhf_core.dapo.FILTER_REASONS`, groups_appended, samples_appended, groups_consumed,
     samples_consumed, groups_dropped_stale, samples_dropped_stale, samples_evicted,
     samples_dead_lettered, entries_dead_lettered, dead_letters (all kinds), groups_removed and
     samples_removed (left the sample stream: consumed, dropped, evicted or used up),
@@ -20,7 +22,7 @@ Gauges (go up and down):
     prompts_waiting (enqueued, never delivered), admitted (samples admitted by pacing, net of
     give-backs), inflight (samples being generated), replay_size (samples in the replay table)
 Derived by :func:`read_counters` (not stored, so the worker's hot path writes less):
-    prompts_acked = groups_appended + completions_empty,
+    prompts_acked = groups_appended + completions_empty + groups_filtered,
     samples_in_buffer = samples_appended - samples_removed, groups_in_buffer likewise.
 Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
 """
@@ -35,7 +37,8 @@ import redis
 
 from buffer import pacing
 from buffer.connection import Retrying, control_int, corrupt_state
-from buffer.keys import WORKERS_GROUP, RunKeys
+from buffer.keys import CONTROL_WORKERS, WORKERS_GROUP, RunKeys
+from rlhf_core.dapo import FILTER_REASONS
 
 COUNTERS = (
     "prompts_enqueued",
@@ -65,6 +68,9 @@ COUNTERS = (
     "replay_seq",
     "rl_inserts",
     "rl_samples",
+    "groups_filtered",
+    "samples_filtered",
+    *(f"groups_filtered_{reason}" for reason in FILTER_REASONS),
 )
 
 #: Counters that hold floats (HINCRBYFLOAT); all others are integers.
@@ -91,7 +97,7 @@ def read_counters(raw: dict[bytes, bytes], key: str = "counters") -> dict[str, i
     for k, v in raw.items():
         name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
         out[name] = _num(v, name, key)
-    out["prompts_acked"] = out["groups_appended"] + out["completions_empty"]
+    out["prompts_acked"] = out["groups_appended"] + out["completions_empty"] + out["groups_filtered"]
     out["samples_in_buffer"] = out["samples_appended"] - out["samples_removed"]
     out["groups_in_buffer"] = out["groups_appended"] - out["groups_removed"]
     return out
@@ -131,7 +137,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         {"run_id": str, "learner_version": int, "admission_budget": int, "mode": "fifo"|"replay",
          "counters": {name: number}, "depth": {...}, "staleness_hist": {lag: samples},
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
-         "stats": {component: {...}}}   # what publish_stats stored
+         "stats": {component: {...}},   # what publish_stats stored
+         "control": {"workers": int | None}}   # the worker actors asked for (Buffer.set_worker_target)
     """
     k = keys
     pipe = client.pipeline(transaction=True)
@@ -142,7 +149,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
     pipe.hgetall(k.consumers)
     pipe.xlen(k.dead)
     pipe.hgetall(k.stats)
-    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw = retry(pipe.execute)
+    pipe.hget(k.control, CONTROL_WORKERS)
+    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw, workers_raw = retry(pipe.execute)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw, k.counters)
     learner_version = control_int(version, k.version, "")
@@ -173,4 +181,6 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         "dropped_stale_hist": read_hist(hist_d, k.hist_dropped),
         "consumers": consumers,
         "stats": {name.decode(): unpack_record(raw) for name, raw in stats_raw.items()},
+        # what was asked of the launcher from outside (rlhf-monitor workers=N); None: never
+        "control": {"workers": None if workers_raw is None else control_int(workers_raw, k.control, CONTROL_WORKERS)},
     }

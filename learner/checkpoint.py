@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from learner.engines import TrainEngine, barrier, rank_and_world
+from rlhf_core import lora
 from rlhf_core.errors import UserError
 
 LATEST = "latest"
@@ -215,9 +216,13 @@ def load_latest(root_dir: str | Path, engine: TrainEngine, critic_engine: TrainE
 
 def export_hf(engine: TrainEngine, tokenizer: Any, out_dir: str | Path) -> Path:
     """Final export with ``save_pretrained`` (safetensors) + the tokenizer, loadable by
-    ``transformers`` as is. Call on every rank (ZeRO-3 gathers); rank 0 writes, atomically."""
+    ``transformers`` as is. A model with LoRA adapters is exported merged (``W0 + scaling * B @ A``
+    under the base model's names, :func:`rlhf_core.lora.merged_state_dict`): a plain checkpoint
+    that needs no peft. Call on every rank (ZeRO-3 gathers); rank 0 writes, atomically."""
     out = Path(out_dir)
     state = dict(engine.named_full_parameters())
+    if engine.is_rank0 and lora.has_adapters(engine.module):
+        state = lora.merged_state_dict(engine.module, state)
     if engine.is_rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".tmp-{out.name}"

@@ -41,6 +41,7 @@ class TrainEngine(Protocol):
     def step(self) -> float: ...  # grad norm before clipping
     def train(self, mode: bool = True) -> None: ...
     def named_full_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def named_trainable_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
     def save_state(self, directory: str | Path) -> None: ...
     def load_state(self, directory: str | Path) -> None: ...
 
@@ -93,6 +94,20 @@ def full_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> Itera
     for name, p in module.named_parameters():
         yield name, p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
     yield from persistent_buffers(module, dtype)
+
+
+def trainable_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU copy) of every parameter that trains: with LoRA the adapters alone, what the
+    learner publishes then (the frozen base weights every side loads from ``model.path``)."""
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            yield name, p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
+
+
+def frozen_parameter_names(module: torch.nn.Module) -> frozenset[str]:
+    """State-dict names of the parameters that do not train (tied aliases included): the base
+    weights under LoRA, which checkpoints leave out (they come from ``model.path``)."""
+    return frozenset(n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
 def persistent_buffers(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -166,19 +181,27 @@ class TorchEngine:
             self.skipped_steps += 1
             log.warning("skipping an optimizer step: gradient norm is %s", norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
+        if self.masters is not None:  # the model's own gradients (the optimizer holds the masters')
+            self.module.zero_grad(set_to_none=True)
         return norm
 
     def train(self, mode: bool = True) -> None:
-        self.module.train(mode)
+        if self.module.training != mode:  # a walk over every submodule: only when it changes
+            self.module.train(mode)
 
     def named_full_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return full_parameters(self.module, dtype)
 
+    def named_trainable_parameters(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return trainable_parameters(self.module, dtype)
+
     def save_state(self, directory: str | Path) -> None:
+        """The model's state (without frozen parameters: under LoRA the adapters and buffers, a
+        few MB instead of the model), optimizer, scheduler and masters."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        torch.save(self.module.state_dict(), d / "model.pt")
+        frozen = frozen_parameter_names(self.module)
+        torch.save({k: v for k, v in self.module.state_dict().items() if k not in frozen}, d / "model.pt")
         torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
         torch.save({"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}, d / "scheduler.pt")
         if self.masters is not None:  # the exact weights (the model holds them rounded)
@@ -187,7 +210,13 @@ class TorchEngine:
     def load_state(self, directory: str | Path) -> None:
         d = Path(directory)
         # weights_only: a checkpoint is data, never code.
-        self.module.load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+        state = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        missing = sorted(set(missing) - frozen_parameter_names(self.module))  # frozen ones were left out on purpose
+        if missing or unexpected:  # e.g. a checkpoint of another model.lora setting
+            raise RuntimeError(f"the saved model state does not fit the model: {len(missing)} tensor(s) missing "
+                               f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {sorted(unexpected)[:3]}); "
+                               "resume with the model and model.lora settings the checkpoint was written with")
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
         sched = torch.load(d / "scheduler.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(sched["scheduler"])

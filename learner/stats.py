@@ -127,16 +127,21 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
 
 
-def flops_metrics(params: int, tokens: float, seconds: float, peak: float | None) -> dict[str, float]:
+def flops_metrics(params: int, tokens: float, seconds: float, peak: float | None,
+                  trainable: int | None = None) -> dict[str, float]:
     """Training FLOP/s as ``6 * params * tokens / seconds`` (forward 2, backward 4 per parameter
     and token; recomputation passes and attention are not counted) and MFU against ``peak``.
+    ``trainable`` (default: all ``params``): the parameters that get gradients; frozen ones
+    (LoRA's base weights) cost the forward 2 and the backward to the activations 2, not the
+    weight gradient 2: ``(4 * params + 2 * trainable) * tokens``.
 
     E.g. 1e6 params, 1e4 tokens in 0.5 s: 6e10 / 0.5 = 1.2e11 FLOP/s = 0.12 TFLOPS; against a
     1e12 peak, MFU 0.12.
     """
     if seconds <= 0:
         return {}
-    achieved = 6.0 * params * tokens / seconds
+    trainable = params if trainable is None else trainable
+    achieved = (4.0 * params + 2.0 * trainable) * tokens / seconds
     out = {M.TRAIN_TFLOPS: achieved / 1e12}
     if peak:
         out[M.MFU] = achieved / peak

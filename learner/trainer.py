@@ -38,9 +38,11 @@ import torch
 
 from buffer import Buffer
 from buffer.datasets import iter_prompts
-from rlhf_core.config import Config, ConfigError, validate
+from rlhf_core import lora
+from rlhf_core.config import Config, ConfigError, response_budget, validate
+from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, UserError
-from rlhf_core.metric_names import METRICS_FILE
+from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -51,6 +53,8 @@ from weight_server import StaleVersionError, WeightPublisher
 log = logging.getLogger(__name__)
 
 PROMPT_CHECK_S = 0.1  # the prompt producer looks at the queue's depth this often
+EVAL_CHECK_S = 1.0  # the learner looks for a new evaluation this often (when eval.every > 0)
+STATS_EVERY_S = 0.25  # the learner's stats in Redis (monitor, run exporter) are refreshed at most this often
 #: what rlhf_core.records.validate_sample says about token ids beyond the run's vocabulary
 VOCAB_DEAD_LETTER = "outside the vocabulary"
 
@@ -107,7 +111,7 @@ class Learner:
                 batch_size=cfg.learner.batch_size,
                 group_size=cfg.algo.group_size,
                 max_staleness=cfg.algo.max_staleness,
-                max_response_tokens=cfg.rollout.max_new_tokens,
+                max_response_tokens=response_budget(cfg.rollout),
                 vocab_size=vocab,
             )
         ws = cfg.weight_server
@@ -130,6 +134,7 @@ class Learner:
         self._publish_dtype = {"as_trained": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             cfg.learner.publish_dtype
         ]
+        self.adapters_only = lora.enabled(cfg.model.lora)  # what a version holds: LoRA adapters, or everything
         self.metrics_path = self.output_dir / METRICS_FILE
         self._producer: threading.Thread | None = None
         self._producer_error: UserError | None = None
@@ -148,6 +153,10 @@ class Learner:
 
             self.trackers = Trackers(cfg, self.output_dir, self._tracker_state)
         self._last_trained: list[tuple[Sample, int]] = []  # the batch just trained, with staleness (the trackers' table)
+        self._last_metrics: dict[str, Any] | None = None  # the newest update's, published at the end if throttled
+        self._stats_at = -STATS_EVERY_S
+        self._filter_checked, self._filter_counts = -EVAL_CHECK_S, {}
+        self._eval_checked, self._eval_seen = -EVAL_CHECK_S, None  # the newest evaluation copied into metrics
 
     # ------------------------------------------------------------------ resume
 
@@ -224,7 +233,9 @@ class Learner:
         """
         self.wait_published()
         t0 = time.monotonic()
-        tensors = self.engine.named_full_parameters(self._publish_dtype)
+        # with LoRA the adapters alone: the base weights every side loads from model.path never change
+        tensors = (self.engine.named_trainable_parameters(self._publish_dtype) if self.adapters_only
+                   else self.engine.named_full_parameters(self._publish_dtype))
         if self.publisher is None:
             for _ in tensors:  # keep in step with rank 0's gathers
                 pass
@@ -390,15 +401,62 @@ class Learner:
         """Rank 0: one line in metrics.jsonl, the monitor's stats in Redis, Prometheus, TensorBoard."""
         if not self.rank0:
             return
+        if self.cfg.eval.every:
+            self._merge_eval(metrics)
+        if self.cfg.algo.filter_groups:
+            self._merge_filter_counts(metrics)
         metrics_file.write(json.dumps(metrics) + "\n")
         metrics_file.flush()
-        self.buffer.publish_stats("learner", metrics)
+        self._last_metrics = metrics
+        now = time.monotonic()
+        if now - self._stats_at >= STATS_EVERY_S:  # its readers sample once a second; a Redis write per update is waste
+            self._stats_at = now
+            self.buffer.publish_stats("learner", metrics)
         if self.exporter is not None:
             self.exporter.update(metrics)
         if self.trackers is not None:
             self.trackers.log_update(metrics, self.version)
             if self.trackers.due(self.version):
                 self.trackers.log_details(self._sample_rows(), self._worker_stats(), self.version)
+
+    def _merge_eval(self, metrics: dict[str, Any]) -> None:
+        """Copy a new evaluation (the evaluator's record in the buffer, looked at once a second)
+        into this update's metrics: metrics.jsonl and the trackers then have it, at this step."""
+        now = time.monotonic()
+        if now - self._eval_checked < EVAL_CHECK_S:
+            return
+        self._eval_checked = now
+        try:
+            stats = self.buffer.stats(EVAL_STATS)
+        except Exception:  # noqa: BLE001  # evaluation is a view: it never stops training
+            log.debug("no evaluation record", exc_info=True)
+            return
+        if not stats or stats.get(EVAL_VERSION) == self._eval_seen:
+            return
+        self._eval_seen = stats.get(EVAL_VERSION)
+        metrics.update({k: v for k, v in stats.items() if k.startswith(EVAL_PREFIX)})
+
+    def _merge_filter_counts(self, metrics: dict[str, Any]) -> None:
+        """The group filter's counts (``algo.filter_groups``: groups the workers dropped, per reason,
+        from the buffer's counters, read at most once a second) into every metrics line:
+        ``filter/groups_filtered``, ``filter/groups_filtered_<reason>``, ``filter/filtered_frac``
+        (of the groups completed)."""
+        now = time.monotonic()
+        if now - self._filter_checked >= EVAL_CHECK_S:
+            self._filter_checked = now
+            try:
+                c = self.buffer.metrics()["counters"]
+            except Exception:  # noqa: BLE001  # a view: it never stops training
+                log.debug("no buffer counters for the filter metrics", exc_info=True)
+            else:
+                filtered = float(c.get("groups_filtered", 0))
+                self._filter_counts = {
+                    "filter/groups_filtered": filtered,
+                    "filter/samples_filtered": float(c.get("samples_filtered", 0)),
+                    **{f"filter/groups_filtered_{r}": float(c.get(f"groups_filtered_{r}", 0)) for r in FILTER_REASONS},
+                    "filter/filtered_frac": filtered / max(1.0, filtered + float(c.get("groups_appended", 0))),
+                }
+        metrics.update(self._filter_counts)
 
     def _sample_rows(self) -> list[list[Any]]:
         """The trackers' table: prompt and response text, reward, staleness, worker of the batch just trained."""
@@ -422,6 +480,8 @@ class Learner:
         """Stop the prompt producer, write the final checkpoint (then commit), fill in ``result``."""
         self.stop_event.set()
         self.wait_published()
+        if self.rank0 and self._last_metrics is not None:  # the final stats, whatever the throttle held back
+            self.buffer.publish_stats("learner", self._last_metrics)
         # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
         if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
             self.checkpoint()  # final checkpoint, then commit

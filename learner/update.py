@@ -3,7 +3,10 @@
 :meth:`PolicyUpdater.update` does, in order:
 
 1. collate the samples (:func:`learner.batch.collate`), check vocabulary and groups;
-2. normalise rewards with running statistics (``algo.normalize_rewards``);
+2. shape rewards (``algo.overlong=shaping``: DAPO's soft over-long penalty,
+   :func:`rlhf_core.dapo.overlong_penalty`), then normalise them with running statistics
+   (``algo.normalize_rewards``); the advantages see the shaped rewards, the ``reward/*``
+   metrics the samples' own;
 3. shard the rows over data-parallel ranks (every rank is given the SAME full sample list;
    rank ``r`` trains rows ``r, r + W, ...``, padded with blank filler rows so every rank
    makes the same number of forward/backward calls, which ZeRO-3 requires);
@@ -17,6 +20,10 @@
    sort-by-length micro-batches. Every micro-batch loss is scaled by its share of the
    minibatch (tokens, sequences or pairs, per ``algo.agg_mode``, counted over all ranks), so
    the accumulated gradient equals that of one pass over the whole minibatch.
+
+The loss mask of every loss, KL, entropy, advantage and statistic is ``TrainBatch.policy_mask``
+(the tokens the policy sampled: a multi-turn episode's observations are out), AND finite
+log-probs, AND (``algo.overlong=mask``) not a truncated response.
 
 Policy losses: ``decoupled`` (AReaL: clip pi/pi_prox, weight by pi_prox/mu with TIS/MIS) or
 ``ppo`` (plain PPO with old = behaviour, no correction: the baseline that shows what
@@ -42,7 +49,8 @@ from learner.losses import (
 )
 from learner.masked import aggregate, masked_max, masked_mean, masked_sum
 from learner.stats import MetricSums, RunningMoments, flops_metrics, peak_flops
-from rlhf_core.config import AlgoConfig, Config, ConfigError
+from rlhf_core.config import AlgoConfig, Config, ConfigError, response_budget
+from rlhf_core.dapo import overlong_penalty
 from rlhf_core.errors import UserError
 from rlhf_core.records import Sample
 from rlhf_core.sampling import process_logits, token_logprobs
@@ -86,8 +94,9 @@ def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
 
 
 def has_dropout(module: torch.nn.Module) -> bool:
-    """A dropout module with p > 0, or a dropout probability > 0 in the model's config (HF
-    attention applies ``config.attention_dropout`` functionally, in train mode only)."""
+    """A dropout module with p > 0 (LoRA's ``model.lora.dropout`` is one per adapted layer), or a
+    dropout probability > 0 in the model's config (HF attention applies ``config.attention_dropout``
+    functionally, in train mode only)."""
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
         return True
     config = getattr(module, "config", None)
@@ -123,6 +132,7 @@ class PolicyUpdater:
         # ds_numel: under ZeRO-3 a parameter here is an empty placeholder for its partitions
         self.trainable_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()
                                     if p.requires_grad)
+        self.total_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
         self.peak_flops = peak_flops(self.device, self.lcfg.peak_tflops)
         self._check_config()
         # built once; plain PPO has no IS weights, so its unused caps are not checked
@@ -147,6 +157,14 @@ class PolicyUpdater:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reward_stats.load_state_dict(state["reward_stats"])
+
+    def loss_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` tokens that enter the losses: the policy's (``policy_mask``), minus every token
+        of a truncated response under ``algo.overlong=mask`` (DAPO's over-long filtering)."""
+        mask = batch.policy_mask
+        if self.algo.overlong == "mask":
+            mask = mask & ~batch.truncated[:, None]
+        return mask
 
     # ------------------------------------------------------------------ forward helpers
     def _logp_entropy(self, forward: Any, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -212,6 +230,13 @@ class PolicyUpdater:
         m = MetricSums()
         self._batch_metrics(batch, samples, learner_version, m)
         rewards = batch.rewards
+        if self.algo.overlong == "shaping":  # DAPO eq. 13, on the rewards before any baseline sees them
+            penalty = overlong_penalty(batch.response_lengths, max_len=response_budget(self.rollout),
+                                       buffer=self.algo.overlong_buffer)
+            rewards = rewards + penalty
+            m.set("reward/overlong_penalty_mean", penalty.double().mean())
+            m.set("reward/overlong_penalized_frac", (penalty < 0).double().mean())
+            m.set("reward/shaped_mean", rewards.double().mean())
         if self.algo.normalize_rewards:
             self.reward_stats.update(rewards)
             rewards = self.reward_stats.normalize(rewards, self.algo.reward_norm_eps).float()
@@ -232,9 +257,10 @@ class PolicyUpdater:
             "learner/optimizer_steps": float(steps),
             "learner/time_compute_s": elapsed,
             "learner/samples_per_s": batch.num_rows / elapsed,
-            "learner/tokens_per_s": float(batch.response_mask.sum()) / elapsed,
+            "learner/tokens_per_s": float(batch.policy_mask.sum()) / elapsed,
         })
-        out.update(flops_metrics(self.trainable_params, float(batch.attention_mask.sum()), elapsed, self.peak_flops))
+        out.update(flops_metrics(self.total_params, float(batch.attention_mask.sum()), elapsed, self.peak_flops,
+                                 trainable=self.trainable_params))
         return out
 
     def _shard(self, n: int) -> tuple[list[int], list[bool]]:
@@ -280,7 +306,7 @@ class PolicyUpdater:
         if ref is not None:
             finite &= torch.isfinite(ref)
             ref = torch.where(finite, ref, torch.zeros_like(ref))
-        mask = local.response_mask & finite
+        mask = self.loss_mask(local) & finite
         if prox is not None:
             prox = torch.where(mask, prox, torch.zeros_like(prox))
         old_values = None
@@ -300,7 +326,7 @@ class PolicyUpdater:
         n_tok = float(mask.sum())
         m.add("loss/advantage_mean", masked_mean(adv, mask), n_tok)
         m.add("loss/advantage_abs_mean", masked_mean(adv.abs(), mask), n_tok)
-        m.add("learner/nonfinite_logprob_frac", masked_mean((~finite).float(), local.response_mask), float(local.response_mask.sum()))
+        m.add("learner/nonfinite_logprob_frac", masked_mean((~finite).float(), local.policy_mask), float(local.policy_mask.sum()))
         extras = {"adv": adv, "loss_mask": mask.float()}
         if prox is not None:
             extras["prox"] = prox
@@ -337,7 +363,7 @@ class PolicyUpdater:
         count = float(mask.sum()) if a.agg_mode == "token-mean" else float((mask.sum(-1) > 0).sum())
         # DeepSpeed averages gradients over ranks; the share is of the global minibatch, so x W.
         share = (count / denom if denom > 0 else 0.0) * self.engine.world_size
-        norm_len = self.rollout.max_new_tokens
+        norm_len = response_budget(self.rollout)
         logp, entropy = self._logp_entropy(self.engine.forward, mb, True)
         adv = mb.token_extras["adv"]
         prox = mb.token_extras.get("prox")
@@ -395,7 +421,7 @@ class PolicyUpdater:
         rows = [int(x) for p in pair_rows for x in (chosen[p], rejected[p])]
         local = batch.select(rows, drop=[f for f in fillers for _ in (0, 1)])
         ref = self._reference_logprobs(local)
-        ref_sum = masked_sum(ref, local.response_mask, dim=-1)
+        ref_sum = masked_sum(ref, local.policy_mask, dim=-1)
         local.row_extras["ref_sum"] = ref_sum
         m.set("learner/time_prepare_s", time.perf_counter() - t0)
 
@@ -416,7 +442,7 @@ class PolicyUpdater:
                     pp = part[i : i + pairs_per_micro]
                     mb = local.select([r for p in pp.tolist() for r in (2 * p, 2 * p + 1)])
                     logp, _ = self._logp_entropy(self.engine.forward, mb, False)
-                    sums = masked_sum(logp, mb.response_mask, dim=-1)
+                    sums = masked_sum(logp, mb.policy_mask, dim=-1)
                     rs = mb.row_extras["ref_sum"]
                     v = valid_pair[pp].to(self.device)
                     loss, st = dpo_loss(sums[0::2], sums[1::2], rs[0::2], rs[1::2], beta=a.dpo_beta,
@@ -450,14 +476,18 @@ class PolicyUpdater:
             m.set(f"reward/{k}", sum(vals) / len(vals))
         m.set("reward/response_len_mean", batch.response_lengths.double().mean())
         m.set("reward/truncated_frac", batch.truncated.double().mean())
+        if any(s.loss_mask is not None for s in samples):  # multi-turn episodes
+            m.set("reward/policy_len_mean", batch.policy_lengths.double().mean())
+            m.set("learner/policy_token_frac", batch.policy_mask.sum().double() / batch.response_mask.sum().clamp(min=1))
+            m.set("reward/turns_mean", sum(float(s.metadata.get("turns", 0)) for s in samples) / len(samples))
         stale = torch.tensor([version - s.oldest_version for s in samples], dtype=torch.float64)
         m.set("staleness/min", stale.min())
         m.set("staleness/mean", stale.mean())
         m.set("staleness/max", stale.max())
         tok = (version - batch.token_versions).double()
-        m.set("staleness/token_mean", masked_mean(tok, batch.response_mask))
+        m.set("staleness/token_mean", masked_mean(tok, batch.policy_mask))
         m.set("learner/num_samples", batch.num_rows)
-        m.set("learner/num_tokens", batch.response_mask.sum())
+        m.set("learner/num_tokens", batch.policy_mask.sum())
         m.set("learner/num_groups", batch.num_groups)
         m.set("learner/partial_groups", (batch.group_sizes < self.algo.group_size).sum())
 

@@ -34,6 +34,27 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (extra ``lora``: peft). ``r`` 0 or null: off, the whole model trains.
+
+    With ``r > 0`` the learner trains the adapters only, the weight server carries only the
+    adapter tensors (every version complete: base weights come from ``model.path`` on every
+    side), workers apply them to their own copy of the base model, and ``learner.export_dir``
+    gets the merged model. See ``rlhf_core/lora.py``.
+    """
+
+    r: Optional[int] = 0  # adapter rank; 0 or null: no adapters
+    alpha: float = 16.0  # the update is scaled by alpha / r (alpha / sqrt(r) with rslora)
+    # on the adapter's input while training (the learner's pi_prox pass and the workers run without it;
+    # > 0 turns off reading pi_prox off the training pass, see learner/update.py)
+    dropout: float = 0.0
+    # module names (or suffixes) that get an adapter; all-linear: every linear layer but the output head
+    # ([all-linear, lm_head]: the head too, which a random-initialised model such as `tiny` needs to learn)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     # A local HF-format directory. When set it is loaded with from_pretrained; when null the
@@ -48,6 +69,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -102,6 +124,13 @@ class AlgoConfig:
     normalize_advantages: bool = False
     dpo_label_smoothing: float = 0.0  # cDPO: assumed probability that a preference label is flipped
     reward_norm_eps: float = 1e-8  # added to the running reward std when normalize_rewards
+    # DAPO (rlhf_core/dapo.py). filter_groups: a group whose rewards are all equal is dropped by the worker
+    # before it takes a batch slot (counted per reason; pacing admits another prompt in its place)
+    filter_groups: bool = False
+    # over-long responses: none | mask (truncated responses get zero loss weight) | shaping (DAPO's soft
+    # penalty, in [-1, 0], on responses longer than the response budget minus overlong_buffer tokens)
+    overlong: str = "none"
+    overlong_buffer: int = 4  # tokens at the end of the response budget where shaping's penalty ramps to -1
 
 
 @dataclass
@@ -115,10 +144,11 @@ class BufferConfig:
     heartbeat_interval_s: float = 2.0
     max_deliveries: int = 3  # a prompt delivered this often goes to the dead-letter stream
     max_reuse: int = 1  # times each sample may be trained on
-    # Batches admitted for generation beyond the one the learner reads next. algo.max_staleness
-    # bounds how stale a sample may be; this bounds how far ahead workers run when generation
-    # is faster than training: 1 keeps the learner fed with the freshest samples; null admits
-    # up to the staleness bound (AReaL pacing), so samples wait in the buffer and age.
+    # Batches admitted for generation beyond the one the learner reads next (capped by
+    # algo.max_staleness). 1 gives samples about one version old and leaves one version of slack
+    # under the staleness bound for groups that finish out of order (several workers); a single
+    # worker then waits for each new version before its next batch, which 2 avoids (samples
+    # about two versions old); null admits up to the staleness bound (AReaL pacing).
     lookahead: Optional[int] = 1
     samples_per_insert: Optional[float] = None  # Reverb-style rate limit; null = off
     min_size_to_sample: int = 1
@@ -146,6 +176,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_strings: list[str] = field(default_factory=list)
+    # Multi-turn episodes (docs/multi_turn.md): an environment class by dotted path, its own keys beside it
+    # (rollout.env._target_=my_pkg.envs.Calculator +rollout.env.precision=4). No _target_: one reply per prompt.
+    env: dict[str, Any] = field(default_factory=lambda: {"_target_": None})
+    max_turns: int = 8  # assistant turns per episode at most; an episode still going then ends as max_turns
+    # tokens of an episode's response (every turn, and the observations and template tokens between
+    # them); the context is max_prompt_tokens + this. null: 2 * max_turns * max_new_tokens
+    max_episode_tokens: Optional[int] = None
+    env_threads: int = 16  # environment calls running at once (a thread pool; async environments share one event loop)
+    env_timeout_s: Optional[float] = 60.0  # an environment call running longer fails its episode (null: no limit)
     ref_logprobs_on: str = "learner"  # worker | learner | none
     weight_check_every: int = 1  # decoding steps between checks for a newer weight version
     shutdown_grace_s: float = 10.0
@@ -243,6 +282,22 @@ class RewardConfig:
     # the run with the reward's error (single failures are dead-lettered and the run goes on)
     max_failure_share: float = 0.5
     failure_window: int = 64
+    # Finished responses are scored in batches of whole groups, up to batch_size samples per call
+    # (a larger group is split), sent to a free scoring thread once batch_size samples wait, the
+    # oldest has waited max_wait_ms, or generation is idle. batch_size=1 scores one sample per call.
+    batch_size: int = 32
+    max_wait_ms: float = 10.0
+    # Scoring threads: batches scored at once (reward models and HTTP judges release the GIL). The
+    # torch intra-op threads of a worker, reward models included, are OMP_NUM_THREADS (rlhf-run
+    # gives each child cores // (workers + 1) unless it is set).
+    num_threads: int = 1
+    # A reward call (one function or model over one batch) running longer than this is abandoned:
+    # its samples are dead-lettered, and a worker whose rewards keep timing out stops (max_failure_share).
+    # The call's thread cannot be killed and finishes in the background. null: no limit.
+    timeout_s: Optional[float] = 120.0
+    # A response with no text (only end-of-sequence, or whitespace): zero = reward 0 without calling
+    # the rewards; dead_letter = not trained on; score = scored like any other response.
+    empty_response: str = "zero"
 
 
 @dataclass
@@ -255,6 +310,24 @@ class DataConfig:
     messages_field: Optional[str] = "messages"  # chat turns, used when a row has them (null: never)
     epochs: int = 1000
     seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on held-out prompts (``rlhf-run eval.every=N``): the evaluator samples
+    ``n`` responses to each prompt with the policy of version 0 and of every N-th version after,
+    scores them with the run's rewards, and reports the mean reward and pass@k."""
+
+    every: int = 0  # learner versions between evaluations (version 0 too); 0 = off
+    n: int = 4  # samples per prompt
+    k: list[int] = field(default_factory=lambda: [1, 4])  # pass@k for each k (each <= n)
+    pass_threshold: float = 1.0  # a sample passes when its reward is >= this
+    num_prompts: Optional[int] = 64  # the first N prompts of eval.data (null: all)
+    temperature: Optional[float] = None  # null: rollout.temperature
+    seed: int = 0  # the evaluator's sampling seed
+    # held-out prompts; the built-in task in another order by default (a held-out file: eval.data.source=jsonl
+    # eval.data.path=...); loaded like data (same fields)
+    data: DataConfig = field(default_factory=lambda: DataConfig(seed=1))
 
 
 @dataclass
@@ -276,6 +349,48 @@ class RunConfig:
 
 
 @dataclass
+class RayRoleConfig:
+    """What one role's Ray actor asks of a node (``rlhf-run launcher=ray``)."""
+
+    num_cpus: float = 1.0  # logical CPUs (fractions share a core)
+    num_gpus: float = 0.0  # fractions co-locate actors on one GPU (e.g. 0.5 for two workers)
+    resources: dict[str, float] = field(default_factory=dict)  # custom node resources (ray start --resources)
+    label_selector: dict[str, str] = field(default_factory=dict)  # node labels (ray start --labels)
+    max_restarts: int = 5  # Ray restarts a dead actor (its process, or its node, lost) this often
+
+
+@dataclass
+class RayLearnerConfig(RayRoleConfig):
+    """The learner's ranks: one actor per rank, one placement-group bundle per rank."""
+
+    ranks: int = 1  # data-parallel ranks (world size); > 1 needs learner.engine=deepspeed
+    strategy: str = "PACK"  # placement group strategy: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # rank 0 on the node that runs rlhf-run, where the output folder is (metrics.jsonl, checkpoints,
+    # trackers); false: anywhere, which needs an output folder on a filesystem every node mounts
+    on_driver_node: bool = True
+    max_restarts: int = 0  # the launcher restarts the learner from its checkpoint (run.learner_restarts)
+
+
+@dataclass
+class RayConfig:
+    """``rlhf-run launcher=ray``: the roles as Ray actors (docs: README, "Running on a cluster")."""
+
+    # host:port of the cluster's GCS (what `ray start --head` prints); "auto": the cluster this node
+    # joined; null: start a local Ray instance for this run
+    address: Optional[str] = None
+    connect_timeout_s: float = 15.0  # no answer at ray.address within this: a clear error
+    placement_timeout_s: float = 120.0  # the learner's placement group / an actor not placed within this: an error
+    # a local instance only: logical CPUs (null: the machine's cores, at least what the run asks for) and the
+    # object store (the run moves weights over ZeroMQ and shared memory, not through Ray's store)
+    num_cpus: Optional[float] = None
+    object_store_mb: int = 200
+    worker: RayRoleConfig = field(default_factory=RayRoleConfig)  # each worker, and the evaluator
+    learner: RayLearnerConfig = field(default_factory=RayLearnerConfig)
+    weight_server: RayRoleConfig = field(default_factory=lambda: RayRoleConfig(num_cpus=0.0, max_restarts=0))
+    redis: RayRoleConfig = field(default_factory=lambda: RayRoleConfig(num_cpus=0.0, max_restarts=0))
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -286,6 +401,9 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launcher: str = "local"  # rlhf-run: local (child processes on this machine) | ray (Ray actors on a cluster)
+    ray: RayConfig = field(default_factory=RayConfig)
     # rlhf-run resume=<output folder>: continue that run (its saved config, run id, Redis data, checkpoint)
     resume: Optional[str] = None
 
@@ -298,6 +416,7 @@ class MonitorConfig:
     json: bool = False
     refresh_s: float = 1.0
     prometheus_port: Optional[int] = None  # serve the run's Prometheus target while watching it live
+    workers: Optional[int] = None  # set the number of worker actors of a launcher=ray run, then exit
 
 
 def register_configs() -> None:
@@ -331,6 +450,9 @@ _CHOICES = {
     "learner.publish_dtype": ("as_trained", "bfloat16", "float16"),
     "weight_server.auth": ("none", "curve", "hmac"),
     "data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
+    "eval.data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
+    "launcher": ("local", "ray"),
+    "ray.learner.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
 }
 
 
@@ -383,13 +505,45 @@ def validate(cfg: Any) -> None:
     validate_algo(cfg.algo)
     validate_rollout(cfg.rollout)
     validate_model(cfg.model, cfg.rollout)
+    validate_lora(cfg.model.lora, cfg.rollout)
     validate_data(cfg.data)
     validate_learner(cfg.learner)
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
     validate_run(cfg.run)
     validate_reward(cfg.reward)
+    validate_eval(cfg.eval)
+    validate_episodes(cfg.algo, cfg.rollout, cfg.eval)
     validate_placement(cfg.learner, cfg.rollout)
+    validate_ray(cfg.ray, cfg.learner)
+
+
+def validate_ray(ray: RayConfig, learner: LearnerConfig) -> None:
+    """The actors' demands and timeouts (checked whatever the launcher: a config is one tree).
+    Whether the cluster has the resources is checked by ``rlhf-run launcher=ray`` once connected."""
+    roles = {"worker": ray.worker, "learner": ray.learner, "weight_server": ray.weight_server, "redis": ray.redis}
+    for name, role in roles.items():
+        if role.num_cpus < 0 or role.num_gpus < 0 or any(float(v) < 0 for v in role.resources.values()):
+            raise ConfigError(f"ray.{name}: num_cpus, num_gpus and resources must be >= 0, got num_cpus={role.num_cpus}, "
+                              f"num_gpus={role.num_gpus}, resources={dict(role.resources)}")
+        if role.num_gpus > 1 and role.num_gpus != int(role.num_gpus):
+            raise ConfigError(f"ray.{name}.num_gpus={role.num_gpus}: a fraction of a GPU must be below 1 (whole GPUs above)")
+        if role.max_restarts < 0:
+            raise ConfigError(f"ray.{name}.max_restarts must be >= 0, got {role.max_restarts}")
+    if ray.learner.ranks < 1:
+        raise ConfigError(f"ray.learner.ranks must be >= 1, got {ray.learner.ranks}")
+    if ray.learner.ranks > 1 and learner.engine != "deepspeed":
+        raise ConfigError(f"ray.learner.ranks={ray.learner.ranks} runs the learner as {ray.learner.ranks} ranks, which "
+                          "needs learner.engine=deepspeed (the torch engine is single-process)")
+    if ray.learner.num_cpus <= 0 and ray.learner.num_gpus <= 0 and not ray.learner.resources:
+        raise ConfigError("ray.learner asks for nothing (num_cpus=0, num_gpus=0, no resources): a placement-group "
+                          "bundle must ask for something; give it num_cpus > 0")
+    if not (0 < ray.connect_timeout_s < math.inf and 0 < ray.placement_timeout_s < math.inf):
+        raise ConfigError(f"ray.connect_timeout_s and ray.placement_timeout_s must be seconds > 0, got "
+                          f"{ray.connect_timeout_s}, {ray.placement_timeout_s}")
+    if ray.num_cpus is not None and ray.num_cpus <= 0 or ray.object_store_mb < 75:
+        raise ConfigError(f"ray.num_cpus must be > 0 (or null) and ray.object_store_mb >= 75 (Ray's minimum), got "
+                          f"{ray.num_cpus}, {ray.object_store_mb}")
 
 
 def validate_placement(learner: LearnerConfig, rollout: RolloutConfig) -> None:
@@ -467,19 +621,109 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(f"rollout.slots {rollout.slots} must be >= 1 and rollout.num_workers {rollout.num_workers} >= 0")
 
 
+def env_target(rollout: Any) -> str | None:
+    """The environment class ``rollout.env._target_`` names (None: single-turn, one reply per prompt)."""
+    env = rollout.env or {}
+    target = env.get("_target_") if isinstance(env, Mapping) else None
+    return str(target) if target else None
+
+
+def response_budget(rollout: Any) -> int:
+    """The most response tokens a sample may have: ``rollout.max_new_tokens`` for one reply, the
+    episode's budget (``rollout.max_episode_tokens``) with an environment. The engines size their
+    context as ``max_prompt_tokens`` + this, and the buffer refuses longer responses."""
+    if env_target(rollout) is None:
+        return int(rollout.max_new_tokens)
+    if rollout.max_episode_tokens is not None:
+        return int(rollout.max_episode_tokens)
+    return 2 * int(rollout.max_turns) * int(rollout.max_new_tokens)
+
+
+def validate_episodes(algo: AlgoConfig, rollout: RolloutConfig, ev: "EvalConfig") -> None:
+    """Multi-turn settings (checked when ``rollout.env`` names an environment) and DAPO's options."""
+    from rlhf_core.dapo import OVERLONG_MODES
+
+    if algo.overlong not in OVERLONG_MODES:
+        raise ConfigError(f"algo.overlong must be one of {', '.join(OVERLONG_MODES)}, got {algo.overlong!r}")
+    budget = response_budget(rollout)
+    if algo.overlong == "shaping" and not 0 < algo.overlong_buffer < budget:
+        raise ConfigError(f"algo.overlong_buffer {algo.overlong_buffer} must be between 1 and the response budget "
+                          f"{budget} - 1 (rollout.max_new_tokens, or rollout.max_episode_tokens with an environment)")
+    if algo.filter_groups and algo.estimator not in ("grpo", "dr_grpo", "rloo", "dpo"):
+        raise ConfigError(f"algo.filter_groups drops groups whose rewards are all equal, which teach nothing only to a "
+                          f"group-relative estimator (grpo, dr_grpo, rloo, dpo); algo.estimator={algo.estimator} learns "
+                          "from them: set algo.filter_groups=false")
+    env = rollout.env
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"rollout.env must be a mapping with _target_: dotted.path.to.Environment, got {env!r}")
+    if env_target(rollout) is None:
+        extra = sorted(k for k, v in env.items() if k != "_target_" and v is not None)
+        if extra:
+            raise ConfigError(f"rollout.env has settings {extra} but no _target_: name the environment class "
+                              "(rollout.env._target_=my_pkg.envs.MyEnv)")
+        return
+    if rollout.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns must be >= 1 (assistant turns per episode), got {rollout.max_turns}")
+    if budget < rollout.max_new_tokens:
+        raise ConfigError(f"rollout.max_episode_tokens {budget} is below rollout.max_new_tokens {rollout.max_new_tokens}: "
+                          "an episode's response must hold at least one whole turn")
+    if rollout.env_threads < 1:
+        raise ConfigError(f"rollout.env_threads must be >= 1, got {rollout.env_threads}")
+    if rollout.env_timeout_s is not None and not (0 < rollout.env_timeout_s < math.inf):
+        raise ConfigError(f"rollout.env_timeout_s must be a number of seconds > 0, or null for no limit, got {rollout.env_timeout_s}")
+    if ev.every:
+        raise ConfigError("eval.every > 0 with rollout.env: the evaluator samples one reply per prompt and cannot run "
+                          "episodes yet; set eval.every=0 (the training reward of an episode run is its environment's)")
+
+
 def validate_model(model: ModelConfig, rollout: RolloutConfig) -> None:
     """A model other than the built-in tiny one needs its local directory (``model=hf`` leaves
     ``model.path`` as ??? for the user); the tiny model must hold a whole prompt plus response."""
     if not model.path and model.name != "tiny":
         raise ConfigError(f"model={model.name} needs model.path=/local/hf/dir (a directory written by save_pretrained; "
-                          "nothing is downloaded); only model=tiny is built locally")
+                          "or a Hugging Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct); only model=tiny is built locally")
     if model.path is None and model.name == "tiny":
-        need = rollout.max_prompt_tokens + rollout.max_new_tokens
+        budget = response_budget(rollout)
+        need = rollout.max_prompt_tokens + budget
+        what = ("rollout.max_new_tokens" if env_target(rollout) is None
+                else "the episode's response budget (rollout.max_episode_tokens, null: 2 * max_turns * max_new_tokens)")
         if need > model.tiny.max_position_embeddings:
             raise ConfigError(
-                f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + rollout.max_new_tokens {rollout.max_new_tokens} = {need} "
+                f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + {what} {budget} = {need} "
                 f"exceeds model.tiny.max_position_embeddings {model.tiny.max_position_embeddings}"
             )
+
+
+#: the adapter ranks vLLM's LoRA support is built for (its max_lora_rank is one of them)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def validate_lora(lora: LoraConfig, rollout: RolloutConfig) -> None:
+    """``model.lora``: rank, scaling, dropout and targets, and the ranks vLLM can run.
+    (Whether the targets match layers of the model is checked on a weightless copy of it by
+    ``rlhf_core.models.check_lora`` before ``rlhf-run`` starts anything.)"""
+    r = lora.r
+    if r is None or r == 0:
+        return
+    if r < 0:
+        raise ConfigError(f"model.lora.r must be >= 0 (0 or null: no adapters, the whole model trains), got {r}")
+    if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
+        raise ConfigError(f"model.lora.alpha must be > 0 (the adapter's update is scaled by alpha / r; "
+                          f"alpha = r gives 1), got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1) (0: none, the usual choice for RL), got {lora.dropout}")
+    targets = [str(t) for t in lora.target_modules]
+    if not targets or any(not t.strip() for t in targets):
+        raise ConfigError(f"model.lora.target_modules must name layers (e.g. [q_proj, v_proj]) or be [all-linear], "
+                          f"got {targets}")
+    if rollout.engine == "vllm" and r > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"model.lora.r={r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}; lower it, "
+                          "or use rollout.engine=hf")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"model.lora.r={r} needs peft, which is not installed: pip install -e '.[lora]' "
+                          "(or set model.lora.r=0 to train the whole model)")
 
 
 def validate_data(data: DataConfig) -> None:
@@ -536,10 +780,42 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
         raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all processes)")
 
 
+EMPTY_RESPONSE_MODES = ("zero", "dead_letter", "score")
+
+
 def validate_reward(reward: RewardConfig) -> None:
     if not 0 < reward.max_failure_share <= 1 or reward.failure_window < 1:
         raise ConfigError(f"reward.max_failure_share must be in (0, 1] (1: never stop) and reward.failure_window >= 1, "
                           f"got {reward.max_failure_share}, {reward.failure_window}")
+    if reward.batch_size < 1 or reward.num_threads < 1:
+        raise ConfigError(f"reward.batch_size and reward.num_threads must be >= 1 (batch_size=1 scores one sample per "
+                          f"call), got {reward.batch_size}, {reward.num_threads}")
+    if not (0 <= reward.max_wait_ms < math.inf):
+        raise ConfigError(f"reward.max_wait_ms must be a number of milliseconds >= 0 (how long finished samples may "
+                          f"wait for more to fill a batch), got {reward.max_wait_ms}")
+    if reward.timeout_s is not None and not (0 < reward.timeout_s < math.inf):
+        raise ConfigError(f"reward.timeout_s must be a number of seconds > 0, or null for no limit, got {reward.timeout_s}")
+    if reward.empty_response not in EMPTY_RESPONSE_MODES:
+        raise ConfigError(f"reward.empty_response must be one of {', '.join(EMPTY_RESPONSE_MODES)} (what to do with a "
+                          f"response that has no text), got {reward.empty_response!r}")
+
+
+def validate_eval(ev: EvalConfig) -> None:
+    """Evaluation's cadence, samples and pass@k, and its data (checked only when it is on)."""
+    if ev.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 learner versions (0: no evaluation), got {ev.every}")
+    if not ev.every:
+        return
+    if ev.n < 1 or not ev.k or any(not 1 <= k <= ev.n for k in ev.k):
+        raise ConfigError(f"eval.k={list(ev.k)} needs each k between 1 and eval.n={ev.n} (pass@k estimates, from n samples "
+                          "per prompt, the chance that one of k passes); raise eval.n or drop the larger k")
+    if ev.num_prompts is not None and ev.num_prompts < 1:
+        raise ConfigError(f"eval.num_prompts must be >= 1 or null (all of eval.data), got {ev.num_prompts}")
+    if ev.temperature is not None and ev.temperature <= 0:
+        raise ConfigError(f"eval.temperature must be > 0 (pass@k needs sampling) or null (rollout.temperature), got {ev.temperature}")
+    if ev.data.source != "builtin" and not ev.data.path:
+        raise ConfigError(f"eval.data.source={ev.data.source} needs eval.data.path=/path/to/held_out_prompts; "
+                          "or use eval.data.source=builtin")
 
 
 #: run.loggers -> the module each needs (extra `tracking`)
@@ -585,14 +861,15 @@ def import_reward_target(name: str, path: str) -> Any:
         ) from None
 
 
-def active_reward_functions(reward: Any) -> dict[str, Any]:
+def active_reward_functions(reward: Any, drop_defaults: bool = False) -> dict[str, Any]:
     """The reward functions a run scores with, ``name -> spec`` (plain containers).
 
     A function marked ``default: true`` (the built-in task's, ``conf/reward/count_up.yaml``)
     steps aside as soon as the user configures a reward of their own (another function or a
     reward model): ``+reward.functions.mine._target_=...`` means "score with mine", not "add mine
     to count_up". ``reward.functions.<name>.default=false`` keeps a default in the sum. ``null``
-    switches a function off.
+    switches a function off. ``drop_defaults``: they step aside anyway (a run with an environment,
+    whose episodes the built-in task's reward does not score).
     """
     def plain(x: Any) -> Any:
         return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
@@ -600,9 +877,39 @@ def active_reward_functions(reward: Any) -> dict[str, Any]:
     functions = {n: s for n, s in (plain(reward.functions) or {}).items() if s is not None}
     models = {n: s for n, s in (plain(reward.models) or {}).items() if s is not None}
     is_default = {n: isinstance(s, Mapping) and s.get("default") is True for n, s in functions.items()}
-    if models or not all(is_default.values()):
+    if drop_defaults or models or not all(is_default.values()):
         functions = {n: s for n, s in functions.items() if not is_default[n]}
     return functions
+
+
+def import_env_target(rollout: Any) -> Any | None:
+    """The environment class ``rollout.env._target_`` names (None without one), checked: it imports
+    and has ``reset`` and ``step`` methods. :class:`ConfigError` naming the path otherwise. The
+    user's own config, trusted (never from the wire); ``rlhf-run`` and every worker call this before
+    any model is loaded."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    path = env_target(rollout)
+    if path is None:
+        return None
+    try:
+        obj = get_object(path)
+    except Exception as exc:  # hydra wraps ImportError/AttributeError in its own types
+        raise ConfigError(
+            f"rollout.env._target_={path!r} cannot be imported ({exc}); give the dotted path of an environment class "
+            "in an importable module (on PYTHONPATH or installed), e.g. rollout_workers.envs.calculator.Calculator"
+        ) from None
+    if not inspect.isclass(obj):
+        raise ConfigError(f"rollout.env._target_={path!r} is a {type(obj).__name__}, not a class: name an environment "
+                          "class with reset(prompt) and step(turn) methods (one instance is made per episode)")
+    missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ConfigError(f"rollout.env._target_={path!r}: the class {obj.__name__} has no {' and no '.join(missing)} "
+                          "method; an environment needs reset(prompt) -> first observation and step(turn) -> "
+                          "StepResult (docs/multi_turn.md)")
+    return obj
 
 
 def check_reward_targets(reward: Any) -> None:

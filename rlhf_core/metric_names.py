@@ -10,10 +10,15 @@ module every package may import, so a rename cannot silently empty a plot or a s
 from __future__ import annotations
 
 METRICS_FILE = "metrics.jsonl"  # in the run's output folder: one JSON line per learner update
+EVAL_FILE = "eval.jsonl"  # in the run's output folder: one JSON line per evaluation (rollout_workers.evaluator)
 
 # The components whose stats `Buffer.publish_stats` stores: `Buffer.metrics()["stats"][name]`.
 LEARNER_STATS = "learner"
 WEIGHT_SERVER_STATS = "weight_server"
+EVAL_STATS = "eval"  # the newest evaluation; its keys start with EVAL_PREFIX and the learner copies them into its row
+EVAL_PREFIX = "eval/"
+EVAL_VERSION = "eval/version"  # the policy version evaluated
+EVAL_REWARD_MEAN = "eval/reward_mean"
 
 # Keys of a learner metrics row.
 VERSION = "learner/version"
@@ -38,11 +43,18 @@ WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative
 WORKER_SAMPLES = "samples"
 WORKER_TOKENS_PER_S = "tokens_per_s"  # over the worker's uptime
 WORKER_SAMPLES_PER_S = "samples_per_s"
+WORKER_SCORE_SHARE = "score_share"  # share of the scoring threads' time spent scoring (1: the reward is the bottleneck)
+WORKER_REWARD_CALLS_PER_S = "reward_calls_per_s"  # reward function/model calls, over the worker's uptime
 
 # Running totals (Prometheus counters); every other number of these records is a level (a gauge).
 LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)
 WORKER_TOTALS = (
     "prompts", "prompts_empty", WORKER_SAMPLES, WORKER_TOKENS, "dead_letters", "duplicates", "leases_lost",
     "released", "weight_updates", "t_generate", "t_score", "t_wait", "t_weights", "weight_pulls", "weight_timeouts",
+    "reward_calls", "reward_timeouts", "empty_responses", "groups_filtered", "samples_filtered",
+    # multi-turn episodes (rollout_workers.episodes.EpisodeStats)
+    "episodes_started", "episodes_failed", "episodes_stop", "episodes_max_turns", "episodes_length", "episode_turns",
+    "episode_policy_tokens", "episode_observation_tokens", "observations_cut", "tool_calls", "tool_call_errors",
+    "retokenisation_drift", "env_calls", "env_timeouts",
     "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
 )

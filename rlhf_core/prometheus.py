@@ -175,11 +175,13 @@ def learner_exporter(run_id: str) -> Exporter:
 
 WEIGHT_SYNC = "weight_sync_seconds"
 GENERATION = "generation_seconds"
+SCORING = "scoring_batch_seconds"
 
 
 def worker_exporter(worker_id: str, run_id: str) -> Exporter:
-    """A worker's heartbeat stats: ``rlhf_worker_*``, and its two latency histograms."""
+    """A worker's heartbeat stats: ``rlhf_worker_*``, and its latency histograms."""
     return Exporter("rlhf_worker", {"worker": worker_id, "run": run_id}, totals=M.WORKER_TOTALS, histograms=(
         Hist(WEIGHT_SYNC, "pulling and applying one new weight version", SECONDS_BUCKETS),
         Hist(GENERATION, "per sample: from its prompt entering the engine to the response finished", SECONDS_BUCKETS),
+        Hist(SCORING, "per scoring batch: every reward call over its samples (and reference log-probs)", SECONDS_BUCKETS),
     ))

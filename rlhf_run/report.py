@@ -18,6 +18,7 @@ from typing import Any
 
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config
+from rlhf_core.dapo import FilterStall
 from rlhf_core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,31 @@ class MetricsTail:
         return self.last
 
 
+class Eta:
+    """Time left to ``learner.max_updates`` from the rate of updates since the first one seen
+    (start-up excluded; a resumed run counts from its checkpoint's updates), capped by what is
+    left of ``run.max_seconds``."""
+
+    def __init__(self, target: int, started: float, max_seconds: float | None = None) -> None:
+        self.target, self.started, self.max_seconds = target, started, max_seconds
+        self.first: tuple[float, int] | None = None  # (time, version) when updates were first seen
+
+    def text(self, now: float, updates: int) -> str:
+        if self.first is None or updates < self.first[1]:
+            self.first = (now, updates)
+        t0, u0 = self.first
+        left = None
+        if updates > u0 and now > t0:
+            left = (self.target - updates) * (now - t0) / (updates - u0)
+        if self.max_seconds is not None:
+            budget = max(0.0, self.started + self.max_seconds - now)
+            left = budget if left is None else min(left, budget)
+        if left is None:
+            return "eta -"
+        left = max(0.0, left)
+        return f"eta {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
+
+
 class Progress:
     """Samples the buffer once a second on its own thread (so the launcher's supervision never
     waits on Redis), streams the snapshots to ``timeline.jsonl`` and shows a live line (rich,
@@ -93,6 +119,8 @@ class Progress:
         self.error: Exception | None = None
         self.unreachable_since: float | None = None
         self._tail = MetricsTail(output_dir / M.METRICS_FILE)
+        self._eta = Eta(cfg.learner.max_updates, self.started, cfg.run.max_seconds)
+        self._filter_stall = FilterStall() if cfg.algo.filter_groups else None  # every group filtered: say so
         self._timeline = (output_dir / TIMELINE_FILE).open("a")  # a resumed run appends
         self._last_print = 0.0
         self._buffer = None
@@ -161,6 +189,9 @@ class Progress:
             snap["time"] = now
             self.first = self.first or snap
             self.latest = snap
+            stall = self._filter_stall and self._filter_stall.observe(now, snap.get("counters", {}))
+            if stall:
+                log.warning(stall)
             self._timeline.write(json.dumps(snap, default=str) + "\n")
             self._timeline.flush()
             if self.prometheus is not None:
@@ -175,14 +206,19 @@ class Progress:
     def line(self, snap: dict[str, Any]) -> str:
         last = self._tail.poll()
         reward = last.get(M.REWARD_MEAN)
-        gen_tps = sum(float(w.get("stats", {}).get(M.WORKER_TOKENS_PER_S, 0.0)) for w in snap.get("consumers", {}).values()
-                      if isinstance(w, dict))
+        workers = [w.get("stats", {}) for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
+        gen_tps = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
+        scoring = reward_cost(workers)
+        now, version = time.time(), int(last.get(M.VERSION, 0))
+        eta = self._eta.text(now, int(last.get(M.UPDATES, version)))  # updates count towards learner.max_updates
         return (
-            f"[{time.time() - self.started:6.0f}s] version {last.get(M.VERSION, 0):>4}/{self.cfg.learner.max_updates}"
+            f"[{now - self.started:6.0f}s] version {version:>4}/{self.cfg.learner.max_updates}  {eta}"
             f"  reward {reward if reward is None else f'{reward:.3f}'}"
             f"  trained {last.get(M.SAMPLES_TRAINED, 0)}"
             f"  staleness(mean) {last.get(M.STALENESS_MEAN, 0):.2f}"
             f"  gen {gen_tps:.0f} tok/s  buffered {snap.get('depth', {}).get('samples_in_buffer', '?')}"
+            + (f"  scoring {scoring['scoring_share']:.0%} busy, {scoring['reward_calls_per_s']:.0f} calls/s"
+               if scoring["scoring_share"] is not None else "")
         )
 
     def timeline(self) -> list[dict[str, Any]]:
@@ -237,6 +273,19 @@ def weight_server_stats(metrics: dict[str, Any], name: str = "policy") -> dict[s
     return out
 
 
+def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What scoring costs, from the workers' heartbeat stats: the share of their scoring threads'
+    time spent scoring (mean over workers; near 1: the reward is the bottleneck), reward calls/s
+    (summed), and the calls abandoned after reward.timeout_s and empty responses so far."""
+    shares = [float(w[M.WORKER_SCORE_SHARE]) for w in workers if w.get(M.WORKER_SCORE_SHARE) is not None]
+    return {
+        "scoring_share": sum(shares) / len(shares) if shares else None,
+        "reward_calls_per_s": sum(float(w.get(M.WORKER_REWARD_CALLS_PER_S, 0.0)) for w in workers),
+        "reward_timeouts": sum(int(w.get("reward_timeouts", 0)) for w in workers),
+        "empty_responses": sum(int(w.get("empty_responses", 0)) for w in workers),
+    }
+
+
 def _mean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -289,6 +338,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "learner_mfu": _mean([r.get(M.MFU) for r in rows]),  # None without a known device peak
             "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
         },
+        "rewards": reward_cost(list(workers.values())),
         "dead_letters": last_snap.get("counters", {}).get("dead_letters"),
         "leases_reclaimed": last_snap.get("counters", {}).get("prompts_reclaimed"),
         # the buffer's own counters at the end, for audits (appended = consumed + stale + left)
@@ -301,7 +351,7 @@ def format_summary(s: dict[str, Any]) -> str:
         return "n/a" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
     t = s["throughput"]
-    return "\n".join([
+    lines = [
         f"run {s['run_id']} ({s['exit_reason'] or 'done'}) in {s['wall_s']:.0f} s",
         f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}",
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",
@@ -309,7 +359,20 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  throughput: generated {t['generated_tokens_per_s']:.0f} tok/s ({t['generated_samples_per_s']:.1f} samples/s), "
         f"trained {t['trained_samples_per_s']:.1f} samples/s; learner compute {t['learner_compute_s']:.0f} s, "
         f"waiting {t['learner_wait_s']:.0f} s, publishing {t['learner_publish_s']:.1f} s",
-    ])
+    ]
+    ev = s.get("eval") or {}
+    if ev:
+        first, last = ev["first"], ev["last"]
+        passes = ", ".join(f"{k.removeprefix(M.EVAL_PREFIX)} {f(last[k])}" for k in last if k.startswith("eval/pass@"))
+        lines.append(f"  eval: reward {f(first.get(M.EVAL_REWARD_MEAN))} (version {first.get(M.EVAL_VERSION)}) -> "
+                     f"{f(last.get(M.EVAL_REWARD_MEAN))} (version {last.get(M.EVAL_VERSION)}), {passes} "
+                     f"({ev['evaluations']} evaluations)")
+    r = s.get("rewards") or {}
+    if r.get("scoring_share") is not None:
+        lines.append(f"  rewards: scoring busy {r['scoring_share']:.0%} of the workers' scoring-thread time, "
+                     f"{r['reward_calls_per_s']:.1f} reward calls/s, {r['reward_timeouts']} call(s) timed out, "
+                     f"{r['empty_responses']} empty response(s)")
+    return "\n".join(lines)
 
 
 def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[Path]:
@@ -402,6 +465,9 @@ def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_
     timeline = progress.timeline() if progress else read_jsonl(output_dir / TIMELINE_FILE)
     wall = time.time() - (progress.started if progress else time.time())
     summary = summarize(cfg, rows, timeline, wall, exit_reason, since=progress.started if progress else None)
+    evals = read_jsonl(output_dir / M.EVAL_FILE)
+    if evals:  # the evaluator's records (eval.every > 0): the first and the newest
+        summary["eval"] = {"first": evals[0], "last": evals[-1], "evaluations": len(evals)}
     try:
         summary["plots"] = [p.name for p in plot(output_dir, rows, timeline)]
     except Exception as exc:  # a plot must never lose the summary

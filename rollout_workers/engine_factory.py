@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_core.config import ConfigError
+from rlhf_core.config import ConfigError, response_budget
 from rollout_workers.engine import GenerationEngine
 
 ENGINES = ("hf", "vllm")
@@ -33,7 +33,7 @@ def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> Generatio
         tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
         r = cfg.rollout
         return HFEngine(model, tokenizer, slots=int(r.slots), seed=int(r.seed),
-                        max_model_len=int(r.max_prompt_tokens) + int(r.max_new_tokens),
+                        max_model_len=int(r.max_prompt_tokens) + response_budget(r),
                         prefill_chunk=int(r.prefill_chunk_tokens), cuda_graphs=bool(r.cuda_graphs))
     if name == "vllm":
         from rollout_workers.vllm_engine import VLLMEngine

@@ -33,6 +33,16 @@ settings) that are refilled before each replay; weight updates ``copy_`` into th
 storage, so a replay after an update computes with the new weights. A capture that fails (a
 model whose forward syncs with the host) is logged once and that bucket runs eagerly.
 
+LoRA (``model.lora.r`` > 0): the model carries peft's LoRA layers (:mod:`rlhf_core.lora`), the
+very module the learner trains, and a version holds the adapter tensors only, which
+:meth:`HFEngine.weights_target` offers and a pull copies in place into the adapter parameters.
+Merge-free on purpose: every pass computes ``base(x) + scaling * B(A(x))`` exactly as the
+learner's forward does, so the behaviour log-probs match its recomputation to float rounding
+(a merged ``W0 + scaling * B @ A`` rounds differently, by far more in bf16); an update moves a
+few MB and computes nothing (merging would mean a GEMM per layer and a kept copy of ``W0`` to
+merge the next version into); and the adapters' storage never moves, so CUDA graphs stay
+valid. The price is two thin matmuls per adapted layer and step (``bench/lora.py`` measures it).
+
 Models whose cache is not plain full attention (sliding-window or linear attention layers) are
 refused with a clear error; use the vllm engine for them.
 """
@@ -46,6 +56,7 @@ from typing import Any, Mapping
 
 import torch
 
+from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
@@ -108,6 +119,7 @@ class HFEngine:
         self.slots = int(slots)
         self.prefill_chunk = int(prefill_chunk)
         self.version = 0
+        self._adapters = adapter_parameters(model)  # LoRA: what a version holds; {} without adapters
         config = model.config
         self.device = next(model.parameters()).device
         self._check_cache_layout()
@@ -189,18 +201,20 @@ class HFEngine:
     def abort_all(self) -> list[GenResult]:
         return [r for rid in list(self._known) if (r := self.abort(rid)) is not None]
 
-    def weights_target(self) -> torch.nn.Module:
-        return self.model
+    def weights_target(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        """What a version is pulled into, in place: the model, or with LoRA its adapter parameters
+        (a version then holds those alone)."""
+        return self._adapters if self._adapters else self.model
 
     def close(self) -> None:
         pass  # everything lives in this process
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
-        """Copy ``tensors`` (state-dict names) into the model in place (the storage CUDA graphs
-        read); all names and shapes are checked before the first copy, so a mismatch never
-        leaves half-updated weights."""
+        """Copy ``tensors`` (state-dict names; with LoRA the adapters') into the model in place
+        (the storage CUDA graphs read); all names and shapes are checked before the first copy,
+        so a mismatch never leaves half-updated weights."""
         if tensors is not None:
-            own = self.model.state_dict(keep_vars=True)
+            own = self._adapters or self.model.state_dict(keep_vars=True)
             check_weight_update(tensors, {n: tuple(t.shape) for n, t in own.items()}, version)
             with torch.no_grad():
                 for name, tensor in tensors.items():

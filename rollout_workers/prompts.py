@@ -76,20 +76,22 @@ class PromptRenderer:
     def uses_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def text_of(self, prompt: Prompt) -> str:
-        """The prompt as the model sees it (chat template applied when the tokenizer has one)."""
+    def text_of(self, prompt: Prompt, tools: list[dict] | None = None) -> str:
+        """The prompt as the model sees it (chat template applied when the tokenizer has one, with
+        an environment's ``tools`` described in it when given)."""
         if self.uses_chat_template:
             messages = prompt.messages or [{"role": "user", "content": prompt.text}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            kwargs = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         if prompt.text or not prompt.messages:
             return prompt.text
         # messages but no template: the turns' contents, one per line (nothing is invented)
         return "\n".join(m["content"] for m in prompt.messages)
 
-    def render(self, prompt: Prompt) -> tuple[str, list[int]]:
+    def render(self, prompt: Prompt, tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """Return ``(text, ids)``: the text as the model sees it (before any truncation) and its
         token ids ``[P]``, ``P <= max_prompt_tokens``. Raises :class:`PromptRejected`."""
-        text = self.text_of(prompt)
+        text = self.text_of(prompt, tools)
         ids = [int(t) for t in self.tokenizer(text, add_special_tokens=not self.uses_chat_template)["input_ids"]]
         with self._lock:
             if not ids:

@@ -23,6 +23,11 @@ How the protocol maps onto vLLM:
   through vLLM's in-place reload (which redoes that processing), never ``model.load_weights``.
   Running requests keep their KV cache (the in-flight update of PipelineRL).
 
+LoRA (``model.lora.r`` > 0): a version holds adapter tensors only, and they go through vLLM's
+LoRA API instead of the reload (:mod:`rollout_workers.vllm_lora`): each version becomes a
+``LoRARequest`` that every request added after it carries to its end, so a request's tokens all
+carry the version it started with.
+
 Prefix cache: every request carries ``cache_salt = "v<version>"``, so a request added after an
 update can never reuse blocks computed by older weights (the salt is part of the block hash);
 the cache is also reset after each update when no request is running.
@@ -46,6 +51,9 @@ from typing import Any, Mapping
 
 import torch
 
+from rlhf_core.config import LoraConfig, response_budget
+from rlhf_core.lora import enabled as lora_enabled
+from rollout_workers import vllm_lora
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
 
@@ -163,15 +171,18 @@ class WeightLoaderExtension:
 
 
 class _Track:
-    """Host-side record of one request: tokens, log-probs and per-token versions so far."""
+    """Host-side record of one request: tokens, log-probs and per-token versions so far.
+    ``adapter``: the version of the LoRA adapter it runs with (None without LoRA: the engine's
+    weights, whatever version they are at each step)."""
 
-    __slots__ = ("request", "tokens", "logprobs", "versions")
+    __slots__ = ("request", "tokens", "logprobs", "versions", "adapter")
 
-    def __init__(self, request: GenRequest) -> None:
+    def __init__(self, request: GenRequest, adapter: int | None = None) -> None:
         self.request = request
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.adapter = adapter
 
 
 class VLLMEngine:
@@ -185,15 +196,19 @@ class VLLMEngine:
         cpu_kv_cache_gb: KV cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default
             is half the free memory, too much for several workers on one machine). An explicit
             environment variable wins.
+        lora: ``model.lora``; with ``r`` > 0 versions are LoRA adapters (see the module docstring).
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, max_model_len: int | None = None,
-                 cpu_kv_cache_gb: int = 1) -> None:
+                 cpu_kv_cache_gb: int = 1, lora: LoraConfig | None = None) -> None:
         self._vllm = import_vllm()
         check_model_shape(model_path)
         self._shapes = checkpoint_shapes(model_path)  # before vLLM starts: a refusal leaves nothing running
+        self._shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where update files go (memory, not disk)
+        self._adapters = vllm_lora.AdapterVersions(model_path, lora, trust_remote_code, self._shm) \
+            if lora_enabled(lora) else None
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -215,10 +230,17 @@ class VLLMEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
+            **(vllm_lora.engine_args(lora) if lora_enabled(lora) else {}),
         )
-        self.engine = self._vllm.LLMEngine.from_engine_args(args)
+        try:
+            self.engine = self._vllm.LLMEngine.from_engine_args(args)
+        except BaseException:
+            if self._adapters is not None:
+                self._adapters.close()  # its private folder
+            raise
         self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(),))
-        self._shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where update files go (memory, not disk)
+        if self._adapters is not None:
+            self._adapters.bind(self.engine, self._call)
         self.tokenizer = tokenizer
         self.slots = slots
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -238,8 +260,8 @@ class VLLMEngine:
             dtype=str(cfg.model.dtype), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
             tensor_parallel_size=int(rollout.tensor_parallel_size),
             trust_remote_code=bool(cfg.model.trust_remote_code),
-            max_model_len=int(rollout.max_prompt_tokens) + int(rollout.max_new_tokens),
-            cpu_kv_cache_gb=int(rollout.cpu_kv_cache_gb),
+            max_model_len=int(rollout.max_prompt_tokens) + response_budget(rollout),
+            cpu_kv_cache_gb=int(rollout.cpu_kv_cache_gb), lora=cfg.model.lora,
         )
 
     # ----------------------------------------------------------------------------- protocol
@@ -258,13 +280,15 @@ class VLLMEngine:
             raise RequestError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens leaves no "
                                f"room to generate in the model's context of {self.max_model_len}")
         prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{self.version}"}
+        adapter = self._adapters.request() if self._adapters is not None else None
         try:
-            self.engine.add_request(request.request_id, prompt, self._sampling_params(request.params))
+            self.engine.add_request(request.request_id, prompt, self._sampling_params(request.params),
+                                    lora_request=adapter)
         except self._dead_error as exc:
             raise self._dead(exc) from None
         except ValueError as exc:  # vLLM's own input checks (token ids outside the vocabulary, ...)
             raise RequestError(f"request {request.request_id}: vLLM refused it: {exc}") from None
-        self._tracks[request.request_id] = _Track(request)
+        self._tracks[request.request_id] = _Track(request, self._adapters.current if adapter is not None else None)
 
     def step(self) -> list[GenResult]:
         finished = []
@@ -281,11 +305,13 @@ class VLLMEngine:
             new = list(completion.token_ids)
             track.tokens.extend(new)
             track.logprobs.extend(_sampled_logprobs(completion.logprobs, new))
-            track.versions.extend([version] * len(new))
+            track.versions.extend([version if track.adapter is None else track.adapter] * len(new))
             if out.finished:
                 del self._tracks[out.request_id]
                 reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
                 finished.append(self._result(track, reason))
+        if finished and self._adapters is not None and len(self._adapters.requests) > 1:
+            self._adapters.retire(self._adapter_versions_in_use())
         return finished
 
     def has_work(self) -> bool:
@@ -318,6 +344,12 @@ class VLLMEngine:
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         if tensors is None:
             raise EngineError("the vllm engine has no in-process weights_target(); pass the tensors to update_weights")
+        if self._adapters is not None:  # LoRA: the version's adapter, for the requests added from now on
+            self._adapters.add(tensors, int(version))
+            self.version = int(version)
+            self._adapters.retire(self._adapter_versions_in_use())
+            log.info("vllm: adapter of version %d loaded (%d tensors)", version, len(tensors))
+            return
         from safetensors.torch import save_file
 
         check_weight_update(tensors, self._shapes, version)  # vLLM's worker would fail mid-reload, maybe taking the core down
@@ -342,6 +374,11 @@ class VLLMEngine:
             self.engine.engine_core.shutdown()
         except Exception as exc:  # a core that already died: nothing left to stop
             log.warning("vllm: engine core shutdown: %s", exc)
+        if self._adapters is not None:
+            self._adapters.close()
+
+    def _adapter_versions_in_use(self) -> set[int]:
+        return {t.adapter for t in self._tracks.values() if t.adapter is not None}
 
     # ----------------------------------------------------------------------------- internals
 

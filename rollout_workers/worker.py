@@ -14,8 +14,15 @@ Threads:
   after the swap carry the new version: per-token versions). The KV cache of running sequences
   is kept, so a token after the swap is drawn from the new weights on top of keys/values the
   old ones computed; its behaviour log-prob is that distribution's, exactly (tested).
-* **score** (one thread) runs reward functions/models and, optionally, reference log-probs,
-  overlapping generation.
+* **score** (``reward.num_threads`` at once, :mod:`rollout_workers.scoring`) runs reward
+  functions/models and, optionally, reference log-probs over batches of finished groups,
+  overlapping generation; a reward call past ``reward.timeout_s`` is abandoned and its samples
+  dead-lettered.
+* **env** (``rollout.env_threads``, and one asyncio loop for async environments) runs the
+  environments of multi-turn episodes (:mod:`rollout_workers.episodes`): with ``rollout.env``
+  set, each of a group's ``group_size`` members is an episode of several turns, each turn one
+  engine request over the whole context so far, and the main thread keeps decoding every other
+  episode while one's environment works.
 * **heartbeat** renews the leases every ``buffer.heartbeat_interval_s`` while a step, a weight
   pull or a shutdown drain runs, and publishes :class:`WorkerStats` for the monitor; leases
   that another worker took over (this one was too slow) are reported back and abandoned.
@@ -39,7 +46,6 @@ import threading
 import time
 import uuid
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,17 +56,21 @@ from omegaconf import DictConfig
 from buffer import Buffer, Lease
 from buffer.keys import check_consumer
 from rlhf_core.cli import WORKER_ID_ENV
-from rlhf_core.config import Config, ConfigError, to_object, validate
+from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
+from rlhf_core.dapo import filter_reason
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reference, load_tokenizer
-from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC
+from rlhf_core.prometheus import GENERATION, SCORING, WEIGHT_SYNC
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import GenRequest, GenResult, RequestError, SamplingParams
 from rollout_workers.engine_factory import make_engine
+from rollout_workers.environment import EnvFactory
+from rollout_workers.episodes import Episode, EpisodeRunner
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.rewards import RewardError, Scorer, reward_failing
-from weight_server import WeightSubscriber
+from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, is_empty_response, reward_failing
+from rollout_workers.scoring import ScoringPool
+from weight_server import TensorMismatchError, WeightSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +100,13 @@ class WorkerStats:
     released: int = 0  # prompts given back at shutdown
     weight_updates: int = 0
     t_generate: float = 0.0  # in engine.step
-    t_score: float = 0.0  # on the scoring thread (overlaps generation)
+    t_score: float = 0.0  # scoring threads' busy time, summed over threads (overlaps generation)
+    reward_calls: int = 0  # calls of a reward function or model (per sample, or per batch when batched)
+    reward_timeouts: int = 0  # reward calls abandoned after reward.timeout_s
+    empty_responses: int = 0  # responses with no text (handled as reward.empty_response says)
     t_wait: float = 0.0  # in claim: waiting for prompts / admission budget
+    groups_filtered: int = 0  # groups dropped by algo.filter_groups (their prompts acked, budget returned)
+    samples_filtered: int = 0
     t_weights: float = 0.0  # pulling and applying weights
 
     def as_dict(self, version: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -102,15 +117,17 @@ class WorkerStats:
             prompts_per_s=self.prompts / elapsed,
             samples_per_s=self.samples / elapsed,
             tokens_per_s=self.tokens / elapsed,
+            reward_calls_per_s=self.reward_calls / elapsed,
             uptime_s=elapsed,
         )
         d.update(extra or {})
         return d
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a prompt claimed again after a lost lease is another group
 class _Group:
-    """One claimed prompt being generated: ``size`` requests ``{lease_id}/{i}``."""
+    """One claimed prompt being generated: ``size`` requests ``{lease_id}/{i}``; finished
+    responses wait in ``results`` until the group is whole, then go to scoring together."""
 
     lease: Lease
     group_id: str
@@ -118,7 +135,9 @@ class _Group:
     prompt_ids: list[int]
     created_at: float
     size: int
-    futures: dict[int, Future] = field(default_factory=dict)
+    results: dict[int, GenResult | Episode] = field(default_factory=dict)  # an Episode with rollout.env
+    # per index: (sample, None, b"") or (None, reason, raw sample) for the dead-letter stream
+    outcomes: dict[int, tuple[Sample | None, str | None, bytes]] = field(default_factory=dict)
 
 
 def default_worker_id() -> str:
@@ -133,8 +152,9 @@ class RolloutWorker:
         self.worker_id = check_consumer(worker_id or default_worker_id())
         self.stop_event = threading.Event()
         self._abort_drain = False
-        # Reward config errors surface before any connection is opened or the policy is loaded.
-        self.scorer = Scorer(cfg.reward, cfg.model)
+        # Environment and reward config errors surface before any connection is opened or the policy is loaded.
+        self.env_factory = EnvFactory(cfg.rollout) if env_target(cfg.rollout) else None
+        self.scorer = Scorer(cfg.reward, cfg.model, environment=self.env_factory is not None)
         self.reward_failures = FailureWindow(cfg.reward.failure_window, cfg.reward.max_failure_share)
         self.prompt_rejections = FailureWindow(window=64, max_share=0.5, min_count=16)  # prompts too long, unrenderable
         self._logged_reasons: dict[str, int] = {}  # dead-letter reason -> times seen (logging is rate-limited)
@@ -150,7 +170,17 @@ class RolloutWorker:
         engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=seed))
         self.engine = make_engine(engine_cfg, None, self.tokenizer)
         self.reference = load_reference(cfg.model) if cfg.rollout.ref_logprobs_on == "worker" else None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        self.episodes: EpisodeRunner | None = None
+        if self.env_factory is not None:
+            r = cfg.rollout
+            context = int(getattr(self.engine, "max_model_len", 0) or r.max_prompt_tokens + response_budget(r))
+            self.episodes = EpisodeRunner(self.engine, self.tokenizer, self.renderer, self.sampling, self.env_factory,
+                                          max_turns=r.max_turns, max_context=context, threads=r.env_threads,
+                                          timeout_s=r.env_timeout_s)
+        rc = cfg.reward
+        self.scoring: ScoringPool[tuple[_Group, int]] = ScoringPool(
+            self._score_batch, self._timed_out, num_threads=rc.num_threads, batch_size=rc.batch_size,
+            max_wait_s=rc.max_wait_ms / 1000.0, timeout_s=rc.timeout_s)
         ws = cfg.weight_server
         self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
         self.has_weights = False  # engine.version is meaningful only after the first pull
@@ -199,7 +229,14 @@ class RolloutWorker:
         """Pull the newest version, verified, into the engine (between steps). False: nothing applied."""
         t0 = time.monotonic()
         target = self.engine.weights_target()
-        got = self.weights.pull(None, into=target)  # in place into the model when the engine offers one
+        try:
+            got = self.weights.pull(None, into=target)  # in place into the model (LoRA: its adapters) when offered
+        except TensorMismatchError as exc:
+            lora = self.cfg.model.lora
+            raise TensorMismatchError(
+                f"{exc}. This worker runs model.lora.r={lora.r} (target_modules={list(lora.target_modules)}): "
+                "a learner training LoRA adapters publishes only those, so the learner and every worker need the "
+                "same model and model.lora settings") from None
         if got is None:
             return False
         version, tensors = got
@@ -264,8 +301,13 @@ class RolloutWorker:
 
         Responses still waiting to be scored count as busy slots: when scoring is the bottleneck
         the worker stops claiming instead of piling up leases (and admission budget) behind it."""
-        scoring = sum(1 for g in self.groups.values() for f in g.futures.values() if not f.done())
+        scoring = self.scoring.in_flight()
         busy = self.engine.num_active() + self.engine.num_waiting() + scoring
+        if self.episodes is not None:
+            # An episode whose environment is working holds no slot: the engine decodes others
+            # meanwhile, which is how environment latency is hidden. Calls still waiting for an
+            # environment thread count as busy, so the episodes in flight stay bounded.
+            busy += self.episodes.queued_for_env()
         # ceil((slots - busy) / G): an idle worker always takes at least one prompt, even when
         # a group is larger than the slots (the engine queues the rest)
         return max(0, (int(self.cfg.rollout.slots) + self.group_size - 1 - busy) // self.group_size)
@@ -309,6 +351,13 @@ class RolloutWorker:
 
     def _start_group(self, lease: Lease) -> None:
         prompt = lease.prompt
+        if self.episodes is not None:  # each member an episode; its environment's reset renders its prompt
+            group = _Group(lease, f"{prompt.prompt_id}:e{prompt.epoch}:{lease.lease_id}", prompt.text, [], time.time(),
+                           self.group_size)
+            self.groups[lease.lease_id] = group
+            for i in range(self.group_size):
+                self.episodes.start(f"{lease.lease_id}/{i}", prompt, tag=(group, i))
+            return
         try:
             text, ids = self.renderer.render(prompt)
         except PromptRejected as exc:
@@ -335,23 +384,45 @@ class RolloutWorker:
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
         for result in finished:
+            if self.episodes is not None:  # a turn: its episode goes on (or ends) in _collect_episodes
+                self.stats.tokens += result.num_tokens
+                self.episodes.on_result(result)
+                continue
             lease_id, _, index = result.request_id.rpartition("/")
             group = self.groups.get(lease_id)
             if group is None:  # abandoned group
                 continue
             self.stats.tokens += result.num_tokens
+            self.stats.empty_responses += int(is_empty_response(result.text))
             if self.exporter is not None:
                 self.exporter.observe(GENERATION, time.time() - group.created_at)
-            group.futures[int(index)] = self.pool.submit(self._score, group, int(index), result)
+            group.results[int(index)] = result
+            if len(group.results) == group.size:  # scored a whole group at a time: batches hold whole groups
+                self.scoring.submit([((group, i), (group, i, r)) for i, r in sorted(group.results.items())])
+
+    def _collect_episodes(self, block_s: float = 0.0) -> None:
+        """Environments' answers in (next turns queued); finished episodes into their groups, and
+        a group whose episodes all finished to scoring. ``block_s``: wait that long for an answer
+        when nothing else is to be done."""
+        if self.episodes is None:
+            return
+        for ep in self.episodes.poll(block_s):
+            group, index = ep.tag
+            if self.groups.get(group.lease.lease_id) is not group:  # abandoned or released meanwhile
+                continue
+            if self.exporter is not None:
+                self.exporter.observe(GENERATION, time.time() - group.created_at)
+            group.results[index] = ep
+            if len(group.results) == group.size:
+                self.scoring.submit([((group, i), (group, i, r)) for i, r in sorted(group.results.items())])
 
     # ------------------------------------------------------------------ score + emit
 
-    def _score(self, group: _Group, index: int, result: GenResult) -> tuple[Sample | None, str | None, bytes]:
-        """Runs on the scoring thread as soon as one response finishes.
-        Returns ``(sample, None, b"")``, or ``(None, reason, raw)`` for the dead-letter stream."""
-        t0 = time.monotonic()
+    def _new_sample(self, group: _Group, index: int, result: GenResult | Episode) -> Sample:
         prompt = group.lease.prompt
-        sample = Sample(
+        if isinstance(result, Episode):
+            return self._episode_sample(group, index, result)
+        return Sample(
             sample_id=f"{group.group_id}/{index}",
             prompt_id=prompt.prompt_id,
             group_id=group.group_id,
@@ -367,28 +438,115 @@ class RolloutWorker:
             created_at=group.created_at,
             metadata={"prompt_epoch": prompt.epoch, "prompt_index": prompt.index},
         )
-        try:
-            if result.num_tokens == 0:
-                raise RewardError("empty response (nothing to score)")
-            sample.reward, sample.reward_components = self.scorer.score(
-                group.prompt_text, result.text, result.token_ids.tolist(), prompt.metadata
-            )
-        except RewardError as exc:
-            sample.reward = float("nan")
-            sample.finished_at = time.time()
-            return None, str(exc), sample.encode()
-        finally:
-            self.stats.t_score += time.monotonic() - t0
-        if self.reference is not None:
-            sample.ref_logprobs = self._ref_logprobs(group.prompt_ids, result)
+
+    def _episode_sample(self, group: _Group, index: int, ep: Episode) -> Sample:
+        """An episode as one sample: its transcript (policy tokens as sampled, loss mask 0 elsewhere)."""
+        prompt = group.lease.prompt
+        meta = {"prompt_epoch": prompt.epoch, "prompt_index": prompt.index, "turns": len(ep.turns),
+                "retokenisation_drift": ep.drift_turns}
+        common = dict(sample_id=f"{group.group_id}/{index}", prompt_id=prompt.prompt_id, group_id=group.group_id,
+                      finish_reason=ep.finish_reason or "abort", worker_id=self.worker_id, group_size=group.size,
+                      group_index=index, created_at=group.created_at, metadata=meta)
+        if ep.transcript is None:  # failed before its first turn: an empty record for the dead letter
+            return Sample(prompt_ids=np.zeros(0, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
+                          behaviour_logprobs=np.zeros(0, dtype=np.float32), versions=[], reward=0.0, **common)
+        return ep.transcript.to_sample(**common)
+
+    def _dead(self, sample: Sample, reason: str) -> tuple[None, str, bytes]:
+        sample.reward = float("nan")
         sample.finished_at = time.time()
-        return sample, None, b""
+        return None, reason, sample.encode()
+
+    def _score_batch(self, entries: list[tuple[_Group, int, GenResult]], watch: CallWatch
+                     ) -> list[tuple[Sample | None, str | None, bytes]]:
+        """Runs on a scoring thread: one batch of finished responses (whole groups, in order).
+        Per response ``(sample, None, b"")``, or ``(None, reason, raw)`` for the dead-letter stream."""
+        if self.episodes is not None:
+            return self._score_episodes(entries, watch)
+        items = []
+        for group, _, result in entries:
+            prompt = group.lease.prompt
+            items.append(ScoreItem(group.prompt_text, result.text, result.token_ids.tolist(), prompt.metadata,
+                                   prompt.messages or [{"role": "user", "content": prompt.text}]))
+        scores = self.scorer.score_batch(items, watch)
+        out: list[tuple[Sample | None, str | None, bytes]] = []
+        for (group, index, result), score in zip(entries, scores):
+            sample = self._new_sample(group, index, result)
+            if result.num_tokens == 0:
+                score = RewardError("response has no tokens")
+            if isinstance(score, RewardError):
+                out.append(self._dead(sample, str(score)))
+                continue
+            sample.reward, sample.reward_components = score
+            if self.reference is not None:
+                sample.ref_logprobs = self._ref_logprobs(group.prompt_ids, result.token_ids)
+            sample.finished_at = time.time()
+            out.append((sample, None, b""))
+        return out
+
+    def _score_episodes(self, entries: list[tuple[_Group, int, Episode]], watch: CallWatch
+                        ) -> list[tuple[Sample | None, str | None, bytes]]:
+        """Scoring thread, episodes: the environment's reward (component ``env``) plus the run's
+        reward functions and models, if any, on the whole conversation."""
+        samples = [self._new_sample(group, index, ep) for group, index, ep in entries]
+        live = [i for i, (_, _, ep) in enumerate(entries) if ep.error is None]
+        scores: dict[int, Any] = {i: (0.0, {}) for i in live}
+        if self.scorer.functions or self.scorer.models:
+            items = []
+            for i in live:
+                group, _, ep = entries[i]
+                assert ep.transcript is not None
+                text = self.tokenizer.decode(ep.transcript.response_ids, skip_special_tokens=True)
+                meta = {**group.lease.prompt.metadata, "turns": [t.text for t in ep.turns], "env_reward": ep.env_reward}
+                items.append(ScoreItem(ep.prompt_text, text, list(ep.transcript.response_ids), meta,
+                                       ep.prompt_messages, ep.messages))
+            scores.update(zip(live, self.scorer.score_batch(items, watch)))
+        out: list[tuple[Sample | None, str | None, bytes]] = []
+        for i, ((_, _, ep), sample) in enumerate(zip(entries, samples)):
+            score = scores.get(i)
+            if ep.error is not None:
+                score = RewardError(ep.error)
+            elif ep.env_reward is None and not (self.scorer.functions or self.scorer.models):
+                score = RewardError(f"the episode ended ({ep.finish_reason}) without a reward: environment "
+                                    f"{self.env_factory.path if self.env_factory else '?'} returned none from step() "
+                                    "and no reward function is configured; return one when done, or set reward.functions")
+            elif sample.num_policy_tokens == 0:
+                score = RewardError("the episode has no token the policy sampled")
+            if isinstance(score, RewardError):
+                out.append(self._dead(sample, str(score)))
+                continue
+            total, parts = score
+            if ep.env_reward is not None:
+                total, parts = total + ep.env_reward, {**parts, "env": ep.env_reward}
+            sample.reward, sample.reward_components = total, parts
+            if self.reference is not None:
+                sample.ref_logprobs = self._ref_logprobs(sample.prompt_ids.tolist(), sample.response_ids)
+            sample.finished_at = time.time()
+            out.append((sample, None, b""))
+        return out
+
+    def _timed_out(self, key: tuple[_Group, int], reason: str) -> tuple[None, str, bytes]:
+        """The outcome of a sample whose reward call was abandoned (main thread)."""
+        group, index = key
+        return self._dead(self._new_sample(group, index, group.results[index]), reason)
+
+    def _collect_scores(self) -> None:
+        """Scores that came back (or timed out) into their groups; due batches started."""
+        flush = not self.engine.has_work()  # nothing more will finish soon: do not wait to fill a batch
+        for (group, index), outcome in self.scoring.poll(flush=flush):
+            if self.groups.get(group.lease.lease_id) is group:  # not abandoned or released meanwhile
+                group.outcomes[index] = outcome
+        pool = self.scoring
+        self.stats.t_score, self.stats.reward_calls, self.stats.reward_timeouts = pool.busy_s, pool.calls, pool.timeouts
+        if self.exporter is not None:
+            for seconds in pool.take_durations():
+                self.exporter.observe(SCORING, seconds)
 
     @torch.no_grad()
-    def _ref_logprobs(self, prompt_ids: list[int], result: GenResult) -> np.ndarray:
+    def _ref_logprobs(self, prompt_ids: list[int], response_ids: np.ndarray) -> np.ndarray:
         """``[R]`` reference log-probs under the same processed distribution the learner uses for KL."""
         device = next(self.reference.parameters()).device
-        ids = torch.tensor([list(prompt_ids) + result.token_ids.tolist()], device=device)
+        ids = torch.tensor([list(prompt_ids) + [int(t) for t in response_ids]], device=device)
         logits = self.reference(input_ids=ids).logits[:, len(prompt_ids) - 1 : -1]
         sp = self.sampling
         lp = response_logprobs(logits, ids[:, len(prompt_ids):], sp.temperature, sp.top_k, sp.top_p)
@@ -398,19 +556,26 @@ class RolloutWorker:
         """Append every group whose samples are all scored, in one Redis round trip (each group
         still appended and acked atomically on its own)."""
         ready: list[tuple[str, _Group, list[Sample], list[tuple[str, bytes]]]] = []
+        self._collect_scores()
         for lease_id, group in self.groups.items():
-            if len(group.futures) < group.size or not all(f.done() for f in group.futures.values()):
+            if len(group.outcomes) < group.size:
                 continue
-            outcomes = [group.futures[i].result() for i in range(group.size)]
+            outcomes = [group.outcomes[i] for i in range(group.size)]
             samples = [s for s, _, _ in outcomes if s is not None]
             dead = [(reason, raw) for s, reason, raw in outcomes if s is None]
             ready.append((lease_id, group, samples, dead))
         if not ready:
             return
+        algo = self.cfg.algo
+        # DAPO's dynamic sampling: a group that teaches nothing is completed as filtered (prompt acked,
+        # budget returned: pacing admits another prompt, so learner batches stay full of useful groups)
+        reasons = [filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
+                                 overlong=algo.overlong) if algo.filter_groups else None
+                   for _, _, samples, _ in ready]
         with self._buf_lock:  # per group: append + dead letters + ack, one atomic step
             statuses = self.buffer.complete_many([
-                self.buffer.prepare(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead])
-                for _, group, samples, dead in ready
+                self.buffer.prepare(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead], filtered=why)
+                for (_, group, samples, dead), why in zip(ready, reasons)
             ])
         for (lease_id, group, samples, dead), status in zip(ready, statuses):
             del self.groups[lease_id]
@@ -423,6 +588,10 @@ class RolloutWorker:
             elif status == "appended":
                 self.stats.prompts += 1
                 self.stats.samples += len(samples)
+            elif status == "filtered":
+                self.stats.prompts_empty += 1
+                self.stats.groups_filtered += 1
+                self.stats.samples_filtered += len(samples)
             else:
                 self.stats.prompts_empty += 1
         for _, _, samples, dead in ready:  # after the groups are stored: a stop loses nothing scored
@@ -448,7 +617,10 @@ class RolloutWorker:
             if group is None:
                 continue
             for i in range(group.size):
-                self.engine.abort(f"{lease_id}/{i}")
+                if self.episodes is not None:
+                    self.episodes.abort(f"{lease_id}/{i}")
+                else:
+                    self.engine.abort(f"{lease_id}/{i}")
             self.stats.leases_lost += 1
             log.warning("worker %s: lease of prompt %s was taken over by another worker; abandoned", self.worker_id, group.lease.prompt.prompt_id)
 
@@ -462,7 +634,11 @@ class RolloutWorker:
     def heartbeat(self) -> None:
         extra = dict(self.renderer.counters.as_dict())
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
-                     weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"])
+                     weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"],
+                     score_share=self.score_share(), scoring_threads=self.cfg.reward.num_threads)
+        if self.episodes is not None:
+            extra.update(self.episodes.stats.as_dict(self.episodes.calls), env_waiting=self.episodes.waiting_for_env(),
+                         episodes=len(self.episodes.episodes))
         stats = self.stats.as_dict(self.engine.version if self.has_weights else None, extra)
         if self.exporter is not None:
             self.exporter.update(stats)
@@ -472,6 +648,12 @@ class RolloutWorker:
                 self._lost.update(lost)
         except Exception as exc:  # Redis away for longer than the client's retries: the main loop will notice
             log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    def score_share(self) -> float:
+        """The share of the scoring threads' time spent scoring since the worker started (near 1:
+        the reward is the bottleneck; more threads, batching or a faster reward would help)."""
+        elapsed = max(time.monotonic() - self.stats.started, 1e-9)
+        return min(1.0, self.stats.t_score / (elapsed * self.cfg.reward.num_threads))
 
     def request_stop(self, *_: Any) -> None:
         """Stop claiming and drain (the SIGTERM/SIGINT handler); a second call skips the grace period."""
@@ -504,10 +686,10 @@ class RolloutWorker:
                         steps += 1
                         if steps % check_every == 0:
                             self._maybe_update_weights()
+                        self._collect_episodes()
                     else:
                         self._maybe_update_weights()
-                        if self.groups:  # only scoring left: let the scoring thread run
-                            time.sleep(0.002)
+                        self._idle_wait()
                     self._emit_finished_groups()
             self._drain()
         except BaseException:
@@ -518,7 +700,9 @@ class RolloutWorker:
             self._hb_stop.set()
             if self._hb_thread is not None:
                 self._hb_thread.join(timeout=10)
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.scoring.close()
+            if self.episodes is not None:
+                self.episodes.close()
             self.engine.close()
             self.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()
@@ -528,6 +712,15 @@ class RolloutWorker:
                 self.exporter.close()
         return self.stats
 
+    def _idle_wait(self) -> None:
+        """The engine has nothing to decode: wait a little for an environment's answer (episodes)
+        or for the scoring thread, instead of spinning."""
+        if self.episodes is not None and self.episodes.waiting_for_env():
+            self._collect_episodes(block_s=0.005)
+        elif self.groups:  # only scoring left: let the scoring thread run
+            self._collect_episodes()
+            time.sleep(0.002)
+
     def _drain(self) -> None:
         """Finish in-flight prompts within the grace period (heartbeats go on); release the rest."""
         deadline = time.monotonic() + float(self.cfg.rollout.shutdown_grace_s)
@@ -535,8 +728,9 @@ class RolloutWorker:
             self._abandon_lost_leases()
             if self.engine.has_work():
                 self._step()
+                self._collect_episodes()
             else:
-                time.sleep(0.002)
+                self._idle_wait()
             self._emit_finished_groups()
         self._release_all("shutdown grace period over")
 
@@ -546,6 +740,8 @@ class RolloutWorker:
         if not self.groups:
             return
         try:
+            if self.episodes is not None:
+                self.episodes.abort_all()
             self.engine.abort_all()
         except Exception as exc:  # an engine that failed mid-step: the leases matter more
             log.warning("worker %s: engine abort failed: %s", self.worker_id, exc)
@@ -596,8 +792,12 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: early.append(signum))
     worker = RolloutWorker(cfg, worker_id or os.environ.get(WORKER_ID_ENV) or None)
-    log.info("worker %s: run %s, engine %s, %d slot(s), %d thread(s)", worker.worker_id, cfg.buffer.run_id,
-             cfg.rollout.engine, cfg.rollout.slots, threads)
+    rc = cfg.reward
+    log.info("worker %s: run %s, engine %s, %d slot(s), %d torch thread(s) (OMP_NUM_THREADS, reward models included); "
+             "rewards %s: %d scoring thread(s) (reward.num_threads), batches of up to %d samples (reward.batch_size), "
+             "timeout %s (reward.timeout_s)", worker.worker_id, cfg.buffer.run_id, cfg.rollout.engine, cfg.rollout.slots,
+             threads, worker.scorer.describe(), rc.num_threads, rc.batch_size,
+             "none" if rc.timeout_s is None else f"{rc.timeout_s:g} s")
     if install_signals:
         signal.signal(signal.SIGTERM, worker.request_stop)
         signal.signal(signal.SIGINT, worker.request_stop)

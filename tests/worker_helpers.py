@@ -56,10 +56,11 @@ def gate_overrides(gate_file: Path, free: int = 0) -> list[str]:
     """Overrides adding ``reward_fns.gate``: the first ``free`` samples a worker process scores go
     through, every later one waits while ``gate_file`` exists (created here). A test holds a
     worker in a known state with it (no group can complete) and opens the gate by removing the
-    file; a worker shuts down only once its scoring thread is let go."""
+    file; a worker shuts down only once its scoring thread is let go (or after 10 s). The gate
+    holds a reward call for as long as the test wants: no reward.timeout_s."""
     gate_file.touch()
     return ["+reward.functions.gate._target_=reward_fns.gate", f"+reward.functions.gate.path='{gate_file}'",
-            f"+reward.functions.gate.free={free}"]
+            f"+reward.functions.gate.free={free}", "reward.timeout_s=null"]
 
 
 def compose_unvalidated(override_list: Sequence[str]) -> Config:

@@ -29,6 +29,10 @@ BENCHES = {
     "engines": (["--quick"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
+    "lora": (["--quick", "--reps", "1"], {"results", "ratios", "targets", "met", "device", "generation_tiny_cpu", "notes"}),
+    "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
+    "rewards": (["--quick", "--updates", "4"], {"runs", "batched_over_per_sample", "ratios_per_seed", "target",
+                                                 "reward_model_ms_per_completion"}),
     "staleness": (["--quick", "--updates", "20", "--seeds", "1"],
                   {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
     "weight_sync": (["--quick", "--size-mb", "32", "--reps", "2"], {"results", "ratios", "targets", "rounds"}),

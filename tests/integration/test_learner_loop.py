@@ -399,6 +399,50 @@ def test_final_hf_export_loads_with_transformers_as_is(make_run, tmp_path):
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and bool(torch.isfinite(logits).all())
 
 
+@pytest.mark.timeout(240)
+def test_lora_versions_are_adapters_a_restart_keeps_one_number_per_weights_and_the_export_merges(make_run, tmp_path):
+    """LoRA through the learner's own publish, crash and restart: every version on the weight
+    server is the adapter tensors alone; the restored adapters go out above the lost update's
+    number (as for a whole model); the final export is the merged model, equal to the base model
+    with the last version's adapters applied."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core import lora
+    from rlhf_core.config import LoraConfig, ModelConfig
+    from rlhf_core.models import load_policy
+    from weight_server import WeightSubscriber
+
+    export = tmp_path / "export"
+    run = make_run(max_updates=5)
+    run.common += ["model.lora.r=2", "model.lora.target_modules=[all-linear,lm_head]", "learner.lr=3e-3"]
+    run.learner("learner-a", crash="before_checkpoint:3")
+    run.worker("w0")
+    run.wait("learner-a", START_S)  # two processes start on a busy machine, the worker joins when the learner is up
+    before = killed(run, "learner-a")
+    assert (before["ckpt"]["version"], before["newest"]) == (2, 3)  # v3 published, not checkpointed
+    run.learner("learner-b", f"learner.export_dir={export}")
+    assert run.wait("learner-b", 120) == 0, run.log("learner-b")
+    assert check_resume(run, before, 5) == 4  # the restored v2 adapters as version 4, hash-equal to v2
+    cache = next(a.split("=", 1)[1] for a in run.common if a.startswith("model.cache_dir="))
+    cfg = ModelConfig(cache_dir=cache, lora=LoraConfig(r=2, target_modules=["all-linear", "lm_head"]))
+    model = load_policy(cfg).eval()
+    adapters = lora.adapter_parameters(model)
+    for v in run.held():  # adapters only, in every version of both learners
+        assert sorted(t.name for t in run.ws.store.get("policy", v).layout.tensors) == sorted(adapters), v
+    with WeightSubscriber(run.ws.address, run.ws.pub_address, WeightServerConfig(), worker_id="test") as sub:
+        version, _ = sub.pull(into=adapters)  # what a worker's hf engine does
+    assert version == 7 == run.latest()["version"]  # 4 (restored v2) + updates 3, 4, 5
+    exported = AutoModelForCausalLM.from_pretrained(export).eval()  # plain transformers, no peft
+    assert not lora.has_adapters(exported)
+    ids = torch.tensor([[1, 23, 30]])
+    with torch.no_grad():
+        merged, unmerged = exported(input_ids=ids).logits, model(input_ids=ids).logits
+        base = load_policy(ModelConfig(cache_dir=cache)).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
+    assert float((merged - base).abs().max()) > 1e-3  # trained: not the base model
+
+
 # ------------------------------------------------------------------ experiment trackers
 @pytest.mark.timeout(300)
 def test_trackers_log_offline_and_a_restored_learner_continues_their_runs(make_run, monkeypatch):

@@ -151,11 +151,15 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_run_learns_and_reports(tmp_path, model_cache):
-    """A smaller version of the README's main command: reward rises, summary and plots exist."""
+    """A smaller version of the README's main command: reward rises, summary and plots exist;
+    the held-out evaluation every 50 versions reaches eval.jsonl, metrics.jsonl, TensorBoard and
+    the summary."""
     out = tmp_path / "out"
     # the default task at a higher learning rate, so 250 updates (~40 s) show it
     proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false",
-                    "learner.max_updates=250", "learner.lr=1e-3", "learner.checkpoint_every=50"], tmp_path, timeout=540)
+                    "learner.max_updates=250", "learner.lr=1e-3", "learner.checkpoint_every=50",
+                    "eval.every=50", "eval.n=4", "eval.k=[1,4]", "eval.num_prompts=20", "run.loggers=[tensorboard]"],
+                   tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 250
@@ -175,6 +179,24 @@ def test_default_run_learns_and_reports(tmp_path, model_cache):
     ws_log = (out / "logs" / "weight-server.log").read_text()
     assert "published policy v250" in ws_log and "applied policy v" in ws_log
     assert len(console.splitlines()) < 40, console
+    # evaluation: version 0 (or the first the evaluator saw), then each at or past the next multiple of 50
+    evals = [json.loads(line) for line in (out / M.EVAL_FILE).read_text().splitlines()]
+    versions = [e[M.EVAL_VERSION] for e in evals]
+    assert len(evals) >= 3 and all(b >= (a // 50 + 1) * 50 for a, b in zip(versions, versions[1:])), versions
+    assert all(e["eval/samples"] == 20 * 4 and e["eval/failed"] == 0 for e in evals), evals
+    assert all(0 <= e["eval/pass@1"] <= e["eval/pass@4"] <= 1 for e in evals), evals
+    assert evals[-1][M.EVAL_REWARD_MEAN] > evals[0][M.EVAL_REWARD_MEAN], versions
+    merged = {r[M.EVAL_VERSION] for r in read_metrics(out) if M.EVAL_VERSION in r}
+    assert merged and merged <= set(versions), (merged, versions)  # the learner copied evaluations into its rows
+    assert summary_eval(out)["evaluations"] == len(evals) and "eval: reward" in proc.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(out / "tensorboard")).Reload().Scalars(M.EVAL_REWARD_MEAN)
+    assert len(scalars) == len(merged)
+
+
+def summary_eval(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())["eval"]
 
 
 @pytest.mark.timeout(300)
@@ -385,6 +407,46 @@ def test_real_model_path_reward_model_and_jsonl_prompts(tmp_path, model_cache, t
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert exported.config.vocab_size == 99
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_with_a_trl_style_reward_and_an_llm_judge_over_http_shows_what_scoring_costs(tmp_path, model_cache):
+    """JSONL prompts with a `reference` column, scored by a TRL-style batched function and by an LLM
+    judge (a stub of the chat API on loopback, both reading the column); the scoring share and the
+    reward calls/s reach the console, summary.json and the worker's start-up line."""
+    from chat_stub import ChatStub
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{d}:", "reference": "".join(str((d + k) % 10) for k in range(1, 7))})
+                               + "\n" for d in range(8)))
+    out = tmp_path / "out"
+    tests_dir = str(Path(__file__).resolve().parents[1])  # reward_fns, for the launcher and its worker
+    env = child_env(PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    with ChatStub() as stub:
+        proc = subprocess.run(
+            [script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), "rollout.num_workers=1",
+             "learner.max_updates=6", "data=jsonl", f"data.path={prompts}", "reward.num_threads=2",
+             "+reward.functions.ref._target_=reward_fns.trl_reference",
+             "+reward.functions.judge._target_=rollout_workers.rewards_remote.ChatJudge",
+             f"+reward.functions.judge.url={stub.url}", "+reward.functions.judge.model=match",
+             "+reward.functions.judge.template='{reference}|{response}'", "+reward.functions.judge.scale=0.1"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["samples_trained"] == 6 * 16
+    rows = read_metrics(out)
+    assert all("reward/ref" in r and "reward/judge" in r for r in rows), rows[0].keys()
+    assert all(r["reward/judge"] >= 0 and r["reward/ref"] >= 0 for r in rows)
+    asked = [r["body"]["messages"][-1]["content"] for r in stub.requests]
+    assert len(asked) >= 6 * 16 - summary["rewards"]["empty_responses"]  # every non-empty sample trained was judged
+    assert all(len(a.split("|")[0]) == 6 and a.split("|")[0].isdigit() for a in asked)  # the reference reached it
+    rewards = summary["rewards"]
+    assert 0 < rewards["scoring_share"] <= 1 and rewards["reward_calls_per_s"] > 0 and rewards["reward_timeouts"] == 0
+    assert "rewards: scoring busy" in proc.stdout and "reward calls/s" in proc.stdout
+    log = (out / "logs" / "worker-0.log").read_text()
+    assert "rewards ref (batched), judge (batched): 2 scoring thread(s) (reward.num_threads)" in log
+    assert "torch thread(s) (OMP_NUM_THREADS" in log
 
 
 @pytest.mark.timeout(300)
