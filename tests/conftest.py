@@ -87,3 +87,42 @@ def weight_server():
     yield server
     server.stop()
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (what a worker process does): the tiny model is
+    overhead-bound, and on a shared 2-core machine extra OpenMP threads only spin against other
+    processes (20x slower steps measured). Restored afterwards. Use it with
+    ``pytestmark = [..., pytest.mark.usefixtures("one_thread")]``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def run(redis_url, weight_server, tiny_model_cfg, request):
+    """``run(**settings) -> (cfg, learner)``: a fresh run id per test on the shared servers, the
+    test playing the learner (:class:`worker_helpers.FakeLearner`). Worker threads started through
+    ``learner.thread(...)`` are stopped before the servers go."""
+    from worker_helpers import FakeLearner, compose, overrides
+
+    made = []
+
+    def make(**settings):
+        cfg = compose(overrides(redis_url, request.node.name, weight_server, tiny_model_cfg, **settings))
+        learner = FakeLearner(cfg)
+        made.append(learner)
+        return cfg, learner
+
+    yield make
+    for learner in made:
+        for wt in learner.threads:
+            if wt.thread.is_alive():
+                wt.worker.request_stop()
+                wt.worker.request_stop()  # the second request skips the grace period
+                wt.thread.join(15)
+        learner.close()

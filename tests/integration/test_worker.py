@@ -20,42 +20,11 @@ from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
 from rlhf_core.tasks import count_up_reward
 from rollout_workers.worker import WEIGHT_RETRY_S, RolloutWorker
-from worker_helpers import (FakeLearner, check_sample, compose, compose_unvalidated, gate_overrides, overrides, recompute,
-                            wait_for)
+from worker_helpers import check_sample, compose_unvalidated, gate_overrides, recompute, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90), pytest.mark.usefixtures("one_thread")]
 
 PARITY_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # what run_worker does; the tiny model is overhead-bound
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def run(redis_url, weight_server, tiny_model_cfg, request):
-    """``run(**settings) -> (cfg, learner)``: a fresh run id per test on the shared servers.
-    Worker threads started through ``learner.thread(...)`` are stopped before the servers go."""
-    made = []
-
-    def make(**settings):
-        cfg = compose(overrides(redis_url, request.node.name, weight_server, tiny_model_cfg, **settings))
-        learner = FakeLearner(cfg)
-        made.append(learner)
-        return cfg, learner
-
-    yield make
-    for learner in made:
-        for wt in learner.threads:
-            if wt.thread.is_alive():
-                wt.worker.request_stop()
-                wt.worker.request_stop()  # the second request skips the grace period
-                wt.thread.join(15)
-        learner.close()
 
 
 def recompute_across_swap(v0, v1, s: Sample, a: int) -> np.ndarray:

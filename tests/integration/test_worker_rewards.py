@@ -18,33 +18,9 @@ import reward_fns
 from chat_stub import ChatStub
 from rlhf_core.records import Sample
 from rollout_workers.worker import RolloutWorker
-from worker_helpers import FakeLearner, check_sample, compose, overrides
+from worker_helpers import FakeLearner, check_sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def run(redis_url, weight_server, tiny_model_cfg, request):
-    """``run(**settings) -> (cfg, learner)``: a fresh run id per test on the shared servers."""
-    made = []
-
-    def make(**settings):
-        cfg = compose(overrides(redis_url, request.node.name, weight_server, tiny_model_cfg, **settings))
-        learner = FakeLearner(cfg)
-        made.append(learner)
-        return cfg, learner
-
-    yield make
-    for learner in made:
-        learner.close()
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 
 def texts_of(learner: FakeLearner, groups: list[list[Sample]]) -> dict[str, str]:

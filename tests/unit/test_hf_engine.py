@@ -21,17 +21,9 @@ from engine_helpers import ids, recompute
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.hf_engine import HFEngine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PARITY_ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The tiny model is overhead-bound; on the shared 2-core machine extra OpenMP threads only
-    # spin against other processes (20x slower steps measured). Restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +42,6 @@ def fresh_policy(tiny_model_cfg):
     return load_policy(tiny_model_cfg).eval()
 
 
-
 def run(engine: HFEngine) -> tuple[dict[str, GenResult], dict[str, int]]:
     """Step until idle; results by id and the step (1-based) each finished in."""
     results, finished_at = {}, {}
@@ -60,7 +51,6 @@ def run(engine: HFEngine) -> tuple[dict[str, GenResult], dict[str, int]]:
             finished_at[r.request_id] = engine.num_steps
         assert engine.num_steps < 1000
     return results, finished_at
-
 
 
 PROMPTS = ["h", "hello world", "ab", "the quick brown fox jumps over the lazy dog, twice over", "xyz", "a b c d e f"]

@@ -23,17 +23,11 @@ from rlhf_core.models import check_lora, load_policy, load_tokenizer
 from rollout_workers.engine import GenRequest, SamplingParams
 from rollout_workers.hf_engine import HFEngine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # the head too: the random tiny model's frozen head caps its logits (see the README's LoRA paragraph)
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["all-linear", "lm_head"])
 LINEAR = ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
