@@ -224,13 +224,17 @@ class EpisodeRunner:
         factory: makes one environment per episode.
         max_turns: turns per episode at most.
         max_context: prompt + response tokens at most (the engine's context).
+        max_response: response tokens at most (``rollout.max_episode_tokens``: the buffer refuses
+            longer samples), whatever room a short prompt leaves in the context; None: no cap.
         threads, timeout_s: :class:`EnvCalls`.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, renderer: PromptRenderer, sampling: SamplingParams,
-                 factory: EnvFactory, *, max_turns: int, max_context: int, threads: int, timeout_s: float | None) -> None:
+                 factory: EnvFactory, *, max_turns: int, max_context: int, threads: int, timeout_s: float | None,
+                 max_response: int | None = None) -> None:
         self.engine, self.tokenizer, self.renderer, self.sampling = engine, tokenizer, renderer, sampling
         self.factory, self.max_turns, self.max_context = factory, int(max_turns), int(max_context)
+        self.max_response = max_response
         self.templated = renderer.uses_chat_template
         self.calls = EnvCalls(threads, timeout_s)
         self.episodes: dict[str, Episode] = {}  # running, by key
@@ -341,7 +345,7 @@ class EpisodeRunner:
     def _next_turn(self, ep: Episode) -> None:
         assert ep.transcript is not None
         context = ep.transcript.context_ids
-        room = self.max_context - len(context)
+        room = self._room(ep)
         if room < 1:
             self._finish(ep, "length")
             return
@@ -377,7 +381,7 @@ class EpisodeRunner:
         if len(ep.turns) >= self.max_turns:
             self._finish(ep, "max_turns")
             return
-        if len(ep.transcript) >= self.max_context:
+        if self._room(ep) < 1:
             self._finish(ep, "length")
             return
         last = ep.turns[-1]
@@ -387,7 +391,7 @@ class EpisodeRunner:
         ep.messages.extend(observation_messages(result.observation, role))
         ep.drift_turns += int(drift)
         self.stats.drift += int(drift)
-        room = self.max_context - len(ep.transcript) - 1  # the next turn needs at least one token
+        room = self._room(ep) - 1  # the next turn needs at least one token
         if len(ids) > room:  # cut to fit: what the policy would see is the context, full
             ids = ids[: max(room, 0)]
             ep.transcript.add_observation(ids)
@@ -398,6 +402,14 @@ class EpisodeRunner:
         ep.transcript.add_observation(ids)
         self.stats.observation_tokens += len(ids)
         self._next_turn(ep)
+
+    def _room(self, ep: Episode) -> int:
+        """Tokens the episode may still add: the context's room, and the response budget's."""
+        assert ep.transcript is not None
+        room = self.max_context - len(ep.transcript)
+        if self.max_response is not None:
+            room = min(room, self.max_response - len(ep.transcript.response_ids))
+        return room
 
     def _finish(self, ep: Episode, reason: str) -> None:
         ep.finish_reason = reason

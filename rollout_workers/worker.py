@@ -176,7 +176,7 @@ class RolloutWorker:
             context = int(getattr(self.engine, "max_model_len", 0) or r.max_prompt_tokens + response_budget(r))
             self.episodes = EpisodeRunner(self.engine, self.tokenizer, self.renderer, self.sampling, self.env_factory,
                                           max_turns=r.max_turns, max_context=context, threads=r.env_threads,
-                                          timeout_s=r.env_timeout_s)
+                                          timeout_s=r.env_timeout_s, max_response=response_budget(r))
         rc = cfg.reward
         self.scoring: ScoringPool[tuple[_Group, int]] = ScoringPool(
             self._score_batch, self._timed_out, num_threads=rc.num_threads, batch_size=rc.batch_size,

@@ -22,7 +22,7 @@ import torch
 
 from buffer import Buffer
 from buffer.keys import WORKERS_GROUP
-from rlhf_core.config import Config, ModelConfig
+from rlhf_core.config import Config, ModelConfig, response_budget
 from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
@@ -95,7 +95,7 @@ class FakeLearner:
         self.cfg = cfg
         self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.params = self.buffer.init_run(batch_size=batch_size, group_size=cfg.algo.group_size, max_staleness=max_staleness,
-                                           max_response_tokens=cfg.rollout.max_new_tokens, vocab_size=VOCAB)
+                                           max_response_tokens=response_budget(cfg.rollout), vocab_size=VOCAB)
         self.publisher = WeightPublisher(cfg.weight_server.address, cfg.weight_server)
         self.tokenizer = load_tokenizer(cfg.model)
         self.base = load_policy(cfg.model).eval()  # the weights on disk (what a worker starts with)
