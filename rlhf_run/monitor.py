@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -132,19 +134,31 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
         target = RunExporter(run_id)
         target.update(prev)
         target.serve(prometheus_port, setting="prometheus_port")
+    # Ctrl-C / SIGTERM end the loop between two refreshes, not as a KeyboardInterrupt raised
+    # wherever the main thread happens to be (inside a Redis reply, the display, the exporter).
+    stopping: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Live(render(prev), refresh_per_second=max(1, int(1 / refresh_s))) as live:
-            while True:
+            while not stopping:
                 time.sleep(refresh_s)
+                if stopping:
+                    break
                 prev = snapshot(buf, prev)
                 live.update(render(prev))
                 if target is not None:
                     target.update(prev)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a caller's thread with no handlers of ours
         pass
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if target is not None:
             target.close()
+        buf.close()
     return prev
 
 

@@ -134,7 +134,7 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
     log = (tmp_path / "monitor.log").open("w")
     monitor = subprocess.Popen([script("rlhf-monitor"), f"url={redis_url}", f"run_id={run_id}",
                                 f"prometheus_port={monitor_port}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=log, env=child_env())
+                               stderr=log, env=dict(child_env(), PYTHONFAULTHANDLER="1"))
     try:
         def up() -> dict | None:
             assert monitor.poll() is None, (tmp_path / "monitor.log").read_text()[-2000:]
@@ -144,8 +144,14 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
         assert sample(watched, "rlhf_run_version", "gauge", "rlhf_run_version", run=run_id) >= 2
     finally:
         monitor.send_signal(signal.SIGINT)
-        assert monitor.wait(timeout=30) == 0, (tmp_path / "monitor.log").read_text()[-2000:]
+        try:
+            code = monitor.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # SIGABRT: faulthandler writes every thread's stack to the log
+            monitor.send_signal(signal.SIGABRT)
+            monitor.wait(timeout=30)
+            code = "still running 30 s after SIGINT"
         log.close()
+        assert code == 0, (tmp_path / "monitor.log").read_text()[-4000:]
 
 
 @pytest.mark.slow
