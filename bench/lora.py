@@ -18,7 +18,7 @@ default) and TCP (``shm=off``: workers on other hosts). LoRA: r=16 on all linear
 Also measured (tiny model, CPU): the hf engine's decoding throughput with and without adapters,
 the price of applying them merge-free (two thin matmuls per adapted layer and step).
 
-Targets (issue 21): with LoRA, bytes per update <= 5% of the whole model's and publish -> applied
+Targets: with LoRA, bytes per update <= 5% of the whole model's and publish -> applied
 <= 10% of the whole model's, on models where that is meaningful (not the 95k-parameter tiny one:
 r=16 on its 64-wide layers is a third of its weights).
 """

@@ -32,7 +32,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra is not installed: pip i
 from buffer import Buffer, RunKeys  # noqa: E402
 from rlhf_core import metric_names as M  # noqa: E402
 from servers import wait_for  # noqa: E402
-from test_run import Lines, base_overrides, child_env, pid_alive, script  # noqa: E402
+from test_run import Lines, base_overrides, child_env, leases_taken_over, pid_alive, script  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
@@ -182,6 +182,7 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
         lost = next(n for n in cluster.worker_nodes if n.node_id == placed["worker-0"]["node_id"])
         cluster.remove_node(trainer, allow_graceful=False)
         cluster.remove_node(lost, allow_graceful=False)
+        taken_over = leases_taken_over(r, run_id, "worker-0")
         trainer = cluster.add_node(**LOOPBACK, num_cpus=1, resources={"trainer": 1})
         cluster.add_node(**LOOPBACK, num_cpus=1, resources={"rollout": 2})  # the fixture's two rollout nodes again
         until(lines, lambda: actors(out).get("learner", {}).get("node_id") == trainer.node_id
@@ -191,6 +192,7 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
               "the learner to resume from its checkpoint")
         v = version_of(r, run_id)
         until(lines, lambda: version_of(r, run_id) >= v + 2, 180, "two updates after the nodes were lost")
+        until(lines, taken_over, 120, "the lost worker's leases to be taken over")
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=180) == 130

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import redis
@@ -73,6 +74,23 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def leases_taken_over(r: redis.Redis, run_id: str, consumer: str) -> Callable[[], bool]:
+    """Call right after ``consumer`` died: returns a predicate, true once every lease it held then
+    (frozen until buffer.lease_timeout_s expires) is acked or delivered again, to a live worker."""
+    prompts = RunKeys.for_run(run_id).prompts
+    orphans = {row["message_id"]: row["times_delivered"]  # id -> deliveries
+               for row in r.xpending_range(prompts, WORKERS_GROUP, "-", "+", 1000, consumername=consumer)}
+
+    def taken_over() -> bool:
+        for mid, deliveries in orphans.items():
+            row = r.xpending_range(prompts, WORKERS_GROUP, mid, mid, 1)
+            if row and row[0]["times_delivered"] <= deliveries:
+                return False
+        return True
+
+    return taken_over
 
 
 def scrape(port: int) -> dict:
@@ -262,20 +280,8 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         check_prometheus_targets(tmp_path, redis_server.url, run_id, learner_port, worker_port, run_port)
 
         # a crashed worker is reported and restarted; the run goes on
-        prompts = RunKeys.for_run(run_id).prompts
         os.kill(pids["worker-0"], signal.SIGKILL)
-        # its leases (id -> deliveries), frozen until they expire after buffer.lease_timeout_s (3 s)
-        orphans = {row["message_id"]: row["times_delivered"]
-                   for row in r.xpending_range(prompts, WORKERS_GROUP, "-", "+", 1000, consumername="worker-0")}
-
-        def taken_over() -> bool:
-            """Every lease the dead worker held is acked or delivered again, to a live worker."""
-            for mid, deliveries in orphans.items():
-                row = r.xpending_range(prompts, WORKERS_GROUP, mid, mid, 1)
-                if row and row[0]["times_delivered"] <= deliveries:
-                    return False
-            return True
-
+        taken_over = leases_taken_over(r, run_id, "worker-0")
         new = wait_for(lambda: (p := json.loads((out / "children.json").read_text()))["worker-0"] != pids["worker-0"] and p,
                        60, "worker-0 restarted")
         wait_for(taken_over, 120, "the dead worker's leases to be taken over")

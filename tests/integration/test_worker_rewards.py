@@ -29,8 +29,9 @@ def texts_of(learner: FakeLearner, groups: list[list[Sample]]) -> dict[str, str]
 
 
 def test_a_trl_style_reward_scores_whole_groups_with_the_data_columns(run):
-    cfg, learner = run(reward__batch_size=8, extra=["~reward.functions.count_up",
-                                                    "+reward.functions.len._target_=reward_fns.trl_length"])
+    # empty_response=score: an end-of-sequence-only response is scored too, so all 24 reach the function
+    cfg, learner = run(reward__batch_size=8, reward__empty_response="score",
+                       extra=["~reward.functions.count_up", "+reward.functions.len._target_=reward_fns.trl_length"])
     learner.publish(0)
     prompts = {p.prompt_id: p for p in learner.enqueue(6, tag="x")}
     reward_fns.batched_calls.clear()
