@@ -336,16 +336,19 @@ class Buffer:
     def learner_version(self) -> int:
         return int(self.retry(self.redis.get, self.keys.version) or 0)
 
-    def read_batch(self, consumer: str, learner_version: int, batch_size: int, timeout_s: float) -> Batch | None:
+    def read_batch(self, consumer: str, learner_version: int, batch_size: int, timeout_s: float,
+                   newest: int = 0) -> Batch | None:
         """``batch_size // group_size`` whole groups no staler than ``max_staleness``, or None on timeout.
 
         Nothing is acked until :meth:`commit`. The first call of a process re-delivers what this
-        consumer name read before a crash and did not commit.
+        consumer name read before a crash and did not commit. ``newest``: the newest version the
+        caller has published or is publishing, when above ``learner_version`` (a learner reading
+        against an older version after a restart); samples up to it are not "newer than the learner".
         """
         params = self.run_params()
         st = self._learners.setdefault(consumer, samples.LearnerState())
         read = replay.read_batch if params["mode"] == "replay" else samples.read_batch
-        return read(self._store, st, params, consumer, learner_version, batch_size, timeout_s)
+        return read(self._store, st, params, consumer, learner_version, batch_size, timeout_s, newest)
 
     def commit(self, batch: Batch) -> int:
         """Ack a batch once the update that used it is published and checkpointed. Idempotent;

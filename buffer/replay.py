@@ -38,8 +38,9 @@ from buffer.store import Store
 
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
-               batch_size: int, timeout_s: float) -> Batch | None:
-    """Replay mode: draw the next batch of ``consumer`` (whose state in this process is ``st``), or None on timeout."""
+               batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
+    """Replay mode: draw the next batch of ``consumer`` (whose state in this process is ``st``), or
+    None on timeout. ``newest``: see :meth:`buffer.Buffer.read_batch`."""
     K.check_consumer(consumer)
     if st.synced_at is None:
         return_undone(store, consumer, pending(store, consumer))
@@ -56,12 +57,12 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         )
         if res[0] == b"ok":
             groups: list[Group] = []
-            newest = newest_version(store, learner_version)
+            ceiling = newest_version(store, max(learner_version, newest))
             items = res[1:]
             for i in range(0, len(items), 2):
                 flat = items[i + 1] or []
                 fields = {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
-                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, newest))
+                groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, ceiling))
             batch = build_batch(groups, consumer, learner_version)
             st.handed.update(handed_of(batch))
             return batch

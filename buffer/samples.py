@@ -275,12 +275,13 @@ class LearnerState:
 
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
-               batch_size: int, timeout_s: float) -> Batch | None:
-    """FIFO mode: the next batch of ``consumer`` (whose state in this process is ``st``), or None on timeout."""
+               batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
+    """FIFO mode: the next batch of ``consumer`` (whose state in this process is ``st``), or None on
+    timeout. ``newest``: see :meth:`buffer.Buffer.read_batch`."""
     K.check_consumer(consumer)
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
-    ceiling = newest_version(store, learner_version)
+    ceiling = newest_version(store, max(learner_version, newest))
     while True:
         if st.synced_at != store.retry.reconnects:
             _resync(store, params, consumer, st, ceiling)

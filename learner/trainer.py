@@ -338,8 +338,10 @@ class Learner:
         A prompt producer that stopped on an error the user must fix ends the run here."""
         if self._producer_error is not None:
             raise self._producer_error
+        # newest: while re-delivered batches are read against the checkpoint's version, the
+        # version being sent on the publish thread may already have made samples
         batch = self.buffer.read_batch(self.consumer, self._read_version(), self.cfg.learner.batch_size,
-                                       timeout_s=1.0) if self.rank0 else None
+                                       timeout_s=1.0, newest=self.version) if self.rank0 else None
         if batch is not None:
             batch.samples = self._drop_stop_token_misfits(batch.samples)
         samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)

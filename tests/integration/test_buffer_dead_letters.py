@@ -179,6 +179,20 @@ def test_versions_a_restarted_learner_published_before_its_crash_are_not_refused
     assert [d["reason"].split(";")[0] for d in buf.dead_letters()] == ["policy version 9 is newer than the learner's version 8"]
 
 
+def test_the_version_a_learner_is_still_sending_is_not_refused(buf):
+    # Restored at v4 and replaying, the learner trained v9 and its publish thread sent it: a
+    # worker sampled with v9 before the thread told Redis (which still says 8). The learner
+    # passes newest=9, so the v9 group trains; a v10 group cannot exist and is refused.
+    buf.set_learner_version(8)
+    _raw_entry(buf, "pa", [T.sample("pa", version=9)])
+    _raw_entry(buf, "pb", [T.sample("pb", version=10)])
+    batch = buf.read_batch("L", 4, 8, timeout_s=2.0, newest=9)
+    assert [g.group_id for g in batch.groups] == ["g-pa"]
+    buf.commit(batch)
+    assert buf.read_batch("L", 4, 8, timeout_s=0.5, newest=9) is None
+    assert [d["reason"].split(";")[0] for d in buf.dead_letters()] == ["policy version 10 is newer than the learner's version 9"]
+
+
 def test_a_huge_dead_record_keeps_a_bounded_prefix_its_size_and_hash(buf):
     import hashlib
 
