@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +16,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: run in the suite never overwrites the committed results)
 RESULTS_ENV = "RLHF_BENCH_RESULTS"
 
+
+def mode_parser(doc: str | None, modes: Sequence[str] = ("quick", "full")) -> argparse.ArgumentParser:
+    """A bench's argument parser: its docstring's first paragraph as the description and one
+    flag per mode (``--quick``, ``--full``, ...), exclusive, in ``args.mode`` (the first mode
+    when none is given)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    group = ap.add_mutually_exclusive_group()
+    for name in modes:
+        group.add_argument(f"--{name}", action="store_const", const=name, dest="mode")
+    ap.set_defaults(mode=next(iter(modes)))
+    return ap
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {

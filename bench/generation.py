@@ -29,7 +29,6 @@ library.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from _common import print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, write_results  # noqa: E402
 
 SKEWED = dict(kind="skewed", long_every=8, long_factor=8)
 MODES = {
@@ -212,10 +211,7 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = ap.add_mutually_exclusive_group()
-    for name in MODES:
-        mode.add_argument(f"--{name}", action="store_const", const=name, dest="mode")
+    ap = mode_parser(__doc__, MODES)
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None, help="number of requests (default: the mode's)")
     ap.add_argument("--library", action="store_true", help="also measure transformers' continuous batching on a CPU")
@@ -224,7 +220,7 @@ def main() -> None:
                          "2-core machine more threads only add spin-wait contention)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
-    name = args.mode or "quick"
+    name = args.mode
     cfg = dict(MODES[name])
     cfg["slots"] = args.slots or cfg["slots"]
     cfg["num_requests"] = args.requests or cfg["num_requests"]

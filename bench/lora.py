@@ -25,7 +25,6 @@ r=16 on its 64-wide layers is a third of its weights).
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
@@ -37,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, write_results  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32.0, "target_modules": ["all-linear"]}
 PATHS = ("shm", "tcp")
@@ -254,14 +253,11 @@ def generation_overhead(cache_dir: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = ap.add_mutually_exclusive_group()
-    for name in MODES:
-        mode.add_argument(f"--{name}", action="store_const", const=name, dest="mode")
+    ap = mode_parser(__doc__, MODES)
     ap.add_argument("--reps", type=int, default=None, help="timed updates per model, weights and path")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
-    name = args.mode or "quick"
+    name = args.mode
     cfg = dict(MODES[name])
     reps = args.reps or cfg["reps"]
     import torch

@@ -24,7 +24,6 @@ environment's answers?
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -42,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from _common import print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, write_results  # noqa: E402
 
 MODES = {
     "quick": dict(episodes=256, concurrency=64, slots=32, turns=4, repeats=2, updates=100, tail=20),
@@ -175,16 +174,13 @@ def bench_learning(m: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true")
-    mode.add_argument("--full", action="store_true")
+    ap = mode_parser(__doc__)
     ap.add_argument("--skip-learning", action="store_true", help="the latency part only")
     ap.add_argument("--episodes", type=int, help="episodes per latency round (the mode's by default)")
     ap.add_argument("--updates", type=int, help="updates per learning run (the mode's by default)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
     args = ap.parse_args()
-    name = "full" if args.full else "quick"
+    name = args.mode
     m = dict(MODES[name], cache_dir=args.cache_dir)
     for key in ("episodes", "updates"):
         if getattr(args, key):

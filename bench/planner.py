@@ -18,7 +18,6 @@ mean over the same updates. Each configuration's figures are the medians of its 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import RESULTS, print_table, write_results  # noqa: E402
+from _common import RESULTS, mode_parser, print_table, write_results  # noqa: E402
 
 PROFILE = RESULTS / "planner_profile.json"
 #: the validation grid: 1-3 workers, staleness 0/2/4, batch 32/64; plus the search's pick
@@ -189,9 +188,7 @@ def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, wa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="the default")
+    ap = mode_parser(__doc__)
     ap.add_argument("--reps", type=int, default=None, help="runs per configuration (quick 1, full 3)")
     ap.add_argument("--updates", type=int, default=None, help="updates per run (quick 60, full 200)")
     ap.add_argument("--warmup", type=int, default=20)
@@ -201,7 +198,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from rlhf_run.plan.profile import load
 
-    full = args.full
+    full = args.mode == "full"
     reps = args.reps or (3 if full else 1)
     updates = args.updates or (200 if full else 60)
     if args.profile:

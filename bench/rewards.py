@@ -15,7 +15,6 @@ and in batches of 4 and 32 (one thread). Target on the 2-core CPU machine: batch
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the repository root first: bench/buffer.py must not shadow the `buffer` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, write_results  # noqa: E402
 
 #: the reward model's shape: a few ms per call on one CPU thread, so batching matters
 RM_SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -79,22 +78,21 @@ def model_alone(rm: Path, cache_dir: str, reps: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="the default")
+    ap = mode_parser(__doc__)
     ap.add_argument("--updates", type=int, default=None, help="updates per run (quick 10, full 100)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per mode (quick 1, full 3)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
     args = ap.parse_args()
-    updates = args.updates or (100 if args.full else 10)
-    seeds = args.seeds or (3 if args.full else 1)
+    full = args.mode == "full"
+    updates = args.updates or (100 if full else 10)
+    seeds = args.seeds or (3 if full else 1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # every child: one intra-op thread, as rlhf-run gives 2 cores
     from e2e import run_one
 
     rm = reward_model_dir(args.cache_dir)
     alone = model_alone(rm, args.cache_dir)
     modes = {"per_sample": ["reward.batch_size=1"], "batched": [f"reward.batch_size={BATCH}"]}
-    if args.full:
+    if full:
         modes["batched_2_threads"] = [f"reward.batch_size={BATCH}", "reward.num_threads=2"]
     common = [
         f"learner.max_updates={updates}", "rollout.num_workers=1", "run.progress=false", "learner.checkpoint_every=1000",
@@ -127,7 +125,7 @@ def main() -> None:
                       "1 worker)")
     print(f"\nbatched / per-sample trained samples/s: {ratio:.2f}x (median over {seeds} seed(s); target >= 2x)")
     write_results("rewards", {
-        "mode": "full" if args.full else "quick",
+        "mode": args.mode,
         "config": {"updates": updates, "seeds": seeds, "batch_size": BATCH, "reward_model": RM_SHAPE,
                    "overrides": common[:-1] + ["reward.models.rm.path=<built>"], "modes": modes},
         "reward_model_ms_per_completion": alone,
