@@ -263,6 +263,17 @@ class Buffer:
             self._leases.get(c.lease.consumer, {}).pop(c.lease.lease_id, None)
         return [samples.complete_status(r) for r in results]
 
+    def append_group(self, producer: str, group: list[Sample]) -> str:
+        """Append a group that no prompt lease produced (rlhf-gateway's episodes) to the sample
+        stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
+        stream entry id, or "" when no sample was valid. Pacing never admitted such a group, so
+        it takes no admission budget and returns none when dropped as stale."""
+        K.check_consumer(producer)
+        args = samples.prepare_external(self._store, self.run_params(), producer, group)
+        k = self.keys
+        res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead], args=args)
+        return res.decode() if isinstance(res, bytes) else str(res or "")
+
     def release(self, leases: Lease | Iterable[Lease]) -> int:
         """Give prompts back un-done (shutdown): re-delivered to the next claimer, budget returned,
         not counted as a delivery."""

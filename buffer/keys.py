@@ -26,6 +26,9 @@ Layout (``P = rlhf:{run_id}:``)::
     P replay:out      hash    entry id -> learner consumer holding it in an uncommitted batch
     P control         hash    settings changed from outside while the run goes on: ``workers`` (the
                               number of worker actors a ``launcher=ray`` run keeps; ``rlhf-monitor workers=N``)
+    P gw:calls        list    generation calls of rlhf-gateway, oldest at the tail (``buffer.gateway``)
+    P gw:cancel       hash    call id -> time: calls whose client went away (the worker aborts them)
+    P gw:out:<id>     channel pub/sub, not a key: the tokens of one gateway's calls (``RunKeys.gw_out``)
 
 The fields of the stream entries are defined at the end of this module; the Lua scripts get
 all of these names through the preamble built in :mod:`buffer.scripts`.
@@ -98,6 +101,8 @@ class RunKeys:
     replay_uses: str
     replay_out: str
     control: str
+    gw_calls: str
+    gw_cancel: str
 
     @classmethod
     def for_run(cls, run_id: str) -> "RunKeys":
@@ -124,7 +129,13 @@ class RunKeys:
             replay_uses=p + "replay:uses",
             replay_out=p + "replay:out",
             control=p + "control",
+            gw_calls=p + "gw:calls",
+            gw_cancel=p + "gw:cancel",
         )
+
+    def gw_out(self, gateway_id: str) -> str:
+        """The pub/sub channel of one gateway's call chunks (a channel, so not in :meth:`all`)."""
+        return f"{self.prefix}gw:out:{check_consumer(gateway_id)}"
 
     def pattern(self) -> str:
         """SCAN pattern matching exactly this run's keys (run ids hold no glob characters)."""
@@ -147,6 +158,7 @@ F_VERSION = "v"  # oldest token version over the group's samples (staleness filt
 F_COUNT = "n"  # samples in this entry (a partial group has fewer than group_size)
 F_PRODUCER = "w"  # worker (consumer) that completed the group
 F_TIME = "t"  # completion time, seconds since the epoch
+F_EXTERNAL = "x"  # present on groups appended without a prompt lease (rlhf-gateway): no admission budget to return
 SAMPLE_FIELD_PREFIX = "s"
 #: dead stream
 D_KIND = "kind"  # sample | prompt | entry

@@ -12,7 +12,8 @@ Counters (monotonic):
     completions_empty (completed with no valid sample), completions_duplicate (a completion for
     a prompt already completed), groups_filtered and samples_filtered (completed without being
     appended because the group teaches nothing: ``algo.filter_groups``), groups_filtered_<reason>
-    per reason of :data:`rlhf_core.dapo.FILTER_REASONS`, groups_appended, samples_appended, groups_consumed,
+    per reason of :data:`rlhf_core.dapo.FILTER_REASONS`, groups_external (appended without a prompt
+    lease: rlhf-gateway's episodes; counted in groups_appended too), groups_appended, samples_appended, groups_consumed,
     samples_consumed, groups_dropped_stale, samples_dropped_stale, samples_evicted,
     samples_dead_lettered, entries_dead_lettered, dead_letters (all kinds), groups_removed and
     samples_removed (left the sample stream: consumed, dropped, evicted or used up),
@@ -70,6 +71,7 @@ COUNTERS = (
     "rl_samples",
     "groups_filtered",
     "samples_filtered",
+    "groups_external",
     *(f"groups_filtered_{reason}" for reason in FILTER_REASONS),
 )
 

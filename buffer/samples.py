@@ -126,12 +126,25 @@ def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list
         if filtered not in FILTER_REASONS:
             raise ValueError(f"filter reason {filtered!r} is not one of {FILTER_REASONS}")
         n_filtered, samples = len(samples), []
+    good, bad = _check_group(store, params, samples, "complete()")
+    for kind, reason, raw in rejected:
+        bad += [kind, reason, raw]
+    oldest = min((s.oldest_version for s, _ in good), default=0)
+    group_id = samples[0].group_id if samples else ""
+    head = [lease.lease_id, lease.consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"],
+            oldest, group_id, lease.prompt.prompt_id, filtered or "", n_filtered, len(good), len(bad) // 3]
+    return head + [raw for _, raw in good] + bad
+
+
+def _check_group(store: Store, params: Mapping[str, Any], samples: list[Sample], caller: str
+                 ) -> tuple[list[tuple[Sample, bytes]], list[Any]]:
+    """Encode and validate one group: ``(good (sample, bytes) pairs, flat [kind, reason, raw, ...])``."""
     max_bytes = store.cfg.max_record_bytes
     group_ids = {s.group_id for s in samples}
     if len(group_ids) > 1:
-        raise ValueError(f"complete() got samples of several groups {sorted(group_ids)}: pass one prompt's group per call")
+        raise ValueError(f"{caller} got samples of several groups {sorted(group_ids)}: pass one group per call")
     if len(samples) > params["group_size"]:
-        raise ValueError(f"complete() got {len(samples)} samples but the run's group_size is {params['group_size']}")
+        raise ValueError(f"{caller} got {len(samples)} samples but the run's group_size is {params['group_size']}")
     good: list[tuple[Sample, bytes]] = []
     bad: list[Any] = []
     for s in samples:
@@ -144,12 +157,20 @@ def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list
             bad += ["sample", str(exc), raw]
             continue
         good.append((s, raw))
-    for kind, reason, raw in rejected:
-        bad += [kind, reason, raw]
+    return good, bad
+
+
+def prepare_external(store: Store, params: Mapping[str, Any], producer: str, samples: list[Sample]) -> list[Any]:
+    """Validate and encode a group that no prompt lease produced; return the ``append.lua``
+    arguments (FIFO mode: a replay table is filled by leased prompts only)."""
+    if params["mode"] != "fifo":
+        raise ValueError(f"groups without a prompt lease need buffer.mode=fifo, this run uses {params['mode']}")
+    if not samples:
+        raise ValueError("append_group() got no samples")
+    good, bad = _check_group(store, params, samples, "append_group()")
     oldest = min((s.oldest_version for s, _ in good), default=0)
-    group_id = samples[0].group_id if samples else ""
-    head = [lease.lease_id, lease.consumer, repr(time.time()), store.dead_maxlen, params["mode"], params["group_size"],
-            oldest, group_id, lease.prompt.prompt_id, filtered or "", n_filtered, len(good), len(bad) // 3]
+    head = [producer, repr(time.time()), store.dead_maxlen, oldest, samples[0].group_id, samples[0].prompt_id,
+            len(good), len(bad) // 3]
     return head + [raw for _, raw in good] + bad
 
 

@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "heartbeat",
     "release",
     "complete",
+    "append",
     "commit",
     "drop",
     "replay_draw",
@@ -62,6 +63,7 @@ def preamble() -> str:
         "F_COUNT": K.F_COUNT,
         "F_PRODUCER": K.F_PRODUCER,
         "F_TIME": K.F_TIME,
+        "F_EXTERNAL": K.F_EXTERNAL,
         "F_SAMPLE": K.SAMPLE_FIELD_PREFIX,
         "D_KIND": K.D_KIND,
         "D_REASON": K.D_REASON,
@@ -195,6 +197,10 @@ class Scripts:
     @cached_property
     def init_run(self):
         return self._get("init_run")
+
+    @cached_property
+    def append(self):
+        return self._get("append")
 
     @cached_property
     def claim(self):

@@ -1,0 +1,186 @@
+"""rlhf-gateway's traffic through Redis: its generation calls to the workers, their tokens back,
+cancellations. The records and keys are defined here, once; the gateway (``gateway/``) and the
+worker (``rollout_workers/gateway_calls.py``) both use them.
+
+    gateway --LPUSH P gw:calls--> any worker with a free slot (RPOP, between decoding steps)
+    worker  --PUBLISH P gw:out:<gateway id>--> the gateway that made the call (stream deltas, then the result)
+    gateway --HSET P gw:cancel--> the worker serving it aborts the call at its next step
+
+A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
+session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
+for a streamed call one per decoding step with the new token ids, and always one ``final``
+chunk with every token id, behaviour log-prob and policy version (or an error). Pushing a call
+also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once.
+
+Nothing here is pickled or evaluated: records are msgpack maps checked field by field
+(:mod:`rlhf_core.wire`), since anything may write into Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from buffer.keys import WAKE_MAXLEN, RunKeys
+from rlhf_core.wire import WireError, decode_record, encode_record, optional, require
+
+KIND_CALL = "gateway_call"
+KIND_CHUNK = "gateway_chunk"
+#: wake-up reason written to ``P wake:prompts`` with each call
+WAKE_REASON = "gateway"
+#: most tokens a call's prompt or result may carry on the wire
+MAX_CALL_TOKENS = 1 << 20
+
+
+def _int_list(obj: dict[str, Any], name: str, low: int = 0) -> list[int]:
+    values = require(obj, name, list)
+    if len(values) > MAX_CALL_TOKENS or not all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values):
+        raise WireError(f"field {name!r}: expected at most {MAX_CALL_TOKENS} integers >= {low}")
+    return values
+
+
+@dataclass
+class GatewayCall:
+    """One generation the gateway asks of a worker (token ids in; sampling settings as the client sent them)."""
+
+    call_id: str
+    reply_to: str  # the gateway's id: chunks go to RunKeys.gw_out(reply_to)
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    created_at: float = field(default_factory=time.time)
+
+    def encode(self) -> bytes:
+        return encode_record(KIND_CALL, {
+            "call_id": self.call_id, "reply_to": self.reply_to, "prompt_ids": [int(t) for t in self.prompt_ids],
+            "max_tokens": int(self.max_tokens), "temperature": float(self.temperature), "top_p": float(self.top_p),
+            "stop": list(self.stop), "stream": bool(self.stream), "created_at": float(self.created_at)})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "GatewayCall":
+        obj = decode_record(data, KIND_CALL)
+        stop = optional(obj, "stop", list, [])
+        if not all(isinstance(s, str) for s in stop):
+            raise WireError("field 'stop': expected a list of strings")
+        max_tokens = require(obj, "max_tokens", int)
+        if max_tokens < 1:
+            raise WireError(f"field 'max_tokens': must be >= 1, got {max_tokens}")
+        return cls(call_id=require(obj, "call_id", str), reply_to=require(obj, "reply_to", str),
+                   prompt_ids=_int_list(obj, "prompt_ids"), max_tokens=max_tokens,
+                   temperature=float(require(obj, "temperature", (int, float))),
+                   top_p=float(require(obj, "top_p", (int, float))), stop=stop,
+                   stream=bool(optional(obj, "stream", bool, False)),
+                   created_at=float(optional(obj, "created_at", (int, float), 0.0)))
+
+
+@dataclass
+class CallChunk:
+    """A worker's answer to a call: new token ids of a streamed call, or (``final``) the whole
+    result: every token id with its behaviour log-prob and the policy version that sampled it,
+    how it finished, or the error that kept it from running."""
+
+    call_id: str
+    token_ids: list[int]
+    final: bool = False
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort, on the final chunk
+    error: str | None = None  # the call could not run (e.g. longer than the worker's context)
+    worker_id: str = ""
+
+    def encode(self) -> bytes:
+        return encode_record(KIND_CHUNK, {
+            "call_id": self.call_id, "token_ids": [int(t) for t in self.token_ids], "final": self.final,
+            "logprobs": [float(x) for x in self.logprobs], "versions": [int(v) for v in self.versions],
+            "finish_reason": self.finish_reason, "error": self.error, "worker_id": self.worker_id})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "CallChunk":
+        obj = decode_record(data, KIND_CHUNK)
+        chunk = cls(call_id=require(obj, "call_id", str), token_ids=_int_list(obj, "token_ids"),
+                    final=bool(require(obj, "final", bool)), versions=_int_list(obj, "versions"),
+                    logprobs=[float(x) for x in require(obj, "logprobs", list)],
+                    finish_reason=optional(obj, "finish_reason", str), error=optional(obj, "error", str),
+                    worker_id=optional(obj, "worker_id", str, ""))
+        if chunk.final and chunk.error is None and not len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions):
+            raise WireError(f"a final chunk needs one log-prob and one version per token, got {len(chunk.token_ids)} "
+                            f"tokens, {len(chunk.logprobs)} log-probs, {len(chunk.versions)} versions")
+        if any(not x <= 0.0 for x in chunk.logprobs):
+            raise WireError("field 'logprobs': behaviour log-probs must be <= 0 (and not NaN)")
+        return chunk
+
+
+class WorkerChannel:
+    """The worker's side (synchronous redis-py client): take calls, answer, see cancellations."""
+
+    def __init__(self, client: Any, keys: RunKeys) -> None:
+        self.redis, self.keys = client, keys
+
+    def take(self, n: int) -> list[bytes]:
+        """Up to ``n`` calls, oldest first, as raw records (:meth:`GatewayCall.decode` each)."""
+        if n <= 0:
+            return []
+        got = self.redis.rpop(self.keys.gw_calls, n)
+        return list(got or [])
+
+    def send(self, chunks: list[tuple[str, CallChunk]]) -> None:
+        """``(gateway id, chunk)`` pairs, in one round trip."""
+        if not chunks:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for gateway_id, chunk in chunks:
+            pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
+        pipe.execute()
+
+    def exchange(self, chunks: list[tuple[str, CallChunk]], running: list[str]) -> list[str]:
+        """Send ``chunks`` and return the calls among ``running`` whose client went away, in one round trip."""
+        if not chunks and not running:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for gateway_id, chunk in chunks:
+            pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
+        if running:
+            pipe.hmget(self.keys.gw_cancel, running)
+        res = pipe.execute()
+        flags = res[-1] if running else []
+        return [c for c, f in zip(running, flags) if f is not None]
+
+
+async def submit(client: Any, keys: RunKeys, call: GatewayCall) -> None:
+    """Queue a call (async redis client) and wake workers waiting for prompts."""
+    pipe = client.pipeline(transaction=False)
+    pipe.lpush(keys.gw_calls, call.encode())
+    pipe.xadd(keys.wake_prompts, {"e": WAKE_REASON}, maxlen=WAKE_MAXLEN, approximate=True)
+    await pipe.execute()
+
+
+async def cancel(client: Any, keys: RunKeys, call_id: str) -> None:
+    """Ask the worker serving ``call_id`` to abort it; a call still queued is dropped unrun."""
+    await client.hset(keys.gw_cancel, call_id, repr(time.time()))
+
+
+async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
+    """The cancelled call has ended (its final chunk came): its mark is no longer needed."""
+    await client.hdel(keys.gw_cancel, call_id)
+
+
+async def live_workers(client: Any, keys: RunKeys, within_s: float) -> int:
+    """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds."""
+    raw = await client.hgetall(keys.consumers)
+    now, n = time.time(), 0
+    for name, rec in raw.items():
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name.startswith(("learner", "eval")):
+            continue
+        try:
+            seen = float(msgpack.unpackb(rec, raw=False).get("last_seen", 0))
+        except Exception:  # noqa: BLE001  # a garbled record is not a live worker
+            continue
+        n += int(now - seen <= within_s)
+    return n
