@@ -329,6 +329,8 @@ class Learner:
         self._publish_start()
         if self.rank0:
             self.buffer.set_learner_version(self.version)
+            if self.cfg.data.source == "none":  # samples come from rlhf-gateway's sessions only
+                return
             self._producer = threading.Thread(target=self._produce_prompts, name="prompts", daemon=True)
             self._producer.start()
 

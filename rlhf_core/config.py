@@ -181,7 +181,8 @@ class RolloutConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"_target_": None})
     max_turns: int = 8  # assistant turns per episode at most; an episode still going then ends as max_turns
     # tokens of an episode's response (every turn, and the observations and template tokens between
-    # them); the context is max_prompt_tokens + this. null: 2 * max_turns * max_new_tokens
+    # them; a gateway session: its calls and what the agent added); the context is max_prompt_tokens + this.
+    # null: max_new_tokens (one reply), or 2 * max_turns * max_new_tokens with an environment
     max_episode_tokens: Optional[int] = None
     env_threads: int = 16  # environment calls running at once (a thread pool; async environments share one event loop)
     env_timeout_s: Optional[float] = 60.0  # an environment call running longer fails its episode (null: no limit)
@@ -331,6 +332,29 @@ class EvalConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """``rlhf-gateway`` (or ``rlhf-run gateway.enabled=true``): an OpenAI-compatible HTTP front end
+    whose calls the rollout workers serve and whose rewarded sessions become training samples
+    (docs/gateway.md). With it enabled, every worker of the run takes gateway calls."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"  # another address needs api_keys or api_key_file
+    port: int = 8000  # 0: any free port (printed, and written to <output dir>/gateway.json)
+    model_name: Optional[str] = None  # the model id clients send; null: model.name, or model.path's last folder
+    api_keys: list[str] = field(default_factory=list)  # accepted `Authorization: Bearer <key>` values
+    api_key_file: Optional[str] = None  # one key per line (lines starting with # are comments)
+    session_ttl_s: float = 600.0  # a session without a call or a reward this long expires (counted, not trained)
+    group_size: Optional[int] = None  # rewarded sessions of one `group` appended together; null: algo.group_size
+    max_request_bytes: int = 1_000_000  # a larger request body is refused (413)
+    max_tokens: int = 512  # a call asking for more is refused (400); a call that names none gets rollout.max_new_tokens
+    max_n: int = 8  # choices per call at most
+    call_timeout_s: float = 120.0  # no answer from a worker within this: the call fails (503)
+    # the Jinja chat template for /v1/chat/completions; null: the tokenizer's, or a plain
+    # "role: content" one when it has none (the tiny model)
+    chat_template: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     max_seconds: Optional[float] = None  # wall-clock budget of the whole run
     output_dir: str = "."
@@ -404,6 +428,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: str = "local"  # rlhf-run: local (child processes on this machine) | ray (Ray actors on a cluster)
     ray: RayConfig = field(default_factory=RayConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     # rlhf-run resume=<output folder>: continue that run (its saved config, run id, Redis data, checkpoint)
     resume: Optional[str] = None
 
@@ -449,7 +474,7 @@ _CHOICES = {
     "learner.lr_schedule": ("cosine", "constant"),
     "learner.publish_dtype": ("as_trained", "bfloat16", "float16"),
     "weight_server.auth": ("none", "curve", "hmac"),
-    "data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
+    "data.source": ("builtin", "jsonl", "parquet", "hf_disk", "none"),
     "eval.data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
     "launcher": ("local", "ray"),
     "ray.learner.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -516,6 +541,7 @@ def validate(cfg: Any) -> None:
     validate_episodes(cfg.algo, cfg.rollout, cfg.eval)
     validate_placement(cfg.learner, cfg.rollout)
     validate_ray(cfg.ray, cfg.learner)
+    validate_gateway(cfg.gateway, cfg.buffer, cfg.data)
 
 
 def validate_ray(ray: RayConfig, learner: LearnerConfig) -> None:
@@ -629,13 +655,14 @@ def env_target(rollout: Any) -> str | None:
 
 
 def response_budget(rollout: Any) -> int:
-    """The most response tokens a sample may have: ``rollout.max_new_tokens`` for one reply, the
-    episode's budget (``rollout.max_episode_tokens``) with an environment. The engines size their
+    """The most response tokens a sample may have: ``rollout.max_episode_tokens`` when set (an
+    episode of an environment or a gateway session: every turn and what came between), else
+    ``rollout.max_new_tokens`` for one reply, or twice the turns' budget with an environment. The engines size their
     context as ``max_prompt_tokens`` + this, and the buffer refuses longer responses."""
-    if env_target(rollout) is None:
-        return int(rollout.max_new_tokens)
     if rollout.max_episode_tokens is not None:
         return int(rollout.max_episode_tokens)
+    if env_target(rollout) is None:
+        return int(rollout.max_new_tokens)
     return 2 * int(rollout.max_turns) * int(rollout.max_new_tokens)
 
 
@@ -728,9 +755,34 @@ def validate_lora(lora: LoraConfig, rollout: RolloutConfig) -> None:
 
 def validate_data(data: DataConfig) -> None:
     """A prompt file source needs its path (``data=jsonl`` and the others leave it as ??? for the user)."""
-    if data.source != "builtin" and not data.path:
+    if data.source not in ("builtin", "none") and not data.path:
         raise ConfigError(f"data.source={data.source} needs data.path=/path/to/prompts (a local file or folder); "
                           "or use data=builtin, the default task")
+
+
+def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> None:
+    """Exposure without a key, caps, and what the gateway needs of the buffer."""
+    if data.source == "none" and not gw.enabled:
+        raise ConfigError("data.source=none (no prompts of the run's own) needs gateway.enabled=true: "
+                          "otherwise nothing would ever produce a sample")
+    if not gw.enabled:
+        return
+    if gw.host not in LOOPBACK_HOSTS and not (gw.api_keys or gw.api_key_file):
+        raise ConfigError(f"gateway.host={gw.host} exposes the gateway beyond this machine; set gateway.api_keys "
+                          "or gateway.api_key_file (clients then send Authorization: Bearer <key>)")
+    if not 0 <= gw.port < 65536:
+        raise ConfigError(f"gateway.port must be in [0, 65535] (0: any free port), got {gw.port}")
+    if gw.session_ttl_s <= 0 or gw.call_timeout_s <= 0:
+        raise ConfigError(f"gateway.session_ttl_s and gateway.call_timeout_s must be > 0 seconds, got "
+                          f"{gw.session_ttl_s}, {gw.call_timeout_s}")
+    if gw.max_tokens < 1 or gw.max_n < 1 or gw.max_request_bytes < 1024:
+        raise ConfigError(f"gateway.max_tokens and gateway.max_n must be >= 1 and gateway.max_request_bytes >= 1024, "
+                          f"got {gw.max_tokens}, {gw.max_n}, {gw.max_request_bytes}")
+    if gw.group_size is not None and gw.group_size < 1:
+        raise ConfigError(f"gateway.group_size must be >= 1 or null (algo.group_size), got {gw.group_size}")
+    if buf.max_reuse > 1 or buf.samples_per_insert is not None or buf.sampling != "fifo":
+        raise ConfigError("the gateway appends its episodes to a FIFO buffer; it does not fill a replay table "
+                          "(buffer.max_reuse=1, buffer.samples_per_insert=null, buffer.sampling=fifo)")
 
 
 def validate_learner(learner: LearnerConfig) -> None:

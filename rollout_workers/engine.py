@@ -182,6 +182,10 @@ class GenerationEngine(Protocol):
 
     def num_waiting(self) -> int: ...
 
+    def sampled(self, request_id: str) -> list[int]:
+        """The token ids a running request has sampled so far ([] while it waits or when unknown;
+        the engine's own list: read it, do not keep it). The gateway streams them."""
+
     def abort(self, request_id: str) -> GenResult | None:
         """Drop a request (finish_reason "abort") and free its slot; None if the id is unknown."""
 

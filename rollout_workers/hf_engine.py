@@ -188,6 +188,10 @@ class HFEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def sampled(self, request_id: str) -> list[int]:
+        entry = self._known.get(request_id)
+        return entry.tokens if isinstance(entry, _Seq) else []
+
     def abort(self, request_id: str) -> GenResult | None:
         entry = self._known.pop(request_id, None)
         if entry is None:

@@ -325,6 +325,10 @@ class VLLMEngine:
     def num_waiting(self) -> int:
         return max(0, len(self._tracks) - self.slots)
 
+    def sampled(self, request_id: str) -> list[int]:
+        track = self._tracks.get(request_id)
+        return track.tokens if track is not None else []
+
     def abort(self, request_id: str) -> GenResult | None:
         track = self._tracks.pop(request_id, None)
         if track is None:

@@ -54,6 +54,7 @@ import torch
 from omegaconf import DictConfig
 
 from buffer import Buffer, Lease
+from buffer.gateway import WorkerChannel
 from buffer.keys import check_consumer
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
@@ -67,6 +68,7 @@ from rollout_workers.engine import GenRequest, GenResult, RequestError, Sampling
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.environment import EnvFactory
 from rollout_workers.episodes import Episode, EpisodeRunner
+from rollout_workers.gateway_calls import GatewayCalls
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, is_empty_response, reward_failing
 from rollout_workers.scoring import ScoringPool
@@ -181,6 +183,9 @@ class RolloutWorker:
         self.scoring: ScoringPool[tuple[_Group, int]] = ScoringPool(
             self._score_batch, self._timed_out, num_threads=rc.num_threads, batch_size=rc.batch_size,
             max_wait_s=rc.max_wait_ms / 1000.0, timeout_s=rc.timeout_s)
+        self.gateway: GatewayCalls | None = None
+        if cfg.gateway.enabled:
+            self.gateway = GatewayCalls(WorkerChannel(self.buffer.redis, self.buffer.keys), self.engine, self.worker_id)
         ws = cfg.weight_server
         self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
         self.has_weights = False  # engine.version is meaningful only after the first pull
@@ -383,6 +388,8 @@ class RolloutWorker:
         t0 = time.monotonic()
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
+        if self.gateway is not None:
+            finished = self.gateway.after_step(finished)
         for result in finished:
             if self.episodes is not None:  # a turn: its episode goes on (or ends) in _collect_episodes
                 self.stats.tokens += result.num_tokens
@@ -636,6 +643,8 @@ class RolloutWorker:
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"],
                      score_share=self.score_share(), scoring_threads=self.cfg.reward.num_threads)
+        if self.gateway is not None:
+            extra.update(self.gateway.stats, gateway_running=len(self.gateway))
         if self.episodes is not None:
             extra.update(self.episodes.stats.as_dict(self.episodes.calls), env_waiting=self.episodes.waiting_for_env(),
                          episodes=len(self.episodes.episodes))
@@ -678,6 +687,8 @@ class RolloutWorker:
                     if (max_prompts is not None and done >= max_prompts) or (deadline is not None and time.monotonic() > deadline):
                         break
                     self._abandon_lost_leases()
+                    if self.gateway is not None:  # before prompts: a client is waiting on these
+                        self.gateway.take(int(self.cfg.rollout.slots) - self.engine.num_active() - self.engine.num_waiting())
                     idle = not self.engine.has_work() and not self.groups
                     limit = None if max_prompts is None else max_prompts - done - len(self.groups)
                     self._claim(IDLE_CLAIM_BLOCK_S if idle else 0.0, limit)
@@ -703,6 +714,8 @@ class RolloutWorker:
             self.scoring.close()
             if self.episodes is not None:
                 self.episodes.close()
+            if self.gateway is not None:
+                self.gateway.abort_all()
             self.engine.close()
             self.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()
