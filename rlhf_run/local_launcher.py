@@ -32,7 +32,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from buffer.connection import redact
-from rlhf_core.cli import WORKER_ID_ENV, die_with_parent
+from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
 from rlhf_core.model_paths import pin_model_paths, pin_reward_model_paths
 
@@ -46,13 +46,6 @@ REDIS_DIR = "redis"  # the private redis-server's data, inside the output folder
 PIDS_FILE = "children.json"
 
 
-def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    """Write ``obj`` as JSON atomically (a reader polling the file never sees half of it)."""
-    import json
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
-    os.replace(tmp, path)
 #: the exit code of a process that stopped on a UserError (rlhf_core.cli): never restarted
 USER_ERROR_EXIT = 2
 MAX_RESTARTS = 5  # per worker
@@ -62,7 +55,7 @@ REDIS_DOWN_HINT_S = 10.0  # Redis unreachable this long: print how to restart it
 @dataclass
 class Child:
     name: str
-    kind: str  # learner | worker
+    kind: str  # learner | worker | evaluator | gateway
     cmd: list[str]
     log_path: Path
     env: dict[str, str]
@@ -206,6 +199,12 @@ class Launcher:
             children.append(
                 Child(f"worker-{i}", "worker", self.child_cmd("rollout_workers", f"worker-{i}"), logs / f"worker-{i}.log", wenv)
             )
+        if self.cfg.gateway.enabled:  # the OpenAI-compatible front end; the workers serve its calls
+            children.append(Child("gateway", "gateway", self.child_cmd("gateway.cli", "gateway"), logs / "gateway.log", env))
+            g = self.cfg.gateway
+            log.info("gateway: %s (model '%s'; its address also in %s)",
+                     f"http://{g.host}:{g.port}/v1" if g.port else "a free port", g.model_name or "see GET /v1/models",
+                     self.output_dir / "gateway.json")
         if self.cfg.eval.every:  # periodic evaluation: its own engine, on worker 0's GPU when placed
             eenv = dict(env)
             if worker_devices is not None:

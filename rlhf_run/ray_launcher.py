@@ -239,6 +239,9 @@ class RayLauncher(Launcher):
         buf = self.cfg.buffer
         print(f"scale the workers: rlhf-monitor url={redact(buf.url)} run_id={buf.run_id} workers=N; join by hand: "
               f"rlhf-worker --config-path {self.output_dir.resolve()} --config-name run_config", flush=True)
+        if self.cfg.gateway.enabled:  # the workers serve its calls; the gateway runs where clients reach it
+            print(f"gateway.enabled: the workers take gateway calls; start the gateway where your agents reach it: "
+                  f"rlhf-gateway --config-path {self.output_dir.resolve()} --config-name run_config", flush=True)
 
     def publish_worker_target(self) -> None:
         """The target the run starts with, in Redis beside where ``rlhf-monitor workers=N`` changes it."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("rlhf_core", "buffer", "weight_server", "rollout_workers", "learner")
+COMPONENTS = ("rlhf_core", "buffer", "weight_server", "rollout_workers", "learner", "gateway")
 APP = "rlhf_run"
 PACKAGES = (*COMPONENTS, APP)
 ALLOWED = {
@@ -24,6 +24,7 @@ ALLOWED = {
     "weight_server": {"rlhf_core"},
     "rollout_workers": {"rlhf_core", "buffer", "weight_server"},
     "learner": {"rlhf_core", "buffer", "weight_server"},
+    "gateway": {"rlhf_core", "buffer", "rollout_workers"},
     APP: set(COMPONENTS),
 }
 

@@ -1,0 +1,687 @@
+"""``rlhf-gateway``: an OpenAI-compatible HTTP front end whose calls the rollout workers serve.
+
+Starlette under uvicorn, one asyncio loop. A call is rendered (chat template; the session's
+context, token in and token out: :mod:`gateway.sessions`), pushed to the run's Redis as a
+:class:`~buffer.gateway.GatewayCall`, taken by a worker between decoding steps into its
+continuous batch beside the run's own prompts, and answered over this gateway's pub/sub channel
+(streamed tokens, then the result with behaviour log-probs and per-token policy versions). One
+reader task routes the channel's chunks to the waiting requests. A client that goes away
+(disconnect mid-stream, or before a plain call returns) gets its calls cancelled: the worker
+aborts them and frees their slots. Design and a user's walk-through: docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from buffer import Buffer
+from buffer.connection import client_kwargs
+from buffer.gateway import CallChunk, GatewayCall, cancel, forget_cancel, live_workers, submit
+from gateway.openai_api import (AUTH, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response, completion_response,
+                                logprobs_content, normal_message, parse_chat, parse_completion, parse_json, sse, usage)
+from gateway.sessions import PLAIN_TEMPLATE, Session, SessionError, Sessions
+from rlhf_core.config import Config, ConfigError, response_budget, validate
+from rlhf_core.errors import UserError
+from rlhf_core.models import load_tokenizer, model_dir
+from rlhf_core.cli import write_json
+from rollout_workers.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+GROUP_HEADER = "x-group-id"
+RETRY_AFTER_S = 2
+_TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+
+
+def served_name(cfg: Config) -> str:
+    if cfg.gateway.model_name:
+        return cfg.gateway.model_name
+    return Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.name)
+
+
+def api_keys(cfg: Config) -> list[bytes]:
+    keys = [str(k) for k in cfg.gateway.api_keys]
+    if cfg.gateway.api_key_file:
+        path = Path(cfg.gateway.api_key_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"gateway.api_key_file={path}: cannot read it ({exc.strerror})") from None
+        keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if any(len(k) < 16 for k in keys):
+        raise ConfigError("gateway API keys must be at least 16 characters (e.g. `openssl rand -hex 24`)")
+    return [k.encode() for k in keys]
+
+
+@dataclass
+class _Choice:
+    """One choice of a call in flight: its session and what has been streamed of it."""
+
+    index: int
+    session: Session
+    call: GatewayCall
+    snapshot: Any
+    tokens: list[int] = field(default_factory=list)
+    sent_chars: int = 0
+    final: CallChunk | None = None
+
+
+class Gateway:
+    """The gateway's state and handlers; :func:`make_app` wraps it in a Starlette app."""
+
+    def __init__(self, cfg: Config, gateway_id: str | None = None) -> None:
+        validate(cfg)
+        if cfg.buffer.url is None or cfg.buffer.run_id == "auto":
+            raise ConfigError("rlhf-gateway needs buffer.url=redis://host:port and buffer.run_id=<the run id rlhf-run "
+                              "printed> of the run whose workers serve it")
+        self.cfg, g = cfg, cfg.gateway
+        self.gateway_id = gateway_id or f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.model_name = served_name(cfg)
+        self.keys_allowed = api_keys(cfg)
+        self.tokenizer = load_tokenizer(cfg.model)
+        if g.chat_template:
+            self.tokenizer.chat_template = g.chat_template
+        elif not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = PLAIN_TEMPLATE
+        self.parser = ToolCallParser(self.tokenizer)
+        config = json.loads((model_dir(cfg.model) / "config.json").read_text())
+        # what the workers' engines hold (rollout.max_prompt_tokens + the response budget), at most the model's
+        self.max_context = min(int(config.get("max_position_embeddings") or 1 << 30),
+                               int(cfg.rollout.max_prompt_tokens) + response_budget(cfg.rollout))
+        self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.keys = self.buffer.keys
+        self.sessions: Sessions | None = None
+        self.redis: Any = None
+        self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._workers = (0.0, 0)  # (checked at, live workers)
+        self._tasks: list[asyncio.Task] = []
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Wait for the run (its parameters), subscribe to this gateway's channel, start the tasks."""
+        while not await asyncio.to_thread(self.buffer.initialised):
+            log.info("gateway: run %s is not initialised yet; waiting for the learner", self.cfg.buffer.run_id)
+            await asyncio.sleep(0.5)
+        params = await asyncio.to_thread(self.buffer.run_params)
+        group_size = int(self.cfg.gateway.group_size or params["group_size"])
+        if group_size > int(params["group_size"]):
+            raise ConfigError(f"gateway.group_size={group_size} is larger than the run's group_size "
+                              f"{params['group_size']}: a group of the buffer holds at most that many samples")
+        self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size,
+                                 int(params["max_response_tokens"]))
+        kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
+        kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default is no retry either
+        kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
+        self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
+        self._tasks = [asyncio.create_task(self._route(pubsub), name="gateway-route"),
+                       asyncio.create_task(self._housekeeping(), name="gateway-expiry")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self.redis is not None:
+            await self.redis.aclose()
+        self.buffer.close()
+
+    async def _route(self, pubsub: Any) -> None:
+        """Deliver the workers' chunks to the requests waiting on them."""
+        while True:
+            try:
+                msg = await pubsub.get_message(timeout=1.0)
+            except (ConnectionError, OSError, aioredis.RedisError) as exc:
+                log.warning("gateway: the channel from the workers failed (%s); resubscribing", exc)
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
+                continue
+            if msg is None or msg.get("type") != "message":
+                continue
+            try:
+                chunk = CallChunk.decode(msg["data"])
+            except ValueError as exc:
+                log.warning("gateway: dropped an unreadable chunk: %s", exc)
+                continue
+            waiting = self.pending.get(chunk.call_id)
+            if waiting is not None:
+                waiting[0].put_nowait((waiting[1], chunk))
+            elif chunk.final:
+                with contextlib.suppress(Exception):
+                    await forget_cancel(self.redis, self.keys, chunk.call_id)
+
+    async def _housekeeping(self) -> None:
+        """Expire idle sessions, append groups that waited too long, publish the gateway's stats."""
+        assert self.sessions is not None
+        every = min(1.0, self.cfg.gateway.session_ttl_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                for group in self.sessions.expire():
+                    await self._append(group)
+                stats = {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
+                         "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)}
+                await asyncio.to_thread(self.buffer.publish_stats, "gateway", stats)
+            except Exception:  # noqa: BLE001  # Redis away for a moment: the next round retries
+                log.exception("gateway: housekeeping failed")
+
+    # ------------------------------------------------------------------ guards
+
+    async def body(self, request: Request) -> bytes:
+        self.authorize(request)
+        cap = self.cfg.gateway.max_request_bytes
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > cap:
+            raise ApiError(413, f"the request has {size} bytes, over gateway.max_request_bytes={cap}", code="request_too_large")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > cap:
+                raise ApiError(413, f"the request is over gateway.max_request_bytes={cap}", code="request_too_large")
+        return bytes(data)
+
+    def authorize(self, request: Request) -> None:
+        if not self.keys_allowed:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+        ok = False
+        for key in self.keys_allowed:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> with a key of "
+                                "gateway.api_keys / gateway.api_key_file", AUTH, "invalid_api_key")
+
+    async def need_worker(self) -> None:
+        checked, n = self._workers
+        if time.monotonic() - checked > 1.0 or n == 0:
+            n = await live_workers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
+            self._workers = (time.monotonic(), n)
+        if n == 0:
+            raise ApiError(503, "no rollout worker is serving this run right now; retry shortly", UNAVAILABLE,
+                           "no_worker", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def session_of(self, request: Request, user: str | None) -> tuple[str, str | None]:
+        sid = request.headers.get(SESSION_HEADER) or user or f"s-{uuid.uuid4().hex}"
+        if len(sid) > 200:
+            raise bad("a session id is at most 200 characters", "X-Session-Id")
+        return sid, request.headers.get(GROUP_HEADER) or None
+
+    # ------------------------------------------------------------------ calls
+
+    def _open(self, sid: str, group: str | None, n: int) -> list[Session]:
+        assert self.sessions is not None
+        names = [sid] if n == 1 else [f"{sid}/{i}" for i in range(n)]
+        group = group if n == 1 else (group or sid)
+        try:
+            return [self.sessions.open(name, group) for name in names]
+        except SessionError as exc:
+            raise ApiError(exc.status, str(exc), NOT_FOUND if exc.status == 404 else "conflict_error" if exc.status == 409
+                           else "invalid_request_error", "session") from None
+
+    def _calls(self, sessions: list[Session], contexts: list[list[int]], sampling: Any) -> list[_Choice]:
+        assert self.sessions is not None
+        default = int(self.cfg.rollout.max_new_tokens)
+        choices = []
+        for i, (s, ctx) in enumerate(zip(sessions, contexts)):
+            if len(ctx) >= self.max_context:
+                raise bad(f"the prompt has {len(ctx)} tokens; the model's context is {self.max_context}", "messages",
+                          "context_length_exceeded")
+            room = min(self.sessions.room(s), self.max_context - len(ctx))
+            if room < 1:
+                raise bad(f"session '{s.session_id}' is full ({self.sessions.max_response_tokens} response tokens, the run's "
+                          "limit per sample); post its reward and start another", "messages", "context_length_exceeded")
+            want = sampling.max_tokens or default
+            call = GatewayCall(call_id=f"{uuid.uuid4().hex}", reply_to=self.gateway_id, prompt_ids=list(ctx),
+                               max_tokens=min(want, room), temperature=sampling.temperature, top_p=sampling.top_p,
+                               stop=sampling.stop, stream=sampling.stream)
+            choices.append(_Choice(i, s, call, None))
+        return choices
+
+    async def _run(self, choices: list[_Choice], request: Request | None) -> AsyncIterator[tuple[_Choice, CallChunk]]:
+        """Submit the calls and yield their chunks as they come; cancels what is left on exit."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for c in choices:
+            self.pending[c.call.call_id] = (queue, c.index)
+        deadline = time.monotonic() + self.cfg.gateway.call_timeout_s
+        left = len(choices)
+        try:
+            for c in choices:
+                await submit(self.redis, self.keys, c.call)
+            while left:
+                try:
+                    index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                except asyncio.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise ApiError(503, f"no worker finished the call within gateway.call_timeout_s="
+                                            f"{self.cfg.gateway.call_timeout_s}; retry, or raise the limit", UNAVAILABLE,
+                                       "timeout", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                    if request is not None and await request.is_disconnected():
+                        raise asyncio.CancelledError("the client went away")
+                    continue
+                c = choices[index]
+                if chunk.final:
+                    c.final = chunk
+                    left -= 1
+                yield c, chunk
+        finally:
+            unfinished = [c.call.call_id for c in choices if c.final is None]
+            for c in choices:
+                self.pending.pop(c.call.call_id, None)
+            if unfinished:
+                assert self.sessions is not None
+                self.sessions.counters.calls_aborted += len(unfinished)
+                with anyio.CancelScope(shield=True):
+                    for call_id in unfinished:
+                        with contextlib.suppress(Exception):
+                            await cancel(self.redis, self.keys, call_id)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, c: _Choice, stops: list[str], tools: bool) -> tuple[str, list[dict[str, Any]], str]:
+        """The returned content (stop string and tool-call blocks cut), tool calls, finish reason."""
+        assert c.final is not None
+        text = self._text(c.final.token_ids)
+        reason = "length" if c.final.finish_reason == "length" else "stop"
+        if reason == "stop" and stops:
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        calls: list[dict[str, Any]] = []
+        if tools:
+            found, _errors = self.parser.parse(self.tokenizer.decode(c.final.token_ids, skip_special_tokens=False))
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": f.name, "arguments": json.dumps(f.arguments)}} for f in found]
+            if calls:
+                text, reason = _TOOL_BLOCK.sub("", text).strip(), "tool_calls"
+        return text, calls, reason
+
+    def _failed(self, choices: list[_Choice]) -> ApiError | None:
+        for c in choices:
+            if c.final is not None and c.final.error:
+                return bad(f"the worker could not run the call: {c.final.error}", "messages", "context_length_exceeded")
+            if c.final is not None and c.final.finish_reason == "abort":
+                return ApiError(503, "the worker serving the call stopped before it finished; retry", UNAVAILABLE,
+                                "worker_stopped", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
+
+    def _record(self, c: _Choice) -> None:
+        assert self.sessions is not None and c.final is not None
+        f = c.final
+        self.sessions.record(c.session, f.token_ids, f.logprobs, f.versions, self._text(f.token_ids), f.finish_reason or "stop")
+
+    def _logprobs(self, c: _Choice) -> dict[str, Any]:
+        assert c.final is not None
+        return logprobs_content(self.tokenizer.convert_ids_to_tokens(c.final.token_ids), c.final.logprobs)
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
+                         self.cfg.gateway.max_n)
+        sid, group = self.session_of(request, req.user)
+        sessions = self._open(sid, group, req.sampling.n)
+        assert self.sessions is not None
+        snaps = [self.sessions.snapshot(s) for s in sessions]
+        try:
+            contexts = [self.sessions.chat_context(s, req.messages, req.tools) for s in sessions]
+            choices = self._calls(sessions, contexts, req.sampling)
+            await self.need_worker()
+        except BaseException:
+            for s, snap in zip(sessions, snaps):
+                self.sessions.restore(s, snap)
+            raise
+        for c, snap in zip(choices, snaps):
+            c.snapshot, c.session.busy = snap, True
+        self.sessions.counters.calls += 1
+        headers = {"X-Session-Id": sid}
+        tools = bool(req.tools) and req.tool_choice != "none"
+        if req.sampling.stream:
+            return StreamingResponse(self._chat_stream(request, req, choices, tools), media_type="text/event-stream",
+                                     headers=headers)
+        ok = False
+        try:
+            async for _ in self._run(choices, request):
+                pass
+            if (err := self._failed(choices)) is not None:
+                raise err
+            out = []
+            for c in choices:
+                text, calls, reason = self._finish(c, req.sampling.stop, tools)
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    message["tool_calls"] = calls
+                out.append({"index": c.index, "message": message, "finish_reason": reason,
+                            "logprobs": self._logprobs(c) if req.sampling.logprobs else None})
+                self._record(c)
+                c.session.expected = [*req.messages, normal_message(message)]
+            ok = True
+            prompt = len(choices[0].call.prompt_ids)
+            completion = sum(len(c.final.token_ids) for c in choices if c.final)
+            return JSONResponse(chat_response(f"chatcmpl-{choices[0].call.call_id}", self.model_name, out, prompt,
+                                              completion), headers=headers)
+        finally:
+            self._settle(choices, ok)
+
+    def _settle(self, choices: list[_Choice], ok: bool) -> None:
+        assert self.sessions is not None
+        for c in choices:
+            c.session.busy = False
+            if not ok:
+                self.sessions.restore(c.session, c.snapshot)
+        if not ok:
+            self.sessions.counters.calls_failed += 1
+
+    async def _chat_stream(self, request: Request, req: Any, choices: list[_Choice], tools: bool) -> AsyncIterator[bytes]:
+        cid, created = f"chatcmpl-{choices[0].call.call_id}", int(time.time())
+        hold = max((len(s) for s in req.sampling.stop), default=1)
+
+        def chunk(index: int, delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
+            return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                        "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": None, **extra}]})
+
+        ok = False
+        try:
+            for c in choices:
+                yield chunk(c.index, {"role": "assistant", "content": ""})
+            async for c, part in self._run(choices, None):
+                if part.final:
+                    if (err := self._failed([c])) is not None:
+                        yield sse(err.body())
+                        return
+                    text, calls, reason = self._finish(c, req.sampling.stop, tools)
+                    delta: dict[str, Any] = {"content": text[c.sent_chars:]} if len(text) > c.sent_chars else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(calls)]
+                    extra = {"logprobs": self._logprobs(c)} if req.sampling.logprobs else {}
+                    yield chunk(c.index, delta, reason, **extra)
+                    message: dict[str, Any] = {"role": "assistant", "content": text}
+                    if calls:
+                        message["tool_calls"] = calls
+                    self._record(c)
+                    c.session.expected = [*req.messages, normal_message(message)]
+                    continue
+                c.tokens += part.token_ids
+                if tools:  # content is sent with the calls at the end, once they are parsed out of it
+                    continue
+                text = self._text(c.tokens)
+                safe = len(text) - hold + 1 if req.sampling.stop else len(text)
+                if text.endswith("\ufffd"):
+                    safe = min(safe, len(text) - 1)
+                if safe > c.sent_chars:
+                    yield chunk(c.index, {"content": text[c.sent_chars:safe]})
+                    c.sent_chars = safe
+            ok = True
+            if req.sampling.include_usage:
+                completion = sum(len(c.final.token_ids) for c in choices if c.final)
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                           "choices": [], "usage": usage(len(choices[0].call.prompt_ids), completion)})
+            yield sse("[DONE]")
+        except ApiError as exc:
+            yield sse(exc.body())
+        finally:
+            self._settle(choices, ok)
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
+                               self.cfg.gateway.max_n)
+        if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(self.tokenizer)):
+            raise bad(f"prompt token ids must lie in [0, {len(self.tokenizer)})", "prompt")
+        sid, group = self.session_of(request, req.user)
+        sessions = self._open(sid, group, req.sampling.n)
+        assert self.sessions is not None
+        snaps = [self.sessions.snapshot(s) for s in sessions]
+        try:
+            contexts = [self.sessions.completion_context(s, req.prompt) for s in sessions]
+            choices = self._calls(sessions, contexts, req.sampling)
+            await self.need_worker()
+        except BaseException:
+            for s, snap in zip(sessions, snaps):
+                self.sessions.restore(s, snap)
+            raise
+        for c, snap in zip(choices, snaps):
+            c.snapshot, c.session.busy = snap, True
+        self.sessions.counters.calls += 1
+        headers = {"X-Session-Id": sid}
+        if req.sampling.stream:
+            return StreamingResponse(self._completion_stream(req, choices), media_type="text/event-stream", headers=headers)
+        ok = False
+        try:
+            async for _ in self._run(choices, request):
+                pass
+            if (err := self._failed(choices)) is not None:
+                raise err
+            out = []
+            for c in choices:
+                text, _, reason = self._finish(c, req.sampling.stop, False)
+                lp = None
+                if req.sampling.logprobs:
+                    assert c.final is not None
+                    lp = {"tokens": self.tokenizer.convert_ids_to_tokens(c.final.token_ids),
+                          "token_logprobs": c.final.logprobs, "top_logprobs": None, "text_offset": None}
+                out.append({"index": c.index, "text": text, "finish_reason": reason, "logprobs": lp})
+                self._record(c)
+                c.session.text += self._text(c.final.token_ids) if c.final else ""
+            ok = True
+            prompt = len(choices[0].call.prompt_ids)
+            completion = sum(len(c.final.token_ids) for c in choices if c.final)
+            return JSONResponse(completion_response(f"cmpl-{choices[0].call.call_id}", self.model_name, out, prompt,
+                                                    completion), headers=headers)
+        finally:
+            self._settle(choices, ok)
+
+    async def _completion_stream(self, req: Any, choices: list[_Choice]) -> AsyncIterator[bytes]:
+        cid, created = f"cmpl-{choices[0].call.call_id}", int(time.time())
+        hold = max((len(s) for s in req.sampling.stop), default=1)
+
+        def chunk(index: int, text: str, reason: str | None = None) -> bytes:
+            return sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]})
+
+        ok = False
+        try:
+            async for c, part in self._run(choices, None):
+                if part.final:
+                    if (err := self._failed([c])) is not None:
+                        yield sse(err.body())
+                        return
+                    text, _, reason = self._finish(c, req.sampling.stop, False)
+                    yield chunk(c.index, text[c.sent_chars:], reason)
+                    self._record(c)
+                    c.session.text += self._text(part.token_ids)
+                    continue
+                c.tokens += part.token_ids
+                text = self._text(c.tokens)
+                safe = len(text) - hold + 1 if req.sampling.stop else len(text)
+                if text.endswith("\ufffd"):
+                    safe = min(safe, len(text) - 1)
+                if safe > c.sent_chars:
+                    yield chunk(c.index, text[c.sent_chars:safe])
+                    c.sent_chars = safe
+            ok = True
+            if req.sampling.include_usage:
+                completion = sum(len(c.final.token_ids) for c in choices if c.final)
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [], "usage": usage(len(choices[0].call.prompt_ids), completion)})
+            yield sse("[DONE]")
+        except ApiError as exc:
+            yield sse(exc.body())
+        finally:
+            self._settle(choices, ok)
+
+    # ------------------------------------------------------------------ rewards, models, health
+
+    async def reward(self, request: Request) -> Response:
+        assert self.sessions is not None
+        obj = parse_json(await self.body(request))
+        sid = request.path_params["session_id"]
+        value = obj.get("reward")
+        if isinstance(value, dict) and value and all(_finite(v) for v in value.values()):
+            components = {str(k): float(v) for k, v in value.items()}
+            total = sum(components.values())
+        elif _finite(value):
+            components, total = {}, float(value)
+        else:
+            raise bad("'reward' must be a finite number, or an object of named finite numbers (summed)", "reward")
+        group = obj.get("group")
+        if group is not None and not (isinstance(group, str) and 0 < len(group) <= 200):
+            raise bad("'group' must be a string of 1-200 characters", "group")
+        try:
+            name, samples = self.sessions.reward(sid, total, components, group)
+        except SessionError as exc:
+            raise ApiError(exc.status, str(exc), NOT_FOUND if exc.status == 404 else "conflict_error"
+                           if exc.status == 409 else "invalid_request_error", "session") from None
+        if samples:
+            await self._append(samples)
+        return JSONResponse({"session": sid, "group": name, "reward": total,
+                             "status": "appended" if samples else "waiting_for_group", "samples": len(samples or [])})
+
+    async def _append(self, samples: list[Any]) -> None:
+        assert self.sessions is not None
+        entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples)
+        counters = self.sessions.counters
+        if entry:
+            counters.groups_appended += 1
+            counters.samples_appended += len(samples)
+        else:
+            counters.samples_dead_lettered += len(samples)
+            log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)", len(samples))
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": int(self.started), "owned_by": "rlhf-service"}]})
+
+    async def health(self, request: Request) -> Response:
+        workers = await live_workers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
+        body = {"status": "ok" if workers else "no_worker", "workers": workers, "model": self.model_name}
+        return JSONResponse(body, status_code=200 if workers else 503,
+                            headers={} if workers else {"Retry-After": str(RETRY_AFTER_S)})
+
+    async def stats(self, request: Request) -> Response:
+        self.authorize(request)
+        assert self.sessions is not None
+        return JSONResponse({**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
+                             "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)})
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def make_app(gw: Gateway) -> Starlette:
+    async def handle(fn: Any, request: Request) -> Response:
+        try:
+            return await fn(request)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    def route(path: str, fn: Any, methods: list[str]) -> Route:
+        async def endpoint(request: Request) -> Response:
+            return await handle(fn, request)
+        return Route(path, endpoint, methods=methods)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    routes = [route("/v1/chat/completions", gw.chat, ["POST"]), route("/v1/completions", gw.completions, ["POST"]),
+              route("/v1/models", gw.models, ["GET"]), route("/health", gw.health, ["GET"]),
+              route("/v1/rl/sessions/{session_id:path}/reward", gw.reward, ["POST"]),
+              route("/v1/rl/stats", gw.stats, ["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return JSONResponse(ApiError(status, f"{request.method} {request.url.path} is not an endpoint of this gateway",
+                                     NOT_FOUND if status == 404 else "invalid_request_error").body(), status_code=status)
+
+    app.add_exception_handler(404, not_found)
+    app.add_exception_handler(405, not_found)
+    return app
+
+
+class GatewayServer:
+    """The gateway under uvicorn, in this thread (:meth:`run`) or a background one (:meth:`start`)."""
+
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None) -> None:
+        import uvicorn
+
+        self.gateway = Gateway(cfg)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.gateway.host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((cfg.gateway.host, int(cfg.gateway.port)))
+        except OSError as exc:
+            raise UserError(f"gateway: cannot listen on {cfg.gateway.host}:{cfg.gateway.port} ({exc.strerror}); "
+                            "pick another gateway.port (0: any free one)") from None
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+        config = uvicorn.Config(make_app(self.gateway), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.output_dir = Path(output_dir) if output_dir else None
+        self._thread: threading.Thread | None = None
+
+    def _announce(self) -> None:
+        log.info("gateway: serving %s (model '%s') for run %s", self.url, self.gateway.model_name,
+                 self.gateway.cfg.buffer.run_id)
+        if self.output_dir is not None:
+            write_json(self.output_dir / "gateway.json", {"url": self.url, "model": self.gateway.model_name,
+                                                                 "pid": os.getpid()})
+
+    def run(self) -> None:
+        self._announce()
+        self.server.run(sockets=[self.sock])
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="gateway",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start (is the run initialised? see the log)")
+            time.sleep(0.02)
+        self._announce()
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self.sock.close()
+
+
+def run_gateway(cfg: Config, output_dir: str | Path | None = None) -> None:
+    """Entry point body: serve until SIGTERM/SIGINT (uvicorn handles both)."""
+    GatewayServer(cfg, output_dir).run()

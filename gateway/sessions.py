@@ -1,0 +1,255 @@
+"""Sessions: an agent's calls as one episode, token in and token out; rewarded sessions as groups.
+
+A session holds a :class:`~rlhf_core.episode.Transcript`: the prompt's ids, then each call's
+sampled ids exactly as the worker sampled them (behaviour log-probs, per-token versions, loss
+mask 1) and, between calls, the ids of what the agent added (tool results, user turns) with
+mask 0. A chat call **extends** its session when its messages start with the session's
+previous call's messages followed by the assistant message the gateway returned (compared as
+:func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
+template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
+retokenisation drift counted). A call that does not extend its session (the agent edited or
+dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
+A completions call extends its session when its prompt starts with the session's text so far.
+
+``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
+together once ``group_size`` of them are rewarded (a group still short of that is appended as
+it is ``session_ttl_s`` after its last reward); a session without a group is a group of one.
+A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_core.episode import Transcript
+from rlhf_core.records import Sample
+from rollout_workers.turns import TemplateConversation, encode
+
+log = logging.getLogger(__name__)
+
+#: the chat template for tokenizers without one (the tiny model, whose alphabet has no newline):
+#: ``[role] content`` turns, assistant turns closed by the EOS token, tools and calls in the
+#: Hermes ``<tool_call>`` format (which the worker-side parser reads too)
+PLAIN_TEMPLATE = (
+    "{%- if tools %}[tools] {{ tools | tojson }} [format] <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+    "{% endif -%}"
+    "{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] if m['content'] is string else '' }}"
+    "{%- for c in (m['tool_calls'] or []) if m['role'] == 'assistant' %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
+    "{%- if m['role'] == 'assistant' %}{{ eos_token }}{% endif %} {% endfor -%}"
+    "{%- if add_generation_prompt %}[assistant] {% endif -%}"
+)
+
+
+class SessionError(Exception):
+    """A session request that cannot be served; ``status`` 400, 404 or 409."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Session:
+    session_id: str
+    group: str | None
+    created: float
+    last_used: float
+    transcript: Transcript | None = None
+    conversation: TemplateConversation | None = None
+    expected: list[dict[str, Any]] = field(default_factory=list)  # chat: messages a continuing call starts with
+    text: str = ""  # completions: the prompt and completions so far
+    last_turn: tuple[list[int], str] | None = None  # the previous call's (ids, text)
+    turns: int = 0
+    drift_turns: int = 0
+    finish_reason: str = "stop"
+    busy: bool = False  # a call of this session is running
+
+
+@dataclass
+class _Group:
+    name: str
+    samples: list[tuple[str, Session, float, dict[str, float]]] = field(default_factory=list)
+    changed: float = 0.0
+
+
+@dataclass
+class GatewayCounters:
+    calls: int = 0
+    sessions_started: int = 0
+    sessions_restarted: int = 0
+    sessions_rewarded: int = 0
+    sessions_expired: int = 0
+    groups_appended: int = 0
+    samples_appended: int = 0
+    samples_dead_lettered: int = 0
+    retokenisation_drift: int = 0
+    calls_aborted: int = 0
+    calls_failed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Sessions:
+    """All sessions of one gateway (one asyncio loop: no locks)."""
+
+    def __init__(self, tokenizer: Any, ttl_s: float, group_size: int, max_response_tokens: int) -> None:
+        self.tokenizer, self.ttl_s = tokenizer, float(ttl_s)
+        self.group_size, self.max_response_tokens = int(group_size), int(max_response_tokens)
+        self.sessions: dict[str, Session] = {}
+        self.ended: dict[str, str] = {}  # session id -> "rewarded" | "expired" (bounded)
+        self.groups: dict[str, _Group] = {}
+        self.counters = GatewayCounters()
+        self._flush_seq = itertools.count()
+
+    # ------------------------------------------------------------------ calls
+
+    def open(self, session_id: str, group: str | None) -> Session:
+        if session_id in self.ended:
+            raise SessionError(409, f"session '{session_id}' was {self.ended[session_id]} already; start a new one "
+                                    "(another X-Session-Id)")
+        s = self.sessions.get(session_id)
+        now = time.monotonic()
+        if s is None:
+            s = self.sessions[session_id] = Session(session_id, group, now, now)
+            self.counters.sessions_started += 1
+        if s.busy:
+            raise SessionError(409, f"session '{session_id}' has a call running; a session's calls follow each other")
+        s.last_used = now
+        if group and not s.group:
+            s.group = group
+        return s
+
+    def chat_context(self, s: Session, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The ids the session's next turn is generated from, given the call's messages."""
+        prefix = len(s.expected)
+        if s.transcript is not None and s.last_turn is not None and prefix and messages[:prefix] == s.expected \
+                and len(messages) > prefix and s.conversation is not None and s.conversation.tools == (list(tools) if tools else None):
+            turn_ids, turn_text = s.last_turn
+            ids, drift = s.conversation.after_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:], "user")
+            s.transcript.add_observation(ids)
+            s.drift_turns += int(drift)
+            self.counters.retokenisation_drift += int(drift)
+        else:
+            if s.transcript is not None:
+                self.counters.sessions_restarted += 1
+                log.info("session %s: a call that does not extend the conversation restarted it", s.session_id)
+            s.conversation = TemplateConversation(self.tokenizer, messages, tools)
+            s.transcript = Transcript(s.conversation.initial_ids())
+            s.turns = s.drift_turns = 0
+        return s.transcript.context_ids
+
+    def completion_context(self, s: Session, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):  # token ids: extend when they start with the context so far
+            if s.transcript is not None and prompt[:len(s.transcript)] == s.transcript.context_ids and len(prompt) > len(s.transcript):
+                s.transcript.add_observation(prompt[len(s.transcript):])
+            else:
+                self._restart(s, list(prompt), "")
+            return s.transcript.context_ids
+        if s.transcript is not None and prompt.startswith(s.text) and len(prompt) > len(s.text):
+            s.transcript.add_observation(encode(self.tokenizer, prompt[len(s.text):]))
+            s.text = prompt
+        else:
+            self._restart(s, encode(self.tokenizer, prompt), prompt)
+        assert s.transcript is not None
+        return s.transcript.context_ids
+
+    def _restart(self, s: Session, ids: list[int], text: str) -> None:
+        if s.transcript is not None:
+            self.counters.sessions_restarted += 1
+        s.transcript, s.text, s.turns, s.drift_turns = Transcript(ids), text, 0, 0
+
+    @staticmethod
+    def snapshot(s: Session) -> tuple[Any, ...]:
+        """What a call may change, to put back if it fails (the agent may retry it)."""
+        t, conv = s.transcript, s.conversation
+        tr = None if t is None else (list(t.prompt_ids), list(t.response_ids), list(t.logprobs), list(t.versions),
+                                     list(t.mask), list(t.turns))
+        cv = None if conv is None else (list(conv.messages), conv.rendered)
+        return (t, tr, conv, cv, list(s.expected), s.text, s.last_turn, s.turns, s.drift_turns, s.finish_reason)
+
+    def restore(self, s: Session, snap: tuple[Any, ...]) -> None:
+        t, tr, conv, cv, s.expected, s.text, s.last_turn, s.turns, s.drift_turns, s.finish_reason = snap
+        if t is not None and tr is not None:
+            t.prompt_ids, t.response_ids, t.logprobs, t.versions, t.mask, t.turns = tr
+        if conv is not None and cv is not None:
+            conv.messages, conv.rendered = cv
+        s.transcript, s.conversation = t, conv
+        if t is None:  # a first call that failed leaves no session behind
+            self.sessions.pop(s.session_id, None)
+
+    def room(self, s: Session) -> int:
+        """Response tokens the session may still sample (a sample's response is capped by the run)."""
+        assert s.transcript is not None
+        return self.max_response_tokens - len(s.transcript.response_ids)
+
+    def record(self, s: Session, token_ids: list[int], logprobs: list[float], versions: list[int], text: str,
+               finish_reason: str) -> None:
+        """The call's sampled turn, exactly as sampled."""
+        assert s.transcript is not None
+        s.transcript.add_policy(token_ids, logprobs, versions)
+        s.last_turn = (list(token_ids), text)
+        s.turns += 1
+        s.finish_reason = finish_reason
+        s.last_used = time.monotonic()
+
+    # ------------------------------------------------------------------ rewards, groups, expiry
+
+    def reward(self, session_id: str, reward: float, components: dict[str, float], group: str | None
+               ) -> tuple[str, list[Sample] | None]:
+        """End a session; returns ``(its group, the group's samples when the group is complete)``."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            if session_id in self.ended:
+                raise SessionError(409 if self.ended[session_id] == "rewarded" else 404,
+                                   f"session '{session_id}' was {self.ended[session_id]} already")
+            raise SessionError(404, f"no session '{session_id}': sessions start with a call carrying X-Session-Id "
+                                    "(or 'user'), and expire after gateway.session_ttl_s without calls")
+        if s.busy:
+            raise SessionError(409, f"session '{session_id}' has a call running; reward it when the call has returned")
+        if s.transcript is None or not s.transcript.turns:
+            raise SessionError(400, f"session '{session_id}' has no completed call to reward")
+        del self.sessions[session_id]
+        self._end(session_id, "rewarded")
+        self.counters.sessions_rewarded += 1
+        name = group or s.group or session_id
+        g = self.groups.setdefault(name, _Group(name))
+        g.samples.append((session_id, s, reward, components))
+        g.changed = time.monotonic()
+        if len(g.samples) >= self.group_size:
+            return name, self._flush(name)
+        return name, None
+
+    def expire(self, now: float | None = None) -> list[list[Sample]]:
+        """Drop sessions idle past the TTL; return the groups that waited that long after their last reward."""
+        now = time.monotonic() if now is None else now
+        for sid, s in list(self.sessions.items()):
+            if not s.busy and now - s.last_used > self.ttl_s:
+                del self.sessions[sid]
+                self._end(sid, "expired")
+                self.counters.sessions_expired += 1
+        return [self._flush(name) for name, g in list(self.groups.items()) if now - g.changed > self.ttl_s]
+
+    def _end(self, session_id: str, how: str) -> None:
+        self.ended[session_id] = how
+        while len(self.ended) > 100_000:
+            self.ended.pop(next(iter(self.ended)))
+
+    def _flush(self, name: str) -> list[Sample]:
+        g = self.groups.pop(name)
+        group_id = f"gw:{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
+        out = []
+        for i, (sid, s, reward, components) in enumerate(g.samples):
+            assert s.transcript is not None
+            out.append(s.transcript.to_sample(
+                sample_id=f"{group_id}/{i}", prompt_id=f"gw:{name}", group_id=group_id, reward=reward,
+                reward_components=components, finish_reason=s.finish_reason, worker_id="gateway",
+                group_size=len(g.samples), group_index=i, created_at=time.time() - (time.monotonic() - s.created),
+                finished_at=time.time(),
+                metadata={"session": sid, "turns": s.turns, "retokenisation_drift": s.drift_turns}))
+        return out
