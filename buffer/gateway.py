@@ -42,6 +42,13 @@ def _int_list(obj: dict[str, Any], name: str, low: int = 0) -> list[int]:
     return values
 
 
+def _float_list(obj: dict[str, Any], name: str) -> list[float]:
+    values = require(obj, name, list)
+    if len(values) > MAX_CALL_TOKENS or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise WireError(f"field {name!r}: expected at most {MAX_CALL_TOKENS} numbers")
+    return [float(v) for v in values]
+
+
 @dataclass
 class GatewayCall:
     """One generation the gateway asks of a worker (token ids in; sampling settings as the client sent them)."""
@@ -105,7 +112,7 @@ class CallChunk:
         obj = decode_record(data, KIND_CHUNK)
         chunk = cls(call_id=require(obj, "call_id", str), token_ids=_int_list(obj, "token_ids"),
                     final=bool(require(obj, "final", bool)), versions=_int_list(obj, "versions"),
-                    logprobs=[float(x) for x in require(obj, "logprobs", list)],
+                    logprobs=_float_list(obj, "logprobs"),
                     finish_reason=optional(obj, "finish_reason", str), error=optional(obj, "error", str),
                     worker_id=optional(obj, "worker_id", str, ""))
         if chunk.final and chunk.error is None and not len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions):
@@ -138,18 +145,22 @@ class WorkerChannel:
             pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
         pipe.execute()
 
-    def exchange(self, chunks: list[tuple[str, CallChunk]], running: list[str]) -> list[str]:
-        """Send ``chunks`` and return the calls among ``running`` whose client went away, in one round trip."""
-        if not chunks and not running:
-            return []
+    def exchange(self, chunks: list[tuple[str, CallChunk]], take: int, running: list[str]) -> tuple[list[bytes], list[str]]:
+        """In one round trip: send ``chunks``, take up to ``take`` queued calls, and see which calls
+        among ``running`` their client gave up on. Returns ``(raw calls, cancelled call ids)``."""
+        if not chunks and take <= 0 and not running:
+            return [], []
         pipe = self.redis.pipeline(transaction=False)
         for gateway_id, chunk in chunks:
             pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
+        if take > 0:
+            pipe.rpop(self.keys.gw_calls, take)
         if running:
             pipe.hmget(self.keys.gw_cancel, running)
         res = pipe.execute()
-        flags = res[-1] if running else []
-        return [c for c, f in zip(running, flags) if f is not None]
+        flags = res.pop() if running else []
+        calls = list(res.pop() or []) if take > 0 else []
+        return calls, [c for c, f in zip(running, flags) if f is not None]
 
 
 async def submit(client: Any, keys: RunKeys, call: GatewayCall) -> None:

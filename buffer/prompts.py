@@ -101,8 +101,10 @@ def claim(
     block_s: float,
     lease_timeout_s: float,
     run_params: Callable[[], dict[str, Any]],
+    first_wake: bool = False,
 ) -> list[Lease]:
-    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
+    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s`` (or until the
+    first wake-up, with ``first_wake``); the new
     leases are added to ``held`` (this process's leases of ``consumer``). An undecodable prompt
     is dead-lettered (``run_params`` is asked for the run's parameters then) and not returned."""
     K.check_consumer(consumer)
@@ -137,6 +139,8 @@ def claim(
         if status == "noinit":
             log.debug("run %s is not initialised yet; waiting", k.run_id)
         store.wait_on(k.wake_prompts, wake_id, min(remaining, WAIT_CAP_S))
+        if first_wake:
+            deadline = 0.0  # one more claim (what woke us may be a prompt), then back to the caller
 
 
 def dead_letter_prompt(store: Store, params: dict[str, Any], lease_id: str, consumer: str, reason: str, payload: bytes) -> None:

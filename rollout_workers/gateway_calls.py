@@ -1,17 +1,19 @@
 """The worker's side of rlhf-gateway: its calls share the continuous batch with the run's prompts.
 
-Between decoding steps the worker takes queued calls up to its free slots (before claiming
-prompts: a client is waiting on them) and adds each to the engine as request ``gw/<call id>``.
-After each step it sends, in one round trip, the new tokens of streamed calls, the result of
-every finished call (token ids, behaviour log-probs and per-token policy versions, exactly as
-for the run's own samples; a weight update between steps shows in the versions) and asks which
-running calls were cancelled (their client went away); those are aborted at once, freeing
-their slots. Records and keys: :mod:`buffer.gateway`.
+After each decoding step the worker, in one round trip, sends the new tokens of streamed calls
+and the result of every finished call (token ids, behaviour log-probs and per-token policy
+versions, exactly as for the run's own samples; a weight update between steps shows in the
+versions), takes queued calls up to its free slots (before it claims prompts: a client is
+waiting on them; each becomes engine request ``gw/<call id>``), and, every
+:data:`CANCEL_CHECK_S`, asks which running calls were cancelled (their client went away): those
+are aborted at once, freeing their slots. An idle worker takes calls with :meth:`GatewayCalls.take`
+(it is woken for them). Records and keys: :mod:`buffer.gateway`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
@@ -21,6 +23,8 @@ from rollout_workers.engine import GenRequest, GenResult, RequestError, Sampling
 log = logging.getLogger(__name__)
 
 PREFIX = "gw/"
+#: how often a busy worker asks which of its running calls were cancelled
+CANCEL_CHECK_S = 0.05
 
 
 class GatewayCalls:
@@ -29,6 +33,7 @@ class GatewayCalls:
     def __init__(self, channel: WorkerChannel, engine: Any, worker_id: str) -> None:
         self.channel, self.engine, self.worker_id = channel, engine, worker_id
         self.calls: dict[str, tuple[GatewayCall, list[int]]] = {}  # request id -> (call, [tokens streamed])
+        self._next_cancel_check = 0.0
         self.stats = {"gateway_calls": 0, "gateway_done": 0, "gateway_aborted": 0, "gateway_refused": 0,
                       "gateway_bad_records": 0, "gateway_tokens": 0}
 
@@ -36,11 +41,16 @@ class GatewayCalls:
         return len(self.calls)
 
     def take(self, capacity: int) -> int:
-        """Add up to ``capacity`` queued calls to the engine; a call the engine refuses (too long
-        for its context, bad settings) is answered with the reason at once. Returns calls added."""
+        """Add up to ``capacity`` queued calls to the engine (an idle worker). Returns calls added."""
+        refused = self._add(self.channel.take(capacity))
+        self.channel.send(refused)
+        return len(self.calls)
+
+    def _add(self, raws: list[bytes]) -> list[tuple[str, CallChunk]]:
+        """Queue calls in the engine; a call the engine refuses (too long for its context, bad
+        settings) is answered with the reason (the chunks returned)."""
         refused: list[tuple[str, CallChunk]] = []
-        added = 0
-        for raw in self.channel.take(capacity):
+        for raw in raws:
             try:
                 call = GatewayCall.decode(raw)
             except WireError as exc:  # not from a gateway of this release: nobody to answer
@@ -58,13 +68,12 @@ class GatewayCalls:
                 continue
             self.calls[PREFIX + call.call_id] = (call, [0])
             self.stats["gateway_calls"] += 1
-            added += 1
-        self.channel.send(refused)
-        return added
+        return refused
 
-    def after_step(self, finished: list[GenResult]) -> list[GenResult]:
-        """Answer the calls among ``finished`` and stream the running ones; returns the other results."""
-        if not self.calls:
+    def after_step(self, finished: list[GenResult], capacity: int) -> list[GenResult]:
+        """Answer the calls among ``finished``, stream the running ones, take up to ``capacity``
+        new ones; returns the other results."""
+        if not self.calls and capacity <= 0:
             return finished
         out: list[tuple[str, CallChunk]] = []
         rest: list[GenResult] = []
@@ -79,13 +88,17 @@ class GatewayCalls:
                 if len(tokens) > sent[0]:
                     out.append((call.reply_to, CallChunk(call.call_id, list(tokens[sent[0]:]), worker_id=self.worker_id)))
                     sent[0] = len(tokens)
-        ids = [call.call_id for call, _ in self.calls.values()]
-        aborted = []
-        for call_id in self.channel.exchange(out, ids):
+        ids: list[str] = []
+        if self.calls and time.monotonic() >= self._next_cancel_check:
+            ids = [call.call_id for call, _ in self.calls.values()]
+            self._next_cancel_check = time.monotonic() + CANCEL_CHECK_S
+        raws, cancelled = self.channel.exchange(out, capacity, ids)
+        answers = self._add(raws)
+        for call_id in cancelled:
             result = self.engine.abort(PREFIX + call_id)
             if result is not None:
-                aborted.append(self._final(result))
-        self.channel.send(aborted)
+                answers.append(self._final(result))
+        self.channel.send(answers)
         return rest
 
     def abort_all(self) -> None:

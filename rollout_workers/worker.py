@@ -300,6 +300,9 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ claim + generate
 
+    def _free_slots(self) -> int:
+        return int(self.cfg.rollout.slots) - self.engine.num_active() - self.engine.num_waiting()
+
     def _free_prompt_capacity(self) -> int:
         """Prompts to claim now: fill the slots plus up to one group waiting, so a freed slot is
         refilled at the next step (continuous batching) without holding many idle leases.
@@ -325,7 +328,8 @@ class RolloutWorker:
         if capacity <= 0 or (block_s == 0 and now < self._next_claim_at):
             return
         with self._buf_lock:
-            leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s)
+            leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s,
+                                       first_wake=self.gateway is not None)
         self.stats.t_wait += time.monotonic() - now
         if not leases:
             self._next_claim_at = time.monotonic() + BUSY_CLAIM_BACKOFF_S
@@ -389,7 +393,7 @@ class RolloutWorker:
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
         if self.gateway is not None:
-            finished = self.gateway.after_step(finished)
+            finished = self.gateway.after_step(finished, self._free_slots())
         for result in finished:
             if self.episodes is not None:  # a turn: its episode goes on (or ends) in _collect_episodes
                 self.stats.tokens += result.num_tokens
@@ -687,8 +691,8 @@ class RolloutWorker:
                     if (max_prompts is not None and done >= max_prompts) or (deadline is not None and time.monotonic() > deadline):
                         break
                     self._abandon_lost_leases()
-                    if self.gateway is not None:  # before prompts: a client is waiting on these
-                        self.gateway.take(int(self.cfg.rollout.slots) - self.engine.num_active() - self.engine.num_waiting())
+                    if self.gateway is not None and not self.engine.has_work():  # busy: taken after each step
+                        self.gateway.take(self._free_slots())  # before prompts: a client is waiting on these
                     idle = not self.engine.has_work() and not self.groups
                     limit = None if max_prompts is None else max_prompts - done - len(self.groups)
                     self._claim(IDLE_CLAIM_BLOCK_S if idle else 0.0, limit)
