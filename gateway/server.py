@@ -75,6 +75,11 @@ def api_keys(cfg: Config) -> list[bytes]:
     return [k.encode() for k in keys]
 
 
+class ClientGone(Exception):
+    """The client of a plain (not streamed) call went away: its calls are cancelled, nobody is
+    left to answer (not a server error: no traceback in the log)."""
+
+
 @dataclass
 class _Choice:
     """One choice of a call in flight: its session and what has been streamed of it."""
@@ -284,7 +289,7 @@ class Gateway:
                                             f"{self.cfg.gateway.call_timeout_s}; retry, or raise the limit", UNAVAILABLE,
                                        "timeout", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                     if request is not None and await request.is_disconnected():
-                        raise asyncio.CancelledError("the client went away")
+                        raise ClientGone()
                     continue
                 c = choices[index]
                 if chunk.final:
@@ -486,7 +491,7 @@ class Gateway:
                           "token_logprobs": c.final.logprobs, "top_logprobs": None, "text_offset": None}
                 out.append({"index": c.index, "text": text, "finish_reason": reason, "logprobs": lp})
                 self._record(c)
-                c.session.text += self._text(c.final.token_ids) if c.final else ""
+                self.sessions.completed(c.session, self._text(c.final.token_ids) if c.final else "", text)
             ok = True
             prompt = len(choices[0].call.prompt_ids)
             completion = sum(len(c.final.token_ids) for c in choices if c.final)
@@ -513,7 +518,7 @@ class Gateway:
                     text, _, reason = self._finish(c, req.sampling.stop, False)
                     yield chunk(c.index, text[c.sent_chars:], reason)
                     self._record(c)
-                    c.session.text += self._text(part.token_ids)
+                    self.sessions.completed(c.session, self._text(part.token_ids), text)
                     continue
                 c.tokens += part.token_ids
                 text = self._text(c.tokens)
@@ -594,12 +599,15 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def make_app(gw: Gateway) -> Starlette:
+def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
+    """The Starlette app; ``on_ready()`` runs once the gateway has joined its run (before the first request)."""
     async def handle(fn: Any, request: Request) -> Response:
         try:
             return await fn(request)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     def route(path: str, fn: Any, methods: list[str]) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -609,6 +617,8 @@ def make_app(gw: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.start()
+        if on_ready is not None:
+            on_ready()
         try:
             yield
         finally:
@@ -644,9 +654,10 @@ class GatewayServer:
         except OSError as exc:
             raise UserError(f"gateway: cannot listen on {cfg.gateway.host}:{cfg.gateway.port} ({exc.strerror}); "
                             "pick another gateway.port (0: any free one)") from None
+        self.sock.listen(2048)  # a client connecting before uvicorn accepts waits in the backlog, not refused
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
-        config = uvicorn.Config(make_app(self.gateway), log_level="warning", access_log=False,
+        config = uvicorn.Config(make_app(self.gateway, self._announce), log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5, lifespan="on")
         self.server = uvicorn.Server(config)
         self.output_dir = Path(output_dir) if output_dir else None
@@ -660,7 +671,7 @@ class GatewayServer:
                                                                  "pid": os.getpid()})
 
     def run(self) -> None:
-        self._announce()
+        """Serve until SIGTERM/SIGINT; ``gateway.json`` is written once the run is joined."""
         self.server.run(sockets=[self.sock])
 
     def start(self, timeout_s: float = 60.0) -> str:
@@ -672,7 +683,6 @@ class GatewayServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the gateway did not start (is the run initialised? see the log)")
             time.sleep(0.02)
-        self._announce()
         return self.url
 
     def stop(self) -> None:

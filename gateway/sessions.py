@@ -9,7 +9,8 @@ previous call's messages followed by the assistant message the gateway returned 
 template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
 retokenisation drift counted). A call that does not extend its session (the agent edited or
 dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
-A completions call extends its session when its prompt starts with the session's text so far.
+A completions call extends its session when its prompt starts with the session's text so far:
+the sampled text, or the text the client got (a stop string cut off).
 
 ``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
 together once ``group_size`` of them are rewarded (a group still short of that is appended as
@@ -62,7 +63,8 @@ class Session:
     transcript: Transcript | None = None
     conversation: TemplateConversation | None = None
     expected: list[dict[str, Any]] = field(default_factory=list)  # chat: messages a continuing call starts with
-    text: str = ""  # completions: the prompt and completions so far
+    text: str = ""  # completions: the prompt and completions so far, as sampled
+    client_text: str = ""  # the same as the client got it (stop strings cut)
     last_turn: tuple[list[int], str] | None = None  # the previous call's (ids, text)
     turns: int = 0
     drift_turns: int = 0
@@ -151,9 +153,11 @@ class Sessions:
             else:
                 self._restart(s, list(prompt), "")
             return s.transcript.context_ids
-        if s.transcript is not None and prompt.startswith(s.text) and len(prompt) > len(s.text):
-            s.transcript.add_observation(encode(self.tokenizer, prompt[len(s.text):]))
-            s.text = prompt
+        for known in (s.text, s.client_text):  # the sampled text first: a stop string written back is not added twice
+            if s.transcript is not None and known and prompt.startswith(known) and len(prompt) > len(known):
+                s.transcript.add_observation(encode(self.tokenizer, prompt[len(known):]))
+                s.text = s.client_text = prompt
+                break
         else:
             self._restart(s, encode(self.tokenizer, prompt), prompt)
         assert s.transcript is not None
@@ -162,7 +166,7 @@ class Sessions:
     def _restart(self, s: Session, ids: list[int], text: str) -> None:
         if s.transcript is not None:
             self.counters.sessions_restarted += 1
-        s.transcript, s.text, s.turns, s.drift_turns = Transcript(ids), text, 0, 0
+        s.transcript, s.text, s.client_text, s.turns, s.drift_turns = Transcript(ids), text, text, 0, 0
 
     @staticmethod
     def snapshot(s: Session) -> tuple[Any, ...]:
@@ -171,10 +175,11 @@ class Sessions:
         tr = None if t is None else (list(t.prompt_ids), list(t.response_ids), list(t.logprobs), list(t.versions),
                                      list(t.mask), list(t.turns))
         cv = None if conv is None else (list(conv.messages), conv.rendered)
-        return (t, tr, conv, cv, list(s.expected), s.text, s.last_turn, s.turns, s.drift_turns, s.finish_reason)
+        return (t, tr, conv, cv, list(s.expected), s.text, s.client_text, s.last_turn, s.turns, s.drift_turns,
+                s.finish_reason)
 
     def restore(self, s: Session, snap: tuple[Any, ...]) -> None:
-        t, tr, conv, cv, s.expected, s.text, s.last_turn, s.turns, s.drift_turns, s.finish_reason = snap
+        t, tr, conv, cv, s.expected, s.text, s.client_text, s.last_turn, s.turns, s.drift_turns, s.finish_reason = snap
         if t is not None and tr is not None:
             t.prompt_ids, t.response_ids, t.logprobs, t.versions, t.mask, t.turns = tr
         if conv is not None and cv is not None:
@@ -182,6 +187,12 @@ class Sessions:
         s.transcript, s.conversation = t, conv
         if t is None:  # a first call that failed leaves no session behind
             self.sessions.pop(s.session_id, None)
+
+    @staticmethod
+    def completed(s: Session, sampled: str, returned: str) -> None:
+        """A completions call's text: as sampled, and as the client got it."""
+        s.text += sampled
+        s.client_text += returned
 
     def room(self, s: Session) -> int:
         """Response tokens the session may still sample (a sample's response is capped by the run)."""

@@ -41,7 +41,7 @@ class GatewayCalls:
         return len(self.calls)
 
     def take(self, capacity: int) -> int:
-        """Add up to ``capacity`` queued calls to the engine (an idle worker). Returns calls added."""
+        """Add up to ``capacity`` queued calls to the engine (an idle worker). Returns the calls running."""
         refused = self._add(self.channel.take(capacity))
         self.channel.send(refused)
         return len(self.calls)

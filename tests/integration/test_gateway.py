@@ -1,0 +1,777 @@
+"""rlhf-gateway driven by the official `openai` client: a real worker (tiny model) serves the
+calls through a real Redis, sessions become samples the learner reads.
+
+One worker thread and one gateway serve the whole module (each test has its own session ids;
+groups are read back by name). The tiny model writes random characters, so nothing here
+depends on what it writes: only on shapes, counts, token ids and the protocol. Three ways make
+a behaviour deterministic without depending on the model's text: a test that needs a call to
+stay in flight holds the worker's engine (:class:`Hold`: the worker keeps looping, taking calls
+and seeing cancellations, but decodes nothing); a tool call, which the random model never
+writes, is a reply the test scripts (:class:`Scripted`); stop strings are picked from a greedy
+(temperature 0) reply, which is the same every time for the same prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+
+MODEL = "tiny"
+VERSION = 1  # the policy version the fake learner publishes: every sampled token carries it
+GROUP = 2  # the run's group size (and the gateway's)
+KEY = "k" * 24  # the API key of the gateway with keys
+SETTINGS = ["gateway.enabled=true", "gateway.port=0", "data.source=none", "gateway.session_ttl_s=60",
+            "gateway.max_tokens=32", "gateway.max_n=2", "gateway.max_request_bytes=8192", f"algo.group_size={GROUP}",
+            "rollout.max_new_tokens=8", "rollout.max_episode_tokens=128", "rollout.max_prompt_tokens=384",
+            "model.tiny.max_position_embeddings=512"]  # a context of 512 tokens: a tools prompt and three turns fit
+CONTEXT = 512
+
+
+class Hold:
+    """While set, the worker's engine decodes nothing (``step`` returns no results): a call taken
+    meanwhile stays in flight for as long as the test wants, deterministically, whatever the
+    random model would write. The worker's loop goes on (takes calls, sees cancellations)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.event = threading.Event()
+        self._step = engine.step
+        engine.step = self.step
+
+    def step(self) -> list:
+        if self.event.is_set():
+            time.sleep(0.005)
+            return []
+        return self._step()
+
+    def __enter__(self) -> "Hold":
+        self.event.set()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.event.clear()
+
+
+class Scripted:
+    """Replies the test writes instead of the random model, for calls the worker takes while
+    ``replies`` holds some (one each, in order): the call is decoded as usual and its result's
+    tokens replaced, when it finishes, by the reply's ids and EOS (log-prob -1 each). What the
+    random model would never write (a tool call) then goes through the worker, the gateway and
+    the client like any reply."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.tokenizer, self.replies = tokenizer, collections.deque()
+        self._add, self._step = engine.add, engine.step
+        self._mine: dict[str, str] = {}
+        engine.add, engine.step = self.add, self.step
+
+    def add(self, request: Any) -> None:
+        if request.request_id.startswith("gw/") and self.replies:
+            self._mine[request.request_id] = self.replies.popleft()
+        self._add(request)
+
+    def step(self) -> list:
+        from rollout_workers.engine import make_result
+
+        out = []
+        for r in self._step():
+            text = self._mine.pop(r.request_id, None)
+            if text is not None:
+                ids = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
+                r = make_result(r.request_id, r.prompt_ids, ids, [-1.0] * len(ids), [VERSION] * len(ids), "stop", text)
+            out.append(r)
+        return out
+
+
+@dataclass
+class Served:
+    cfg: Any
+    learner: Any
+    worker: Any
+    hold: Hold
+    script: Scripted
+    url: str
+    client: Any
+    tokenizer: Any
+    read: dict[str, list] = field(default_factory=dict)  # groups read from the buffer, by group name
+
+    def chat(self, session: str | None = None, group: str | None = None, **kwargs: Any) -> Any:
+        headers = {k: v for k, v in (("X-Session-Id", session), ("X-Group-Id", group)) if v}
+        kwargs.setdefault("messages", [{"role": "user", "content": "hi"}])
+        kwargs.setdefault("model", MODEL)
+        return self.client.chat.completions.create(extra_headers=headers, **kwargs)
+
+    def reward(self, session: str, reward: Any, **body: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}/rl/sessions/{session}/reward", json={"reward": reward, **body}, timeout=10)
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(f"{self.url}/rl/stats", timeout=10).json()
+
+    def worker_stats(self) -> dict[str, Any]:
+        """The worker's last heartbeat (what rlhf-monitor shows)."""
+        return self.learner.buffer.metrics()["consumers"].get("w0", {}).get("stats", {})
+
+    def group(self, name: str, timeout_s: float = 20.0) -> list:
+        """The samples of the group ``name`` appended (by any test: others are kept for theirs)."""
+        deadline = time.monotonic() + timeout_s
+        while name not in self.read:
+            left = deadline - time.monotonic()
+            assert left > 0, f"group {name!r} did not reach the buffer within {timeout_s} s (read: {sorted(self.read)})"
+            batch = self.learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=min(left, 1.0))
+            for g in batch.groups if batch is not None else []:
+                samples = batch.samples[g.start:g.end]
+                self.read[samples[0].prompt_id.removeprefix("gw:")] = samples
+        return self.read.pop(name)
+
+
+@pytest.fixture(scope="module")
+def infra(tmp_path_factory, tiny_model_cfg):
+    """A Redis and a weight server for the module."""
+    from rlhf_core.config import WeightServerConfig
+    from servers import RedisServer
+    from weight_server import WeightServer
+
+    redis = RedisServer(tmp_path_factory.mktemp("gateway") / "redis", appendonly=False).start()
+    ws = WeightServer(WeightServerConfig()).start()
+    yield redis, ws
+    ws.stop()
+    redis.stop()
+
+
+def _cfg(infra, tiny_model_cfg, run_id: str, *extra: str) -> Any:
+    from worker_helpers import compose, overrides
+
+    redis, ws = infra
+    return compose(overrides(redis.url, run_id, ws, tiny_model_cfg, extra=[*SETTINGS, *extra]))
+
+
+@pytest.fixture(scope="module")
+def served(infra, tiny_model_cfg):
+    """The module's run: the test plays the learner, one worker thread, the gateway in this process."""
+    from gateway.server import GatewayServer
+    from worker_helpers import FakeLearner, WorkerThread
+
+    cfg = _cfg(infra, tiny_model_cfg, "gw-tests")
+    learner = FakeLearner(cfg)
+    learner.publish(VERSION)
+    wt = WorkerThread(cfg, "w0")
+    hold = Hold(wt.worker.engine)
+    script = Scripted(wt.worker.engine, learner.tokenizer)
+    wt.start()
+    server = GatewayServer(cfg)
+    url = server.start()
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    tokenizer = learner.tokenizer
+    from gateway.sessions import PLAIN_TEMPLATE
+
+    tokenizer.chat_template = PLAIN_TEMPLATE  # what the gateway renders with (the tiny tokenizer has none)
+    try:
+        yield Served(cfg, learner, wt, hold, script, url, client, tokenizer)
+    finally:
+        hold.event.clear()
+        client.close()
+        server.stop()
+        wt.worker.request_stop()
+        wt.worker.request_stop()
+        wt.thread.join(15)
+        learner.close()
+    assert wt.error is None, wt.error
+
+
+def token_ids(tokenizer: Any, logprobs: Any) -> list[int]:
+    """The ids of a reply from its ``logprobs`` (the tiny tokenizer's tokens are single characters
+    or its special tokens: ``convert_tokens_to_ids`` inverts them exactly)."""
+    tokens = [t.token for t in logprobs.content] if hasattr(logprobs, "content") else logprobs.tokens
+    return tokenizer.convert_tokens_to_ids(tokens)
+
+
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def versions_of(sample: Any) -> list[tuple[int, int]]:
+    return [tuple(v) for v in sample.versions]
+
+
+def check_added(tokenizer: Any, turn_ids: list[int], added_ids: list[int], text: str) -> None:
+    """What the template put between a sampled turn and the next call: the EOS closing the turn
+    (unless the turn ended with it), then ``text`` (the agent's message and the next generation
+    prompt). Exactly so when the turn's text re-renders as sampled; a turn with special tokens
+    inside (the random model samples <pad> now and then) takes the template's other path, whose
+    turn end is reconstructed: only the message is checked then."""
+    eos = tokenizer.eos_token_id
+    if set(turn_ids[:-1]) & set(tokenizer.all_special_ids):
+        assert tokenizer.decode(added_ids, skip_special_tokens=False).endswith(text)
+    else:
+        closing = tokenizer(("" if turn_ids[-1] == eos else tokenizer.eos_token) + text,
+                            add_special_tokens=False)["input_ids"]
+        assert added_ids == closing
+
+
+# ---------------------------------------------------------------------------------------------- sessions to samples
+
+
+def test_a_multi_turn_chat_session_becomes_one_sample_token_in_token_out(served):
+    tok = served.tokenizer
+    restarted = served.stats()["sessions_restarted"]
+    messages = [{"role": "system", "content": "count"}, {"role": "user", "content": "from 3"}]
+    first = served.chat("mt", "g-mt", messages=messages, max_tokens=6, logprobs=True)
+    assert first.choices[0].finish_reason in ("stop", "length") and first.model == MODEL
+    ids1 = token_ids(tok, first.choices[0].logprobs)
+    lp1 = [t.logprob for t in first.choices[0].logprobs.content]
+    assert first.usage.completion_tokens == len(ids1) and 1 <= len(ids1) <= 6
+    assert first.choices[0].message.content == tok.decode(ids1, skip_special_tokens=True)
+    prompt = render(tok, messages)
+    assert first.usage.prompt_tokens == len(prompt)
+
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    second = served.chat("mt", messages=messages, max_tokens=5, logprobs=True)
+    ids2 = token_ids(tok, second.choices[0].logprobs)
+    lp2 = [t.logprob for t in second.choices[0].logprobs.content]
+    # the context is the first call's prompt, its sampled ids as sampled, then the user's turn
+    added = second.usage.prompt_tokens - len(prompt) - len(ids1)
+    assert added >= len(" [user] go on [assistant] ")
+    assert served.stats()["sessions_restarted"] == restarted
+
+    partner = served.chat("mt-partner", "g-mt", max_tokens=2)
+    r = served.reward("mt", 0.5)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"session": "mt", "group": "g-mt", "reward": 0.5, "status": "waiting_for_group", "samples": 0}
+    r = served.reward("mt-partner", {"format": -1.0, "length": 0.25})
+    assert r.status_code == 200 and r.json()["status"] == "appended" and r.json()["samples"] == 2, r.text
+
+    group = served.group("g-mt")
+    by_session = {s.metadata["session"]: s for s in group}
+    s = by_session["mt"]
+    assert s.prompt_ids.tolist() == prompt
+    response = s.response_ids.tolist()
+    assert len(response) == len(ids1) + added + len(ids2)
+    assert response[:len(ids1)] == ids1 and response[len(response) - len(ids2):] == ids2
+    check_added(tok, ids1, response[len(ids1):len(ids1) + added], " [user] go on [assistant] ")
+    assert s.loss_mask.tolist() == [1] * len(ids1) + [0] * added + [1] * len(ids2)
+    assert s.behaviour_logprobs.tolist() == pytest.approx(lp1 + [0.0] * added + lp2, abs=1e-5)
+    assert versions_of(s) == [(VERSION, len(response))]
+    assert (s.reward, s.reward_components) == (0.5, {})
+    assert s.metadata["turns"] == 2 and s.worker_id == "gateway" and s.finish_reason == second.choices[0].finish_reason
+    p = by_session["mt-partner"]
+    assert (p.reward, p.reward_components) == (-0.75, {"format": -1.0, "length": 0.25})
+    assert p.num_response_tokens == partner.usage.completion_tokens and p.loss_mask.all()
+    assert {x.group_id for x in group} == {group[0].group_id} and sorted(x.group_index for x in group) == [0, 1]
+    assert {x.group_size for x in group} == {2}
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def run_tool(call: Any) -> str:
+    try:
+        args = json.loads(call.function.arguments or "{}")
+        return str(int(args.get("a", 0)) + int(args.get("b", 0)))
+    except (ValueError, TypeError, AttributeError) as exc:
+        return f"error: {exc}"
+
+
+async def agent(client: Any, session: str, group: str, task: str) -> list[Any]:
+    """A tool-using agent loop as users write them; returns its replies."""
+    messages: list[Any] = [{"role": "user", "content": task}]
+    replies = []
+    for _ in range(3):
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=6,
+                                                     extra_headers={"X-Session-Id": session, "X-Group-Id": group})
+        replies.append(reply)
+        message = reply.choices[0].message
+        messages.append(message)  # the client's own object, as the OpenAI docs' loops do
+        if message.tool_calls:
+            for call in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
+        else:
+            messages.append({"role": "user", "content": "use add"})
+    return replies
+
+
+def test_tool_using_agents_run_concurrently_and_their_sessions_become_a_group(served):
+    restarted = served.stats()["sessions_restarted"]
+
+    async def main() -> list[list[Any]]:
+        async with openai.AsyncOpenAI(base_url=served.url, api_key="none", max_retries=0, timeout=60) as client:
+            runs = await asyncio.gather(agent(client, "ag-0", "g-agents", "add 2 and 3"),
+                                        agent(client, "ag-1", "g-agents", "add 4 and 5"))
+            for i in range(2):
+                r = await client.post(f"/rl/sessions/ag-{i}/reward", cast_to=httpx.Response, body={"reward": float(i)})
+                assert r.status_code == 200
+            return runs
+
+    runs = asyncio.run(main())
+    assert served.stats()["sessions_restarted"] == restarted  # every call extended its session
+    group = {s.metadata["session"]: s for s in served.group("g-agents")}
+    assert set(group) == {"ag-0", "ag-1"}
+    for i, replies in enumerate(runs):
+        s = group[f"ag-{i}"]
+        assert s.reward == float(i) and s.metadata["turns"] == 3
+        assert all(r.choices[0].finish_reason in ("stop", "length", "tool_calls") for r in replies)
+        # the prompt is the tools and the task; every reply's tokens are trained, nothing else
+        assert s.prompt_ids.tolist() == render(served.tokenizer, [{"role": "user", "content": f"add {2 + 2 * i} and "
+                                                                   f"{3 + 2 * i}"}], TOOLS)
+        assert int(s.loss_mask.sum()) == sum(r.usage.completion_tokens for r in replies)
+        assert replies[0].usage.prompt_tokens == len(s.prompt_ids)
+        last = replies[-1].usage
+        assert len(s.prompt_ids) + s.num_response_tokens == last.prompt_tokens + last.completion_tokens
+        for a, b in zip(replies, replies[1:]):  # each call's context grew by the reply and what the agent added
+            assert b.usage.prompt_tokens > a.usage.prompt_tokens + a.usage.completion_tokens
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def test_a_tool_call_goes_to_the_client_and_its_result_into_the_session(served):
+    tok = served.tokenizer
+    restarted = served.stats()["sessions_restarted"]
+    messages: list[Any] = [{"role": "user", "content": "add 1 and 2"}]
+    served.script.replies.append("sure " + CALL)
+    first = served.chat("tools", "g-tools", messages=messages, tools=TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "sure"
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "add", {"a": 1, "b": 2})
+    sampled = [*tok("sure " + CALL, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    assert first.usage.completion_tokens == len(sampled)
+    # the agent runs the tool and sends the client's own message object back with the result
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": run_tool(call)}]
+    second = served.chat("tools", messages=messages, tools=TOOLS, max_tokens=3)
+    assert served.stats()["sessions_restarted"] == restarted  # the echoed tool call matched the one returned
+    added = second.usage.prompt_tokens - first.usage.prompt_tokens - len(sampled)
+    # streamed, with tools: the call comes as a tool_calls delta
+    served.script.replies.append(CALL)
+    chunks = list(served.chat("tools-stream", messages=messages[:1], tools=TOOLS, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [(0, "add", {"a": 1, "b": 2})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+    assert served.reward("tools", 1.0).status_code == 200
+    assert served.reward("tools-partner", 0.0).status_code == 404  # no call yet
+    served.chat("tools-partner", "g-tools", max_tokens=1)
+    assert served.reward("tools-partner", 0.0).json()["status"] == "appended"
+    s = {x.metadata["session"]: x for x in served.group("g-tools")}["tools"]
+    assert s.prompt_ids.tolist() == render(tok, messages[:1], TOOLS)
+    response = s.response_ids.tolist()
+    assert response[:len(sampled)] == sampled and s.behaviour_logprobs[:len(sampled)].tolist() == [-1.0] * len(sampled)
+    check_added(tok, sampled, response[len(sampled):len(sampled) + added], " [tool] 3 [assistant] ")
+    assert s.loss_mask.tolist() == [1] * len(sampled) + [0] * added + [1] * second.usage.completion_tokens
+
+
+def test_n_choices_make_sessions_of_one_group(served):
+    raw = served.client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "two ways"}], n=2, max_tokens=4, logprobs=True,
+        extra_headers={"X-Session-Id": "pair"})
+    assert raw.headers["x-session-id"] == "pair"
+    reply = raw.parse()
+    assert [c.index for c in reply.choices] == [0, 1]
+    ids = [token_ids(served.tokenizer, c.logprobs) for c in reply.choices]
+    assert reply.usage.completion_tokens == len(ids[0]) + len(ids[1])
+    r = served.reward("pair/1", 1.0)
+    assert r.json()["status"] == "waiting_for_group" and r.json()["group"] == "pair"
+    r = served.reward("pair/0", 0.0)
+    assert r.json() == {"session": "pair/0", "group": "pair", "reward": 0.0, "status": "appended", "samples": 2}
+    group = served.group("pair")
+    assert [s.metadata["session"] for s in group] == ["pair/1", "pair/0"] and [s.reward for s in group] == [1.0, 0.0]
+    assert [s.response_ids.tolist() for s in group] == [ids[1], ids[0]]
+    assert group[0].prompt_ids.tolist() == group[1].prompt_ids.tolist()
+    assert group[0].group_id == group[1].group_id and [s.group_index for s in group] == [0, 1]
+    # the session of one choice goes on by its own id
+    assert served.reward("pair", 1.0).status_code == 404
+
+
+def test_completions_continue_a_session_from_its_sampled_ids(served):
+    tok = served.tokenizer
+    first = served.client.completions.create(model=MODEL, prompt="Q: 1+1 =", max_tokens=5, logprobs=1,
+                                             extra_headers={"X-Session-Id": "cm", "X-Group-Id": "g-cm"})
+    ids1 = token_ids(tok, first.choices[0].logprobs)
+    assert first.usage.prompt_tokens == len("Q: 1+1 =") and first.usage.completion_tokens == len(ids1)
+    text = "Q: 1+1 =" + first.choices[0].text + " Q: 2+2 ="
+    second = served.client.completions.create(model=MODEL, prompt=text, max_tokens=3, user="cm")  # `user` names it too
+    assert second.usage.prompt_tokens == len("Q: 1+1 =") + len(ids1) + len(" Q: 2+2 =")
+    other = served.client.completions.create(model=MODEL, prompt=[10, 11, 12], max_tokens=2, user="cm-other")
+    assert other.usage.prompt_tokens == 3
+    assert served.reward("cm", 1.0).json()["status"] == "waiting_for_group"
+    assert served.reward("cm-other", 0.0, group="g-cm").json()["status"] == "appended"  # the reward names the group
+    s = {x.metadata["session"]: x for x in served.group("g-cm")}
+    cm = s["cm"]
+    assert cm.prompt_ids.tolist() == tok("Q: 1+1 =", add_special_tokens=False)["input_ids"]
+    n2 = second.usage.completion_tokens
+    assert cm.response_ids.tolist()[:len(ids1)] == ids1
+    assert cm.loss_mask.tolist() == [1] * len(ids1) + [0] * len(" Q: 2+2 =") + [1] * n2
+    assert s["cm-other"].prompt_ids.tolist() == [10, 11, 12]
+
+
+def test_a_call_without_a_session_id_gets_a_fresh_one(served):
+    raw = served.client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    sid = raw.headers["x-session-id"]
+    assert sid.startswith("s-") and len(sid) > 10
+    raw2 = served.client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert raw2.headers["x-session-id"] != sid
+    raw3 = served.client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, user="by-user-field")
+    assert raw3.headers["x-session-id"] == "by-user-field"
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+def test_a_streamed_chat_reply_is_the_reply_in_pieces(served):
+    tok = served.tokenizer
+    restarted = served.stats()["sessions_restarted"]
+    stream = served.chat("st", messages=[{"role": "user", "content": "stream"}], max_tokens=12, stream=True,
+                         stream_options={"include_usage": True}, logprobs=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+    ids = token_ids(tok, finals[0].choices[0].logprobs)
+    text = "".join(c.choices[0].delta.content for c in content)
+    assert text == tok.decode(ids, skip_special_tokens=True)  # what a plain call returns for these ids
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert chunks[-1].usage.prompt_tokens == len(render(tok, [{"role": "user", "content": "stream"}]))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+
+    # the same on the wire: server-sent events ending with [DONE]; the session goes on from the streamed ids
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "stream"},
+                                         {"role": "assistant", "content": text}, {"role": "user", "content": "more"}],
+            "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{served.url}/chat/completions", json=body, headers={"X-Session-Id": "st"},
+                      timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert "usage" not in json.loads(events[-2].removeprefix("data: "))  # not asked for
+    assert served.stats()["sessions_restarted"] == restarted  # the second call went on from the streamed ids
+
+
+def test_a_streamed_completion_ends_with_its_usage(served):
+    stream = served.client.completions.create(model=MODEL, prompt="abc", max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True}, user="st-cmpl")
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(reasons) == 1 and chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 3
+    assert 1 <= chunks[-1].usage.completion_tokens <= 6 and len(text) <= chunks[-1].usage.completion_tokens
+
+
+PROBES = ["abc", "Q: 1+1 =", "hello", "x", "7 8 9", "The", "zz", "[user] hi", "9", "what"]
+
+
+def greedy_stop(reply_text: Any) -> tuple[str, str, int]:
+    """``(prompt, reply, j)``: a prompt whose greedy reply (temperature 0: the same each time) has at
+    ``j`` >= 1 a character not seen before it, so ``stop=[reply[j]]`` cuts the reply to ``reply[:j]``
+    exactly. The random model's replies vary by prompt; one of the probes always qualifies."""
+    for prompt in PROBES:
+        text = reply_text(prompt)
+        for j in range(1, len(text)):
+            if text[j] not in text[:j] and text[j].strip():
+                return prompt, text, j
+    raise AssertionError(f"no greedy reply of {PROBES} has two different characters: is temperature=0 greedy?")
+
+
+def test_a_stop_string_cuts_a_chat_reply_and_its_stream_and_the_session_goes_on(served):
+    tok = served.tokenizer
+    n = iter(range(1000))
+
+    def reply_text(prompt: str) -> str:
+        return served.chat(f"probe-chat-{next(n)}", messages=[{"role": "user", "content": prompt}], max_tokens=8,
+                           temperature=0).choices[0].message.content
+
+    prompt, text, j = greedy_stop(reply_text)
+    messages = [{"role": "user", "content": prompt}]
+    restarted = served.stats()["sessions_restarted"]
+    cut = served.chat("stop-chat", messages=messages, max_tokens=8, temperature=0, stop=[text[j]], logprobs=True)
+    ids = token_ids(tok, cut.choices[0].logprobs)
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == (text[:j], "stop")
+    assert text[j] in tok.decode(ids[-1:])  # the token that wrote the stop string was sampled (and is trained on)
+    # streamed: no piece of the stop string reaches the client
+    stream = served.chat("stop-stream", messages=messages, max_tokens=8, temperature=0, stop=[text[j]], stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[:j]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    # the agent goes on with the reply it got: the session keeps the sampled ids (stop string included)
+    messages += [cut.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    second = served.chat("stop-chat", messages=messages, max_tokens=2)
+    assert served.stats()["sessions_restarted"] == restarted
+    if not set(ids) & set(tok.all_special_ids):
+        closing = tok(tok.eos_token + " [user] more [assistant] ", add_special_tokens=False)["input_ids"]
+        assert second.usage.prompt_tokens == cut.usage.prompt_tokens + len(ids) + len(closing)
+
+
+def _completion_probe(served: Served) -> tuple[str, str, int]:
+    n = iter(range(1000))
+    return greedy_stop(lambda p: served.client.completions.create(
+        model=MODEL, prompt=p, max_tokens=8, temperature=0, user=f"probe-cmpl-{next(n)}").choices[0].text)
+
+
+def test_a_completion_cut_by_a_stop_string_goes_on_when_the_agent_writes_the_stop_string_back(served):
+    """ReAct-style: stop=["Observation:"], the agent appends "Observation: <result>" itself."""
+    prompt, text, j = _completion_probe(served)
+    first = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[text[j]],
+                                             user="react")
+    assert (first.choices[0].text, first.choices[0].finish_reason) == (text[:j], "stop")
+    restarted = served.stats()["sessions_restarted"]
+    second = served.client.completions.create(model=MODEL, prompt=prompt + text[:j + 1] + " seen", max_tokens=2,
+                                              user="react")
+    assert served.stats()["sessions_restarted"] == restarted
+    assert second.usage.prompt_tokens == len(prompt) + first.usage.completion_tokens + len(" seen")
+
+
+def test_a_completion_cut_by_a_stop_string_goes_on_from_the_text_the_client_got(served):
+    prompt, text, j = _completion_probe(served)
+    first = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[text[j]],
+                                             user="cmpl-stop")
+    assert first.choices[0].text == text[:j]
+    restarted = served.stats()["sessions_restarted"]
+    served.client.completions.create(model=MODEL, prompt=prompt + first.choices[0].text + " more", max_tokens=2,
+                                     user="cmpl-stop")
+    assert served.stats()["sessions_restarted"] == restarted
+
+
+def _aborted(served: Served, before: int) -> bool:
+    w = served.worker_stats()
+    return w.get("gateway_aborted", 0) > before and w.get("active", 1) == 0 and w.get("waiting", 1) == 0 \
+        and w.get("gateway_running", 1) == 0
+
+
+def test_a_client_that_goes_away_mid_stream_gets_its_call_aborted(served):
+    from servers import wait_for
+
+    before, stats = served.worker_stats().get("gateway_aborted", 0), served.stats()
+    with served.hold:
+        stream = served.chat("gone", messages=[{"role": "user", "content": "long"}], max_tokens=32, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        # the worker has taken the call and holds it
+        wait_for(lambda: served.worker_stats().get("gateway_running") == 1, 10, "the worker to take the call", 0.1)
+        stream.close()  # the client goes away
+        wait_for(lambda: _aborted(served, before), 15, "the worker to abort the call and free its slot", 0.1)
+    after = served.stats()
+    assert after["calls_aborted"] == stats["calls_aborted"] + 1 and after["calls_running"] == 0
+    assert after["calls_failed"] == stats["calls_failed"] + 1
+    # the session is as before the call (none: it was its first); the gateway and worker go on
+    assert served.reward("gone", 1.0).status_code == 404
+    reply = served.chat("gone", max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_client_that_times_out_on_a_plain_call_gets_it_aborted(served):
+    from servers import wait_for
+
+    before, calls_aborted = served.worker_stats().get("gateway_aborted", 0), served.stats()["calls_aborted"]
+    impatient = openai.OpenAI(base_url=served.url, api_key="none", max_retries=0, timeout=0.5)
+    errors = _Records()
+    logging.getLogger("uvicorn.error").addHandler(errors)  # uvicorn's loggers do not propagate to pytest's
+    try:
+        with served.hold:
+            with pytest.raises(openai.APITimeoutError):
+                impatient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=32, extra_headers={"X-Session-Id": "impatient"})
+            wait_for(lambda: _aborted(served, before), 15, "the worker to abort the call of the client that left", 0.1)
+            wait_for(lambda: served.stats()["calls_running"] == 0, 5, "the gateway to finish the request", 0.1)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+        impatient.close()
+    assert served.stats()["calls_aborted"] == calls_aborted + 1
+    # a client leaving is no server error (no "Exception in ASGI application" with a traceback)
+    assert [r.getMessage() for r in errors.records] == []
+    assert served.chat("impatient", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(served, infra, tiny_model_cfg):
+    from gateway.server import GatewayServer
+    from servers import wait_for
+
+    impatient = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests", "gateway.call_timeout_s=1"))  # the same run
+    url = impatient.start()
+    before = served.worker_stats().get("gateway_aborted", 0)
+    try:
+        with served.hold:
+            t0 = time.monotonic()
+            r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "late"}, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert r.json()["error"]["code"] == "timeout" and 1 <= time.monotonic() - t0 < 10
+            wait_for(lambda: _aborted(served, before), 15, "the worker to abort the timed-out call", 0.1)
+        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+        assert (stats["calls_aborted"], stats["calls_failed"], stats["sessions_open"]) == (1, 1, 0)
+        r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "late"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        impatient.stop()
+
+
+def test_a_session_takes_one_call_at_a_time(served):
+    from servers import wait_for
+
+    with served.hold:
+        stream = served.chat("busy", messages=[{"role": "user", "content": "a"}], max_tokens=4, stream=True)
+        assert next(iter(stream)).choices[0].delta.role == "assistant"
+        wait_for(lambda: served.stats()["calls_running"] == 1, 10, "the call to be running", 0.1)
+        with pytest.raises(openai.ConflictError) as info:
+            served.chat("busy", messages=[{"role": "user", "content": "a"}], max_tokens=1)
+        assert "has a call running" in info.value.message
+        r = served.reward("busy", 1.0)
+        assert r.status_code == 409 and "call running" in r.json()["error"]["message"]
+    # let go: the call finishes, then the session is the agent's again
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    served.chat("busy", messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": text},
+                                  {"role": "user", "content": "b"}], max_tokens=1)
+    assert served.reward("busy", 1.0).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _raw(served: Served, path: str, content: bytes | None = None, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{served.url}{path}", content=content, timeout=10, **kwargs)
+
+
+def _chat_body(**change: Any) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **change}).encode()
+
+
+BAD = {
+    "malformed JSON": ("/chat/completions", b'{"model": "tiny", "messages": [', 400, "invalid_json"),
+    "not an object": ("/chat/completions", b"[1, 2]", 400, "invalid_json"),
+    "unknown model": ("/chat/completions", _chat_body(model="gpt-4o"), 400, "model_not_found"),
+    "prompt over the context": ("/chat/completions", _chat_body(messages=[{"role": "user", "content": "y" * CONTEXT}]),
+                                400, "context_length_exceeded"),
+    "completion prompt over the context": ("/completions", json.dumps({"model": MODEL, "prompt": "z" * CONTEXT}).encode(),
+                                           400, "context_length_exceeded"),
+    "token ids out of the vocabulary": ("/completions", json.dumps({"model": MODEL, "prompt": [1, 10_000]}).encode(),
+                                        400, "invalid_value"),
+    "n over the cap": ("/chat/completions", _chat_body(n=3), 400, "over_cap"),
+    "max_tokens over the cap": ("/chat/completions", _chat_body(max_tokens=33), 400, "over_cap"),
+    "body over max_request_bytes": ("/chat/completions", _chat_body(messages=[{"role": "user", "content": "w" * 9000}]),
+                                    413, "request_too_large"),
+    "unknown session's reward": ("/rl/sessions/nobody/reward", b'{"reward": 1}', 404, "session"),
+    "reward not a number": ("/rl/sessions/nobody/reward", b'{"reward": "high"}', 400, "invalid_value"),
+    "unknown endpoint": ("/embeddings", b"{}", 404, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_requests_get_the_openai_error_shape_and_the_gateway_stays_up(served, case):
+    path, body, status, code = BAD[case]
+    r = _raw(served, path, body, headers={"Content-Type": "application/json", "X-Session-Id": f"bad-{case}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"} and err["message"] and err["type"]
+    assert err["code"] == code
+    # the gateway goes on, and a refused first call leaves no session behind
+    reply = served.chat(f"bad-{case}", max_tokens=1)
+    assert reply.usage.completion_tokens == 1
+
+
+def test_the_openai_client_raises_its_own_errors_for_refusals(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.chat(model="gpt-4o")
+    assert info.value.status_code == 400 and info.value.code == "model_not_found" and info.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        served.chat(n=3)
+    assert info.value.code == "over_cap" and info.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        served.chat("long", messages=[{"role": "user", "content": "y" * CONTEXT}])
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        served.client.post("/rl/sessions/nobody/reward", cast_to=httpx.Response, body={"reward": 1.0})
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_session_is_rewarded_once(served):
+    served.chat("once", "g-once", max_tokens=1)
+    assert served.reward("once", 1.0).status_code == 200
+    again = served.reward("once", 1.0)
+    assert again.status_code == 409 and again.json()["error"]["type"] == "conflict_error"
+    # a call on a rewarded session is refused too: the agent must start another
+    with pytest.raises(openai.ConflictError):
+        served.chat("once", max_tokens=1)
+    # its group completes with another session
+    served.chat("once-2", "g-once", max_tokens=1)
+    assert served.reward("once-2", 0.0).json()["status"] == "appended"
+    assert {s.metadata["session"] for s in served.group("g-once")} == {"once", "once-2"}
+
+
+def test_health_and_stats(served):
+    r = httpx.get(served.url.removesuffix("/v1") + "/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "workers": 1, "model": MODEL}
+    stats = served.stats()
+    assert stats["calls"] >= 1 and stats["calls_running"] == 0
+
+
+@pytest.fixture
+def keyed(infra, tiny_model_cfg):
+    """A gateway with API keys for a run that no worker serves."""
+    from buffer import Buffer
+    from gateway.server import GatewayServer
+
+    cfg = _cfg(infra, tiny_model_cfg, "gw-no-worker", f"gateway.api_keys=[{KEY},{'j' * 16}]")
+    buf = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+    buf.init_run(batch_size=4, group_size=GROUP, max_staleness=1, max_response_tokens=128, vocab_size=99)
+    server = GatewayServer(cfg)
+    url = server.start()
+    yield url
+    server.stop()
+    buf.close()
+
+
+def test_keys_are_checked_and_a_run_without_workers_answers_503(keyed):
+    url = keyed
+    body = json.loads(_chat_body())
+    for headers in ({}, {"Authorization": "Bearer wrong-key-of-some-length"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        r = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/models", "/rl/stats"):
+        assert httpx.get(f"{url}{path}", timeout=10).status_code == 401
+    with openai.OpenAI(base_url=url, api_key="not-the-key-at-all", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=10)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with openai.OpenAI(base_url=url, api_key="j" * 16, max_retries=0) as other:
+        assert other.models.list().data[0].id == MODEL
+    r = httpx.post(f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+    assert r.json()["error"]["code"] == "no_worker" and r.json()["error"]["type"] == "service_unavailable"
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 503
+    health = httpx.get(url.removesuffix("/v1") + "/health", timeout=10)  # health needs no key
+    assert health.status_code == 503 and health.json()["status"] == "no_worker"
+    stats = client.get("/rl/stats", cast_to=httpx.Response).json()
+    assert stats["sessions_open"] == 0 and stats["calls"] == 0  # refused calls leave nothing behind
+    client.close()

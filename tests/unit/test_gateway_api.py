@@ -1,0 +1,567 @@
+"""rlhf-gateway without servers: the OpenAI request checks, sessions (token in, token out) with the
+tiny tokenizer, the Redis records, the tool-call path of a reply and the worker's side of calls."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import pytest
+
+from buffer.gateway import KIND_CALL, KIND_CHUNK, CallChunk, GatewayCall
+from gateway.openai_api import (ApiError, normal_message, parse_chat, parse_completion, parse_json, parse_sampling)
+from gateway.sessions import PLAIN_TEMPLATE, SessionError, Sessions
+from rlhf_core.wire import WireError, encode_record
+
+MODEL = "tiny"
+CAPS = dict(max_tokens_cap=32, n_cap=4)
+
+
+def chat(**body):
+    return parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}, MODEL, **CAPS)
+
+
+def refused(fn, *args, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def test_a_plain_chat_request_gets_the_defaults():
+    req = chat(frequency_penalty=0, presence_penalty=0, seed=3, user="u1")  # fields clients send: ignored
+    s = req.sampling
+    assert (s.n, s.max_tokens, s.temperature, s.top_p, s.stop, s.stream, s.include_usage, s.logprobs) == \
+        (1, None, 1.0, 1.0, [], False, False, False)
+    assert req.user == "u1" and req.tools is None and req.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_settings_within_the_caps_are_taken():
+    s = parse_sampling({"n": 4, "max_tokens": 32, "temperature": 0, "top_p": 0.5, "stop": "]", "stream": True,
+                        "stream_options": {"include_usage": True}, "logprobs": True}, 32, 4)
+    assert (s.n, s.max_tokens, s.temperature, s.top_p, s.stop, s.stream, s.include_usage, s.logprobs) == \
+        (4, 32, 0.0, 0.5, ["]"], True, True, True)
+    assert parse_sampling({"max_completion_tokens": 7, "max_tokens": 30}, 32, 4).max_tokens == 7
+    assert parse_sampling({"stop": ["a", "b"], "logprobs": 0}, 32, 4).stop == ["a", "b"]
+    assert parse_sampling({"logprobs": 2}, 32, 4).logprobs is True
+    assert parse_sampling({"response_format": {"type": "text"}}, 32, 4).n == 1
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"n": 5}, "n", "over_cap"),
+    ({"n": 0}, "n", "invalid_value"),
+    ({"n": True}, "n", "invalid_value"),
+    ({"max_tokens": 33}, "max_tokens", "over_cap"),
+    ({"max_completion_tokens": 1000}, "max_completion_tokens", "over_cap"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_tokens": 2.5}, "max_tokens", "invalid_value"),
+    ({"temperature": 2.5}, "temperature", "invalid_value"),
+    ({"temperature": -0.1}, "temperature", "invalid_value"),
+    ({"temperature": "hot"}, "temperature", "invalid_value"),
+    ({"temperature": float("nan")}, "temperature", "invalid_value"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"top_p": 1.5}, "top_p", "invalid_value"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"stop": [""]}, "stop", "invalid_value"),
+    ({"stop": 3}, "stop", "invalid_value"),
+    ({"stream_options": "yes"}, "stream_options", "invalid_value"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
+    ({"echo": True}, "echo", "unsupported"),
+    ({"best_of": 3}, "echo", "unsupported"),
+])
+def test_sampling_settings_over_the_caps_or_out_of_range_are_refused(body, param, code):
+    err = refused(chat, **body)
+    assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", param, code)
+    assert err.body() == {"error": {"message": err.message, "type": err.type, "code": code, "param": param}}
+    assert param in err.message
+
+
+def test_a_request_for_another_model_is_refused_naming_the_served_one():
+    err = refused(parse_chat, {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, MODEL, **CAPS)
+    assert (err.status, err.code, err.param) == (400, "model_not_found", "model")
+    assert "gpt-4o" in err.message and "'tiny'" in err.message
+    err = refused(parse_completion, {"prompt": "x"}, MODEL, **CAPS)
+    assert (err.status, err.code, err.param) == (400, "missing_model", "model")
+
+
+@pytest.mark.parametrize("messages", [[], None, "hi", [{"content": "x"}], [{"role": "robot", "content": "x"}],
+                                      [{"role": "user", "content": 5}], ["hi"]])
+def test_chat_messages_must_be_a_non_empty_list_of_role_content_objects(messages):
+    err = refused(parse_chat, {"model": MODEL, "messages": messages}, MODEL, **CAPS)
+    assert err.status == 400 and err.param.startswith("messages")
+
+
+def test_tools_must_be_a_list_of_objects():
+    assert refused(chat, tools="add").param == "tools"
+    assert refused(chat, tools=["add"]).param == "tools"
+    req = chat(tools=[{"type": "function", "function": {"name": "add"}}], tool_choice="auto")
+    assert req.tools == [{"type": "function", "function": {"name": "add"}}] and req.tool_choice == "auto"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"null"])
+def test_a_body_that_is_not_a_json_object_is_refused(body):
+    err = refused(parse_json, body)
+    assert (err.status, err.code) == (400, "invalid_json")
+
+
+def test_nan_in_the_body_is_read_and_then_refused_as_a_value():
+    obj = parse_json(b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}')
+    assert refused(parse_chat, obj, MODEL, **CAPS).param == "temperature"
+
+
+def test_completion_prompts_are_one_string_or_one_list_of_token_ids():
+    def prompt(p):
+        return parse_completion({"model": MODEL, "prompt": p}, MODEL, **CAPS).prompt
+
+    assert prompt("abc") == "abc"
+    assert prompt(["abc"]) == "abc"
+    assert prompt([5, 6, 7]) == [5, 6, 7]
+    assert prompt([[5, 6]]) == [5, 6]
+    for bad in ["", [], ["a", "b"], [[1], [2]], [1, "a"], [True, 2], None, 3]:
+        assert refused(parse_completion, {"model": MODEL, "prompt": bad}, MODEL, **CAPS).param == "prompt"
+
+
+def test_normal_message_makes_what_clients_send_back_compare_equal():
+    as_string = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": [2, 3]}'}}]}
+    as_object = {"role": "assistant", "content": "", "refusal": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"b": [2, 3], "a": 1}}}]}
+    assert normal_message(as_string) == normal_message(as_object) == {
+        "role": "assistant", "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": [2, 3]}}}]}
+    assert normal_message({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) == \
+        normal_message({"role": "user", "content": "ab"}) == {"role": "user", "content": "ab"}
+    assert normal_message({"role": "tool", "content": "3", "tool_call_id": "call_1", "name": "add"}) == \
+        {"role": "tool", "content": "3", "tool_call_id": "call_1", "name": "add"}
+    # arguments that are not JSON stay as they were (the comparison is then textual)
+    odd = normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]})
+    assert odd["tool_calls"][0]["function"]["arguments"] == "{oops"
+    # an empty argument string is an empty object
+    assert normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": ""}}]}) == \
+        normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]})
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_cfg):
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_cfg)
+    tok.chat_template = PLAIN_TEMPLATE
+    return tok
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def sampled_turn(sessions, s, token_ids, version=3):
+    """What the gateway does with a call's result: record it and remember the returned message."""
+    text = sessions.tokenizer.decode(token_ids, skip_special_tokens=True)
+    lps = [-0.25 - 0.01 * i for i in range(len(token_ids))]
+    sessions.record(s, token_ids, lps, [version] * len(token_ids), text, "stop")
+    return {"role": "assistant", "content": text}, lps
+
+
+def test_a_call_extending_the_session_continues_from_the_sampled_ids(tokenizer):
+    tok = tokenizer
+    sessions = Sessions(tok, ttl_s=60, group_size=1, max_response_tokens=200)
+    s = sessions.open("s", None)
+    first_msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count"}]
+    ctx1 = sessions.chat_context(s, first_msgs, None)
+    assert tok.decode(ctx1, skip_special_tokens=False) == "[system] be brief [user] count [assistant] "
+    # the sampled ids include a special token that text would drop: ids are kept, never re-tokenised
+    turn = [tok.pad_token_id, *ids(tok, "12"), tok.eos_token_id]
+    reply, lps = sampled_turn(sessions, s, turn)
+    assert reply["content"] == "12"
+    s.expected = [*first_msgs, normal_message(reply)]
+    added = [{"role": "user", "content": "go on"}]
+    ctx2 = sessions.chat_context(s, [*first_msgs, reply, *added], None)
+    assert ctx2[:len(ctx1) + len(turn)] == ctx1 + turn
+    assert tok.decode(ctx2[len(ctx1) + len(turn):], skip_special_tokens=False) == " [user] go on [assistant] "
+    assert sessions.counters.sessions_restarted == 0
+    assert sessions.counters.retokenisation_drift == 1  # the <pad> the template's text does not have
+    t = s.transcript
+    n_added = len(ctx2) - len(ctx1) - len(turn)
+    assert t.prompt_ids == ctx1 and t.response_ids == ctx2[len(ctx1):]
+    assert t.mask == [1] * len(turn) + [0] * n_added
+    assert t.logprobs == pytest.approx(lps + [0.0] * n_added)
+    assert t.versions == [3] * (len(turn) + n_added)
+    assert sessions.room(s) == 200 - len(turn) - n_added
+
+
+def test_a_call_that_does_not_extend_the_session_restarts_it(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    s = sessions.open("s", None)
+    msgs = [{"role": "user", "content": "a"}]
+    sessions.chat_context(s, msgs, None)
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "xy"))
+    s.expected = [*msgs, normal_message(reply)]
+    # the agent edited its reply
+    ctx = sessions.chat_context(s, [*msgs, {"role": "assistant", "content": "zz"}, {"role": "user", "content": "b"}], None)
+    assert sessions.counters.sessions_restarted == 1
+    assert s.transcript.response_ids == [] and s.transcript.prompt_ids == ctx and s.turns == 0
+    assert tokenizer.decode(ctx, skip_special_tokens=False) == "[user] a [assistant] zz<eos> [user] b [assistant] "
+    # the same messages again (a retry, nothing added) also start over
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "q"))
+    s.expected = [{"role": "user", "content": "a"}, normal_message(reply)]
+    sessions.chat_context(s, s.expected, None)
+    assert sessions.counters.sessions_restarted == 2
+    # other tools: another conversation
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "r"))
+    s.expected = [*msgs, normal_message(reply)]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    ctx = sessions.chat_context(s, [*msgs, reply, {"role": "user", "content": "c"}], tools)
+    assert sessions.counters.sessions_restarted == 3
+    assert tokenizer.decode(ctx, skip_special_tokens=False).startswith("[tools] [{")
+
+
+def test_completions_extend_their_session_by_text_or_by_token_ids(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    s = sessions.open("c", None)
+    ctx1 = sessions.completion_context(s, "Q: 1+1")
+    assert ctx1 == ids(tokenizer, "Q: 1+1")
+    turn = ids(tokenizer, " =2")
+    sampled_turn(sessions, s, turn)
+    s.text += " =2"  # the server adds the completion's text
+    ctx2 = sessions.completion_context(s, "Q: 1+1 =2 Q: 2+2")
+    assert ctx2 == ctx1 + turn + ids(tokenizer, " Q: 2+2") and s.transcript.mask == [1] * 3 + [0] * 7
+    sampled_turn(sessions, s, ids(tokenizer, "=4"))
+    as_ids = ctx2 + ids(tokenizer, "=4") + ids(tokenizer, "!")
+    assert sessions.completion_context(s, as_ids) == as_ids and sessions.counters.sessions_restarted == 0
+    assert sessions.completion_context(s, "another prompt") == ids(tokenizer, "another prompt")
+    assert sessions.counters.sessions_restarted == 1
+
+
+def test_rewards_end_sessions_once(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    with pytest.raises(SessionError) as info:
+        sessions.reward("nobody", 1.0, {}, None)
+    assert info.value.status == 404
+    s = sessions.open("s", None)
+    with pytest.raises(SessionError) as info:  # no call yet
+        sessions.reward("s", 1.0, {}, None)
+    assert info.value.status == 400
+    sessions.chat_context(s, [{"role": "user", "content": "a"}], None)
+    sampled_turn(sessions, s, ids(tokenizer, "b"))
+    s.busy = True
+    with pytest.raises(SessionError) as info:
+        sessions.reward("s", 1.0, {}, None)
+    assert info.value.status == 409
+    with pytest.raises(SessionError) as info:  # a second call of a busy session
+        sessions.open("s", None)
+    assert info.value.status == 409
+    s.busy = False
+    name, samples = sessions.reward("s", 0.75, {"a": 0.5, "b": 0.25}, None)
+    assert name == "s" and len(samples) == 1
+    assert samples[0].reward == 0.75 and samples[0].reward_components == {"a": 0.5, "b": 0.25}
+    for again in (lambda: sessions.reward("s", 1.0, {}, None), lambda: sessions.open("s", None)):
+        with pytest.raises(SessionError) as info:
+            again()
+        assert info.value.status == 409
+    assert sessions.counters.sessions_rewarded == 1
+
+
+def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    for i in range(3):
+        s = sessions.open(f"g/{i}", "g")
+        sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
+        sampled_turn(sessions, s, ids(tokenizer, "ab"[: i % 2 + 1]) + [tokenizer.eos_token_id])
+    assert sessions.reward("g/0", 1.0, {}, None) == ("g", None)
+    assert sessions.reward("g/2", 0.0, {}, None) == ("g", None)  # rewarded in any order
+    name, samples = sessions.reward("g/1", -1.0, {}, None)
+    assert name == "g" and len(samples) == 3 and not sessions.groups
+    assert [s.group_index for s in samples] == [0, 1, 2]
+    assert len({s.group_id for s in samples}) == 1 and samples[0].group_id.startswith("gw:g:")
+    assert [s.sample_id for s in samples] == [f"{samples[0].group_id}/{i}" for i in range(3)]
+    assert [s.metadata["session"] for s in samples] == ["g/0", "g/2", "g/1"]
+    assert [s.reward for s in samples] == [1.0, 0.0, -1.0]
+    assert {s.group_size for s in samples} == {3} and {s.prompt_id for s in samples} == {"gw:g"}
+    for s in samples:
+        assert s.loss_mask.tolist() == [1] * s.num_response_tokens and s.finish_reason == "stop"
+        assert [tuple(v) for v in s.versions] == [(3, s.num_response_tokens)] and (s.behaviour_logprobs < 0).all()
+    # a session's reward may name its group; sessions of the same name fill it
+    for sid in ("x", "y"):
+        s = sessions.open(sid, None)
+        sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
+        sampled_turn(sessions, s, ids(tokenizer, "z"))
+    assert sessions.reward("x", 1.0, {}, "h") == ("h", None)
+    assert sessions.reward("y", 1.0, {}, "h")[1] is None  # 2 of 3
+    assert sessions.counters.sessions_rewarded == 5
+
+
+def test_idle_sessions_expire_and_short_groups_are_appended_after_the_ttl(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=10, group_size=4, max_response_tokens=200)
+    for sid in ("a", "b", "idle"):
+        s = sessions.open(sid, "g")
+        sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
+        sampled_turn(sessions, s, ids(tokenizer, "r"))
+    busy = sessions.open("busy", None)
+    busy.busy = True
+    sessions.reward("a", 1.0, {}, None)
+    sessions.reward("b", 0.5, {}, None)
+    now = time.monotonic()
+    assert sessions.expire(now=now) == [] and sessions.counters.sessions_expired == 0
+    groups = sessions.expire(now=now + 11)
+    assert sessions.counters.sessions_expired == 1 and set(sessions.sessions) == {"busy"}  # a running call stays
+    assert len(groups) == 1 and [s.metadata["session"] for s in groups[0]] == ["a", "b"]
+    assert [s.group_size for s in groups[0]] == [2, 2] and [s.group_index for s in groups[0]] == [0, 1]
+    assert sessions.groups == {} and sessions.expire(now=now + 30) == []
+    with pytest.raises(SessionError) as info:  # expired: nothing to reward
+        sessions.reward("idle", 1.0, {}, None)
+    assert info.value.status == 404
+    with pytest.raises(SessionError) as info:  # nor to continue
+        sessions.open("idle", None)
+    assert info.value.status == 409
+
+
+def test_restore_puts_back_what_a_failed_call_changed(tokenizer):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    # a first call that fails leaves no session
+    s = sessions.open("new", None)
+    snap = sessions.snapshot(s)
+    sessions.chat_context(s, [{"role": "user", "content": "a"}], None)
+    sessions.restore(s, snap)
+    assert "new" not in sessions.sessions
+    # a later call that fails leaves the session as it was before it
+    s = sessions.open("s", None)
+    msgs = [{"role": "user", "content": "a"}]
+    sessions.chat_context(s, msgs, None)
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "xy"))
+    s.expected = [*msgs, normal_message(reply)]
+    before = (list(s.transcript.prompt_ids), list(s.transcript.response_ids), list(s.transcript.mask),
+              list(s.transcript.logprobs), list(s.transcript.turns), list(s.conversation.messages),
+              s.conversation.rendered, list(s.expected), s.turns, s.last_turn)
+    snap = sessions.snapshot(s)
+    longer = [*msgs, reply, {"role": "user", "content": "b"}]
+    sessions.chat_context(s, longer, None)
+    sampled_turn(sessions, s, ids(tokenizer, "zz"))
+    s.expected = longer + [{"role": "assistant", "content": "zz"}]
+    assert len(s.transcript.response_ids) > len(before[1])
+    sessions.restore(s, snap)
+    after = (s.transcript.prompt_ids, s.transcript.response_ids, s.transcript.mask, s.transcript.logprobs,
+             s.transcript.turns, s.conversation.messages, s.conversation.rendered, s.expected, s.turns, s.last_turn)
+    assert after == before and sessions.sessions["s"] is s
+    # and the retried call extends it as the first try would have
+    ctx = sessions.chat_context(s, longer, None)
+    assert ctx[:len(before[0]) + len(before[1])] == before[0] + before[1] and sessions.counters.sessions_restarted == 0
+    # a failed call that had restarted the session: restore brings the old transcript back
+    snap = sessions.snapshot(s)
+    sessions.chat_context(s, [{"role": "user", "content": "other"}], None)
+    sessions.restore(s, snap)
+    assert s.transcript.context_ids == ctx
+
+
+# ---------------------------------------------------------------------------------------------- a reply's tool calls
+
+
+@pytest.fixture(scope="module")
+def finisher(tokenizer):
+    """The gateway's reply builder (``Gateway._finish``) on the tiny tokenizer, without a server."""
+    from gateway.server import Gateway, _Choice
+    from rollout_workers.tool_calls import ToolCallParser
+
+    gw = object.__new__(Gateway)  # _finish needs the tokenizer and the parser only
+    gw.tokenizer, gw.parser = tokenizer, ToolCallParser(tokenizer)
+
+    def finish(text, stops=(), tools=True, reason="stop", eos=True):
+        token_ids = ids(tokenizer, text) + ([tokenizer.eos_token_id] if eos else [])
+        final = CallChunk("c", token_ids, final=True, logprobs=[-0.1] * len(token_ids), versions=[0] * len(token_ids),
+                          finish_reason=reason)
+        choice = _Choice(0, None, None, None, final=final)  # type: ignore[arg-type]
+        return gw._finish(choice, list(stops), tools)
+
+    return finish
+
+
+def test_a_reply_with_a_hermes_tool_call_finishes_with_tool_calls(finisher):
+    text, calls, reason = finisher('let me add <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert reason == "tool_calls" and text == "let me add"
+    assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    text, calls, reason = finisher('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+                                   '<tool_call>{"name": "b", "arguments": "{\\"x\\": 2}"}</tool_call>')
+    assert reason == "tool_calls" and text == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("a", {}), ("b", {"x": 2})]
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_a_reply_without_tools_or_without_a_call_is_plain_text(finisher):
+    body = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    assert finisher(body, tools=False) == (body, [], "stop")  # the request had no tools
+    assert finisher("just text") == ("just text", [], "stop")
+    assert finisher("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [], "stop")
+    assert finisher("abc", reason="length", eos=False) == ("abc", [], "length")
+
+
+def test_a_stop_string_cuts_the_reply(finisher):
+    assert finisher("abc]def]", stops=["]"], tools=False) == ("abc", [], "stop")
+    assert finisher("abcdef", stops=["x", "cd"], tools=False) == ("ab", [], "stop")
+    # a reply cut by length is not searched for stop strings (the worker stopped it for length)
+    assert finisher("ab]c", stops=["]"], tools=False, reason="length", eos=False) == ("ab]c", [], "length")
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+def test_calls_and_chunks_round_trip():
+    call = GatewayCall("c1", "gw-1", [1, 2, 3], 8, temperature=0.7, top_p=0.9, stop=["]", "\n"], stream=True)
+    assert GatewayCall.decode(call.encode()) == call
+    chunk = CallChunk("c1", [5, 6], final=True, logprobs=[-0.5, 0.0], versions=[2, 3], finish_reason="stop",
+                      worker_id="w0")
+    assert CallChunk.decode(chunk.encode()) == chunk
+    delta = CallChunk("c1", [7])  # a streamed delta carries no log-probs
+    assert CallChunk.decode(delta.encode()) == delta
+    failed = CallChunk("c1", [], final=True, error="too long")
+    assert CallChunk.decode(failed.encode()) == failed
+
+
+def _call_fields(**change):
+    fields = {"call_id": "c", "reply_to": "g", "prompt_ids": [1, 2], "max_tokens": 4, "temperature": 1.0,
+              "top_p": 1.0, "stop": [], "stream": False, "created_at": 0.0}
+    fields.update(change)
+    return {k: v for k, v in fields.items() if v is not ...}
+
+
+def _chunk_fields(**change):
+    fields = {"call_id": "c", "token_ids": [1, 2], "final": True, "logprobs": [-0.1, -0.2], "versions": [0, 0],
+              "finish_reason": "stop", "error": None, "worker_id": "w"}
+    fields.update(change)
+    return {k: v for k, v in fields.items() if v is not ...}
+
+
+@pytest.mark.parametrize("change", [
+    {"call_id": 5}, {"call_id": ...}, {"reply_to": None}, {"prompt_ids": "abc"}, {"prompt_ids": [1, -2]},
+    {"prompt_ids": [1, True]}, {"prompt_ids": [1.5]}, {"max_tokens": 0}, {"max_tokens": "8"}, {"max_tokens": True},
+    {"temperature": "hot"}, {"top_p": None}, {"stop": ["a", 1]}, {"stop": "a"}, {"stream": "yes"},
+])
+def test_bad_calls_are_refused(change):
+    with pytest.raises(WireError):
+        GatewayCall.decode(encode_record(KIND_CALL, _call_fields(**change)))
+
+
+@pytest.mark.parametrize("change", [
+    {"logprobs": [-0.1, 0.5]}, {"logprobs": [-0.1, float("nan")]}, {"logprobs": [-0.1]}, {"versions": [0]},
+    {"token_ids": [1, 2, 3]}, {"token_ids": [1, -1]}, {"token_ids": "ab"}, {"final": 1}, {"final": ...},
+    {"versions": [0, "1"]}, {"finish_reason": 3}, {"error": 5}, {"call_id": None},
+    {"logprobs": [-0.1, None]}, {"logprobs": [-0.1, [1]]}, {"logprobs": "ab"},
+])
+def test_bad_chunks_are_refused(change):
+    with pytest.raises(WireError):
+        CallChunk.decode(encode_record(KIND_CHUNK, _chunk_fields(**change)))
+
+
+def test_records_of_another_kind_or_not_records_at_all_are_refused():
+    call = GatewayCall("c", "g", [1], 1).encode()
+    for data in (call, b"", b"\x00garbage", msgpack.packb([1, 2]), msgpack.packb({"kind": KIND_CHUNK})):
+        with pytest.raises(WireError):
+            CallChunk.decode(data)
+    with pytest.raises(WireError):
+        GatewayCall.decode(CallChunk("c", [1]).encode())
+
+
+# ---------------------------------------------------------------------------------------------- the worker's side
+
+
+class _Channel:
+    """WorkerChannel's surface, in memory: queued calls, chunks sent, cancelled call ids."""
+
+    def __init__(self):
+        self.queued: list[bytes] = []
+        self.sent: list[tuple[str, CallChunk]] = []
+        self.cancelled: set[str] = set()
+
+    def take(self, n):
+        got, self.queued = self.queued[:max(n, 0)], self.queued[max(n, 0):]
+        return got
+
+    def send(self, chunks):
+        self.sent += [(g, CallChunk.decode(c.encode())) for g, c in chunks]  # what goes on the wire must decode
+
+    def exchange(self, chunks, take, running):
+        self.send(chunks)
+        return self.take(take), [c for c in running if c in self.cancelled]
+
+
+class _Engine:
+    """An engine whose requests sample the token 10 + i at step i and never finish on their own."""
+
+    def __init__(self, max_len=16):
+        self.max_len = max_len
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}
+        self.version = 4
+
+    def add(self, request):
+        from rollout_workers.engine import RequestError
+
+        if len(request.prompt_ids) >= self.max_len:
+            raise RequestError(f"prompt has {len(request.prompt_ids)} tokens but the model's context is {self.max_len}")
+        self.requests[request.request_id] = (list(request.prompt_ids), [])
+
+    def step(self):
+        for _, tokens in self.requests.values():
+            tokens.append(10 + len(tokens))
+        return []
+
+    def sampled(self, request_id):
+        return self.requests[request_id][1] if request_id in self.requests else []
+
+    def finish(self, request_id, reason="stop"):
+        from rollout_workers.engine import make_result
+
+        prompt, tokens = self.requests.pop(request_id)
+        return make_result(request_id, prompt, tokens, [-0.5] * len(tokens), [self.version] * len(tokens), reason, "")
+
+    def abort(self, request_id):
+        return self.finish(request_id, "abort") if request_id in self.requests else None
+
+
+def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
+    from rollout_workers import gateway_calls
+    from rollout_workers.engine import make_result
+
+    monkeypatch.setattr(gateway_calls, "CANCEL_CHECK_S", 0.0)  # every step asks for cancellations
+    channel, engine = _Channel(), _Engine()
+    calls = gateway_calls.GatewayCalls(channel, engine, "w0")
+    channel.queued = [GatewayCall("streamed", "gw-a", [1, 2], 8, stream=True).encode(),
+                      GatewayCall("plain", "gw-b", [1], 8).encode(),
+                      GatewayCall("toolong", "gw-a", list(range(20)), 8).encode(),
+                      b"not a record",
+                      GatewayCall("later", "gw-a", [1], 8).encode()]
+    calls.take(4)
+    assert len(calls) == 2 and set(engine.requests) == {"gw/streamed", "gw/plain"} and len(channel.queued) == 1
+    assert [(g, c.call_id, c.final, c.error is not None) for g, c in channel.sent] == [("gw-a", "toolong", True, True)]
+    assert calls.stats["gateway_refused"] == 1 and calls.stats["gateway_bad_records"] == 1
+    channel.sent.clear()
+    own = make_result("lease/0", [1], [3], [-0.1], [4], "stop", "")  # the run's own request passes through
+    engine.step()
+    assert calls.after_step([own], 0) == [own]
+    engine.step()
+    assert calls.after_step([], 0) == []
+    # the streamed call got its tokens as they came, the plain call nothing yet
+    assert [(g, c.call_id, c.token_ids, c.final) for g, c in channel.sent] == [
+        ("gw-a", "streamed", [10], False), ("gw-a", "streamed", [11], False)]
+    channel.sent.clear()
+    channel.cancelled.add("streamed")  # its client went away
+    assert calls.after_step([engine.finish("gw/plain")], 0) == []
+    finals = {c.call_id: (g, c) for g, c in channel.sent if c.final}
+    assert set(finals) == {"plain", "streamed"} and len(calls) == 0
+    assert finals["plain"][0] == "gw-b" and finals["plain"][1].token_ids == [10, 11]
+    assert finals["plain"][1].finish_reason == "stop" and finals["plain"][1].versions == [4, 4]
+    assert finals["streamed"][1].finish_reason == "abort" and finals["streamed"][1].token_ids == [10, 11]
+    assert (calls.stats["gateway_done"], calls.stats["gateway_aborted"]) == (1, 1)
+    assert not engine.requests  # the aborted call's slot is free
+    # a busy worker takes new calls after a step, up to its free slots
+    channel.sent.clear()
+    calls.after_step([], 1)
+    assert set(engine.requests) == {"gw/later"} and not channel.queued
+    # at exit every call still running ends as an abort
+    calls.abort_all()
+    assert [(c.call_id, c.finish_reason) for _, c in channel.sent] == [("later", "abort")] and not engine.requests
