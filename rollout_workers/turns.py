@@ -93,13 +93,17 @@ class TemplateConversation:
 
     def _turn_end(self, turn_text: str) -> str:
         """What the template writes after an assistant message's content that the turn did not
-        (``<|im_end|>\\n`` minus the ``<|im_end|>`` the policy sampled)."""
+        (``<|im_end|>\\n`` minus the ``<|im_end|>`` the policy sampled). A start of it that ends
+        inside a special token's text does not count: a turn cut after a literal ``<`` has not
+        written a part of ``<|im_end|>`` (a special token is written whole or not at all)."""
         base = self.render(_BASE, generation_prompt=False)
         content = _BASE[-1]["content"]
         at = base.rfind(content)
         end = base[at + len(content):] if at >= 0 else ""
+        specials = [t for t in getattr(self.tokenizer, "all_special_tokens", []) if t]
+        inside = {i for sp in specials for at in _find_all(end, sp) for i in range(at + 1, at + len(sp))}
         for k in range(len(end), 0, -1):  # the longest start of `end` the turn already wrote
-            if turn_text.endswith(end[:k]):
+            if k not in inside and turn_text.endswith(end[:k]):
                 return end[k:]
         return end
 
@@ -114,3 +118,11 @@ class TemplateConversation:
                 break
             common += 1
         return with_obs[common:]
+
+
+def _find_all(text: str, part: str) -> list[int]:
+    out, at = [], text.find(part)
+    while at >= 0:
+        out.append(at)
+        at = text.find(part, at + 1)
+    return out

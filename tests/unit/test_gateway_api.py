@@ -196,6 +196,25 @@ def test_a_call_extending_the_session_continues_from_the_sampled_ids(tokenizer):
     assert sessions.room(s) == 200 - len(turn) - n_added
 
 
+def test_a_turn_cut_after_a_literal_angle_bracket_still_gets_the_whole_turn_end(tokenizer):
+    # the template closes an assistant turn with "<eos> "; this turn (a <pad> inside it makes the
+    # template's text differ, so the turn's end comes from the fixed two-message rendering) was cut
+    # after the character "<", which is not the first character of the EOS token: the turn end is
+    # the EOS token and " ", never the characters "e", "o", "s", ">" (the start "<" matched as text only)
+    tok = tokenizer
+    sessions = Sessions(tok, ttl_s=60, group_size=1, max_response_tokens=200)
+    s = sessions.open("lt", None)
+    first = [{"role": "user", "content": "count"}]
+    ctx1 = sessions.chat_context(s, first, None)
+    turn = [tok.pad_token_id, *ids(tok, "1<")]
+    reply, _ = sampled_turn(sessions, s, turn)
+    s.expected = [*first, normal_message(reply)]
+    ctx2 = sessions.chat_context(s, [*first, reply, {"role": "user", "content": "go"}], None)
+    added = ctx2[len(ctx1) + len(turn):]
+    assert added[0] == tok.eos_token_id
+    assert tok.decode(added, skip_special_tokens=False) == "<eos> [user] go [assistant] "
+
+
 def test_a_call_that_does_not_extend_the_session_restarts_it(tokenizer):
     sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
     s = sessions.open("s", None)
