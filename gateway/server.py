@@ -346,16 +346,15 @@ class Gateway:
         assert c.final is not None
         return logprobs_content(self.tokenizer.convert_ids_to_tokens(c.final.token_ids), c.final.logprobs)
 
-    async def chat(self, request: Request) -> Response:
-        req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
-                         self.cfg.gateway.max_n)
-        sid, group = self.session_of(request, req.user)
-        sessions = self._open(sid, group, req.sampling.n)
+    async def _begin(self, request: Request, user: str | None, sampling: Any, context: Any) -> tuple[str, list[_Choice]]:
+        """Open the call's sessions, render their contexts (``context(session)``), make the calls;
+        the sessions are put back as they were if anything here fails."""
         assert self.sessions is not None
+        sid, group = self.session_of(request, user)
+        sessions = self._open(sid, group, sampling.n)
         snaps = [self.sessions.snapshot(s) for s in sessions]
         try:
-            contexts = [self.sessions.chat_context(s, req.messages, req.tools) for s in sessions]
-            choices = self._calls(sessions, contexts, req.sampling)
+            choices = self._calls(sessions, [context(s) for s in sessions], sampling)
             await self.need_worker()
         except BaseException:
             for s, snap in zip(sessions, snaps):
@@ -364,6 +363,33 @@ class Gateway:
         for c, snap in zip(choices, snaps):
             c.snapshot, c.session.busy = snap, True
         self.sessions.counters.calls += 1
+        return sid, choices
+
+    def _stream_text(self, c: _Choice, tokens: list[int], stops: list[str]) -> str:
+        """The new text of a streamed choice that can be sent now: not what could still become a
+        stop string (cut from the reply), not a character whose bytes are incomplete."""
+        c.tokens += tokens
+        text = self._text(c.tokens)
+        safe = len(text) - max(len(x) for x in stops) + 1 if stops else len(text)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe <= c.sent_chars:
+            return ""
+        piece, c.sent_chars = text[c.sent_chars:safe], safe
+        return piece
+
+    def _usage_chunk(self, cid: str, created: int, kind: str, choices: list[_Choice]) -> bytes:
+        completion = sum(len(c.final.token_ids) for c in choices if c.final)
+        return sse({"id": cid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                    "usage": usage(len(choices[0].call.prompt_ids), completion)})
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
+                         self.cfg.gateway.max_n)
+        assert self.sessions is not None
+        sessions = self.sessions
+        sid, choices = await self._begin(request, req.user, req.sampling,
+                                         lambda s: sessions.chat_context(s, req.messages, req.tools))
         headers = {"X-Session-Id": sid}
         tools = bool(req.tools) and req.tool_choice != "none"
         if req.sampling.stream:
@@ -404,7 +430,6 @@ class Gateway:
 
     async def _chat_stream(self, request: Request, req: Any, choices: list[_Choice], tools: bool) -> AsyncIterator[bytes]:
         cid, created = f"chatcmpl-{choices[0].call.call_id}", int(time.time())
-        hold = max((len(s) for s in req.sampling.stop), default=1)
 
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
             return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -431,21 +456,13 @@ class Gateway:
                     self._record(c)
                     c.session.expected = [*req.messages, normal_message(message)]
                     continue
-                c.tokens += part.token_ids
                 if tools:  # content is sent with the calls at the end, once they are parsed out of it
-                    continue
-                text = self._text(c.tokens)
-                safe = len(text) - hold + 1 if req.sampling.stop else len(text)
-                if text.endswith("\ufffd"):
-                    safe = min(safe, len(text) - 1)
-                if safe > c.sent_chars:
-                    yield chunk(c.index, {"content": text[c.sent_chars:safe]})
-                    c.sent_chars = safe
+                    c.tokens += part.token_ids
+                elif piece := self._stream_text(c, part.token_ids, req.sampling.stop):
+                    yield chunk(c.index, {"content": piece})
             ok = True
             if req.sampling.include_usage:
-                completion = sum(len(c.final.token_ids) for c in choices if c.final)
-                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                           "choices": [], "usage": usage(len(choices[0].call.prompt_ids), completion)})
+                yield self._usage_chunk(cid, created, "chat.completion.chunk", choices)
             yield sse("[DONE]")
         except ApiError as exc:
             yield sse(exc.body())
@@ -457,21 +474,10 @@ class Gateway:
                                self.cfg.gateway.max_n)
         if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(self.tokenizer)):
             raise bad(f"prompt token ids must lie in [0, {len(self.tokenizer)})", "prompt")
-        sid, group = self.session_of(request, req.user)
-        sessions = self._open(sid, group, req.sampling.n)
         assert self.sessions is not None
-        snaps = [self.sessions.snapshot(s) for s in sessions]
-        try:
-            contexts = [self.sessions.completion_context(s, req.prompt) for s in sessions]
-            choices = self._calls(sessions, contexts, req.sampling)
-            await self.need_worker()
-        except BaseException:
-            for s, snap in zip(sessions, snaps):
-                self.sessions.restore(s, snap)
-            raise
-        for c, snap in zip(choices, snaps):
-            c.snapshot, c.session.busy = snap, True
-        self.sessions.counters.calls += 1
+        sessions = self.sessions
+        sid, choices = await self._begin(request, req.user, req.sampling,
+                                         lambda s: sessions.completion_context(s, req.prompt))
         headers = {"X-Session-Id": sid}
         if req.sampling.stream:
             return StreamingResponse(self._completion_stream(req, choices), media_type="text/event-stream", headers=headers)
@@ -502,7 +508,6 @@ class Gateway:
 
     async def _completion_stream(self, req: Any, choices: list[_Choice]) -> AsyncIterator[bytes]:
         cid, created = f"cmpl-{choices[0].call.call_id}", int(time.time())
-        hold = max((len(s) for s in req.sampling.stop), default=1)
 
         def chunk(index: int, text: str, reason: str | None = None) -> bytes:
             return sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -520,19 +525,11 @@ class Gateway:
                     self._record(c)
                     self.sessions.completed(c.session, self._text(part.token_ids), text)
                     continue
-                c.tokens += part.token_ids
-                text = self._text(c.tokens)
-                safe = len(text) - hold + 1 if req.sampling.stop else len(text)
-                if text.endswith("\ufffd"):
-                    safe = min(safe, len(text) - 1)
-                if safe > c.sent_chars:
-                    yield chunk(c.index, text[c.sent_chars:safe])
-                    c.sent_chars = safe
+                if piece := self._stream_text(c, part.token_ids, req.sampling.stop):
+                    yield chunk(c.index, piece)
             ok = True
             if req.sampling.include_usage:
-                completion = sum(len(c.final.token_ids) for c in choices if c.final)
-                yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [], "usage": usage(len(choices[0].call.prompt_ids), completion)})
+                yield self._usage_chunk(cid, created, "text_completion", choices)
             yield sse("[DONE]")
         except ApiError as exc:
             yield sse(exc.body())
