@@ -1,0 +1,231 @@
+"""The gateway under load: what serving agents over HTTP costs against driving the engine directly.
+
+1. **Gateway**: ``rlhf-run gateway.enabled=true data.source=none`` (learner, weight server, one
+   worker, the gateway, Redis: each its own process, as a user runs it), driven by the async
+   ``openai`` client: ``sessions`` concurrent sessions of ``turns`` chat turns each (each turn
+   extends the session's conversation by the reply and a short user message, so the session's
+   ids are reused token in, token out), ``max_tokens`` per turn. Requests/s, p50/p99 latency per
+   request and generated tokens/s (wall clock from the first request to the last reply).
+2. **Engine directly**: the same `hf` engine (same model, slots and context) in this process,
+   the same sessions and turns, each turn's prompt the session's context so far plus the same
+   user message's tokens, a session's next turn added as soon as its reply is in (continuous
+   batching across sessions, as the worker does with the gateway's calls).
+
+Target: gateway tokens/s >= 0.85 x the engine's (the gateway costs <= 15%). Both sides sample
+with the same settings (EOS allowed), so their token counts differ a little; tokens/s compares them.
+
+    .venv/bin/python bench/gateway.py [--quick|--full]
+
+``--quick`` stays under a minute on a free 2-core machine; ``--full`` runs more sessions and
+rounds. JSON in ``bench/results/gateway.json`` (``gateway_full.json``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import mode_parser, print_table, write_results  # noqa: E402
+
+MODES = {
+    "quick": dict(sessions=64, turns=4, turn_tokens=(16, 128), rounds=1),
+    "full": dict(sessions=64, turns=4, turn_tokens=(16, 128), rounds=3),
+}
+SLOTS = 64
+EPISODE = 640  # rollout.max_episode_tokens: 4 turns of 128 and the user's messages
+CONTEXT = 1024  # the tiny model's positions (its default 256 would not hold 4 turns of 128)
+TARGET = 0.85
+USER = "go on"
+
+
+def overrides(m: dict[str, Any], out: Path) -> list[str]:
+    return [f"hydra.run.dir={out}", "gateway.enabled=true", "gateway.port=0", "data.source=none", "run.progress=false",
+            "rollout.num_workers=1", f"rollout.slots={SLOTS}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
+            f"rollout.max_episode_tokens={EPISODE}", f"model.tiny.max_position_embeddings={CONTEXT}",
+            "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}", "gateway.session_ttl_s=600",
+            f"gateway.max_tokens={max(m['turn_tokens'])}"]
+
+
+def start_run(m: dict[str, Any], out: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [str(Path(sys.executable).parent / "rlhf-run"), *overrides(m, out)]
+    log = open(out.parent / "run.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 180
+    info = out / "gateway.json"
+    while not info.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"rlhf-run did not start the gateway:\n{(out.parent / 'run.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc, json.loads(info.read_text())["url"]
+
+
+async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            try:
+                if (await http.get(url.removesuffix("/v1") + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise SystemExit("the gateway did not report a live worker in time")
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) of each process so far; this process under ``client``."""
+    out = {}
+    for name, pid in {**pids, "client": os.getpid()}.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+async def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[str, int] | None = None
+                        ) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    latencies: list[float] = []
+    tokens = 0
+
+    async def session(i: int) -> None:
+        nonlocal tokens
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"count from {i % 10}"}]
+        for _ in range(m["turns"]):
+            t0 = time.perf_counter()
+            # the raw response (the client's own request path, its JSON read without building pydantic
+            # models: on 2 cores the load generator shares a core with the gateway and Redis)
+            raw = await client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, max_tokens=m["max_tokens"], extra_headers={"X-Session-Id": f"{tag}-{i}"})
+            r = json.loads(raw.content)
+            latencies.append(time.perf_counter() - t0)
+            tokens += r["usage"]["completion_tokens"]
+            messages += [{"role": "assistant", "content": r["choices"][0]["message"]["content"] or ""},
+                         {"role": "user", "content": USER}]
+
+    cpu0 = cpu_seconds(pids or {})
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(i) for i in range(m["sessions"])))
+    wall = time.perf_counter() - t0
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(pids or {}).items()}
+    await client.close()
+    latencies.sort()
+    n = len(latencies)
+    return {"side": "gateway", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
+            "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2],
+            "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))], "cpu_s": cpu}
+
+
+def engine_round(m: dict[str, Any]) -> dict[str, Any]:
+    """The same sessions on the engine in this process, each turn's requests submitted together."""
+    import torch
+
+    from gateway.sessions import PLAIN_TEMPLATE
+    from rlhf_core.config import ModelConfig, TinyModelConfig
+    from rlhf_core.models import load_policy, load_tokenizer
+    from rollout_workers.engine import GenRequest, SamplingParams
+    from rollout_workers.hf_engine import HFEngine
+    from rollout_workers.turns import encode
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(cache_dir=m["cache_dir"], tiny=TinyModelConfig(max_position_embeddings=CONTEXT))
+    tok = load_tokenizer(cfg)
+    tok.chat_template = PLAIN_TEMPLATE
+    engine = HFEngine(load_policy(cfg), tok, slots=SLOTS, max_model_len=64 + EPISODE)
+    params = SamplingParams(max_new_tokens=m["max_tokens"])
+    contexts = [encode(tok, tok.apply_chat_template([{"role": "user", "content": f"count from {i % 10}"}], tokenize=False,
+                                                    add_generation_prompt=True)) for i in range(m["sessions"])]
+    between = encode(tok, f" [user] {USER} [assistant] ")
+    tokens = 0
+    latencies: list[float] = []
+    started: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def add(turn: int, i: int) -> None:
+        started[f"{turn}/{i}"] = time.perf_counter()
+        engine.add(GenRequest(f"{turn}/{i}", contexts[i], params))
+
+    for i in range(m["sessions"]):
+        add(0, i)
+    while engine.has_work():
+        for r in engine.step():  # a session's next turn starts as soon as its reply is in (as an agent does)
+            turn, i = map(int, r.request_id.split("/"))
+            latencies.append(time.perf_counter() - started.pop(r.request_id))
+            tokens += r.num_tokens
+            contexts[i] = contexts[i] + r.token_ids.tolist() + ([tok.eos_token_id] if r.finish_reason != "stop" else []) \
+                + between
+            if turn + 1 < m["turns"]:
+                add(turn + 1, i)
+    wall = time.perf_counter() - t0
+    latencies.sort()
+    n = len(latencies)
+    return {"side": "engine", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
+            "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2],
+            "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))]}
+
+
+def main() -> None:
+    ap = mode_parser(__doc__)
+    ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
+    ap.add_argument("--sessions", type=int, help="concurrent sessions (the mode's by default)")
+    ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
+    args = ap.parse_args()
+    m = dict(MODES[args.mode], cache_dir=args.cache_dir)
+    if args.sessions:
+        m["sessions"] = args.sessions
+    if args.turn_tokens:
+        m["turn_tokens"] = tuple(args.turn_tokens)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        proc, url = start_run(m, out)
+        try:
+            asyncio.run(wait_healthy(url))
+            model = json.loads((out / "gateway.json").read_text())["model"]
+            asyncio.run(gateway_round(url, model, dict(m, sessions=8, turns=1, max_tokens=16), "warmup"))
+            pids = json.loads((out / "children.json").read_text())
+            for r in range(m["rounds"]):  # alternating, the best of each side
+                for n in m["turn_tokens"]:
+                    rows.append(asyncio.run(gateway_round(url, model, dict(m, max_tokens=n), f"r{r}-{n}", pids)))
+                    rows.append(engine_round(dict(m, max_tokens=n)))  # the run's processes idle meanwhile
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    ratios = {}
+    for n in m["turn_tokens"]:
+        best = {side: max((r for r in rows if r["side"] == side and r["turn_tokens"] == n), key=lambda r: r["tokens_per_s"])
+                for side in ("gateway", "engine")}
+        ratios[n] = best["gateway"]["tokens_per_s"] / best["engine"]["tokens_per_s"]
+    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {SLOTS} slots, tiny model on the CPU")
+    for n, ratio in ratios.items():
+        print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET})")
+    write_results("gateway" if args.mode == "quick" else "gateway_full",
+                  {"mode": args.mode, "config": m, "rows": rows, "ratio_gateway_over_engine": ratios, "target": TARGET,
+                   "met": {n: r >= TARGET for n, r in ratios.items()}})
+
+
+if __name__ == "__main__":
+    main()
