@@ -136,6 +136,17 @@ class WorkerChannel:
         got = self.redis.rpop(self.keys.gw_calls, n)
         return list(got or [])
 
+    def wait_take(self, n: int, block_s: float) -> list[bytes]:
+        """Wait up to ``block_s`` for a first call (``BRPOP``), then take up to ``n`` - 1 more."""
+        got = self.redis.brpop([self.keys.gw_calls], timeout=block_s)
+        if not got:
+            return []
+        return [got[1], *self.take(n - 1)]
+
+    def give_back(self, raws: list[bytes]) -> None:
+        """Calls taken and never started, back at the tail (the oldest end: taken first again)."""
+        self.redis.rpush(self.keys.gw_calls, *reversed(raws))
+
     def send(self, chunks: list[tuple[str, CallChunk]]) -> None:
         """``(gateway id, chunk)`` pairs, in one round trip."""
         if not chunks:

@@ -68,7 +68,7 @@ from rollout_workers.engine import GenRequest, GenResult, RequestError, Sampling
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.environment import EnvFactory
 from rollout_workers.episodes import Episode, EpisodeRunner
-from rollout_workers.gateway_calls import GatewayCalls
+from rollout_workers.gateway_calls import BackgroundChannel, GatewayCalls
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, is_empty_response, reward_failing
 from rollout_workers.scoring import ScoringPool
@@ -185,7 +185,8 @@ class RolloutWorker:
             max_wait_s=rc.max_wait_ms / 1000.0, timeout_s=rc.timeout_s)
         self.gateway: GatewayCalls | None = None
         if cfg.gateway.enabled:
-            self.gateway = GatewayCalls(WorkerChannel(self.buffer.redis, self.buffer.keys), self.engine, self.worker_id)
+            channel = BackgroundChannel(WorkerChannel(self.buffer.redis, self.buffer.keys))
+            self.gateway = GatewayCalls(channel, self.engine, self.worker_id)
         ws = cfg.weight_server
         self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
         self.has_weights = False  # engine.version is meaningful only after the first pull
@@ -719,7 +720,7 @@ class RolloutWorker:
             if self.episodes is not None:
                 self.episodes.close()
             if self.gateway is not None:
-                self.gateway.abort_all()
+                self.gateway.close()
             self.engine.close()
             self.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()

@@ -584,3 +584,60 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     # at exit every call still running ends as an abort
     calls.abort_all()
     assert [(c.call_id, c.finish_reason) for _, c in channel.sent] == [("later", "abort")] and not engine.requests
+
+
+def test_the_background_channel_takes_on_demand_sends_in_order_and_gives_back_what_it_did_not_start():
+    import threading
+    import time
+
+    from rollout_workers.gateway_calls import BackgroundChannel
+
+    class Redisless:
+        """WorkerChannel's primitives over lists; wait_take blocks on a condition like BRPOP."""
+
+        def __init__(self):
+            self.calls, self.sent, self.given_back, self.cond = [], [], [], threading.Condition()
+
+        def push(self, *raws):
+            with self.cond:
+                self.calls += raws
+                self.cond.notify_all()
+
+        def wait_take(self, n, block_s):
+            with self.cond:
+                self.cond.wait_for(lambda: self.calls, timeout=block_s)
+                got, self.calls = self.calls[:n], self.calls[n:]
+                return got
+
+        def exchange(self, chunks, take, running):
+            self.sent += chunks
+            return [], [c for c in running if c == "gone"]
+
+        def give_back(self, raws):
+            self.given_back += raws
+
+    def until(fn):
+        deadline = time.monotonic() + 5
+        while not (out := fn()):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        return out
+
+    inner = Redisless()
+    ch = BackgroundChannel(inner)
+    assert ch.take(0) == [] and ch.demand == 0  # no free slot: nothing is fetched
+    inner.push(b"c1", b"c2", b"c3")
+    taken = ch.take(2, wait_s=5.0)  # an idle worker waits for the first call; at most 2
+    assert taken and len(taken) <= 2
+    while len(taken) < 3:  # later steps take the rest, oldest first, as slots free up
+        taken += until(lambda: ch.exchange([], 1, [])[0])
+    assert taken == [b"c1", b"c2", b"c3"]
+    chunks = [("gw", CallChunk(f"x{i}", [i], final=True, logprobs=[-0.1], versions=[1])) for i in range(5)]
+    ch.exchange(chunks, 0, ["gone", "kept"])
+    assert until(lambda: ch.exchange([], 0, [])[1]) == ["gone"]  # the sender read the cancellations
+    inner.push(b"late")  # taken by the thread, never started: given back when the worker stops
+    ch._ask(1)
+    until(lambda: ch.inbox)
+    ch.close()
+    assert inner.given_back == [b"late"]
+    assert [c.call_id for _, c in inner.sent] == [f"x{i}" for i in range(5)]  # in order, all of them
