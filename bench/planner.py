@@ -10,6 +10,8 @@ other jobs' demand is the one under which the simulated run leaves them the core
     python bench/planner.py            # quick (< 60 s): the committed profile, two short runs
     python bench/planner.py --full     # calibrate, 7 configurations and the search's pick x 3 runs
                                        # (the pick vs the default side by side), the at-scale table
+    python bench/planner.py --scale-only   # the at-scale table alone (~1 min, no runs), into the
+                                           # existing results (the measured figures are kept)
 
 Rates are steady-state: trained samples/s from the learner's update ``--warmup`` to its last
 (start-up and torch's warm-up left out, as the simulator's ``warmup`` does); staleness is the
@@ -31,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import RESULTS, mode_parser, print_table, write_results  # noqa: E402
+from _common import RESULTS, mode_parser, print_table, results_dir, write_results  # noqa: E402
 
 PROFILE = RESULTS / "planner_profile.json"
 #: the validation grid: 1-3 workers, staleness 0/2/4, batch 32/64; plus the search's pick
@@ -46,6 +48,38 @@ CONFIGS = {
 }
 QUICK = {"w1-s0-b32": CONFIGS["w1-s0-b32"], "w1-s2-b32": CONFIGS["w1-s2-b32"]}
 GPUS = [8, 16, 32, 64, 128, 256, 512, 1024]
+SCALE_MODEL = "Qwen2.5-7B shape, bf16, H100 SXM 80 GB, 8 per node"
+
+
+def scale_tables() -> dict:
+    """The at-scale tables (weight server, NCCL what-if): the best plan per GPU count, and how the
+    search got there (plans, simulations, whether its bound closed)."""
+    from rlhf_run.plan.scale import SOURCES, table
+
+    out = {"model": SCALE_MODEL, "sources": SOURCES,
+           "search": "per GPU count, branch and bound over every feasible plan (rlhf_run.plan.search): simulated "
+                     "most promising first until no plan left has an upper bound above the best simulated rate "
+                     "(exact: true) or the count's share of 26 simulations per table is spent (exact: false; gap: "
+                     "how far above the pick the best plan left could still be, by its bound); the learner's part "
+                     "of the bound is exact, the rollout side's a steady-state ceiling with margins"}
+    for key, transport in (("weight_server", "weight_server"), ("nccl_what_if", "nccl")):
+        t0 = time.monotonic()
+        out[key] = table(GPUS, transport)
+        out[f"{key}_seconds"] = round(time.monotonic() - t0, 1)
+        print_table(out[key], f"at scale ({key}): best plan per GPU count (predicted, {out[f'{key}_seconds']:.0f} s)")
+    return out
+
+
+def rescale() -> None:
+    """--scale-only: recompute the at-scale tables into the committed results, nothing else."""
+    path = results_dir() / "planner.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"bench": "planner"}
+    doc["scale"] = scale_tables()
+    doc["scale"]["recomputed"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  "how": "bench/planner.py --scale-only (the validation's figures are those of "
+                                         f"{doc.get('date', 'the last full run')})"}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote the at-scale tables into {path}")
 
 
 class Window:
@@ -194,8 +228,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile", default=None, help="use this profile instead (full: calibrate a new one)")
     ap.add_argument("--skip-scale", action="store_true", help="full mode without the at-scale table")
+    ap.add_argument("--scale-only", action="store_true",
+                    help="only recompute the at-scale tables into the existing results (no runs, no calibration)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.scale_only:
+        rescale()
+        return
     from rlhf_run.plan.profile import load
 
     full = args.mode == "full"
@@ -261,12 +300,7 @@ def main() -> None:
                              "pick_over_default": chosen["measured_samples_per_s"] / default["measured_samples_per_s"]}
         print(f"search's pick vs the default config, measured: {payload['search']['pick_over_default']:.2f}x")
     if full and not args.skip_scale:
-        from rlhf_run.plan.scale import SOURCES, table
-
-        payload["scale"] = {"model": "Qwen2.5-7B shape, bf16, H100 SXM 80 GB, 8 per node", "sources": SOURCES,
-                            "weight_server": table(GPUS, "weight_server"), "nccl_what_if": table(GPUS, "nccl")}
-        for key in ("weight_server", "nccl_what_if"):
-            print_table(payload["scale"][key], f"at scale ({key}): best plan per GPU count (predicted)")
+        payload["scale"] = scale_tables()
     write_results("planner", payload)
 
 

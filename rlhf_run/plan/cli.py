@@ -147,8 +147,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else ()
     request = Request(base=plan, gpus=args.gpus, nodes=args.nodes, max_staleness=bound, max_workers=args.max_workers,
                       batch_sizes=batches, lookahead_fixed=_lookahead_given(base + list(args.overrides)))
-    ranked = search(request, profile, top=args.top, updates=args.updates, seed=args.seed)
+    stats: dict[str, Any] = {}
+    ranked = search(request, profile, top=args.top, updates=args.updates, seed=args.seed,
+                    simulate_at_most=args.max_simulations, stats=stats)
     gpu = profile.kind == "gpu"
+    if gpu and not stats["exact"]:
+        log.warning("the search stopped after %d simulations (--max-simulations) of %d plans: a plan not simulated "
+                    "could still be up to %.0f%% faster than the #%d by its bound", stats["simulated"],
+                    stats["candidates"], 100 * stats["gap"], min(args.top, len(ranked)))
     if args.json:
         print(json.dumps([{"plan": r.plan.__dict__, "result": r.result.to_dict(), "overrides": overrides(r.plan, gpu),
                            "ray_overrides": ray_overrides(r.plan, gpu, profile.machine.gpus_per_node)}
@@ -205,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-sizes", help="comma-separated learner.batch_size values to consider (default: the config's "
                                          "only; the batch changes the algorithm, not just the speed)")
     q.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    q.add_argument("--max-simulations", type=int, default=24,
+                   help="GPU profiles: stop the branch and bound after this many simulations (default 24; it "
+                        "says when plans it could not rule out were left)")
     q.set_defaults(fn=cmd_search, updates=200)
     return ap
 

@@ -81,25 +81,46 @@ def published_7b(transport: str = "weight_server") -> Profile:
 
 
 def table(gpus: list[int], transport: str = "weight_server", max_staleness: int = 4,
-          batch_sizes: tuple[int, ...] = (512, 1024, 2048, 4096), updates: int = 30) -> list[dict[str, Any]]:
-    """Best plan per GPU count: predicted trained samples/s and tokens/s, staleness, the split."""
-    from rlhf_run.plan.search import Request, search
+          batch_sizes: tuple[int, ...] = (512, 1024, 2048, 4096), updates: int = 30,
+          simulations: int | None = 26) -> list[dict[str, Any]]:
+    """Best plan per GPU count: predicted trained samples/s and tokens/s, staleness, the split.
+
+    Each count's plans (thousands) are searched by branch and bound
+    (:func:`rlhf_run.plan.search.search`, most promising first) until no plan left could beat the
+    best simulated, or the count's share of ``simulations`` (new simulations for the whole table,
+    shared out evenly over the counts still to search: what a count leaves goes to the next;
+    None: no limit). A row says how many plans there were and how many were simulated, ``exact``
+    when the bound closed (the pick is the best the simulator gives any of them) and otherwise
+    ``gap``: how far above the pick the best plan left unsimulated could still be, by its bound.
+    The simulations are shared between the counts (a plan that fits 16 GPUs is a candidate at 32
+    too, leaving GPUs idle); a plan whose bound only equals the best rate is not simulated (it
+    could only tie). The pick's staleness bound is the least that runs the same simulation."""
+    from rlhf_run.plan.search import Request, search, tightest_staleness
     from rlhf_run.plan.simulate import Plan
 
     profile = published_7b(transport)
     tokens = profile.generation.response_tokens.mean() + profile.generation.prompt_tokens.mean()
-    rows = []
-    for n in gpus:
+    rows: list[dict[str, Any]] = []
+    cache: dict = {}
+    left = simulations
+    for i, n in enumerate(gpus):
         base = Plan(group_size=8, batch_size=batch_sizes[0], micro_batch_size=1, checkpoint_every=50, lookahead=1,
                     reward_batch_size=64)
         request = Request(base=base, gpus=n, nodes=max(1, n // 8), max_staleness=max_staleness, batch_sizes=batch_sizes)
-        best = search(request, profile, top=1, simulate_at_most=4, updates=updates)[0]
-        r, plan = best.result, best.plan
+        stats: dict[str, Any] = {}
+        share = None if left is None else max(1, -(-left // (len(gpus) - i)))
+        best = search(request, profile, top=1, updates=updates, ties=False, cache=cache, stats=stats,
+                      simulate_at_most=share)[0]
+        if left is not None:
+            left = max(0, left - stats["simulated"])
+        r, plan = best.result, tightest_staleness(best.plan, best.result)
         rows.append({
             "gpus": n, "learner_gpus": plan.learner_devices, "rollout_gpus": plan.workers, "slots": plan.slots,
             "batch_size": plan.batch_size, "micro_batch_size": plan.micro_batch_size, "zero_stage": plan.zero_stage,
             "max_staleness": plan.max_staleness, "lookahead": plan.lookahead,
             "trained_samples_per_s": r.trained_samples_per_s, "trained_tokens_per_s": r.trained_samples_per_s * tokens,
             "staleness_mean": r.staleness_mean, "learner_idle_frac": r.learner_idle_frac,
+            "plans": stats["candidates"], "simulated": stats["simulated"], "exact": stats["exact"],
+            "gap": round(stats["gap"], 4),
         })
     return rows

@@ -40,7 +40,7 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlhf_run.plan.des import CPU, SLEEP, STEPS, WAIT, Kernel, Proc, Signal
@@ -95,6 +95,7 @@ class SimResult:
     min_version_margin: int  # >= 0: every group generated with weights >= its lease's version
     cpu_per_update_ms: dict[str, float] = field(default_factory=dict)  # core-ms per update, by role
     background_cores_used: float = 0.0  # cores the background threads got (their demand is Machine.background)
+    max_lag_seen: int = 0  # the largest lag the learner's staleness filter saw (see :func:`same_run`)
     events: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +204,8 @@ class Simulation:
         self.warmup = 0
         self.depth_area = 0.0
         self._depth_t = 0.0
+        self.depth = 0  # samples appended and not read into an update, nor dropped (stream + carry)
+        self.max_lag = 0  # the largest lag the staleness filter saw
         self.workers = [_Worker(i) for i in range(plan.workers)]
         self.roles: dict[str, list[Proc]] = {"learner": [], "workers": [], "launcher": []}
 
@@ -213,7 +216,7 @@ class Simulation:
 
     def _track_depth(self) -> None:
         now = self.k.now
-        self.depth_area += self._depth() * (now - self._depth_t)
+        self.depth_area += self.depth * (now - self._depth_t)
         self._depth_t = now
 
     def _budget(self) -> int:
@@ -396,6 +399,7 @@ class Simulation:
             self.min_margin = min(self.min_margin, grp.oldest - grp.lease_version)
             self.stream.append(grp)
         self.generated += samples
+        self.depth += samples
         self.k.fire(self.appended)
 
     def scorer(self, w: _Worker):
@@ -433,17 +437,23 @@ class Simulation:
         while True:
             yield CPU, lc.read_base
             t_wait = k.now
+            checked = 0  # groups at the head of carry that passed the filter at this version
             while True:
-                kept: deque[_Group] = deque()
-                for grp in self.carry:  # _filter: drop what is too stale for this version
-                    lag = self.version - grp.oldest
-                    if lag > plan.max_staleness:
-                        self._track_depth()
-                        self.dropped += grp.size
-                        self._return_budget(grp.size)
-                    else:
-                        kept.append(grp)
-                self.carry = kept
+                carry = self.carry
+                if checked < len(carry):  # _filter: drop what is too stale for this version (the rest passed)
+                    fresh = [carry.pop() for _ in range(len(carry) - checked)]
+                    for grp in reversed(fresh):
+                        lag = self.version - grp.oldest
+                        if lag > self.max_lag:
+                            self.max_lag = int(lag)
+                        if lag > plan.max_staleness:
+                            self._track_depth()
+                            self.dropped += grp.size
+                            self.depth -= grp.size
+                            self._return_budget(grp.size)
+                        else:
+                            carry.append(grp)
+                    checked = len(carry)
                 if len(self.carry) >= want:
                     break
                 if self.stream:
@@ -455,6 +465,7 @@ class Simulation:
             self._track_depth()
             batch = [self.carry.popleft() for _ in range(want)]
             samples = sum(grp.size for grp in batch)
+            self.depth -= samples
             self.in_learner = samples
             # decoding and checking the samples, then the update (one job: nothing happens between)
             yield CPU, lc.read_per_sample * samples + lc.update_s(samples, samples * tokens_per_sample, plan.micro_batch_size, plan.learner_devices,
@@ -518,6 +529,8 @@ class Simulation:
             bad.append(f"admitted {self.admitted} > bound {bound}")
         if self.claimed != self.generated + in_flight:
             bad.append(f"claimed {self.claimed} != generated {self.generated} + in flight {in_flight}")
+        if self.depth != self._depth():
+            bad.append(f"the buffer's depth counter {self.depth} != the samples in it {self._depth()}")
         if self.generated != self.trained + self.dropped + self._depth() + self.in_learner:
             bad.append(f"generated {self.generated} != trained {self.trained} + dropped {self.dropped} + "
                        f"in buffer {self._depth()} + being trained {self.in_learner}")
@@ -570,8 +583,18 @@ class Simulation:
             samples_admitted=self.admitted, samples_generated=self.generated, samples_trained=self.trained,
             samples_dropped=self.dropped, samples_in_buffer=self._depth(), samples_in_flight=in_flight,
             max_admitted_over_bound=self.max_over, min_version_margin=int(self.min_margin) if self.min_margin < 10**9 else 0,
+            max_lag_seen=self.max_lag,
             cpu_per_update_ms=cpu if n_up else {}, events=self.k.events,
             background_cores_used=self.k.background_used / self.k.now if self.k.now > 0 else 0.0)
+
+
+def same_run(plan: Plan, result: SimResult, other: Plan) -> bool:
+    """Whether simulating ``other`` (same seed and length) replays ``result``, ``plan``'s run: the
+    staleness bound acts only in the learner's filter, so a plan that differs only in it, with the
+    same (explicit) lookahead, runs the same events if that run dropped nothing and the bound is at
+    least the largest lag the filter saw."""
+    return (replace(other, max_staleness=plan.max_staleness) == plan and other.ahead == plan.ahead
+            and result.samples_dropped == 0 and result.max_lag_seen <= other.max_staleness)
 
 
 def simulate(profile: Profile, plan: Plan, updates: int = 300, warmup: int = 20, seed: int = 0,

@@ -12,9 +12,9 @@ import pytest
 from rlhf_run.plan.cli import compose
 from rlhf_run.plan.profile import ProfileError, check_identity, load
 from rlhf_run.plan.scale import published_7b
-from rlhf_run.plan.search import (PlanError, Request, check_plan, candidates, memory_problems, overrides, plan_from_config,
-                                  ray_overrides, search)
-from rlhf_run.plan.simulate import Plan
+from rlhf_run.plan.search import (PlanError, Request, check_plan, candidates, learner_bound, memory_problems, overrides,
+                                  plan_from_config, ray_overrides, search, tightest_staleness, upper_bound)
+from rlhf_run.plan.simulate import Plan, same_run, simulate
 
 PROFILE = Path(__file__).parent / "data" / "plan_profile_cpu.json"
 
@@ -59,6 +59,66 @@ def test_gpu_search_respects_devices_and_memory(gpu_profile):
         assert plan.batch_size % (plan.learner_devices * plan.micro_batch_size) == 0
     ranked = search(request, gpu_profile, top=3, simulate_at_most=3, updates=8)
     assert len(ranked) == 3 and all(check_plan(r.plan, request, gpu_profile) == [] for r in ranked)
+
+
+def test_branch_and_bound_returns_the_exhaustive_searchs_best_on_four_gpus(gpu_profile):
+    # 4 GPUs, batch 256, staleness <= 1, 10 simulated updates (a window of 10 - 2 - 5 = 3 cycles).
+    # The learner takes 2 GPUs (one cannot hold 7.6 B parameters' states), with the fastest ZeRO
+    # stage and micro-batch that fit (ZeRO-3, 4): 12 plans = workers {1, 2} x slots {64, 128} x
+    # (staleness, lookahead) in {(0, 0), (1, 0), (1, 1)}. Learner bound, every plan: a cycle is the update
+    # (17.84 s: 256 x 1,190 tokens x 6 x 7.6e9 FLOP at 40% of 989 TFLOP/s on 2 GPUs, + ZeRO-3's
+    # traffic) + read 0.13 + per_update 0.02 + snapshot 0.03 = 18.02 s (the 0.31 s send overlaps):
+    # 3 x 256 / (17.99 + 0.03 + 2 x 18.02) = 14.20 samples/s. Rollout: a batch's longest response
+    # (4,095 steps at >= 6.99 ms) takes 28.6 s; with lookahead 0 nothing overlaps it: snapshot 0.03
+    # + send 0.31 + pull 0.31 + 28.6 + read and update 17.97 = 47.3 s a version, 256 / 47.3 x 1.10
+    # (the chain's margin) = 5.96 samples/s for the plans with lookahead 0 (5.29 for one worker with
+    # 64 slots, whose 256 x 135 ms = 34.6 s of work outlasts the 28.6); lookahead 1 halves the chain
+    # (23.6 s; 26.6 s for that worker): 256 / 26.6 x 1.10 = 7.56. The three others with lookahead 1 are
+    # bounded by 256 / 23.6 x 1.10 = 11.9: simulated, they train 7.46 (1 x 128), 8.17 (2 x 64) and
+    # 9.12 samples/s (2 x 128), and the 9 plans left are ruled out (5.96, 7.56 < 9.12).
+    base = Plan(group_size=8, batch_size=256, micro_batch_size=1, checkpoint_every=0, lookahead=1, reward_batch_size=64)
+    request = Request(base=base, gpus=4, nodes=1, max_staleness=1, batch_sizes=(256,))
+    cache: dict = {}
+    everything = search(request, gpu_profile, top=12, updates=10, exhaustive=True, cache=cache)
+    stats: dict = {}
+    pruned = search(request, gpu_profile, top=1, updates=10, stats=stats)
+    assert len(everything) == stats["candidates"] == 12
+    assert pruned[0].plan == everything[0].plan and pruned[0].result == everything[0].result
+    assert (pruned[0].plan.workers, pruned[0].plan.slots, pruned[0].plan.lookahead) == (2, 128, 1)
+    assert pruned[0].result.trained_samples_per_s == pytest.approx(9.12, abs=0.01)
+    assert stats["simulated"] == 3 and stats["exact"] and stats["gap"] == 0.0
+    for r in everything:  # the bound holds for every plan; the learner's part is a proof
+        assert r.result.trained_samples_per_s <= upper_bound(r.plan, gpu_profile, 10, 5) * (1 + 1e-9)
+        assert learner_bound(r.plan, gpu_profile, 10, 5) == pytest.approx(14.204, abs=1e-3)
+    # capped at one simulation, the search says how much faster a plan left could still be: 11.9 / its rate - 1
+    capped: dict = {}
+    first = search(request, gpu_profile, top=1, updates=10, stats=capped, simulate_at_most=1)[0]
+    assert capped["simulated"] == 1 and not capped["exact"]
+    assert capped["gap"] == pytest.approx(11.916 / first.result.trained_samples_per_s - 1, abs=1e-3) and capped["gap"] > 0.3
+    # the cache makes a second search free
+    again: dict = {}
+    search(request, gpu_profile, top=1, updates=10, stats=again, cache=cache)
+    assert again["simulated"] == 0 and again["exact"]
+
+
+def test_a_run_that_dropped_nothing_replays_for_a_looser_staleness_bound(cpu_profile):
+    plan = Plan(workers=1, max_staleness=2, lookahead=1)
+    run = simulate(cpu_profile, plan, updates=60, warmup=10)
+    assert run.samples_dropped == 0 and run.max_lag_seen <= 2
+    looser = replace(plan, max_staleness=4)
+    assert same_run(plan, run, looser)
+    assert simulate(cpu_profile, looser, updates=60, warmup=10) == run  # the bound never acted: the same events
+    assert not same_run(plan, run, replace(plan, lookahead=2))  # pacing differs
+    assert tightest_staleness(looser, run).max_staleness == max(1, run.max_lag_seen)
+
+
+def test_learner_bound_is_reached_by_a_learner_bound_plan(gpu_profile):
+    # eight workers three batches ahead of a two-GPU learner: it never waits, and its rate is the bound
+    plan = Plan(workers=8, slots=128, batch_size=256, micro_batch_size=4, group_size=8, max_staleness=3, lookahead=3,
+                learner_devices=2, zero_stage=3, checkpoint_every=0, reward_batch_size=64)
+    run = simulate(gpu_profile, plan, updates=12, warmup=5)
+    assert run.learner_idle_frac == pytest.approx(0.0, abs=1e-9)
+    assert run.trained_samples_per_s == pytest.approx(learner_bound(plan, gpu_profile, 12, 5), rel=1e-9)
 
 
 def test_memory_rules_out_a_learner_that_cannot_hold_its_states(gpu_profile):
