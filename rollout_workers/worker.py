@@ -393,8 +393,10 @@ class RolloutWorker:
         t0 = time.monotonic()
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
-        if self.gateway is not None:
+        if self.gateway is not None:  # its calls' tokens count as generated (the run's summary, the monitor)
+            before = self.gateway.stats["gateway_tokens"]
             finished = self.gateway.after_step(finished, self._free_slots())
+            self.stats.tokens += self.gateway.stats["gateway_tokens"] - before
         for result in finished:
             if self.episodes is not None:  # a turn: its episode goes on (or ends) in _collect_episodes
                 self.stats.tokens += result.num_tokens

@@ -121,3 +121,6 @@ def test_a_run_fed_by_agents_through_the_gateway_trains(tmp_path, model_cache):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["buffer_counters"]["groups_appended"] >= done["appended"]  # a last answer may be cut off
     assert summary["buffer_counters"]["samples_dead_lettered"] == 0
+    last = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()][-1]
+    worker = next(c["stats"] for name, c in last["consumers"].items() if not name.startswith("learner"))
+    assert worker["gateway_done"] >= 8 and worker["tokens"] == worker["gateway_tokens"] > 0  # counted as generated
