@@ -10,16 +10,8 @@ local group_id, prompt_id, n_good, n_bad = ARGV[5], ARGV[6], tonumber(ARGV[7]), 
 local first_good, first_bad = 9, 9 + n_good
 local id = ''
 if n_good > 0 then
-  local fields = {F_GROUP, group_id, F_PROMPT_ID, prompt_id, F_VERSION, oldest_version, F_COUNT, n_good,
-                  F_PRODUCER, producer, F_TIME, now, F_EXTERNAL, '1'}
-  for i = 0, n_good - 1 do
-    fields[#fields + 1] = F_SAMPLE .. i
-    fields[#fields + 1] = ARGV[first_good + i]
-  end
-  id = redis.call('XADD', samples_key, '*', unpack(fields))
-  incr(counters_key, C.groups_appended, 1)
+  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, producer, now, first_good, true)
   incr(counters_key, C.groups_external, 1)
-  incr(counters_key, C.samples_appended, n_good)
 end
 for i = 0, n_bad - 1 do
   local b = first_bad + 3 * i

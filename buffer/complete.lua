@@ -50,15 +50,8 @@ redis.call('XDEL', prompts_key, lease_id)
 incr(counters_key, C.inflight, -group_size)
 local id = ''
 if n_good > 0 then
-  local fields = {F_GROUP, group_id, F_PROMPT_ID, prompt_id, F_VERSION, oldest_version, F_COUNT, n_good,
-                  F_PRODUCER, consumer, F_TIME, now}
-  for i = 0, n_good - 1 do
-    fields[#fields + 1] = F_SAMPLE .. i
-    fields[#fields + 1] = ARGV[first_good + i]
-  end
-  id = redis.call('XADD', samples_key, '*', unpack(fields))
-  incr(counters_key, C.groups_appended, 1)
-  incr(counters_key, C.samples_appended, n_good)
+  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, consumer, now, first_good,
+                    false)
   if mode == 'replay' then
     local seq = redis.call('HINCRBY', counters_key, C.replay_seq, 1)
     redis.call('ZADD', index_key, tonumber(oldest_version) * VSCALE + (seq % VSCALE), id)

@@ -9,7 +9,7 @@ write after earlier writes already happened.
 
 Names are defined once in Python and reach Lua through the preamble: stream fields and
 consumer groups from :mod:`buffer.keys`, counter names from :mod:`buffer.metrics` (as the
-table ``C``, which raises on an unknown name), the shared ``dead_letter`` helper, and the
+table ``C``, which raises on an unknown name), the shared ``append_entry`` and ``dead_letter`` helpers, and the
 pacing rule and rate limiter of :mod:`buffer.pacing` (the Lua twins of its Python functions,
 with the parameter names they read). Each script gives its ``KEYS`` entries names in locals on
 its first lines; the caller passes them in that order (:func:`claim_keys` and
@@ -97,6 +97,24 @@ local function last_id(stream)
 end
 local function wake(stream, why)
   redis.call('XADD', stream, 'MAXLEN', '~', WAKE_MAXLEN, '*', 'e', why)
+end
+-- append a group's stream entry: the good samples are ARGV[first .. first + n_good - 1]; an
+-- external group (no prompt lease: rlhf-gateway) is marked so a stale drop returns no budget
+local function append_entry(samples_key, counters_key, group_id, prompt_id, oldest, n_good, producer, now, first, external)
+  local fields = {F_GROUP, group_id, F_PROMPT_ID, prompt_id, F_VERSION, oldest, F_COUNT, n_good,
+                  F_PRODUCER, producer, F_TIME, now}
+  if external then
+    fields[#fields + 1] = F_EXTERNAL
+    fields[#fields + 1] = '1'
+  end
+  for i = 0, n_good - 1 do
+    fields[#fields + 1] = F_SAMPLE .. i
+    fields[#fields + 1] = ARGV[first + i]
+  end
+  local id = redis.call('XADD', samples_key, '*', unpack(fields))
+  redis.call('HINCRBY', counters_key, C.groups_appended, 1)
+  redis.call('HINCRBY', counters_key, C.samples_appended, n_good)
+  return id
 end
 -- one dead letter; kind is 'sample' | 'prompt' | 'entry'
 -- a dead letter keeps the first DEAD_RAW_MAX bytes of the record, its size and (when cut) its SHA-1
