@@ -129,49 +129,31 @@ class WorkerChannel:
     def __init__(self, client: Any, keys: RunKeys) -> None:
         self.redis, self.keys = client, keys
 
-    def take(self, n: int) -> list[bytes]:
-        """Up to ``n`` calls, oldest first, as raw records (:meth:`GatewayCall.decode` each)."""
-        if n <= 0:
-            return []
-        got = self.redis.rpop(self.keys.gw_calls, n)
-        return list(got or [])
-
     def wait_take(self, n: int, block_s: float) -> list[bytes]:
-        """Wait up to ``block_s`` for a first call (``BRPOP``), then take up to ``n`` - 1 more."""
+        """Wait up to ``block_s`` for a first call (``BRPOP``), then take up to ``n`` - 1 more;
+        oldest first, as raw records (:meth:`GatewayCall.decode` each)."""
         got = self.redis.brpop([self.keys.gw_calls], timeout=block_s)
         if not got:
             return []
-        return [got[1], *self.take(n - 1)]
+        more = self.redis.rpop(self.keys.gw_calls, n - 1) if n > 1 else None
+        return [got[1], *(more or [])]
 
     def give_back(self, raws: list[bytes]) -> None:
         """Calls taken and never started, back at the tail (the oldest end: taken first again)."""
         self.redis.rpush(self.keys.gw_calls, *reversed(raws))
 
-    def send(self, chunks: list[tuple[str, CallChunk]]) -> None:
-        """``(gateway id, chunk)`` pairs, in one round trip."""
-        if not chunks:
-            return
+    def send(self, chunks: list[tuple[str, CallChunk]], running: list[str]) -> list[str]:
+        """Send ``chunks`` (``(gateway id, chunk)`` pairs) and return the calls among ``running``
+        whose client gave up on them, in one round trip."""
+        if not chunks and not running:
+            return []
         pipe = self.redis.pipeline(transaction=False)
         for gateway_id, chunk in chunks:
             pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
-        pipe.execute()
-
-    def exchange(self, chunks: list[tuple[str, CallChunk]], take: int, running: list[str]) -> tuple[list[bytes], list[str]]:
-        """In one round trip: send ``chunks``, take up to ``take`` queued calls, and see which calls
-        among ``running`` their client gave up on. Returns ``(raw calls, cancelled call ids)``."""
-        if not chunks and take <= 0 and not running:
-            return [], []
-        pipe = self.redis.pipeline(transaction=False)
-        for gateway_id, chunk in chunks:
-            pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
-        if take > 0:
-            pipe.rpop(self.keys.gw_calls, take)
         if running:
             pipe.hmget(self.keys.gw_cancel, running)
         res = pipe.execute()
-        flags = res.pop() if running else []
-        calls = list(res.pop() or []) if take > 0 else []
-        return calls, [c for c, f in zip(running, flags) if f is not None]
+        return [c for c, f in zip(running, res[-1] if running else []) if f is not None]
 
 
 async def submit(client: Any, keys: RunKeys, call: GatewayCall) -> None:

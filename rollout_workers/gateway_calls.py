@@ -35,9 +35,9 @@ CANCEL_CHECK_S = 0.05
 
 
 class BackgroundChannel:
-    """:class:`~buffer.gateway.WorkerChannel`'s calls without waiting on Redis (see the module docstring).
-
-    ``take`` and ``exchange`` return what the threads have already fetched; chunks are sent in
+    """What :class:`GatewayCalls` asks of Redis (``take``, ``send``, ``exchange``), served by two
+    threads over a :class:`~buffer.gateway.WorkerChannel` so that no call waits on Redis (see the
+    module docstring). ``take`` and ``exchange`` return what the threads have already fetched; chunks are sent in
     order, as soon as the sender thread gets to them. :meth:`close` gives calls taken and never
     started back to the list (another worker serves them) and sends what is left."""
 
@@ -118,8 +118,7 @@ class BackgroundChannel:
             chunks = [i for i in items if isinstance(i, tuple)]
             running = next((i for i in reversed(items) if isinstance(i, list)), [])
             try:
-                _, cancelled = self.channel.exchange(chunks, 0, running)
-                self.cancelled.extend(cancelled)
+                self.cancelled.extend(self.channel.send(chunks, running))
             except Exception as exc:  # noqa: BLE001  # the gateway times such calls out and answers 503
                 log.warning("gateway calls: %d chunk(s) could not be sent: %s", len(chunks), exc)
             if None in items:
