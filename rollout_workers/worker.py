@@ -310,16 +310,15 @@ class RolloutWorker:
 
         Responses still waiting to be scored count as busy slots: when scoring is the bottleneck
         the worker stops claiming instead of piling up leases (and admission budget) behind it."""
-        scoring = self.scoring.in_flight()
-        busy = self.engine.num_active() + self.engine.num_waiting() + scoring
+        free = self._free_slots() - self.scoring.in_flight()
         if self.episodes is not None:
             # An episode whose environment is working holds no slot: the engine decodes others
             # meanwhile, which is how environment latency is hidden. Calls still waiting for an
             # environment thread count as busy, so the episodes in flight stay bounded.
-            busy += self.episodes.queued_for_env()
-        # ceil((slots - busy) / G): an idle worker always takes at least one prompt, even when
-        # a group is larger than the slots (the engine queues the rest)
-        return max(0, (int(self.cfg.rollout.slots) + self.group_size - 1 - busy) // self.group_size)
+            free -= self.episodes.queued_for_env()
+        # ceil(free / G): an idle worker always takes at least one prompt, even when a group is
+        # larger than the slots (the engine queues the rest)
+        return max(0, (free + self.group_size - 1) // self.group_size)
 
     def _claim(self, block_s: float, limit: int | None) -> None:
         capacity = self._free_prompt_capacity()
