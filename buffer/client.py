@@ -29,7 +29,7 @@ from buffer import metrics, pacing, prompts, replay, samples
 from buffer.connection import Retrying, connect, control_int, redact
 from buffer.prompts import Lease
 from buffer.samples import Batch
-from buffer.scripts import Scripts, complete_keys
+from buffer.scripts import Scripts, complete_keys, run_many
 from buffer.store import Store
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
@@ -254,13 +254,7 @@ class Buffer:
         prepared = [it if isinstance(it, Completion) else self.prepare(*it) for it in items]
         keys = complete_keys(self.keys, self.run_params()["mode"])
 
-        def send() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            for c in prepared:
-                self.scripts.complete(keys=keys, args=c.args, client=pipe)
-            return pipe.execute()
-
-        results = self.retry(send)
+        results = self.retry(run_many, self.redis, self.scripts.complete, keys=keys, arg_lists=[c.args for c in prepared])
         for c in prepared:
             self._leases.get(c.lease.consumer, {}).pop(c.lease.lease_id, None)
         return [samples.complete_status(r) for r in results]

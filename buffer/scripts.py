@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -201,6 +202,33 @@ def complete_keys(keys: K.RunKeys, mode: str) -> list[str]:
     if mode == "replay":
         out += [keys.params, keys.replay_index, keys.replay_n, keys.replay_uses, keys.replay_out, keys.wake_replay]
     return out
+
+
+def run_many(client: redis.Redis, script: redis.commands.core.Script, keys: list[str],
+             arg_lists: list[list[Any]]) -> list[Any]:
+    """Run ``script`` once per argument list in ONE round trip: a non-transactional pipeline of
+    EVALSHA, each call atomic on its own. (redis-py's pipeline sends SCRIPT EXISTS before every
+    execute, a second round trip per call.) The script is loaded only when Redis answers
+    NOSCRIPT (a restarted or flushed server), and just those calls run again."""
+    results: list[Any] = [None] * len(arg_lists)
+    todo = list(range(len(arg_lists)))
+    for _ in range(3):
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            pipe.evalsha(script.sha, len(keys), *keys, *arg_lists[i])
+        missing = []
+        for i, res in zip(todo, pipe.execute(raise_on_error=False)):
+            if isinstance(res, redis.exceptions.NoScriptError):
+                missing.append(i)
+            elif isinstance(res, Exception):
+                raise res
+            else:
+                results[i] = res
+        if not missing:
+            return results
+        script.sha = client.script_load(script.script)
+        todo = missing
+    raise redis.exceptions.NoScriptError("Redis keeps forgetting the buffer's scripts (SCRIPT FLUSH in a loop?)")
 
 
 class Scripts:

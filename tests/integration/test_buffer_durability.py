@@ -150,3 +150,21 @@ def test_restart_with_aof_loses_no_sample_and_no_lease(redis_server):
     assert (c["samples_in_buffer"], c["inflight"], c["admitted"]) == (0, 0, 32)
     remaining = worker.claim("w", 20)
     assert sorted(l.prompt.prompt_id for l in remaining) == [f"p{i}" for i in range(8, 10)]  # budget (4+0+1)*8 - 32 = 8 samples = 2 prompts
+
+
+def test_complete_many_is_one_round_trip_and_survives_a_server_that_forgot_the_scripts(redis_url):
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.enqueue_prompts(T.prompts(4))
+    leases = buf.claim("w1", 4)
+    buf.complete_many([(leases[0], T.group(leases[0].prompt))])  # the script is loaded once here
+    buf.redis.config_resetstat()
+    statuses = buf.complete_many([(lease, T.group(lease.prompt)) for lease in leases[1:3]])
+    assert statuses == ["appended", "appended"]
+    calls = {k: v["calls"] for k, v in buf.redis.info("commandstats").items()}
+    # two EVALSHA in one pipeline and nothing else: no SCRIPT EXISTS before it
+    assert calls.get("cmdstat_evalsha") == 2 and "cmdstat_script|exists" not in calls, calls
+    # a restarted (or flushed) server has no scripts: NOSCRIPT -> load -> the same call runs once
+    buf.redis.script_flush()
+    assert buf.complete_many([(leases[3], T.group(leases[3].prompt))]) == ["appended"]
+    assert _state(buf) == (4, 0, 4)
