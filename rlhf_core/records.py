@@ -295,11 +295,12 @@ def validate_sample(
         raise WireError(
             f"prompt has {sample.prompt_ids.shape[0]} tokens, more than the configured max of {max_prompt_tokens}"
         )
-    logp = sample.behaviour_logprobs
-    if not np.all(np.isfinite(logp)):
+    # min and max only (NaN propagates into both): this runs for every sample on both sides of the buffer
+    low, high = _min_max(sample.behaviour_logprobs)
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise WireError("behaviour_logprobs contain NaN or inf")
-    if np.any(logp > 1e-4):  # a little float slack above 0
-        raise WireError(f"behaviour_logprobs contain a log-prob > 0 (max {float(logp.max()):.4g})")
+    if high > 1e-4:  # a little float slack above 0
+        raise WireError(f"behaviour_logprobs contain a log-prob > 0 (max {high:.4g})")
     if sample.loss_mask is not None:
         mask = np.asarray(sample.loss_mask)
         if mask.shape != (n,):
@@ -308,17 +309,31 @@ def validate_sample(
             raise WireError("loss_mask holds values other than 0 and 1")
         if not mask.any():
             raise WireError("loss_mask is 0 everywhere: the response has no token the policy sampled")
-    if sample.ref_logprobs is not None and not np.all(np.isfinite(sample.ref_logprobs)):
+    if sample.ref_logprobs is not None and not all(math.isfinite(x) for x in _min_max(sample.ref_logprobs)):
         raise WireError("ref_logprobs contain NaN or inf")
     if vocab_size is not None:
         for name, ids in (("prompt_ids", sample.prompt_ids), ("response_ids", sample.response_ids)):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            low, high = _min_max(ids)
+            if ids.size and (low < 0 or high >= vocab_size):
                 raise WireError(
                     f"{name} hold token ids outside the vocabulary [0, {vocab_size}): "
-                    f"min {int(ids.min())}, max {int(ids.max())}; do the worker and learner use the same tokenizer?"
+                    f"min {int(low)}, max {int(high)}; do the worker and learner use the same tokenizer?"
                 )
     if any(v < 0 or v > MAX_VERSION for v, _ in sample.versions):
         raise WireError(f"policy version out of range [0, {MAX_VERSION}] in {sample.versions[:4]}")
+
+
+def _min_max(values: np.ndarray) -> tuple[float, float]:
+    """``(min, max)`` of an array as Python numbers (``(0, 0)`` when empty); NaN gives NaN in both.
+    A short array goes through a list: a numpy reduction costs more than the values themselves."""
+    if values.size > 64:
+        return values.min().item(), values.max().item()
+    items = values.tolist()
+    if not items:
+        return 0.0, 0.0
+    if any(x != x for x in items):  # Python's min/max skip NaN instead of returning it
+        return math.nan, math.nan
+    return min(items), max(items)
 
 
 def now() -> float:

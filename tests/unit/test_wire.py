@@ -269,6 +269,27 @@ def test_validate_rejects(overrides, message):
         validate_sample(make_sample(**overrides), vocab_size=11)
 
 
+@pytest.mark.parametrize("length", [3, 200])  # short arrays are checked through a list, long ones by numpy
+@pytest.mark.parametrize("bad, message", [(math.nan, "NaN or inf"), (math.inf, "NaN or inf"), (-math.inf, "NaN or inf"),
+                                          (0.5, "log-prob > 0")])
+@pytest.mark.parametrize("where", [0, -1])  # Python's min/max skip a NaN that comes first or last
+def test_validate_finds_a_bad_log_prob_in_short_and_long_responses(length, bad, message, where):
+    logp = np.full(length, -0.5, dtype=np.float32)
+    logp[where] = bad
+    ids = np.full(length, 3, dtype=np.int32)
+    with pytest.raises(WireError, match=message):
+        validate_sample(make_sample(response_ids=ids, behaviour_logprobs=logp, versions=[[0, length]]), vocab_size=11)
+    if bad != 0.5:
+        good = np.full(length, -0.5, dtype=np.float32)
+        with pytest.raises(WireError, match="ref_logprobs contain NaN or inf"):
+            validate_sample(make_sample(response_ids=ids, behaviour_logprobs=good, ref_logprobs=logp,
+                                        versions=[[0, length]]), vocab_size=11)
+    ids[where] = -1
+    with pytest.raises(WireError, match=r"outside the vocabulary \[0, 11\): min -1, max 3"):
+        validate_sample(make_sample(response_ids=ids, behaviour_logprobs=np.full(length, -0.5, dtype=np.float32),
+                                    versions=[[0, length]]), vocab_size=11)
+
+
 def test_validate_length_caps():
     with pytest.raises(WireError, match="response has 3 tokens, more than the configured max of 2"):
         validate_sample(make_sample(), max_response_tokens=2)
