@@ -41,10 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import mode_parser, print_table, write_results  # noqa: E402
 
 MODES = {
-    "quick": dict(sessions=64, turns=4, turn_tokens=(16, 128), rounds=1),
-    "full": dict(sessions=64, turns=4, turn_tokens=(16, 128), rounds=3),
+    "quick": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1),
+    "full": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3),
 }
-SLOTS = 64
 EPISODE = 640  # rollout.max_episode_tokens: 4 turns of 128 and the user's messages
 CONTEXT = 1024  # the tiny model's positions (its default 256 would not hold 4 turns of 128)
 TARGET = 0.85
@@ -53,7 +52,7 @@ USER = "go on"
 
 def overrides(m: dict[str, Any], out: Path) -> list[str]:
     return [f"hydra.run.dir={out}", "gateway.enabled=true", "gateway.port=0", "data.source=none", "run.progress=false",
-            "rollout.num_workers=1", f"rollout.slots={SLOTS}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
+            "rollout.num_workers=1", f"rollout.slots={m['slots']}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
             f"rollout.max_episode_tokens={EPISODE}", f"model.tiny.max_position_embeddings={CONTEXT}",
             "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}", "gateway.session_ttl_s=600",
             f"gateway.max_tokens={max(m['turn_tokens'])}"]
@@ -151,7 +150,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     cfg = ModelConfig(cache_dir=m["cache_dir"], tiny=TinyModelConfig(max_position_embeddings=CONTEXT))
     tok = load_tokenizer(cfg)
     tok.chat_template = PLAIN_TEMPLATE
-    engine = HFEngine(load_policy(cfg), tok, slots=SLOTS, max_model_len=64 + EPISODE)
+    engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + EPISODE)
     params = SamplingParams(max_new_tokens=m["max_tokens"])
     contexts = [encode(tok, tok.apply_chat_template([{"role": "user", "content": f"count from {i % 10}"}], tokenize=False,
                                                     add_generation_prompt=True)) for i in range(m["sessions"])]
@@ -188,11 +187,14 @@ def main() -> None:
     ap = mode_parser(__doc__)
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
     ap.add_argument("--sessions", type=int, help="concurrent sessions (the mode's by default)")
+    ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
     args = ap.parse_args()
     m = dict(MODES[args.mode], cache_dir=args.cache_dir)
     if args.sessions:
         m["sessions"] = args.sessions
+    if args.slots:
+        m["slots"] = args.slots
     if args.turn_tokens:
         m["turn_tokens"] = tuple(args.turn_tokens)
     rows: list[dict[str, Any]] = []
@@ -219,7 +221,7 @@ def main() -> None:
         best = {side: max((r for r in rows if r["side"] == side and r["turn_tokens"] == n), key=lambda r: r["tokens_per_s"])
                 for side in ("gateway", "engine")}
         ratios[n] = best["gateway"]["tokens_per_s"] / best["engine"]["tokens_per_s"]
-    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {SLOTS} slots, tiny model on the CPU")
+    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, tiny model on the CPU")
     for n, ratio in ratios.items():
         print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET})")
     write_results("gateway" if args.mode == "quick" else "gateway_full",
