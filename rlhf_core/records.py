@@ -323,9 +323,10 @@ def validate_sample(
         raise WireError(f"policy version out of range [0, {MAX_VERSION}] in {sample.versions[:4]}")
 
 
-def _min_max(values: np.ndarray) -> tuple[float, float]:
+def _min_max(values: Any) -> tuple[float, float]:
     """``(min, max)`` of an array as Python numbers (``(0, 0)`` when empty); NaN gives NaN in both.
     A short array goes through a list: a numpy reduction costs more than the values themselves."""
+    values = np.asarray(values)
     if values.size > 64:
         return values.min().item(), values.max().item()
     items = values.tolist()
