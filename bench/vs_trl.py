@@ -226,6 +226,8 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
         # One worker: two batches admitted ahead, decoded in one wave, so the worker never waits for
         # a new version to be published and pulled (README, "Staleness vs lookahead")
         overrides += ["buffer.lookahead=2", f"rollout.slots={2 * spec['batch']}"]
+    else:  # one batch a wave (the default 32 slots are the CPU batch)
+        overrides += [f"rollout.slots={spec['batch']}"]
     row = run_one(f"{name}-s{seed}", overrides, workdir)
     if row["exit_code"] != 0:
         raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
@@ -233,7 +235,8 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
             "training_window_s": row["training_window_s"], "trained_samples_per_s": row["trained_samples_per_s"],
             "reward_start": row["reward_start"], "reward_last_quarter": row["reward_last_quarter"],
             "staleness_mean": row["staleness_mean"], "learner_compute_s": row["learner_compute_s"],
-            "learner_wait_s": row["learner_wait_s"], "cpu_ms_per_update": row["cpu_ms_per_update"]}
+            "learner_wait_s": row["learner_wait_s"], "learner_mfu": row["learner_mfu"],
+            "generated_tokens_per_s": row["generated_tokens_per_s"], "cpu_ms_per_update": row["cpu_ms_per_update"]}
 
 
 # ---------------------------------------------------------------------- main

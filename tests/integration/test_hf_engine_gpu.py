@@ -37,7 +37,9 @@ def run_greedy(engine: HFEngine, prompts: list[list[int]], lengths: list[int], u
 def test_graph_replays_match_eager_decoding_across_buckets_and_a_weight_update(gpu_policy, tiny_model_cfg):
     tokenizer = load_tokenizer(tiny_model_cfg)
     prompts = [tokenizer(f"prompt number {i} " * (1 + i % 3))["input_ids"] for i in range(12)]
-    lengths = [3 + 2 * i for i in range(12)]  # the batch shrinks through the 8, 4, 2 and 1 buckets
+    # The bucket is the highest busy slot's: later requests refill the low slots first, so the
+    # later ones finish first here and the batch shrinks through the 8, 4, 2 and 1 buckets
+    lengths = [3 + 2 * (11 - i) for i in range(12)]
     changed = copy.deepcopy(gpu_policy)
     with torch.no_grad():
         for p in changed.parameters():

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU figures in one command, for a lent GPU machine (no registry there: the wheels it lacks
+# travel in .gpu-kit/, built here by ../shared/tools/gpu-kit.sh plus TRL's, see bench/README
+# lines in the README's Benchmarks section). Each step runs under its own time limit and a
+# failing step does not stop the next; JSON and a log per step go to $OUT (or bench/results).
+#
+#   source .gpu-kit/activate.sh && bash bench/gpu.sh generation learner tests   # ~6 min on an H100
+#   source .gpu-kit/activate.sh && bash bench/gpu.sh vs_trl                      # ~5 min
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export RLHF_BENCH_RESULTS=$OUT RLHF_TEST_CACHE=${RLHF_TEST_CACHE:-/tmp/rlhf-bench-cache} PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+VS_TRL_UPDATES=${VS_TRL_UPDATES:-8}
+
+step() {  # name, time limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name exit $rc $(date +%T)"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+for what in "$@"; do
+  case "$what" in
+    generation) step generation 200 python3 bench/generation.py --gpu ;;
+    learner) step learner 150 python3 bench/learner.py --gpu ;;
+    vs_trl) step vs_trl 330 python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
+    tests) step tests 120 python3 -m pytest -q -p no:cacheprovider tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
+    engine-tests) step engine-tests 60 python3 -m pytest -q -p no:cacheprovider tests/integration/test_hf_engine_gpu.py ;;
+    *) echo "unknown step $what (generation, learner, vs_trl, tests)"; exit 2 ;;
+  esac
+done

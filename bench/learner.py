@@ -1,0 +1,245 @@
+"""The learner alone on one device: model FLOP utilisation (MFU) of an update, side by side with
+a plain torch training step on the same tokens.
+
+Every method trains the same model on the same token batch (random ids, a GRPO batch of
+``batch`` samples in groups of ``group``, ``prompt_tokens + response_tokens`` each, in
+micro-batches of ``micro_batch``):
+
+- ``plain torch``: what a user writes first: bf16 weights, full-vocabulary logits, fp32
+  cross-entropy on every position, backward, torch's fused AdamW stepping the bf16 weights
+  directly (which loses updates below bf16 precision, see the README: the reference for speed,
+  not for learning);
+- ``learner torch``: :meth:`learner.update.PolicyUpdater.update` with the torch engine (fp32
+  master weights, decoupled PPO loss on the response tokens, log-probs chunked over the LM head,
+  pi_prox read off the training pass), including collation and metrics;
+- ``learner deepspeed ZeRO-2`` (``--gpu`` only): the same with ``learner.engine=deepspeed``,
+  bf16 with fp32 masters.
+
+MFU = 6 x parameters x tokens / seconds / the device's dense bf16 peak (``learner.stats``); the
+learner's own ``learner/mfu`` metric is reported beside it. Each method: ``warmup`` updates,
+then the median of ``repeats`` timed ones (synchronised).
+
+Modes:
+
+- ``--quick`` (default): the ``--gpu`` code path on a CPU with a 2-layer Qwen2-shaped model:
+  checks the bench, no MFU (a CPU has no peak here), the learner / plain time ratio only.
+- ``--gpu``: a Qwen2-0.5B-shaped model (bf16), batch 64, group 8, 128 + 256 tokens, micro-batch 16
+  (the shape of ``vs_trl.py --gpu``), and the 16 x 512 single micro-batch step.
+
+    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed]
+
+Target (H100): learner >= 35% MFU.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the repository root first: bench/buffer.py must not shadow the `buffer` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _common import mode_parser, print_table, write_results  # noqa: E402
+
+SHAPES = {
+    # name: (batch, group, prompt tokens, response tokens, micro-batch)
+    "grpo 64x(128+256) mb16": (64, 8, 128, 256, 16),
+    "16x512 one micro-batch": (16, 8, 256, 256, 16),
+}
+MODES: dict[str, dict[str, Any]] = {
+    "quick": dict(device="cpu", dtype="float32", shape=dict(num_hidden_layers=2, vocab_size=4096), warmup=1, repeats=2,
+                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False),
+    "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True),
+}
+TARGET_MFU = 0.35
+
+
+def synthetic_samples(batch: int, group: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int = 0):
+    """``batch`` valid samples with random ids, rewards and behaviour log-probs near a uniform
+    policy's (so importance ratios stay near 1 and no token is masked out)."""
+    from rlhf_core.records import Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(batch):
+        g = i // group
+        out.append(Sample(
+            sample_id=f"g{g}/{i % group}", prompt_id=f"p{g}", group_id=f"g{g}",
+            prompt_ids=rng.integers(4, vocab, prompt_tokens, dtype=np.int32),
+            response_ids=rng.integers(4, vocab, response_tokens, dtype=np.int32),
+            behaviour_logprobs=np.full(response_tokens, -float(np.log(vocab)), dtype=np.float32),
+            versions=[[0, response_tokens]], reward=float(rng.random()), finish_reason="length",
+            group_size=group, group_index=i % group))
+    return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], warmup: int, repeats: int, device: str) -> tuple[float, Any]:
+    """Median seconds of ``repeats`` calls after ``warmup``, and the last call's result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, micro: int) -> float:
+    """One optimizer step over ``ids`` in micro-batches: full logits, fp32 cross-entropy."""
+    total = 0.0
+    for i in range(0, ids.shape[0], micro):
+        x = ids[i : i + micro]
+        logits = model(input_ids=x).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        (loss * x.shape[0] / ids.shape[0]).backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def compose(overrides: list[str]):
+    from e2e import compose as hydra_compose
+
+    return hydra_compose(overrides)
+
+
+def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str):
+    batch, group, prompt_tokens, response_tokens, micro = shape
+    return compose([
+        "model=hf", f"model.path={path}", f"model.dtype={spec['dtype']}", f"model.device={spec['device']}",
+        f"learner.batch_size={batch}", f"learner.micro_batch_size={micro}", f"algo.group_size={group}",
+        f"rollout.max_new_tokens={response_tokens}", f"rollout.max_prompt_tokens={prompt_tokens}",
+        "learner.lr=1e-6", f"learner.engine={engine}", "learner.zero_stage=2", f"learner.bf16={spec['dtype'] == 'bfloat16'}",
+    ])
+
+
+def free(*objs: Any) -> None:
+    del objs
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool) -> list[dict[str, Any]]:
+    from learner.engine_factory import make_engine
+    from learner.stats import flops_metrics, peak_flops
+    from learner.update import PolicyUpdater
+    from rlhf_core import metric_names as M
+    from rlhf_core.models import load_policy
+
+    batch, group, prompt_tokens, response_tokens, micro = shape
+    device, warmup, repeats = spec["device"], spec["warmup"], spec["repeats"]
+    peak = peak_flops(torch.device(device), None)
+    rows = []
+
+    def row(method: str, seconds: float, params: int, tokens: int, learner_mfu: float | None = None) -> dict[str, Any]:
+        f = flops_metrics(params, tokens, seconds, peak)
+        return {"shape": name, "method": method, "tokens": tokens, "step_s": seconds,
+                "tflops": f.get(M.TRAIN_TFLOPS), "mfu": f.get(M.MFU), "learner_metric_mfu": learner_mfu,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+
+    # plain torch
+    cfg = learner_config(path, spec, shape, "torch")
+    model = load_policy(cfg.model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    samples = synthetic_samples(batch, group, prompt_tokens, response_tokens, int(model.config.vocab_size))
+    ids = torch.tensor(np.stack([np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]), dtype=torch.long,
+                       device=device)
+    params = sum(p.numel() for p in model.parameters())
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds, _ = timed(lambda: plain_step(model, opt, ids, micro), warmup, repeats, device)
+    rows.append(row("plain torch (bf16 weights, full logits)" if spec["dtype"] == "bfloat16" else "plain torch",
+                    seconds, params, ids.numel()))
+    free(model, opt)
+
+    engines = ["torch"] + (["deepspeed"] if use_deepspeed else [])
+    for engine_name in engines:
+        label = "learner torch (fp32 masters)" if engine_name == "torch" else "learner deepspeed ZeRO-2 (bf16)"
+        cfg = learner_config(path, spec, shape, engine_name)
+        try:
+            engine = make_engine(cfg, load_policy(cfg.model))
+            updater = PolicyUpdater(cfg, engine)
+            version = iter(range(10**6))
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            seconds, metrics = timed(lambda: updater.update(samples, next(version)), warmup, repeats, device)
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed's start can fail on a machine; keep the other rows
+            if engine_name == "torch":
+                raise
+            print(f"{label} failed: {type(exc).__name__}: {exc}")
+            rows.append({**row(label, float("nan"), params, ids.numel()), "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        rows.append(row(label, seconds, params, ids.numel(), metrics.get(M.MFU)))
+        free(engine, updater)
+    return rows
+
+
+def main() -> None:
+    ap = mode_parser(__doc__, MODES)
+    ap.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed row out")
+    ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
+    args = ap.parse_args()
+    spec = dict(MODES[args.mode])
+    if spec["device"] == "cuda" and not torch.cuda.is_available():
+        sys.exit("--gpu needs a CUDA device; --quick runs the same code path on a CPU")
+    if spec["device"] == "cpu":
+        torch.set_num_threads(1)
+    use_deepspeed = spec["deepspeed"] and not args.no_deepspeed
+    if use_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            print("DeepSpeed is not installed: its row is left out (pip install -e '.[train]')")
+            use_deepspeed = False
+    from _models import qwen2_05b_dir
+
+    torch.manual_seed(0)
+    path = qwen2_05b_dir(args.cache_dir, dtype=spec["dtype"], **spec["shape"])
+    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed)]
+    device_name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "cpu"
+    print_table(rows, f"learner update vs a plain torch step, {path.name} on {device_name}")
+    ratios = {}
+    for name in spec["shapes"]:
+        mine = {r["method"].split(" (")[0]: r for r in rows if r["shape"] == name}
+        ratios[name] = {m: mine["plain torch"]["step_s"] / r["step_s"] for m, r in mine.items() if m != "plain torch"}
+        print(f"{name}: speed over plain torch " + ", ".join(f"{m} {v:.2f}x" for m, v in ratios[name].items()))
+    best = max((r["mfu"] for r in rows if r["mfu"] is not None and r["method"].startswith("learner")), default=None)
+    if best is not None:
+        print(f"best learner MFU {best:.1%} (target >= {TARGET_MFU:.0%})")
+    write_results("learner" if args.mode == "quick" else f"learner_{args.mode}", {
+        "mode": args.mode, "device": device_name,
+        "config": {**{k: v for k, v in spec.items() if k != "shapes"},
+                   "shapes": {k: dict(zip(("batch", "group", "prompt_tokens", "response_tokens", "micro_batch"), v))
+                              for k, v in spec["shapes"].items()}, "model": path.name},
+        "results": rows, "speed_over_plain": ratios, "best_learner_mfu": best, "target_mfu": TARGET_MFU,
+        "notes": "MFU = 6 x params x tokens / median step time / dense bf16 peak (989 TFLOP/s for an H100); "
+                 "tokens = every position of the batch (prompt and response); the learner's loss covers response tokens",
+    })
+
+
+if __name__ == "__main__":
+    main()
