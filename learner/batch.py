@@ -365,6 +365,92 @@ def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] 
     return body, head
 
 
+class _LinearLogprobs(torch.autograd.Function):
+    """Log-probs of ``ids`` under ``softmax(hidden @ weight.T / temperature)``, ``chunk`` rows at a
+    time, with the backward written out so no chunk's logits outlive it.
+
+    Forward per chunk: the head's matmul (bf16 in, bf16 out), one fp32 log-softmax read straight
+    from it, the gather; only the ``[N]`` results and the inputs are kept. Backward per chunk:
+    the matmul again, ``p = softmax`` from the same log-softmax, ``d logp_i / d z = onehot_i - p``
+    scaled by the incoming gradient and ``1 / temperature``, then ``grad_hidden = g @ W`` and
+    ``grad_W += g.T @ h`` (accumulated in the weight's dtype, as micro-batches accumulate). The
+    entropy (a statistic here: no gradient) comes from the forward's log-softmax,
+    ``H = -sum_v p_v log p_v``. The numbers are those of :func:`chunked_response_logprobs` without
+    its activation-checkpointed autograd graph: about half the passes over ``[chunk, V]``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy):  # noqa: ANN001
+        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        ent = torch.empty_like(logp) if with_entropy else None
+        for i in range(0, hidden.shape[0], chunk):
+            y = _chunk_log_softmax(hidden[i : i + chunk], weight, temperature)
+            logp[i : i + chunk] = y.gather(-1, ids[i : i + chunk, None]).squeeze(-1)
+            if ent is not None:
+                ent[i : i + chunk] = -(y.exp().unsqueeze(1) @ y.unsqueeze(2)).view(-1)
+            del y
+        ctx.save_for_backward(hidden, weight, ids)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ent = torch.zeros_like(logp) if ent is None else ent
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):  # noqa: ANN001
+        hidden, weight, ids = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for i in range(0, hidden.shape[0], ctx.chunk):
+            h, g = hidden[i : i + ctx.chunk], grad_logp[i : i + ctx.chunk].float()
+            p = _chunk_log_softmax(h, weight, ctx.temperature).exp_()  # softmax
+            dz = p.mul_(-g[:, None])  # -g * p, then + g at the sampled token: g * (onehot - p)
+            dz.scatter_add_(-1, ids[i : i + ctx.chunk, None], g[:, None])
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            dz = dz.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[i : i + ctx.chunk] = dz @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(dz.t(), h.to(weight.dtype))
+            del p, dz
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _chunk_log_softmax(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[n, V]`` fp32 log-softmax of ``h @ weight.T / temperature`` (a low-precision matmul's
+    output is read as fp32 by the log-softmax itself, no fp32 copy of the logits first)."""
+    z = h.to(weight.dtype) @ weight.t()
+    if temperature != 1.0:
+        return torch.log_softmax(z.float().div_(temperature), dim=-1)
+    return torch.log_softmax(z, dim=-1, dtype=torch.float32)
+
+
+def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of an LM head :class:`_LinearLogprobs` can run: a plain bias-free
+    ``nn.Linear`` whose weight is really there (not a LoRA layer, not a ZeRO-3 placeholder)."""
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    weight = head.weight
+    if hasattr(weight, "ds_id") or weight.numel() != head.in_features * head.out_features:
+        return None
+    return weight
+
+
+def fused_response_logprobs(
+    body: torch.nn.Module, weight: torch.Tensor, batch: TrainBatch, temperature: float, chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs of the response tokens at ``temperature`` (no top-k/top-p), and their
+    entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
+    :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits."""
+    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+    h = gather_response(hidden, batch)  # [B, T, H]
+    B, T = batch.response_ids.shape
+    logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
+                                      float(temperature), int(chunk_tokens), bool(with_entropy))
+    return logp.reshape(B, T), (ent.reshape(B, T) if with_entropy else None)
+
+
 def chunked_response_logprobs(
     body: torch.nn.Module, head: torch.nn.Module, batch: TrainBatch, process: Callable[[torch.Tensor], torch.Tensor],
     chunk_tokens: int, entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -39,8 +39,8 @@ import torch
 
 from learner import batch_advantages as batch_adv
 from learner.batch import (
-    BatchError, TrainBatch, check_stop_tokens, chunked_response_logprobs, collate, lm_parts, micro_batches,
-    response_logits, response_values,
+    BatchError, TrainBatch, check_stop_tokens, chunked_response_logprobs, collate, fused_head, fused_response_logprobs,
+    lm_parts, micro_batches, response_logits, response_values,
 )
 from learner.engines import TrainEngine, all_reduce_max, all_reduce_sum
 from learner.dpo_loss import dpo_loss
@@ -72,6 +72,11 @@ def importance_sampling(algo: AlgoConfig) -> ISConfig:
                           f"algo.{seq}mis_high: {exc}; fix them in the algo config") from None
 
 
+def no_filtering(rollout: Any) -> bool:
+    """Sampling without top-k or top-p (any temperature > 0): every token keeps a finite log-prob."""
+    return rollout.temperature > 0 and not (rollout.top_k or 0) > 0 and (rollout.top_p is None or rollout.top_p >= 1.0)
+
+
 def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
     """Whether pi_prox can be read off the training forward pass instead of a pass of its own.
 
@@ -88,7 +93,7 @@ def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
         return False
     if a.kl_coef > 0 and a.kl_mode == "reward":
         return False
-    if r.temperature == 0 or (r.top_k or 0) > 0 or (r.top_p is not None and r.top_p < 1.0):
+    if not no_filtering(r):
         return False
     return not has_dropout(module)
 
@@ -174,6 +179,10 @@ class PolicyUpdater:
         r = self.rollout
         model = self.engine.module if forward == self.engine.forward else forward
         parts = lm_parts(model) if mb.response_ids.numel() > self.lcfg.logits_chunk_tokens else None
+        weight = fused_head(parts[1]) if parts is not None else None
+        if weight is not None and not (entropy and self.algo.entropy_coef) and no_filtering(r):
+            # the common case (plain head, no top-k/top-p, entropy only a statistic): a written-out backward
+            return fused_response_logprobs(parts[0], weight, mb, r.temperature, self.lcfg.logits_chunk_tokens, entropy)
         if parts is not None:  # long responses x a large vocabulary: never all the logits at once
             logp, ent = chunked_response_logprobs(
                 *parts, mb, lambda x: process_logits(x, r.temperature, r.top_k, r.top_p), self.lcfg.logits_chunk_tokens,

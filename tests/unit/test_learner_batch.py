@@ -174,6 +174,51 @@ def test_stop_token_misfits_name_each_offending_sample():
     assert stop_token_misfits(samples, frozenset()) == []
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, temperature):
+    # The written-out backward of the fused head (chunks of 5 of the 21 response positions, the
+    # last chunk short) against autograd through one [B, T, V] logits tensor: log-probs,
+    # entropies (a statistic: no gradient) and every parameter's gradient, the tied head's too.
+    import copy
+
+    from learner.batch import fused_head, fused_response_logprobs, lm_parts
+    from learner.losses import entropy_from_logits
+    from rlhf_core.models import load_policy
+    from rlhf_core.sampling import process_logits, token_logprobs
+
+    model = load_policy(tiny_model_cfg)
+    twin = copy.deepcopy(model)
+    batch = collate([sample(prompt_ids=[1, 5 + i, 6], response_ids=[7 + j for j in range(3 + 2 * i)], group_id=f"g{i}")
+                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
+    full = process_logits(response_logits(model, batch), temperature, 0, 1.0)
+    want_logp, want_ent = token_logprobs(full, batch.response_ids), entropy_from_logits(full)
+    body, head = lm_parts(twin)
+    got_logp, got_ent = fused_response_logprobs(body, fused_head(head), batch, temperature, 5, True)
+    mask = batch.response_mask
+    torch.testing.assert_close(got_logp[mask], want_logp[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_ent[mask], want_ent[mask], rtol=0, atol=1e-5)
+    assert not got_ent.requires_grad
+    weights = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape)  # a different gradient per token
+    (want_logp * weights * mask).sum().backward()
+    (got_logp * weights * mask).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_head_only_for_a_plain_bias_free_linear():
+    from learner.batch import fused_head
+
+    plain = torch.nn.Linear(4, 6, bias=False)
+    assert fused_head(plain) is plain.weight
+    assert fused_head(torch.nn.Linear(4, 6)) is None  # a bias: the chunked path
+    class Wrapped(torch.nn.Linear):  # a subclass (a LoRA layer, a quantised head) may compute more
+        pass
+    assert fused_head(Wrapped(4, 6, bias=False)) is None
+    partitioned = torch.nn.Linear(4, 6, bias=False)
+    partitioned.weight = torch.nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves outside a forward
+    assert fused_head(partitioned) is None
+
+
 @pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
 def test_chunked_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, settings):
     # Chunks of 5 response positions (the batch has 3 x 7 = 21): the numbers and the gradients

@@ -309,19 +309,28 @@ def test_flops_and_mfu_of_an_update():
     assert peak_flops(torch.device("cpu"), 50.0) == 50e12  # learner.peak_tflops
 
 
-def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg):
-    # learner.logits_chunk_tokens=4: every micro-batch goes through the chunked LM head
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg, entropy_coef, monkeypatch):
+    # learner.logits_chunk_tokens=4: every micro-batch goes through the chunked LM head, by the
+    # fused head's written-out backward (entropy a statistic) or checkpointed autograd (an
+    # entropy bonus needs its gradient)
+    import learner.batch
+    import learner.update
     from learner.batch import lm_parts
 
     assert lm_parts(base) is not None  # the tiny Llama's body and head are found
+    fused_calls = []
+    real = learner.batch.fused_response_logprobs
+    monkeypatch.setattr(learner.update, "fused_response_logprobs", lambda *a: fused_calls.append(1) or real(*a))
     results, norms = [], []
     for chunk in (4, 10**6):
         up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk,
-                                                      "algo.entropy_coef": 0.01}))
+                                                      "algo.entropy_coef": entropy_coef}))
         norms.append(up.update(samples, 0)["learner/grad_norm"])
         results.append(params(up.engine.module))
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], params(base)) > 5e-4
+    assert bool(fused_calls) == (entropy_coef == 0.0)
 
 
 def test_prox_comes_from_the_training_pass_only_when_provably_the_same():
