@@ -149,10 +149,13 @@ def test_decoupled_equals_ppo_on_policy_and_differs_on_stale_samples(base, sampl
     assert max_diff(trained(samples, "decoupled"), trained(samples, "ppo")) < 1e-6
     # samples from other weights (a "stale" behaviour policy): the IS weight now matters
     other = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(1)  # not the global RNG: what ran before must not pick the samples
     with torch.no_grad():
         for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
     stale = generate_samples(other, PROMPTS[:2], 4, 6, seed=2, reward_fn=digit_reward)
+    # a group whose rewards differ (else no advantage, no update, and nothing to tell apart)
+    assert any(len({s.reward for s in stale if s.group_id == gid}) > 1 for gid in {s.group_id for s in stale})
     assert max_diff(trained(stale, "decoupled"), trained(stale, "ppo")) > 1e-5
 
 
