@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU figures in one command, for a lent GPU machine (no registry there: the wheels it lacks
-# travel in .gpu-kit/, built here by ../shared/tools/gpu-kit.sh plus TRL's, see bench/README
-# lines in the README's Benchmarks section). Each step runs under its own time limit and a
-# failing step does not stop the next; JSON and a log per step go to $OUT (or bench/results).
+# Every GPU figure of the README's bench table, on one CUDA machine: the project importable with
+# its train and baseline extras (DeepSpeed, TRL) and redis-server on the PATH. Each step runs
+# under its own time limit and a failing step does not stop the next; JSON and a log per step
+# go to $OUT (default bench/results). Two commands, each well under 10 minutes on an H100:
 #
-#   source .gpu-kit/activate.sh && bash bench/gpu.sh generation learner tests   # ~6 min on an H100
-#   source .gpu-kit/activate.sh && bash bench/gpu.sh vs_trl                      # ~5 min
+#   bash bench/gpu.sh generation learner tests    # ~4 min
+#   bash bench/gpu.sh vs_trl                      # ~3 min (VS_TRL_UPDATES=8 updates per system)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
