@@ -21,7 +21,7 @@ then the median of ``repeats`` timed ones (synchronised).
 
 Modes:
 
-- ``--quick`` (default): the ``--gpu`` code path on a CPU with a 2-layer Qwen2-shaped model:
+- ``--quick`` (default): the ``--gpu`` code path on a CPU with a 2-layer, 256-wide Qwen2-shaped model:
   checks the bench, no MFU (a CPU has no peak here), the learner / plain time ratio only.
 - ``--gpu``: a Qwen2-0.5B-shaped model (bf16), batch 64, group 8, 128 + 256 tokens, micro-batch 16
   (the shape of ``vs_trl.py --gpu``), and the 16 x 512 single micro-batch step.
@@ -57,7 +57,9 @@ SHAPES = {
     "16x512 one micro-batch": (16, 8, 256, 256, 16),
 }
 MODES: dict[str, dict[str, Any]] = {
-    "quick": dict(device="cpu", dtype="float32", shape=dict(num_hidden_layers=2, vocab_size=4096), warmup=1, repeats=2,
+    "quick": dict(device="cpu", dtype="float32", warmup=1, repeats=2,
+                  shape=dict(num_hidden_layers=2, vocab_size=4096, hidden_size=256, intermediate_size=704,
+                             num_attention_heads=4, num_key_value_heads=2),
                   shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False),
     "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True),
 }

@@ -30,6 +30,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed: pip install -e '.[ray]' (CI installs it)")
 
 from buffer import Buffer, RunKeys  # noqa: E402
+from buffer.keys import WORKERS_GROUP  # noqa: E402
 from rlhf_core import metric_names as M  # noqa: E402
 from servers import wait_for  # noqa: E402
 from test_run import Lines, base_overrides, child_env, leases_taken_over, pid_alive, script  # noqa: E402
@@ -213,7 +214,10 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
     assert summary["dead_letters"] == 0 and snap["depth"]["dead_letters"] == 0, output[-3000:]
-    assert snap["depth"]["prompts_leased"] == 0 and snap["depth"]["samples_inflight"] == 0, snap["depth"]
+    # seen once with the suite on two loaded cores: 2 leases left after Ctrl-C; say whose, and what the run printed
+    holders = r.xpending(RunKeys.for_run(run_id).prompts, WORKERS_GROUP)["consumers"]
+    assert snap["depth"]["prompts_leased"] == 0 and snap["depth"]["samples_inflight"] == 0, \
+        (snap["depth"], holders, actors(out), output[-4000:])
     assert "restarting worker-0 (restart 1 of 5" in output and "restarting worker-0 (restart 2 of 5" in output
     assert "worker-0 exited with code -9 (the actor died" in output
     assert "scaling the workers from 2 to 3" in output and "scaling the workers from 3 to 1" in output
