@@ -556,6 +556,10 @@ class RayLauncher(Launcher):
             p.where_ref = None  # nothing more starts
             if p.run_ref is not None and p.placed is not None:
                 self.signal(p, signal.SIGTERM)
+        # The grace is the roles' (a worker drains, then releases its leases): it starts once the
+        # signals have landed, each a Ray task started on its node, which can take seconds on busy cores.
+        if self._signals:
+            ray.wait(list(self._signals), num_returns=len(self._signals), timeout=grace)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             running = {p.run_ref: p for p in self.actors if p.run_ref is not None}
