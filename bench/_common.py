@@ -28,6 +28,14 @@ def mode_parser(doc: str | None, modes: Sequence[str] = ("quick", "full")) -> ar
     ap.set_defaults(mode=next(iter(modes)))
     return ap
 
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a host clock times it."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),

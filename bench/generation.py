@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, sync_device, write_results  # noqa: E402
 
 SKEWED = dict(kind="skewed", long_every=8, long_factor=8)
 MODES = {
@@ -83,11 +83,6 @@ def make_lengths(workload: dict, n: int, seed: int = 0) -> list[int]:
     return [median * workload["long_factor"] if x is None else x for x in lengths]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_generate(model, tokenizer, prompts, lengths, slots: int, device: str) -> dict:
     """Static batches of ``slots`` through ``model.generate``."""
     from transformers import GenerationConfig
@@ -102,7 +97,7 @@ def run_generate(model, tokenizer, prompts, lengths, slots: int, device: str) ->
             out = model.generate(**enc, generation_config=gen_cfg)
         assert out.shape[1] - enc["input_ids"].shape[1] == max(want), "generate stopped early"
         steps += max(want)
-    _sync(device)
+    sync_device(device)
     return dict(seconds=time.perf_counter() - start, tokens=sum(lengths), decode_steps=steps)
 
 

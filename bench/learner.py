@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, sync_device, write_results  # noqa: E402
 
 SHAPES = {
     # name: (batch, group, prompt tokens, response tokens, micro-batch)
@@ -85,11 +86,6 @@ def synthetic_samples(batch: int, group: int, prompt_tokens: int, response_token
     return out
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn: Callable[[], Any], warmup: int, repeats: int, device: str) -> tuple[float, Any]:
     """Median seconds of ``repeats`` calls after ``warmup``, and the last call's result."""
     out = None
@@ -97,10 +93,10 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int, device: str) -> tupl
         out = fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
 
@@ -120,13 +116,9 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     return total
 
 
-def compose(overrides: list[str]):
-    from e2e import compose as hydra_compose
-
-    return hydra_compose(overrides)
-
-
 def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str):
+    from e2e import compose
+
     batch, group, prompt_tokens, response_tokens, micro = shape
     return compose([
         "model=hf", f"model.path={path}", f"model.dtype={spec['dtype']}", f"model.device={spec['device']}",
@@ -136,8 +128,9 @@ def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], eng
     ])
 
 
-def free(*objs: Any) -> None:
-    del objs
+def release_memory() -> None:
+    """Collect what the caller just dropped and hand its cached GPU memory back, so the next
+    method's peak memory is its own."""
     import gc
 
     gc.collect()
@@ -173,10 +166,11 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     params = sum(p.numel() for p in model.parameters())
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds, _ = timed(lambda: plain_step(model, opt, ids, micro), warmup, repeats, device)
+    seconds, _ = timed(partial(plain_step, model, opt, ids, micro), warmup, repeats, device)
     rows.append(row("plain torch (bf16 weights, full logits)" if spec["dtype"] == "bfloat16" else "plain torch",
                     seconds, params, ids.numel()))
-    free(model, opt)
+    del model, opt
+    release_memory()
 
     engines = ["torch"] + (["deepspeed"] if use_deepspeed else [])
     for engine_name in engines:
@@ -185,10 +179,10 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
         try:
             engine = make_engine(cfg, load_policy(cfg.model))
             updater = PolicyUpdater(cfg, engine)
-            version = iter(range(10**6))
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            seconds, metrics = timed(lambda: updater.update(samples, next(version)), warmup, repeats, device)
+            # the same version each time: it only seeds the minibatch order and the staleness metrics
+            seconds, metrics = timed(partial(updater.update, samples, 0), warmup, repeats, device)
         except Exception as exc:  # noqa: BLE001 - DeepSpeed's start can fail on a machine; keep the other rows
             if engine_name == "torch":
                 raise
@@ -196,7 +190,8 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
             rows.append({**row(label, float("nan"), params, ids.numel()), "error": f"{type(exc).__name__}: {exc}"})
             continue
         rows.append(row(label, seconds, params, ids.numel(), metrics.get(M.MFU)))
-        free(engine, updater)
+        del engine, updater
+        release_memory()
     return rows
 
 
