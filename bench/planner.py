@@ -134,44 +134,39 @@ class Window:
         return (self.last[2] - self.first[2]) / (self.last[1] - self.first[1])
 
 
-def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup: int, reference_s: float) -> dict:
+def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup: int) -> tuple[dict, object]:
     from e2e import compose
     from rlhf_run.launch import run_launcher
+    from rlhf_run.plan.measure import steady_rate
 
     cfg = compose([f"learner.max_updates={updates}", "run.progress=false", *overrides])
     out = workdir / re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")  # a path Hydra overrides can carry
     load0 = os.getloadavg()[0]
-    from rlhf_run.plan.measure import Probe
-
-    with Window(out / "metrics.jsonl", warmup) as window, Probe() as probe:
+    with Window(out / "metrics.jsonl", warmup) as window:
         code = run_launcher(cfg, out)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    w = rows[warmup:]
-    rate = (w[-1]["learner/samples_trained"] - w[0]["learner/samples_trained"]) / (w[-1]["time"] - w[0]["time"])
+    rate, staleness = steady_rate(out, warmup)
     summary = json.loads((out / "summary.json").read_text())
     return {
-        "exit_code": code, "trained_samples_per_s": rate,
-        "staleness_mean": statistics.fmean(r["staleness/mean"] for r in w[1:]),
+        "exit_code": code, "trained_samples_per_s": rate, "staleness_mean": staleness,
         "samples_dropped": summary["buffer_counters"].get("samples_dropped_stale", 0),
         "summary_trained_samples_per_s": summary["throughput"]["trained_samples_per_s"],
         "background_cores": window.background(), "our_cores": window.ours(), "loadavg_1m": [load0, os.getloadavg()[0]],
-        "slowdown": probe.slowdown(reference_s, *window.span()) if window.span() else None,
     }, cfg
 
 
-def background_demand(profile, plan, used: float, slowdown: float, updates: int, warmup: int) -> tuple[float, object]:
+def background_demand(profile, plan, used: float, updates: int, warmup: int) -> tuple[float, object]:
     """The other jobs' demand (runnable threads) under which the simulated run leaves them ``used``
     cores, as they got during the measured run: the cores they used depend on how busy ours
     were, so the measured use is matched, not copied (bisection; returns it and the simulation)."""
     from rlhf_run.plan.simulate import simulate
 
     lo, hi = 0.0, 6.0
-    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0, slowdown=slowdown)
+    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0)
     if used <= 0.01:
         return 0.0, best
     for _ in range(8):
         mid = (lo + hi) / 2
-        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid, slowdown=slowdown)
+        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid)
         if sim.background_cores_used < used:
             lo = mid
         else:
@@ -189,33 +184,31 @@ def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, wa
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
         for rep in range(reps):  # all configurations once, then again: a change of load hits them all
             for name, overrides in configs.items():
-                m, cfg = measure(f"{name}-r{rep}", overrides, Path(tmp), updates, warmup, profile.machine.reference_s)
+                m, cfg = measure(f"{name}-r{rep}", overrides, Path(tmp), updates, warmup)
                 plan = plan_from_config(cfg)
                 plans[name] = plan
                 bg = m["background_cores"] or 0.0
-                slow = m["slowdown"] or 1.0
-                demand, pred = background_demand(profile, plan, bg, slow, updates, warmup)
+                demand, pred = background_demand(profile, plan, bg, updates, warmup)
                 m["background_demand"] = demand
                 m["predicted"] = {"trained_samples_per_s": pred.trained_samples_per_s, "staleness_mean": pred.staleness_mean,
                                   "background_cores_used": pred.background_cores_used}
                 runs[name].append(m)
                 print(f"  {name} run {rep + 1}: measured {m['trained_samples_per_s']:.0f} samples/s, staleness "
-                      f"{m['staleness_mean']:.2f} (other jobs {bg:.2f} cores, cores {slow:.2f}x slower); predicted "
+                      f"{m['staleness_mean']:.2f} (other jobs {bg:.2f} cores); predicted "
                       f"{pred.trained_samples_per_s:.0f}, {pred.staleness_mean:.2f}", flush=True)
     rows = []
     for name, ms in runs.items():
         med = lambda key: statistics.median(m[key] for m in ms)  # noqa: E731
         pmed = lambda key: statistics.median(m["predicted"][key] for m in ms)  # noqa: E731
         bg = statistics.median(m["background_cores"] or 0.0 for m in ms)
-        slow = statistics.median(m["slowdown"] or 1.0 for m in ms)
-        quiet_pred = simulate(profile, plans[name], updates=updates, warmup=warmup, background=0.0, slowdown=1.0)
+        quiet_pred = simulate(profile, plans[name], updates=updates, warmup=warmup, background=0.0)
         meas, pred = med("trained_samples_per_s"), pmed("trained_samples_per_s")
         rows.append({
             "config": name, "overrides": configs[name], "runs": len(ms),
             "measured_samples_per_s": meas, "predicted_samples_per_s": pred, "error": (pred - meas) / meas,
             "measured_staleness": med("staleness_mean"), "predicted_staleness": pmed("staleness_mean"),
             "staleness_error": pmed("staleness_mean") - med("staleness_mean"),
-            "background_cores": bg, "slowdown": slow, "predicted_quiet_samples_per_s": quiet_pred.trained_samples_per_s,
+            "background_cores": bg, "predicted_quiet_samples_per_s": quiet_pred.trained_samples_per_s,
             "plan": asdict(plans[name]), "per_run": ms,
         })
     return rows
@@ -267,8 +260,7 @@ def main() -> None:
         print("search's pick for this machine: " + " ".join(configs["search pick"]), flush=True)
     rows = validate(profile, configs, reps, updates, args.warmup)
     print_table([{k: v for k, v in r.items() if k in ("config", "measured_samples_per_s", "predicted_samples_per_s", "error",
-                                                       "measured_staleness", "predicted_staleness", "background_cores",
-                                                       "slowdown")}
+                                                       "measured_staleness", "predicted_staleness", "background_cores")}
                  for r in rows], "planner: predicted vs measured (medians of each configuration's runs)")
     grid = [r for r in rows if r["config"] != "search pick"]
     errors = [abs(r["error"]) for r in grid]

@@ -60,13 +60,11 @@ class Proc:
 
 
 class Kernel:
-    def __init__(self, mode: str = "cpu", cores: float = 2.0, contention: float = 1.0, background: float = 0.0,
-                 slowdown: float = 1.0) -> None:
+    def __init__(self, mode: str = "cpu", cores: float = 2.0, contention: float = 1.0, background: float = 0.0) -> None:
         if mode not in ("cpu", "device"):
             raise ValueError(f"mode must be cpu or device, got {mode!r}")
         self.device = mode == "device"
         self.cores, self.contention, self.background = float(cores), float(contention), float(background)
-        self.slowdown = max(1.0, float(slowdown))  # every core runs this much slower (other jobs' caches, the host)
         self.now = 0.0
         self.work = 0.0  # work done by each busy thread since the start (the shared counter)
         self.share = 0.0  # core-seconds used by each busy thread since the start
@@ -83,18 +81,17 @@ class Kernel:
     # ------------------------------------------------------------------ rates
 
     def rate(self, busy: int) -> float:
-        """Work per second of each busy thread when ``busy`` of ours are busy (``slowdown`` applies
-        to the cores themselves: in ``cpu`` mode only)."""
+        """Work per second of each busy thread when ``busy`` of ours are busy."""
         return self._rates[busy] if busy < 64 else self._rate(busy)
 
     def _rate(self, busy: int) -> float:
         if self.device:
             return 1.0
         if busy == 0:
-            return 1.0 / self.slowdown
+            return 1.0
         n = busy + self.background
         slow = 1.0 + (self.contention - 1.0) * min(1.0, max(0.0, n - 1.0))
-        return min(1.0, self.cores / n) / (slow * self.slowdown)
+        return min(1.0, self.cores / n) / slow
 
     def _core_share(self, busy: int) -> float:
         """The share of a core each busy thread (ours or the background's) gets."""

@@ -15,15 +15,16 @@ figures little, and the simulator adds the sharing back):
    batches of 1/4 .. 4x ``learner.batch_size`` (and half the micro-batch);
 4. **weight sync**: publish and pull of the policy (and of a 4x larger set of tensors, for the
    cost per byte) through the weight server;
-5. **the machine**: how much slower two busy processes run than one (``contention``), the
-   launcher's once-a-second work, and the cores other jobs kept busy meanwhile.
+5. **the machine**: the launcher's once-a-second work and the cores other jobs kept busy
+   meanwhile; then how much slower the processes run beside each other than alone
+   (``contention``), fitted to a short real run of the same config (:func:`fit_contention`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -112,59 +113,6 @@ class BackgroundMeter:
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
-
-
-def reference_op(forwards: int = 5) -> Callable[[], float]:
-    """A fixed piece of work like the pipeline's (forward passes of a tiny Llama on one thread);
-    the returned function runs it and returns the CPU seconds it took. On a quiet core it takes
-    a fixed time; other jobs slow it down (shared caches, memory bandwidth, the host's sharing of
-    the virtual cores), which is what :class:`Probe` reads during a run."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4)).eval()
-    x = torch.randint(0, 100, (32, 8), generator=torch.Generator().manual_seed(0))
-
-    def op() -> float:
-        with torch.inference_mode():
-            t0 = time.thread_time()
-            for _ in range(forwards):
-                model(x)
-            return time.thread_time() - t0
-
-    op()  # warm-up
-    return op
-
-
-class Probe:
-    """Runs :func:`reference_op` every ``interval_s`` on a thread: how much slower than on a quiet
-    core the machine runs the same work now (``samples``: (time, CPU seconds))."""
-
-    def __init__(self, interval_s: float = 0.5) -> None:
-        self.op = reference_op()
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="probe", daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.samples.append((time.monotonic(), self.op()))
-
-    def __enter__(self) -> "Probe":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def slowdown(self, reference_s: float, since: float = 0.0, until: float = float("inf")) -> float | None:
-        xs = [c for t, c in self.samples if since <= t <= until]
-        return max(1.0, statistics.fmean(xs) / reference_s) if xs and reference_s > 0 else None
 
 
 # ---- the stages ---------------------------------------------------------------------------
@@ -380,39 +328,64 @@ def measure_sync(cfg: Any, reps: int = 5) -> Sync:
                 pull_base=max(0.0, pull_s - per_byte_pull * b_s), pull_per_byte=per_byte_pull)
 
 
-def _busy_loop(n: int, out: Any) -> None:
-    """A fixed amount of single-threaded compute; puts its CPU seconds on ``out``."""
-    import torch
+def steady_rate(metrics: Path, warmup: int) -> tuple[float, float]:
+    """A run's trained samples/s from the learner's update ``warmup`` to its last (start-up and
+    torch's warm-up left out, as the simulator's ``warmup`` does) and its mean staleness over the
+    same updates, from its ``metrics.jsonl``."""
+    from rlhf_core.metric_names import METRICS_FILE, SAMPLES_TRAINED, STALENESS_MEAN, TIME
 
-    torch.set_num_threads(1)
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
-    t0 = time.process_time()
-    for _ in range(n):
-        for _ in range(20):
-            a = torch.tanh(a @ b)
-    out.put(time.process_time() - t0)
+    path = metrics if metrics.name == METRICS_FILE else metrics / METRICS_FILE
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][warmup:]
+    if len(rows) < 2:
+        raise RuntimeError(f"{path} has {len(rows) + warmup} updates: at least {warmup + 2} are needed for a rate")
+    rate = (rows[-1][SAMPLES_TRAINED] - rows[0][SAMPLES_TRAINED]) / (rows[-1][TIME] - rows[0][TIME])
+    return rate, statistics.fmean(r[STALENESS_MEAN] for r in rows[1:])
 
 
-def measure_contention(n: int = 4000, rounds: int = 2) -> float:
-    """CPU seconds per operation with two busy processes over one alone (the cores' sharing of
-    caches and memory bandwidth, or SMT siblings). Forked: the children start with torch loaded."""
-    ctx = multiprocessing.get_context("fork")
+def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int = 20) -> dict[str, Any]:
+    """How much slower each busy thread runs while others are busy, fitted to a short real run.
 
-    def run(k: int) -> list[float]:
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_busy_loop, args=(n, out), daemon=True) for _ in range(k)]
-        for proc in procs:
-            proc.start()
-        times = [out.get(timeout=600) for _ in procs]
-        for proc in procs:
-            proc.join()
-        return times
+    The stages above are timed alone; in a run the processes slow each other down, and by how
+    much depends on the work: on the 2-core VM this was built on, a matmul loop beside another
+    ran 1.0x slower, a tiny model's forward 1.0x beside another forward but 1.7x beside a
+    syscall-heavy process (the run's Redis and ZeroMQ traffic is one). No synthetic pair stood
+    for the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates
+    (in-process launcher, private Redis) and the profile's ``contention`` is set, by bisection,
+    to the value under which the simulator reproduces the run's steady trained samples/s, with
+    the cores other jobs used meanwhile given to it as background. Returns what was fitted."""
+    from rlhf_run.launch import run_launcher
+    from rlhf_run.plan.search import plan_from_config
+    from rlhf_run.plan.simulate import simulate
 
-    solo, pair = [], []
-    for _ in range(rounds):
-        solo += run(1)
-        pair += run(2)
-    return max(1.0, _median(pair) / max(_median(solo), 1e-9))
+    run_cfg = dataclasses.replace(
+        cfg, launcher="local", resume=None,
+        buffer=dataclasses.replace(cfg.buffer, url=None),
+        weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
+        learner=dataclasses.replace(cfg.learner, max_updates=updates),
+        run=dataclasses.replace(cfg.run, progress=False))
+    with tempfile.TemporaryDirectory(prefix="rlhf-plan-fit-") as tmp:
+        meter = BackgroundMeter()
+        code = run_launcher(run_cfg, Path(tmp))
+        background = meter.cores()
+        if code != 0:
+            raise RuntimeError(f"the calibration's short run of this config failed (exit {code}); run it with rlhf-run "
+                               "to see why")
+        measured, _ = steady_rate(Path(tmp), warmup)
+    plan = plan_from_config(cfg)
+
+    def rate(c: float) -> float:
+        p = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
+        return simulate(p, plan, updates=updates, warmup=warmup, background=background).trained_samples_per_s
+
+    lo, hi = 1.0, 4.0
+    if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
+        hi = lo
+    for _ in range(12):  # the simulated rate falls as contention rises
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
+    profile.machine.contention = (lo + hi) / 2
+    return {"updates": updates, "warmup": warmup, "measured_samples_per_s": round(measured, 1),
+            "background_cores": round(background, 3), "contention": round(profile.machine.contention, 3)}
 
 
 def measure_launcher(buf: Any, reps: int = 5) -> float:
@@ -447,8 +420,6 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     meter = BackgroundMeter()
-    op = reference_op()
-    reference = [op() for _ in range(10)]
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlhf-plan-") as tmp:
         out = Path(tmp)
@@ -479,12 +450,10 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
             redis.stop()
     sync = measure_sync(cfg, reps=3 if quick else 5)
     sync.snapshot_base = lstage["snapshot_s"]
-    contention = measure_contention(n=1000 if quick else 4000)
-    reference += [op() for _ in range(10)]
     background = meter.cores()
     torch.set_num_threads(threads)
     lc = _learner_costs(coef, lstage)
-    return Profile(
+    profile = Profile(
         kind="gpu" if identity_of(cfg)["device"] == "cuda" else "cpu",
         identity=identity_of(cfg),
         source={"how": "calibration", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -492,13 +461,18 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
                 "background_cores": round(background, 3), "loadavg": os.getloadavg(),
                 "torch_threads": torch.get_num_threads(), "samples": len(samples),
                 "learner_update_s_in_run": lstage["update_s"]},
-        machine=Machine(cores=float(len(os.sched_getaffinity(0))), contention=contention, background=0.0,
-                        launcher_per_s=launcher, reference_s=min(reference)),
+        machine=Machine(cores=float(len(os.sched_getaffinity(0))), contention=1.0, background=0.0,
+                        launcher_per_s=launcher),
         generation=gen, worker=worker, learner=lc, sync=sync,
-        notes=["costs are CPU seconds of the thread doing the work, measured alone; machine.background is the "
-               "load of other jobs assumed during a run (0: a quiet machine); pass --background to simulate a "
-               "busy one"],
+        notes=["costs are CPU seconds of the thread doing the work, measured alone; machine.contention is fitted "
+               "to a short run of the same config (source.contention_fit); machine.background is the load of "
+               "other jobs assumed during a run (0: a quiet machine); pass --background to simulate a busy one"],
     )
+    if profile.kind == "cpu":  # on GPUs each process owns its device: no sharing of cores to fit
+        profile.source["contention_fit"] = fit_contention(profile, cfg, updates=60 if quick else 160,
+                                                          warmup=10 if quick else 30)
+        profile.source["seconds"] = round(time.monotonic() - t_start, 1)
+    return profile
 
 
 def _learner_costs(coef: list[float], stage: dict[str, float]) -> Learner:

@@ -36,7 +36,7 @@ from typing import Any
 
 from rlhf_core.errors import UserError
 
-SCHEMA = 1
+SCHEMA = 2  # 2: machine.contention fitted to a run; reference_s and slowdown gone
 KINDS = ("cpu", "gpu")
 
 
@@ -164,11 +164,9 @@ class Sync:
 @dataclass
 class Machine:
     cores: float = 2.0  # cpu: cores the run's processes share
-    contention: float = 1.0  # cpu: slowdown of each busy thread while two or more are busy
+    contention: float = 1.0  # cpu: slowdown of each busy thread while two or more are busy (fitted to a run)
     background: float = 0.0  # cpu: cores kept busy by other work during the calibration
     launcher_per_s: float = 0.0  # cpu: core-seconds per second of the launcher's own work
-    reference_s: float = 0.0  # cpu: measure.reference_op's CPU seconds on a quiet core (other jobs' slowdown)
-    slowdown: float = 1.0  # cpu: every cost x this (a core slowed by other jobs; 1: quiet)
     gpus_per_node: int = 8  # gpu
     device_memory_bytes: float = 0.0  # gpu: memory of one device
 

@@ -163,16 +163,14 @@ class _Worker:
 class Simulation:
     """One simulated run of ``plan`` with ``profile``'s costs. ``run()`` returns a :class:`SimResult`."""
 
-    def __init__(self, profile: Profile, plan: Plan, seed: int = 0, background: float | None = None,
-                 slowdown: float | None = None) -> None:
+    def __init__(self, profile: Profile, plan: Plan, seed: int = 0, background: float | None = None) -> None:
         if plan.workers < 1:
             raise ValueError("the simulation needs at least one worker")
         self.p, self.plan = profile, plan
         m = profile.machine
         mode = "cpu" if profile.kind == "cpu" else "device"
         self.k = Kernel(mode, cores=m.cores, contention=m.contention,
-                        background=m.background if background is None else background,
-                        slowdown=m.slowdown if slowdown is None else slowdown)
+                        background=m.background if background is None else background)
         rng = random.Random(seed)
         self.response_len = _Sampler(profile.generation.response_tokens, rng)
         self.prompt_len = _Sampler(profile.generation.prompt_tokens, rng)
@@ -598,8 +596,8 @@ def same_run(plan: Plan, result: SimResult, other: Plan) -> bool:
 
 
 def simulate(profile: Profile, plan: Plan, updates: int = 300, warmup: int = 20, seed: int = 0,
-             background: float | None = None, slowdown: float | None = None) -> SimResult:
+             background: float | None = None) -> SimResult:
     """Simulate ``updates`` learner updates of ``plan`` (rates over those after ``warmup``).
-    ``background``: other jobs' runnable threads; ``slowdown``: how much slower they make a core
-    (CPU profiles; default: the profile's ``machine`` values)."""
-    return Simulation(profile, plan, seed=seed, background=background, slowdown=slowdown).run(updates=updates, warmup=warmup)
+    ``background``: other jobs' runnable threads (CPU profiles; default: the profile's
+    ``machine.background``)."""
+    return Simulation(profile, plan, seed=seed, background=background).run(updates=updates, warmup=warmup)

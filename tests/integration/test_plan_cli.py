@@ -73,6 +73,13 @@ def test_calibration_on_this_machine_feeds_the_simulator(tmp_path):
     doc = json.loads(sim.stdout)
     assert (doc["plan"]["slots"], doc["plan"]["batch_size"]) == (8, 16)  # the profile's own setup comes first
     assert doc["result"]["trained_samples_per_s"] > 0
+    # contention is fitted so the simulator reproduces a short real run of the same config
+    fit = profile["source"]["contention_fit"]
+    assert fit["measured_samples_per_s"] > 0 and profile["machine"]["contention"] == pytest.approx(fit["contention"], abs=1e-3)
+    if 1.001 < fit["contention"] < 3.99:  # not clamped at either end of the bisection
+        same = plan("simulate", "--profile", "p.json", "--updates", str(fit["updates"]), "--warmup", str(fit["warmup"]),
+                    "--background", str(fit["background_cores"]), "--json", cwd=tmp_path)
+        assert json.loads(same.stdout)["result"]["trained_samples_per_s"] == pytest.approx(fit["measured_samples_per_s"], rel=0.03)
 
 
 def test_refusals_name_the_problem(tmp_path):
