@@ -125,9 +125,6 @@ class Window:
         (_, t0, o0, b0), (_, t1, o1, b1) = self.first, self.last
         return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
 
-    def span(self) -> tuple[float, float] | None:
-        return (self.first[1], self.last[1]) if self.first and self.last else None
-
     def ours(self) -> float | None:
         if not self.first or not self.last or self.last[1] <= self.first[1]:
             return None
