@@ -79,7 +79,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         validate(cfg)
         print(f"calibrating {cfg.model.name} / {cfg.rollout.engine} / {cfg.learner.engine} on this machine "
-              "(about a minute: every stage alone, then a short run of this config to fit how much the processes "
+              "(about a minute: every stage alone, then three short runs of this config to fit how much the processes "
               "slow each other)...", flush=True)
         profile = calibrate(cfg, prompts=args.prompts, quick=args.quick)
         profile.source["overrides"] = list(args.overrides)

@@ -17,11 +17,12 @@ figures little, and the simulator adds the sharing back):
    cost per byte) through the weight server;
 5. **the machine**: the launcher's once-a-second work and the cores other jobs kept busy
    meanwhile; then how much slower the processes run beside each other than alone
-   (``contention``), fitted to a short real run of the same config (:func:`fit_contention`).
+   (``contention``), fitted to short real runs of the same config (:func:`fit_contention`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -342,35 +343,41 @@ def steady_rate(metrics: Path, warmup: int) -> tuple[float, float]:
     return rate, statistics.fmean(r[STALENESS_MEAN] for r in rows[1:])
 
 
-def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int = 20) -> dict[str, Any]:
-    """How much slower each busy thread runs while others are busy, fitted to a short real run.
+def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int = 20, runs: int = 3) -> dict[str, Any]:
+    """How much slower each busy thread runs while others are busy, fitted to short real runs.
 
     The stages above are timed alone; in a run the processes slow each other down, and by how
     much depends on the work: on the 2-core VM this was built on, a matmul loop beside another
     ran 1.0x slower, a tiny model's forward 1.0x beside another forward but 1.7x beside a
     syscall-heavy process (the run's Redis and ZeroMQ traffic is one). No synthetic pair stood
-    for the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates
-    (in-process launcher, private Redis) and the profile's ``contention`` is set, by bisection,
-    to the value under which the simulator reproduces the run's steady trained samples/s, with
-    the cores other jobs used meanwhile given to it as background. Returns what was fitted."""
+    for the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates,
+    ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
+    from run to run there, so one run's luck would set every prediction) and the profile's
+    ``contention`` is set, by bisection, to the value under which the simulator reproduces the
+    runs' median steady trained samples/s, with the cores other jobs used meanwhile (median)
+    given to it as background. Returns what was fitted."""
     from rlhf_run.launch import run_launcher
     from rlhf_run.plan.search import plan_from_config
     from rlhf_run.plan.simulate import simulate
 
-    run_cfg = dataclasses.replace(
-        cfg, launcher="local", resume=None,
-        buffer=dataclasses.replace(cfg.buffer, url=None),
-        weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
-        learner=dataclasses.replace(cfg.learner, max_updates=updates),
-        run=dataclasses.replace(cfg.run, progress=False))
-    with tempfile.TemporaryDirectory(prefix="rlhf-plan-fit-") as tmp:
-        meter = BackgroundMeter()
-        code = run_launcher(run_cfg, Path(tmp))
-        background = meter.cores()
-        if code != 0:
-            raise RuntimeError(f"the calibration's short run of this config failed (exit {code}); run it with rlhf-run "
-                               "to see why")
-        measured, _ = steady_rate(Path(tmp), warmup)
+    rates, loads = [], []
+    for _ in range(runs):
+        # a fresh copy each time: the launcher writes its Redis URL and run id into the config
+        run_cfg = copy.deepcopy(dataclasses.replace(
+            cfg, launcher="local", resume=None,
+            buffer=dataclasses.replace(cfg.buffer, url=None),
+            weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
+            learner=dataclasses.replace(cfg.learner, max_updates=updates),
+            run=dataclasses.replace(cfg.run, progress=False)))
+        with tempfile.TemporaryDirectory(prefix="rlhf-plan-fit-") as tmp:
+            meter = BackgroundMeter()
+            code = run_launcher(run_cfg, Path(tmp))
+            loads.append(meter.cores())
+            if code != 0:
+                raise RuntimeError(f"the calibration's short run of this config failed (exit {code}); run it with "
+                                   "rlhf-run to see why")
+            rates.append(steady_rate(Path(tmp), warmup)[0])
+    measured, background = statistics.median(rates), statistics.median(loads)
     plan = plan_from_config(cfg)
 
     def rate(c: float) -> float:
@@ -384,7 +391,8 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
     profile.machine.contention = (lo + hi) / 2
-    return {"updates": updates, "warmup": warmup, "measured_samples_per_s": round(measured, 1),
+    return {"updates": updates, "warmup": warmup, "runs_samples_per_s": [round(r, 1) for r in rates],
+            "measured_samples_per_s": round(measured, 1),
             "background_cores": round(background, 3), "contention": round(profile.machine.contention, 3)}
 
 
@@ -465,12 +473,12 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
                         launcher_per_s=launcher),
         generation=gen, worker=worker, learner=lc, sync=sync,
         notes=["costs are CPU seconds of the thread doing the work, measured alone; machine.contention is fitted "
-               "to a short run of the same config (source.contention_fit); machine.background is the load of "
+               "to short runs of the same config (source.contention_fit); machine.background is the load of "
                "other jobs assumed during a run (0: a quiet machine); pass --background to simulate a busy one"],
     )
     if profile.kind == "cpu":  # on GPUs each process owns its device: no sharing of cores to fit
-        profile.source["contention_fit"] = fit_contention(profile, cfg, updates=60 if quick else 160,
-                                                          warmup=10 if quick else 30)
+        profile.source["contention_fit"] = fit_contention(profile, cfg, updates=60 if quick else 100,
+                                                          warmup=10 if quick else 20, runs=1 if quick else 3)
         profile.source["seconds"] = round(time.monotonic() - t_start, 1)
     return profile
 
