@@ -347,10 +347,10 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     """How much slower each busy thread runs while others are busy, fitted to short real runs.
 
     The stages above are timed alone; in a run the processes slow each other down, and by how
-    much depends on the work: on the 2-core VM this was built on, a matmul loop beside another
-    ran 1.0x slower, a tiny model's forward 1.0x beside another forward but 1.7x beside a
-    syscall-heavy process (the run's Redis and ZeroMQ traffic is one). No synthetic pair stood
-    for the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates,
+    much depends on the work: on the 2-core VM this was built on, a matmul loop was barely slowed
+    by another, while a tiny model's forward was slowed far more by a syscall-heavy process (the
+    run's Redis and ZeroMQ traffic is one) than by another forward. No synthetic pair stood for
+    the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates,
     ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
     from run to run there, so one run's luck would set every prediction) and the profile's
     ``contention`` is set, by bisection, to the value under which the simulator reproduces the
@@ -360,15 +360,15 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     from rlhf_run.plan.search import plan_from_config
     from rlhf_run.plan.simulate import simulate
 
+    base = dataclasses.replace(
+        cfg, launcher="local", resume=None,
+        buffer=dataclasses.replace(cfg.buffer, url=None),
+        weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
+        learner=dataclasses.replace(cfg.learner, max_updates=updates),
+        run=dataclasses.replace(cfg.run, progress=False))
     rates, loads = [], []
     for _ in range(runs):
-        # a fresh copy each time: the launcher writes its Redis URL and run id into the config
-        run_cfg = copy.deepcopy(dataclasses.replace(
-            cfg, launcher="local", resume=None,
-            buffer=dataclasses.replace(cfg.buffer, url=None),
-            weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
-            learner=dataclasses.replace(cfg.learner, max_updates=updates),
-            run=dataclasses.replace(cfg.run, progress=False)))
+        run_cfg = copy.deepcopy(base)  # a fresh copy each time: the launcher writes its Redis URL and run id into it
         with tempfile.TemporaryDirectory(prefix="rlhf-plan-fit-") as tmp:
             meter = BackgroundMeter()
             code = run_launcher(run_cfg, Path(tmp))
