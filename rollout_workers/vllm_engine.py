@@ -197,12 +197,15 @@ class VLLMEngine:
             is half the free memory, too much for several workers on one machine). An explicit
             environment variable wins.
         lora: ``model.lora``; with ``r`` > 0 versions are LoRA adapters (see the module docstring).
+        enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs. On a CPU
+            the compile costs 40-60 s at every start with a new model path (the cache is keyed
+            by it), which a short run or a test never earns back.
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, max_model_len: int | None = None,
-                 cpu_kv_cache_gb: int = 1, lora: LoraConfig | None = None) -> None:
+                 cpu_kv_cache_gb: int = 1, lora: LoraConfig | None = None, enforce_eager: bool = False) -> None:
         self._vllm = import_vllm()
         check_model_shape(model_path)
         self._shapes = checkpoint_shapes(model_path)  # before vLLM starts: a refusal leaves nothing running
@@ -227,6 +230,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             trust_remote_code=trust_remote_code,
+            enforce_eager=enforce_eager,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
@@ -262,6 +266,7 @@ class VLLMEngine:
             trust_remote_code=bool(cfg.model.trust_remote_code),
             max_model_len=int(rollout.max_prompt_tokens) + response_budget(rollout),
             cpu_kv_cache_gb=int(rollout.cpu_kv_cache_gb), lora=cfg.model.lora,
+            enforce_eager=bool(rollout.enforce_eager),
         )
 
     # ----------------------------------------------------------------------------- protocol

@@ -26,7 +26,7 @@ COMMON_KEYS = {"bench", "date", "machine", "mode", "config"}
 # bench -> (arguments, the JSON's own top-level keys besides COMMON_KEYS)
 BENCHES = {
     "buffer": (["--quick"], {"results", "targets", "notes"}),
-    "engines": (["--quick"], {"results", "ratio_vllm_over_hf", "notes"}),
+    "engines": (["--quick", "--enforce-eager"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
     "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16"], {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),

