@@ -98,12 +98,10 @@ def test_errors_name_the_file_row_and_field(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{not json\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(bad)), 0))
-    listed = tmp_path / "listed.jsonl"
-    listed.write_text('{"prompt": "ok"}\n["a list"]\n')
+    listed = _write_jsonl(tmp_path / "listed.jsonl", [{"prompt": "ok"}, ["a list"]])
     with pytest.raises(DataError, match=r"listed.jsonl:2: each line must be a JSON object, got list"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(listed)), 0))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(DataError, match="empty.jsonl' has no rows"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(empty)), 0))
     nofield = _write_jsonl(tmp_path / "nofield.jsonl", [{"question": "x"}])
