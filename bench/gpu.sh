@@ -29,7 +29,8 @@ for what in "$@"; do
     generation) step generation 200 python3 bench/generation.py --gpu ;;
     learner) step learner 150 python3 bench/learner.py --gpu ;;
     vs_trl) step vs_trl 330 python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
-    tests) step tests 120 python3 -m pytest -q -p no:cacheprovider tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
+    # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
+    tests) step tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
     *) echo "unknown step $what (generation, learner, vs_trl, tests)"; exit 2 ;;
   esac
 done

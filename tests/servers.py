@@ -14,6 +14,31 @@ from typing import Iterator
 from buffer.local_server import RedisServer, free_port  # noqa: E402,F401  (one implementation, shared with rlhf-run)
 
 
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that were all free a moment ago, for settings
+    that give process i the port + i (``rollout.prometheus_port``). Taken below Linux's ephemeral
+    range (32768 and up), where the kernel hands out ports to outgoing connections and to
+    :func:`free_port`, so the port next to a free one may be some connection's by then."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports found on {host} between 20000 and 32768")
+
+
 @contextmanager
 def redis_server(workdir: Path, **kwargs) -> Iterator[RedisServer]:
     server = RedisServer(workdir, **kwargs).start()

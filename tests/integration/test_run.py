@@ -225,11 +225,11 @@ def summary_eval(out: Path) -> dict:
 
 @pytest.mark.timeout(300)
 def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redis_server, model_cache):
-    from servers import free_port
+    from servers import free_port, free_port_block
 
     out = tmp_path / "out"
     run_id = "live-run"
-    learner_port, worker_port, run_port = free_port(), free_port(), free_port()
+    learner_port, worker_port, run_port = free_port(), free_port_block(2), free_port()  # worker i serves on worker_port + i
     proc = start_run(tmp_path, out, redis_server.url, run_id, model_cache, "learner.max_updates=100000",
                      "rollout.num_workers=2", f"learner.prometheus_port={learner_port}",
                      f"rollout.prometheus_port={worker_port}", f"run.prometheus_port={run_port}")
