@@ -47,7 +47,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -388,14 +388,20 @@ class RolloutWorker:
         self.groups[lease.lease_id] = group
         self.prompt_rejections.record(False)
 
+    def _counting_gateway_tokens(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on the gateway's calls; the tokens of the calls it ends (finished or
+        aborted) count as generated, like prompts' (the run's summary, the monitor)."""
+        before = self.gateway.stats["gateway_tokens"]
+        out = call(*args)
+        self.stats.tokens += self.gateway.stats["gateway_tokens"] - before
+        return out
+
     def _step(self) -> None:
         t0 = time.monotonic()
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
-        if self.gateway is not None:  # its calls' tokens count as generated (the run's summary, the monitor)
-            before = self.gateway.stats["gateway_tokens"]
-            finished = self.gateway.after_step(finished, self._free_slots())
-            self.stats.tokens += self.gateway.stats["gateway_tokens"] - before
+        if self.gateway is not None:
+            finished = self._counting_gateway_tokens(self.gateway.after_step, finished, self._free_slots())
         for result in finished:
             if self.episodes is not None:  # a turn: its episode goes on (or ends) in _collect_episodes
                 self.stats.tokens += result.num_tokens
@@ -720,8 +726,8 @@ class RolloutWorker:
             self.scoring.close()
             if self.episodes is not None:
                 self.episodes.close()
-            if self.gateway is not None:
-                self.gateway.close()
+            if self.gateway is not None:  # its running calls are aborted: what they sampled was generated
+                self._counting_gateway_tokens(self.gateway.close)
             self.engine.close()
             self.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()

@@ -628,6 +628,66 @@ def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(serve
         impatient.stop()
 
 
+class StepsThenHold:
+    """The worker's engine runs ``steps`` more steps, then decodes nothing (like :class:`Hold`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.left, self._step = 0, engine.step
+        engine.step = self.step
+
+    def step(self) -> list:
+        if self.left <= 0:
+            time.sleep(0.005)
+            return []
+        self.left -= 1
+        return self._step()
+
+
+def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
+    # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
+    # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)
+    from gateway.server import GatewayServer
+    from servers import wait_for
+    from worker_helpers import FakeLearner, WorkerThread
+
+    cfg = _cfg(infra, tiny_model_cfg, "gw-stop")
+    learner = FakeLearner(cfg)
+    learner.publish(VERSION)
+    wt = WorkerThread(cfg, "w-stop")
+    hold = StepsThenHold(wt.worker.engine)
+    wt.start()
+    server = GatewayServer(cfg)
+    url = server.start()
+    calls: list[threading.Thread] = []
+    try:
+        gw = wt.worker.gateway
+        for _ in range(5):  # the random model may end a reply within its first two steps
+            done = gw.stats["gateway_done"]
+            hold.left = 2  # prefill (the first token), one decoding step (the second)
+            call = threading.Thread(target=httpx.post, args=(f"{url}/chat/completions",),
+                                    kwargs=dict(content=_chat_body(max_tokens=32), timeout=60), daemon=True)
+            call.start()
+            calls.append(call)
+            wait_for(lambda: hold.left == 0 or gw.stats["gateway_done"] > done, 30, "the call's first two steps")
+            if wait_for(lambda: (len(gw) == 1 and "held") or (gw.stats["gateway_done"] > done and "done"), 10,
+                        "the call held or done") == "held":
+                break
+        else:
+            pytest.fail("5 replies ended within two engine steps")
+        wt.stop()
+    finally:
+        wt.worker.request_stop()
+        wt.worker.request_stop()
+        wt.thread.join(15)
+        server.stop()
+        learner.close()
+        for call in calls:
+            call.join(30)
+    assert wt.error is None, wt.error
+    assert gw.stats["gateway_aborted"] == 1 and gw.stats["gateway_tokens"] >= 2
+    assert wt.stats.tokens == gw.stats["gateway_tokens"]
+
+
 def test_a_session_takes_one_call_at_a_time(served):
     from servers import wait_for
 
