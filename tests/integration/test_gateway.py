@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -156,36 +157,50 @@ def _cfg(infra, tiny_model_cfg, run_id: str, *extra: str) -> Any:
     return compose(overrides(redis.url, run_id, ws, tiny_model_cfg, extra=[*SETTINGS, *extra]))
 
 
-@pytest.fixture(scope="module")
-def served(infra, tiny_model_cfg):
-    """The module's run: the test plays the learner, one worker thread, the gateway in this process."""
+@contextlib.contextmanager
+def _run(infra, tiny_model_cfg, run_id: str, worker_id: str,
+         wrap: Callable[[Any, Any], Any]) -> Iterator[tuple[Any, Any, Any, str, Any]]:
+    """A run of this module's kind: the test plays the learner, one worker thread, the gateway in
+    this process. ``wrap(engine, tokenizer)`` wraps the worker's engine before it starts; yields
+    ``(cfg, learner, worker thread, gateway url, what wrap returned)``; stops them all after."""
     from gateway.server import GatewayServer
     from worker_helpers import FakeLearner, WorkerThread
 
-    cfg = _cfg(infra, tiny_model_cfg, "gw-tests")
+    cfg = _cfg(infra, tiny_model_cfg, run_id)
     learner = FakeLearner(cfg)
     learner.publish(VERSION)
-    wt = WorkerThread(cfg, "w0")
-    hold = Hold(wt.worker.engine)
-    script = Scripted(wt.worker.engine, learner.tokenizer)
+    wt = WorkerThread(cfg, worker_id)
+    wrapped = wrap(wt.worker.engine, learner.tokenizer)
     wt.start()
     server = GatewayServer(cfg)
-    url = server.start()
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-    tokenizer = learner.tokenizer
-    from gateway.sessions import PLAIN_TEMPLATE
-
-    tokenizer.chat_template = PLAIN_TEMPLATE  # what the gateway renders with (the tiny tokenizer has none)
     try:
-        yield Served(cfg, learner, wt, hold, script, url, client, tokenizer)
+        yield cfg, learner, wt, server.start(), wrapped
     finally:
-        hold.event.clear()
-        client.close()
         server.stop()
         wt.worker.request_stop()
-        wt.worker.request_stop()
+        wt.worker.request_stop()  # the second releases what is in flight at once
         wt.thread.join(15)
         learner.close()
+
+
+@pytest.fixture(scope="module")
+def served(infra, tiny_model_cfg):
+    """The module's run (:func:`_run`), its engine held by :class:`Hold` and :class:`Scripted` on demand."""
+    from gateway.sessions import PLAIN_TEMPLATE
+
+    def wrap(engine: Any, tokenizer: Any) -> tuple[Hold, Scripted]:
+        return Hold(engine), Scripted(engine, tokenizer)
+
+    with _run(infra, tiny_model_cfg, "gw-tests", "w0", wrap) as run:
+        cfg, learner, wt, url, (hold, script) = run
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        tokenizer = learner.tokenizer
+        tokenizer.chat_template = PLAIN_TEMPLATE  # what the gateway renders with (the tiny tokenizer has none)
+        try:
+            yield Served(cfg, learner, wt, hold, script, url, client, tokenizer)
+        finally:
+            hold.event.clear()
+            client.close()
     assert wt.error is None, wt.error
 
 
@@ -646,20 +661,11 @@ class StepsThenHold:
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
     # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
     # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)
-    from gateway.server import GatewayServer
     from servers import wait_for
-    from worker_helpers import FakeLearner, WorkerThread
 
-    cfg = _cfg(infra, tiny_model_cfg, "gw-stop")
-    learner = FakeLearner(cfg)
-    learner.publish(VERSION)
-    wt = WorkerThread(cfg, "w-stop")
-    hold = StepsThenHold(wt.worker.engine)
-    wt.start()
-    server = GatewayServer(cfg)
-    url = server.start()
     calls: list[threading.Thread] = []
-    try:
+    with _run(infra, tiny_model_cfg, "gw-stop", "w-stop", lambda engine, _: StepsThenHold(engine)) as run:
+        _, _, wt, url, hold = run
         gw = wt.worker.gateway
         for _ in range(5):  # the random model may end a reply within its first two steps
             done = gw.stats["gateway_done"]
@@ -675,14 +681,8 @@ def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled
         else:
             pytest.fail("5 replies ended within two engine steps")
         wt.stop()
-    finally:
-        wt.worker.request_stop()
-        wt.worker.request_stop()
-        wt.thread.join(15)
-        server.stop()
-        learner.close()
-        for call in calls:
-            call.join(30)
+    for call in calls:
+        call.join(30)
     assert wt.error is None, wt.error
     assert gw.stats["gateway_aborted"] == 1 and gw.stats["gateway_tokens"] >= 2
     assert wt.stats.tokens == gw.stats["gateway_tokens"]
