@@ -47,13 +47,16 @@ class Hold:
 
     def __init__(self, engine: Any) -> None:
         self.event = threading.Event()
+        self.let_through = 0  # steps still run while held (a call a few tokens into its reply)
         self._step = engine.step
         engine.step = self.step
 
     def step(self) -> list:
         if self.event.is_set():
-            time.sleep(0.005)
-            return []
+            if self.let_through <= 0:
+                time.sleep(0.005)
+                return []
+            self.let_through -= 1
         return self._step()
 
     def __enter__(self) -> "Hold":
@@ -643,38 +646,23 @@ def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(serve
         impatient.stop()
 
 
-class StepsThenHold:
-    """The worker's engine runs ``steps`` more steps, then decodes nothing (like :class:`Hold`)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.left, self._step = 0, engine.step
-        engine.step = self.step
-
-    def step(self) -> list:
-        if self.left <= 0:
-            time.sleep(0.005)
-            return []
-        self.left -= 1
-        return self._step()
-
-
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
     # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
     # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)
     from servers import wait_for
 
     calls: list[threading.Thread] = []
-    with _run(infra, tiny_model_cfg, "gw-stop", "w-stop", lambda engine, _: StepsThenHold(engine)) as run:
+    with _run(infra, tiny_model_cfg, "gw-stop", "w-stop", lambda engine, _: Hold(engine)) as run, run[4]:
         _, _, wt, url, hold = run
         gw = wt.worker.gateway
         for _ in range(5):  # the random model may end a reply within its first two steps
             done = gw.stats["gateway_done"]
-            hold.left = 2  # prefill (the first token), one decoding step (the second)
+            hold.let_through = 2  # prefill (the first token), one decoding step (the second)
             call = threading.Thread(target=httpx.post, args=(f"{url}/chat/completions",),
                                     kwargs=dict(content=_chat_body(max_tokens=32), timeout=60), daemon=True)
             call.start()
             calls.append(call)
-            wait_for(lambda: hold.left == 0 or gw.stats["gateway_done"] > done, 30, "the call's first two steps")
+            wait_for(lambda: hold.let_through == 0 or gw.stats["gateway_done"] > done, 30, "the call's first two steps")
             if wait_for(lambda: (len(gw) == 1 and "held") or (gw.stats["gateway_done"] > done and "done"), 10,
                         "the call held or done") == "held":
                 break
