@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from buffer import Buffer, RunKeys
+from buffer.keys import WORKERS_GROUP
 from servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,6 +36,23 @@ def version(r: redis.Redis, keys: RunKeys) -> int:
         return int(r.get(keys.version) or 0)
     except redis.exceptions.ConnectionError:  # Redis restarting
         return -1
+
+
+def stop_while_holding_a_lease(r: redis.Redis, keys: RunKeys, pid: int, consumer: str, timeout_s: float) -> None:
+    """SIGSTOP a worker at a moment it holds a lease. A worker waiting on the admission budget
+    (the learner behind, as under load) holds none, and then nothing could be reclaimed from it:
+    stop it, let what it had already sent reach Redis, look; without a lease, resume it and retry."""
+
+    def attempt() -> bool:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        if r.xpending_range(keys.prompts, WORKERS_GROUP, "-", "+", 1, consumername=consumer):
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+        return False
+
+    wait_for(attempt, timeout_s, f"{consumer} to hold a lease")
 
 
 def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp_path, redis_server, model_cache):
@@ -52,8 +70,8 @@ def test_a_run_through_process_faults_loses_nothing_and_trains_nothing_twice(tmp
         pids = json.loads((out / "children.json").read_text())
         os.kill(pids["worker-0"], signal.SIGKILL)
         reclaimed = int(r.hget(keys.counters, "prompts_reclaimed") or 0)
-        os.kill(pids["worker-1"], signal.SIGSTOP)  # silent past its lease: another worker takes its prompts
-        try:
+        try:  # silent past its lease: another worker takes its prompts
+            stop_while_holding_a_lease(r, keys, pids["worker-1"], "worker-1", 60)
             wait_for(lambda: int(r.hget(keys.counters, "prompts_reclaimed") or 0) > reclaimed, 60, "a lease reclaimed")
         finally:
             os.kill(pids["worker-1"], signal.SIGCONT)
