@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import redis.asyncio as aioredis
@@ -390,32 +390,141 @@ class Gateway:
         sessions = self.sessions
         sid, choices = await self._begin(request, req.user, req.sampling,
                                          lambda s: sessions.chat_context(s, req.messages, req.tools))
-        headers = {"X-Session-Id": sid}
         tools = bool(req.tools) and req.tool_choice != "none"
-        if req.sampling.stream:
-            return StreamingResponse(self._chat_stream(request, req, choices, tools), media_type="text/event-stream",
-                                     headers=headers)
+        cid, created = f"chatcmpl-{choices[0].call.call_id}", int(time.time())
+
+        def done(c: _Choice) -> tuple[str, list[dict[str, Any]], str, dict[str, Any]]:
+            """A finished choice: its content, tool calls, finish reason and message, recorded in its session."""
+            text, calls, reason = self._finish(c, req.sampling.stop, tools)
+            message: dict[str, Any] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            self._record(c)
+            c.session.expected = [*req.messages, normal_message(message)]
+            return text, calls, reason, message
+
+        def logprobs(c: _Choice) -> dict[str, Any] | None:
+            return self._logprobs(c) if req.sampling.logprobs else None
+
+        if not req.sampling.stream:
+            def answer(c: _Choice) -> dict[str, Any]:
+                _, _, reason, message = done(c)
+                return {"index": c.index, "message": message, "finish_reason": reason, "logprobs": logprobs(c)}
+
+            out, prompt, completion = await self._gather(choices, request, answer)
+            return JSONResponse(chat_response(cid, self.model_name, out, prompt, completion), headers={"X-Session-Id": sid})
+
+        def chunk(index: int, delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> bytes:
+            return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                        "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": lp}]})
+
+        def final(c: _Choice) -> bytes:
+            sent = c.sent_chars  # what streamed before the end; the rest (or all, with tools) goes now
+            text, calls, reason, _ = done(c)
+            delta: dict[str, Any] = {"content": text[sent:]} if len(text) > sent else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(calls)]
+            return chunk(c.index, delta, reason, logprobs(c))
+
+        def part(c: _Choice, token_ids: list[int]) -> bytes | None:
+            if tools:  # content is sent with the calls at the end, once they are parsed out of it
+                c.tokens += token_ids
+                return None
+            piece = self._stream_text(c, token_ids, req.sampling.stop)
+            return chunk(c.index, {"content": piece}) if piece else None
+
+        opening = [chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+        events = self._sse(choices, req.sampling, cid, created, "chat.completion.chunk", opening, final, part)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"X-Session-Id": sid})
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
+                               self.cfg.gateway.max_n)
+        if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(self.tokenizer)):
+            raise bad(f"prompt token ids must lie in [0, {len(self.tokenizer)})", "prompt")
+        assert self.sessions is not None
+        sessions = self.sessions
+        sid, choices = await self._begin(request, req.user, req.sampling,
+                                         lambda s: sessions.completion_context(s, req.prompt))
+        cid, created = f"cmpl-{choices[0].call.call_id}", int(time.time())
+
+        def done(c: _Choice) -> tuple[str, str]:
+            """A finished choice: its text and finish reason, recorded in its session."""
+            assert c.final is not None
+            text, _, reason = self._finish(c, req.sampling.stop, False)
+            self._record(c)
+            sessions.completed(c.session, self._text(c.final.token_ids), text)
+            return text, reason
+
+        if not req.sampling.stream:
+            def answer(c: _Choice) -> dict[str, Any]:
+                text, reason = done(c)
+                lp = None
+                if req.sampling.logprobs:
+                    assert c.final is not None
+                    lp = {"tokens": self.tokenizer.convert_ids_to_tokens(c.final.token_ids),
+                          "token_logprobs": c.final.logprobs, "top_logprobs": None, "text_offset": None}
+                return {"index": c.index, "text": text, "finish_reason": reason, "logprobs": lp}
+
+            out, prompt, completion = await self._gather(choices, request, answer)
+            return JSONResponse(completion_response(cid, self.model_name, out, prompt, completion),
+                                headers={"X-Session-Id": sid})
+
+        def chunk(index: int, text: str, reason: str | None = None) -> bytes:
+            return sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]})
+
+        def final(c: _Choice) -> bytes:
+            sent = c.sent_chars
+            text, reason = done(c)
+            return chunk(c.index, text[sent:], reason)
+
+        def part(c: _Choice, token_ids: list[int]) -> bytes | None:
+            piece = self._stream_text(c, token_ids, req.sampling.stop)
+            return chunk(c.index, piece) if piece else None
+
+        events = self._sse(choices, req.sampling, cid, created, "text_completion", [], final, part)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"X-Session-Id": sid})
+
+    async def _gather(self, choices: list[_Choice], request: Request,
+                      answer: Callable[[_Choice], dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
+        """A plain call: wait for every choice, then ``answer`` each; returns the answers and the
+        prompt and completion token counts. The sessions are settled either way."""
         ok = False
         try:
             async for _ in self._run(choices, request):
                 pass
             if (err := self._failed(choices)) is not None:
                 raise err
-            out = []
-            for c in choices:
-                text, calls, reason = self._finish(c, req.sampling.stop, tools)
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                if calls:
-                    message["tool_calls"] = calls
-                out.append({"index": c.index, "message": message, "finish_reason": reason,
-                            "logprobs": self._logprobs(c) if req.sampling.logprobs else None})
-                self._record(c)
-                c.session.expected = [*req.messages, normal_message(message)]
+            out = [answer(c) for c in choices]
             ok = True
-            prompt = len(choices[0].call.prompt_ids)
-            completion = sum(len(c.final.token_ids) for c in choices if c.final)
-            return JSONResponse(chat_response(f"chatcmpl-{choices[0].call.call_id}", self.model_name, out, prompt,
-                                              completion), headers=headers)
+            return out, len(choices[0].call.prompt_ids), sum(len(c.final.token_ids) for c in choices if c.final)
+        finally:
+            self._settle(choices, ok)
+
+    async def _sse(self, choices: list[_Choice], sampling: Any, cid: str, created: int, kind: str, opening: list[bytes],
+                   final: Callable[[_Choice], bytes],
+                   part: Callable[[_Choice, list[int]], bytes | None]) -> AsyncIterator[bytes]:
+        """A streamed call as server-sent events: ``opening``, then ``part`` of each chunk of tokens
+        and ``final`` of each finished choice, the usage when asked, ``[DONE]``. An error becomes
+        an error event; the sessions are settled either way."""
+        ok = False
+        try:
+            for event in opening:
+                yield event
+            async for c, got in self._run(choices, None):
+                if not got.final:
+                    if (event := part(c, got.token_ids)) is not None:
+                        yield event
+                    continue
+                if (err := self._failed([c])) is not None:
+                    yield sse(err.body())
+                    return
+                yield final(c)
+            ok = True
+            if sampling.include_usage:
+                yield self._usage_chunk(cid, created, kind, choices)
+            yield sse("[DONE]")
+        except ApiError as exc:
+            yield sse(exc.body())
         finally:
             self._settle(choices, ok)
 
@@ -427,114 +536,6 @@ class Gateway:
                 self.sessions.restore(c.session, c.snapshot)
         if not ok:
             self.sessions.counters.calls_failed += 1
-
-    async def _chat_stream(self, request: Request, req: Any, choices: list[_Choice], tools: bool) -> AsyncIterator[bytes]:
-        cid, created = f"chatcmpl-{choices[0].call.call_id}", int(time.time())
-
-        def chunk(index: int, delta: dict[str, Any], reason: str | None = None, **extra: Any) -> bytes:
-            return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                        "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": None, **extra}]})
-
-        ok = False
-        try:
-            for c in choices:
-                yield chunk(c.index, {"role": "assistant", "content": ""})
-            async for c, part in self._run(choices, None):
-                if part.final:
-                    if (err := self._failed([c])) is not None:
-                        yield sse(err.body())
-                        return
-                    text, calls, reason = self._finish(c, req.sampling.stop, tools)
-                    delta: dict[str, Any] = {"content": text[c.sent_chars:]} if len(text) > c.sent_chars else {}
-                    if calls:
-                        delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(calls)]
-                    extra = {"logprobs": self._logprobs(c)} if req.sampling.logprobs else {}
-                    yield chunk(c.index, delta, reason, **extra)
-                    message: dict[str, Any] = {"role": "assistant", "content": text}
-                    if calls:
-                        message["tool_calls"] = calls
-                    self._record(c)
-                    c.session.expected = [*req.messages, normal_message(message)]
-                    continue
-                if tools:  # content is sent with the calls at the end, once they are parsed out of it
-                    c.tokens += part.token_ids
-                elif piece := self._stream_text(c, part.token_ids, req.sampling.stop):
-                    yield chunk(c.index, {"content": piece})
-            ok = True
-            if req.sampling.include_usage:
-                yield self._usage_chunk(cid, created, "chat.completion.chunk", choices)
-            yield sse("[DONE]")
-        except ApiError as exc:
-            yield sse(exc.body())
-        finally:
-            self._settle(choices, ok)
-
-    async def completions(self, request: Request) -> Response:
-        req = parse_completion(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
-                               self.cfg.gateway.max_n)
-        if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(self.tokenizer)):
-            raise bad(f"prompt token ids must lie in [0, {len(self.tokenizer)})", "prompt")
-        assert self.sessions is not None
-        sessions = self.sessions
-        sid, choices = await self._begin(request, req.user, req.sampling,
-                                         lambda s: sessions.completion_context(s, req.prompt))
-        headers = {"X-Session-Id": sid}
-        if req.sampling.stream:
-            return StreamingResponse(self._completion_stream(req, choices), media_type="text/event-stream", headers=headers)
-        ok = False
-        try:
-            async for _ in self._run(choices, request):
-                pass
-            if (err := self._failed(choices)) is not None:
-                raise err
-            out = []
-            for c in choices:
-                text, _, reason = self._finish(c, req.sampling.stop, False)
-                lp = None
-                if req.sampling.logprobs:
-                    assert c.final is not None
-                    lp = {"tokens": self.tokenizer.convert_ids_to_tokens(c.final.token_ids),
-                          "token_logprobs": c.final.logprobs, "top_logprobs": None, "text_offset": None}
-                out.append({"index": c.index, "text": text, "finish_reason": reason, "logprobs": lp})
-                self._record(c)
-                self.sessions.completed(c.session, self._text(c.final.token_ids) if c.final else "", text)
-            ok = True
-            prompt = len(choices[0].call.prompt_ids)
-            completion = sum(len(c.final.token_ids) for c in choices if c.final)
-            return JSONResponse(completion_response(f"cmpl-{choices[0].call.call_id}", self.model_name, out, prompt,
-                                                    completion), headers=headers)
-        finally:
-            self._settle(choices, ok)
-
-    async def _completion_stream(self, req: Any, choices: list[_Choice]) -> AsyncIterator[bytes]:
-        cid, created = f"cmpl-{choices[0].call.call_id}", int(time.time())
-
-        def chunk(index: int, text: str, reason: str | None = None) -> bytes:
-            return sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]})
-
-        ok = False
-        try:
-            async for c, part in self._run(choices, None):
-                if part.final:
-                    if (err := self._failed([c])) is not None:
-                        yield sse(err.body())
-                        return
-                    text, _, reason = self._finish(c, req.sampling.stop, False)
-                    yield chunk(c.index, text[c.sent_chars:], reason)
-                    self._record(c)
-                    self.sessions.completed(c.session, self._text(part.token_ids), text)
-                    continue
-                if piece := self._stream_text(c, part.token_ids, req.sampling.stop):
-                    yield chunk(c.index, piece)
-            ok = True
-            if req.sampling.include_usage:
-                yield self._usage_chunk(cid, created, "text_completion", choices)
-            yield sse("[DONE]")
-        except ApiError as exc:
-            yield sse(exc.body())
-        finally:
-            self._settle(choices, ok)
 
     # ------------------------------------------------------------------ rewards, models, health
 
