@@ -117,10 +117,6 @@ def worker_main(addresses: dict, conn) -> None:
         sub.close()
 
 
-def count_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for _, t in tensors)
-
-
 class Rig:
     """Two weight servers (shm and TCP), one worker process, one publisher per server, for the
     whole benchmark (versions only grow across models: the servers hold whatever comes)."""
