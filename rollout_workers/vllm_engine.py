@@ -243,6 +243,8 @@ class VLLMEngine:
             if self._adapters is not None:
                 self._adapters.close()  # its private folder
             raise
+        self._closing = threading.Event()
+        threading.Thread(target=self._wake_on_core_death, name="vllm-core-watch", daemon=True).start()
         self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(),))
         if self._adapters is not None:
             self._adapters.bind(self.engine, self._call)
@@ -380,6 +382,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop vLLM's engine-core process (idempotent)."""
+        self._closing.set()
         try:
             self.engine.engine_core.shutdown()
         except Exception as exc:  # a core that already died: nothing left to stop
@@ -419,6 +422,18 @@ class VLLMEngine:
                 raise self._dead(box["error"]) from None
             raise box["error"]
         return box.get("value")
+
+    def _wake_on_core_death(self) -> None:
+        """vLLM's sync client waits for a step's outputs on a queue that nothing fills once its core
+        is killed: its monitor marks the client dead and stops the thread that reads the core's
+        outputs, so a step waiting at that moment would wait forever. When the mark appears, an
+        error goes into that queue; the waiting step (or the next) raises EngineDeadError."""
+        while not self._closing.wait(DEAD_POLL_S):
+            if self._core_dead():
+                queue = getattr(getattr(self.engine, "engine_core", None), "outputs_queue", None)
+                if queue is not None:
+                    queue.put_nowait(self._dead_error())
+                return
 
     def _core_dead(self) -> bool:
         resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)

@@ -250,3 +250,34 @@ def test_an_unsupported_head_size_is_refused_before_vllm_starts(tiny_model_cfg):
         pytest.skip("the head-size check is for vLLM's CPU backend")
     with pytest.raises(EngineError, match=r"head_dim 16.*model=tiny_vllm"):
         VLLMEngine(str(model_dir(tiny_model_cfg)), load_tokenizer(tiny_model_cfg))
+
+
+def test_a_step_waiting_on_a_killed_core_fails_instead_of_waiting_forever(engine, tokenizer):
+    # Last in the module: it kills the module's engine core. vLLM's sync client waits for a step's
+    # outputs on a queue its own monitor leaves empty when the core dies; the engine must raise.
+    # The core is stopped first, so the step is certainly waiting when the core dies.
+    import threading
+
+    import psutil
+
+    core = next(p for p in psutil.Process().children(recursive=True)
+                if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline()))
+    engine.add(GenRequest("waits", ids(tokenizer, "h"), SamplingParams(max_new_tokens=30, ignore_eos=True)))
+    core.suspend()
+    failed: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            while True:
+                engine.step()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            failed.append(exc)
+
+    waiter = threading.Thread(target=step, daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive()  # waiting for the stopped core's outputs
+    core.kill()
+    waiter.join(60)
+    assert not waiter.is_alive(), "the step still waits for the outputs of a dead engine core"
+    assert isinstance(failed[0], EngineError) and "engine core died" in str(failed[0])
