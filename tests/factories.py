@@ -79,3 +79,9 @@ def group(prompt: Prompt | str, group_size: int = 4, version: int = 0, n: int | 
     """The ``n`` (default ``group_size``) samples of one prompt's group."""
     pid = prompt.prompt_id if isinstance(prompt, Prompt) else prompt
     return [sample(pid, index=i, group_size=group_size, version=version, **kw) for i in range(n if n is not None else group_size)]
+
+
+def sized_sample(prompt_id: str, index: int, group_size: int, payload_bytes: int, version: int = 0) -> Sample:
+    """A sample whose encoding is about ``payload_bytes`` long (int32 ids + float32 log-probs: 8 bytes/token)."""
+    tokens = max(1, (payload_bytes - 450) // 8)
+    return sample(prompt_id, index=index, group_size=group_size, version=version, response_tokens=tokens, prompt_tokens=16)
