@@ -12,6 +12,8 @@ micro-batches of ``micro_batch``):
 - ``learner torch``: :meth:`learner.update.PolicyUpdater.update` with the torch engine (fp32
   master weights, decoupled PPO loss on the response tokens, log-probs chunked over the LM head,
   pi_prox read off the training pass), including collation and metrics;
+- ``learner torch compiled`` (``--gpu``, or ``--compile``): the same with ``learner.compile=true``
+  (each transformer block through ``torch.compile``; its warm-up update compiles);
 - ``learner deepspeed ZeRO-2`` (``--gpu`` only): the same with ``learner.engine=deepspeed``,
   bf16 with fp32 masters.
 
@@ -26,13 +28,14 @@ Modes:
 - ``--gpu``: a Qwen2-0.5B-shaped model (bf16), batch 64, group 8, 128 + 256 tokens, micro-batch 16
   (the shape of ``vs_trl.py --gpu``), and the 16 x 512 single micro-batch step.
 
-    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed]
+    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed] [--[no-]compile]
 
 Target (H100): learner >= 35% MFU.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -61,8 +64,9 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", dtype="float32", warmup=1, repeats=2,
                   shape=dict(num_hidden_layers=2, vocab_size=4096, hidden_size=256, intermediate_size=704,
                              num_attention_heads=4, num_key_value_heads=2),
-                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False),
-    "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True),
+                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False, compile=False),
+    "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True,
+                compile=True),
 }
 TARGET_MFU = 0.35
 
@@ -116,11 +120,11 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     return total
 
 
-def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str):
+def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str, compiled: bool = False):
     from e2e import compose
 
     batch, group, prompt_tokens, response_tokens, micro = shape
-    return compose([
+    return compose([f"learner.compile={compiled}",
         "model=hf", f"model.path={path}", f"model.dtype={spec['dtype']}", f"model.device={spec['device']}",
         f"learner.batch_size={batch}", f"learner.micro_batch_size={micro}", f"algo.group_size={group}",
         f"rollout.max_new_tokens={response_tokens}", f"rollout.max_prompt_tokens={prompt_tokens}",
@@ -138,7 +142,8 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool) -> list[dict[str, Any]]:
+def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool,
+            use_compile: bool) -> list[dict[str, Any]]:
     from learner.engine_factory import make_engine
     from learner.stats import flops_metrics, peak_flops
     from learner.update import PolicyUpdater
@@ -172,10 +177,13 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     del model, opt
     release_memory()
 
-    engines = ["torch"] + (["deepspeed"] if use_deepspeed else [])
+    labels = {"torch": "learner torch (fp32 masters)", "compiled": "learner torch compiled (learner.compile=true)",
+              "deepspeed": "learner deepspeed ZeRO-2 (bf16)"}
+    engines = ["torch"] + (["compiled"] if use_compile else []) + (["deepspeed"] if use_deepspeed else [])
     for engine_name in engines:
-        label = "learner torch (fp32 masters)" if engine_name == "torch" else "learner deepspeed ZeRO-2 (bf16)"
-        cfg = learner_config(path, spec, shape, engine_name)
+        label = labels[engine_name]
+        cfg = learner_config(path, spec, shape, "torch" if engine_name == "compiled" else engine_name,
+                             compiled=engine_name == "compiled")
         try:
             engine = make_engine(cfg, load_policy(cfg.model))
             updater = PolicyUpdater(cfg, engine)
@@ -198,6 +206,8 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
 def main() -> None:
     ap = mode_parser(__doc__, MODES)
     ap.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed row out")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="the learner.compile=true row (default: on with --gpu; its warm-up update compiles)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
     spec = dict(MODES[args.mode])
@@ -206,6 +216,7 @@ def main() -> None:
     if spec["device"] == "cpu":
         torch.set_num_threads(1)
     use_deepspeed = spec["deepspeed"] and not args.no_deepspeed
+    spec["compile"] = use_compile = spec["compile"] if args.compile is None else args.compile
     if use_deepspeed:
         try:
             import deepspeed  # noqa: F401
@@ -216,7 +227,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     path = qwen2_05b_dir(args.cache_dir, dtype=spec["dtype"], **spec["shape"])
-    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed)]
+    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed, use_compile)]
     device_name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "cpu"
     print_table(rows, f"learner update vs a plain torch step, {path.name} on {device_name}")
     ratios = {}

@@ -120,6 +120,22 @@ def persistent_buffers(module: torch.nn.Module, dtype: torch.dtype | None) -> It
             yield name, buf.detach().to("cpu", dtype=cast, copy=True)
 
 
+def compile_blocks(module: torch.nn.Module) -> int:
+    """``torch.compile`` each transformer block of ``module`` in place (``nn.Module.compile``: the
+    parameters, their names and the state dict stay as they are, so publishing and checkpoints do
+    not change). The blocks are the modules the model names in ``_no_split_modules`` (transformers'
+    decoder layers; a LoRA model's too). Blocks share their code, so one graph serves every layer;
+    shapes are dynamic (micro-batches differ in length). Returns how many blocks were compiled."""
+    names = {n for m in module.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ConfigError(f"learner.compile=true: {type(module).__name__} names no transformer blocks "
+                          "(_no_split_modules) to compile; drop learner.compile for this model")
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
 class TorchEngine:
     """Plain torch: AdamW + LambdaLR, clip_grad_norm_, one process.
 
@@ -137,6 +153,8 @@ class TorchEngine:
             raise ConfigError("learner.engine=torch runs in one process; use learner.engine=deepspeed with torchrun/deepspeed")
         self.module = module
         self.cfg = cfg
+        if cfg.compile:
+            log.info("learner.compile: %d transformer blocks compiled (the first updates compile them)", compile_blocks(module))
         self.params = [p for p in module.parameters() if p.requires_grad]
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if low else None

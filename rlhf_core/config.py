@@ -235,6 +235,9 @@ class LearnerConfig:
     adam_eps: float = 1e-8
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
     devices: Optional[list[int]] = None  # GPU indices of the learner (CUDA_VISIBLE_DEVICES); > 1 runs it under torchrun
+    # torch.compile each transformer block (inductor fuses its norms, rotary and activations);
+    # the first updates compile (tens of seconds, then cached on disk). learner.engine=torch only
+    compile: bool = False
 
 
 @dataclass
@@ -787,10 +790,13 @@ def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> 
 
 
 def validate_learner(learner: LearnerConfig) -> None:
-    """The learning-rate floor and the checkpoints kept."""
+    """The learning-rate floor, the checkpoints kept, and compilation's engine."""
     if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
                           f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
+    if learner.compile and learner.engine != "torch":
+        raise ConfigError("learner.compile=true works with learner.engine=torch only (DeepSpeed wraps and partitions "
+                          "the model itself); drop learner.compile or use the torch engine")
 
 
 def validate_buffer(buf: BufferConfig, learner: LearnerConfig) -> None:
