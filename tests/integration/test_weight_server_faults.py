@@ -236,6 +236,9 @@ def test_server_killed_and_restarted_mid_run(tmp_path, caplog):
         pub.publish(1, _tensors(1))
         assert sub.pull(into=target) == (1, None)
         wait_for(lambda: path_for(persist, "policy").exists(), 30, "v1 to be persisted")
+        # heard before the kill: the announcement at publish can miss a SUB still joining, and the
+        # server repeats it only every announce_interval_s
+        wait_for(lambda: sub.poll_announcement(timeout_ms=50) == 1, 30, "v1's announcement")
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         # the worker keeps its weights and its calls return promptly
