@@ -154,7 +154,8 @@ class TorchEngine:
         self.module = module
         self.cfg = cfg
         if cfg.compile:
-            log.info("learner.compile: %d transformer blocks compiled (the first updates compile them)", compile_blocks(module))
+            blocks = compile_blocks(module)
+            log.info("learner.compile: %d transformer blocks set to compile (the first updates compile them)", blocks)
         self.params = [p for p in module.parameters() if p.requires_grad]
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if low else None
