@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import psutil
 import torch
 
 from rlhf_core.sampling import response_logprobs
@@ -21,3 +22,14 @@ def recompute(model, result: GenResult, params: SamplingParams) -> np.ndarray:
         logits = model(input_ids=full).logits[:, len(result.prompt_ids) - 1 : -1]
     tokens = torch.from_numpy(result.token_ids.astype(np.int64))[None]
     return response_logprobs(logits, tokens, params.temperature, params.top_k, params.top_p)[0].numpy()
+
+
+def engine_core(pid: int) -> psutil.Process:
+    """vLLM's engine-core process under process ``pid`` (it names itself VLLM::EngineCore)."""
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "EngineCor" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no vLLM engine-core process under pid {pid}")

