@@ -378,10 +378,14 @@ class Gateway:
         piece, c.sent_chars = text[c.sent_chars:safe], safe
         return piece
 
+    @staticmethod
+    def _token_counts(choices: list[_Choice]) -> tuple[int, int]:
+        """(prompt, completion) tokens of a call: its prompt once, every finished choice's reply."""
+        return len(choices[0].call.prompt_ids), sum(len(c.final.token_ids) for c in choices if c.final)
+
     def _usage_chunk(self, cid: str, created: int, kind: str, choices: list[_Choice]) -> bytes:
-        completion = sum(len(c.final.token_ids) for c in choices if c.final)
         return sse({"id": cid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                    "usage": usage(len(choices[0].call.prompt_ids), completion)})
+                    "usage": usage(*self._token_counts(choices))})
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
@@ -496,7 +500,7 @@ class Gateway:
                 raise err
             out = [answer(c) for c in choices]
             ok = True
-            return out, len(choices[0].call.prompt_ids), sum(len(c.final.token_ids) for c in choices if c.final)
+            return out, *self._token_counts(choices)
         finally:
             self._settle(choices, ok)
 
