@@ -15,12 +15,15 @@ import torch
 
 pytestmark = [pytest.mark.integration]
 
-# The README's LoRA example. The head is adapted too: the random tiny model's frozen head (rows of
-# norm ~0.16 against a hidden state of norm 8 after the final RMSNorm) caps its logits near +-1.3,
-# so without an adapter there the entropy cannot fall and the reward stays at the random level
-# (all-linear alone, r=16, lr 3e-3 and 1e-2: 0.009 -> 0.007 in 250 updates). r=2 keeps a version
-# under 5% of the model's bytes; lr 3e-3: 0.007 -> 0.102 (r=1: 0.009 -> 0.122) in 250 updates.
-LORA = ["model.lora.r=2", "model.lora.target_modules=[all-linear,lm_head]", "learner.lr=3e-3"]
+# The README's LoRA example, `experiment=lora`. The head is adapted too: the random tiny model's
+# frozen head (rows of norm ~0.16 against a hidden state of norm 8 after the final RMSNorm) caps
+# its logits near +-1.3, so without an adapter there the entropy cannot fall and the reward stays
+# at the random level (all-linear alone, r=16, lr 3e-3 and 1e-2: 0.009 -> 0.007 in 250 updates).
+# r=2 keeps a version under 5% of the model's bytes. lr 2e-3: 0.007-0.013 -> 0.08-0.12 in 250
+# updates (4 runs, two at a time); at 3e-3 the policy sometimes collapsed after learning (entropy
+# 0.4 -> 3.5 around update 170, reward back to 0; or entropy 0 at reward 0.03), failing this test
+# under load.
+LORA = ["experiment=lora"]
 
 
 @pytest.mark.slow
