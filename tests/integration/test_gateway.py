@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MODEL = "tiny"
 VERSION = 1  # the policy version the fake learner publishes: every sampled token carries it

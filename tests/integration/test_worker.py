@@ -22,7 +22,7 @@ from rlhf_core.tasks import count_up_reward
 from rollout_workers.worker import WEIGHT_RETRY_S, RolloutWorker
 from worker_helpers import check_sample, compose_unvalidated, gate_overrides, recompute, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 PARITY_ATOL = 1e-4
 

@@ -23,7 +23,7 @@ from rollout_workers.environment import StepResult
 from rollout_workers.worker import RolloutWorker
 from worker_helpers import recompute, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 PARITY_ATOL = 1e-4
 

@@ -20,7 +20,7 @@ from rlhf_core.records import Sample
 from rollout_workers.worker import RolloutWorker
 from worker_helpers import FakeLearner, check_sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def texts_of(learner: FakeLearner, groups: list[list[Sample]]) -> dict[str, str]:

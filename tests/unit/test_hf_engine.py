@@ -21,7 +21,6 @@ from engine_helpers import ids, recompute
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.hf_engine import HFEngine
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 PARITY_ATOL = 1e-4
 

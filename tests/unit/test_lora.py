@@ -23,7 +23,6 @@ from rlhf_core.models import check_lora, load_policy, load_tokenizer
 from rollout_workers.engine import GenRequest, SamplingParams
 from rollout_workers.hf_engine import HFEngine
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 # the head too: the random tiny model's frozen head caps its logits (see the README's LoRA paragraph)
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["all-linear", "lm_head"])
