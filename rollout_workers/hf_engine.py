@@ -8,9 +8,12 @@ captured once per batch-size bucket as a CUDA graph and replayed.
 
 Per :meth:`HFEngine.step`:
 
-1. release the slots of sequences that finished (or were aborted) since the last step;
-2. admit waiting requests into free slots (lowest free slot first, which keeps the running
-   slots packed at the front);
+1. release the slots of sequences that finished (or were aborted) since the last step, and
+   keep the running ones packed at the front: the highest running sequence moves into a freed
+   slot below it (its K/V columns copied once), so a decoding pass reads rows ``0..n-1`` as views
+   instead of gathering scattered rows at every step (agents' turns arrive and end at any time)
+   and a GPU graph's bucket stays as small as the batch;
+2. admit waiting requests into free slots (lowest free slot first: above the running ones);
 3. prefill: newcomers' prompts are written into their slots by batched forward passes of at
    most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an admission
    never stalls decoding for long). Rows are padded on the left, so the pass's last column is
@@ -244,6 +247,14 @@ class HFEngine:
             if seq.done:
                 heapq.heappush(self._free, seq.slot)
         self._running = [seq for seq in self._running if not seq.done]
+        # packed at the front (module docstring, step 1): the highest running sequence takes the
+        # lowest free slot while that lies below it
+        for seq in sorted(self._running, key=lambda s: s.slot, reverse=True):
+            if not self._free or self._free[0] > seq.slot:
+                break
+            low = heapq.heapreplace(self._free, seq.slot)
+            self.cache.move(seq.slot, low, seq.n_cached)
+            seq.slot = low
 
     def _admit(self) -> None:
         while self._waiting and self._free:

@@ -96,6 +96,13 @@ class SlotKVCache:
             return keys[: self._rows, :, : self._width], values[: self._rows, :, : self._width]
         return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
 
+    def move(self, src: int, dst: int, columns: int) -> None:
+        """Copy slot ``src``'s first ``columns`` columns of every layer into slot ``dst`` (a
+        sequence changes slots; ``src`` is free afterwards)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[dst, :, :columns] = keys[src, :, :columns]
+            values[dst, :, :columns] = values[src, :, :columns]
+
     def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, 1, C, width]`` boolean, True where column ``j <= position``: each token sees its
         own slot's prefix and itself (causal within a prefill chunk)."""

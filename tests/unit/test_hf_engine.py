@@ -206,6 +206,32 @@ def test_a_freed_slot_is_refilled_while_a_long_sequence_keeps_running(policy, to
     assert {k: r.num_tokens for k, r in results.items()} == {"long": 12, "s1": 3, "s2": 3, "s3": 3}
 
 
+def test_running_sequences_move_down_into_freed_slots_and_keep_their_logprobs(policy, tokenizer):
+    # 4 slots: a (3 tokens) ends early with nothing waiting, so the highest running sequence
+    # moves down into its slot (K/V columns copied) and decoding reads rows 0..n-1; late arrives
+    # mid-run and takes the lowest free slot, above the running ones. Every token's log-prob
+    # is still that of one plain forward pass over prompt + response.
+    engine = HFEngine(policy, tokenizer, slots=4, seed=3)
+    params = {"a": 3, "b": 14, "c": 5, "d": 12, "late": 6}
+    sp = {k: SamplingParams(temperature=0.9, max_new_tokens=n, ignore_eos=True) for k, n in params.items()}
+    for name in ("a", "b", "c", "d"):
+        engine.add(GenRequest(name, ids(tokenizer, f"prompt {name} " * (1 + len(name))), sp[name]))
+    slots, results = [], {}
+    while engine.has_work():
+        if engine.num_steps == 4:
+            engine.add(GenRequest("late", ids(tokenizer, "a late one"), sp["late"]))
+        results.update((r.request_id, r) for r in engine.step())
+        slots.append({s.request.request_id: s.slot for s in engine._running if not s.done})
+    # (an n-token response ends at step n - 1: its first two tokens come from one step)
+    assert slots[2] == {"b": 1, "c": 2, "d": 0}  # a ended at step 2: d moved from slot 3 to 0
+    assert slots[4] == {"b": 1, "d": 0, "late": 2}  # c ended at step 4; late took the lowest free slot
+    assert slots[10:12] == [{"b": 1}, {"b": 0}]  # d and late ended: b moved down too
+    for name, n in params.items():
+        r = results[name]
+        assert r.num_tokens == n
+        np.testing.assert_allclose(r.logprobs, recompute(policy, r, sp[name]), rtol=0, atol=PARITY_ATOL)
+
+
 def test_versions_change_exactly_at_the_update_step(fresh_policy, tokenizer):
     engine = HFEngine(fresh_policy, tokenizer, slots=2)
     engine.add(GenRequest("a", ids(tokenizer, "first"), SamplingParams(max_new_tokens=10, ignore_eos=True)))
