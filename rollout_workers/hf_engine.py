@@ -243,9 +243,11 @@ class HFEngine:
             )
 
     def _release_finished(self) -> None:
-        for seq in self._running:
-            if seq.done:
-                heapq.heappush(self._free, seq.slot)
+        finished = [seq for seq in self._running if seq.done]
+        if not finished:  # admission takes the lowest free slots: only a release can open a hole
+            return
+        for seq in finished:
+            heapq.heappush(self._free, seq.slot)
         self._running = [seq for seq in self._running if not seq.done]
         # packed at the front (module docstring, step 1): the highest running sequence takes the
         # lowest free slot while that lies below it
@@ -335,7 +337,7 @@ class HFEngine:
             use_top_k, use_top_p = self._load_inputs(decoding, row_of, n)
             tokens, logprobs = self._graphs.run(n, use_top_k, use_top_p)
         else:
-            # Eagerly, a batch with free slots in it runs the decoding slots only (gathered).
+            # Eagerly, a batch with a still-prefilling slot inside it runs the decoding slots only (gathered).
             packed = len(decoding) < n
             rows: torch.Tensor | int = torch.tensor([seq.slot for seq in decoding], device=self.device) if packed else n
             row_of = list(range(len(decoding))) if packed else [seq.slot for seq in decoding]
