@@ -183,7 +183,7 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
         lost = next(n for n in cluster.worker_nodes if n.node_id == placed["worker-0"]["node_id"])
         cluster.remove_node(trainer, allow_graceful=False)
         cluster.remove_node(lost, allow_graceful=False)
-        taken_over = leases_taken_over(r, run_id, "worker-0")
+        taken_over = leases_taken_over(r, run_id, "worker-0", placed["worker-0"]["pid"])
         trainer = cluster.add_node(**LOOPBACK, num_cpus=1, resources={"trainer": 1})
         cluster.add_node(**LOOPBACK, num_cpus=1, resources={"rollout": 2})  # the fixture's two rollout nodes again
         until(lines, lambda: actors(out).get("learner", {}).get("node_id") == trainer.node_id
@@ -214,10 +214,12 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
     assert summary["dead_letters"] == 0 and snap["depth"]["dead_letters"] == 0, output[-3000:]
-    # seen once with the suite on two loaded cores: 2 leases left after Ctrl-C; say whose, and what the run printed
-    holders = r.xpending(RunKeys.for_run(run_id).prompts, WORKERS_GROUP)["consumers"]
-    assert snap["depth"]["prompts_leased"] == 0 and snap["depth"]["samples_inflight"] == 0, \
-        (snap["depth"], holders, actors(out), output[-4000:])
+    # seen twice with the suite on two loaded cores (2 leases, the 8 samples of their groups): say whose
+    # (pytest.fail: an assert's message is cut short)
+    if snap["depth"]["prompts_leased"] or snap["depth"]["samples_inflight"]:
+        holders = r.xpending(RunKeys.for_run(run_id).prompts, WORKERS_GROUP)["consumers"]
+        pytest.fail(f"leases or samples left after Ctrl-C: {snap['depth']}\nholders: {holders}\n"
+                    f"actors: {actors(out)}\nthe run printed:\n{output[-4000:]}", pytrace=False)
     assert "restarting worker-0 (restart 1 of 5" in output and "restarting worker-0 (restart 2 of 5" in output
     assert "worker-0 exited with code -9 (the actor died" in output
     assert "scaling the workers from 2 to 3" in output and "scaling the workers from 3 to 1" in output

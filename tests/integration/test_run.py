@@ -76,9 +76,12 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def leases_taken_over(r: redis.Redis, run_id: str, consumer: str) -> Callable[[], bool]:
-    """Call right after ``consumer`` died: returns a predicate, true once every lease it held then
-    (frozen until buffer.lease_timeout_s expires) is acked or delivered again, to a live worker."""
+def leases_taken_over(r: redis.Redis, run_id: str, consumer: str, pid: int) -> Callable[[], bool]:
+    """Call once ``consumer``'s process ``pid`` was killed: waits until the process is gone (a
+    worker whose node was removed under it runs on for a moment, and may claim more), then returns
+    a predicate, true once every lease it held (frozen until buffer.lease_timeout_s expires) is
+    acked or delivered again, to a live worker."""
+    wait_for(lambda: not pid_alive(pid), 60, f"{consumer}'s process {pid} to be gone")
     prompts = RunKeys.for_run(run_id).prompts
     orphans = {row["message_id"]: row["times_delivered"]  # id -> deliveries
                for row in r.xpending_range(prompts, WORKERS_GROUP, "-", "+", 1000, consumername=consumer)}
@@ -281,7 +284,7 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
 
         # a crashed worker is reported and restarted; the run goes on
         os.kill(pids["worker-0"], signal.SIGKILL)
-        taken_over = leases_taken_over(r, run_id, "worker-0")
+        taken_over = leases_taken_over(r, run_id, "worker-0", pids["worker-0"])
         new = wait_for(lambda: (p := json.loads((out / "children.json").read_text()))["worker-0"] != pids["worker-0"] and p,
                        60, "worker-0 restarted")
         wait_for(taken_over, 120, "the dead worker's leases to be taken over")
