@@ -228,14 +228,16 @@ def main() -> None:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-    ratios = {}
+    ratios, step_ms = {}, {}
     for n in m["turn_tokens"]:
         best = {side: max((r for r in rows if r["side"] == side and r["turn_tokens"] == n), key=lambda r: r["tokens_per_s"])
                 for side in ("gateway", "engine")}
         ratios[n] = best["gateway"]["tokens_per_s"] / best["engine"]["tokens_per_s"]
+        step_ms[n] = best["engine"]["ms_per_step"]
     print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {m['shape']} model on the CPU")
     for n, ratio in ratios.items():
-        print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET})")
+        print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET}); "
+              f"the engine's step: {step_ms[n]:.1f} ms")
     name = "gateway" + ("" if args.mode == "quick" else "_full") + ("" if m["shape"] == "tiny" else f"_{m['shape']}")
     write_results(name,
                   {"mode": args.mode, "config": m, "rows": rows, "ratio_gateway_over_engine": ratios, "target": TARGET,
