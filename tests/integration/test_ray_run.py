@@ -218,8 +218,9 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     # (pytest.fail: an assert's message is cut short)
     if snap["depth"]["prompts_leased"] or snap["depth"]["samples_inflight"]:
         holders = r.xpending(RunKeys.for_run(run_id).prompts, WORKERS_GROUP)["consumers"]
+        ends = [line for line in lines.lines if "did not stop" in line or "exited with" in line or " left (" in line]
         pytest.fail(f"leases or samples left after Ctrl-C: {snap['depth']}\nholders: {holders}\n"
-                    f"actors: {actors(out)}\nthe run printed:\n{output[-4000:]}", pytrace=False)
+                    f"actors: {actors(out)}\nhow the roles ended:\n" + "\n".join(ends[-20:]), pytrace=False)
     assert "restarting worker-0 (restart 1 of 5" in output and "restarting worker-0 (restart 2 of 5" in output
     assert "worker-0 exited with code -9 (the actor died" in output
     assert "scaling the workers from 2 to 3" in output and "scaling the workers from 3 to 1" in output
