@@ -196,7 +196,7 @@ class RayLauncher(Launcher):
     def infra_options(self, role: Any, node_id: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return {**plan.actor_options(role, labels=False),
+        return {**plan.actor_options(role, labels=False), "runtime_env": {"env_vars": dict(plan.NORMAL_PRIORITY_ENV)},
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
     def wait_placement_group(self, what: str) -> None:

@@ -20,6 +20,12 @@ from rlhf_core.config import Config, ConfigError, RayRoleConfig, to_object
 
 #: the label Ray gives every node: its id (a bundle's label selector pins it to that node)
 NODE_ID_LABEL = "ray.io/node-id"
+#: Ray starts an actor's process at niceness 15 unless its runtime_env says otherwise: the run's
+#: learner, workers, Redis and weight server would then yield the CPU to any other process of
+#: the node (a hand-started ``rlhf-worker``, the driver, another job) and, on a busy node, miss
+#: their heartbeats and shutdown grace. They are the job: they run at the normal priority, as
+#: the one-machine launcher's children do.
+NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
 @dataclass(frozen=True)
@@ -143,10 +149,11 @@ def rank_envs(placed: Sequence[tuple[str, Sequence[int | str]]], master_port: in
 def role_env(role: RayRoleConfig, worker_id: str | None = None) -> dict[str, str]:
     """The environment an actor's process starts with (Ray's ``runtime_env``), as each child of
     the one-machine launcher gets it: torch threads = the role's CPUs (unless OMP_NUM_THREADS is
-    set here), the worker id, unbuffered output, and this PYTHONPATH (every node runs the same
-    code tree, as Ray requires). CUDA_VISIBLE_DEVICES is Ray's (``num_gpus``)."""
+    set here), the worker id, unbuffered output, the normal CPU priority (:data:`NORMAL_PRIORITY_ENV`)
+    and this PYTHONPATH (every node runs the same code tree, as Ray requires).
+    CUDA_VISIBLE_DEVICES is Ray's (``num_gpus``)."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(role.num_cpus))),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **NORMAL_PRIORITY_ENV}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     if worker_id is not None:

@@ -109,6 +109,7 @@ def test_a_roles_options_and_environment(monkeypatch):
     assert "label_selector" not in plan.actor_options(cfg.ray.worker, labels=False)  # a bundle's selector rules
     env = plan.role_env(cfg.ray.worker, "worker-3")
     assert env["OMP_NUM_THREADS"] == "2" and env[WORKER_ID_ENV] == "worker-3"  # torch threads = the role's CPUs
+    assert env["RAY_worker_niceness"] == "0"  # not Ray's default 15: the roles are the job
     assert plan.role_env(cfg.ray.weight_server)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # set by the user: every role keeps it
     assert plan.role_env(cfg.ray.worker)["OMP_NUM_THREADS"] == "4"
