@@ -22,9 +22,9 @@ from rlhf_core.config import Config, ConfigError, RayRoleConfig, to_object
 NODE_ID_LABEL = "ray.io/node-id"
 #: Ray starts an actor's process at niceness 15 unless its runtime_env says otherwise: the run's
 #: learner, workers, Redis and weight server would then yield the CPU to any other process of
-#: the node (a hand-started ``rlhf-worker``, the driver, another job) and, on a busy node, miss
-#: their heartbeats and shutdown grace. They are the job: they run at the normal priority, as
-#: the one-machine launcher's children do.
+#: the node (a hand-started ``rlhf-worker``, the driver, another job; beside two busy loops on
+#: two cores each got 3-4% of a core). They are the job: they run at the normal priority, as the
+#: one-machine launcher's children do.
 NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
