@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import redis
 
@@ -259,16 +259,39 @@ class Buffer:
             self._leases.get(c.lease.consumer, {}).pop(c.lease.lease_id, None)
         return [samples.complete_status(r) for r in results]
 
-    def append_group(self, producer: str, group: list[Sample]) -> str:
+    def append_group(self, producer: str, group: list[Sample], kept: Sequence[str] = ()) -> str | None:
         """Append a group that no prompt lease produced (rlhf-gateway's episodes) to the sample
         stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
         stream entry id, or "" when no sample was valid. Pacing never admitted such a group, so
-        it takes no admission budget and returns none when dropped as stale."""
+        it takes no admission budget and returns none when dropped as stale.
+
+        ``kept``: the fields in ``P gw:rewarded`` (:meth:`keep_rewarded`) holding the group's
+        samples until now; they are deleted in the same step, and when one of them is gone the
+        group was appended before (a retry whose first reply was lost) and None is returned."""
         K.check_consumer(producer)
-        args = samples.prepare_external(self._store, self.run_params(), producer, group)
+        args = samples.prepare_external(self._store, self.run_params(), producer, group, kept)
         k = self.keys
-        res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead], args=args)
-        return res.decode() if isinstance(res, bytes) else str(res or "")
+        res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead, k.gw_rewarded], args=args)
+        if res is None:
+            return None
+        return res.decode() if isinstance(res, bytes) else str(res)
+
+    def keep_rewarded(self, field: str, sample: Sample) -> None:
+        """Keep a rewarded gateway session's sample until its group is appended (``kept`` of
+        :meth:`append_group`): a gateway that stops or dies meanwhile loses no reward it accepted."""
+        self.retry(self.redis.hset, self.keys.gw_rewarded, field, sample.encode())
+
+    def rewarded_kept(self, fields: Sequence[str] | None = None) -> dict[str, bytes]:
+        """The kept rewarded samples not yet appended (of ``fields`` only, when given), raw
+        (decode with :meth:`Sample.decode`)."""
+        k = self.keys.gw_rewarded
+        if fields is not None:
+            values = self.retry(self.redis.hmget, k, list(fields)) if fields else []
+            return {f: v for f, v in zip(fields, values) if v is not None}
+        return {f.decode() if isinstance(f, bytes) else str(f): v for f, v in self.retry(self.redis.hgetall, k).items()}
+
+    def forget_rewarded(self, field: str) -> None:
+        self.retry(self.redis.hdel, self.keys.gw_rewarded, field)
 
     def release(self, leases: Lease | Iterable[Lease]) -> int:
         """Give prompts back un-done (shutdown): re-delivered to the next claimer, budget returned,

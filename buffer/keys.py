@@ -103,6 +103,7 @@ class RunKeys:
     control: str
     gw_calls: str
     gw_cancel: str
+    gw_rewarded: str
 
     @classmethod
     def for_run(cls, run_id: str) -> "RunKeys":
@@ -131,6 +132,7 @@ class RunKeys:
             control=p + "control",
             gw_calls=p + "gw:calls",
             gw_cancel=p + "gw:cancel",
+            gw_rewarded=p + "gw:rewarded",
         )
 
     def gw_out(self, gateway_id: str) -> str:

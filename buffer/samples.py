@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import msgpack
 
@@ -160,9 +160,11 @@ def _check_group(store: Store, params: Mapping[str, Any], samples: list[Sample],
     return good, bad
 
 
-def prepare_external(store: Store, params: Mapping[str, Any], producer: str, samples: list[Sample]) -> list[Any]:
+def prepare_external(store: Store, params: Mapping[str, Any], producer: str, samples: list[Sample],
+                     kept: Sequence[str] = ()) -> list[Any]:
     """Validate and encode a group that no prompt lease produced; return the ``append.lua``
-    arguments (FIFO mode: a replay table is filled by leased prompts only)."""
+    arguments (FIFO mode: a replay table is filled by leased prompts only). ``kept``: the fields
+    of the records in ``P gw:rewarded`` the group is made of (deleted with the append)."""
     if params["mode"] != "fifo":
         raise ValueError(f"groups without a prompt lease need buffer.mode=fifo, this run uses {params['mode']}")
     if not samples:
@@ -170,8 +172,8 @@ def prepare_external(store: Store, params: Mapping[str, Any], producer: str, sam
     good, bad = _check_group(store, params, samples, "append_group()")
     oldest = min((s.oldest_version for s, _ in good), default=0)
     head = [producer, repr(time.time()), store.dead_maxlen, oldest, samples[0].group_id, samples[0].prompt_id,
-            len(good), len(bad) // 3]
-    return head + [raw for _, raw in good] + bad
+            len(good), len(bad) // 3, len(kept)]
+    return head + [raw for _, raw in good] + bad + list(kept)
 
 
 def complete_status(res: list[Any]) -> str:

@@ -44,6 +44,8 @@ from gateway.sessions import PLAIN_TEMPLATE, Session, SessionError, Sessions
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_tokenizer, model_dir
+from rlhf_core.records import Sample
+from rlhf_core.wire import WireError
 from rlhf_core.cli import write_json
 from rollout_workers.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
 
@@ -122,6 +124,7 @@ class Gateway:
         self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
         self._workers = (0.0, 0)  # (checked at, live workers)
         self._tasks: list[asyncio.Task] = []
+        self._appending = asyncio.Lock()
         self.started = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,6 +141,7 @@ class Gateway:
                               f"{params['group_size']}: a group of the buffer holds at most that many samples")
         self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size,
                                  int(params["max_response_tokens"]))
+        await self._recover()
         kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
         kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default is no retry either
         kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
@@ -182,15 +186,34 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await forget_cancel(self.redis, self.keys, chunk.call_id)
 
+    async def _recover(self) -> None:
+        """Take up the rewarded sessions a gateway before this one kept and did not append (it
+        stopped or died while their groups were filling): back in their groups, appended when
+        full or due. A kept record that does not decode is dead-lettered."""
+        assert self.sessions is not None
+        for key, raw in (await asyncio.to_thread(self.buffer.rewarded_kept)).items():
+            try:
+                sample = Sample.decode(raw, max_bytes=self.cfg.buffer.max_record_bytes)
+            except WireError as exc:
+                await asyncio.to_thread(self.buffer.dead_letter, f"a kept gateway reward does not decode: {exc}",
+                                        "gateway", raw)
+                await asyncio.to_thread(self.buffer.forget_rewarded, key)
+                continue
+            self.sessions.recovered(key, sample)
+        if self.sessions.counters.rewards_recovered:
+            log.info("gateway: %d rewarded session(s) kept by an earlier gateway are back in their %d group(s)",
+                     self.sessions.counters.rewards_recovered, len(self.sessions.groups))
+        await self._append_due()
+
     async def _housekeeping(self) -> None:
-        """Expire idle sessions, append groups that waited too long, publish the gateway's stats."""
+        """Expire idle sessions, append groups that are due, publish the gateway's stats."""
         assert self.sessions is not None
         every = min(1.0, self.cfg.gateway.session_ttl_s / 4)
         while True:
             await asyncio.sleep(every)
             try:
-                for group in self.sessions.expire():
-                    await self._append(group)
+                self.sessions.expire()
+                await self._append_due()
                 stats = {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
                          "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)}
                 await asyncio.to_thread(self.buffer.publish_stats, "gateway", stats)
@@ -559,25 +582,64 @@ class Gateway:
         if group is not None and not (isinstance(group, str) and 0 < len(group) <= 200):
             raise bad("'group' must be a string of 1-200 characters", "group")
         try:
-            name, samples = self.sessions.reward(sid, total, components, group)
+            rewarded = self.sessions.end(sid, total, components, group)
         except SessionError as exc:
             raise ApiError(exc.status, str(exc), NOT_FOUND if exc.status == 404 else "conflict_error"
                            if exc.status == 409 else "invalid_request_error", "session") from None
-        if samples:
-            await self._append(samples)
-        return JSONResponse({"session": sid, "group": name, "reward": total,
-                             "status": "appended" if samples else "waiting_for_group", "samples": len(samples or [])})
+        # kept before it is acknowledged: a gateway that dies now loses no accepted reward
+        keep = asyncio.ensure_future(asyncio.to_thread(self.buffer.keep_rewarded, rewarded.key, rewarded.sample))
 
-    async def _append(self, samples: list[Any]) -> None:
+        def settle(done: asyncio.Future) -> None:  # runs even when this request is cancelled meanwhile
+            if done.cancelled() or done.exception() is not None:
+                self.sessions.reopen(rewarded)
+            else:
+                self.sessions.rewarded(rewarded)
+
+        keep.add_done_callback(settle)
+        try:
+            await asyncio.shield(keep)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("gateway: could not keep the reward of session %s: %s", sid, exc)
+            raise ApiError(503, f"the reward could not be stored ({type(exc).__name__}); post it again", UNAVAILABLE,
+                           "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        # settle() has run: it was added before the shield's own callback, which wakes this request
+        samples = await self._append_due(rewarded.key)
+        return JSONResponse({"session": sid, "group": rewarded.group, "reward": total,
+                             "status": "appended" if samples else "waiting_for_group", "samples": samples})
+
+    async def _append_due(self, key: str | None = None) -> int:
+        """Append every group that is due (full, or its TTL over), each with the deletion of its kept
+        samples; a group the buffer cannot take now stays and is tried again at the next round.
+        Returns how many samples the group holding kept sample ``key`` appended (0: still waiting)."""
         assert self.sessions is not None
-        entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples)
-        counters = self.sessions.counters
-        if entry:
-            counters.groups_appended += 1
-            counters.samples_appended += len(samples)
-        else:
-            counters.samples_dead_lettered += len(samples)
-            log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)", len(samples))
+        counters, appended_with_key = self.sessions.counters, 0
+        async with self._appending:  # one append of a group at a time
+            for name in self.sessions.due():
+                keys, samples = self.sessions.group(name)
+                try:
+                    entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples, keys)
+                except Exception:  # noqa: BLE001  # Redis away: the samples stay kept; the next round retries
+                    log.exception("gateway: appending group %s failed; it is tried again", name)
+                    continue
+                if entry is None:  # some of its kept samples were appended before (another gateway took them up)
+                    still = await asyncio.to_thread(self.buffer.rewarded_kept, keys)
+                    self.sessions.appended(name, [k for k in keys if k not in still])
+                    log.info("gateway: %d sample(s) of group %s were appended before; %d wait for their group",
+                             len(keys) - len(still), name, len(still))
+                    continue
+                self.sessions.appended(name, keys)
+                if key in keys:
+                    appended_with_key = len(samples)
+                if entry:
+                    counters.groups_appended += 1
+                    counters.samples_appended += len(samples)
+                else:
+                    counters.samples_dead_lettered += len(samples)
+                    log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)",
+                                len(samples))
+        return appended_with_key
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)

@@ -15,14 +15,19 @@ the sampled text, or the text the client got (a stop string cut off).
 ``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
 together once ``group_size`` of them are rewarded (a group still short of that is appended as
 it is ``session_ttl_s`` after its last reward); a session without a group is a group of one.
+A rewarded session's sample is kept in the buffer (``P gw:rewarded``) before the reward is
+acknowledged, and deleted in the step that appends its group: a gateway that stops or dies
+with groups still filling loses none of them, the next one takes them up at start.
 A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +78,21 @@ class Session:
 
 
 @dataclass
+class Rewarded:
+    """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until
+    its group is appended; its group fields are filled in then."""
+
+    key: str
+    group: str
+    session_id: str
+    sample: Sample
+
+
+@dataclass
 class _Group:
     name: str
-    samples: list[tuple[str, Session, float, dict[str, float]]] = field(default_factory=list)
-    changed: float = 0.0
+    samples: list[Rewarded] = field(default_factory=list)
+    changed: float = 0.0  # monotonic time of the last reward
 
 
 @dataclass
@@ -92,6 +108,7 @@ class GatewayCounters:
     retokenisation_drift: int = 0
     calls_aborted: int = 0
     calls_failed: int = 0
+    rewards_recovered: int = 0  # rewarded sessions a gateway before this one kept, found at start
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -211,9 +228,9 @@ class Sessions:
 
     # ------------------------------------------------------------------ rewards, groups, expiry
 
-    def reward(self, session_id: str, reward: float, components: dict[str, float], group: str | None
-               ) -> tuple[str, list[Sample] | None]:
-        """End a session; returns ``(its group, the group's samples when the group is complete)``."""
+    def end(self, session_id: str, reward: float, components: dict[str, float], group: str | None) -> Rewarded:
+        """Check that ``session_id`` may be rewarded and make its sample; the session is held (busy)
+        until :meth:`rewarded` ends it, once the sample is kept, or :meth:`reopen` gives it back."""
         s = self.sessions.get(session_id)
         if s is None:
             if session_id in self.ended:
@@ -225,42 +242,75 @@ class Sessions:
             raise SessionError(409, f"session '{session_id}' has a call running; reward it when the call has returned")
         if s.transcript is None or not s.transcript.turns:
             raise SessionError(400, f"session '{session_id}' has no completed call to reward")
-        del self.sessions[session_id]
-        self._end(session_id, "rewarded")
-        self.counters.sessions_rewarded += 1
         name = group or s.group or session_id
-        g = self.groups.setdefault(name, _Group(name))
-        g.samples.append((session_id, s, reward, components))
-        g.changed = time.monotonic()
-        if len(g.samples) >= self.group_size:
-            return name, self._flush(name)
-        return name, None
+        key = uuid.uuid4().hex
+        sample = s.transcript.to_sample(
+            sample_id=key, prompt_id=f"gw:{name}", group_id=f"gw:{name}", reward=reward, reward_components=components,
+            finish_reason=s.finish_reason, worker_id="gateway", group_size=1, group_index=0,
+            created_at=time.time() - (time.monotonic() - s.created), finished_at=time.time(),
+            metadata={"session": session_id, "turns": s.turns, "retokenisation_drift": s.drift_turns})
+        s.busy = True
+        return Rewarded(key, name, session_id, sample)
 
-    def expire(self, now: float | None = None) -> list[list[Sample]]:
-        """Drop sessions idle past the TTL; return the groups that waited that long after their last reward."""
+    def reopen(self, r: Rewarded) -> None:
+        """The reward could not be kept: the session goes on as it was (the agent may post it again)."""
+        self.sessions[r.session_id].busy = False
+
+    def rewarded(self, r: Rewarded) -> None:
+        """End the session of ``r`` (its sample is kept) and add it to its group."""
+        del self.sessions[r.session_id]
+        self._end(r.session_id, "rewarded")
+        self.counters.sessions_rewarded += 1
+        self._add(r, time.monotonic())
+
+    def recovered(self, key: str, sample: Sample) -> Rewarded:
+        """A kept sample found at start (a gateway before this one accepted its reward): back in its
+        group, its session ended, the time since its reward counted towards the group's TTL."""
+        sid = str(sample.metadata.get("session", key))
+        r = Rewarded(key, sample.prompt_id.removeprefix("gw:"), sid, sample)
+        self._end(sid, "rewarded")
+        self.counters.rewards_recovered += 1
+        self._add(r, time.monotonic() - min(max(0.0, time.time() - sample.finished_at), self.ttl_s))
+        return r
+
+    def _add(self, r: Rewarded, at: float) -> None:
+        g = self.groups.setdefault(r.group, _Group(r.group))
+        g.samples.append(r)
+        g.changed = max(g.changed, at)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop sessions idle past the TTL."""
         now = time.monotonic() if now is None else now
         for sid, s in list(self.sessions.items()):
             if not s.busy and now - s.last_used > self.ttl_s:
                 del self.sessions[sid]
                 self._end(sid, "expired")
                 self.counters.sessions_expired += 1
-        return [self._flush(name) for name, g in list(self.groups.items()) if now - g.changed > self.ttl_s]
+
+    def due(self, now: float | None = None) -> list[str]:
+        """Groups to append now: those with ``group_size`` rewarded sessions, and those short of it
+        that waited ``ttl_s`` since their last reward."""
+        now = time.monotonic() if now is None else now
+        return [name for name, g in self.groups.items() if len(g.samples) >= self.group_size or now - g.changed > self.ttl_s]
+
+    def group(self, name: str) -> tuple[list[str], list[Sample]]:
+        """The kept fields and the samples of group ``name`` (at most ``group_size``, oldest first),
+        as one group of the buffer; :meth:`appended` drops them once the buffer has them."""
+        rewarded = self.groups[name].samples[: self.group_size]
+        group_id = f"gw:{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
+        samples = [dataclasses.replace(r.sample, sample_id=f"{group_id}/{i}", group_id=group_id,
+                                       group_size=len(rewarded), group_index=i) for i, r in enumerate(rewarded)]
+        return [r.key for r in rewarded], samples
+
+    def appended(self, name: str, keys: list[str]) -> None:
+        g, done = self.groups.get(name), set(keys)
+        if g is None:
+            return
+        g.samples = [r for r in g.samples if r.key not in done]
+        if not g.samples:
+            del self.groups[name]
 
     def _end(self, session_id: str, how: str) -> None:
         self.ended[session_id] = how
         while len(self.ended) > 100_000:
             self.ended.pop(next(iter(self.ended)))
-
-    def _flush(self, name: str) -> list[Sample]:
-        g = self.groups.pop(name)
-        group_id = f"gw:{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
-        out = []
-        for i, (sid, s, reward, components) in enumerate(g.samples):
-            assert s.transcript is not None
-            out.append(s.transcript.to_sample(
-                sample_id=f"{group_id}/{i}", prompt_id=f"gw:{name}", group_id=group_id, reward=reward,
-                reward_components=components, finish_reason=s.finish_reason, worker_id="gateway",
-                group_size=len(g.samples), group_index=i, created_at=time.time() - (time.monotonic() - s.created),
-                finished_at=time.time(),
-                metadata={"session": sid, "turns": s.turns, "retokenisation_drift": s.drift_turns}))
-        return out

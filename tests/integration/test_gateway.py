@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from rlhf_core.records import Sample
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -697,6 +699,83 @@ def test_a_session_takes_one_call_at_a_time(served):
     assert served.reward("busy", 1.0).status_code == 200
 
 
+def _gateway_process(cfg_overrides: list[str], out: Any) -> tuple[Any, str]:
+    """``rlhf-gateway`` in its own process (so it can be SIGKILLed), once it serves: (process, base url)."""
+    import subprocess
+    import sys
+
+    from servers import wait_for
+
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *cfg_overrides, f"run.output_dir={out}",
+                             f"hydra.run.dir={out / 'hydra'}", "hydra.output_subdir=null"],
+                            stdout=subprocess.DEVNULL, stderr=(out / "gateway.log").open("wb"))
+
+    def serving() -> str | None:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}: {(out / 'gateway.log').read_text()[-2000:]}"
+        return json.loads((out / "gateway.json").read_text())["url"] if (out / "gateway.json").exists() else None
+
+    return proc, wait_for(serving, 120, "the gateway to serve", 0.1)
+
+
+@pytest.mark.timeout(300)  # two gateway processes start (each imports torch and loads the tokenizer)
+def test_a_gateway_killed_with_a_group_half_rewarded_loses_no_reward(infra, tiny_model_cfg, tmp_path):
+    """A reward the gateway acknowledged is kept in the buffer: SIGKILL the gateway while its
+    group waits for more sessions, start another, and the group is completed there and appended
+    once, with the first gateway's session in it (whose reward cannot be posted twice)."""
+    import signal
+
+    from worker_helpers import FakeLearner, WorkerThread, overrides
+
+    redis, ws = infra
+    settings = overrides(redis.url, "gw-crash", ws, tiny_model_cfg, extra=[*SETTINGS])
+    cfg = _cfg(infra, tiny_model_cfg, "gw-crash")
+    learner = FakeLearner(cfg)
+    learner.publish(VERSION)
+    wt = WorkerThread(cfg, "w-crash")
+    wt.start()
+    procs = []
+    try:
+        def session(url: str, sid: str) -> None:
+            with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": sid}], max_tokens=4,
+                                               extra_headers={"X-Session-Id": sid, "X-Group-Id": "crash"})
+
+        proc, url = _gateway_process(settings, tmp_path / "first")
+        procs.append(proc)
+        session(url, "c/0")
+        session(url, "c/1")  # never rewarded: lost with the gateway (nothing is trained from it)
+        r = httpx.post(f"{url}/rl/sessions/c/0/reward", json={"reward": 0.5}, timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "waiting_for_group", r.text
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc, url = _gateway_process(settings, tmp_path / "second")
+        procs.append(proc)
+        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+        assert (stats["rewards_recovered"], stats["groups_waiting"]) == (1, 1)
+        r = httpx.post(f"{url}/rl/sessions/c/0/reward", json={"reward": 0.5}, timeout=10)
+        assert r.status_code == 409 and "rewarded already" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/rl/sessions/c/1/reward", json={"reward": 1.0}, timeout=10).status_code == 404
+        session(url, "c/2")
+        r = httpx.post(f"{url}/rl/sessions/c/2/reward", json={"reward": 1.0}, timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "appended" and r.json()["samples"] == 2, r.text
+        batch = learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=10)
+        assert batch is not None and batch.group_sizes == [GROUP]
+        assert [(s.metadata["session"], s.reward) for s in batch.samples] == [("c/0", 0.5), ("c/2", 1.0)]
+        assert learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=0.5) is None  # once
+        assert learner.buffer.rewarded_kept() == {}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(15)
+        wt.worker.request_stop()
+        wt.worker.request_stop()
+        wt.thread.join(15)
+        learner.close()
+    assert wt.error is None, wt.error
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 
@@ -769,6 +848,66 @@ def test_a_session_is_rewarded_once(served):
     served.chat("once-2", "g-once", max_tokens=1)
     assert served.reward("once-2", 0.0).json()["status"] == "appended"
     assert {s.metadata["session"] for s in served.group("g-once")} == {"once", "once-2"}
+
+
+def test_a_second_gateway_takes_up_kept_rewards_and_each_sample_is_appended_once(served, infra, tiny_model_cfg):
+    """Two gateways of one run: the one started second takes up the first one's kept reward and
+    completes its group; the first one, completing the same group again, finds that sample
+    appended already and keeps its own new session waiting for the group (nothing twice, nothing lost)."""
+    from gateway.server import GatewayServer
+
+    served.chat("two/a0", "two", max_tokens=1)
+    assert served.reward("two/a0", 1.0).json()["status"] == "waiting_for_group"
+    second = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
+    url = second.start()
+    try:
+        assert httpx.get(f"{url}/rl/stats", timeout=10).json()["rewards_recovered"] >= 1
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           extra_headers={"X-Session-Id": "two/b1", "X-Group-Id": "two"})
+        r = httpx.post(f"{url}/rl/sessions/two/b1/reward", json={"reward": 0.0}, timeout=10)
+        assert r.json()["status"] == "appended", r.text
+        assert [s.metadata["session"] for s in served.group("two")] == ["two/a0", "two/b1"]
+        # the first gateway still holds two/a0 in its group: with a new session the group is full there too
+        served.chat("two/a2", "two", max_tokens=1)
+        assert served.reward("two/a2", 0.5).json()["status"] == "waiting_for_group"  # two/a0 went with the other group
+        kept = [Sample.decode(raw) for raw in served.learner.buffer.rewarded_kept().values()]
+        assert [s.metadata["session"] for s in kept if s.prompt_id == "gw:two"] == ["two/a2"]
+        assert served.stats()["groups_waiting"] >= 1
+        served.chat("two/a3", "two", max_tokens=1)
+        assert served.reward("two/a3", 0.0).json()["status"] == "appended"
+        assert [s.metadata["session"] for s in served.group("two")] == ["two/a2", "two/a3"]
+    finally:
+        second.stop()
+
+
+def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_again(served, infra, tiny_model_cfg):
+    from buffer.connection import BufferUnavailable
+    from gateway.server import GatewayServer
+
+    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
+    url = server.start()
+    keep, failures = server.gateway.buffer.keep_rewarded, []
+
+    def failing(*args):
+        if not failures:
+            failures.append(args)
+            raise BufferUnavailable("redis is restarting")
+        return keep(*args)
+
+    server.gateway.buffer.keep_rewarded = failing
+    try:
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           extra_headers={"X-Session-Id": "unkept", "X-Group-Id": "unkept"})
+        r = httpx.post(f"{url}/rl/sessions/unkept/reward", json={"reward": 1.0}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2" and "post it again" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/rl/stats", timeout=10).json()["sessions_rewarded"] == 0
+        r = httpx.post(f"{url}/rl/sessions/unkept/reward", json={"reward": 1.0}, timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "waiting_for_group", r.text
+        assert len(failures) == 1
+    finally:
+        server.stop()
 
 
 def test_health_and_stats(served):

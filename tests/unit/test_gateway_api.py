@@ -258,33 +258,59 @@ def test_completions_extend_their_session_by_text_or_by_token_ids(tokenizer):
     assert sessions.counters.sessions_restarted == 1
 
 
+def reward(sessions, sid, value, components=None, group=None):
+    """What the gateway does with a reward post, the buffer left out: end the session, keep its
+    sample (here: nowhere), add it to its group; returns (group, its samples if it is due now)."""
+    r = sessions.end(sid, value, components or {}, group)
+    sessions.rewarded(r)
+    if r.group not in sessions.due():
+        return r.group, None
+    keys, samples = sessions.group(r.group)
+    sessions.appended(r.group, keys)
+    return r.group, samples
+
+
+def rewarded_session(sessions, tokenizer, sid, group=None, text="r"):
+    s = sessions.open(sid, group)
+    sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
+    sampled_turn(sessions, s, ids(tokenizer, text))
+    return s
+
+
 def test_rewards_end_sessions_once(tokenizer):
     sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
     with pytest.raises(SessionError) as info:
-        sessions.reward("nobody", 1.0, {}, None)
+        sessions.end("nobody", 1.0, {}, None)
     assert info.value.status == 404
     s = sessions.open("s", None)
     with pytest.raises(SessionError) as info:  # no call yet
-        sessions.reward("s", 1.0, {}, None)
+        sessions.end("s", 1.0, {}, None)
     assert info.value.status == 400
     sessions.chat_context(s, [{"role": "user", "content": "a"}], None)
     sampled_turn(sessions, s, ids(tokenizer, "b"))
     s.busy = True
     with pytest.raises(SessionError) as info:
-        sessions.reward("s", 1.0, {}, None)
+        sessions.end("s", 1.0, {}, None)
     assert info.value.status == 409
     with pytest.raises(SessionError) as info:  # a second call of a busy session
         sessions.open("s", None)
     assert info.value.status == 409
     s.busy = False
-    name, samples = sessions.reward("s", 0.75, {"a": 0.5, "b": 0.25}, None)
+    # a reward the buffer could not keep: the session goes on as it was, and its reward may be posted again
+    r = sessions.end("s", 0.75, {"a": 0.5, "b": 0.25}, None)
+    with pytest.raises(SessionError) as info:  # held while its reward is being kept
+        sessions.end("s", 0.75, {}, None)
+    assert info.value.status == 409
+    sessions.reopen(r)
+    assert sessions.sessions["s"] is s and not s.busy and not sessions.groups
+    name, samples = reward(sessions, "s", 0.75, {"a": 0.5, "b": 0.25})
     assert name == "s" and len(samples) == 1
     assert samples[0].reward == 0.75 and samples[0].reward_components == {"a": 0.5, "b": 0.25}
-    for again in (lambda: sessions.reward("s", 1.0, {}, None), lambda: sessions.open("s", None)):
+    for again in (lambda: sessions.end("s", 1.0, {}, None), lambda: sessions.open("s", None)):
         with pytest.raises(SessionError) as info:
             again()
         assert info.value.status == 409
-    assert sessions.counters.sessions_rewarded == 1
+    assert sessions.counters.sessions_rewarded == 1 and not sessions.groups
 
 
 def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
@@ -293,9 +319,9 @@ def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
         s = sessions.open(f"g/{i}", "g")
         sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
         sampled_turn(sessions, s, ids(tokenizer, "ab"[: i % 2 + 1]) + [tokenizer.eos_token_id])
-    assert sessions.reward("g/0", 1.0, {}, None) == ("g", None)
-    assert sessions.reward("g/2", 0.0, {}, None) == ("g", None)  # rewarded in any order
-    name, samples = sessions.reward("g/1", -1.0, {}, None)
+    assert reward(sessions, "g/0", 1.0) == ("g", None)
+    assert reward(sessions, "g/2", 0.0) == ("g", None)  # rewarded in any order
+    name, samples = reward(sessions, "g/1", -1.0)
     assert name == "g" and len(samples) == 3 and not sessions.groups
     assert [s.group_index for s in samples] == [0, 1, 2]
     assert len({s.group_id for s in samples}) == 1 and samples[0].group_id.startswith("gw:g:")
@@ -308,33 +334,66 @@ def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
         assert [tuple(v) for v in s.versions] == [(3, s.num_response_tokens)] and (s.behaviour_logprobs < 0).all()
     # a session's reward may name its group; sessions of the same name fill it
     for sid in ("x", "y"):
-        s = sessions.open(sid, None)
-        sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
-        sampled_turn(sessions, s, ids(tokenizer, "z"))
-    assert sessions.reward("x", 1.0, {}, "h") == ("h", None)
-    assert sessions.reward("y", 1.0, {}, "h")[1] is None  # 2 of 3
+        rewarded_session(sessions, tokenizer, sid, text="z")
+    assert reward(sessions, "x", 1.0, group="h") == ("h", None)
+    assert reward(sessions, "y", 1.0, group="h")[1] is None  # 2 of 3
     assert sessions.counters.sessions_rewarded == 5
+
+
+def test_kept_rewards_found_at_start_go_back_into_their_groups(tokenizer):
+    """What one gateway kept and did not append (it died with groups filling), the next one takes
+    up: the same samples in the same groups, their sessions ended, their TTL running from their reward."""
+    from rlhf_core.records import Sample
+
+    first = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    kept = {}
+    for sid in ("a", "b"):
+        rewarded_session(first, tokenizer, sid, group="g")
+        r = first.end(sid, {"a": 1.0, "b": 0.5}[sid], {}, None)
+        first.rewarded(r)
+        kept[r.key] = r.sample.encode()  # what Buffer.keep_rewarded stores
+    assert first.due() == []
+    second = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    for key, raw in kept.items():
+        second.recovered(key, Sample.decode(raw))
+    assert second.counters.rewards_recovered == 2 and list(second.groups) == ["g"]
+    with pytest.raises(SessionError) as info:  # rewarded by the first gateway: not again
+        second.end("a", 1.0, {}, None)
+    assert info.value.status == 409
+    rewarded_session(second, tokenizer, "c", group="g")
+    name, samples = reward(second, "c", 0.0)
+    assert name == "g" and [s.metadata["session"] for s in samples] == ["a", "b", "c"]
+    assert [s.reward for s in samples] == [1.0, 0.5, 0.0] and [s.group_index for s in samples] == [0, 1, 2]
+    assert samples[0].response_ids.tolist() == Sample.decode(next(iter(kept.values()))).response_ids.tolist()
+    # a kept reward older than the TTL: its group is due at once
+    third = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    old = Sample.decode(next(iter(kept.values())))
+    old.finished_at -= 120
+    third.recovered("k", old)
+    assert third.due() == ["g"]
 
 
 def test_idle_sessions_expire_and_short_groups_are_appended_after_the_ttl(tokenizer):
     sessions = Sessions(tokenizer, ttl_s=10, group_size=4, max_response_tokens=200)
     for sid in ("a", "b", "idle"):
-        s = sessions.open(sid, "g")
-        sessions.chat_context(s, [{"role": "user", "content": "q"}], None)
-        sampled_turn(sessions, s, ids(tokenizer, "r"))
+        rewarded_session(sessions, tokenizer, sid, group="g")
     busy = sessions.open("busy", None)
     busy.busy = True
-    sessions.reward("a", 1.0, {}, None)
-    sessions.reward("b", 0.5, {}, None)
+    reward(sessions, "a", 1.0)
+    reward(sessions, "b", 0.5)
     now = time.monotonic()
-    assert sessions.expire(now=now) == [] and sessions.counters.sessions_expired == 0
-    groups = sessions.expire(now=now + 11)
+    sessions.expire(now=now)
+    assert sessions.due(now=now) == [] and sessions.counters.sessions_expired == 0
+    sessions.expire(now=now + 11)
     assert sessions.counters.sessions_expired == 1 and set(sessions.sessions) == {"busy"}  # a running call stays
-    assert len(groups) == 1 and [s.metadata["session"] for s in groups[0]] == ["a", "b"]
-    assert [s.group_size for s in groups[0]] == [2, 2] and [s.group_index for s in groups[0]] == [0, 1]
-    assert sessions.groups == {} and sessions.expire(now=now + 30) == []
+    assert sessions.due(now=now + 11) == ["g"]
+    keys, group = sessions.group("g")
+    assert [s.metadata["session"] for s in group] == ["a", "b"] and len(set(keys)) == 2
+    assert [s.group_size for s in group] == [2, 2] and [s.group_index for s in group] == [0, 1]
+    sessions.appended("g", keys)
+    assert sessions.groups == {} and sessions.due(now=now + 30) == []
     with pytest.raises(SessionError) as info:  # expired: nothing to reward
-        sessions.reward("idle", 1.0, {}, None)
+        sessions.end("idle", 1.0, {}, None)
     assert info.value.status == 404
     with pytest.raises(SessionError) as info:  # nor to continue
         sessions.open("idle", None)

@@ -1,0 +1,67 @@
+"""Groups without a prompt lease (rlhf-gateway's rewarded sessions) on a real Redis: a rewarded
+sample is kept until its group is appended, and the append deletes what it was made of in the
+same step, so a group is appended once, whoever tries again (a retry whose reply was lost,
+another gateway that took the kept samples up)."""
+
+from __future__ import annotations
+
+import pytest
+
+import factories as T
+from buffer import Buffer
+from rlhf_core.config import BufferConfig
+from rlhf_core.records import Sample
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def buf(redis_url):
+    b = Buffer.connect(redis_url, "gw-groups", BufferConfig(lease_timeout_s=5.0))
+    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
+    yield b
+    b.close()
+
+
+def _group(n: int = 2) -> list[Sample]:
+    return [T.sample("gw:g", group_id="gw:g:0", index=i, group_size=n, worker_id="gateway", reward=float(i))
+            for i in range(n)]
+
+
+def test_a_kept_group_is_appended_once_and_its_kept_samples_go_with_the_append(buf):
+    group = _group()
+    for i, s in enumerate(group):
+        buf.keep_rewarded(f"k{i}", s)
+    kept = buf.rewarded_kept()
+    assert sorted(kept) == ["k0", "k1"] and Sample.decode(kept["k1"]).reward == 1.0
+    entry = buf.append_group("gateway", group, ["k0", "k1"])
+    assert entry and buf.rewarded_kept() == {}
+    # the same call again (its first reply lost), or another gateway with the same kept samples: nothing
+    assert buf.append_group("gateway", group, ["k0", "k1"]) is None
+    batch = buf.read_batch("L", 0, 2, timeout_s=1.0)
+    assert [s.reward for s in batch.samples] == [0.0, 1.0]
+    assert buf.read_batch("L", 0, 2, timeout_s=0.2) is None  # appended once
+    assert buf.metrics()["counters"]["groups_external"] == 1
+
+
+def test_a_group_one_of_whose_kept_samples_is_gone_is_not_appended_and_keeps_the_rest(buf):
+    group = _group()
+    buf.keep_rewarded("a", group[0])
+    assert buf.append_group("gateway", group, ["a", "b"]) is None  # "b" was never kept (or appended already)
+    assert list(buf.rewarded_kept()) == ["a"] and list(buf.rewarded_kept(["a", "b"])) == ["a"]
+    assert buf.rewarded_kept([]) == {}
+    buf.forget_rewarded("a")
+    assert buf.rewarded_kept() == {}
+    assert buf.append_group("gateway", group) != ""  # nothing kept: appended as before
+
+
+def test_kept_samples_survive_a_redis_restart(redis_server, redis_url):
+    import signal
+
+    b = Buffer.connect(redis_url, "gw-durable", BufferConfig(lease_timeout_s=5.0))
+    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
+    s = _group()[0]
+    b.keep_rewarded("k", s)
+    redis_server.restart(signal.SIGKILL)  # only the append-only file keeps it
+    assert Sample.decode(b.rewarded_kept()["k"]).sample_id == s.sample_id
+    b.close()
