@@ -40,7 +40,7 @@ from buffer.connection import client_kwargs
 from buffer.gateway import CallChunk, GatewayCall, cancel, forget_cancel, live_workers, submit
 from gateway.openai_api import (AUTH, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response, completion_response,
                                 logprobs_content, normal_message, parse_chat, parse_completion, parse_json, sse, usage)
-from gateway.sessions import PLAIN_TEMPLATE, Session, SessionError, Sessions
+from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_tokenizer, model_dir
@@ -588,34 +588,36 @@ class Gateway:
                            if exc.status == 409 else "invalid_request_error", "session") from None
         # kept before it is acknowledged: a gateway that dies now loses no accepted reward
         keep = asyncio.ensure_future(asyncio.to_thread(self.buffer.keep_rewarded, rewarded.key, rewarded.sample))
-
-        def settle(done: asyncio.Future) -> None:  # runs even when this request is cancelled meanwhile
-            if done.cancelled() or done.exception() is not None:
-                self.sessions.reopen(rewarded)
-            else:
-                self.sessions.rewarded(rewarded)
-
-        keep.add_done_callback(settle)
         try:
             await asyncio.shield(keep)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the request went away: settle the session when the keep ends
+            keep.add_done_callback(lambda done: self._settle_kept(rewarded, done))
             raise
         except Exception as exc:
+            self.sessions.reopen(rewarded)
             log.warning("gateway: could not keep the reward of session %s: %s", sid, exc)
             raise ApiError(503, f"the reward could not be stored ({type(exc).__name__}); post it again", UNAVAILABLE,
                            "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        # settle() has run: it was added before the shield's own callback, which wakes this request
-        samples = await self._append_due(rewarded.key)
+        samples = await self._append_due(rewarded)
         return JSONResponse({"session": sid, "group": rewarded.group, "reward": total,
                              "status": "appended" if samples else "waiting_for_group", "samples": samples})
 
-    async def _append_due(self, key: str | None = None) -> int:
-        """Append every group that is due (full, or its TTL over), each with the deletion of its kept
-        samples; a group the buffer cannot take now stays and is tried again at the next round.
-        Returns how many samples the group holding kept sample ``key`` appended (0: still waiting)."""
+    def _settle_kept(self, rewarded: Rewarded, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            self.sessions.reopen(rewarded)
+        else:  # kept: in its group, appended at the next round when that makes it due
+            self.sessions.rewarded(rewarded)
+
+    async def _append_due(self, rewarded: Rewarded | None = None) -> int:
+        """Add ``rewarded`` (kept) to its group, then append every group that is due (full, or its
+        TTL over), each with the deletion of its kept samples; a group the buffer cannot take now
+        stays and is tried again at the next round. Returns how many samples the group of
+        ``rewarded`` appended (0: it waits for more sessions)."""
         assert self.sessions is not None
-        counters, appended_with_key = self.sessions.counters, 0
-        async with self._appending:  # one append of a group at a time
+        counters, appended_with = self.sessions.counters, 0
+        async with self._appending:  # one round at a time: a group is appended by the round that saw it due
+            if rewarded is not None:
+                self.sessions.rewarded(rewarded)
             for name in self.sessions.due():
                 keys, samples = self.sessions.group(name)
                 try:
@@ -630,8 +632,8 @@ class Gateway:
                              len(keys) - len(still), name, len(still))
                     continue
                 self.sessions.appended(name, keys)
-                if key in keys:
-                    appended_with_key = len(samples)
+                if rewarded is not None and rewarded.key in keys:
+                    appended_with = len(samples)
                 if entry:
                     counters.groups_appended += 1
                     counters.samples_appended += len(samples)
@@ -639,7 +641,7 @@ class Gateway:
                     counters.samples_dead_lettered += len(samples)
                     log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)",
                                 len(samples))
-        return appended_with_key
+        return appended_with
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)

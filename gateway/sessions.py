@@ -75,6 +75,7 @@ class Session:
     drift_turns: int = 0
     finish_reason: str = "stop"
     busy: bool = False  # a call of this session is running
+    reward_key: str = ""  # its field in P gw:rewarded, the same for a reward posted again after a 503
 
 
 @dataclass
@@ -243,7 +244,9 @@ class Sessions:
         if s.transcript is None or not s.transcript.turns:
             raise SessionError(400, f"session '{session_id}' has no completed call to reward")
         name = group or s.group or session_id
-        key = uuid.uuid4().hex
+        # a reward posted again after a failed keep (which may have reached Redis) overwrites that
+        # one: the session is in its group once
+        key = s.reward_key = s.reward_key or uuid.uuid4().hex
         sample = s.transcript.to_sample(
             sample_id=key, prompt_id=f"gw:{name}", group_id=f"gw:{name}", reward=reward, reward_components=components,
             finish_reason=s.finish_reason, worker_id="gateway", group_size=1, group_index=0,

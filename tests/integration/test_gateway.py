@@ -890,8 +890,8 @@ def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_a
     keep, failures = server.gateway.buffer.keep_rewarded, []
 
     def failing(*args):
-        if not failures:
-            failures.append(args)
+        if not failures:  # stored, but the reply never came: the gateway cannot know it was kept
+            failures.append(keep(*args))
             raise BufferUnavailable("redis is restarting")
         return keep(*args)
 
@@ -906,6 +906,8 @@ def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_a
         r = httpx.post(f"{url}/rl/sessions/unkept/reward", json={"reward": 1.0}, timeout=10)
         assert r.status_code == 200 and r.json()["status"] == "waiting_for_group", r.text
         assert len(failures) == 1
+        kept = [Sample.decode(raw) for raw in served.learner.buffer.rewarded_kept().values()]
+        assert [s.metadata["session"] for s in kept].count("unkept") == 1  # the second post overwrote the first
     finally:
         server.stop()
 
