@@ -81,12 +81,19 @@ class Session:
 @dataclass
 class Rewarded:
     """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until
-    its group is appended; its group fields are filled in then."""
+    its group is appended; its group fields are filled in then. Its group and session are read
+    off the sample, so one kept by an earlier gateway says them the same way."""
 
     key: str
-    group: str
-    session_id: str
     sample: Sample
+
+    @property
+    def group(self) -> str:
+        return self.sample.prompt_id.removeprefix("gw:")
+
+    @property
+    def session_id(self) -> str:
+        return str(self.sample.metadata.get("session", self.key))
 
 
 @dataclass
@@ -253,7 +260,7 @@ class Sessions:
             created_at=time.time() - (time.monotonic() - s.created), finished_at=time.time(),
             metadata={"session": session_id, "turns": s.turns, "retokenisation_drift": s.drift_turns})
         s.busy = True
-        return Rewarded(key, name, session_id, sample)
+        return Rewarded(key, sample)
 
     def reopen(self, r: Rewarded) -> None:
         """The reward could not be kept: the session goes on as it was (the agent may post it again)."""
@@ -269,9 +276,8 @@ class Sessions:
     def recovered(self, key: str, sample: Sample) -> Rewarded:
         """A kept sample found at start (a gateway before this one accepted its reward): back in its
         group, its session ended, the time since its reward counted towards the group's TTL."""
-        sid = str(sample.metadata.get("session", key))
-        r = Rewarded(key, sample.prompt_id.removeprefix("gw:"), sid, sample)
-        self._end(sid, "rewarded")
+        r = Rewarded(key, sample)
+        self._end(r.session_id, "rewarded")
         self.counters.rewards_recovered += 1
         self._add(r, time.monotonic() - min(max(0.0, time.time() - sample.finished_at), self.ttl_s))
         return r
