@@ -14,7 +14,7 @@
 Target: gateway tokens/s >= 0.85 x the engine's (the gateway costs <= 15%). Both sides sample
 with the same settings (EOS allowed), so their token counts differ a little; tokens/s compares them.
 
-    .venv/bin/python bench/gateway.py [--quick|--full] [--shape tiny|small]
+    .venv/bin/python bench/gateway.py [--quick|--full|--gpu|--gpu-check] [--shape tiny|small]
 
 ``--quick`` stays under a minute on a free 2-core machine; ``--full`` runs more rounds. JSON in
 ``bench/results/gateway.json`` (``gateway_full.json``). ``--shape small`` runs both sides on a
@@ -22,6 +22,11 @@ larger random model of the same family (3.3M parameters: a decoding step of 64 r
 on one CPU core at these contexts, the tiny model's 2-5 ms): a call's HTTP and JSON work costs the
 same either way, so the two shapes show how the gateway's cost scales with what a step costs
 (JSON ``gateway_small.json``, ``gateway_full_small.json``).
+
+``--gpu`` runs both sides on CUDA with a Qwen2-0.5B-shaped model (random bf16 weights, built from
+its config, the engine's CUDA graphs), the quick mode's sessions and turns; ``--gpu-check`` runs
+that path on a CPU with a 2-layer model of the shape (JSON ``gateway_gpu.json``,
+``gateway_gpu_check.json``).
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import mode_parser, print_table, write_results  # noqa: E402
 
-MODES = {
+MODES: dict[str, dict[str, Any]] = {
     "quick": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1),
     "full": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3),
+    "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, device="cuda", qwen2={}),
+    "gpu-check": dict(sessions=8, slots=8, turns=2, turn_tokens=(8,), rounds=1, device="cpu",
+                      qwen2=dict(num_hidden_layers=2, vocab_size=4096)),
 }
 EPISODE = 640  # rollout.max_episode_tokens: 4 turns of 128 and the user's messages
 CONTEXT = 1024  # the tiny model's positions (its default 256 would not hold 4 turns of 128)
@@ -59,12 +67,24 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+def model_overrides(m: dict[str, Any]) -> list[str]:
+    """The model of both sides: the tiny builder's (``--shape``), or a Qwen2-0.5B-shaped directory
+    (``--gpu``, ``--gpu-check``) loaded as ``model=hf``."""
+    if m.get("qwen2") is None:
+        return [f"model.tiny.max_position_embeddings={CONTEXT}", *(f"model.tiny.{k}={v}" for k, v in SHAPES[m['shape']].items())]
+    from _models import qwen2_05b_dir, tokenizer_dir
+
+    dtype = "bfloat16" if m["device"] == "cuda" else "float32"
+    path = qwen2_05b_dir(m["cache_dir"], dtype=dtype, **m["qwen2"])
+    return ["model=hf", f"model.path={path}", f"model.tokenizer_path={tokenizer_dir(path)}", f"model.dtype={dtype}",
+            f"model.device={m['device']}"]
+
+
 def overrides(m: dict[str, Any], out: Path) -> list[str]:
     return [f"hydra.run.dir={out}", "gateway.enabled=true", "gateway.port=0", "data.source=none", "run.progress=false",
             "rollout.num_workers=1", f"rollout.slots={m['slots']}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
-            f"rollout.max_episode_tokens={EPISODE}", f"model.tiny.max_position_embeddings={CONTEXT}",
-            "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}", "gateway.session_ttl_s=600",
-            f"gateway.max_tokens={max(m['turn_tokens'])}", *(f"model.tiny.{k}={v}" for k, v in SHAPES[m['shape']].items())]
+            f"rollout.max_episode_tokens={EPISODE}", "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}",
+            "gateway.session_ttl_s=600", f"gateway.max_tokens={max(m['turn_tokens'])}", *model_overrides(m)]
 
 
 def start_run(m: dict[str, Any], out: Path) -> tuple[subprocess.Popen, str]:
@@ -148,15 +168,15 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     """The same sessions on the engine in this process, each turn's requests submitted together."""
     import torch
 
+    from e2e import compose
     from gateway.sessions import PLAIN_TEMPLATE
-    from rlhf_core.config import ModelConfig, TinyModelConfig
     from rlhf_core.models import load_policy, load_tokenizer
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.hf_engine import HFEngine
     from rollout_workers.turns import encode
 
     torch.set_num_threads(1)
-    cfg = ModelConfig(cache_dir=m["cache_dir"], tiny=TinyModelConfig(max_position_embeddings=CONTEXT, **SHAPES[m["shape"]]))
+    cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads
     tok = load_tokenizer(cfg)
     tok.chat_template = PLAIN_TEMPLATE
     engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + EPISODE)
@@ -195,7 +215,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = mode_parser(__doc__)
+    ap = mode_parser(__doc__, MODES)
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
     ap.add_argument("--sessions", type=int, help="concurrent sessions (the mode's by default)")
     ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
@@ -203,6 +223,11 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
     args = ap.parse_args()
     m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape)
+    if m.get("device") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
     if args.sessions:
         m["sessions"] = args.sessions
     if args.slots:
@@ -216,7 +241,7 @@ def main() -> None:
         try:
             asyncio.run(wait_healthy(url))
             model = json.loads((out / "gateway.json").read_text())["model"]
-            asyncio.run(gateway_round(url, model, dict(m, sessions=8, turns=1, max_tokens=16), "warmup"))
+            asyncio.run(gateway_round(url, model, dict(m, sessions=8, turns=1, max_tokens=min(m["turn_tokens"])), "warmup"))
             pids = json.loads((out / "children.json").read_text())
             for r in range(m["rounds"]):  # alternating, the best of each side
                 for n in m["turn_tokens"]:
@@ -234,11 +259,13 @@ def main() -> None:
                 for side in ("gateway", "engine")}
         ratios[n] = best["gateway"]["tokens_per_s"] / best["engine"]["tokens_per_s"]
         step_ms[n] = best["engine"]["ms_per_step"]
-    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {m['shape']} model on the CPU")
+    where = "a Qwen2-0.5B-shaped model on " + m["device"] if m.get("qwen2") is not None else m["shape"] + " model on the CPU"
+    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {where}")
     for n, ratio in ratios.items():
         print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET}); "
               f"the engine's step: {step_ms[n]:.1f} ms")
-    name = "gateway" + ("" if args.mode == "quick" else "_full") + ("" if m["shape"] == "tiny" else f"_{m['shape']}")
+    name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
+        + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
     write_results(name,
                   {"mode": args.mode, "config": m, "rows": rows, "ratio_gateway_over_engine": ratios, "target": TARGET,
                    "met": {n: r >= TARGET for n, r in ratios.items()}})

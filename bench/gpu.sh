@@ -2,10 +2,14 @@
 # Every GPU figure of the README's bench table, on one CUDA machine: the project importable with
 # its train and baseline extras (DeepSpeed, TRL) and redis-server on the PATH. Each step runs
 # under its own time limit and a failing step does not stop the next; JSON and a log per step
-# go to $OUT (default bench/results). Two commands, each well under 10 minutes on an H100:
+# go to $OUT (default bench/results). Commands that each fit a 10-minute device call:
 #
 #   bash bench/gpu.sh generation learner tests    # ~4 min before the compiled learner row; allow 6
 #   bash bench/gpu.sh vs_trl                      # ~3 min (VS_TRL_UPDATES=8 updates per system)
+#   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA)
+#
+# A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
+# (--no-deepspeed leaves its DeepSpeed rows out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -24,13 +28,16 @@ step() {  # name, time limit in seconds, command...
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-for what in "$@"; do
+for arg in "$@"; do
+  what=${arg%%:*} limit=${arg#*:}
+  [ "$limit" = "$arg" ] && limit=""
   case "$what" in
-    generation) step generation 200 python3 bench/generation.py --gpu ;;
-    learner) step learner 300 python3 bench/learner.py --gpu ;;  # its compiled row compiles first
-    vs_trl) step vs_trl 330 python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
+    generation) step generation "${limit:-200}" python3 bench/generation.py --gpu ;;
+    learner) step learner "${limit:-300}" python3 bench/learner.py --gpu ${LEARNER_ARGS:-} ;;  # its compiled row compiles first
+    vs_trl) step vs_trl "${limit:-330}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
+    gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
-    tests) step tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
-    *) echo "unknown step $what (generation, learner, vs_trl, tests)"; exit 2 ;;
+    tests) step tests "${limit:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
+    *) echo "unknown step $what (generation, learner, vs_trl, gateway, tests)"; exit 2 ;;
   esac
 done
