@@ -206,10 +206,11 @@ class Buffer:
 
     # ---- worker --------------------------------------------------------------------------
 
-    def claim(self, consumer: str, max_prompts: int, block_s: float = 0.0, first_wake: bool = False) -> list[Lease]:
+    def claim(self, consumer: str, max_prompts: int, block_s: float = 0.0,
+              interrupt: Callable[[], bool] | None = None) -> list[Lease]:
         """Lease up to ``max_prompts`` prompts within the admission budget, waiting up to ``block_s``
-        (``first_wake``: return at the first wake-up even with nothing leased; a worker serving
-        the gateway is woken so for its calls, which are not prompts).
+        (``interrupt``: return when it says True before a wait, or at the first wake-up, even with
+        nothing leased; a worker serving the gateway is woken so for its calls, which are not prompts).
 
         Prompts of dead consumers (no heartbeat for ``lease_timeout_s``) come back here with a
         higher ``delivery_count``. Generate with weights of version >= ``lease.learner_version``
@@ -218,7 +219,7 @@ class Buffer:
         # the run's lease timeout (same for every worker); this process's setting until init_run ran
         lease_s = self._params["lease_timeout_s"] if self._params else self.cfg.lease_timeout_s
         held = self._leases.setdefault(consumer, {})
-        return prompts.claim(self._store, held, consumer, max_prompts, block_s, lease_s, self.run_params, first_wake)
+        return prompts.claim(self._store, held, consumer, max_prompts, block_s, lease_s, self.run_params, interrupt)
 
     def heartbeat(self, consumer: str, version: int | None = None, stats: dict | None = None) -> list[str]:
         """Renew this process's leases of ``consumer`` and record it for the monitor.

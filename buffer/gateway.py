@@ -10,7 +10,8 @@ A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates 
 session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
 for a streamed call one per decoding step with the new token ids, and always one ``final``
 chunk with every token id, behaviour log-prob and policy version (or an error). Pushing a call
-also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once.
+also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
+a worker whose own taker thread fetched calls while its main thread waits there wakes it the same way.
 
 Nothing here is pickled or evaluated: records are msgpack maps checked field by field
 (:mod:`rlhf_core.wire`), since anything may write into Redis.
@@ -138,6 +139,10 @@ class WorkerChannel:
         more = self.redis.rpop(self.keys.gw_calls, n - 1) if n > 1 else None
         return [got[1], *(more or [])]
 
+    def wake(self) -> None:
+        """Wake the workers waiting for prompts (this one's main thread: calls were fetched for it)."""
+        _wake(self.redis, self.keys)
+
     def give_back(self, raws: list[bytes]) -> None:
         """Calls taken and never started, back at the tail (the oldest end: taken first again)."""
         self.redis.rpush(self.keys.gw_calls, *reversed(raws))
@@ -160,8 +165,12 @@ async def submit(client: Any, keys: RunKeys, call: GatewayCall) -> None:
     """Queue a call (async redis client) and wake workers waiting for prompts."""
     pipe = client.pipeline(transaction=False)
     pipe.lpush(keys.gw_calls, call.encode())
-    pipe.xadd(keys.wake_prompts, {"e": WAKE_REASON}, maxlen=WAKE_MAXLEN, approximate=True)
+    _wake(pipe, keys)
     await pipe.execute()
+
+
+def _wake(client: Any, keys: RunKeys) -> Any:
+    return client.xadd(keys.wake_prompts, {"e": WAKE_REASON}, maxlen=WAKE_MAXLEN, approximate=True)
 
 
 async def cancel(client: Any, keys: RunKeys, call_id: str) -> None:

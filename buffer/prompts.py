@@ -101,12 +101,16 @@ def claim(
     block_s: float,
     lease_timeout_s: float,
     run_params: Callable[[], dict[str, Any]],
-    first_wake: bool = False,
+    interrupt: Callable[[], bool] | None = None,
 ) -> list[Lease]:
-    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s`` (or until the
-    first wake-up, with ``first_wake``); the new
+    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
     leases are added to ``held`` (this process's leases of ``consumer``). An undecodable prompt
-    is dead-lettered (``run_params`` is asked for the run's parameters then) and not returned."""
+    is dead-lettered (``run_params`` is asked for the run's parameters then) and not returned.
+
+    ``interrupt`` (a caller with other work than prompts, e.g. gateway calls): asked after each
+    claim, before waiting; the claim returns when it says True, and after the first wake-up. Asked
+    after the script read the last wake-up, so whatever it checks for and then wakes the stream is
+    never missed."""
     K.check_consumer(consumer)
     k = store.keys
     lease_ms = str(max(1, int(lease_timeout_s * 1000)))
@@ -138,8 +142,10 @@ def claim(
             return []
         if status == "noinit":
             log.debug("run %s is not initialised yet; waiting", k.run_id)
+        if interrupt is not None and interrupt():
+            return []
         store.wait_on(k.wake_prompts, wake_id, min(remaining, WAIT_CAP_S))
-        if first_wake:
+        if interrupt is not None:
             deadline = 0.0  # one more claim (what woke us may be a prompt), then back to the caller
 
 

@@ -37,6 +37,7 @@ counted as a failed delivery), exit 0. A second signal skips the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -327,9 +328,9 @@ class RolloutWorker:
         now = time.monotonic()
         if capacity <= 0 or (block_s == 0 and now < self._next_claim_at):
             return
-        with self._buf_lock:
-            leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s,
-                                       first_wake=self.gateway is not None)
+        waiting = self.gateway.waiting() if self.gateway is not None else contextlib.nullcontext(None)
+        with self._buf_lock, waiting as interrupt:
+            leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s, interrupt=interrupt)
         self.stats.t_wait += time.monotonic() - now
         if not leases:
             self._next_claim_at = time.monotonic() + BUSY_CLAIM_BACKOFF_S

@@ -1,0 +1,69 @@
+"""An idle worker serving the gateway waits for prompts on Redis while its taker thread fetches
+gateway calls (real Redis, the worker's BackgroundChannel over a WorkerChannel). A call fetched
+during that wait must end it: before, it sat unstarted until the wait's cap (0.2 s), seen as
+250-300 ms turns for one agent whose turns took 40 ms."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from buffer import Buffer, prompts
+from buffer.gateway import WorkerChannel
+from rlhf_core.config import BufferConfig
+from rollout_workers.gateway_calls import BackgroundChannel
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def buf(redis_url):
+    b = Buffer.connect(redis_url, "gw-wake", BufferConfig(lease_timeout_s=5.0))
+    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
+    yield b
+    b.close()
+
+
+def test_a_claim_whose_interrupt_says_so_returns_without_waiting(buf, monkeypatch):
+    monkeypatch.setattr(prompts, "WAIT_CAP_S", 60.0)  # one wait would outlast the test's timeout
+    asked = []
+    assert buf.claim("w0", max_prompts=1, block_s=600, interrupt=lambda: asked.append(1) or True) == []
+    assert asked == [1]  # asked once, after the claim found nothing
+
+
+def blocked_in_xread(buf: Buffer, timeout_s: float = 10.0) -> None:
+    """Until a connection of the worker's waits in ``XREAD`` (the claim's wait for a wake-up)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(c.get("cmd") == "xread" for c in buf.redis.client_list()):
+        assert time.monotonic() < deadline, "the idle claim never waited"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_the_taker_fetches_while_the_worker_waits_for_prompts_ends_the_wait(buf, monkeypatch):
+    # Waits are capped at WAIT_CAP_S; made longer than the test's timeout, only the taker's wake
+    # can end this one (the gateway's own wake for the call was consumed before the wait began).
+    monkeypatch.setattr(prompts, "WAIT_CAP_S", 600.0)
+    ch = BackgroundChannel(WorkerChannel(buf.redis, buf.keys))
+    try:
+        assert ch.take(1, wait_s=0) == []  # the taker now waits for a call (BRPOP)
+        entered, ended, out = threading.Event(), threading.Event(), {}
+
+        def idle_worker() -> None:
+            with ch.waiting() as interrupt:
+                entered.set()
+                out["leases"] = buf.claim("w0", max_prompts=1, block_s=600, interrupt=interrupt)
+            ended.set()
+
+        threading.Thread(target=idle_worker, daemon=True).start()
+        assert entered.wait(10)
+        blocked_in_xread(buf)  # past its last look at the inbox
+        wakes = buf.redis.xlen(buf.keys.wake_prompts)
+        buf.redis.lpush(buf.keys.gw_calls, b"call")  # as the gateway pushes it, without its wake-up
+        assert ended.wait(30), "the idle claim went on waiting with a call fetched"
+        assert out["leases"] == [] and list(ch.inbox) == [b"call"] and not ch.main_waiting
+        assert buf.redis.xlen(buf.keys.wake_prompts) == wakes + 1  # the taker's
+    finally:
+        ch.close()
