@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from rlhf_core.config import ConfigError, LearnerConfig
+from rlhf_core.lora import has_adapters
 from rlhf_core.records import Sample
 
 log = logging.getLogger(__name__)
@@ -120,14 +121,28 @@ def persistent_buffers(module: torch.nn.Module, dtype: torch.dtype | None) -> It
             yield name, buf.detach().to("cpu", dtype=cast, copy=True)
 
 
+def wants_compile(setting: bool | None, module: torch.nn.Module, on_gpu: bool) -> bool:
+    """``learner.compile``: true or false as set; null (the default) compiles a model trained in
+    full on a GPU (measured: 1.19-1.42x the eager update on an H200) and leaves CPU models (slower
+    compiled), LoRA models (not measured) and models that name no blocks eager."""
+    if setting is not None:
+        return bool(setting)
+    return on_gpu and not has_adapters(module) and bool(transformer_blocks(module))
+
+
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the classes ``module`` names in ``_no_split_modules`` (transformers' decoder layers)."""
+    names = {n for m in module.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
 def compile_blocks(module: torch.nn.Module) -> int:
     """``torch.compile`` each transformer block of ``module`` in place (``nn.Module.compile``: the
     parameters, their names and the state dict stay as they are, so publishing and checkpoints do
     not change). The blocks are the modules the model names in ``_no_split_modules`` (transformers'
     decoder layers; a LoRA model's too). Blocks share their code, so one graph serves every layer;
     shapes are dynamic (micro-batches differ in length). Returns how many blocks were compiled."""
-    names = {n for m in module.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
-    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    blocks = transformer_blocks(module)
     if not blocks:
         raise ConfigError(f"learner.compile=true: {type(module).__name__} names no transformer blocks "
                           "(_no_split_modules) to compile; drop learner.compile for this model")
@@ -153,7 +168,7 @@ class TorchEngine:
             raise ConfigError("learner.engine=torch runs in one process; use learner.engine=deepspeed with torchrun/deepspeed")
         self.module = module
         self.cfg = cfg
-        if cfg.compile:
+        if wants_compile(cfg.compile, module, on_gpu=any(p.is_cuda for p in module.parameters())):
             blocks = compile_blocks(module)
             log.info("learner.compile: %d transformer blocks set to compile (the first updates compile them)", blocks)
         self.params = [p for p in module.parameters() if p.requires_grad]

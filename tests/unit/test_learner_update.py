@@ -407,6 +407,23 @@ def test_compiled_blocks_give_the_update_of_eager_ones(base, samples, tiny_model
     assert max_diff(compiled, eager) < 3e-5 and max_diff(compiled, params(base)) > 5e-4
 
 
+def test_compile_by_default_only_for_a_model_trained_in_full_on_a_gpu(tiny_model_cfg):
+    # learner.compile=null (the default): compiled on a GPU (measured faster there), eager on a
+    # CPU (slower compiled), with LoRA adapters (not measured) or without named blocks; set, as set.
+    from learner.engines import wants_compile
+    from rlhf_core.config import LoraConfig
+    from rlhf_core.lora import apply_lora
+    from rlhf_core.models import load_policy
+
+    assert tiny_config(tiny_model_cfg).learner.compile is None
+    model = load_policy(tiny_model_cfg)
+    assert wants_compile(None, model, on_gpu=True) and not wants_compile(None, model, on_gpu=False)
+    assert wants_compile(True, model, on_gpu=False) and not wants_compile(False, model, on_gpu=True)
+    assert not wants_compile(None, torch.nn.Linear(2, 2), on_gpu=True)  # no blocks named
+    pytest.importorskip("peft")
+    assert not wants_compile(None, apply_lora(model, LoraConfig(r=4)), on_gpu=True)
+
+
 def test_compile_is_refused_where_it_cannot_work(tiny_model_cfg):
     from learner.engines import compile_blocks
     from rlhf_core.config import validate
