@@ -12,18 +12,10 @@ import pytest
 
 from buffer import Buffer, prompts
 from buffer.gateway import WorkerChannel
-from rlhf_core.config import BufferConfig
 from rollout_workers.gateway_calls import BackgroundChannel
+from test_buffer_gateway_groups import buf  # noqa: F401  # a run of groups of 2 on the test's own Redis
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def buf(redis_url):
-    b = Buffer.connect(redis_url, "gw-wake", BufferConfig(lease_timeout_s=5.0))
-    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
-    yield b
-    b.close()
 
 
 def test_a_claim_whose_interrupt_says_so_returns_without_waiting(buf, monkeypatch):
