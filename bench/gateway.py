@@ -218,6 +218,7 @@ def main() -> None:
     ap = mode_parser(__doc__, MODES)
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "/tmp/rlhf-bench-cache")
     ap.add_argument("--sessions", type=int, help="concurrent sessions (the mode's by default)")
+    ap.add_argument("--turns", type=int, help="turns per session (4 by default; one agent's many turns show its latency)")
     ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
@@ -230,6 +231,8 @@ def main() -> None:
             sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
     if args.sessions:
         m["sessions"] = args.sessions
+    if args.turns:
+        m["turns"] = args.turns
     if args.slots:
         m["slots"] = args.slots
     if args.turn_tokens:
