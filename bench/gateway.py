@@ -15,6 +15,10 @@ Target: gateway tokens/s >= 0.85 x the engine's (the gateway costs <= 15%). Both
 with the same settings (EOS allowed), so their token counts differ a little; tokens/s compares them.
 
     .venv/bin/python bench/gateway.py [--quick|--full|--gpu|--gpu-check] [--shape tiny|small]
+        [--sessions N] [--turns N] [--turn-tokens N ...] [--slots N]
+
+``--sessions 1 --turns 12 --turn-tokens 16`` measures one agent's latency per call (a session
+holds 640 response tokens, its turns and the user's messages: about 12 turns of 16 here).
 
 ``--quick`` stays under a minute on a free 2-core machine; ``--full`` runs more rounds. JSON in
 ``bench/results/gateway.json`` (``gateway_full.json``). ``--shape small`` runs both sides on a
