@@ -328,7 +328,8 @@ class RolloutWorker:
         now = time.monotonic()
         if capacity <= 0 or (block_s == 0 and now < self._next_claim_at):
             return
-        waiting = self.gateway.waiting() if self.gateway is not None else contextlib.nullcontext(None)
+        # only a claim that may wait: a taker that sees the flag wakes every idle worker of the run
+        waiting = self.gateway.waiting() if self.gateway is not None and block_s > 0 else contextlib.nullcontext(None)
         with self._buf_lock, waiting as interrupt:
             leases = self.buffer.claim(self.worker_id, max_prompts=capacity, block_s=block_s, interrupt=interrupt)
         self.stats.t_wait += time.monotonic() - now
