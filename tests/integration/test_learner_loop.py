@@ -197,8 +197,10 @@ def buffer_version(run: Run) -> int:
 
 def killed(run: Run, name: str) -> dict[str, Any]:
     """What the killed learner left behind: its latest checkpoint, the newest version on the
-    weight server, the buffer's entries pending for the learner, and its metrics lines."""
-    assert run.wait(name, 30) == -signal.SIGKILL, run.log(name)
+    weight server, the buffer's entries pending for the learner, and its metrics lines. Waits
+    up to 90 s: under load a learner and its worker took over 30 s to start and reach the crash
+    (the log held only its first line)."""
+    assert run.wait(name, 90) == -signal.SIGKILL, run.log(name)
     return {"ckpt": run.latest(), "newest": max(run.held()), "pending": run.buffer.pending_for(LEARNER),
             "lines": len(run.metrics()), "counters": run.counters()}
 
