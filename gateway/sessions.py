@@ -37,6 +37,8 @@ from rollout_workers.turns import TemplateConversation, encode
 
 log = logging.getLogger(__name__)
 
+#: prefix of a gateway group's prompt id and group ids (``gw:<group>``; a kept sample's group is read back off it)
+GROUP_PREFIX = "gw:"
 #: the chat template for tokenizers without one (the tiny model, whose alphabet has no newline):
 #: ``[role] content`` turns, assistant turns closed by the EOS token, tools and calls in the
 #: Hermes ``<tool_call>`` format (which the worker-side parser reads too)
@@ -89,7 +91,7 @@ class Rewarded:
 
     @property
     def group(self) -> str:
-        return self.sample.prompt_id.removeprefix("gw:")
+        return self.sample.prompt_id.removeprefix(GROUP_PREFIX)
 
     @property
     def session_id(self) -> str:
@@ -255,7 +257,7 @@ class Sessions:
         # one: the session is in its group once
         key = s.reward_key = s.reward_key or uuid.uuid4().hex
         sample = s.transcript.to_sample(
-            sample_id=key, prompt_id=f"gw:{name}", group_id=f"gw:{name}", reward=reward, reward_components=components,
+            sample_id=key, prompt_id=GROUP_PREFIX + name, group_id=GROUP_PREFIX + name, reward=reward, reward_components=components,
             finish_reason=s.finish_reason, worker_id="gateway", group_size=1, group_index=0,
             created_at=time.time() - (time.monotonic() - s.created), finished_at=time.time(),
             metadata={"session": session_id, "turns": s.turns, "retokenisation_drift": s.drift_turns})
@@ -306,7 +308,7 @@ class Sessions:
         """The kept fields and the samples of group ``name`` (at most ``group_size``, oldest first),
         as one group of the buffer; :meth:`appended` drops them once the buffer has them."""
         rewarded = self.groups[name].samples[: self.group_size]
-        group_id = f"gw:{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
+        group_id = f"{GROUP_PREFIX}{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
         samples = [dataclasses.replace(r.sample, sample_id=f"{group_id}/{i}", group_id=group_id,
                                        group_size=len(rewarded), group_index=i) for i, r in enumerate(rewarded)]
         return [r.key for r in rewarded], samples
