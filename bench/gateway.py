@@ -13,9 +13,17 @@
 
 Target: gateway tokens/s >= 0.85 x the engine's (the gateway costs <= 15%). Both sides sample
 with the same settings (EOS allowed), so their token counts differ a little; tokens/s compares them.
+Both are warmed up first by one turn of every session with a different length each (every batch
+size's CUDA graph is captured before the timed rounds). Each row also counts the engine's
+forward passes (the gateway's from its worker's heartbeats): decoding steps, wall time and tokens
+per step, prefill passes per step, which tell a slower step from fewer rows decoding.
+
+``--clients N`` splits the sessions over N client processes (``--gpu``: 8): agents are separate
+programs, and one Python process serialises every session's HTTP and JSON work (2-3 ms a call),
+which is the load generator's cost, not the gateway's, on a host with cores to spare.
 
     .venv/bin/python bench/gateway.py [--quick|--full|--gpu|--gpu-check] [--shape tiny|small]
-        [--sessions N] [--turns N] [--turn-tokens N ...] [--slots N]
+        [--sessions N] [--turns N] [--turn-tokens N ...] [--slots N] [--clients N]
 
 ``--sessions 1 --turns 12 --turn-tokens 16`` measures one agent's latency per call (a session
 holds 640 response tokens, its turns and the user's messages: about 12 turns of 16 here).
@@ -36,13 +44,16 @@ that path on a CPU with a 2-layer model of the shape (JSON ``gateway_gpu.json``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import mode_parser, print_table, write_results  # noqa: E402
 
+from rlhf_core import metric_names as M  # noqa: E402
+
 MODES: dict[str, dict[str, Any]] = {
-    "quick": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1),
-    "full": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3),
-    "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, device="cuda", qwen2={}),
-    "gpu-check": dict(sessions=8, slots=8, turns=2, turn_tokens=(8,), rounds=1, device="cpu",
+    "quick": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, clients=1),
+    "full": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3, clients=1),
+    "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, clients=8, device="cuda", qwen2={}),
+    "gpu-check": dict(sessions=8, slots=8, turns=2, turn_tokens=(8,), rounds=1, clients=2, device="cpu",
                       qwen2=dict(num_hidden_layers=2, vocab_size=4096)),
 }
 EPISODE = 640  # rollout.max_episode_tokens: 4 turns of 128 and the user's messages
@@ -88,7 +101,8 @@ def overrides(m: dict[str, Any], out: Path) -> list[str]:
     return [f"hydra.run.dir={out}", "gateway.enabled=true", "gateway.port=0", "data.source=none", "run.progress=false",
             "rollout.num_workers=1", f"rollout.slots={m['slots']}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
             f"rollout.max_episode_tokens={EPISODE}", "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}",
-            "gateway.session_ttl_s=600", f"gateway.max_tokens={max(m['turn_tokens'])}", *model_overrides(m)]
+            "gateway.session_ttl_s=600", f"gateway.max_tokens={max(m['turn_tokens'])}",
+            *model_overrides(m)]
 
 
 def start_run(m: dict[str, Any], out: Path) -> tuple[subprocess.Popen, str]:
@@ -132,8 +146,48 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[str, int] | None = None
-                        ) -> dict[str, Any]:
+class WorkerPasses:
+    """The run's worker's forward passes (decoding steps, prefill passes), read from its heartbeat
+    record in the buffer; a reading waits for a heartbeat written after it was asked for."""
+
+    def __init__(self, out: Path) -> None:
+        from omegaconf import OmegaConf
+
+        from buffer import Buffer
+
+        cfg = OmegaConf.load(out / "run_config.yaml").buffer
+        self.buffer = Buffer.connect(cfg.url, cfg.run_id)
+
+    def read(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        def record() -> dict[str, Any]:
+            return self.buffer.metrics()["consumers"].get("worker-0", {}).get("stats") or {}
+
+        first = record().get("uptime_s", -1.0)
+        deadline = time.monotonic() + timeout_s
+        while (stats := record()).get("uptime_s", -1.0) <= first:
+            if time.monotonic() > deadline:
+                raise SystemExit("the worker wrote no heartbeat in 30 s")
+            time.sleep(0.1)
+        return stats.get(M.WORKER_ENGINE_STEPS, 0), stats.get(M.WORKER_ENGINE_PREFILLS, 0)
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def add_passes(row: dict[str, Any], steps: int, prefills: int) -> dict[str, Any]:
+    """A row's forward passes: decoding steps, wall time and tokens per step, prefill passes per step."""
+    return dict(row, steps=steps, ms_per_step=1000 * row["wall_s"] / max(steps, 1), rows_per_step=row["tokens"] / max(steps, 1),
+                prefills_per_step=prefills / max(steps, 1))
+
+
+def warm_tokens(m: dict[str, Any], i: int) -> int:
+    """Session ``i``'s max_tokens in a warm-up round: all different, so the rows decoding fall one by
+    one and every batch-size bucket's CUDA graph is captured before the timed rounds."""
+    return 1 + i % max(m["turn_tokens"])
+
+
+async def drive(url: str, model: str, m: dict[str, Any], tag: str, sessions: range) -> tuple[list[float], int]:
+    """Run ``sessions`` on one async ``openai`` client; returns each call's latency and the tokens generated."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
@@ -148,19 +202,48 @@ async def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids:
             # the raw response (the client's own request path, its JSON read without building pydantic
             # models: on 2 cores the load generator shares a core with the gateway and Redis)
             raw = await client.chat.completions.with_raw_response.create(
-                model=model, messages=messages, max_tokens=m["max_tokens"], extra_headers={"X-Session-Id": f"{tag}-{i}"})
+                model=model, messages=messages, max_tokens=m["max_tokens"] or warm_tokens(m, i),
+                extra_headers={"X-Session-Id": f"{tag}-{i}"})
             r = json.loads(raw.content)
             latencies.append(time.perf_counter() - t0)
             tokens += r["usage"]["completion_tokens"]
             messages += [{"role": "assistant", "content": r["choices"][0]["message"]["content"] or ""},
                          {"role": "user", "content": USER}]
 
-    cpu0 = cpu_seconds(pids or {})
-    t0 = time.perf_counter()
-    await asyncio.gather(*(session(i) for i in range(m["sessions"])))
-    wall = time.perf_counter() - t0
-    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(pids or {}).items()}
+    await asyncio.gather(*(session(i) for i in sessions))
     await client.close()
+    return latencies, tokens
+
+
+def client_process(url: str, model: str, m: dict[str, Any], tag: str, sessions: range, start_at: float
+                   ) -> tuple[list[float], int, float, float]:
+    """One of ``--clients`` processes: its sessions from ``start_at`` (``time.perf_counter``, the same
+    clock in every process); returns latencies, tokens, when it ended and its CPU seconds."""
+    time.sleep(max(0.0, start_at - time.perf_counter()))
+    cpu0 = time.process_time()
+    latencies, tokens = asyncio.run(drive(url, model, m, tag, sessions))
+    return latencies, tokens, time.perf_counter(), time.process_time() - cpu0
+
+
+def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[str, int] | None = None,
+                  pool: Any = None) -> dict[str, Any]:
+    """The sessions through the gateway: from this process, or split over ``pool``'s processes
+    (``--clients``: agents are separate programs; one Python process serialises their JSON work)."""
+    cpu0 = cpu_seconds(pids or {})
+    if pool is None:
+        t0 = time.perf_counter()
+        latencies, tokens = asyncio.run(drive(url, model, m, tag, range(m["sessions"])))
+        wall, client_cpu = time.perf_counter() - t0, None
+    else:
+        n = pool._max_workers
+        t0 = time.perf_counter() + 0.5
+        parts = [pool.submit(client_process, url, model, m, tag, range(k, m["sessions"], n), t0) for k in range(n)]
+        done = [p.result() for p in parts]
+        latencies = [x for d in done for x in d[0]]
+        tokens, wall, client_cpu = sum(d[1] for d in done), max(d[2] for d in done) - t0, sum(d[3] for d in done)
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(pids or {}).items()}
+    if client_cpu is not None:
+        cpu["client"] = round(client_cpu, 2)
     latencies.sort()
     n = len(latencies)
     return {"side": "gateway", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
@@ -187,8 +270,13 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=m["max_tokens"])
     contexts = [encode(tok, tok.apply_chat_template([{"role": "user", "content": f"count from {i % 10}"}], tokenize=False,
                                                     add_generation_prompt=True)) for i in range(m["sessions"])]
+    for i in range(m["sessions"]):  # warm-up, as the gateway side's: every graph bucket, the prefill shapes
+        engine.add(GenRequest(f"warm/{i}", contexts[i], SamplingParams(max_new_tokens=warm_tokens(m, i), ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    steps0, prefills0 = engine.num_steps, engine.num_prefills
     between = encode(tok, f" [user] {USER} [assistant] ")
-    tokens = steps = 0
+    tokens = 0
     latencies: list[float] = []
     started: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -200,7 +288,6 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     for i in range(m["sessions"]):
         add(0, i)
     while engine.has_work():
-        steps += 1
         for r in engine.step():  # a session's next turn starts as soon as its reply is in (as an agent does)
             turn, i = map(int, r.request_id.split("/"))
             latencies.append(time.perf_counter() - started.pop(r.request_id))
@@ -212,10 +299,9 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     latencies.sort()
     n = len(latencies)
-    return {"side": "engine", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
-            "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2],
-            "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))], "ms_per_step": 1000 * wall / steps,
-            "rows_per_step": tokens / steps}
+    row = {"side": "engine", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
+           "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2], "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))]}
+    return add_passes(row, engine.num_steps - steps0, engine.num_prefills - prefills0)
 
 
 def main() -> None:
@@ -226,6 +312,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
+    ap.add_argument("--clients", type=int,
+                    help="processes the sessions are split over (the mode's: 1, all on one async client here; --gpu 8)")
     args = ap.parse_args()
     m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape)
     if m.get("device") == "cuda":
@@ -235,6 +323,8 @@ def main() -> None:
             sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
     if args.sessions:
         m["sessions"] = args.sessions
+    if args.clients:
+        m["clients"] = args.clients
     if args.turns:
         m["turns"] = args.turns
     if args.slots:
@@ -246,31 +336,40 @@ def main() -> None:
         out = Path(tmp) / "run"
         proc, url = start_run(m, out)
         try:
-            asyncio.run(wait_healthy(url))
-            model = json.loads((out / "gateway.json").read_text())["model"]
-            asyncio.run(gateway_round(url, model, dict(m, sessions=8, turns=1, max_tokens=min(m["turn_tokens"])), "warmup"))
-            pids = json.loads((out / "children.json").read_text())
-            for r in range(m["rounds"]):  # alternating, the best of each side
-                for n in m["turn_tokens"]:
-                    rows.append(asyncio.run(gateway_round(url, model, dict(m, max_tokens=n), f"r{r}-{n}", pids)))
-                    rows.append(engine_round(dict(m, max_tokens=n)))  # the run's processes idle meanwhile
+            with contextlib.ExitStack() as stack:
+                asyncio.run(wait_healthy(url))
+                model = json.loads((out / "gateway.json").read_text())["model"]
+                pool = None if m["clients"] == 1 else stack.enter_context(
+                    ProcessPoolExecutor(m["clients"], mp_context=multiprocessing.get_context("spawn")))
+                gateway_round(url, model, dict(m, turns=1, max_tokens=None), "warmup", pool=pool)
+                pids = json.loads((out / "children.json").read_text())
+                worker = stack.enter_context(contextlib.closing(WorkerPasses(out)))
+                before = worker.read()
+                for r in range(m["rounds"]):  # alternating, the best of each side
+                    for n in m["turn_tokens"]:
+                        row = gateway_round(url, model, dict(m, max_tokens=n), f"r{r}-{n}", pids, pool)
+                        after = worker.read()
+                        rows.append(add_passes(row, after[0] - before[0], after[1] - before[1]))
+                        before = after
+                        rows.append(engine_round(dict(m, max_tokens=n)))  # the run's processes idle meanwhile
         finally:
             os.killpg(proc.pid, signal.SIGINT)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-    ratios, step_ms = {}, {}
+    ratios, best = {}, {}
     for n in m["turn_tokens"]:
-        best = {side: max((r for r in rows if r["side"] == side and r["turn_tokens"] == n), key=lambda r: r["tokens_per_s"])
-                for side in ("gateway", "engine")}
-        ratios[n] = best["gateway"]["tokens_per_s"] / best["engine"]["tokens_per_s"]
-        step_ms[n] = best["engine"]["ms_per_step"]
+        best[n] = {side: max((r for r in rows if r["side"] == side and r["turn_tokens"] == n), key=lambda r: r["tokens_per_s"])
+                   for side in ("gateway", "engine")}
+        ratios[n] = best[n]["gateway"]["tokens_per_s"] / best[n]["engine"]["tokens_per_s"]
     where = "a Qwen2-0.5B-shaped model on " + m["device"] if m.get("qwen2") is not None else m["shape"] + " model on the CPU"
     print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {where}")
     for n, ratio in ratios.items():
+        g, e = best[n]["gateway"], best[n]["engine"]
         print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET}); "
-              f"the engine's step: {step_ms[n]:.1f} ms")
+              f"ms per decoding step {g['ms_per_step']:.1f} / {e['ms_per_step']:.1f}, prefill passes per step "
+              f"{g['prefills_per_step']:.2f} / {e['prefills_per_step']:.2f} (gateway / engine)")
     name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
         + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
     write_results(name,

@@ -9,7 +9,7 @@
 #   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA)
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
-# (--no-deepspeed leaves its DeepSpeed rows out).
+# (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one client process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -35,7 +35,7 @@ for arg in "$@"; do
     generation) step generation "${limit:-200}" python3 bench/generation.py --gpu ;;
     learner) step learner "${limit:-300}" python3 bench/learner.py --gpu ${LEARNER_ARGS:-} ;;  # its compiled row compiles first
     vs_trl) step vs_trl "${limit:-330}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
-    gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ;;
+    gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ${GATEWAY_ARGS:-} ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
     tests) step tests "${limit:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
     *) echo "unknown step $what (generation, learner, vs_trl, gateway, tests)"; exit 2 ;;

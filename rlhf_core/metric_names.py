@@ -45,6 +45,8 @@ WORKER_TOKENS_PER_S = "tokens_per_s"  # over the worker's uptime
 WORKER_SAMPLES_PER_S = "samples_per_s"
 WORKER_SCORE_SHARE = "score_share"  # share of the scoring threads' time spent scoring (1: the reward is the bottleneck)
 WORKER_REWARD_CALLS_PER_S = "reward_calls_per_s"  # reward function/model calls, over the worker's uptime
+WORKER_ENGINE_STEPS = "engine_steps"  # decoding passes of the worker's engine (hf), cumulative
+WORKER_ENGINE_PREFILLS = "engine_prefills"  # its prefill passes: more than one per few steps costs a pass each
 
 # Running totals (Prometheus counters); every other number of these records is a level (a gauge).
 LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)
@@ -57,4 +59,5 @@ WORKER_TOTALS = (
     "episode_policy_tokens", "episode_observation_tokens", "observations_cut", "tool_calls", "tool_call_errors",
     "retokenisation_drift", "env_calls", "env_timeouts",
     "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
+    WORKER_ENGINE_STEPS, WORKER_ENGINE_PREFILLS,
 )

@@ -61,6 +61,7 @@ from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
 from rlhf_core.dapo import filter_reason
 from rlhf_core.errors import FailureWindow, UserError
+from rlhf_core import metric_names as M
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.prometheus import GENERATION, SCORING, WEIGHT_SYNC
 from rlhf_core.records import Sample, rle_encode
@@ -80,6 +81,8 @@ log = logging.getLogger(__name__)
 IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken early by new prompts/budget)
 BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
+#: heartbeat stats key -> engine attribute, for engines that count their forward passes (hf)
+ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills"}
 
 
 class PromptsRejected(UserError):
@@ -657,6 +660,9 @@ class RolloutWorker:
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"],
                      score_share=self.score_share(), scoring_threads=self.cfg.reward.num_threads)
+        for name, attr in ENGINE_COUNTERS.items():  # the hf engine's forward passes (prefill passes per step)
+            if hasattr(self.engine, attr):
+                extra[name] = getattr(self.engine, attr)
         if self.gateway is not None:
             extra.update(self.gateway.stats, gateway_running=len(self.gateway))
         if self.episodes is not None:

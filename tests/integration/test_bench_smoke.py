@@ -28,8 +28,9 @@ BENCHES = {
     "buffer": (["--quick"], {"results", "targets", "notes"}),
     "engines": (["--quick", "--enforce-eager"], {"results", "ratio_vllm_over_hf", "notes"}),
     "e2e": (["--quick", "--updates", "16"], {"runs", "async_over_sync", "async_over_sync_per_seed", "reward", "target"}),
-    # the larger model's path (--shape small), which runs everything the tiny one does, with other model settings
-    "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small"],
+    # the larger model's path (--shape small), which runs everything the tiny one does, with other model
+    # settings; the sessions split over two client processes
+    "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small", "--clients", "2"],
                 {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
     "learner": (["--quick"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes"}),
@@ -44,6 +45,16 @@ BENCHES = {
 
 
 RESULT = {"gateway": "gateway_small"}  # bench -> its JSON's name where the arguments above change it
+
+
+def _gateway_rows(doc: dict) -> None:
+    # each side's forward passes (the gateway's from its worker's heartbeats) and the client processes' CPU
+    for row in doc["rows"]:
+        assert row["steps"] >= 16 and 0 < row["prefills_per_step"] <= 1, row
+    assert all(row["cpu_s"]["client"] > 0 for row in doc["rows"] if row["side"] == "gateway"), doc["rows"]
+
+
+CHECKS = {"gateway": _gateway_rows}  # bench -> what its JSON must hold beyond its keys
 
 
 def _digest(path: Path) -> str | None:
@@ -69,6 +80,7 @@ def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
     doc = json.loads((out / f"{result}.json").read_text())
     assert (COMMON_KEYS | keys) <= set(doc), sorted(set(doc))
     assert (doc["bench"], doc["mode"]) == (result, "quick")
+    CHECKS.get(name, lambda doc: None)(doc)
     assert f"wrote {out / (result + '.json')}" in proc.stdout
     assert _digest(committed) == before, f"the smoke run overwrote {committed}"
 
