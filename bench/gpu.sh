@@ -9,7 +9,8 @@
 #   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA)
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
-# (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one client process).
+# (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
+# client process; --prefill-hold 1: rollout.prefill_hold, JSON gateway_gpu_hold1.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}

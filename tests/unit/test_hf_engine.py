@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.config import Config, ConfigError
+from rlhf_core.config import Config, ConfigError, validate_rollout
 from rlhf_core.models import load_policy, load_tokenizer
 from rollout_workers.engine import (
     EngineError,
@@ -390,9 +390,68 @@ def test_make_engine_builds_the_configured_engine(tiny_model_cfg, policy, tokeni
     assert engine.slots == 5 and engine.model is policy
     params = SamplingParams.from_config(cfg.rollout)
     assert (params.max_new_tokens, params.stop_strings, params.key) == (21, ("\n\n",), (1.0, 0, 1.0))
+    cfg.rollout.prefill_hold = 1.5
+    assert make_engine(cfg, policy, tokenizer).prefill_hold == 1.5
     cfg.rollout.engine = "tgi"
     with pytest.raises(ConfigError, match="tgi"):
         make_engine(cfg, policy, tokenizer)
+
+
+def arrivals_one_by_one(engine: HFEngine, tokenizer) -> tuple[dict[str, GenResult], dict[str, int]]:
+    """4 long sequences (20 tokens) start together; newcomers n1..n4 (4 tokens) arrive before steps
+    2, 3, 4 and 5, one each (agents' turns). Returns the results and the step at which each
+    newcomer got its first token (its prefill pass)."""
+    params = {"long": SamplingParams(temperature=0.9, max_new_tokens=20, ignore_eos=True),
+              "n": SamplingParams(temperature=0.9, max_new_tokens=4, ignore_eos=True)}
+    for i in range(4):
+        engine.add(GenRequest(f"long{i}", ids(tokenizer, f"a long one {i}"), params["long"]))
+    results, first_token = {}, {}
+    for step in range(1, 100):
+        if 2 <= step <= 5:
+            engine.add(GenRequest(f"n{step - 1}", ids(tokenizer, f"turn {step}"), params["n"]))
+        results.update((r.request_id, r) for r in engine.step())
+        for i in range(1, 5):
+            if f"n{i}" not in first_token and (engine.sampled(f"n{i}") or f"n{i}" in results):
+                first_token[f"n{i}"] = step
+        if not engine.has_work():
+            break
+    for r in results.values():
+        np.testing.assert_allclose(r.logprobs, recompute(engine.model, r, params[r.request_id.rstrip("0123456789")]),
+                                   rtol=0, atol=PARITY_ATOL)
+    return results, first_token
+
+
+def test_prefill_hold_serves_newcomers_arriving_one_by_one_in_fewer_passes(policy, tokenizer):
+    # At once (hold 0): one prefill pass at step 1 and one for each newcomer, at its arrival.
+    results, first = arrivals_one_by_one(HFEngine(policy, tokenizer, slots=8, seed=2), tokenizer)
+    assert first == {"n1": 2, "n2": 3, "n3": 4, "n4": 5} and len(results) == 8
+    # prefill_hold=1: newcomers wait while the steps they lost, summed, stay below 1 x the rows
+    # decoding. Step 2: n1 pending, 0 + 1 < 4 decoding: held (lost 1). Step 3: n2 too, 1 + 2 < 4:
+    # held (lost 3). Step 4: n3 too, 3 + 3 >= 4: n1..n3 in one pass. Step 5: n4, 0 + 1 < 7 (four
+    # long, three new): held; step 6: 1 + 1 < 7; step 7 (n1..n3 ended after 4 tokens, at step 6):
+    # 2 + 1 < 4; step 8: 3 + 1 >= 4: prefilled. 3 passes instead of 5; every log-prob checked.
+    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=1.0)
+    results, first = arrivals_one_by_one(engine, tokenizer)
+    assert first == {"n1": 4, "n2": 4, "n3": 4, "n4": 8}
+    assert engine.num_prefills == 3 and len(results) == 8
+    assert {r.request_id: r.num_tokens for r in results.values()} == {**{f"long{i}": 20 for i in range(4)},
+                                                                       **{f"n{i}": 4 for i in range(1, 5)}}
+
+
+def test_prefill_hold_keeps_a_newcomer_waiting_at_most_max_hold_steps(policy, tokenizer):
+    from rollout_workers.hf_engine import MAX_HOLD_STEPS
+
+    # hold 100 beside 4 decoding rows would hold a lone newcomer for 400 steps; the cap ends it:
+    # n1 arrives at step 2 and is held for steps 2..9, prefilled at step 2 + MAX_HOLD_STEPS.
+    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=100.0)
+    _, first = arrivals_one_by_one(engine, tokenizer)
+    assert first["n1"] == 2 + MAX_HOLD_STEPS
+    with pytest.raises(EngineError, match="prefill_hold"):
+        HFEngine(policy, tokenizer, prefill_hold=-1)
+    cfg = Config()
+    cfg.rollout.prefill_hold = -0.5
+    with pytest.raises(ConfigError, match="prefill_hold"):
+        validate_rollout(cfg.rollout)
 
 
 def test_a_one_token_response_comes_from_the_prefill_alone(policy, tokenizer):
