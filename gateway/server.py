@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from buffer import Buffer
 from buffer.connection import client_kwargs
-from buffer.gateway import CallChunk, GatewayCall, cancel, forget_cancel, live_workers, submit
+from buffer.gateway import CallChunk, CallQueue, GatewayCall, cancel, forget_cancel, live_workers
 from gateway.openai_api import (AUTH, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response, completion_response,
                                 logprobs_content, normal_message, parse_chat, parse_completion, parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
@@ -121,6 +121,7 @@ class Gateway:
         self.keys = self.buffer.keys
         self.sessions: Sessions | None = None
         self.redis: Any = None
+        self.calls: CallQueue | None = None  # set in start(), with the async client
         self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
         self._workers = (0.0, 0)  # (checked at, live workers)
         self._tasks: list[asyncio.Task] = []
@@ -146,6 +147,7 @@ class Gateway:
         kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default is no retry either
         kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
         self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
+        self.calls = CallQueue(self.redis, self.keys)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
         self._tasks = [asyncio.create_task(self._route(pubsub), name="gateway-route"),
@@ -301,8 +303,8 @@ class Gateway:
         deadline = time.monotonic() + self.cfg.gateway.call_timeout_s
         left = len(choices)
         try:
-            for c in choices:
-                await submit(self.redis, self.keys, c.call)
+            assert self.calls is not None
+            await self.calls.submit([c.call for c in choices])
             while left:
                 try:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))

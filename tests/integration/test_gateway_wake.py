@@ -1,17 +1,20 @@
-"""An idle worker serving the gateway waits for prompts on Redis while its taker thread fetches
-gateway calls (real Redis, the worker's BackgroundChannel over a WorkerChannel). A call fetched
-during that wait must end it: before, it sat unstarted until the wait's cap (0.2 s), seen as
-250-300 ms turns for one agent whose turns took 40 ms."""
+"""How a gateway call reaches a worker, on real Redis. An idle worker serving the gateway waits
+for prompts while its taker thread fetches gateway calls (the worker's BackgroundChannel over a
+WorkerChannel): a call fetched during that wait must end it (before, it sat unstarted until the
+wait's cap, 0.2 s, seen as 250-300 ms turns for one agent whose turns took 40 ms). The gateway's
+CallQueue sends calls submitted together in one round trip, in order."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from buffer import Buffer, prompts
-from buffer.gateway import WorkerChannel
+from buffer.gateway import CallQueue, GatewayCall, WorkerChannel
 from rollout_workers.gateway_calls import BackgroundChannel
 from test_buffer_gateway_groups import buf  # noqa: F401  # a run of groups of 2 on the test's own Redis
 
@@ -59,3 +62,42 @@ def test_a_call_the_taker_fetches_while_the_worker_waits_for_prompts_ends_the_wa
         assert buf.redis.xlen(buf.keys.wake_prompts) == wakes + 1  # the taker's
     finally:
         ch.close()
+
+
+def _call(i: int) -> GatewayCall:
+    return GatewayCall(call_id=f"c{i}", reply_to="g", prompt_ids=[1, 2, i], max_tokens=4, temperature=1.0, top_p=1.0,
+                       stop=[], stream=False)
+
+
+def test_calls_submitted_together_go_in_one_round_trip_in_order(buf, redis_url):
+    # 20 agents' turns submitted at once: asyncio runs every submit up to its wait before the
+    # sender task's first step, so one LPUSH and one wake-up carry them all; workers pop (RPOP)
+    # them in submission order. A later lone call takes a round trip of its own.
+    async def go() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            queue = CallQueue(client, buf.keys)
+            await asyncio.gather(*(queue.submit([_call(2 * i), _call(2 * i + 1)]) for i in range(10)))
+            await queue.submit([_call(20)])
+            return queue.round_trips
+        finally:
+            await client.aclose()
+
+    wakes = buf.redis.xlen(buf.keys.wake_prompts)
+    assert asyncio.run(go()) == 2
+    assert buf.redis.xlen(buf.keys.wake_prompts) == wakes + 2
+    popped = [GatewayCall.decode(buf.redis.rpop(buf.keys.gw_calls)).call_id for _ in range(21)]
+    assert popped == [f"c{i}" for i in range(21)] and buf.redis.llen(buf.keys.gw_calls) == 0
+
+
+def test_a_failed_round_trip_fails_every_call_in_it(buf):
+    async def go() -> list:
+        client = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)  # nothing listens there
+        try:
+            queue = CallQueue(client, buf.keys)
+            return await asyncio.gather(*(queue.submit([_call(i)]) for i in range(3)), return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    out = asyncio.run(go())
+    assert len(out) == 3 and all(isinstance(e, aioredis.ConnectionError) for e in out), out
