@@ -28,6 +28,17 @@ def mode_parser(doc: str | None, modes: Sequence[str] = ("quick", "full")) -> ar
     ap.set_defaults(mode=next(iter(modes)))
     return ap
 
+
+def require_device(device: str, on_cpu: str = "--gpu-check") -> None:
+    """Exit with a message when a CUDA mode runs where there is no CUDA device; ``on_cpu`` names
+    the mode that runs the same code path on a CPU (empty: none)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--gpu needs a CUDA device" + (f"; {on_cpu} runs the same code path on a CPU" if on_cpu else ""))
+
+
 def sync_device(device: str) -> None:
     """Wait for the device's queued work (CUDA runs asynchronously), so a host clock times it."""
     if device == "cuda":

@@ -63,7 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import mode_parser, print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, require_device, write_results  # noqa: E402
 
 from rlhf_core import metric_names as M  # noqa: E402
 
@@ -319,11 +319,7 @@ def main() -> None:
                     help="processes the sessions are split over (the mode's: 1, all on one async client here; --gpu 8)")
     args = ap.parse_args()
     m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape, prefill_hold=args.prefill_hold)
-    if m.get("device") == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
+    require_device(m.get("device", "cpu"))
     if args.sessions:
         m["sessions"] = args.sessions
     if args.clients:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, sync_device, write_results  # noqa: E402
+from _common import mode_parser, print_table, require_device, sync_device, write_results  # noqa: E402
 
 SKEWED = dict(kind="skewed", long_every=8, long_factor=8)
 MODES = {
@@ -220,8 +220,7 @@ def main() -> None:
     cfg["slots"] = args.slots or cfg["slots"]
     cfg["num_requests"] = args.requests or cfg["num_requests"]
     library = cfg["library"] or args.library
-    if cfg["device"] == "cuda" and not torch.cuda.is_available():
-        sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
+    require_device(cfg["device"])
     if cfg["device"] == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, sync_device, write_results  # noqa: E402
+from _common import mode_parser, print_table, require_device, sync_device, write_results  # noqa: E402
 
 SHAPES = {
     # name: (batch, group, prompt tokens, response tokens, micro-batch)
@@ -217,8 +217,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
     spec = dict(MODES[args.mode])
-    if spec["device"] == "cuda" and not torch.cuda.is_available():
-        sys.exit("--gpu needs a CUDA device; --quick runs the same code path on a CPU")
+    require_device(spec["device"], "--quick")
     if spec["device"] == "cpu":
         torch.set_num_threads(1)
     use_deepspeed = spec["deepspeed"] and not args.no_deepspeed

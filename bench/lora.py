@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import mode_parser, print_table, write_results  # noqa: E402
+from _common import mode_parser, print_table, require_device, write_results  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32.0, "target_modules": ["all-linear"]}
 PATHS = ("shm", "tcp")
@@ -258,8 +258,7 @@ def main() -> None:
     reps = args.reps or cfg["reps"]
     import torch
 
-    if cfg["device"] == "cuda" and not torch.cuda.is_available():
-        sys.exit("--gpu needs a CUDA device")
+    require_device(cfg["device"], "")
     torch.set_num_threads(1)
     t_start = time.monotonic()
     rig = Rig()

@@ -47,7 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the repository root first: bench/buffer.py must not shadow the `buffer` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import print_table, write_results  # noqa: E402
+from _common import print_table, require_device, write_results  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "quick": dict(model="tiny", device="cpu", dtype="float32", updates=600, seeds=1, batch=32, group=4,
@@ -277,11 +277,7 @@ def main() -> None:
     spec = dict(MODES[mode])
     spec["updates"] = args.updates or spec["updates"]
     seeds = args.seeds or spec["seeds"]
-    if spec["device"] == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            sys.exit("--gpu needs a CUDA device; --gpu-check runs the same code path on a CPU")
+    require_device(spec["device"])
     try:
         import trl  # noqa: F401
     except ImportError:
