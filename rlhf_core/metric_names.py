@@ -46,7 +46,7 @@ WORKER_SAMPLES_PER_S = "samples_per_s"
 WORKER_SCORE_SHARE = "score_share"  # share of the scoring threads' time spent scoring (1: the reward is the bottleneck)
 WORKER_REWARD_CALLS_PER_S = "reward_calls_per_s"  # reward function/model calls, over the worker's uptime
 WORKER_ENGINE_STEPS = "engine_steps"  # decoding passes of the worker's engine (hf), cumulative
-WORKER_ENGINE_PREFILLS = "engine_prefills"  # its prefill passes: more than one per few steps costs a pass each
+WORKER_ENGINE_PREFILLS = "engine_prefills"  # its prefill passes (over engine_steps: how often a step carries one)
 
 # Running totals (Prometheus counters); every other number of these records is a level (a gauge).
 LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)

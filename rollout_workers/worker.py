@@ -57,11 +57,11 @@ from omegaconf import DictConfig
 from buffer import Buffer, Lease
 from buffer.gateway import WorkerChannel
 from buffer.keys import check_consumer
+from rlhf_core import metric_names as M
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
 from rlhf_core.dapo import filter_reason
 from rlhf_core.errors import FailureWindow, UserError
-from rlhf_core import metric_names as M
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.prometheus import GENERATION, SCORING, WEIGHT_SYNC
 from rlhf_core.records import Sample, rle_encode
