@@ -167,8 +167,8 @@ class CallQueue:
     """The gateway's side of ``P gw:calls`` (async redis client): :meth:`submit` queues calls and
     wakes workers waiting for prompts. Calls submitted while a round trip is under way go together
     in the next one, one ``LPUSH`` and one wake-up for all (agents' turns that come back together
-    cost one round trip, not one each: it was a third of the gateway's CPU per call). Order is
-    kept: workers pop calls in the order they were submitted."""
+    cost one round trip, not one each: a push per call was about a quarter of the gateway's CPU
+    per call). Order is kept: workers pop calls in the order they were submitted."""
 
     def __init__(self, client: Any, keys: RunKeys) -> None:
         self.client, self.keys = client, keys
