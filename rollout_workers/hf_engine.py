@@ -35,7 +35,8 @@ over them since the last prefill pass, stay below ``h`` times the rows decoding 
 about one step of every decoding row; holding costs one step of each newcomer: the pass is paid
 for once holding has cost as much, the ski-rental rule), and never more than ``MAX_HOLD_STEPS``
 steps (a lone turn beside a full batch would otherwise wait as many steps as rows decode).
-Nothing decoding: no wait. What is held depends on the order of calls and steps, not on the clock.
+Nothing decoding: no wait; a prompt longer than ``prefill_chunk`` is held before its first
+chunk only. What is held depends on the order of calls and steps, not on the clock.
 
 Positions count only a sequence's real tokens, so RoPE sees exactly the positions of an
 unpadded forward pass: that is what makes the behaviour log-probs reproducible by the learner
@@ -330,10 +331,12 @@ class HFEngine:
         """Whether newcomers wait for their prefill pass this step (``prefill_hold``, module docstring)."""
         if self.prefill_hold <= 0:
             return False
-        pending = sum(not seq.prefilled for seq in self._running)
+        pending = [seq for seq in self._running if not seq.prefilled]
+        if any(seq.n_cached for seq in pending):  # a prompt part-way through its chunks goes on
+            return False
         decoding = sum(seq.prefilled and not seq.done for seq in self._running)
-        if pending and decoding and self._held_steps < MAX_HOLD_STEPS and self._held + pending < self.prefill_hold * decoding:
-            self._held += pending
+        if pending and decoding and self._held_steps < MAX_HOLD_STEPS and self._held + len(pending) < self.prefill_hold * decoding:
+            self._held += len(pending)
             self._held_steps += 1
             return True
         self._held = self._held_steps = 0

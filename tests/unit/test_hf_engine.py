@@ -446,6 +446,20 @@ def test_prefill_hold_keeps_a_newcomer_waiting_at_most_max_hold_steps(policy, to
     engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=100.0)
     _, first = arrivals_one_by_one(engine, tokenizer)
     assert first["n1"] == 2 + MAX_HOLD_STEPS
+    # A prompt longer than prefill_chunk is held before its first chunk only: its chunks then
+    # follow step after step (40 tokens in chunks of at most 16, beside 4 rows decoding).
+    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=100.0, prefill_chunk=16)
+    for i in range(4):  # 12 prompt tokens: prefilled in one pass, then decoding
+        engine.add(GenRequest(f"long{i}", [1, 2, 3 + i], SamplingParams(max_new_tokens=20, ignore_eos=True)))
+    engine.step()
+    engine.add(GenRequest("big", list(range(1, 41)), SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    cached = []
+    for _ in range(MAX_HOLD_STEPS + 4):
+        engine.step()
+        cached.append(next(s.n_cached for s in engine._running if s.request.request_id == "big"))
+    assert cached[:MAX_HOLD_STEPS] == [0] * MAX_HOLD_STEPS  # held
+    # then a chunk every step; the step of the last one also decodes (its first token's column: 41)
+    assert cached[MAX_HOLD_STEPS:MAX_HOLD_STEPS + 3] == [16, 32, 41]
     with pytest.raises(EngineError, match="prefill_hold"):
         HFEngine(policy, tokenizer, prefill_hold=-1)
     cfg = Config()
