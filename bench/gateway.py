@@ -228,15 +228,15 @@ def client_process(url: str, model: str, m: dict[str, Any], tag: str, sessions: 
 
 def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[str, int] | None = None,
                   pool: Any = None) -> dict[str, Any]:
-    """The sessions through the gateway: from this process, or split over ``pool``'s processes
-    (``--clients``: agents are separate programs; one Python process serialises their JSON work)."""
+    """The sessions through the gateway: from this process, or split over ``pool``'s ``m["clients"]``
+    processes (agents are separate programs; one Python process serialises their JSON work)."""
     cpu0 = cpu_seconds(pids or {})
     if pool is None:
         t0 = time.perf_counter()
         latencies, tokens = asyncio.run(drive(url, model, m, tag, range(m["sessions"])))
         wall, client_cpu = time.perf_counter() - t0, None
     else:
-        n = pool._max_workers
+        n = m["clients"]
         t0 = time.perf_counter() + 0.5
         parts = [pool.submit(client_process, url, model, m, tag, range(k, m["sessions"], n), t0) for k in range(n)]
         done = [p.result() for p in parts]
