@@ -175,6 +175,15 @@ class WorkerPasses:
         self.buffer.close()
 
 
+def round_row(side: str, m: dict[str, Any], latencies: list[float], tokens: int, wall: float) -> dict[str, Any]:
+    """One side's round: requests/s, tokens/s and p50/p99 latency per call."""
+    latencies = sorted(latencies)
+    n = len(latencies)
+    return {"side": side, "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall,
+            "requests_per_s": n / wall, "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2],
+            "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))]}
+
+
 def add_passes(row: dict[str, Any], steps: int, prefills: int) -> dict[str, Any]:
     """A row's forward passes: decoding steps, wall time and tokens per step, prefill passes per step."""
     return dict(row, steps=steps, ms_per_step=1000 * row["wall_s"] / max(steps, 1), rows_per_step=row["tokens"] / max(steps, 1),
@@ -245,11 +254,7 @@ def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(pids or {}).items()}
     if client_cpu is not None:
         cpu["client"] = round(client_cpu, 2)
-    latencies.sort()
-    n = len(latencies)
-    return {"side": "gateway", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
-            "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2],
-            "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))], "cpu_s": cpu}
+    return dict(round_row("gateway", m, latencies, tokens, wall), cpu_s=cpu)
 
 
 def engine_round(m: dict[str, Any]) -> dict[str, Any]:
@@ -298,10 +303,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
             if turn + 1 < m["turns"]:
                 add(turn + 1, i)
     wall = time.perf_counter() - t0
-    latencies.sort()
-    n = len(latencies)
-    row = {"side": "engine", "turn_tokens": m["max_tokens"], "requests": n, "tokens": tokens, "wall_s": wall, "requests_per_s": n / wall,
-           "tokens_per_s": tokens / wall, "p50_ms": 1000 * latencies[n // 2], "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))]}
+    row = round_row("engine", m, latencies, tokens, wall)
     return add_passes(row, engine.num_steps - steps0, engine.num_prefills - prefills0)
 
 
