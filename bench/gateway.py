@@ -21,10 +21,9 @@ per step, prefill passes per step, which tell a slower step from fewer rows deco
 ``--clients N`` splits the sessions over N client processes (``--gpu``: 8): agents are separate
 programs, and one Python process serialises every session's HTTP and JSON work (2-3 ms a call),
 which is the load generator's cost, not the gateway's, on a host with cores to spare.
-``--prefill-hold H`` sets ``rollout.prefill_hold`` on both sides (JSON ``..._holdH.json``).
 
     .venv/bin/python bench/gateway.py [--quick|--full|--gpu|--gpu-check] [--shape tiny|small]
-        [--sessions N] [--turns N] [--turn-tokens N ...] [--slots N] [--clients N] [--prefill-hold H]
+        [--sessions N] [--turns N] [--turn-tokens N ...] [--slots N] [--clients N]
 
 ``--sessions 1 --turns 12 --turn-tokens 16`` measures one agent's latency per call (a session
 holds 640 response tokens, its turns and the user's messages: about 12 turns of 16 here).
@@ -70,7 +69,7 @@ from rlhf_core import metric_names as M  # noqa: E402
 MODES: dict[str, dict[str, Any]] = {
     "quick": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, clients=1),
     "full": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3, clients=1),
-    "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=1, clients=8, device="cuda", qwen2={}),
+    "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3, clients=8, device="cuda", qwen2={}),
     "gpu-check": dict(sessions=8, slots=8, turns=2, turn_tokens=(8,), rounds=1, clients=2, device="cpu",
                       qwen2=dict(num_hidden_layers=2, vocab_size=4096)),
 }
@@ -103,7 +102,7 @@ def overrides(m: dict[str, Any], out: Path) -> list[str]:
             "rollout.num_workers=1", f"rollout.slots={m['slots']}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
             f"rollout.max_episode_tokens={EPISODE}", "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}",
             "gateway.session_ttl_s=600", f"gateway.max_tokens={max(m['turn_tokens'])}",
-            f"rollout.prefill_hold={m['prefill_hold']}", *model_overrides(m)]
+            *model_overrides(m)]
 
 
 def start_run(m: dict[str, Any], out: Path) -> tuple[subprocess.Popen, str]:
@@ -272,7 +271,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads
     tok = load_tokenizer(cfg)
     tok.chat_template = PLAIN_TEMPLATE
-    engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + EPISODE, prefill_hold=m["prefill_hold"])
+    engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + EPISODE)
     params = SamplingParams(max_new_tokens=m["max_tokens"])
     contexts = [encode(tok, tok.apply_chat_template([{"role": "user", "content": f"count from {i % 10}"}], tokenize=False,
                                                     add_generation_prompt=True)) for i in range(m["sessions"])]
@@ -315,12 +314,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
-    ap.add_argument("--prefill-hold", type=float, default=0.0,
-                    help="rollout.prefill_hold of both sides (0: newcomers prefilled at once; see rollout_workers/hf_engine.py)")
     ap.add_argument("--clients", type=int,
                     help="processes the sessions are split over (the mode's: 1, all on one async client here; --gpu 8)")
     args = ap.parse_args()
-    m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape, prefill_hold=args.prefill_hold)
+    m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape)
     require_device(m.get("device", "cpu"))
     if args.sessions:
         m["sessions"] = args.sessions
@@ -372,8 +369,7 @@ def main() -> None:
               f"ms per decoding step {g['ms_per_step']:.1f} / {e['ms_per_step']:.1f}, prefill passes per step "
               f"{g['prefills_per_step']:.2f} / {e['prefills_per_step']:.2f} (gateway / engine)")
     name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
-        + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}") \
-        + (f"_hold{m['prefill_hold']:g}" if m["prefill_hold"] else "")
+        + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
     write_results(name,
                   {"mode": args.mode, "config": m, "rows": rows, "ratio_gateway_over_engine": ratios, "target": TARGET,
                    "met": {n: r >= TARGET for n, r in ratios.items()}})

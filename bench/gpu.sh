@@ -6,8 +6,7 @@
 #
 #   bash bench/gpu.sh generation learner tests    # ~4 min before the compiled learner row; allow 6
 #   bash bench/gpu.sh vs_trl                      # ~3 min (VS_TRL_UPDATES=8 updates per system)
-#   bash bench/gpu.sh gateway gateway_hold        # ~2 min each (the gateway against the engine on CUDA;
-#                                                 # then both with rollout.prefill_hold=1)
+#   bash bench/gpu.sh gateway                     # ~1.5 min (the gateway against the engine on CUDA)
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
 # (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
@@ -38,9 +37,8 @@ for arg in "$@"; do
     learner) step learner "${limit:-300}" python3 bench/learner.py --gpu ${LEARNER_ARGS:-} ;;  # its compiled row compiles first
     vs_trl) step vs_trl "${limit:-330}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
     gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ${GATEWAY_ARGS:-} ;;
-    gateway_hold) step gateway_hold "${limit:-200}" python3 bench/gateway.py --gpu --prefill-hold 1 ${GATEWAY_ARGS:-} ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
     tests) step tests "${limit:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
-    *) echo "unknown step $what (generation, learner, vs_trl, gateway, gateway_hold, tests)"; exit 2 ;;
+    *) echo "unknown step $what (generation, learner, vs_trl, gateway, tests)"; exit 2 ;;
   esac
 done

@@ -195,9 +195,6 @@ class RolloutConfig:
     # hf engine only
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per engine step at most (longer prompts are chunked)
     cuda_graphs: bool = True  # capture the decoding step as CUDA graphs (on a CUDA device)
-    # > 0: newcomers wait for their prefill pass until the steps they lost, summed, reach this
-    # many times the rows decoding (one pass for several agents' turns); 0: prefilled at once
-    prefill_hold: float = 0.0
     # placement on a multi-GPU machine: worker i sees GPU devices[i % len(devices)] (CUDA_VISIBLE_DEVICES); null = inherit
     devices: Optional[list[int]] = None
     gpu_memory_fraction: Optional[float] = None  # hf engine sharing a GPU (e.g. the learner's): cap of this worker's memory
@@ -652,8 +649,6 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and top_k >= 0, got {rollout.top_p}, {rollout.top_k}")
     if rollout.prefill_chunk_tokens < 1:
         raise ConfigError(f"rollout.prefill_chunk_tokens must be >= 1, got {rollout.prefill_chunk_tokens}")
-    if not rollout.prefill_hold >= 0:
-        raise ConfigError(f"rollout.prefill_hold must be >= 0 (0: newcomers are prefilled at once), got {rollout.prefill_hold}")
     if rollout.slots < 1 or rollout.num_workers < 0:
         raise ConfigError(f"rollout.slots {rollout.slots} must be >= 1 and rollout.num_workers {rollout.num_workers} >= 0")
 

@@ -34,8 +34,7 @@ def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> Generatio
         r = cfg.rollout
         return HFEngine(model, tokenizer, slots=int(r.slots), seed=int(r.seed),
                         max_model_len=int(r.max_prompt_tokens) + response_budget(r),
-                        prefill_chunk=int(r.prefill_chunk_tokens), cuda_graphs=bool(r.cuda_graphs),
-                        prefill_hold=float(r.prefill_hold))
+                        prefill_chunk=int(r.prefill_chunk_tokens), cuda_graphs=bool(r.cuda_graphs))
     if name == "vllm":
         from rollout_workers.vllm_engine import VLLMEngine
 

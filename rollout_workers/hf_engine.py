@@ -19,24 +19,13 @@ Per :meth:`HFEngine.step`:
    never stalls decoding for long). Rows are padded on the left, so the pass's last column is
    every row's last real token: a sequence whose prompt completes in the pass samples its first
    token from it (a response of n tokens takes n forward passes, not n + 1) and decodes from
-   this step on. With ``prefill_hold`` > 0 newcomers may wait for their pass (below);
+   this step on;
 4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
    power of two, the bucket its graph was captured for): one token per slot at its own
    position, written in place into its own column; free or still-prefilling slots inside the
    batch feed a pad token at the scratch column and are ignored. Then temperature/top-k/top-p,
    sampling and log-probs for all rows at once through :mod:`rlhf_core.sampling`, and one host
    sync for the sampled ids.
-
-Holding prefills (``prefill_hold``, off by default): calls that arrive one by one (agents'
-turns through the gateway) put a prefill pass of a few rows into most steps, and a prefill pass
-runs eagerly (on a GPU a few hundred kernel launches beside a graph-replayed decoding step).
-With ``prefill_hold = h`` > 0, newcomers wait while the decoding steps they have lost, summed
-over them since the last prefill pass, stay below ``h`` times the rows decoding (a pass costs
-about one step of every decoding row; holding costs one step of each newcomer: the pass is paid
-for once holding has cost as much, the ski-rental rule), and never more than ``MAX_HOLD_STEPS``
-steps (a lone turn beside a full batch would otherwise wait as many steps as rows decode).
-Nothing decoding: no wait; a prompt longer than ``prefill_chunk`` is held before its first
-chunk only. What is held depends on the order of calls and steps, not on the clock.
 
 Positions count only a sequence's real tokens, so RoPE sees exactly the positions of an
 unpadded forward pass: that is what makes the behaviour log-probs reproducible by the learner
@@ -77,9 +66,6 @@ from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestE
 from rollout_workers.slot_kv import SlotKVCache, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
-
-MAX_HOLD_STEPS = 8  # prefill_hold: decoding steps a newcomer waits for its prefill pass at most
-
 
 class _Seq:
     """One running sequence and the slot it owns."""
@@ -122,25 +108,18 @@ class HFEngine:
             context, whose cache would otherwise be sized for it.
         prefill_chunk: prompt tokens prefilled per step at most (a longer prompt is chunked).
         cuda_graphs: capture the decoding step as CUDA graphs (used only on a CUDA device).
-        prefill_hold: let newcomers wait for their prefill pass (see the module docstring); 0: never.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: int = 16, seed: int = 0,
-                 max_model_len: int | None = None, prefill_chunk: int = 4096, cuda_graphs: bool = True,
-                 prefill_hold: float = 0.0) -> None:
+                 max_model_len: int | None = None, prefill_chunk: int = 4096, cuda_graphs: bool = True) -> None:
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
         if prefill_chunk < 1:
             raise EngineError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
-        if not prefill_hold >= 0:
-            raise EngineError(f"prefill_hold must be >= 0, got {prefill_hold}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.slots = int(slots)
         self.prefill_chunk = int(prefill_chunk)
-        self.prefill_hold = float(prefill_hold)
-        self._held = 0  # decoding steps newcomers lost since the last prefill pass, summed over them
-        self._held_steps = 0  # steps with newcomers held since then
         self.version = 0
         self._adapters = adapter_parameters(model)  # LoRA: what a version holds; {} without adapters
         config = model.config
@@ -290,8 +269,6 @@ class HFEngine:
         """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots;
         the sequences whose prompt is now complete sample their first token from the pass.
         Returns those that finished on it."""
-        if self._hold():
-            return []
         budget, chunk = self.prefill_chunk, []
         for seq in self._running:
             if budget <= 0:
@@ -326,21 +303,6 @@ class HFEngine:
         logprobs = token_logprobs(processed, tokens)
         self.tokens_generated += len(seqs)
         return self._record(seqs, tokens.tolist(), logprobs.tolist())
-
-    def _hold(self) -> bool:
-        """Whether newcomers wait for their prefill pass this step (``prefill_hold``, module docstring)."""
-        if self.prefill_hold <= 0:
-            return False
-        pending = [seq for seq in self._running if not seq.prefilled]
-        if any(seq.n_cached for seq in pending):  # a prompt part-way through its chunks goes on
-            return False
-        decoding = sum(seq.prefilled and not seq.done for seq in self._running)
-        if pending and decoding and self._held_steps < MAX_HOLD_STEPS and self._held + len(pending) < self.prefill_hold * decoding:
-            self._held += len(pending)
-            self._held_steps += 1
-            return True
-        self._held = self._held_steps = 0
-        return False
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
         """One forward pass of ``ids`` ``[n, C]`` at ``positions`` through the slot cache; returns

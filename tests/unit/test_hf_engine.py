@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.config import Config, ConfigError, validate_rollout
+from rlhf_core.config import Config, ConfigError
 from rlhf_core.models import load_policy, load_tokenizer
 from rollout_workers.engine import (
     EngineError,
@@ -390,8 +390,6 @@ def test_make_engine_builds_the_configured_engine(tiny_model_cfg, policy, tokeni
     assert engine.slots == 5 and engine.model is policy
     params = SamplingParams.from_config(cfg.rollout)
     assert (params.max_new_tokens, params.stop_strings, params.key) == (21, ("\n\n",), (1.0, 0, 1.0))
-    cfg.rollout.prefill_hold = 1.5
-    assert make_engine(cfg, policy, tokenizer).prefill_hold == 1.5
     cfg.rollout.engine = "tgi"
     with pytest.raises(ConfigError, match="tgi"):
         make_engine(cfg, policy, tokenizer)
@@ -421,61 +419,26 @@ def arrivals_one_by_one(engine: HFEngine, tokenizer) -> tuple[dict[str, GenResul
     return results, first_token
 
 
-def test_prefill_hold_serves_newcomers_arriving_one_by_one_in_fewer_passes(policy, tokenizer):
-    # At once (hold 0): one prefill pass at step 1 and one for each newcomer, at its arrival.
-    results, first = arrivals_one_by_one(HFEngine(policy, tokenizer, slots=8, seed=2), tokenizer)
-    assert first == {"n1": 2, "n2": 3, "n3": 4, "n4": 5} and len(results) == 8
-    # prefill_hold=1: newcomers wait while the steps they lost, summed, stay below 1 x the rows
-    # decoding. Step 2: n1 pending, 0 + 1 < 4 decoding: held (lost 1). Step 3: n2 too, 1 + 2 < 4:
-    # held (lost 3). Step 4: n3 too, 3 + 3 >= 4: n1..n3 in one pass. Step 5: n4, 0 + 1 < 7 (four
-    # long, three new): held; step 6: 1 + 1 < 7; step 7 (n1..n3 ended after 4 tokens, at step 6):
-    # 2 + 1 < 4; step 8: 3 + 1 >= 4: prefilled. 3 passes instead of 5; every log-prob checked.
-    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=1.0)
+def test_newcomers_arriving_one_by_one_are_prefilled_at_their_arrival_step(policy, tokenizer):
+    # Four long sequences decode; each newcomer (an agent's turn) gets its prefill pass, and its
+    # first token, in the step it arrived before: one pass at step 1, then one per newcomer (5).
+    engine = HFEngine(policy, tokenizer, slots=8, seed=2)
     results, first = arrivals_one_by_one(engine, tokenizer)
-    assert first == {"n1": 4, "n2": 4, "n3": 4, "n4": 8}
-    assert engine.num_prefills == 3 and len(results) == 8
+    assert first == {"n1": 2, "n2": 3, "n3": 4, "n4": 5} and engine.num_prefills == 5
     assert {r.request_id: r.num_tokens for r in results.values()} == {**{f"long{i}": 20 for i in range(4)},
                                                                        **{f"n{i}": 4 for i in range(1, 5)}}
 
 
-def test_prefill_hold_keeps_a_newcomer_waiting_at_most_max_hold_steps(policy, tokenizer):
-    from rollout_workers.hf_engine import MAX_HOLD_STEPS
-
-    # hold 100 beside 4 decoding rows would hold a lone newcomer for 400 steps; the cap ends it:
-    # n1 arrives at step 2 and is held for steps 2..9, prefilled at step 2 + MAX_HOLD_STEPS.
-    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=100.0)
-    _, first = arrivals_one_by_one(engine, tokenizer)
-    assert first["n1"] == 2 + MAX_HOLD_STEPS
-    # A prompt longer than prefill_chunk is held before its first chunk only: its chunks then
-    # follow step after step (40 tokens in chunks of at most 16, beside 4 rows decoding).
-    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_hold=100.0, prefill_chunk=16)
-    for i in range(4):  # 12 prompt tokens: prefilled in one pass, then decoding
+def test_a_long_prompt_is_prefilled_in_chunks_step_after_step_beside_decoding_rows(policy, tokenizer):
+    # 40 prompt tokens in chunks of at most 16, beside 4 rows decoding: 16, 32, then the last 8
+    # in the step that also samples its first token (its next input's column: 41).
+    engine = HFEngine(policy, tokenizer, slots=8, seed=2, prefill_chunk=16)
+    for i in range(4):  # short prompts: prefilled in one pass, then decoding
         engine.add(GenRequest(f"long{i}", [1, 2, 3 + i], SamplingParams(max_new_tokens=20, ignore_eos=True)))
     engine.step()
     engine.add(GenRequest("big", list(range(1, 41)), SamplingParams(max_new_tokens=5, ignore_eos=True)))
     cached = []
-    for _ in range(MAX_HOLD_STEPS + 4):
+    for _ in range(3):
         engine.step()
         cached.append(next(s.n_cached for s in engine._running if s.request.request_id == "big"))
-    assert cached[:MAX_HOLD_STEPS] == [0] * MAX_HOLD_STEPS  # held
-    # then a chunk every step; the step of the last one also decodes (its first token's column: 41)
-    assert cached[MAX_HOLD_STEPS:MAX_HOLD_STEPS + 3] == [16, 32, 41]
-    with pytest.raises(EngineError, match="prefill_hold"):
-        HFEngine(policy, tokenizer, prefill_hold=-1)
-    cfg = Config()
-    cfg.rollout.prefill_hold = -0.5
-    with pytest.raises(ConfigError, match="prefill_hold"):
-        validate_rollout(cfg.rollout)
-
-
-def test_a_one_token_response_comes_from_the_prefill_alone(policy, tokenizer):
-    # The prefill's last column predicts the first token: a response that ends there (length 1,
-    # or an EOS first) never enters a decoding pass, and its slot is free at the next step.
-    engine = HFEngine(policy, tokenizer, slots=1)
-    engine.add(GenRequest("one", ids(tokenizer, "one"), SamplingParams(max_new_tokens=1, ignore_eos=True)))
-    engine.add(GenRequest("next", ids(tokenizer, "next"), SamplingParams(max_new_tokens=2, ignore_eos=True)))
-    first = engine.step()
-    assert [(r.request_id, r.num_tokens, r.finish_reason) for r in first] == [("one", 1, "length")]
-    assert (engine.num_prefills, engine.num_steps) == (1, 0)
-    assert [(r.request_id, r.num_tokens) for r in engine.step()] == [("next", 2)]  # prefill + one decoding pass
-    assert (engine.num_prefills, engine.num_steps) == (2, 1)
+    assert cached == [16, 32, 41]
