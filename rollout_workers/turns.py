@@ -16,7 +16,11 @@ sampled and, after each, the ids this module gives for the observation. Two form
   Either way the template's rendering of the WHOLE conversation, tokenised, is compared with the
   context ids; a difference is counted as **retokenisation drift** (per turn, in the worker's
   stats) and the episode still trains on its own ids: the tokens the policy sampled, never
-  others.
+  others. The comparison tokenises only the text from the last added token (``<|im_end|>``,
+  the end-of-sequence token) that an earlier comparison placed: a tokenizer matches added tokens
+  whole and tokenises the text between them apart, so what lies before it cannot change, and a
+  turn costs its own length instead of the whole conversation's (a gateway session's calls, an
+  agent's long context).
 * **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
   text is tokenised as it is and appended; the task's environment writes its own separators.
 """
@@ -62,6 +66,10 @@ class TemplateConversation:
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
         self.messages = [dict(m) for m in messages]
         self.rendered = self.render(self.messages, generation_prompt=True)
+        # (chars, ids): the rendering's first `chars` characters tokenise to the context's first
+        # `ids` ids, and an added token starts at `chars` (see _drift); (0, 0): nothing known yet
+        self._checked = (0, 0)
+        self._added = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
 
     def render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
         kwargs = {"tools": self.tools} if self.tools else {}
@@ -86,10 +94,38 @@ class TemplateConversation:
             delta = full[len(head):]
         else:  # history re-rendered otherwise: a fixed conversation gives what follows a turn
             delta = self._turn_end(turn_text) + self._observation_delta(obs)
-        self.rendered = full
         ids = encode(self.tokenizer, delta)
-        drift = encode(self.tokenizer, full) != [*map(int, context_ids), *ids]
+        drift = self._drift(full, [*map(int, context_ids), *ids])
+        self.rendered = full
         return ids, drift
+
+    def _drift(self, full: str, context: list[int]) -> bool:
+        """Whether ``full`` (the whole conversation's rendering), tokenised, differs from
+        ``context``. Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds:
+        an added token starts there, so the text before it tokenises as it did when it was checked
+        (to ``context[:ids]``), as long as the template renders it the same. A difference there
+        is confirmed on the whole text before it counts (a place wrongly taken costs time, not a
+        false count)."""
+        chars, n = self._checked
+        if chars and full[:chars] != self.rendered[:chars]:  # the template re-rendered history
+            chars, n = 0, 0
+        if encode(self.tokenizer, full[chars:]) != context[n:]:
+            if not chars or encode(self.tokenizer, full) != context:
+                self._checked = (chars, n)
+                return True
+            chars, n = 0, 0
+        self._checked = self._last_added(full, context) or (chars, n)
+        return False
+
+    def _last_added(self, full: str, context: list[int]) -> tuple[int, int] | None:
+        """Where the last added token of ``context`` (which ``full`` tokenises to) starts in
+        ``full`` and in ``context``; None when the context has none."""
+        for i in range(len(context) - 1, -1, -1):
+            content = self._added.get(context[i])
+            if content is not None:
+                at = full.rfind(content)
+                return (at, i) if at > 0 else None
+        return None
 
     def _turn_end(self, turn_text: str) -> str:
         """What the template writes after an assistant message's content that the turn did not
