@@ -114,13 +114,13 @@ class TemplateConversation:
                 self._checked = (chars, n)
                 return True
             chars, n = 0, 0
-        self._checked = self._last_added(full, context) or (chars, n)
+        self._checked = self._last_added(full, context, n) or (chars, n)
         return False
 
-    def _last_added(self, full: str, context: list[int]) -> tuple[int, int] | None:
+    def _last_added(self, full: str, context: list[int], since: int) -> tuple[int, int] | None:
         """Where the last added token of ``context`` (which ``full`` tokenises to) starts in
-        ``full`` and in ``context``; None when the context has none."""
-        for i in range(len(context) - 1, -1, -1):
+        ``full`` and in ``context``; None when ``context[since:]`` has none."""
+        for i in range(len(context) - 1, since - 1, -1):
             content = self._added.get(context[i])
             if content is not None:
                 at = full.rfind(content)
