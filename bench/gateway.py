@@ -36,7 +36,9 @@ same either way, so the two shapes show how the gateway's cost scales with what 
 (JSON ``gateway_small.json``, ``gateway_full_small.json``).
 
 ``--gpu`` runs both sides on CUDA with a Qwen2-0.5B-shaped model (random bf16 weights, built from
-its config, the engine's CUDA graphs), the quick mode's sessions and turns; ``--gpu-check`` runs
+its config, the engine's CUDA graphs), the quick mode's sessions and turns, the best of 3 rounds
+(one round of 16-token turns lasts a second or two on an H100 and moved by 2x between identical
+runs); ``--gpu-check`` runs
 that path on a CPU with a 2-layer model of the shape (JSON ``gateway_gpu.json``,
 ``gateway_gpu_check.json``).
 """
