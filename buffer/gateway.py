@@ -234,3 +234,31 @@ async def live_workers(client: Any, keys: RunKeys, within_s: float) -> int:
             continue
         n += int(now - seen <= within_s)
     return n
+
+
+class LiveWorkers:
+    """:func:`live_workers`, counted again once the count is ``max_age_s`` old (at once while it
+    is 0), and once however many calls ask together: the 64 turns of agents in step arrive
+    together, and each asking on its own would send its own ``HGETALL`` of every consumer's
+    record (and open its own connection) before its call could go."""
+
+    def __init__(self, client: Any, keys: RunKeys, within_s: float, max_age_s: float = 1.0) -> None:
+        self.client, self.keys, self.within_s, self.max_age_s = client, keys, within_s, max_age_s
+        self._last = (0.0, 0)  # (counted at, live workers)
+        self._counting: asyncio.Future | None = None
+
+    async def count(self) -> int:
+        counted_at, n = self._last
+        if n and time.monotonic() - counted_at <= self.max_age_s:
+            return n
+        if self._counting is None:
+            self._counting = asyncio.ensure_future(self._count())
+        return await asyncio.shield(self._counting)  # a caller that goes away leaves the count to the others
+
+    async def _count(self) -> int:
+        try:
+            n = await live_workers(self.client, self.keys, self.within_s)
+            self._last = (time.monotonic(), n)
+            return n
+        finally:
+            self._counting = None

@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from buffer import Buffer
 from buffer.connection import client_kwargs
-from buffer.gateway import CallChunk, CallQueue, GatewayCall, cancel, forget_cancel, live_workers
+from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel
 from gateway.openai_api import (AUTH, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response, completion_response,
                                 logprobs_content, normal_message, parse_chat, parse_completion, parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
@@ -123,7 +123,7 @@ class Gateway:
         self.redis: Any = None
         self.calls: CallQueue | None = None  # set in start(), with the async client
         self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
-        self._workers = (0.0, 0)  # (checked at, live workers)
+        self.workers: LiveWorkers | None = None  # set in start(), with the async client
         self._tasks: list[asyncio.Task] = []
         self._appending = asyncio.Lock()
         self.started = time.time()
@@ -148,6 +148,7 @@ class Gateway:
         kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
         self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
         self.calls = CallQueue(self.redis, self.keys)
+        self.workers = LiveWorkers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
         self._tasks = [asyncio.create_task(self._route(pubsub), name="gateway-route"),
@@ -250,11 +251,8 @@ class Gateway:
                                 "gateway.api_keys / gateway.api_key_file", AUTH, "invalid_api_key")
 
     async def need_worker(self) -> None:
-        checked, n = self._workers
-        if time.monotonic() - checked > 1.0 or n == 0:
-            n = await live_workers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
-            self._workers = (time.monotonic(), n)
-        if n == 0:
+        assert self.workers is not None
+        if not await self.workers.count():
             raise ApiError(503, "no rollout worker is serving this run right now; retry shortly", UNAVAILABLE,
                            "no_worker", headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -651,7 +649,8 @@ class Gateway:
                                                          "created": int(self.started), "owned_by": "rlhf-service"}]})
 
     async def health(self, request: Request) -> Response:
-        workers = await live_workers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
+        assert self.workers is not None
+        workers = await self.workers.count()
         body = {"status": "ok" if workers else "no_worker", "workers": workers, "model": self.model_name}
         return JSONResponse(body, status_code=200 if workers else 503,
                             headers={} if workers else {"Retry-After": str(RETRY_AFTER_S)})

@@ -2,7 +2,8 @@
 for prompts while its taker thread fetches gateway calls (the worker's BackgroundChannel over a
 WorkerChannel): a call fetched during that wait must end it (before, it sat unstarted until the
 wait's cap, 0.2 s, seen as 250-300 ms turns for one agent whose turns took 40 ms). The gateway's
-CallQueue sends calls submitted together in one round trip, in order."""
+CallQueue sends calls submitted together in one round trip, in order, and the calls that arrive
+together ask Redis for the live workers once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from buffer import Buffer, prompts
-from buffer.gateway import CallQueue, GatewayCall, WorkerChannel
+from buffer.gateway import CallQueue, GatewayCall, LiveWorkers, WorkerChannel
 from rollout_workers.gateway_calls import BackgroundChannel
 from test_buffer_gateway_groups import buf  # noqa: F401  # a run of groups of 2 on the test's own Redis
 
@@ -101,3 +102,30 @@ def test_a_failed_round_trip_fails_every_call_in_it(buf):
 
     out = asyncio.run(go())
     assert len(out) == 3 and all(isinstance(e, aioredis.ConnectionError) for e in out), out
+
+
+def hgetalls(buf: Buffer) -> int:
+    """HGETALL commands the test's Redis has served (its own command statistics)."""
+    return int(buf.redis.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+
+
+def test_calls_arriving_together_count_the_live_workers_once(buf, redis_url):
+    # 64 agents' turns arrive together and each needs a live worker: one HGETALL of the consumers'
+    # records serves them all; within max_age_s the count is reused; with no worker it is counted
+    # again at every ask (a worker that starts is seen at once).
+    async def go() -> list[int]:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            workers = LiveWorkers(client, buf.keys, within_s=5.0, max_age_s=60.0)
+            before = hgetalls(buf)
+            assert await asyncio.gather(*(workers.count() for _ in range(64))) == [0] * 64
+            none_yet = hgetalls(buf) - before  # nobody heartbeated yet: counted once for the 64
+            assert await workers.count() == 0  # 0 is counted again
+            buf.heartbeat("w0")
+            first = await asyncio.gather(*(workers.count() for _ in range(64)))
+            again = await asyncio.gather(*(workers.count() for _ in range(64)))
+            return [none_yet, hgetalls(buf) - before, *set(first), *set(again)]
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(go()) == [1, 3, 1, 1]
