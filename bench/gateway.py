@@ -16,7 +16,11 @@ with the same settings (EOS allowed), so their token counts differ a little; tok
 Both are warmed up first by one turn of every session with a different length each (every batch
 size's CUDA graph is captured before the timed rounds). Each row also counts the engine's
 forward passes (the gateway's from its worker's heartbeats): decoding steps, wall time and tokens
-per step, prefill passes per step, which tell a slower step from fewer rows decoding.
+per step, prefill passes per step, which tell a slower step from fewer rows decoding. A gateway
+row's ``call_ms`` says where its calls' time went, mean ms per call (the gateway's
+``call_phases_s`` in ``/v1/rl/stats``): ``gateway_in`` (the request until its call is in Redis),
+``to_worker`` (until a worker's engine has it), ``engine``, ``to_gateway`` (the answer back), and
+``rest``, what the client waited beyond them (its HTTP and JSON work, the gateway's reply).
 
 ``--clients N`` splits the sessions over N client processes (``--gpu``: 8): agents are separate
 programs, and one Python process serialises every session's HTTP and JSON work (2-3 ms a call),
@@ -136,6 +140,25 @@ async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
     raise SystemExit("the gateway did not report a live worker in time")
 
 
+PHASES = ("gateway_in_s", "to_worker_s", "engine_s", "to_gateway_s")
+
+
+def call_phases(url: str) -> dict[str, float]:
+    """The gateway's summed call phases so far (``/v1/rl/stats``: where its calls spent their time)."""
+    import httpx
+
+    return httpx.get(f"{url}/rl/stats", timeout=30).json()["call_phases_s"]
+
+
+def phase_ms(before: dict[str, float], after: dict[str, float], latencies: list[float]) -> dict[str, float]:
+    """Mean ms per call in each phase between two readings; ``rest``: what the client waited
+    beyond them (its HTTP and JSON work, the gateway's reply), from its mean latency."""
+    calls = max(1, after["calls"] - before["calls"])
+    out = {k.removesuffix("_s"): round(1e3 * (after[k] - before[k]) / calls, 2) for k in PHASES}
+    out["rest"] = round(1e3 * sum(latencies) / max(1, len(latencies)) - sum(out.values()), 2)
+    return out
+
+
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """CPU time (user + system) of each process so far; this process under ``client``."""
     out = {}
@@ -240,7 +263,7 @@ def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[
                   pool: Any = None) -> dict[str, Any]:
     """The sessions through the gateway: from this process, or split over ``pool``'s ``m["clients"]``
     processes (agents are separate programs; one Python process serialises their JSON work)."""
-    cpu0 = cpu_seconds(pids or {})
+    cpu0, phases0 = cpu_seconds(pids or {}), call_phases(url)
     if pool is None:
         t0 = time.perf_counter()
         latencies, tokens = asyncio.run(drive(url, model, m, tag, range(m["sessions"])))
@@ -255,7 +278,8 @@ def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(pids or {}).items()}
     if client_cpu is not None:
         cpu["client"] = round(client_cpu, 2)
-    return dict(round_row("gateway", m, latencies, tokens, wall), cpu_s=cpu)
+    return dict(round_row("gateway", m, latencies, tokens, wall), cpu_s=cpu,
+                call_ms=phase_ms(phases0, call_phases(url), latencies))
 
 
 def engine_round(m: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +393,8 @@ def main() -> None:
         g, e = best[n]["gateway"], best[n]["engine"]
         print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET}); "
               f"ms per decoding step {g['ms_per_step']:.1f} / {e['ms_per_step']:.1f}, prefill passes per step "
-              f"{g['prefills_per_step']:.2f} / {e['prefills_per_step']:.2f} (gateway / engine)")
+              f"{g['prefills_per_step']:.2f} / {e['prefills_per_step']:.2f} (gateway / engine); a gateway call's "
+              f"mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in g["call_ms"].items()))
     name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
         + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
     write_results(name,

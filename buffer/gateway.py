@@ -20,6 +20,7 @@ Nothing here is pickled or evaluated: records are msgpack maps checked field by 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ def _int_list(obj: dict[str, Any], name: str, low: int = 0) -> list[int]:
     if len(values) > MAX_CALL_TOKENS or not all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values):
         raise WireError(f"field {name!r}: expected at most {MAX_CALL_TOKENS} integers >= {low}")
     return values
+
+
+def _optional_time(obj: dict[str, Any], name: str) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise WireError(f"field {name!r}: expected a finite number of seconds or null")
+    return float(value)
 
 
 def _float_list(obj: dict[str, Any], name: str) -> list[float]:
@@ -103,12 +113,17 @@ class CallChunk:
     finish_reason: str | None = None  # stop | length | abort, on the final chunk
     error: str | None = None  # the call could not run (e.g. longer than the worker's context)
     worker_id: str = ""
+    # on a final chunk of a call that ran: when the worker queued it in its engine and when it
+    # finished (wall clock, time.time(); the gateway's "where a call's time goes")
+    started_at: float | None = None
+    finished_at: float | None = None
 
     def encode(self) -> bytes:
         return encode_record(KIND_CHUNK, {
             "call_id": self.call_id, "token_ids": [int(t) for t in self.token_ids], "final": self.final,
             "logprobs": [float(x) for x in self.logprobs], "versions": [int(v) for v in self.versions],
-            "finish_reason": self.finish_reason, "error": self.error, "worker_id": self.worker_id})
+            "finish_reason": self.finish_reason, "error": self.error, "worker_id": self.worker_id,
+            "started_at": self.started_at, "finished_at": self.finished_at})
 
     @classmethod
     def decode(cls, data: bytes) -> "CallChunk":
@@ -117,7 +132,8 @@ class CallChunk:
                     final=bool(require(obj, "final", bool)), versions=_int_list(obj, "versions"),
                     logprobs=_float_list(obj, "logprobs"),
                     finish_reason=optional(obj, "finish_reason", str), error=optional(obj, "error", str),
-                    worker_id=optional(obj, "worker_id", str, ""))
+                    worker_id=optional(obj, "worker_id", str, ""),
+                    started_at=_optional_time(obj, "started_at"), finished_at=_optional_time(obj, "finished_at"))
         if chunk.final and chunk.error is None and not len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions):
             raise WireError(f"a final chunk needs one log-prob and one version per token, got {len(chunk.token_ids)} "
                             f"tokens, {len(chunk.logprobs)} log-probs, {len(chunk.versions)} versions")

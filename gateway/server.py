@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 GROUP_HEADER = "x-group-id"
 RETRY_AFTER_S = 2
+RECEIVED = "rlhf.received"  # request.scope key: when the request reached the gateway (time.time())
 _TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -95,6 +96,35 @@ class _Choice:
     final: CallChunk | None = None
 
 
+@dataclass
+class CallPhases:
+    """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` from
+    the request's arrival to its call in Redis (parsing, the session, the template, tokenising),
+    ``to_worker`` from there to a worker's engine (Redis, the worker's taker thread, the decoding
+    step it waited for), ``engine`` in the engine (waiting for a slot, prefill, decoding),
+    ``to_gateway`` from the engine's end back to the gateway (the worker's sender thread, Redis).
+    The middle two compare the worker's clock with the gateway's: across hosts they hold the
+    clocks' offset, their sum does not."""
+
+    calls: int = 0
+    gateway_in_s: float = 0.0
+    to_worker_s: float = 0.0
+    engine_s: float = 0.0
+    to_gateway_s: float = 0.0
+
+    def add(self, received: float, pushed: float, chunk: CallChunk, arrived: float) -> None:
+        if chunk.started_at is None or chunk.finished_at is None:
+            return
+        self.calls += 1
+        self.gateway_in_s += pushed - received
+        self.to_worker_s += chunk.started_at - pushed
+        self.engine_s += chunk.finished_at - chunk.started_at
+        self.to_gateway_s += arrived - chunk.finished_at
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
 class Gateway:
     """The gateway's state and handlers; :func:`make_app` wraps it in a Starlette app."""
 
@@ -124,6 +154,7 @@ class Gateway:
         self.calls: CallQueue | None = None  # set in start(), with the async client
         self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
         self.workers: LiveWorkers | None = None  # set in start(), with the async client
+        self.phases = CallPhases()
         self._tasks: list[asyncio.Task] = []
         self._appending = asyncio.Lock()
         self.started = time.time()
@@ -303,6 +334,8 @@ class Gateway:
         try:
             assert self.calls is not None
             await self.calls.submit([c.call for c in choices])
+            pushed = time.time()
+            received = request.scope.get(RECEIVED, pushed) if request is not None else pushed
             while left:
                 try:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
@@ -318,6 +351,7 @@ class Gateway:
                 if chunk.final:
                     c.final = chunk
                     left -= 1
+                    self.phases.add(received, pushed, chunk, time.time())
                 yield c, chunk
         finally:
             unfinished = [c.call.call_id for c in choices if c.final is None]
@@ -659,7 +693,8 @@ class Gateway:
         self.authorize(request)
         assert self.sessions is not None
         return JSONResponse({**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
-                             "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)})
+                             "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending),
+                             "call_phases_s": self.phases.as_dict()})
 
 
 def _finite(v: Any) -> bool:
@@ -669,6 +704,7 @@ def _finite(v: Any) -> bool:
 def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
     """The Starlette app; ``on_ready()`` runs once the gateway has joined its run (before the first request)."""
     async def handle(fn: Any, request: Request) -> Response:
+        request.scope[RECEIVED] = time.time()
         try:
             return await fn(request)
         except ApiError as exc:

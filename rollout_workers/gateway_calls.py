@@ -168,6 +168,7 @@ class GatewayCalls:
         self.channel, self.engine, self.worker_id = channel, engine, worker_id
         self.calls: dict[str, tuple[GatewayCall, list[int]]] = {}  # request id -> (call, [tokens streamed])
         self._next_cancel_check = 0.0
+        self._started: dict[str, float] = {}  # call id -> when it was queued in the engine (time.time())
         self.stats = {"gateway_calls": 0, "gateway_done": 0, "gateway_aborted": 0, "gateway_refused": 0,
                       "gateway_bad_records": 0, "gateway_tokens": 0}
 
@@ -208,6 +209,7 @@ class GatewayCalls:
                                                          worker_id=self.worker_id)))
                 continue
             self.calls[PREFIX + call.call_id] = (call, [0])
+            self._started[call.call_id] = time.time()
             self.stats["gateway_calls"] += 1
         return refused
 
@@ -256,6 +258,7 @@ class GatewayCalls:
             if result is not None:
                 out.append(self._final(result))
         self.calls.clear()
+        self._started.clear()
         try:
             self.channel.send(out)
         except Exception as exc:  # noqa: BLE001  # Redis gone at shutdown: the gateway times the calls out
@@ -267,4 +270,5 @@ class GatewayCalls:
         self.stats["gateway_tokens"] += result.num_tokens
         return call.reply_to, CallChunk(call.call_id, result.token_ids.tolist(), final=True,
                                         logprobs=result.logprobs.tolist(), versions=result.versions.tolist(),
-                                        finish_reason=result.finish_reason, worker_id=self.worker_id)
+                                        finish_reason=result.finish_reason, worker_id=self.worker_id,
+                                        started_at=self._started.pop(call.call_id, None), finished_at=time.time())

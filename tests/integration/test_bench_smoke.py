@@ -52,6 +52,11 @@ def _gateway_rows(doc: dict) -> None:
     for row in doc["rows"]:
         assert row["steps"] > 0 and 0 < row["prefills_per_step"] <= 1, row
     assert all(row["cpu_s"]["client"] > 0 for row in doc["rows"] if row["side"] == "gateway"), doc["rows"]
+    # where the gateway's calls spent their time (its /v1/rl/stats), every phase measured
+    for row in (r for r in doc["rows"] if r["side"] == "gateway"):
+        ms = row["call_ms"]
+        assert set(ms) == {"gateway_in", "to_worker", "engine", "to_gateway", "rest"} and ms["engine"] > 0, ms
+        assert min(ms["gateway_in"], ms["to_worker"], ms["to_gateway"]) >= 0, ms
 
 
 CHECKS = {"gateway": _gateway_rows}  # bench -> what its JSON must hold beyond its keys

@@ -699,6 +699,33 @@ def test_a_session_takes_one_call_at_a_time(served):
     assert served.reward("busy", 1.0).status_code == 200
 
 
+def test_the_stats_say_where_a_calls_time_went(served):
+    # A call held in the worker's engine for 0.5 s after it got there: the stats' engine phase
+    # holds those 0.5 s, no phase is negative, and the phases add up to no more than the client
+    # waited (they run from the request's arrival to the worker's answer reaching the gateway).
+    from servers import wait_for
+
+    before = served.stats()["call_phases_s"]
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        t0 = time.monotonic()
+        served.chat("timed", messages=[{"role": "user", "content": "t"}], max_tokens=2)
+        out["waited_s"] = time.monotonic() - t0
+
+    with served.hold:
+        client = threading.Thread(target=call, daemon=True)
+        client.start()
+        wait_for(lambda: len(served.worker.worker.gateway) == 1, 15, "the worker to queue the call in its engine", 0.01)
+        time.sleep(0.5)
+    client.join(30)
+    after = served.stats()["call_phases_s"]
+    phases = {k: after[k] - before[k] for k in ("gateway_in_s", "to_worker_s", "engine_s", "to_gateway_s")}
+    assert after["calls"] == before["calls"] + 1
+    assert all(v >= 0 for v in phases.values()), phases
+    assert phases["engine_s"] >= 0.5 and sum(phases.values()) <= out["waited_s"], (phases, out)
+
+
 def _gateway_process(cfg_overrides: list[str], out: Any) -> tuple[Any, str]:
     """``rlhf-gateway`` in its own process (so it can be SIGKILLed), once it serves: (process, base url)."""
     import subprocess

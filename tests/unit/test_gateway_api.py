@@ -499,6 +499,11 @@ def test_calls_and_chunks_round_trip():
     assert CallChunk.decode(delta.encode()) == delta
     failed = CallChunk("c1", [], final=True, error="too long")
     assert CallChunk.decode(failed.encode()) == failed
+    timed = CallChunk("c1", [5], final=True, logprobs=[-0.5], versions=[2], started_at=1.5e9, finished_at=1.5e9 + 0.25)
+    assert CallChunk.decode(timed.encode()) == timed
+    for bad in ("soon", float("nan"), True):  # a worker's clock reading is a finite number or nothing
+        with pytest.raises(WireError, match="started_at"):
+            CallChunk.decode(encode_record(KIND_CHUNK, _chunk_fields(started_at=bad)))
 
 
 def _call_fields(**change):
