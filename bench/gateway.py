@@ -18,7 +18,7 @@ size's CUDA graph is captured before the timed rounds). Each row also counts the
 forward passes (the gateway's from its worker's heartbeats): decoding steps, wall time and tokens
 per step, prefill passes per step, which tell a slower step from fewer rows decoding. A gateway
 row's ``call_ms`` says where its calls' time went, mean ms per call (the gateway's
-``call_phases_s`` in ``/v1/rl/stats``): ``gateway_in`` (the request until its call is in Redis),
+``call_phases_s`` in ``/v1/rl/stats``): ``gateway_in`` (the request until its call is pushed),
 ``to_worker`` (until a worker's engine has it), ``engine``, ``to_gateway`` (the answer back), and
 ``rest``, what the client waited beyond them (its HTTP and JSON work, the gateway's reply).
 

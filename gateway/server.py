@@ -99,9 +99,9 @@ class _Choice:
 @dataclass
 class CallPhases:
     """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` from
-    the request's arrival to its call in Redis (parsing, the session, the template, tokenising),
-    ``to_worker`` from there to a worker's engine (Redis, the worker's taker thread, the decoding
-    step it waited for), ``engine`` in the engine (waiting for a slot, prefill, decoding),
+    the request's arrival until its call is pushed (parsing, the session, the template,
+    tokenising, the event loop's queue), ``to_worker`` from there to a worker's engine (the push,
+    the worker's taker thread, the decoding step it waited for), ``engine`` in the engine (waiting for a slot, prefill, decoding),
     ``to_gateway`` from the engine's end back to the gateway (the worker's sender thread, Redis).
     The middle two compare the worker's clock with the gateway's: across hosts they hold the
     clocks' offset, their sum does not."""
@@ -333,9 +333,9 @@ class Gateway:
         left = len(choices)
         try:
             assert self.calls is not None
-            await self.calls.submit([c.call for c in choices])
-            pushed = time.time()
+            pushed = time.time()  # before the push: a worker may start the call before its reply is read
             received = request.scope.get(RECEIVED, pushed) if request is not None else pushed
+            await self.calls.submit([c.call for c in choices])
             while left:
                 try:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
