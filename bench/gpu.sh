@@ -5,8 +5,8 @@
 # go to $OUT (default bench/results). Commands that each fit a 10-minute device call:
 #
 #   bash bench/gpu.sh generation learner tests    # ~4 min before the compiled learner row; allow 6
-#   bash bench/gpu.sh vs_trl                      # ~3 min (VS_TRL_UPDATES=8 updates per system)
-#   bash bench/gpu.sh gateway                     # ~1.5 min (the gateway against the engine on CUDA)
+#   bash bench/gpu.sh vs_trl                      # ~5 min (VS_TRL_UPDATES=8 updates per system; H100 2026-11-28)
+#   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA, best of 3 rounds)
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
 # (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
@@ -35,7 +35,7 @@ for arg in "$@"; do
   case "$what" in
     generation) step generation "${limit:-200}" python3 bench/generation.py --gpu ;;
     learner) step learner "${limit:-300}" python3 bench/learner.py --gpu ${LEARNER_ARGS:-} ;;  # its compiled row compiles first
-    vs_trl) step vs_trl "${limit:-330}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
+    vs_trl) step vs_trl "${limit:-400}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
     gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ${GATEWAY_ARGS:-} ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
     tests) step tests "${limit:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
