@@ -442,3 +442,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_step_after_step_beside_decoding_ro
         engine.step()
         cached.append(next(s.n_cached for s in engine._running if s.request.request_id == "big"))
     assert cached == [16, 32, 41]
+
+
+def test_a_one_token_response_comes_from_the_prefill_alone(policy, tokenizer):
+    # The prefill's last column predicts the first token: a response that ends there (length 1,
+    # or an EOS first) never enters a decoding pass, and its slot is free at the next step.
+    engine = HFEngine(policy, tokenizer, slots=1)
+    engine.add(GenRequest("one", ids(tokenizer, "one"), SamplingParams(max_new_tokens=1, ignore_eos=True)))
+    engine.add(GenRequest("next", ids(tokenizer, "next"), SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    first = engine.step()
+    assert [(r.request_id, r.num_tokens, r.finish_reason) for r in first] == [("one", 1, "length")]
+    assert (engine.num_prefills, engine.num_steps) == (1, 0)
+    assert [(r.request_id, r.num_tokens) for r in engine.step()] == [("next", 2)]  # prefill + one decoding pass
+    assert (engine.num_prefills, engine.num_steps) == (2, 1)
