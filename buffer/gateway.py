@@ -47,12 +47,10 @@ def _int_list(obj: dict[str, Any], name: str, low: int = 0) -> list[int]:
 
 
 def _optional_time(obj: dict[str, Any], name: str) -> float | None:
-    value = obj.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise WireError(f"field {name!r}: expected a finite number of seconds or null")
-    return float(value)
+    value = optional(obj, name, (int, float))
+    if value is not None and not math.isfinite(value):
+        raise WireError(f"field {name!r}: expected a finite number of seconds or null, got {value}")
+    return None if value is None else float(value)
 
 
 def _float_list(obj: dict[str, Any], name: str) -> list[float]:

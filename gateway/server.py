@@ -101,8 +101,9 @@ class CallPhases:
     """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` from
     the request's arrival until its call is pushed (parsing, the session, the template,
     tokenising, the event loop's queue), ``to_worker`` from there to a worker's engine (the push,
-    the worker's taker thread, the decoding step it waited for), ``engine`` in the engine (waiting for a slot, prefill, decoding),
-    ``to_gateway`` from the engine's end back to the gateway (the worker's sender thread, Redis).
+    the worker's taker thread, the decoding step it waited for), ``engine`` in the engine
+    (waiting for a slot, prefill, decoding), ``to_gateway`` from the engine's end back to the
+    gateway (the worker's sender thread, Redis).
     The middle two compare the worker's clock with the gateway's: across hosts they hold the
     clocks' offset, their sum does not."""
 

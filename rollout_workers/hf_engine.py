@@ -67,6 +67,7 @@ from rollout_workers.slot_kv import SlotKVCache, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
 
+
 class _Seq:
     """One running sequence and the slot it owns."""
 
