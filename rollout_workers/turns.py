@@ -95,7 +95,7 @@ class TemplateConversation:
         else:  # history re-rendered otherwise: a fixed conversation gives what follows a turn
             delta = self._turn_end(turn_text) + self._observation_delta(obs)
         ids = encode(self.tokenizer, delta)
-        drift = self._drift(full, [*map(int, context_ids), *ids])
+        drift = self._drift(full, [*context_ids, *ids])
         self.rendered = full
         return ids, drift
 
