@@ -31,6 +31,10 @@ which is the load generator's cost, not the gateway's, on a host with cores to s
 
 ``--sessions 1 --turns 12 --turn-tokens 16`` measures one agent's latency per call (a session
 holds 640 response tokens, its turns and the user's messages: about 12 turns of 16 here).
+``--long``: 16 agents of 24 turns, each turn adding a tool result of 64 characters (``--user-chars``;
+tokens, with the tiny model), so a session grows to about 2,500 tokens: what a call costs once
+its conversation is long (JSON ``gateway_long.json``; about a minute on the 2-core machine).
+Every gateway row has ``gateway_cpu_ms_per_call``, the gateway process's CPU over its calls.
 
 ``--quick`` stays under a minute on a free 2-core machine; ``--full`` runs more rounds. JSON in
 ``bench/results/gateway.json`` (``gateway_full.json``). ``--shape small`` runs both sides on a
@@ -78,11 +82,24 @@ MODES: dict[str, dict[str, Any]] = {
     "gpu": dict(sessions=64, slots=64, turns=4, turn_tokens=(16, 128), rounds=3, clients=8, device="cuda", qwen2={}),
     "gpu-check": dict(sessions=8, slots=8, turns=2, turn_tokens=(8,), rounds=1, clients=2, device="cpu",
                       qwen2=dict(num_hidden_layers=2, vocab_size=4096)),
+    # agents with longer contexts: 24 turns, each adding a tool result of 64 characters (tokens here)
+    "long": dict(sessions=16, slots=16, turns=24, turn_tokens=(16,), rounds=1, clients=1, user_chars=64),
 }
 EPISODE = 640  # rollout.max_episode_tokens: 4 turns of 128 and the user's messages
 CONTEXT = 1024  # the tiny model's positions (its default 256 would not hold 4 turns of 128)
 TARGET = 0.85
 USER = "go on"
+
+
+def user_message(m: dict[str, Any]) -> str:
+    """What the agent adds after each reply: ``USER``, or ``user_chars`` characters of a tool's output."""
+    n = m.get("user_chars")
+    return (USER if not n else ("result: " + "0123456789 " * n)[:n])
+
+
+def episode_tokens(m: dict[str, Any]) -> int:
+    """``rollout.max_episode_tokens``: the sessions' turns, the user's messages and the template's words."""
+    return max(EPISODE, m["turns"] * (max(m["turn_tokens"]) + len(user_message(m)) + 24) + 64)
 #: ``model.tiny`` settings of each shape (head_dim 64 for both)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {},
@@ -94,7 +111,7 @@ def model_overrides(m: dict[str, Any]) -> list[str]:
     """The model of both sides: the tiny builder's (``--shape``), or a Qwen2-0.5B-shaped directory
     (``--gpu``, ``--gpu-check``) loaded as ``model=hf``."""
     if m.get("qwen2") is None:
-        return [f"model.tiny.max_position_embeddings={CONTEXT}", *(f"model.tiny.{k}={v}" for k, v in SHAPES[m['shape']].items())]
+        return [f"model.tiny.max_position_embeddings={max(CONTEXT, episode_tokens(m) + 256)}", *(f"model.tiny.{k}={v}" for k, v in SHAPES[m['shape']].items())]
     from _models import qwen2_05b_dir, tokenizer_dir
 
     dtype = "bfloat16" if m["device"] == "cuda" else "float32"
@@ -106,7 +123,7 @@ def model_overrides(m: dict[str, Any]) -> list[str]:
 def overrides(m: dict[str, Any], out: Path) -> list[str]:
     return [f"hydra.run.dir={out}", "gateway.enabled=true", "gateway.port=0", "data.source=none", "run.progress=false",
             "rollout.num_workers=1", f"rollout.slots={m['slots']}", f"rollout.max_new_tokens={max(m['turn_tokens'])}",
-            f"rollout.max_episode_tokens={EPISODE}", "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}",
+            f"rollout.max_episode_tokens={episode_tokens(m)}", "learner.max_updates=1000000", f"model.cache_dir={m['cache_dir']}",
             "gateway.session_ttl_s=600", f"gateway.max_tokens={max(m['turn_tokens'])}",
             *model_overrides(m)]
 
@@ -242,7 +259,7 @@ async def drive(url: str, model: str, m: dict[str, Any], tag: str, sessions: ran
             latencies.append(time.perf_counter() - t0)
             tokens += r["usage"]["completion_tokens"]
             messages += [{"role": "assistant", "content": r["choices"][0]["message"]["content"] or ""},
-                         {"role": "user", "content": USER}]
+                         {"role": "user", "content": user_message(m)}]
 
     await asyncio.gather(*(session(i) for i in sessions))
     await client.close()
@@ -279,6 +296,7 @@ def gateway_round(url: str, model: str, m: dict[str, Any], tag: str, pids: dict[
     if client_cpu is not None:
         cpu["client"] = round(client_cpu, 2)
     return dict(round_row("gateway", m, latencies, tokens, wall), cpu_s=cpu,
+                gateway_cpu_ms_per_call=round(1e3 * cpu.get("gateway", 0.0) / max(1, len(latencies)), 3),
                 call_ms=phase_ms(phases0, call_phases(url), latencies))
 
 
@@ -297,7 +315,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads
     tok = load_tokenizer(cfg)
     tok.chat_template = PLAIN_TEMPLATE
-    engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + EPISODE)
+    engine = HFEngine(load_policy(cfg), tok, slots=m["slots"], max_model_len=64 + episode_tokens(m))
     params = SamplingParams(max_new_tokens=m["max_tokens"])
     contexts = [encode(tok, tok.apply_chat_template([{"role": "user", "content": f"count from {i % 10}"}], tokenize=False,
                                                     add_generation_prompt=True)) for i in range(m["sessions"])]
@@ -306,7 +324,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     while engine.has_work():
         engine.step()
     steps0, prefills0 = engine.num_steps, engine.num_prefills
-    between = encode(tok, f" [user] {USER} [assistant] ")
+    between = encode(tok, f" [user] {user_message(m)} [assistant] ")
     tokens = 0
     latencies: list[float] = []
     started: dict[str, float] = {}
@@ -339,6 +357,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, help="turns per session (4 by default; one agent's many turns show its latency)")
     ap.add_argument("--slots", type=int, help="the worker's (and the engine's) slots (64 by default)")
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
+    ap.add_argument("--user-chars", type=int, help="characters (tiny model: tokens) the agent adds after each reply "
+                    "(the mode's: a short user message; --long 64)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
     ap.add_argument("--clients", type=int,
                     help="processes the sessions are split over (the mode's: 1, all on one async client here; --gpu 8)")
@@ -355,6 +375,8 @@ def main() -> None:
         m["slots"] = args.slots
     if args.turn_tokens:
         m["turn_tokens"] = tuple(args.turn_tokens)
+    if args.user_chars:
+        m["user_chars"] = args.user_chars
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
@@ -388,13 +410,15 @@ def main() -> None:
                    for side in ("gateway", "engine")}
         ratios[n] = best[n]["gateway"]["tokens_per_s"] / best[n]["engine"]["tokens_per_s"]
     where = "a Qwen2-0.5B-shaped model on " + m["device"] if m.get("qwen2") is not None else m["shape"] + " model on the CPU"
-    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {where}")
+    print_table(rows, f"{m['sessions']} concurrent sessions x {m['turns']} turns, {m['slots']} slots, {where}, "
+                      f"a session up to {episode_tokens(m)} tokens")
     for n, ratio in ratios.items():
         g, e = best[n]["gateway"], best[n]["engine"]
         print(f"{n} tokens per turn: gateway tokens/s / engine tokens/s = {ratio:.3f} (target >= {TARGET}); "
               f"ms per decoding step {g['ms_per_step']:.1f} / {e['ms_per_step']:.1f}, prefill passes per step "
               f"{g['prefills_per_step']:.2f} / {e['prefills_per_step']:.2f} (gateway / engine); a gateway call's "
-              f"mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in g["call_ms"].items()))
+              f"mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in g["call_ms"].items())
+              + f"; the gateway's CPU a call {g['gateway_cpu_ms_per_call']:.2f} ms")
     name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
         + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
     write_results(name,
