@@ -200,7 +200,7 @@ class WorkerPasses:
         cfg = OmegaConf.load(out / "run_config.yaml").buffer
         self.buffer = Buffer.connect(cfg.url, cfg.run_id)
 
-    def read(self, timeout_s: float = 30.0) -> tuple[int, int]:
+    def read(self, timeout_s: float = 30.0) -> tuple[int, int, int]:
         def record() -> dict[str, Any]:
             return self.buffer.metrics()["consumers"].get("worker-0", {}).get("stats") or {}
 
@@ -210,7 +210,7 @@ class WorkerPasses:
             if time.monotonic() > deadline:
                 raise SystemExit("the worker wrote no heartbeat in 30 s")
             time.sleep(0.1)
-        return stats.get(M.WORKER_ENGINE_STEPS, 0), stats.get(M.WORKER_ENGINE_PREFILLS, 0)
+        return stats.get(M.WORKER_ENGINE_STEPS, 0), stats.get(M.WORKER_ENGINE_PREFILLS, 0), stats.get(M.WORKER_ENGINE_REUSED, 0)
 
     def close(self) -> None:
         self.buffer.close()
@@ -225,10 +225,11 @@ def round_row(side: str, m: dict[str, Any], latencies: list[float], tokens: int,
             "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))]}
 
 
-def add_passes(row: dict[str, Any], steps: int, prefills: int) -> dict[str, Any]:
-    """A row's forward passes: decoding steps, wall time and tokens per step, prefill passes per step."""
+def add_passes(row: dict[str, Any], steps: int, prefills: int, reused: int) -> dict[str, Any]:
+    """A row's forward passes: decoding steps, wall time and tokens per step, prefill passes per
+    step; prompt tokens whose K/V a turn found in its session's slot (not prefilled again)."""
     return dict(row, steps=steps, ms_per_step=1000 * row["wall_s"] / max(steps, 1), rows_per_step=row["tokens"] / max(steps, 1),
-                prefills_per_step=prefills / max(steps, 1))
+                prefills_per_step=prefills / max(steps, 1), reused_tokens=reused)
 
 
 def warm_tokens(m: dict[str, Any], i: int) -> int:
@@ -323,7 +324,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
         engine.add(GenRequest(f"warm/{i}", contexts[i], SamplingParams(max_new_tokens=warm_tokens(m, i), ignore_eos=True)))
     while engine.has_work():
         engine.step()
-    steps0, prefills0 = engine.num_steps, engine.num_prefills
+    steps0, prefills0, reused0 = engine.num_steps, engine.num_prefills, engine.num_reused_tokens
     between = encode(tok, f" [user] {user_message(m)} [assistant] ")
     tokens = 0
     latencies: list[float] = []
@@ -347,7 +348,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
                 add(turn + 1, i)
     wall = time.perf_counter() - t0
     row = round_row("engine", m, latencies, tokens, wall)
-    return add_passes(row, engine.num_steps - steps0, engine.num_prefills - prefills0)
+    return add_passes(row, engine.num_steps - steps0, engine.num_prefills - prefills0, engine.num_reused_tokens - reused0)
 
 
 def main() -> None:
@@ -395,7 +396,7 @@ def main() -> None:
                     for n in m["turn_tokens"]:
                         row = gateway_round(url, model, dict(m, max_tokens=n), f"r{r}-{n}", pids, pool)
                         after = worker.read()
-                        rows.append(add_passes(row, after[0] - before[0], after[1] - before[1]))
+                        rows.append(add_passes(row, *(a - b for a, b in zip(after, before))))
                         before = after
                         rows.append(engine_round(dict(m, max_tokens=n)))  # the run's processes idle meanwhile
         finally:

@@ -13,7 +13,10 @@ Per :meth:`HFEngine.step`:
    slot below it (its K/V columns copied once), so a decoding pass reads rows ``0..n-1`` as views
    instead of gathering scattered rows at every step (agents' turns arrive and end at any time)
    and a GPU graph's bucket stays as small as the batch;
-2. admit waiting requests into free slots (lowest free slot first: above the running ones);
+2. admit waiting requests into free slots (lowest free slot first: above the running ones); a
+   newcomer whose prompt extends the ids a finished sequence left in its slot (an agent's next
+   turn: its context so far, the reply, what it added) takes that slot and prefills only the
+   rest (see "Parked slots" below); packing as in 1 follows;
 3. prefill: newcomers' prompts are written into their slots by batched forward passes of at
    most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an admission
    never stalls decoding for long). Rows are padded on the left, so the pass's last column is
@@ -30,6 +33,16 @@ Per :meth:`HFEngine.step`:
 Positions count only a sequence's real tokens, so RoPE sees exactly the positions of an
 unpadded forward pass: that is what makes the behaviour log-probs reproducible by the learner
 (see ``tests/unit/test_hf_engine.py``).
+
+Parked slots: a sequence that finished (or was aborted) leaves its K/V in its slot, parked, with
+the ids they hold. A request whose prompt extends those ids takes the slot and prefills from
+there, so a multi-turn conversation (the gateway's sessions, the worker's episodes) costs the
+new tokens a turn, not its whole context. A parked slot is the last free slot taken for
+anything else (least recently parked first); packing moves a running sequence into it and the
+parked K/V up into the running one's slot. A weight update drops every parked slot and the
+K/V of the sequences running then, so the K/V a request reuses is what the weights it is
+generated with compute (to float rounding: one pass over a prompt and one per token sum in
+another order). ``num_reused_tokens`` counts the prompt tokens not prefilled.
 
 CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
 settings) that are refilled before each replay; weight updates ``copy_`` into the same parameter
@@ -72,7 +85,7 @@ class _Seq:
     """One running sequence and the slot it owns."""
 
     __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "slot", "n_cached", "next_input",
-                 "stop_ids", "stop_window", "done")
+                 "stop_ids", "stop_window", "done", "parkable")
 
     def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int) -> None:
         self.request = request
@@ -90,6 +103,7 @@ class _Seq:
         longest = max((len(s) for s in self.params.stop_strings), default=0)
         self.stop_window = longest + 8
         self.done = False
+        self.parkable = True  # all its K/V from the current weights: its slot may be parked when it ends
 
     @property
     def prefilled(self) -> bool:
@@ -136,11 +150,14 @@ class HFEngine:
         self.generator.manual_seed(int(seed))
         self.num_steps = 0  # decoding steps run (one forward pass of [n, 1] each)
         self.num_prefills = 0  # prefill forward passes run
+        self.num_reused_tokens = 0  # prompt tokens not prefilled: their K/V was in a parked slot
         self.tokens_generated = 0
         self._waiting: deque[GenRequest] = deque()
         self._known: dict[str, GenRequest | _Seq] = {}  # waiting or running, by request id
         self._running: list[_Seq] = []  # in admission order
         self._free = list(range(self.slots))  # a heap: the lowest free slot is taken first
+        self._parked: dict[int, tuple[int, list[int]]] = {}  # slot -> (when parked, the ids of the K/V it holds)
+        self._parked_count = 0
         dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(config, self.slots, self.max_model_len, dtype, self.device)
         self._graphs = _DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
@@ -177,8 +194,8 @@ class HFEngine:
 
     def step(self) -> list[GenResult]:
         with torch.inference_mode(), slot_attention_for(self.model):
-            self._release_finished()
-            self._admit()
+            if self._release_finished() | self._admit():
+                self._pack()
             first = self._prefill()
             return first + self._decode()
 
@@ -226,6 +243,12 @@ class HFEngine:
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     own[name].copy_(tensor)  # copy_ converts device and dtype
+        if int(version) != self.version or tensors is not None:  # K/V so far is the old weights'
+            for slot in self._parked:
+                heapq.heappush(self._free, slot)
+            self._parked.clear()
+            for seq in self._running:  # finished ones included: they are released at the next step
+                seq.parkable = False
         self.version = int(version)
 
     # ----------------------------------------------------------------------------- internals
@@ -242,29 +265,68 @@ class HFEngine:
                 "Use rollout.engine=vllm for sliding-window or linear-attention models"
             )
 
-    def _release_finished(self) -> None:
+    def _release_finished(self) -> bool:
+        """Free (or park) the slots of finished sequences; returns whether there were any."""
         finished = [seq for seq in self._running if seq.done]
-        if not finished:  # admission takes the lowest free slots: only a release can open a hole
-            return
-        for seq in finished:
-            heapq.heappush(self._free, seq.slot)
-        self._running = [seq for seq in self._running if not seq.done]
-        # packed at the front (module docstring, step 1): the highest running sequence takes the
-        # lowest free slot while that lies below it
+        for seq in finished:  # finished or aborted, its first n_cached columns hold these ids' K/V
+            if seq.n_cached and seq.parkable:
+                self._parked_count += 1
+                self._parked[seq.slot] = (self._parked_count, (seq.prompt + seq.tokens)[: seq.n_cached])
+            else:
+                heapq.heappush(self._free, seq.slot)
+        if finished:
+            self._running = [seq for seq in self._running if not seq.done]
+        return bool(finished)
+
+    def _pack(self) -> None:
+        """Running sequences packed at the front (module docstring, step 1): the highest takes the
+        lowest free or parked slot while that lies below it (a parked one's K/V moves up into its place)."""
         for seq in sorted(self._running, key=lambda s: s.slot, reverse=True):
-            if not self._free or self._free[0] > seq.slot:
+            low = min(self._free[0] if self._free else self.slots, min(self._parked, default=self.slots))
+            if low > seq.slot:
                 break
-            low = heapq.heapreplace(self._free, seq.slot)
-            self.cache.move(seq.slot, low, seq.n_cached)
+            if low in self._parked:
+                parked = self._parked.pop(low)
+                self.cache.swap(seq.slot, low, seq.n_cached, len(parked[1]))
+                self._parked[seq.slot] = parked
+            else:
+                heapq.heapreplace(self._free, seq.slot)
+                self.cache.move(seq.slot, low, seq.n_cached)
             seq.slot = low
 
-    def _admit(self) -> None:
-        while self._waiting and self._free:
+    def _admit(self) -> bool:
+        """Waiting requests into slots; returns whether any was admitted."""
+        admitted = bool(self._waiting) and bool(self._free or self._parked)
+        while self._waiting and (self._free or self._parked):
             request = self._waiting.popleft()
             stop_ids = frozenset(request.params.stop_token_ids) | (frozenset() if request.params.ignore_eos else self.eos_ids)
-            seq = _Seq(request, stop_ids, heapq.heappop(self._free))
+            slot, reused = self._slot_for(request.prompt_ids)
+            seq = _Seq(request, stop_ids, slot)
+            seq.n_cached = reused
+            self.num_reused_tokens += reused
             self._known[request.request_id] = seq
             self._running.append(seq)
+        return admitted
+
+    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A slot for ``prompt`` and how many of its first tokens that slot's K/V already holds:
+        the parked slot whose ids ``prompt`` extends (or starts: a call asked again), the most of
+        them, all but the prompt's last token at most (its pass gives the first sampled token);
+        else the lowest free slot, else the least recently parked one. A prompt that only shares
+        a start with a parked sequence (a system prompt) does not take its slot from it."""
+        best, reused = -1, 0
+        for slot, (_, ids) in self._parked.items():
+            m = min(len(ids), len(prompt))
+            if min(m, len(prompt) - 1) > reused and prompt[:m] == ids[:m]:
+                best, reused = slot, min(m, len(prompt) - 1)
+        if best >= 0:
+            del self._parked[best]
+            return best, reused
+        if self._free:
+            return heapq.heappop(self._free), 0
+        slot = min(self._parked, key=lambda k: self._parked[k][0])
+        del self._parked[slot]
+        return slot, 0
 
     def _prefill(self) -> list[GenResult]:
         """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots;

@@ -103,6 +103,13 @@ class SlotKVCache:
             keys[dst, :, :columns] = keys[src, :, :columns]
             values[dst, :, :columns] = values[src, :, :columns]
 
+    def swap(self, a: int, b: int, columns_a: int, columns_b: int) -> None:
+        """Exchange slot ``a``'s first ``columns_a`` columns and slot ``b``'s first ``columns_b``."""
+        for cache in (*self.keys, *self.values):
+            kept = cache[b, :, :columns_b].clone()
+            cache[b, :, :columns_a] = cache[a, :, :columns_a]
+            cache[a, :, :columns_b] = kept
+
     def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, 1, C, width]`` boolean, True where column ``j <= position``: each token sees its
         own slot's prefix and itself (causal within a prefill chunk)."""

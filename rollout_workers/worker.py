@@ -82,7 +82,8 @@ IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken ear
 BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
 #: heartbeat stats key -> engine attribute, for engines that count their forward passes (hf)
-ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills"}
+ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills",
+                   M.WORKER_ENGINE_REUSED: "num_reused_tokens"}
 
 
 class PromptsRejected(UserError):

@@ -232,6 +232,103 @@ def test_running_sequences_move_down_into_freed_slots_and_keep_their_logprobs(po
         np.testing.assert_allclose(r.logprobs, recompute(policy, r, sp[name]), rtol=0, atol=PARITY_ATOL)
 
 
+def next_turn(tokenizer, r: GenResult, text: str) -> list[int]:
+    """An agent's next prompt: the last one, the reply as sampled, then what it adds."""
+    return [*r.prompt_ids.tolist(), *r.token_ids.tolist(), *ids(tokenizer, text)]
+
+
+def test_a_prompt_extending_a_finished_sequence_prefills_only_its_new_tokens(policy, tokenizer):
+    # Two conversations of three turns in 2 slots; each turn's prompt is the last prompt, the
+    # reply and a user message. The K/V its slot kept covers all but the reply's last token (never
+    # fed), so a turn prefills that token and the message: reused = len(last prompt) + reply - 1.
+    # The log-probs are still those of one plain forward pass over prompt + response.
+    engine = HFEngine(policy, tokenizer, slots=2, seed=7)
+    sp = SamplingParams(temperature=0.9, max_new_tokens=6, ignore_eos=True)
+    last = {}
+    for name in ("a", "b"):
+        engine.add(GenRequest(f"{name}0", ids(tokenizer, f"start {name}"), sp))
+    last.update(run(engine)[0])
+    for turn in (1, 2):
+        expected = 0
+        for name in ("a", "b"):
+            prev = last[f"{name}{turn - 1}"]
+            expected += prev.num_tokens + len(prev.prompt_ids) - 1
+            engine.add(GenRequest(f"{name}{turn}", next_turn(tokenizer, prev, " go on"), sp))
+        before = engine.num_reused_tokens
+        last.update(run(engine)[0])
+        assert engine.num_reused_tokens - before == expected
+    for r in last.values():
+        np.testing.assert_allclose(r.logprobs, recompute(policy, r, sp), rtol=0, atol=PARITY_ATOL, err_msg=r.request_id)
+
+
+def test_parked_k_v_survives_packing_and_slot_pressure_and_a_weight_update_drops_it(fresh_policy, tokenizer):
+    # 4 slots, 3 requests. "a" ends first: its slot 0 is parked and the highest running sequence
+    # moves down into it, a's K/V moving up in exchange. A newcomer with an unrelated prompt takes
+    # the free slot 3, not the parked one; a's next turn then finds a's K/V where it went.
+    engine = HFEngine(fresh_policy, tokenizer, slots=4, seed=11)
+    fixed = lambda n: SamplingParams(temperature=0.9, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    for name, n in (("a", 3), ("b", 12), ("c", 12)):
+        engine.add(GenRequest(name, ids(tokenizer, f"prompt {name}"), fixed(n)))
+    results = {}
+    while "a" not in results:
+        results.update((r.request_id, r) for r in engine.step())
+    engine.step()
+    assert {s.request.request_id: s.slot for s in engine._running} == {"b": 1, "c": 0}
+    assert list(engine._parked) == [2]  # a's K/V, moved up from slot 0
+    a = results["a"]
+    engine.add(GenRequest("other", ids(tokenizer, "unrelated"), fixed(4)))
+    engine.add(GenRequest("a1", next_turn(tokenizer, a, " more"), fixed(5)))
+    more, _ = run(engine)
+    assert engine.num_reused_tokens == len(a.prompt_ids) + a.num_tokens - 1
+    for r in (*more.values(), a):
+        np.testing.assert_allclose(r.logprobs, recompute(fresh_policy, r, SamplingParams(temperature=0.9)), rtol=0,
+                                   atol=PARITY_ATOL, err_msg=r.request_id)
+    # A weight update drops every parked slot: the next turn is prefilled whole, with the new weights.
+    engine.update_weights(None, version=1)
+    engine.add(GenRequest("a2", next_turn(tokenizer, more["a1"], " again"), fixed(3)))
+    a2 = run(engine)[0]["a2"]
+    assert engine.num_reused_tokens == len(a.prompt_ids) + a.num_tokens - 1  # unchanged
+    np.testing.assert_allclose(a2.logprobs, recompute(fresh_policy, a2, SamplingParams(temperature=0.9)), rtol=0,
+                               atol=PARITY_ATOL)
+
+
+def test_k_v_written_before_a_weight_update_is_never_reused(fresh_policy, tokenizer):
+    # "done" ends before the update but is released (parked) only at the next step, after it;
+    # "across" runs through the update (in flight: its K/V mixes both weights). Neither is parked.
+    engine = HFEngine(fresh_policy, tokenizer, slots=2, seed=2)
+    sp = lambda n: SamplingParams(max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    engine.add(GenRequest("done", ids(tokenizer, "first one"), sp(2)))
+    engine.add(GenRequest("across", ids(tokenizer, "second one"), sp(6)))
+    results = {}
+    while "done" not in results:
+        results.update((r.request_id, r) for r in engine.step())
+    engine.update_weights(None, version=1)
+    results.update(run(engine)[0])
+    engine.add(GenRequest("d1", next_turn(tokenizer, results["done"], " on"), sp(2)))
+    engine.add(GenRequest("a1", next_turn(tokenizer, results["across"], " on"), sp(2)))
+    run(engine)
+    assert engine.num_reused_tokens == 0
+
+
+def test_with_no_free_slot_a_newcomer_takes_the_least_recently_parked(policy, tokenizer):
+    engine = HFEngine(policy, tokenizer, slots=2, seed=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    done = {}
+    for name in ("p", "q"):  # p is parked first, then q
+        engine.add(GenRequest(name, ids(tokenizer, f"session {name}"), sp))
+        done.update(run(engine)[0])
+    engine.step()  # a finished sequence's slot is released (here: parked) at the next step
+    assert not engine._free and len(engine._parked) == 2
+    engine.add(GenRequest("r", ids(tokenizer, "unrelated"), sp))  # takes p's slot
+    engine.add(GenRequest("q1", next_turn(tokenizer, done["q"], " on"), sp))
+    run(engine)
+    q = done["q"]
+    assert engine.num_reused_tokens == len(q.prompt_ids) + q.num_tokens - 1
+    engine.add(GenRequest("p1", next_turn(tokenizer, done["p"], " on"), sp))
+    run(engine)
+    assert engine.num_reused_tokens == len(q.prompt_ids) + q.num_tokens - 1  # p's K/V was gone
+
+
 def test_versions_change_exactly_at_the_update_step(fresh_policy, tokenizer):
     engine = HFEngine(fresh_policy, tokenizer, slots=2)
     engine.add(GenRequest("a", ids(tokenizer, "first"), SamplingParams(max_new_tokens=10, ignore_eos=True)))
