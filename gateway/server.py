@@ -332,11 +332,13 @@ class Gateway:
             self.pending[c.call.call_id] = (queue, c.index)
         deadline = time.monotonic() + self.cfg.gateway.call_timeout_s
         left = len(choices)
+        drift: asyncio.Task | None = None
         try:
             assert self.calls is not None
             pushed = time.time()  # before the push: a worker may start the call before its reply is read
             received = request.scope.get(RECEIVED, pushed) if request is not None else pushed
             await self.calls.submit([c.call for c in choices])
+            drift = self._check_drift(choices)
             while left:
                 try:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
@@ -355,6 +357,9 @@ class Gateway:
                     self.phases.add(received, pushed, chunk, time.time())
                 yield c, chunk
         finally:
+            if drift is not None:  # before the call settles: the session's next call checks from here
+                with anyio.CancelScope(shield=True):
+                    await drift
             unfinished = [c.call.call_id for c in choices if c.final is None]
             for c in choices:
                 self.pending.pop(c.call.call_id, None)
@@ -365,6 +370,25 @@ class Gateway:
                     for call_id in unfinished:
                         with contextlib.suppress(Exception):
                             await cancel(self.redis, self.keys, call_id)
+
+    def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:
+        """The calls' drift checks on a thread while they are generated (they tokenise up to a
+        whole conversation, which would hold the event loop; tokenising releases the GIL)."""
+        checks = [(c.session, c.session.drift_check) for c in choices if c.session.drift_check is not None]
+        if not checks:
+            return None
+
+        async def run() -> None:
+            assert self.sessions is not None
+            for s, check in checks:
+                try:
+                    drift = await asyncio.to_thread(check)
+                except Exception:  # noqa: BLE001  # a count: never fails the call
+                    log.warning("session %s: the drift check failed", s.session_id, exc_info=True)
+                    continue
+                self.sessions.count_drift(s, drift)
+
+        return asyncio.ensure_future(run())
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

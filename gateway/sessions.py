@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Sample
@@ -78,6 +78,7 @@ class Session:
     finish_reason: str = "stop"
     busy: bool = False  # a call of this session is running
     reward_key: str = ""  # its field in P gw:rewarded, the same for a reward posted again after a 503
+    drift_check: Callable[[], bool] | None = None  # the running call's drift check (count_drift takes its answer)
 
 
 @dataclass
@@ -160,10 +161,9 @@ class Sessions:
         if s.transcript is not None and s.last_turn is not None and prefix and messages[:prefix] == s.expected \
                 and len(messages) > prefix and s.conversation is not None and s.conversation.tools == (list(tools) if tools else None):
             turn_ids, turn_text = s.last_turn
-            ids, drift = s.conversation.after_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:], "user")
+            ids, s.drift_check = s.conversation.next_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:],
+                                                          "user")
             s.transcript.add_observation(ids)
-            s.drift_turns += int(drift)
-            self.counters.retokenisation_drift += int(drift)
         else:
             if s.transcript is not None:
                 self.counters.sessions_restarted += 1
@@ -172,6 +172,13 @@ class Sessions:
             s.transcript = Transcript(s.conversation.initial_ids())
             s.turns = s.drift_turns = 0
         return s.transcript.context_ids
+
+    def count_drift(self, s: Session, drift: bool) -> None:
+        """The answer of the call's drift check (``s.drift_check``, run by the caller, on a thread
+        while the call is generated): the call counts as retokenisation drift."""
+        s.drift_check = None
+        s.drift_turns += int(drift)
+        self.counters.retokenisation_drift += int(drift)
 
     def completion_context(self, s: Session, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):  # token ids: extend when they start with the context so far
@@ -211,7 +218,7 @@ class Sessions:
             t.prompt_ids, t.response_ids, t.logprobs, t.versions, t.mask, t.turns = tr
         if conv is not None and cv is not None:
             conv.messages, conv.rendered = cv
-        s.transcript, s.conversation = t, conv
+        s.transcript, s.conversation, s.drift_check = t, conv, None
         if t is None:  # a first call that failed leaves no session behind
             self.sessions.pop(s.session_id, None)
 

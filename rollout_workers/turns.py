@@ -27,7 +27,7 @@ sampled and, after each, the ids this module gives for the observation. Two form
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rollout_workers.environment import Observation, observation_messages, observation_text
 
@@ -84,6 +84,15 @@ class TemplateConversation:
         """The ids to append after a turn (``turn_ids``, already at the end of ``context_ids``) for
         ``observation`` (a string gets ``role``), and whether the template's rendering of the
         whole conversation, tokenised, differs from the context ids with them (drift)."""
+        ids, drift = self.next_turn(context_ids, turn_ids, content, observation, role)
+        return ids, drift()
+
+    def next_turn(self, context_ids: Sequence[int], turn_ids: Sequence[int], content: str, observation: Observation,
+                  role: str) -> tuple[list[int], Callable[[], bool]]:
+        """:meth:`after_turn` with its drift check as a function, to run before the next turn: it
+        tokenises the text since the last checked place (a whole conversation when the template
+        re-renders history or the session drifted), and tokenising releases the GIL, so a server
+        runs it on a thread while the turn is generated."""
         turn_text = self.tokenizer.decode(list(turn_ids), skip_special_tokens=False)
         obs = observation_messages(observation, role)
         self.messages.append({"role": "assistant", "content": content})
@@ -95,19 +104,20 @@ class TemplateConversation:
         else:  # history re-rendered otherwise: a fixed conversation gives what follows a turn
             delta = self._turn_end(turn_text) + self._observation_delta(obs)
         ids = encode(self.tokenizer, delta)
-        drift = self._drift(full, [*context_ids, *ids])
-        self.rendered = full
-        return ids, drift
+        previous, self.rendered = self.rendered, full
+        context = [*context_ids, *ids]
+        return ids, lambda: self._drift(full, previous, context)
 
-    def _drift(self, full: str, context: list[int]) -> bool:
+    def _drift(self, full: str, previous: str, context: list[int]) -> bool:
         """Whether ``full`` (the whole conversation's rendering), tokenised, differs from
         ``context``. Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds:
         an added token starts there, so the text before it tokenises as it did when it was checked
-        (to ``context[:ids]``), as long as the template renders it the same. A difference there
+        (to ``context[:ids]``), as long as the template renders it as before (``previous``, the
+        rendering the last turn was generated from). A difference there
         is confirmed on the whole text before it counts (a place wrongly taken costs time, not a
         false count)."""
         chars, n = self._checked
-        if chars and full[:chars] != self.rendered[:chars]:  # the template re-rendered history
+        if chars and full[:chars] != previous[:chars]:  # the template re-rendered history
             chars, n = 0, 0
         if encode(self.tokenizer, full[chars:]) != context[n:]:
             if not chars or encode(self.tokenizer, full) != context:

@@ -246,7 +246,7 @@ def check_added(tokenizer: Any, turn_ids: list[int], added_ids: list[int], text:
 
 def test_a_multi_turn_chat_session_becomes_one_sample_token_in_token_out(served):
     tok = served.tokenizer
-    restarted = served.stats()["sessions_restarted"]
+    restarted, drifted = served.stats()["sessions_restarted"], served.stats()["retokenisation_drift"]
     messages = [{"role": "system", "content": "count"}, {"role": "user", "content": "from 3"}]
     first = served.chat("mt", "g-mt", messages=messages, max_tokens=6, logprobs=True)
     assert first.choices[0].finish_reason in ("stop", "length") and first.model == MODEL
@@ -286,11 +286,35 @@ def test_a_multi_turn_chat_session_becomes_one_sample_token_in_token_out(served)
     assert versions_of(s) == [(VERSION, len(response))]
     assert (s.reward, s.reward_components) == (0.5, {})
     assert s.metadata["turns"] == 2 and s.worker_id == "gateway" and s.finish_reason == second.choices[0].finish_reason
+    # drift (checked on a thread while the second call ran): the conversation's rendering, tokenised,
+    # against the second call's context (the tiny model may sample a token its text does not render)
+    drift = int(render(tok, messages) != [*prompt, *response[:len(ids1) + added]])
+    assert s.metadata["retokenisation_drift"] == drift and served.stats()["retokenisation_drift"] == drifted + drift
     p = by_session["mt-partner"]
     assert (p.reward, p.reward_components) == (-0.75, {"format": -1.0, "length": 0.25})
     assert p.num_response_tokens == partner.usage.completion_tokens and p.loss_mask.all()
     assert {x.group_id for x in group} == {group[0].group_id} and sorted(x.group_index for x in group) == [0, 1]
     assert {x.group_size for x in group} == {2}
+
+
+def test_a_reply_the_template_cannot_render_back_counts_as_drift_checked_beside_the_call(served):
+    # The scripted reply holds a <pad> that the reply's text (special tokens skipped) does not
+    # have: the next call's context keeps the sampled ids, and its drift check (on a thread while
+    # that call is generated) finds the conversation's rendering, tokenised, without it.
+    tok = served.tokenizer
+    before = served.stats()["retokenisation_drift"]
+    served.script.replies.append(f"1{tok.pad_token}2")
+    messages = [{"role": "user", "content": "count"}]
+    first = served.chat("drift", "g-drift", messages=messages, max_tokens=8)
+    assert first.choices[0].message.content == "12"
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "on"}]
+    served.chat("drift", messages=messages, max_tokens=2)
+    assert served.stats()["retokenisation_drift"] == before + 1
+    served.chat("drift-partner", "g-drift", max_tokens=2)  # the run's groups have 2 sessions
+    assert served.reward("drift", 1.0).status_code == 200 and served.reward("drift-partner", 0.0).status_code == 200
+    sample = {x.metadata["session"]: x for x in served.group("g-drift")}["drift"]
+    assert sample.metadata["retokenisation_drift"] == 1
+    assert tok.pad_token_id in sample.response_ids.tolist()  # trained on the ids as sampled
 
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
