@@ -316,8 +316,8 @@ class HFEngine:
         a start with a parked sequence (a system prompt) does not take its slot from it."""
         best, reused = -1, 0
         for slot, (_, ids) in self._parked.items():
-            m = min(len(ids), len(prompt))
-            if min(m, len(prompt) - 1) > reused and prompt[:m] == ids[:m]:
+            m = min(len(ids), len(prompt))  # the last token first: sessions that share a system prompt part there
+            if min(m, len(prompt) - 1) > reused and prompt[m - 1] == ids[m - 1] and prompt[:m] == ids[:m]:
                 best, reused = slot, min(m, len(prompt) - 1)
         if best >= 0:
             del self._parked[best]
