@@ -94,12 +94,17 @@ USER = "go on"
 def user_message(m: dict[str, Any]) -> str:
     """What the agent adds after each reply: ``USER``, or ``user_chars`` characters of a tool's output."""
     n = m.get("user_chars")
-    return (USER if not n else ("result: " + "0123456789 " * n)[:n])
+    return USER if not n else ("result: " + "0123456789 " * n)[:n]
 
 
 def episode_tokens(m: dict[str, Any]) -> int:
-    """``rollout.max_episode_tokens``: the sessions' turns, the user's messages and the template's words."""
+    """``rollout.max_episode_tokens``: ``EPISODE``, or with ``user_chars`` what the sessions' turns,
+    the tool results and the template's words take."""
+    if not m.get("user_chars"):
+        return EPISODE
     return max(EPISODE, m["turns"] * (max(m["turn_tokens"]) + len(user_message(m)) + 24) + 64)
+
+
 #: ``model.tiny`` settings of each shape (head_dim 64 for both)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {},
