@@ -25,8 +25,8 @@ Per :meth:`HFEngine.step`:
    this step on;
 4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
    power of two, the bucket its graph was captured for): one token per slot at its own
-   position, written in place into its own column; free or still-prefilling slots inside the
-   batch feed a pad token at the scratch column and are ignored. Then temperature/top-k/top-p,
+   position, written in place into its own column; free, parked or still-prefilling slots inside
+   the batch feed a pad token at the scratch column and are ignored. Then temperature/top-k/top-p,
    sampling and log-probs for all rows at once through :mod:`rlhf_core.sampling`, and one host
    sync for the sampled ids.
 
@@ -39,9 +39,9 @@ the ids they hold. A request whose prompt extends those ids takes the slot and p
 there, so a multi-turn conversation (the gateway's sessions, the worker's episodes) costs the
 new tokens a turn, not its whole context. A parked slot is the last free slot taken for
 anything else (least recently parked first); packing moves a running sequence into it and the
-parked K/V up into the running one's slot. A weight update drops every parked slot and the
-K/V of the sequences running then, so the K/V a request reuses is what the weights it is
-generated with compute (to float rounding: one pass over a prompt and one per token sum in
+parked K/V up into the running one's slot. A weight update drops every parked slot, and the
+sequences running then (which go on with their K/V, in flight) are not parked when they end, so
+the K/V a request reuses is what the weights it is generated with compute (to float rounding: one pass over a prompt and one per token sum in
 another order). ``num_reused_tokens`` counts the prompt tokens not prefilled.
 
 CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
