@@ -166,9 +166,9 @@ class GatewayCalls:
 
     def __init__(self, channel: WorkerChannel, engine: Any, worker_id: str) -> None:
         self.channel, self.engine, self.worker_id = channel, engine, worker_id
-        self.calls: dict[str, tuple[GatewayCall, list[int]]] = {}  # request id -> (call, [tokens streamed])
+        # request id -> (call, [tokens streamed], when it was queued in the engine (time.time()))
+        self.calls: dict[str, tuple[GatewayCall, list[int], float]] = {}
         self._next_cancel_check = 0.0
-        self._started: dict[str, float] = {}  # call id -> when it was queued in the engine (time.time())
         self.stats = {"gateway_calls": 0, "gateway_done": 0, "gateway_aborted": 0, "gateway_refused": 0,
                       "gateway_bad_records": 0, "gateway_tokens": 0}
 
@@ -208,8 +208,7 @@ class GatewayCalls:
                 refused.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),
                                                          worker_id=self.worker_id)))
                 continue
-            self.calls[PREFIX + call.call_id] = (call, [0])
-            self._started[call.call_id] = time.time()
+            self.calls[PREFIX + call.call_id] = (call, [0], time.time())
             self.stats["gateway_calls"] += 1
         return refused
 
@@ -225,7 +224,7 @@ class GatewayCalls:
                 out.append(self._final(result))
             else:
                 rest.append(result)
-        for request_id, (call, sent) in self.calls.items():
+        for request_id, (call, sent, _) in self.calls.items():
             if call.stream:
                 tokens = self.engine.sampled(request_id)
                 if len(tokens) > sent[0]:
@@ -233,7 +232,7 @@ class GatewayCalls:
                     sent[0] = len(tokens)
         ids: list[str] = []
         if self.calls and time.monotonic() >= self._next_cancel_check:
-            ids = [call.call_id for call, _ in self.calls.values()]
+            ids = [call.call_id for call, *_ in self.calls.values()]
             self._next_cancel_check = time.monotonic() + CANCEL_CHECK_S
         raws, cancelled = self.channel.exchange(out, capacity, ids)
         answers = self._add(raws)
@@ -258,17 +257,16 @@ class GatewayCalls:
             if result is not None:
                 out.append(self._final(result))
         self.calls.clear()
-        self._started.clear()
         try:
             self.channel.send(out)
         except Exception as exc:  # noqa: BLE001  # Redis gone at shutdown: the gateway times the calls out
             log.warning("worker %s: could not tell the gateway about %d aborted call(s): %s", self.worker_id, len(out), exc)
 
     def _final(self, result: GenResult) -> tuple[str, CallChunk]:
-        call, _ = self.calls.pop(result.request_id)
+        call, _, started = self.calls.pop(result.request_id)
         self.stats["gateway_aborted" if result.finish_reason == "abort" else "gateway_done"] += 1
         self.stats["gateway_tokens"] += result.num_tokens
         return call.reply_to, CallChunk(call.call_id, result.token_ids.tolist(), final=True,
                                         logprobs=result.logprobs.tolist(), versions=result.versions.tolist(),
                                         finish_reason=result.finish_reason, worker_id=self.worker_id,
-                                        started_at=self._started.pop(call.call_id, None), finished_at=time.time())
+                                        started_at=started, finished_at=time.time())
