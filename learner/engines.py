@@ -197,9 +197,11 @@ class TorchEngine:
         loss.backward()
 
     def step(self) -> float:
-        if self.masters is not None:  # gradients up to the fp32 masters
-            for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.float()
+        if self.masters is not None:  # gradients up to the fp32 masters, one multi-tensor copy
+            have = [(p.grad, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+            for _, m in have:
+                m.grad = torch.empty_like(m)
+            torch._foreach_copy_([m.grad for _, m in have], [g for g, _ in have])
         params = self.masters if self.masters is not None else self.params
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -208,8 +210,7 @@ class TorchEngine:
             self.scheduler.step()
             if self.masters is not None:  # the masters, rounded, back into the model
                 with torch.no_grad():
-                    for p, m in zip(self.params, self.masters):
-                        p.copy_(m)
+                    torch._foreach_copy_(self.params, self.masters)
         else:
             # A NaN/inf gradient would poison the weights and the Adam moments for good.
             self.skipped_steps += 1
