@@ -7,6 +7,7 @@
 #   bash bench/gpu.sh generation learner tests    # ~4 min before the compiled learner row; allow 6
 #   bash bench/gpu.sh vs_trl                      # ~5 min (VS_TRL_UPDATES=8 updates per system; H100 2026-11-28)
 #   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA, best of 3 rounds)
+#   bash bench/gpu.sh tests learner gateway       # ~8 min: the GPU tests, the learner's MFU rows and the gateway in one call
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
 # (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
