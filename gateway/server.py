@@ -385,8 +385,8 @@ class Gateway:
                     drift = await asyncio.to_thread(check)
                 except Exception:  # noqa: BLE001  # a count: never fails the call
                     log.warning("session %s: the drift check failed", s.session_id, exc_info=True)
-                    continue
-                self.sessions.count_drift(s, drift)
+                    drift = False
+                self.sessions.count_drift(s, drift)  # clears the check: a failed one is not run again
 
         return asyncio.ensure_future(run())
 
