@@ -67,6 +67,11 @@ class MetricSums:
     ``add(key, value, weight)`` accumulates ``value * weight`` and ``weight``; ``result()``
     gives ``sum / weight``. ``add_max`` keeps the maximum. ``set`` stores a value as is
     (e.g. batch statistics every rank computed identically).
+
+    Values and weights may be 0-d tensors on any device; they are kept as they are and read all
+    at once (one device-to-host copy per device) by ``reduce`` or ``result``, so recording a
+    micro-batch's statistics never makes the host wait for the device in a training loop (a
+    recorded tensor is detached, and must not be changed in place before it is read).
     """
 
     def __init__(self) -> None:
@@ -74,22 +79,48 @@ class MetricSums:
         self._weight: dict[str, float] = {}
         self._max: dict[str, float] = {}
         self._set: dict[str, float] = {}
+        self._pending: list[tuple[str, str, Any, Any]] = []  # (kind, key, value, weight) not read yet
 
-    def add(self, key: str, value: float | torch.Tensor, weight: float = 1.0) -> None:
-        v = float(value)
-        self._sum[key] = self._sum.get(key, 0.0) + v * weight
-        self._weight[key] = self._weight.get(key, 0.0) + weight
+    def add(self, key: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> None:
+        self._pending.append(("add", key, _detached(value), _detached(weight)))
 
     def add_max(self, key: str, value: float | torch.Tensor) -> None:
-        v = float(value)
-        self._max[key] = max(self._max.get(key, -math.inf), v)
+        self._pending.append(("max", key, _detached(value), None))
 
     def set(self, key: str, value: float | torch.Tensor) -> None:
-        self._set[key] = float(value)
+        self._pending.append(("set", key, _detached(value), None))
+
+    def _settle(self) -> None:
+        """Read every pending value (tensors grouped by device, one copy each) and fold it in,
+        in the order it was recorded."""
+        pending, self._pending = self._pending, []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, value, weight in pending:
+            for x in (value, weight):
+                if isinstance(x, torch.Tensor):
+                    by_device.setdefault(x.device, []).append(x)
+        read: dict[int, float] = {}  # id(tensor) -> its value (the tensors live in ``pending``)
+        for ts in by_device.values():
+            read.update(zip(map(id, ts), torch.cat([t.reshape(1).double() for t in ts]).tolist()))
+
+        def num(x: Any) -> float:
+            return read[id(x)] if isinstance(x, torch.Tensor) else float(x)
+
+        for kind, key, value, weight in pending:
+            v = num(value)
+            if kind == "add":
+                w = num(weight)
+                self._sum[key] = self._sum.get(key, 0.0) + v * w
+                self._weight[key] = self._weight.get(key, 0.0) + w
+            elif kind == "max":
+                self._max[key] = max(self._max.get(key, -math.inf), v)
+            else:
+                self._set[key] = v
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], Any], all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
         """Sum the weighted sums and weights, and max the maxima, over data-parallel ranks
         (every rank must have added the same keys, which the same code path guarantees)."""
+        self._settle()
         keys = sorted(self._sum)
         if keys:
             t = torch.tensor([self._sum[k] for k in keys] + [self._weight[k] for k in keys], dtype=torch.float64)
@@ -104,10 +135,15 @@ class MetricSums:
                 self._max[k] = float(t[i])
 
     def result(self) -> dict[str, float]:
+        self._settle()
         out = {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
         out.update(self._max)
         out.update(self._set)
         return out
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 #: Dense bf16 peak TFLOPS by device name (NVIDIA's datasheets, without sparsity); the first

@@ -354,8 +354,11 @@ class PolicyUpdater:
         if self.critic is not None:
             self.critic.train(True)
         for epoch, ep_parts in enumerate(parts):
-            for part, denom in zip(ep_parts, counts[epoch]):
-                for _, mb in micro_batches(local.select(part), lc.micro_batch_size):
+            # every micro-batch cut before the first forward: cutting reads lengths off the device,
+            # which between two micro-batches would leave the device idle while the host waits
+            plan = [[mb for _, mb in micro_batches(local.select(part), lc.micro_batch_size)] for part in ep_parts]
+            for mbs, denom in zip(plan, counts[epoch]):
+                for mb in mbs:
                     self._ppo_micro(mb, denom, m)
                 norm = self.engine.step()
                 m.add("learner/grad_norm", norm)
@@ -369,9 +372,10 @@ class PolicyUpdater:
     def _ppo_micro(self, mb: TrainBatch, denom: float, m: MetricSums) -> None:
         a = self.algo
         mask = mb.token_extras["loss_mask"] > 0
-        count = float(mask.sum()) if a.agg_mode == "token-mean" else float((mask.sum(-1) > 0).sum())
+        # counts stay on the device (no host sync inside the micro-batch loop)
+        count = mask.sum() if a.agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
         # DeepSpeed averages gradients over ranks; the share is of the global minibatch, so x W.
-        share = (count / denom if denom > 0 else 0.0) * self.engine.world_size
+        share = count * (self.engine.world_size / denom) if denom > 0 else 0.0
         norm_len = response_budget(self.rollout)
         logp, entropy = self._logp_entropy(self.engine.forward, mb, True)
         adv = mb.token_extras["adv"]
@@ -396,7 +400,7 @@ class PolicyUpdater:
                 total = total + a.kl_coef * kl_agg
             m.add("loss/kl", kl_agg.detach(), count)
         self.engine.backward(total * share)
-        w = float(mask.sum())
+        w = mask.sum()
         m.add("loss/policy", st.loss, count)
         m.add("loss/total", total.detach(), count)
         m.add("loss/entropy", ent.entropy, count)
@@ -445,19 +449,21 @@ class PolicyUpdater:
             parts = self._minibatches(n_local, version, epoch)
             denoms = torch.tensor([float(valid_pair[p].sum()) for p in parts], dtype=torch.float64)
             all_reduce_sum(denoms)
-            for part, denom in zip(parts, denoms.tolist()):
+            plan = []  # (pairs, micro-batch) of each part, cut before the first forward (as in _ppo_update)
+            for part in parts:
                 part = part[torch.argsort(lengths[part], descending=True, stable=True)]
-                for i in range(0, len(part), pairs_per_micro):
-                    pp = part[i : i + pairs_per_micro]
-                    mb = local.select([r for p in pp.tolist() for r in (2 * p, 2 * p + 1)])
+                pairs = [part[i : i + pairs_per_micro] for i in range(0, len(part), pairs_per_micro)]
+                plan.append([(local.select([r for p in pp.tolist() for r in (2 * p, 2 * p + 1)]), valid_pair[pp].to(self.device))
+                             for pp in pairs])
+            for micro, denom in zip(plan, denoms.tolist()):
+                for mb, v in micro:
                     logp, _ = self._logp_entropy(self.engine.forward, mb, False)
                     sums = masked_sum(logp, mb.policy_mask, dim=-1)
                     rs = mb.row_extras["ref_sum"]
-                    v = valid_pair[pp].to(self.device)
                     loss, st = dpo_loss(sums[0::2], sums[1::2], rs[0::2], rs[1::2], beta=a.dpo_beta,
                                         label_smoothing=a.dpo_label_smoothing, valid=v)
-                    count = float(v.sum())
-                    share = (count / denom if denom > 0 else 0.0) * self.engine.world_size
+                    count = v.sum()
+                    share = count * (self.engine.world_size / denom) if denom > 0 else 0.0
                     self.engine.backward(loss * share)
                     m.add("loss/dpo", st.loss, count)
                     m.add("loss/dpo_accuracy", st.reward_accuracy, count)
@@ -504,7 +510,7 @@ class PolicyUpdater:
         """Behaviour vs proximal policy: the IS weight pi_prox / mu and KL(mu || pi_prox) (k3)."""
         log_w = torch.where(mask, prox - local.behaviour_logprobs, torch.zeros_like(prox))
         w = torch.exp(log_w)
-        n = float(mask.sum())
+        n = mask.sum()
         m.add("staleness/is_weight_mean", masked_mean(w, mask), n)
         m.add_max("staleness/is_weight_max", masked_max(w, mask))
         m.add("staleness/behav_prox_kl", masked_mean(w - 1.0 - log_w, mask), n)

@@ -200,3 +200,20 @@ def test_metric_sums_weighted_means_max_and_reduce():
     m.reduce(lambda t: t.add_(torch.tensor([20.0, 4.0], dtype=torch.float64)),
              lambda t: t.copy_(torch.maximum(t, torch.tensor([9.0], dtype=torch.float64))))
     assert m.result() == {"a": (13.0 + 20.0) / 8.0, "b": 9.0, "c": 7.0}
+
+
+def test_metric_sums_reads_tensors_once_at_the_end():
+    # values and weights may be 0-d tensors (as a micro-batch loop records them, without waiting
+    # for the device); they are read when the result is asked for
+    m = MetricSums()
+    loss = torch.tensor(2.0, requires_grad=True) * 1.0  # part of a graph: recorded detached
+    m.add("a", loss, torch.tensor(3))  # 2 * 3
+    m.add("a", 4.0, torch.tensor(1, dtype=torch.int64))  # + 4 * 1 = 10, weight 4: 2.5
+    m.add_max("b", torch.tensor(-1.0))
+    m.add_max("b", torch.tensor(-3.0))  # max -1
+    m.set("c", torch.tensor(1.0, dtype=torch.float64))
+    m.set("c", torch.tensor(5.0))  # the last set wins
+    assert all(not v.requires_grad for _, _, v, _ in m._pending if isinstance(v, torch.Tensor))
+    assert m.result() == {"a": 2.5, "b": -1.0, "c": 5.0}
+    m.add("a", torch.tensor(6.5), 4.0)  # recorded after a read: (10 + 26) / 8 = 4.5
+    assert m.result()["a"] == 4.5
