@@ -316,6 +316,16 @@ def gather_response(per_position: torch.Tensor, batch: TrainBatch, offset: int =
     return per_position.gather(1, idx)
 
 
+def policy_inputs(batch: TrainBatch) -> dict[str, Any]:
+    """A causal LM's forward arguments for ``batch``, with no attention mask: rows are right-padded
+    and causal attention never looks right of a position, so every real token's output is what
+    the padding mask would give (outputs at padding positions differ; every loss masks them).
+    Without a mask the model builds none (nor checks, a host sync, whether any row is padded)
+    and SDPA can take its causal flash kernel. Not for a critic or reward model that may not be
+    causal: :func:`response_values` keeps the mask."""
+    return {"input_ids": batch.input_ids, "attention_mask": None, "use_cache": False}
+
+
 def response_logits(forward: Callable[..., Any], batch: TrainBatch, use_logits_to_keep: bool = True) -> torch.Tensor:
     """``[B, T, V]`` logits predicting the response tokens, from one forward pass.
 
@@ -325,7 +335,7 @@ def response_logits(forward: Callable[..., Any], batch: TrainBatch, use_logits_t
     """
     L = batch.input_ids.shape[1]
     first = int(batch.response_start.min()) - 1
-    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    kwargs = policy_inputs(batch)
     if use_logits_to_keep and first > 0:
         try:
             out = forward(**kwargs, logits_to_keep=L - first)
@@ -443,7 +453,7 @@ def fused_response_logprobs(
     """``[B, T]`` log-probs of the response tokens at ``temperature`` (no top-k/top-p), and their
     entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
     :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits."""
-    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+    hidden = body(**policy_inputs(batch)).last_hidden_state
     h = gather_response(hidden, batch)  # [B, T, H]
     B, T = batch.response_ids.shape
     logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
@@ -464,7 +474,7 @@ def chunked_response_logprobs(
     """
     from torch.utils.checkpoint import checkpoint
 
-    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+    hidden = body(**policy_inputs(batch)).last_hidden_state
     h = gather_response(hidden, batch)  # [B, T, H]
     B, T = batch.response_ids.shape
     flat_h, flat_ids = h.reshape(B * T, -1), batch.response_ids.reshape(B * T)

@@ -205,6 +205,31 @@ def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_mod
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_policy_forward_without_the_padding_mask_gives_every_real_token_the_masked_result(tiny_model_cfg):
+    # Rows of 4, 6 and 8 tokens right-padded to 8: the learner's forward passes no attention mask
+    # (causal attention never looks right), so each response token's log-prob and its gradient
+    # must be those of a forward with the padding mask. Padding positions may differ: no loss reads them.
+    import copy
+
+    from rlhf_core.models import load_policy
+    from rlhf_core.sampling import token_logprobs
+
+    model = load_policy(tiny_model_cfg)
+    twin = copy.deepcopy(model)
+    batch = collate([sample(prompt_ids=[1, 5 + i], response_ids=[7 + j for j in range(2 + 2 * i)], group_id=f"g{i}")
+                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
+    assert batch.attention_mask.sum(-1).tolist() == [4, 6, 8]
+    masked = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    want = token_logprobs(gather_response(masked, batch), batch.response_ids)
+    got = token_logprobs(response_logits(twin, batch), batch.response_ids)
+    mask = batch.response_mask
+    torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
+    (want * mask).sum().backward()
+    (got * mask).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_fused_head_only_for_a_plain_bias_free_linear():
     from learner.batch import fused_head
 
