@@ -201,9 +201,11 @@ class PolicyUpdater:
     def _recompute(self, forward: Any, batch: TrainBatch, kind: str) -> torch.Tensor:
         """``[B, T]`` no-grad log-probs (``kind="logp"``) or critic values (``"values"``), micro-batched."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)
-        for rows, mb in micro_batches(batch, self.lcfg.micro_batch_size):
+        # cut (and the row indices copied to the device) before the first forward, as in _ppo_update
+        plan = [(rows.to(self.device), mb) for rows, mb in micro_batches(batch, self.lcfg.micro_batch_size)]
+        for rows, mb in plan:
             x = self._logp_entropy(forward, mb, False)[0] if kind == "logp" else response_values(forward, mb)
-            out[rows.to(self.device), : x.shape[1]] = x.float()
+            out[rows, : x.shape[1]] = x.float()
         return torch.where(batch.response_mask, out, torch.zeros_like(out))
 
     def proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor:
