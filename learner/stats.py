@@ -68,10 +68,11 @@ class MetricSums:
     gives ``sum / weight``. ``add_max`` keeps the maximum. ``set`` stores a value as is
     (e.g. batch statistics every rank computed identically).
 
-    Values and weights may be 0-d tensors on any device; they are kept as they are and read all
-    at once (one device-to-host copy per device) by ``reduce`` or ``result``, so recording a
-    micro-batch's statistics never makes the host wait for the device in a training loop (a
-    recorded tensor is detached, and must not be changed in place before it is read).
+    Values and weights may be 0-d tensors. One on a GPU is not read when it is recorded: it and
+    everything recorded after it wait, in order, until ``reduce`` or ``result`` reads them all
+    (one device-to-host copy per device), so recording a micro-batch's statistics never makes
+    the host wait for the device inside a training loop. A recorded tensor must not be changed
+    in place before then. Floats and CPU tensors are folded in at once, as there is nothing to wait for.
     """
 
     def __init__(self) -> None:
@@ -82,40 +83,43 @@ class MetricSums:
         self._pending: list[tuple[str, str, Any, Any]] = []  # (kind, key, value, weight) not read yet
 
     def add(self, key: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> None:
-        self._pending.append(("add", key, _detached(value), _detached(weight)))
+        self._record("add", key, value, weight)
 
     def add_max(self, key: str, value: float | torch.Tensor) -> None:
-        self._pending.append(("max", key, _detached(value), None))
+        self._record("max", key, value, 1.0)
 
     def set(self, key: str, value: float | torch.Tensor) -> None:
-        self._pending.append(("set", key, _detached(value), None))
+        self._record("set", key, value, 1.0)
+
+    def _record(self, kind: str, key: str, value: Any, weight: Any) -> None:
+        if self._pending or _on_device(value) or _on_device(weight):
+            self._pending.append((kind, key, value, weight))
+        else:
+            self._fold(kind, key, float(value), float(weight))
+
+    def _fold(self, kind: str, key: str, v: float, w: float) -> None:
+        if kind == "add":
+            self._sum[key] = self._sum.get(key, 0.0) + v * w
+            self._weight[key] = self._weight.get(key, 0.0) + w
+        elif kind == "max":
+            self._max[key] = max(self._max.get(key, -math.inf), v)
+        else:
+            self._set[key] = v
 
     def _settle(self) -> None:
-        """Read every pending value (tensors grouped by device, one copy each) and fold it in,
-        in the order it was recorded."""
+        """Read the waiting values (one copy per device) and fold them in, in recording order."""
         pending, self._pending = self._pending, []
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, _, value, weight in pending:
             for x in (value, weight):
-                if isinstance(x, torch.Tensor):
+                if _on_device(x):
                     by_device.setdefault(x.device, []).append(x)
         read: dict[int, float] = {}  # id(tensor) -> its value (the tensors live in ``pending``)
         for ts in by_device.values():
-            read.update(zip(map(id, ts), torch.cat([t.reshape(1).double() for t in ts]).tolist()))
-
-        def num(x: Any) -> float:
-            return read[id(x)] if isinstance(x, torch.Tensor) else float(x)
-
+            read.update(zip(map(id, ts), torch.cat([t.detach().reshape(1).double() for t in ts]).tolist()))
         for kind, key, value, weight in pending:
-            v = num(value)
-            if kind == "add":
-                w = num(weight)
-                self._sum[key] = self._sum.get(key, 0.0) + v * w
-                self._weight[key] = self._weight.get(key, 0.0) + w
-            elif kind == "max":
-                self._max[key] = max(self._max.get(key, -math.inf), v)
-            else:
-                self._set[key] = v
+            self._fold(kind, key, read[id(value)] if _on_device(value) else float(value),
+                       read[id(weight)] if _on_device(weight) else float(weight))
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], Any], all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
         """Sum the weighted sums and weights, and max the maxima, over data-parallel ranks
@@ -142,8 +146,9 @@ class MetricSums:
         return out
 
 
-def _detached(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
+def _on_device(x: Any) -> bool:
+    """A tensor whose reading would wait for a device (a GPU's queue)."""
+    return isinstance(x, torch.Tensor) and not x.is_cpu
 
 
 #: Dense bf16 peak TFLOPS by device name (NVIDIA's datasheets, without sparsity); the first

@@ -202,18 +202,25 @@ def test_metric_sums_weighted_means_max_and_reduce():
     assert m.result() == {"a": (13.0 + 20.0) / 8.0, "b": 9.0, "c": 7.0}
 
 
-def test_metric_sums_reads_tensors_once_at_the_end():
-    # values and weights may be 0-d tensors (as a micro-batch loop records them, without waiting
-    # for the device); they are read when the result is asked for
+@pytest.mark.parametrize("as_if_on_gpu", [False, True])
+def test_metric_sums_take_tensors_and_read_device_ones_at_the_end(monkeypatch, as_if_on_gpu):
+    # Values and weights may be 0-d tensors. On a GPU they wait (with everything recorded after
+    # them, in order) until the result is asked for; here every tensor is treated as such a one
+    # when as_if_on_gpu, so the waiting path runs on this CPU.
+    import learner.stats
+
+    if as_if_on_gpu:
+        monkeypatch.setattr(learner.stats, "_on_device", lambda x: isinstance(x, torch.Tensor))
     m = MetricSums()
-    loss = torch.tensor(2.0, requires_grad=True) * 1.0  # part of a graph: recorded detached
+    m.set("c", 1.0)
+    loss = torch.tensor(2.0, requires_grad=True) * 1.0  # part of a graph
     m.add("a", loss, torch.tensor(3))  # 2 * 3
     m.add("a", 4.0, torch.tensor(1, dtype=torch.int64))  # + 4 * 1 = 10, weight 4: 2.5
     m.add_max("b", torch.tensor(-1.0))
     m.add_max("b", torch.tensor(-3.0))  # max -1
-    m.set("c", torch.tensor(1.0, dtype=torch.float64))
-    m.set("c", torch.tensor(5.0))  # the last set wins
-    assert all(not v.requires_grad for _, _, v, _ in m._pending if isinstance(v, torch.Tensor))
-    assert m.result() == {"a": 2.5, "b": -1.0, "c": 5.0}
+    m.set("c", torch.tensor(5.0))
+    m.set("c", 7.0)  # recorded last: wins over the tensor before it, waiting or not
+    assert len(m._pending) == (6 if as_if_on_gpu else 0)
+    assert m.result() == {"a": 2.5, "b": -1.0, "c": 7.0}
     m.add("a", torch.tensor(6.5), 4.0)  # recorded after a read: (10 + 26) / 8 = 4.5
     assert m.result()["a"] == 4.5
