@@ -451,7 +451,7 @@ class PolicyUpdater:
             parts = self._minibatches(n_local, version, epoch)
             denoms = torch.tensor([float(valid_pair[p].sum()) for p in parts], dtype=torch.float64)
             all_reduce_sum(denoms)
-            plan = []  # (pairs, micro-batch) of each part, cut before the first forward (as in _ppo_update)
+            plan = []  # (micro-batch, its valid pairs) of each part, cut before the first forward (as in _ppo_update)
             for part in parts:
                 part = part[torch.argsort(lengths[part], descending=True, stable=True)]
                 pairs = [part[i : i + pairs_per_micro] for i in range(0, len(part), pairs_per_micro)]
