@@ -91,7 +91,7 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     buf.enqueue_prompts(T.prompts(n))
     leases = buf.claim("w", n)
     assert len(leases) == n
-    midway = threading.Event()
+    midway, down = threading.Event(), threading.Event()
     results: list[str] = []
     errors: list[BaseException] = []
 
@@ -101,6 +101,7 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
                 results.append(buf.complete(lease, T.group(lease.prompt)))
                 if i == n // 3:
                     midway.set()
+                    down.wait(10)  # the next completion meets the dead server, however slow this host
                 time.sleep(0.004)
         except BaseException as exc:  # noqa: BLE001  # reported below
             errors.append(exc)
@@ -108,10 +109,16 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     t = threading.Thread(target=worker)
     t.start()
     assert midway.wait(10)
-    redis_server.restart(signal.SIGKILL)  # crash: only what the AOF (fsync always) holds survives
+    port = redis_server.port
+    redis_server.stop(signal.SIGKILL)  # crash: only what the AOF (fsync always) holds survives
+    down.set()
+    deadline = time.monotonic() + 10
+    while buf.retry.reconnects < 1 and time.monotonic() < deadline:  # the worker has met it dead
+        time.sleep(0.01)
+    assert buf.retry.reconnects >= 1
+    redis_server.start(port=port)
     t.join(30)
-    assert not errors and len(results) == n
-    assert buf.retry.reconnects >= 1  # the worker was mid-run when Redis died, and rode it out
+    assert not errors and len(results) == n  # the worker was mid-run when Redis died, and rode it out
     assert any("retrying in" in r.getMessage() for r in caplog.records if r.name == "buffer")
     # a completion whose reply died with the server reports "duplicate" on retry; none is lost
     assert results.count("appended") + results.count("duplicate") == n

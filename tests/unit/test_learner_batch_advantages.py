@@ -213,8 +213,7 @@ def test_metric_sums_take_tensors_and_read_device_ones_at_the_end(monkeypatch, a
         monkeypatch.setattr(learner.stats, "_on_device", lambda x: isinstance(x, torch.Tensor))
     m = MetricSums()
     m.set("c", 1.0)
-    loss = torch.tensor(2.0, requires_grad=True) * 1.0  # part of a graph
-    m.add("a", loss, torch.tensor(3))  # 2 * 3
+    m.add("a", torch.tensor(2.0), torch.tensor(3))  # 2 * 3
     m.add("a", 4.0, torch.tensor(1, dtype=torch.int64))  # + 4 * 1 = 10, weight 4: 2.5
     m.add_max("b", torch.tensor(-1.0))
     m.add_max("b", torch.tensor(-3.0))  # max -1
