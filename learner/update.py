@@ -375,7 +375,8 @@ class PolicyUpdater:
         a = self.algo
         mask = mb.token_extras["loss_mask"] > 0
         # counts stay on the device (no host sync inside the micro-batch loop)
-        count = mask.sum() if a.agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
+        w = mask.sum()
+        count = w if a.agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
         # DeepSpeed averages gradients over ranks; the share is of the global minibatch, so x W.
         share = count * (self.engine.world_size / denom) if denom > 0 else 0.0
         norm_len = response_budget(self.rollout)
@@ -402,7 +403,6 @@ class PolicyUpdater:
                 total = total + a.kl_coef * kl_agg
             m.add("loss/kl", kl_agg.detach(), count)
         self.engine.backward(total * share)
-        w = mask.sum()
         m.add("loss/policy", st.loss, count)
         m.add("loss/total", total.detach(), count)
         m.add("loss/entropy", ent.entropy, count)
