@@ -223,11 +223,12 @@ class Handlers:
     def expire_leases(self, now: float) -> None:
         """Drop leases their pullers never released; those slabs are never recycled."""
         for held in self.leases.expire(now):
-            self.metrics.count("shm_leases_expired")
             log.warning(
                 "a shared-memory lease on %s v%d was not released in time (dead or stuck worker); its slab will not be reused",
                 held.name, held.version,
             )
+            # counted after the warning, so whoever sees the count (a test, a dashboard) sees the log too
+            self.metrics.count("shm_leases_expired")
 
     def fetch(self, ident: bytes, obj: dict[str, Any]) -> None:
         """A chunk's bytes, or with ``shm: true`` (a follower that maps the slab) only the notice
