@@ -304,10 +304,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
     K.check_consumer(consumer)
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
-    ceiling = newest_version(store, max(learner_version, newest))
+    floor = max(learner_version, newest)
     while True:
         if st.synced_at != store.retry.reconnects:
-            _resync(store, params, consumer, st, ceiling)
+            _resync(store, params, consumer, st, newest_version(store, floor))
         _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
             chosen, st.carry = st.carry[:want], st.carry[want:]
@@ -318,12 +318,21 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         if remaining <= 0:
             return None
         block_ms = max(1, int(min(remaining, READ_BLOCK_CAP_S) * 1000))
-        res = store.retry(
-            store.redis.xreadgroup, K.LEARNER_GROUP, consumer, {store.keys.samples: ">"},
-            count=want - len(st.carry), block=block_ms,
-        )
+        stored, res = store.retry(_read_new, store.redis, consumer, want - len(st.carry), block_ms,
+                                  keys=[store.keys.version, store.keys.samples])
+        ceiling = max(floor, control_int(stored, store.keys.version, ""))
         for entry_id, fields in stream_entries(res):
             st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes, ceiling))
+
+
+def _read_new(client: Any, consumer: str, count: int, block_ms: int, keys: list[str]) -> list[Any]:
+    """The stored learner version (``keys[0]``, see :func:`newest_version`) and up to ``count``
+    new entries of the sample stream (``keys[1]``) for ``consumer``, in one round trip (a
+    pipeline is built per call: a retried one would have forgotten its commands)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys[0])
+    pipe.xreadgroup(K.LEARNER_GROUP, consumer, {keys[1]: ">"}, count=count, block=block_ms)
+    return pipe.execute()
 
 
 def _resync(store: Store, params: Mapping[str, Any], consumer: str, st: LearnerState, ceiling: int) -> None:
