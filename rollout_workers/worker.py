@@ -366,6 +366,15 @@ class RolloutWorker:
 
     def _start_group(self, lease: Lease) -> None:
         prompt = lease.prompt
+        held = self.groups.get(lease.lease_id)
+        if held is not None:
+            # its own lease, expired while this process was paused (SIGSTOP, swapping) and claimed
+            # back by this worker: the prompt is still being generated here, so that goes on under
+            # the new delivery (adding its requests again would fail on their ids, dead-lettering it)
+            log.info("worker %s: prompt %s came back to this worker, which still generates it (its lease expired "
+                     "while the process was paused)", self.worker_id, prompt.prompt_id)
+            held.lease = lease
+            return
         if self.episodes is not None:  # each member an episode; its environment's reset renders its prompt
             group = _Group(lease, f"{prompt.prompt_id}:e{prompt.epoch}:{lease.lease_id}", prompt.text, [], time.time(),
                            self.group_size)

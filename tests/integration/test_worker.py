@@ -1,8 +1,9 @@
 """The rollout worker in this process against a real redis-server and a real weight server,
 with the tiny model: valid samples, behaviour log-prob parity with the published weights,
 per-token versions across an in-flight weight update, late joining, reward failures and
-over-long prompts in the dead-letter stream, stats for the monitor, release on stop, and
-abandoning a lease another worker took over.
+over-long prompts in the dead-letter stream, stats for the monitor, release on stop,
+abandoning a lease another worker took over, and carrying on with its own expired lease
+claimed back after a pause.
 
 The test plays the learner (:class:`worker_helpers.FakeLearner`). Worker processes (SIGKILL,
 SIGTERM) are in ``test_worker_processes.py``.
@@ -10,6 +11,7 @@ SIGTERM) are in ``test_worker_processes.py``.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -248,6 +250,45 @@ def test_lease_taken_over_by_another_worker_is_abandoned(run, tmp_path):
     c = learner.counters()
     assert (c["prompts_acked"], c["prompts_reclaimed"], c["completions_duplicate"], c["groups_appended"]) == (2, 1, 0, 2)
     assert (wt.stats.leases_lost, wt.stats.prompts, wt.stats.duplicates) == (1, 2, 0)
+
+
+def test_own_expired_lease_claimed_back_goes_on_generating_not_dead_lettered(run):
+    """A worker paused past the lease timeout (SIGSTOP, swapping) may, once it runs again, claim
+    its own expired lease before anyone else does: the prompt it is still generating comes back
+    to it. The chaos test met it as a dead letter ("request id ... is already queued or running")."""
+    cfg, learner = run(rollout__max_new_tokens=200, rollout__max_prompt_tokens=16)
+    learner.publish(0)
+    (prompt,) = learner.enqueue(1)
+    wt = learner.thread(cfg, "w-paused")
+    engine, paused, resume = wt.worker.engine, threading.Event(), threading.Event()
+    step = engine.step
+
+    def pausing_step():  # the process stops before its first decoding step, its requests in the engine
+        paused.set()
+        resume.wait(60)
+        return step()
+
+    engine.step = pausing_step
+    wt.start()
+    try:
+        wait_for(lambda: paused.is_set() or wt.error, 30, "the worker to start generating")
+        wt.worker.heartbeat = lambda: None  # a paused process renews nothing
+        (lease_id,) = learner.leases_of("w-paused")
+        assert engine.has_work() and lease_id in wt.worker.groups
+        idle_ms = 1000 * cfg.buffer.lease_timeout_s
+        wait_for(lambda: learner.buffer.redis.xpending_range(learner.buffer.keys.prompts, "workers", "-", "+", 1)[0]
+                 ["time_since_delivered"] > idle_ms, 30, "the lease to expire")
+    finally:
+        engine.step = step
+        resume.set()
+    # running again, with free slots it claims at once: its own expired lease comes back to it
+    wait_for(lambda: wt.worker.stats.prompts + wt.worker.stats.prompts_empty == 1 or wt.error, 60, "the prompt to end")
+    wt.stop()
+    (group,) = learner.read_groups(1)
+    assert group[0].prompt_id == prompt.prompt_id and len(group) == 4
+    c = learner.counters()
+    assert (c["prompts_acked"], c["prompts_reclaimed"], c["completions_duplicate"], c["dead_letters"]) == (1, 1, 0, 0)
+    assert (wt.stats.prompts, wt.stats.dead_letters, wt.stats.leases_lost) == (1, 0, 0)
 
 
 def test_weight_server_down_generation_goes_on_with_the_current_weights(run, weight_server):
