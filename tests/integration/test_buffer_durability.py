@@ -13,6 +13,7 @@ from buffer import Buffer
 from buffer import keys as K
 import factories as T
 from rlhf_core.config import BufferConfig
+from servers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -112,10 +113,7 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     port = redis_server.port
     redis_server.stop(signal.SIGKILL)  # crash: only what the AOF (fsync always) holds survives
     down.set()
-    deadline = time.monotonic() + 10
-    while buf.retry.reconnects < 1 and time.monotonic() < deadline:  # the worker has met it dead
-        time.sleep(0.01)
-    assert buf.retry.reconnects >= 1
+    wait_for(lambda: buf.retry.reconnects >= 1, 10, "the worker to meet the dead server")
     redis_server.start(port=port)
     t.join(30)
     assert not errors and len(results) == n  # the worker was mid-run when Redis died, and rode it out

@@ -278,14 +278,12 @@ def test_own_expired_lease_claimed_back_goes_on_generating_not_dead_lettered(run
         idle_ms = 1000 * cfg.buffer.lease_timeout_s
         wait_for(lambda: learner.buffer.redis.xpending_range(learner.buffer.keys.prompts, "workers", "-", "+", 1)[0]
                  ["time_since_delivered"] > idle_ms, 30, "the lease to expire")
-        engine.step = step
-        resume.set()
-        # running again, with free slots it claims at once: its own expired lease comes back to it
-        wait_for(lambda: learner.counters()["prompts_reclaimed"] >= 1 or wt.error, 30, "the worker to claim its own lease")
     finally:
         engine.step = step
         resume.set()
-        del wt.worker.heartbeat  # heartbeating again (else every lease timeout is one more delivery, up to the dead letter)
+    # running again, with free slots it claims at once: its own expired lease comes back to it
+    wait_for(lambda: learner.counters()["prompts_reclaimed"] >= 1 or wt.error, 30, "the worker to claim its own lease")
+    del wt.worker.heartbeat  # heartbeating again (else every lease timeout is one more delivery, up to the dead letter)
     done = wait_for(lambda: wt.worker.stats.prompts + wt.worker.stats.prompts_empty + wt.worker.stats.duplicates == 1
                     or wt.error, 60, "the prompt to end")
     assert done is True, wt.error
