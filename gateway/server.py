@@ -38,8 +38,9 @@ from starlette.routing import Route
 from buffer import Buffer
 from buffer.connection import client_kwargs
 from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel
-from gateway.openai_api import (AUTH, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response, completion_response,
-                                logprobs_content, normal_message, parse_chat, parse_completion, parse_json, sse, usage)
+from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response,
+                                completion_response, logprobs_content, normal_message, parse_chat, parse_completion,
+                                parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.errors import UserError
@@ -303,8 +304,7 @@ class Gateway:
         try:
             return [self.sessions.open(name, group) for name in names]
         except SessionError as exc:
-            raise ApiError(exc.status, str(exc), NOT_FOUND if exc.status == 404 else "conflict_error" if exc.status == 409
-                           else "invalid_request_error", "session") from None
+            raise _session_error(exc) from None
 
     def _calls(self, sessions: list[Session], contexts: list[list[int]], sampling: Any) -> list[_Choice]:
         assert self.sessions is not None
@@ -643,8 +643,7 @@ class Gateway:
         try:
             rewarded = self.sessions.end(sid, total, components, group)
         except SessionError as exc:
-            raise ApiError(exc.status, str(exc), NOT_FOUND if exc.status == 404 else "conflict_error"
-                           if exc.status == 409 else "invalid_request_error", "session") from None
+            raise _session_error(exc) from None
         # kept before it is acknowledged: a gateway that dies now loses no accepted reward
         keep = asyncio.ensure_future(asyncio.to_thread(self.buffer.keep_rewarded, rewarded.key, rewarded.sample))
         try:
@@ -722,6 +721,10 @@ class Gateway:
                              "call_phases_s": self.phases.as_dict()})
 
 
+def _session_error(exc: SessionError) -> ApiError:
+    return ApiError(exc.status, str(exc), {404: NOT_FOUND, 409: CONFLICT}.get(exc.status, INVALID), "session")
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -761,7 +764,7 @@ def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         return JSONResponse(ApiError(status, f"{request.method} {request.url.path} is not an endpoint of this gateway",
-                                     NOT_FOUND if status == 404 else "invalid_request_error").body(), status_code=status)
+                                     NOT_FOUND if status == 404 else INVALID).body(), status_code=status)
 
     app.add_exception_handler(404, not_found)
     app.add_exception_handler(405, not_found)
