@@ -286,6 +286,17 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -> float | None:
+    """Samples appended to the buffer per second (by workers and by the gateway), from the first
+    snapshot (after ``since``) that counts any to the last; None without two such snapshots."""
+    points = [(float(snap["time"]), int(snap["counters"]["samples_appended"])) for snap in timeline
+              if snap.get("counters", {}).get("samples_appended") and "time" in snap
+              and (since is None or snap["time"] >= since)]
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
 def _mean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -300,9 +311,11 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     samples = rows[-1].get(M.SAMPLES_TRAINED, 0) if rows else 0
     last_snap = timeline[-1] if timeline else {}
     workers = {n: w.get("stats", {}) for n, w in last_snap.get("consumers", {}).items() if isinstance(w, dict)}
-    # the buffer's count: the workers' own counters restart with each worker process
-    gen_samples = last_snap.get("counters", {}).get("samples_appended",
-                                                    sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values()))
+    # the buffer's count (the workers' samples and the gateway's): the workers' own counters restart
+    # with each worker process and know nothing of the gateway's
+    counters = last_snap.get("counters", {})
+    gen_samples = counters.get("samples_appended", sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values()))
+    gen_rate = appended_per_s(timeline, since)
     staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
@@ -319,6 +332,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "steps": len(rows),
         "samples_trained": samples,
         "samples_generated": gen_samples,
+        "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),
         "reward_start": _mean(rewards[:k]),
         "reward_end": _mean(rewards[-k:]),
         "reward_max": max((r for r in rewards if r is not None), default=None),
@@ -328,8 +342,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "training_window_s": active_s,
         "throughput": {
             "trained_samples_per_s": active_samples / active_s if active_s else 0.0,
-            # each worker's own rate over its uptime, summed
-            "generated_samples_per_s": sum(float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers.values()),
+            # the buffer's appends over the run's snapshots; without two of them, each worker's own
+            # rate over its uptime, summed
+            "generated_samples_per_s": gen_rate if gen_rate is not None else
+            sum(float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers.values()),
             "generated_tokens_per_s": sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers.values()),
             "learner_compute_s": compute,
             "learner_wait_s": wait,
@@ -339,10 +355,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
         },
         "rewards": reward_cost(list(workers.values())),
-        "dead_letters": last_snap.get("counters", {}).get("dead_letters"),
-        "leases_reclaimed": last_snap.get("counters", {}).get("prompts_reclaimed"),
+        "dead_letters": counters.get("dead_letters"),
+        "leases_reclaimed": counters.get("prompts_reclaimed"),
         # the buffer's own counters at the end, for audits (appended = consumed + stale + left)
-        "buffer_counters": last_snap.get("counters", {}),
+        "buffer_counters": counters,
     }
 
 
@@ -353,13 +369,20 @@ def format_summary(s: dict[str, Any]) -> str:
     t = s["throughput"]
     lines = [
         f"run {s['run_id']} ({s['exit_reason'] or 'done'}) in {s['wall_s']:.0f} s",
-        f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}",
+        f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}"
+        + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else ""),
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",
         f"  staleness mean {f(s['staleness_mean'])}, max {f(s['staleness_max'])} (limit {s['max_staleness']})",
         f"  throughput: generated {t['generated_tokens_per_s']:.0f} tok/s ({t['generated_samples_per_s']:.1f} samples/s), "
         f"trained {t['trained_samples_per_s']:.1f} samples/s; learner compute {t['learner_compute_s']:.0f} s, "
         f"waiting {t['learner_wait_s']:.0f} s, publishing {t['learner_publish_s']:.1f} s",
     ]
+    dropped, generated = s.get("samples_dropped_stale") or 0, s["samples_generated"] or 0
+    if generated and dropped > 0.1 * generated:
+        lines.append(f"  {dropped / generated:.0%} of the generated samples were more than algo.max_staleness="
+                     f"{s['max_staleness']} versions behind the learner when it read them, and were dropped: raise "
+                     "algo.max_staleness (gateway episodes: a group is appended at its last session's reward, so "
+                     "reward a group's sessions close together)")
     ev = s.get("eval") or {}
     if ev:
         first, last = ev["first"], ev["last"]

@@ -62,3 +62,33 @@ def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
     # workers of an older version (no score_share) leave the line out, not a misleading 0%
     old = summarize(Config(), rows, [{"consumers": {"w": {"stats": {}}}, "counters": {}}], wall_s=10.0, exit_reason="done")
     assert old["rewards"]["scoring_share"] is None and "rewards:" not in format_summary(old)
+
+
+def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summary():
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    # a gateway-only run: its worker made no samples of its own (samples_per_s 0); the buffer
+    # counted 0 appended at t=100, 1,000 at t=110 and 3,000 at t=120 -> (3000 - 1000) / (120 - 110)
+    # = 200 samples/s from the first snapshot that counts any; 2,000 of the 3,000 dropped as too stale
+    worker = {"worker-0": {"stats": {"samples_per_s": 0.0}}}
+    timeline = [{"time": 100.0 + 10 * i, "consumers": worker,
+                 "counters": {"samples_appended": n, "samples_dropped_stale": d}}
+                for i, (n, d) in enumerate([(0, 0), (1000, 500), (3000, 2000)])]
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": 100.0 + i} for i in range(1, 4)]
+    s = summarize(Config(), rows, timeline, wall_s=20.0, exit_reason="done")
+    assert s["throughput"]["generated_samples_per_s"] == 200.0
+    assert (s["samples_generated"], s["samples_dropped_stale"]) == (3000, 2000)
+    lines = format_summary(s).splitlines()
+    assert lines[1] == "  steps 3, samples trained 96, generated 3000, dropped as too stale 2000"
+    # 2000 / 3000 = 67% (over the 10% that earns the hint), with what to do
+    assert any(ln.startswith("  67% of the generated samples were more than algo.max_staleness=2") and
+               "raise algo.max_staleness" in ln for ln in lines), lines
+    # a run that dropped a few (under 10%) says how many, without the hint; a single snapshot
+    # falls back on the workers' own rates
+    few = summarize(Config(), rows, [{"time": 100.0, "consumers": worker,
+                                      "counters": {"samples_appended": 3000, "samples_dropped_stale": 100}}],
+                    wall_s=20.0, exit_reason="done")
+    assert few["throughput"]["generated_samples_per_s"] == 0.0
+    assert format_summary(few).splitlines()[1].endswith("dropped as too stale 100")
+    assert "were more than" not in format_summary(few)
