@@ -391,7 +391,7 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"{f(last.get(M.EVAL_REWARD_MEAN))} (version {last.get(M.EVAL_VERSION)}), {passes} "
                      f"({ev['evaluations']} evaluations)")
     r = s.get("rewards") or {}
-    if r.get("scoring_share") is not None:
+    if r.get("scoring_share") is not None and r.get("reward_calls_per_s"):  # none: agents' rewards only (gateway)
         lines.append(f"  rewards: scoring busy {r['scoring_share']:.0%} of the workers' scoring-thread time, "
                      f"{r['reward_calls_per_s']:.1f} reward calls/s, {r['reward_timeouts']} call(s) timed out, "
                      f"{r['empty_responses']} empty response(s)")

@@ -71,7 +71,7 @@ def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summar
     # a gateway-only run: its worker made no samples of its own (samples_per_s 0); the buffer
     # counted 0 appended at t=100, 1,000 at t=110 and 3,000 at t=120 -> (3000 - 1000) / (120 - 110)
     # = 200 samples/s from the first snapshot that counts any; 2,000 of the 3,000 dropped as too stale
-    worker = {"worker-0": {"stats": {"samples_per_s": 0.0}}}
+    worker = {"worker-0": {"stats": {"samples_per_s": 0.0, "score_share": 0.0, "reward_calls_per_s": 0.0}}}
     timeline = [{"time": 100.0 + 10 * i, "consumers": worker,
                  "counters": {"samples_appended": n, "samples_dropped_stale": d}}
                 for i, (n, d) in enumerate([(0, 0), (1000, 500), (3000, 2000)])]
@@ -92,3 +92,5 @@ def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summar
     assert few["throughput"]["generated_samples_per_s"] == 0.0
     assert format_summary(few).splitlines()[1].endswith("dropped as too stale 100")
     assert "were more than" not in format_summary(few)
+    # the workers scored nothing (the agents posted every reward): no line about scoring
+    assert "rewards:" not in format_summary(s)
