@@ -29,13 +29,25 @@ log = logging.getLogger(__name__)
 _FLAGS = {"--once": "once=true", "--json": "json=true"}
 
 
+#: the live view's generated samples/s is the buffer's appends over this many seconds of snapshots
+#: (the gateway appends a group at once: over one refresh the rate jumps with every group)
+RATE_WINDOW_S = 10.0
+
+
 def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One monitor snapshot: the buffer's metrics plus rates derived from the last snapshot."""
+    """One monitor snapshot: the buffer's metrics plus rates derived from the snapshots before."""
     snap = buf.metrics()
     snap["time"] = time.time()
     workers = [c.get("stats", {}) for n, c in snap.get("consumers", {}).items() if not n.startswith("learner")]
     snap["generated_tokens_per_s"] = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
-    snap["generated_samples_per_s"] = sum(float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers)
+    # samples appended by workers and by the gateway (whose samples no worker counts) over the
+    # last RATE_WINDOW_S; the workers' own rates until there are two snapshots
+    before = (previous or {}).get("appended_window", [])
+    window = [p for p in before[:-1] if p[0] >= snap["time"] - RATE_WINDOW_S] + before[-1:]
+    snap["appended_window"] = window + [[snap["time"], snap.get("counters", {}).get("samples_appended", 0)]]
+    (t0, n0), (t1, n1) = snap["appended_window"][0], snap["appended_window"][-1]
+    snap["generated_samples_per_s"] = (n1 - n0) / (t1 - t0) if t1 > t0 else sum(
+        float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers)
     learner = snap.get("stats", {}).get(M.LEARNER_STATS, {})
     snap["trained_samples_per_s"] = learner.get(M.SAMPLES_PER_S)
     snap["trained_tokens_per_s"] = learner.get(M.TOKENS_PER_S)

@@ -94,3 +94,40 @@ def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summar
     assert "were more than" not in format_summary(few)
     # the workers scored nothing (the agents posted every reward): no line about scoring
     assert "rewards:" not in format_summary(s)
+
+
+class _Counters:
+    """What the monitor reads of the buffer: its counters and the consumers' heartbeats."""
+
+    def __init__(self) -> None:
+        self.appended = 0
+
+    def metrics(self) -> dict:
+        worker = {"stats": {"samples_per_s": 7.0}}  # a gateway-only run's worker: its own rate says little
+        return {"counters": {"samples_appended": self.appended}, "consumers": {"worker-0": worker}}
+
+
+def test_the_monitors_generated_rate_is_the_buffers_appends_over_the_last_ten_seconds(monkeypatch):
+    from rlhf_run import monitor
+
+    now = [100.0]
+    monkeypatch.setattr(monitor.time, "time", lambda: now[0])
+    buf = _Counters()
+    snap = monitor.snapshot(buf)
+    assert snap["generated_samples_per_s"] == 7.0  # one snapshot: the workers' own rates
+    # the gateway appends whole groups: 64 samples at t=101, nothing until 64 more at t=105;
+    # one refresh's rate would read 64, 0, 0, 0, 64; over the window: 64 / 1 s, then
+    # 64 / 2 s = 32, 21.3, 16, then (128 - 0) / (105 - 100) = 25.6
+    rates = []
+    for t, appended in [(101, 64), (102, 64), (103, 64), (104, 64), (105, 128)]:
+        now[0], buf.appended = float(t), appended
+        snap = monitor.snapshot(buf, snap)
+        rates.append(round(snap["generated_samples_per_s"], 1))
+    assert rates == [64.0, 32.0, 21.3, 16.0, 25.6]
+    # Ten seconds later the window starts at t=106 (points before t=116 - 10 are dropped):
+    # (192 - 128) / (116 - 106) = 6.4
+    for t in range(106, 117):
+        now[0], buf.appended = float(t), 128 if t < 116 else 192
+        snap = monitor.snapshot(buf, snap)
+    assert snap["appended_window"][0] == [106.0, 128]
+    assert round(snap["generated_samples_per_s"], 1) == 6.4
