@@ -373,7 +373,12 @@ class Gateway:
 
     def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:
         """The calls' drift checks on a thread while they are generated (they tokenise up to a
-        whole conversation, which would hold the event loop; tokenising releases the GIL)."""
+        whole conversation, which would hold the event loop; tokenising releases the GIL). A session
+        that drifted stays so (rollout_workers/turns.py): counted at once, no thread."""
+        assert self.sessions is not None
+        for c in choices:
+            if c.session.drift_check is not None and c.session.conversation.drifted:
+                self.sessions.count_drift(c.session, True)
         checks = [(c.session, c.session.drift_check) for c in choices if c.session.drift_check is not None]
         if not checks:
             return None

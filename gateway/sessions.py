@@ -208,7 +208,7 @@ class Sessions:
         t, conv = s.transcript, s.conversation
         tr = None if t is None else (list(t.prompt_ids), list(t.response_ids), list(t.logprobs), list(t.versions),
                                      list(t.mask), list(t.turns))
-        cv = None if conv is None else (list(conv.messages), conv.rendered)
+        cv = None if conv is None else (list(conv.messages), conv.rendered, conv.drifted)
         return (t, tr, conv, cv, list(s.expected), s.text, s.client_text, s.last_turn, s.turns, s.drift_turns,
                 s.finish_reason)
 
@@ -217,7 +217,7 @@ class Sessions:
         if t is not None and tr is not None:
             t.prompt_ids, t.response_ids, t.logprobs, t.versions, t.mask, t.turns = tr
         if conv is not None and cv is not None:
-            conv.messages, conv.rendered = cv
+            conv.messages, conv.rendered, conv.drifted = cv
         s.transcript, s.conversation, s.drift_check = t, conv, None
         if t is None:  # a first call that failed leaves no session behind
             self.sessions.pop(s.session_id, None)

@@ -20,7 +20,9 @@ sampled and, after each, the ids this module gives for the observation. Two form
   the end-of-sequence token) that an earlier comparison placed: a tokenizer matches added tokens
   whole and tokenises the text between them apart, so what lies before it cannot change, and a
   turn costs its own length instead of the whole conversation's (a gateway session's calls, an
-  agent's long context).
+  agent's long context). Once a comparison found drift, later ones count it without tokenising:
+  the context keeps the ids that differed (token in, token out), so the whole text would differ
+  again (``tests/unit/test_turns.py`` holds both shortcuts to the whole-text comparison).
 * **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
   text is tokenised as it is and appended; the task's environment writes its own separators.
 """
@@ -69,6 +71,7 @@ class TemplateConversation:
         # (chars, ids): the rendering's first `chars` characters tokenise to the context's first
         # `ids` ids, and an added token starts at `chars` (see _drift); (0, 0): nothing known yet
         self._checked = (0, 0)
+        self.drifted = False  # a check found drift: the ids kept since then still differ there
         self._added = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
 
     def render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
@@ -115,13 +118,15 @@ class TemplateConversation:
         (to ``context[:ids]``), as long as the template renders it as before (``previous``, the
         rendering the last turn was generated from). A difference there
         is confirmed on the whole text before it counts (a place wrongly taken costs time, not a
-        false count)."""
+        false count); after that every check answers True at once (see the module docstring)."""
+        if self.drifted:
+            return True
         chars, n = self._checked
         if chars and full[:chars] != previous[:chars]:  # the template re-rendered history
             chars, n = 0, 0
         if encode(self.tokenizer, full[chars:]) != context[n:]:
             if not chars or encode(self.tokenizer, full) != context:
-                self._checked = (chars, n)
+                self.drifted = True
                 return True
             chars, n = 0, 0
         self._checked = self._last_added(full, context, n) or (chars, n)

@@ -308,12 +308,16 @@ def test_a_reply_the_template_cannot_render_back_counts_as_drift_checked_beside_
     first = served.chat("drift", "g-drift", messages=messages, max_tokens=8)
     assert first.choices[0].message.content == "12"
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "on"}]
-    served.chat("drift", messages=messages, max_tokens=2)
+    second = served.chat("drift", messages=messages, max_tokens=2)
     assert served.stats()["retokenisation_drift"] == before + 1
+    # the context keeps the <pad>, so every later call drifts too: counted at once, no check run
+    messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    served.chat("drift", messages=messages, max_tokens=2)
+    assert served.stats()["retokenisation_drift"] == before + 2
     served.chat("drift-partner", "g-drift", max_tokens=2)  # the run's groups have 2 sessions
     assert served.reward("drift", 1.0).status_code == 200 and served.reward("drift-partner", 0.0).status_code == 200
     sample = {x.metadata["session"]: x for x in served.group("g-drift")}["drift"]
-    assert sample.metadata["retokenisation_drift"] == 1
+    assert sample.metadata["retokenisation_drift"] == 2
     assert tok.pad_token_id in sample.response_ids.tolist()  # trained on the ids as sampled
 
 

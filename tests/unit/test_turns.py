@@ -120,3 +120,30 @@ def test_a_turn_tokenises_its_own_text_not_the_whole_conversation(tokenizers, na
         else:  # from the end of the previous assistant message: two turns and their messages
             assert not any("FIRST" in t for t in tok.texts) and max(map(len, tok.texts)) < 130
     assert len(conv.rendered) > 5 * 130
+
+
+def test_once_a_conversation_drifted_its_later_checks_tokenise_nothing(tokenizers):
+    # A turn with a sampled <pad> in the middle: the message content leaves it out (as a client
+    # sends the text back), so the rendering tokenises without it and the check counts drift.
+    # The context keeps that turn's ids (token in, token out), so every later check would find
+    # the same difference: they answer at once, where each tokenised the whole conversation
+    # twice (the tail from the last checked place, then the whole text to confirm).
+    tok = Recording(tokenizers["tiny"])
+    conv = TemplateConversation(tok, [{"role": "user", "content": "count from 3"}])
+    context = conv.initial_ids()
+    drifts, tokenised = [], []
+    for turn in range(6):
+        turn_ids = encode(tok, f" {turn} and ")
+        if turn == 1:
+            turn_ids.append(tok.pad_token_id)
+        turn_ids += [*encode(tok, f"{turn + 1} "), tok.eos_token_id]
+        context = context + turn_ids
+        ids, check = conv.next_turn(context, turn_ids, tok.decode(turn_ids, skip_special_tokens=True),
+                                    f"ok {turn}, next please", "user")
+        context = context + ids
+        tok.texts.clear()
+        drifts.append(check())
+        tokenised.append(sum(map(len, tok.texts)))
+        assert drifts[-1] == (encode(tokenizers["tiny"], conv.rendered) != context)  # what the whole text says
+    assert drifts == [False, True, True, True, True, True]
+    assert tokenised[1] > 0 and tokenised[2:] == [0, 0, 0, 0]
