@@ -21,8 +21,8 @@ sampled and, after each, the ids this module gives for the observation. Two form
   whole and tokenises the text between them apart, so what lies before it cannot change, and a
   turn costs its own length instead of the whole conversation's (a gateway session's calls, an
   agent's long context). Once a comparison found drift, later ones count it without tokenising:
-  the context keeps the ids that differed (token in, token out), so the whole text would differ
-  again (``tests/unit/test_turns.py`` holds both shortcuts to the whole-text comparison).
+  the context keeps the ids that differed (token in, token out) and later text does not tokenise
+  them back (``tests/unit/test_turns.py`` holds both shortcuts to the whole-text comparison).
 * **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
   text is tokenised as it is and appended; the task's environment writes its own separators.
 """

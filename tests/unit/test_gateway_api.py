@@ -437,6 +437,19 @@ def test_restore_puts_back_what_a_failed_call_changed(tokenizer):
     sessions.chat_context(s, [{"role": "user", "content": "other"}], None)
     sessions.restore(s, snap)
     assert s.transcript.context_ids == ctx
+    # a failed call whose drift check found drift (a <pad> sampled in the turn before it, which
+    # the reply's text leaves out): the flag that ends later checks is put back with the rest,
+    # and the retried call checks (and counts) again
+    reply, _ = sampled_turn(sessions, s, [*ids(tokenizer, "p"), tokenizer.pad_token_id, *ids(tokenizer, "q")])
+    s.expected = [*longer, normal_message(reply)]
+    nxt = [*s.expected, {"role": "user", "content": "c"}]
+    snap = sessions.snapshot(s)
+    sessions.chat_context(s, nxt, None)
+    assert s.drift_check() is True and s.conversation.drifted
+    sessions.restore(s, snap)
+    assert not s.conversation.drifted
+    sessions.chat_context(s, nxt, None)
+    assert s.drift_check() is True
 
 
 # ---------------------------------------------------------------------------------------------- a reply's tool calls
