@@ -175,9 +175,11 @@ class Buffer:
         epochs: int,
         low_watermark: int,
         high_watermark: int | None = None,
+        lead_s: float = 0.0,
     ) -> int:
-        """Top up the prompt queue once (call it periodically); see :func:`buffer.prompts.fill`."""
-        return prompts.fill(self._store, self._filler, source_fn, epochs, low_watermark, high_watermark)
+        """Top up the prompt queue once (call it periodically, with ``lead_s`` a few times the
+        period: the queue then keeps up with the workers' rate); see :func:`buffer.prompts.fill`."""
+        return prompts.fill(self._store, self._filler, source_fn, epochs, low_watermark, high_watermark, lead_s)
 
     def fill_state(self) -> dict[str, int | bool]:
         """The producer cursor: ``{"epoch", "index", "done"}``."""

@@ -19,7 +19,8 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
 * Filling: :func:`fill` keeps the queue topped up epoch by epoch; its cursor (epoch, index,
   done) is in Redis and advances in the same MULTI/EXEC as the enqueued prompts (WATCHed, so
   two producers never enqueue the same slice), so a restarted producer continues where the
-  last one stopped.
+  last one stopped. With ``lead_s`` its watermarks rise with the rate workers take prompts, so
+  a queue checked periodically does not run dry between checks however fast they are.
 
 The functions take a :class:`~buffer.store.Store` and the client-side state they update (the
 leases this process holds, the producer's open iterator), never the facade.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -50,6 +52,8 @@ log = logging.getLogger("buffer")
 #: claimer re-checks at least this often; 200 ms keeps that cheap (5 script calls/s per idle worker).
 WAIT_CAP_S = 0.2
 ENQUEUE_CHUNK = 512
+#: The producer's estimate of the rate prompts leave the queue keeps its peak, halving every this often.
+RATE_HALF_LIFE_S = 5.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,10 +206,26 @@ class Filler:
     Redis (another producer may have advanced it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.epoch = -1
         self.index = -1
         self.it: Iterator[Prompt] | None = None
+        self.clock = clock
+        self.rate = 0.0  # prompts/s taken from the queue: the recent peak, decaying (RATE_HALF_LIFE_S)
+        self._taken: tuple[float, int] | None = None  # (clock, prompts taken so far) at the last look
+
+    def observe(self, taken: int) -> float:
+        """Update :attr:`rate` from ``taken``, the run's count of prompts taken from the queue so
+        far (enqueued - waiting), and return it. A rate measured while the queue ran dry is low
+        (workers could take only what there was), but the higher watermark it sets lets the next
+        interval show the real one."""
+        now = self.clock()
+        if self._taken is not None and now > self._taken[0]:
+            then, before = self._taken
+            decayed = self.rate * 0.5 ** ((now - then) / RATE_HALF_LIFE_S)
+            self.rate = max(max(0, taken - before) / (now - then), decayed)
+        self._taken = (now, taken)
+        return self.rate
 
     def iterator(self, source_fn: Callable[[int], Iterable[Prompt]], epoch: int, index: int) -> Iterator[Prompt]:
         if self.it is None or (self.epoch, self.index) != (epoch, index):
@@ -227,28 +247,40 @@ def fill(
     epochs: int,
     low_watermark: int,
     high_watermark: int | None = None,
+    lead_s: float = 0.0,
 ) -> int:
     """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
     ``high_watermark`` (default ``2 * low_watermark``), walking epochs ``0 .. epochs-1`` of
     ``source_fn(epoch)`` in order. Returns the number enqueued (0 when above the low
     watermark or when every epoch is done; :meth:`Buffer.fill_state` says which). ``filler``
     keeps this process's open iterator of the current epoch between calls.
+
+    ``lead_s`` (a caller that fills every few tenths of a second): the low watermark is at least
+    what workers take in ``lead_s`` at the rate they took prompts since this process's previous
+    call (:meth:`Filler.observe`), and the high one rises in proportion; the queue then lasts
+    until the next call.
     """
     high = max(low_watermark, high_watermark if high_watermark is not None else 2 * low_watermark)
     while True:
         try:
-            return store.retry(_fill_once, store, filler, source_fn, epochs, low_watermark, high)
+            return store.retry(_fill_once, store, filler, source_fn, epochs, low_watermark, high, lead_s)
         except redis.exceptions.WatchError:
             filler.forget()  # another producer moved the cursor; re-read it
             log.debug("fill cursor of run %s moved under us; retrying", store.keys.run_id)
 
 
-def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, high: int) -> int:
+def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, high: int, lead_s: float) -> int:
     k = store.keys
     with store.redis.pipeline(transaction=True) as pipe:
         pipe.watch(k.fill)
         state = pipe.hgetall(k.fill)
-        waiting = control_int(pipe.hget(k.counters, "prompts_waiting"), k.counters, "prompts_waiting")
+        raw_waiting, raw_enqueued = pipe.hmget(k.counters, "prompts_waiting", "prompts_enqueued")
+        waiting = control_int(raw_waiting, k.counters, "prompts_waiting")
+        if lead_s > 0:
+            taken = control_int(raw_enqueued, k.counters, "prompts_enqueued") - waiting
+            need = math.ceil(filler.observe(taken) * lead_s)
+            if need > low:
+                low, high = need, math.ceil(high * need / low)
         epoch = control_int(state.get(b"epoch"), k.fill, "epoch")
         index = control_int(state.get(b"index"), k.fill, "index")
         if state.get(b"done") == b"1" or epoch >= epochs or waiting >= low:

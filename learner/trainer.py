@@ -53,6 +53,7 @@ from weight_server import StaleVersionError, WeightPublisher
 log = logging.getLogger(__name__)
 
 PROMPT_CHECK_S = 0.1  # the prompt producer looks at the queue's depth this often
+PROMPT_LEAD_S = 3 * PROMPT_CHECK_S  # ... and tops it up to outlast three looks at the workers' rate
 EVAL_CHECK_S = 1.0  # the learner looks for a new evaluation this often (when eval.every > 0)
 STATS_EVERY_S = 0.25  # the learner's stats in Redis (monitor, run exporter) are refreshed at most this often
 #: what rlhf_core.records.validate_sample says about token ids beyond the run's vocabulary
@@ -536,12 +537,15 @@ class Learner:
         source = prompt_source(self.cfg)
         groups = max(1, self.cfg.learner.batch_size // self.cfg.algo.group_size)
         # Workers must never find the queue empty: an empty queue stalls generation until the
-        # next top-up. A small model on CPU consumes ~100 prompts/s, so the queue is checked
-        # every PROMPT_CHECK_S and topped up well beyond what that interval consumes.
+        # next top-up. The queue is checked every PROMPT_CHECK_S and holds at least what workers
+        # take in PROMPT_LEAD_S at their recent rate (the tiny model on 2 CPU cores takes ~600
+        # prompts/s: a fixed 32 ran dry between checks, idling the worker ~45 ms about every
+        # 17th update).
         low = max(32, 4 * groups)
         while not self.stop_event.is_set():
             try:
-                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low, high_watermark=4 * low)
+                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low, high_watermark=4 * low,
+                                         lead_s=PROMPT_LEAD_S)
                 if self.buffer.fill_state()["done"]:
                     log.info("all %d epochs of prompts are enqueued", self.cfg.data.epochs)
                     return

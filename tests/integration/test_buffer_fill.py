@@ -71,3 +71,51 @@ def test_a_checkpoints_cursor_starts_a_fresh_run_where_its_prompts_had_reached(r
     assert fresh.fill_prompts(source, epochs=2, low_watermark=3, high_watermark=4) == 2
     assert [(e, i) for e, i, _ in _drain(fresh)] == [(1, 3), (1, 4)]
     assert fresh.fill_state() == {"epoch": 2, "index": 0, "done": True}
+
+
+def _take_prompts_at_700_per_s(lead_s: float, redis_url: str, run: str) -> list[int]:
+    """A producer looking every 0.1 s (a fake clock) while workers take 70 prompts between looks
+    (700 prompts/s; the tiny model on 2 CPU cores takes ~600); returns what each take got."""
+    from rlhf_core.records import Prompt
+
+    now = [0.0]
+    buf = Buffer.connect(redis_url, run, BufferConfig())
+    buf.init_run(batch_size=400, group_size=4, max_staleness=0)  # a budget of 100 prompts at a time
+    buf._filler.clock = lambda: now[0]  # the producer's clock only: Redis and the leases keep real time
+    source = lambda epoch: (Prompt(f"p{epoch}-{i}", "x") for i in range(10_000))  # noqa: E731
+    got = []
+    for _ in range(8):
+        buf.fill_prompts(source, epochs=1, low_watermark=32, high_watermark=128, lead_s=lead_s)
+        now[0] += 0.1
+        leases = buf.claim("w", 70)
+        got.append(len(leases))
+        for lease in leases:
+            buf.complete(lease, [])  # nothing to train on: the budget comes back
+    return got
+
+
+def test_fill_with_a_lead_keeps_up_with_the_rate_workers_take_prompts(redis_url):
+    # Without a lead the fixed watermarks (top up to 128 once fewer than 32 wait) run dry:
+    # 128 -> 58 (58 >= 32 at the next look: no top-up) -> the take gets 58 of 70 -> 0 -> 128 ...
+    assert _take_prompts_at_700_per_s(0.0, redis_url, "nolead")[:3] == [70, 58, 70]
+    # With lead_s=0.3 the first look sees no rate yet (128 enqueued); the second measures
+    # 70 prompts in 0.1 s = 700/s and raises the low watermark to 700 * 0.3 = 210 and the high
+    # one to 128 * 210 / 32 = 840: every later take finds its 70.
+    assert _take_prompts_at_700_per_s(0.3, redis_url, "lead") == [70] * 8
+
+
+def test_the_fillers_rate_is_the_recent_peak_of_prompts_taken():
+    from buffer.prompts import RATE_HALF_LIFE_S, Filler
+
+    now = [0.0]
+    f = Filler(clock=lambda: now[0])
+    assert f.observe(0) == 0.0  # the first look measures nothing
+    now[0] = 0.1
+    assert f.observe(60) == pytest.approx(600.0)  # 60 prompts in 0.1 s
+    now[0] = 0.2
+    # 20 in 0.1 s = 200/s measured, below the peak decayed by 0.1 s: 600 * 0.5 ** (0.1 / 5) = 591.7
+    assert f.observe(80) == pytest.approx(600 * 0.5 ** (0.1 / RATE_HALF_LIFE_S))
+    now[0] = 0.2 + 2 * RATE_HALF_LIFE_S
+    assert f.observe(80) == pytest.approx(600 * 0.5 ** (0.1 / RATE_HALF_LIFE_S) / 4)  # two half-lives, nothing taken
+    now[0] += 0.1
+    assert f.observe(380) == pytest.approx(3000.0)  # 300 in 0.1 s: a faster rate counts at once
