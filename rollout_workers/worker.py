@@ -259,7 +259,8 @@ class RolloutWorker:
         self.stats.t_weights += time.monotonic() - t0
         if self.exporter is not None:
             self.exporter.observe(WEIGHT_SYNC, time.monotonic() - t0)
-        log.info("worker %s applied weights version %d", self.worker_id, version)
+        # per version at debug: the weight server's log has a line for each (worker, version), with its latency
+        log.debug("worker %s applied weights version %d", self.worker_id, version)
         return True
 
     def wait_for_weights(self, timeout_s: float | None = None) -> bool:
