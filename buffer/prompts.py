@@ -280,7 +280,7 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
             taken = control_int(raw_enqueued, k.counters, "prompts_enqueued") - waiting
             need = math.ceil(filler.observe(taken) * lead_s)
             if need > low:
-                low, high = need, math.ceil(high * need / low)
+                low, high = need, max(need, math.ceil(high * need / max(low, 1)))
         epoch = control_int(state.get(b"epoch"), k.fill, "epoch")
         index = control_int(state.get(b"index"), k.fill, "index")
         if state.get(b"done") == b"1" or epoch >= epochs or waiting >= low:
