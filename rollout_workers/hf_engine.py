@@ -281,18 +281,21 @@ class HFEngine:
     def _pack(self) -> None:
         """Running sequences packed at the front (module docstring, step 1): the highest takes the
         lowest free or parked slot while that lies below it (a parked one's K/V moves up into its place)."""
+        moves: list[tuple[int, int, int]] = []
+        swaps: list[tuple[int, int, int, int]] = []
         for seq in sorted(self._running, key=lambda s: s.slot, reverse=True):
             low = min(self._free[0] if self._free else self.slots, min(self._parked, default=self.slots))
             if low > seq.slot:
                 break
             if low in self._parked:
                 parked = self._parked.pop(low)
-                self.cache.swap(seq.slot, low, seq.n_cached, len(parked[1]))
+                swaps.append((seq.slot, low, seq.n_cached, len(parked[1])))
                 self._parked[seq.slot] = parked
             else:
                 heapq.heapreplace(self._free, seq.slot)
-                self.cache.move(seq.slot, low, seq.n_cached)
+                moves.append((seq.slot, low, seq.n_cached))
             seq.slot = low
+        self.cache.relocate(moves, swaps)
 
     def _admit(self) -> bool:
         """Waiting requests into slots; returns whether any was admitted."""

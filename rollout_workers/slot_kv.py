@@ -96,19 +96,25 @@ class SlotKVCache:
             return keys[: self._rows, :, : self._width], values[: self._rows, :, : self._width]
         return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
 
-    def move(self, src: int, dst: int, columns: int) -> None:
-        """Copy slot ``src``'s first ``columns`` columns of every layer into slot ``dst`` (a
-        sequence changes slots; ``src`` is free afterwards)."""
-        for keys, values in zip(self.keys, self.values):
-            keys[dst, :, :columns] = keys[src, :, :columns]
-            values[dst, :, :columns] = values[src, :, :columns]
-
-    def swap(self, a: int, b: int, columns_a: int, columns_b: int) -> None:
-        """Exchange slot ``a``'s first ``columns_a`` columns and slot ``b``'s first ``columns_b``."""
+    def relocate(self, moves: list[tuple[int, int, int]], swaps: list[tuple[int, int, int, int]]) -> None:
+        """Apply a packing in one indexed copy per cache tensor, not a few per sequence: each
+        ``(src, dst, columns)`` of ``moves`` copies slot ``src``'s first ``columns`` columns into
+        slot ``dst``; each ``(a, b, columns_a, columns_b)`` of ``swaps`` exchanges slot ``a``'s
+        first ``columns_a`` columns with slot ``b``'s first ``columns_b``. Every slot named appears
+        once (as packing makes them: each target lies below every slot still to move), so the
+        copies commute. Columns past a slot's count are copied too and never read."""
+        if not moves and not swaps:
+            return
+        src = torch.tensor([m[0] for m in moves] + [w[0] for w in swaps], device=self._all_rows.device)
+        dst = torch.tensor([m[1] for m in moves] + [w[1] for w in swaps], device=self._all_rows.device)
+        width = max([m[2] for m in moves] + [w[2] for w in swaps])
+        back_width = max((w[3] for w in swaps), default=0)
+        back_src, back_dst = dst[len(moves):], src[len(moves):]  # a swap's other half: b's columns up into a
         for cache in (*self.keys, *self.values):
-            kept = cache[b, :, :columns_b].clone()
-            cache[b, :, :columns_a] = cache[a, :, :columns_a]
-            cache[a, :, :columns_b] = kept
+            kept = cache[back_src, :, :back_width] if back_width else None  # indexing copies
+            cache[dst, :, :width] = cache[src, :, :width]
+            if kept is not None:
+                cache[back_dst, :, :back_width] = kept
 
     def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, 1, C, width]`` boolean, True where column ``j <= position``: each token sees its

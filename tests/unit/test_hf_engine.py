@@ -292,6 +292,24 @@ def test_parked_k_v_survives_packing_and_slot_pressure_and_a_weight_update_drops
                                atol=PARITY_ATOL)
 
 
+def test_relocate_applies_a_packings_moves_and_swaps_at_once(policy):
+    from rollout_workers.slot_kv import SlotKVCache
+
+    cache = SlotKVCache(policy.config, slots=6, max_len=8, dtype=torch.float32, device=torch.device("cpu"))
+    for t in (*cache.keys, *cache.values):  # slot s, column c holds 1000 * s + c everywhere
+        t.copy_((1000 * torch.arange(6)[:, None, None, None] + torch.arange(t.shape[2])[None, None, :, None]).expand_as(t))
+    before = [t.clone() for t in (*cache.keys, *cache.values)]
+    # as a packing makes them: running slot 5 moves down into free slot 0 (3 columns); running slot 4
+    # and parked slot 1 exchange (4 and 2 columns)
+    cache.relocate(moves=[(5, 0, 3)], swaps=[(4, 1, 4, 2)])
+    for t, old in zip((*cache.keys, *cache.values), before):
+        assert torch.equal(t[0, :, :3], old[5, :, :3])  # the moved sequence's K/V
+        assert torch.equal(t[1, :, :4], old[4, :, :4])  # the swapped running sequence's, in the parked slot
+        assert torch.equal(t[4, :, :2], old[1, :, :2])  # the parked K/V, where the running one was
+        assert torch.equal(t[2:4], old[2:4])  # other slots untouched
+        assert torch.equal(t[5], old[5])  # a move's source keeps its bytes (it is free now)
+
+
 def test_k_v_written_before_a_weight_update_is_never_reused(fresh_policy, tokenizer):
     # "done" ends before the update but is released (parked) only at the next step, after it;
     # "across" runs through the update (in flight: its K/V mixes both weights). Neither is parked.
