@@ -10,7 +10,8 @@ Per :meth:`HFEngine.step`:
 
 1. release the slots of sequences that finished (or were aborted) since the last step, and
    keep the running ones packed at the front: the highest running sequence moves into a freed
-   slot below it (its K/V columns copied once), so a decoding pass reads rows ``0..n-1`` as views
+   slot below it (its K/V columns copied once; one indexed copy per cache tensor moves them
+   all, :meth:`SlotKVCache.relocate`), so a decoding pass reads rows ``0..n-1`` as views
    instead of gathering scattered rows at every step (agents' turns arrive and end at any time)
    and a GPU graph's bucket stays as small as the batch;
 2. admit waiting requests into free slots (lowest free slot first: above the running ones); a
