@@ -52,8 +52,11 @@ log = logging.getLogger("buffer")
 #: claimer re-checks at least this often; 200 ms keeps that cheap (5 script calls/s per idle worker).
 WAIT_CAP_S = 0.2
 ENQUEUE_CHUNK = 512
-#: The producer's estimate of the rate prompts leave the queue keeps its peak, halving every this often.
+#: The producer's estimate of the rate prompts leave the queue keeps its peak, halving every this
+#: often; it measures over at least RATE_MIN_WINDOW_S (a retried top-up a millisecond later would
+#: turn one claim into a huge rate).
 RATE_HALF_LIFE_S = 5.0
+RATE_MIN_WINDOW_S = 0.05
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,8 +223,10 @@ class Filler:
         (workers could take only what there was), but the higher watermark it sets lets the next
         interval show the real one."""
         now = self.clock()
-        if self._taken is not None and now > self._taken[0]:
+        if self._taken is not None:
             then, before = self._taken
+            if now - then < RATE_MIN_WINDOW_S:
+                return self.rate  # too soon to measure: the window goes on from the last look
             decayed = self.rate * 0.5 ** ((now - then) / RATE_HALF_LIFE_S)
             self.rate = max(max(0, taken - before) / (now - then), decayed)
         self._taken = (now, taken)

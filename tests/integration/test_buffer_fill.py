@@ -119,3 +119,8 @@ def test_the_fillers_rate_is_the_recent_peak_of_prompts_taken():
     assert f.observe(80) == pytest.approx(600 * 0.5 ** (0.1 / RATE_HALF_LIFE_S) / 4)  # two half-lives, nothing taken
     now[0] += 0.1
     assert f.observe(380) == pytest.approx(3000.0)  # 300 in 0.1 s: a faster rate counts at once
+    now[0] += 0.001
+    assert f.observe(388) == pytest.approx(3000.0)  # 1 ms later (a retried top-up): too soon to measure
+    now[0] += 0.099
+    # measured from the last look that counted, 0.1 s ago: 20 prompts = 200/s, below 3000 decayed over 0.1 s
+    assert f.observe(400) == pytest.approx(3000 * 0.5 ** (0.1 / RATE_HALF_LIFE_S))
