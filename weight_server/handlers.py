@@ -135,7 +135,8 @@ class Handlers:
             up.parked, up.waiters = [], []
         self.on_commit(ver)
         dur = rec["publish_duration_s"]
-        log.info(
+        self.metrics.log.event(
+            ("published", ver.name), dur,
             "published %s v%d: %s in %d tensors (%d sent%s), %.3f s (%.2f GB/s), hash %s; holding %s",
             ver.name, ver.version, _size(lay.data_bytes), len(lay.tensors), changed, ", delta" if delta else "",
             dur, wire_bytes / max(dur, 1e-9) / 1e9, ver.content_hash.hex()[:16], self.store.held()[ver.name],

@@ -3,6 +3,10 @@
 Updated by the server thread, read by :meth:`WeightServer.metrics` from any thread (a lock
 and a deep copy). Weight-sync latency is measured on the server's own monotonic clock, from the
 publisher's PUB_BEGIN to the worker's APPLIED report, so clocks of other machines never enter it.
+
+The log says what happens per version at a pace a person can read (:class:`PacedLog`): on a small
+model a learner publishes tens of versions a second, and a line for each version and each worker
+applying it would fill gigabytes a day.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 log = logging.getLogger("weight_server")
+
+#: Seconds between two INFO lines about the same recurring event (a version published; a worker
+#: applying one); the versions between go to DEBUG.
+LOG_EVERY_S = 10.0
 
 #: Counter names (defined once; the launcher forwards them to Redis/Prometheus).
 COUNTERS = (
@@ -40,11 +48,55 @@ COUNTERS = (
 )
 
 
+class PacedLog:
+    """INFO lines for an event that recurs many times a second, per key (a parameter set's
+    publishes; a worker's applies): the first at once, then at most one each ``every_s``, saying
+    how many came since the line before and the slowest of them; the others go to DEBUG.
+    :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final state
+    (the server flushes when it stops). Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
+        self.logger, self.every_s, self.clock = logger, float(every_s), clock
+        self._keys: dict[Any, list[Any]] = {}  # key -> [time of its last INFO line, events since, slowest, held event]
+        self._lock = threading.Lock()
+
+    def event(self, key: Any, seconds: float, msg: str, *args: Any) -> None:
+        """One event of ``key`` that took ``seconds``; ``msg % args`` describes it."""
+        now = self.clock()
+        with self._lock:
+            state = self._keys.get(key)
+            if state is not None and now - state[0] < self.every_s:
+                state[1] += 1
+                state[2] = max(state[2], seconds)
+                state[3] = (msg, args)
+                self.logger.debug(msg, *args)
+                return
+            since, slowest = (state[1], state[2]) if state is not None else (0, 0.0)
+            self._keys[key] = [now, 0, 0.0, None]
+        self._info(msg, args, since, max(slowest, seconds))
+
+    def flush(self) -> None:
+        with self._lock:
+            held = [(s[3], s[1], s[2]) for s in self._keys.values() if s[3] is not None]
+            for s in self._keys.values():
+                s[1], s[2], s[3] = 0, 0.0, None
+        for (msg, args), since, slowest in held:
+            self._info(msg, args, since - 1, slowest)
+
+    def _info(self, msg: str, args: tuple[Any, ...], since: int, slowest: float) -> None:
+        """``since``: events between the previous INFO line of the key and this one."""
+        if since > 0:
+            msg += " (%d more since the line before, the slowest %.3f s)"
+            args = (*args, since, slowest)
+        self.logger.info(msg, *args)
+
+
 class ServerMetrics:
-    def __init__(self, history: int = 32) -> None:
+    def __init__(self, history: int = 32, log_every_s: float = LOG_EVERY_S) -> None:
         self.history = history
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.versions: dict[str, OrderedDict[int, dict[str, Any]]] = {}
+        self.log = PacedLog(log, log_every_s)  # published versions (per name) and applies (per worker and name)
         self._lock = threading.Lock()
 
     def count(self, key: str, n: int = 1) -> None:
@@ -118,7 +170,8 @@ class ServerMetrics:
                 return None  # unknown version (evicted from history) or a repeated report
             latency = now_mono - rec["_begin_mono"]
             rec["applied"][worker] = {"latency_s": latency, "apply_s": apply_s}
-        log.info("worker %s applied %s v%d %.3f s after publish began", worker, name, version, latency)
+        self.log.event(("applied", worker, name), latency, "worker %s applied %s v%d %.3f s after publish began",
+                       worker, name, version, latency)
         return latency
 
     def snapshot(self, held: dict[str, list[int]]) -> dict[str, Any]:

@@ -213,6 +213,7 @@ class WeightServer:
         if self._closed:
             return
         self._closed = True
+        self._metrics.log.flush()  # the log ends on the last version published and applied
         if self.persister is not None:
             self.persister.close()
         for sock in (self.router, self.pub):
