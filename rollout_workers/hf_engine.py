@@ -66,6 +66,7 @@ refused with a clear error; use the vllm engine for them.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 from collections import deque
@@ -77,7 +78,7 @@ from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
-from rollout_workers.slot_kv import SlotKVCache, round_up, slot_attention_for
+from rollout_workers.slot_kv import SlotKVCache, direct_forward, direct_forward_supported, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class HFEngine:
         self._parked_count = 0
         dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(config, self.slots, self.max_model_len, dtype, self.device)
+        self._direct = direct_forward_supported(model)  # else the model's own forward, slot attention plugged in
         self._graphs = _DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
         # Static inputs of a decoding pass (rows 0..n-1 are used): what a CUDA graph reads.
         self._in_ids_pos = torch.zeros(2, self.slots, dtype=torch.long, device=self.device)  # token ids; positions
@@ -194,7 +196,7 @@ class HFEngine:
         self._known[request.request_id] = request
 
     def step(self) -> list[GenResult]:
-        with torch.inference_mode(), slot_attention_for(self.model):
+        with torch.inference_mode(), contextlib.nullcontext() if self._direct else slot_attention_for(self.model):
             if self._release_finished() | self._admit():
                 self._pack()
             first = self._prefill()
@@ -376,8 +378,11 @@ class HFEngine:
         the last input's logits ``[n, V]``. ``seen``: columns any real input may attend to."""
         width = self.cache.columns if self._graphs is not None else min(self.cache.columns, round_up(seen, 8))
         self.cache.select(rows, positions, width)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.cache.attention_mask(positions, width),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        mask = self.cache.attention_mask(positions, width)
+        if self._direct:
+            return direct_forward(self.model, ids, positions, mask, self.cache)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def _decode_pass(self, rows: torch.Tensor | int, n: int, seen: int, use_top_k: bool,

@@ -11,14 +11,19 @@ writes); the attention of a token at position ``p`` sees columns ``0..p`` of its
 last column is a scratch column no real token ever reaches: inputs that only fill a batch (a
 free slot inside a decoding batch, the padding of a prefill chunk) write there.
 
-The attention itself is :func:`slot_attention`, plugged into a transformers model for the
-duration of the engine's forward passes (:func:`slot_attention_for`); it folds grouped-query
-heads into the query axis so SDPA reads each K/V head once instead of a repeated copy.
+The attention itself is :func:`slot_attention`; it folds grouped-query heads into the query axis
+so SDPA reads each K/V head once instead of a repeated copy. Llama and Qwen2 models run through
+:func:`direct_forward`, which calls the model's own modules in the order its forward does,
+without the work around them (argument handling, mask building, output capture) that on a small
+model costs more than its arithmetic; any other model runs its own forward with
+:func:`slot_attention` plugged in for the duration of the engine's passes
+(:func:`slot_attention_for`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -151,6 +156,42 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             mask = mask[:, :, None].expand(n, 1, group, q_len, width).reshape(n, 1, group * q_len, width)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(n, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+#: Causal LMs :func:`direct_forward` runs: pre-norm attention and MLP blocks with rotary positions,
+#: whose forward passes (transformers 5) are those modules called in this order and nothing else.
+DIRECT_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+
+
+def direct_forward_supported(model: torch.nn.Module) -> bool:
+    """Whether :func:`direct_forward` computes what ``model``'s own forward does (not for a
+    subclass, which may change it, or a sliding-window layer)."""
+    return type(model).__name__ in DIRECT_MODELS and all(
+        getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers)
+
+
+def direct_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                   cache: SlotKVCache) -> torch.Tensor:
+    """The logits ``[n, V]`` of the last of ``ids`` ``[n, C]`` at ``positions`` through ``cache``
+    (its :meth:`~SlotKVCache.select` done; ``mask`` from :meth:`~SlotKVCache.attention_mask`), for
+    a :func:`direct_forward_supported` model: its embedding, rotary, norm, projection, MLP and
+    head modules (a LoRA layer in place of a projection included) with the arithmetic of its
+    attention and decoder layers, the same operations in the same order."""
+    inner = model.model
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, position_ids=positions)
+    rotate = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    n, c = ids.shape
+    for layer in inner.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (n, c, -1, attn.head_dim)
+        q, k = rotate(attn.q_proj(x).view(shape).transpose(1, 2), attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
+        k, v = cache.update(k, attn.v_proj(x).view(shape).transpose(1, 2), attn.layer_idx)
+        out, _ = slot_attention(attn, q, k, v, mask, scaling=attn.scaling)
+        hidden = hidden + attn.o_proj(out.reshape(n, c, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden[:, -1]))
 
 
 @contextlib.contextmanager

@@ -84,6 +84,58 @@ def test_logprob_parity_with_a_plain_forward_pass(fresh_policy, tokenizer, attn)
     assert worst < PARITY_ATOL, f"behaviour log-probs differ from the recomputation by {worst}"
 
 
+def tiny_qwen2(vocab_size: int) -> torch.nn.Module:
+    """A Qwen2 causal LM of the tiny model's size: biased q/k/v projections, 2 K/V heads for 4."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(config).eval()
+    for layer in model.model.layers:  # transformers zero-initialises biases: make them count
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_direct_forward_computes_what_the_models_own_forward_does(fresh_policy, tokenizer, arch):
+    # The engine runs Llama and Qwen2 models through slot_kv.direct_forward (their modules, in
+    # their order, without their forward's wrapping). The same workload with the model's own
+    # forward (slot attention plugged in) must give the same tokens and log-probs, bit for bit:
+    # the same operations on the same inputs in the same order.
+    model = fresh_policy if arch == "llama" else tiny_qwen2(len(tokenizer))
+    params = {i: SamplingParams(temperature=0.8, top_k=20, max_new_tokens=4 + 5 * i, ignore_eos=True) for i in range(6)}
+    results = {}
+    for direct in (True, False):
+        engine = HFEngine(model, tokenizer, slots=3, seed=1)
+        assert engine._direct
+        engine._direct = direct
+        submit_parity_workload(engine, tokenizer, params.__getitem__)
+        results[direct] = run(engine)[0]
+    for i in range(6):
+        a, b = results[True][f"r{i}"], results[False][f"r{i}"]
+        assert a.num_tokens == 4 + 5 * i
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        assert a.logprobs.tolist() == b.logprobs.tolist()
+
+
+def test_models_direct_forward_does_not_know_run_their_own_forward(fresh_policy, tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from rollout_workers.slot_kv import direct_forward_supported
+
+    class Custom(LlamaForCausalLM):  # a subclass may change the forward pass
+        pass
+
+    assert direct_forward_supported(fresh_policy)
+    assert not direct_forward_supported(Custom(fresh_policy.config))
+    windowed = tiny_qwen2(len(tokenizer))
+    windowed.model.layers[1].self_attn.sliding_window = 16
+    assert not direct_forward_supported(windowed)
+    assert not HFEngine(Custom(fresh_policy.config).eval(), tokenizer, slots=2)._direct
+
+
 def reference_decode(models, result: GenResult, params: SamplingParams) -> tuple[list[int], np.ndarray]:
     """Batch-1 incremental decoding with a DynamicCache: no slots, no padding, no batching. The
     input that predicts token t is fed with the weights of ``versions[t]`` (the engine's in-flight
