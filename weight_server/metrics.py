@@ -51,13 +51,15 @@ COUNTERS = (
 class PacedLog:
     """INFO lines for an event that recurs many times a second, per key (a parameter set's
     publishes; a worker's applies): the first at once, then at most one each ``every_s``, saying
-    how many came since the line before and the slowest of them; the others go to DEBUG.
-    :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final state
-    (the server flushes when it stops). Thread-safe."""
+    how many came between it and the line before and the slowest of those; every event goes to
+    DEBUG. :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final
+    state (the server flushes when it stops). Thread-safe."""
 
     def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
         self.logger, self.every_s, self.clock = logger, float(every_s), clock
-        self._keys: dict[Any, list[Any]] = {}  # key -> [time of its last INFO line, events since, slowest, held event]
+        # key -> [time of its last INFO line, events between it and the held one, their slowest,
+        #         the held event (msg, args, seconds): the newest not at INFO, or None]
+        self._keys: dict[Any, list[Any]] = {}
         self._lock = threading.Lock()
 
     def event(self, key: Any, seconds: float, msg: str, *args: Any) -> None:
@@ -65,30 +67,42 @@ class PacedLog:
         now = self.clock()
         with self._lock:
             state = self._keys.get(key)
-            if state is not None and now - state[0] < self.every_s:
-                state[1] += 1
-                state[2] = max(state[2], seconds)
-                state[3] = (msg, args)
-                self.logger.debug(msg, *args)
-                return
-            since, slowest = (state[1], state[2]) if state is not None else (0, 0.0)
-            self._keys[key] = [now, 0, 0.0, None]
-        self._info(msg, args, since, max(slowest, seconds))
+            held = state is not None and now - state[0] < self.every_s
+            if held:
+                if state[3] is not None:  # the event held so far is one between now
+                    state[1] += 1
+                    state[2] = max(state[2], state[3][2])
+                state[3] = (msg, args, seconds)
+            else:
+                between = (0, 0.0) if state is None else _between(state)
+                self._keys[key] = [now, 0, 0.0, None]
+        if held:
+            self.logger.debug(msg, *args)
+        else:
+            self._info(msg, args, *between)
 
     def flush(self) -> None:
+        lines = []
         with self._lock:
-            held = [(s[3], s[1], s[2]) for s in self._keys.values() if s[3] is not None]
-            for s in self._keys.values():
-                s[1], s[2], s[3] = 0, 0.0, None
-        for (msg, args), since, slowest in held:
-            self._info(msg, args, since - 1, slowest)
+            for state in self._keys.values():
+                if state[3] is not None:
+                    lines.append((state[3][0], state[3][1], state[1], state[2]))
+                    state[1:] = [0, 0.0, None]
+        for msg, args, count, slowest in lines:
+            self._info(msg, args, count, slowest)
 
-    def _info(self, msg: str, args: tuple[Any, ...], since: int, slowest: float) -> None:
-        """``since``: events between the previous INFO line of the key and this one."""
-        if since > 0:
+    def _info(self, msg: str, args: tuple[Any, ...], count: int, slowest: float) -> None:
+        if count:
             msg += " (%d more since the line before, the slowest %.3f s)"
-            args = (*args, since, slowest)
+            args = (*args, count, slowest)
         self.logger.info(msg, *args)
+
+
+def _between(state: list[Any]) -> tuple[int, float]:
+    """(count, slowest) of the events since a key's last INFO line, the held one included."""
+    if state[3] is None:
+        return state[1], state[2]
+    return state[1] + 1, max(state[2], state[3][2])
 
 
 class ServerMetrics:

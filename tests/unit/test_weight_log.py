@@ -26,18 +26,18 @@ def test_first_event_at_once_then_one_line_per_interval_saying_what_came_between
     for v in range(1, 26):  # a version a second, each taking v ms
         paced.event("policy", v / 1000, "published v%d", v)
         clock.now += 1.0
-    # v1 at t=100; v2..v10 within 10 s of it (held); v11 at t=110 is the next line: 9 came
-    # between (v2..v10), the slowest of them and itself v11's 0.011 s; v21 at t=120 likewise.
+    # v1 at t=100; v2..v10 within 10 s of it (to DEBUG); v11 at t=110 is the next line: 9 came
+    # between (v2..v10), the slowest of them v10's 0.010 s; v21 at t=120 likewise.
     assert info_lines(caplog) == [
         "published v1",
-        "published v11 (9 more since the line before, the slowest 0.011 s)",
-        "published v21 (9 more since the line before, the slowest 0.021 s)",
+        "published v11 (9 more since the line before, the slowest 0.010 s)",
+        "published v21 (9 more since the line before, the slowest 0.020 s)",
     ]
-    # Every event is still at DEBUG.
+    # The others are at DEBUG.
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 25 - 3
     caplog.clear()
-    paced.flush()  # v22..v25 held: the last (v25) is written, with the 3 between (v22..v24)
-    assert info_lines(caplog) == ["published v25 (3 more since the line before, the slowest 0.025 s)"]
+    paced.flush()  # v22..v25 since v21: the last (v25) is written, with the 3 between (v22..v24)
+    assert info_lines(caplog) == ["published v25 (3 more since the line before, the slowest 0.024 s)"]
     caplog.clear()
     paced.flush()  # nothing held any more
     assert info_lines(caplog) == []
@@ -71,6 +71,6 @@ def test_server_metrics_log_applies_per_worker(caplog):
     caplog.clear()
     metrics.log.flush()
     assert info_lines(caplog) == [
-        f"worker {w} applied policy v3 1.500 s after publish began (1 more since the line before, the slowest 1.500 s)"
+        f"worker {w} applied policy v3 1.500 s after publish began (1 more since the line before, the slowest 1.000 s)"
         for w in ("w0", "w1")
     ]
