@@ -210,6 +210,10 @@ class Handlers:
         via = optional(obj, "via", str)
         if via not in P.RELEASE_VIA:
             raise WireError(f"field 'via' must be one of {P.RELEASE_VIA}, got {via!r}")
+        self._release_lease(lease, via)
+        self.out.send(ident, P.encode(P.SHM_RELEASED, rid=obj.get("rid"), lease=lease))
+
+    def _release_lease(self, lease: int, via: str | None) -> None:
         held = self.leases.release(lease)
         if held is None:
             raise Refused(
@@ -219,7 +223,6 @@ class Handlers:
             )
         if via is not None:
             self.metrics.pull_path(held.name, held.version, shm=via == "shm", fallback=via == "tcp")
-        self.out.send(ident, P.encode(P.SHM_RELEASED, rid=obj.get("rid"), lease=lease))
 
     def expire_leases(self, now: float) -> None:
         """Drop leases their pullers never released; those slabs are never recycled."""
@@ -286,6 +289,12 @@ class Handlers:
         name, version = P.req_name(obj), P.req_int(obj, "version")
         worker = require(obj, "worker", str)[:256]
         apply_s = optional(obj, "apply_s", float)
+        lease = P.optional_int(obj, "lease")
+        if lease is not None:  # released before the report is recorded: whoever sees the one sees the other
+            try:
+                self._release_lease(lease, "shm")
+            except Refused as exc:  # no answer to send: only logged
+                log.warning("worker %s applied %s v%d: %s", worker, name, version, exc)
         self.metrics.applied(name, version, worker, apply_s, time.monotonic())
 
     def metrics_req(self, ident: bytes, obj: dict[str, Any]) -> None:

@@ -29,7 +29,10 @@ Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply
                                                                 once the version is visible | ERROR (aborted)
     SHM_RELEASE {rid, lease, via: "shm"|"tcp"|nil}           -> SHM_RELEASED {rid, lease} | ERROR (unknown_lease)
                 (via: how the pull got its bytes, after the offer; nil: it got none, e.g. an aborted upload)
-    APPLIED     {name, version, worker, apply_s}             -> nothing (a metric)
+    APPLIED     {name, version, worker, apply_s, lease: int|nil}
+                                                             -> nothing (a metric; with a lease: a pull that read
+                                                                the slab and applied it releases it so, as SHM_RELEASE
+                                                                via shm would, without waiting for an answer)
     METRICS_REQ {rid}                                        -> METRICS {rid, metrics}
 
 Server -> subscribers (PUB -> SUB), topic frame = the parameter-set name::

@@ -11,8 +11,9 @@ mismatched version is never applied: the worker keeps running its current weight
 Same host (``shm=auto`` on both sides): the manifest may offer the version's slab file with a
 lease. After checking the server's token the worker maps the file read-only (cached per file),
 hashes every needed tensor straight from the mapping, copies into the target only when all match
-(through the pinned staging buffer for GPU targets), and releases the lease; no tensor byte
-crosses a socket. A token or mapping problem falls back to the TCP pull above, logged once.
+(through the pinned staging buffer for GPU targets), and releases the lease (with its APPLIED
+report when it applied the version: one message, no answer awaited); no tensor byte crosses a
+socket. A token or mapping problem falls back to the TCP pull above, logged once.
 
 Calls never hang: while the server is down, ``pull`` returns None after ``request_timeout_s``
 and ``poll_announcement`` keeps returning the newest version seen; both work again once the
@@ -172,8 +173,9 @@ class WeightSubscriber:
             return None
         if offer is None:
             return self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
-        # A lease pins the slab on the server until released: release it on every way out, except
-        # when the server stopped answering (it expires the lease by itself).
+        # A lease pins the slab on the server until released: release it on every way out (an
+        # applied shm pull does so with its APPLIED report), except when the server stopped
+        # answering (it expires the lease by itself).
         via = None
         try:
             plan = self._plan(layout, v, into, skip_unchanged)
@@ -183,13 +185,14 @@ class WeightSubscriber:
                 via = "tcp"
                 result = self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
             else:
-                result, via = self._pull_shm(man, layout, v, chunk_bytes, slab, into, *plan)
+                result, via = self._pull_shm(man, layout, v, chunk_bytes, slab, into, offer.lease, *plan)
         except NoReply:
             raise
         except BaseException:
             self._release(offer.lease, via)
             raise
-        self._release(offer.lease, via)
+        if via != "applied":
+            self._release(offer.lease, via)
         return result
 
     def _plan(self, layout: P.Layout, v: int, into: Any, skip_unchanged: bool) -> tuple[Any, list[int]] | None:
@@ -231,13 +234,14 @@ class WeightSubscriber:
 
     def _pull_shm(
         self, man: dict[str, Any], layout: P.Layout, v: int, chunk_bytes: int, slab: np.ndarray, into: Any,
-        target: Any, needed: list[int],
+        lease: int, target: Any, needed: list[int],
     ) -> tuple[Any, str | None]:
         """Read version ``v`` from the leased slab mapping: every needed tensor is hashed there (or
         while it is copied into the staging buffer) and nothing reaches the target unless all
         match. ``into=None`` gets its own copy, never a view of a slab the server may recycle.
         A followed upload is hashed as its bytes land and applied after the commit.
-        Returns (result, how the bytes came: "shm", or None when none were read)."""
+        Returns (result, how the bytes came: "shm", or None when none were read; "applied" when
+        they were applied into a target and the APPLIED report released ``lease``)."""
         staging = None
         if target is None or any(t.is_cuda for t in target.values()):
             staging = self._staging_for(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
@@ -262,7 +266,8 @@ class WeightSubscriber:
         if not self._verified(layout, v, needed, hashes):
             return None, "shm"
         self.stats["pulls_shm"] += 1
-        return self._finish(layout, v, staging if staging is not None else slab, target, into, needed), "shm"
+        result = self._finish(layout, v, staging if staging is not None else slab, target, into, needed, lease)
+        return result, "shm" if target is None else "applied"
 
     def _map(self, offer: P.ShmOffer) -> np.ndarray | None:
         try:
@@ -307,9 +312,11 @@ class WeightSubscriber:
         self._announced = v if self._announced is None else max(self._announced, v)
         return True
 
-    def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int]) -> Any:
+    def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int],
+                lease: int | None = None) -> Any:
         """Verified bytes in ``source`` (an owned staging tensor, or the slab mapping for an in-place
-        pull): return them (``into=None``) or apply them into the target and report it."""
+        pull): return them (``into=None``) or apply them into the target and report it (releasing
+        ``lease``, the slab's, with the report)."""
         self.stats["pulls"] += 1
         if target is None:
             self.version = v
@@ -319,7 +326,7 @@ class WeightSubscriber:
         apply_s = time.monotonic() - t_apply
         self._applied = (into, v, layout.signature(), layout.hashes())
         self.version = v
-        self.report_applied(v, apply_s)
+        self.report_applied(v, apply_s, lease)
         return v, None
 
     def _fetch(
@@ -425,10 +432,12 @@ class WeightSubscriber:
         if cuda:
             torch.cuda.synchronize()  # a CPU-GPU sync point: "applied" means the bytes are on the device
 
-    def report_applied(self, version: int, apply_s: float | None = None) -> None:
-        """Tell the server this worker applied ``version`` (the weight-sync latency metric).
-        Best effort: dropped silently when the server is down."""
+    def report_applied(self, version: int, apply_s: float | None = None, lease: int | None = None) -> None:
+        """Tell the server this worker applied ``version`` (the weight-sync latency metric), and
+        release ``lease`` (a slab the bytes were read from) with it: one message, no answer
+        awaited. Best effort: dropped silently when the server is down (a lease then expires)."""
         try:
-            self.channel.send(P.APPLIED, timeout_s=0.2, name=self.name, version=int(version), worker=self.worker_id, apply_s=apply_s)
+            self.channel.send(P.APPLIED, timeout_s=0.2, name=self.name, version=int(version), worker=self.worker_id,
+                              apply_s=apply_s, lease=lease)
         except NoReply:
             pass

@@ -159,8 +159,10 @@ def test_in_place_module_pull_and_delta_over_shm(peers):
     assert sub.stats["bytes_shm"] - shm_bytes == 4 * 2
     assert torch.equal(dst[2].bias, src[2].bias.to(torch.bfloat16).float())
     assert torch.equal(dst[0].weight, src[0].weight.to(torch.bfloat16).float())  # filled from the base by the server
-    rec = peers.srv.metrics()["versions"]["policy"][3]
+    # an in-place pull gives its lease back with its APPLIED report, which nothing answers
+    rec = wait_for(lambda: (r := peers.srv.metrics()["versions"]["policy"][3])["applied"] and r, 30, "v3 applied")
     assert (rec["delta"], rec["wire_bytes"], rec["pulls_shm"]) == (True, 8, 1)
+    assert peers.srv.handlers.leases.held == {}
 
 
 def test_shm_publisher_with_tcp_worker_and_tcp_publisher_with_shm_worker(peers):
@@ -172,6 +174,7 @@ def test_shm_publisher_with_tcp_worker_and_tcp_publisher_with_shm_worker(peers):
     assert tcp_pub.publish(2, _tensors(2)).via == "tcp"
     assert shm_sub.pull(into=targets["shm"]) == (2, None) and _same(targets["shm"], _tensors(2))
     assert (tcp_sub.stats["pulls_tcp"], shm_sub.stats["pulls_shm"]) == (1, 1)
+    wait_for(lambda: peers.srv.metrics()["versions"]["policy"][2]["applied"], 30, "v2 applied")  # its lease with it
     c = _counters(peers.srv)
     assert (c["publishes_shm"], c["pulls_shm"], c["pulls_tcp"]) == (1, 1, 1)
 
@@ -266,6 +269,24 @@ def test_a_leased_slab_is_not_recycled_until_released(peers):
     assert (rep["kind"], rep["code"]) == (P.ERROR, P.E_UNKNOWN_LEASE)
     assert "already released, expired" in rep["message"]
     assert _counters(peers.srv)["pulls_shm"] == 1
+
+
+def test_an_applied_report_gives_the_lease_back_and_an_unknown_one_is_only_logged(peers, caplog):
+    # What an in-place pull does after applying the slab's bytes: APPLIED carries its lease, and
+    # nothing answers it. A lease the server does not know (sent twice, expired) is logged; the
+    # report still counts and the server serves on.
+    pub, ch = peers.pub(), peers.channel()
+    pub.publish(1, _tensors(1))
+    lease = _lease(ch, 1)[0]
+    assert lease in peers.srv.handlers.leases.held
+    ch.send(P.APPLIED, name="policy", version=1, worker="w0", apply_s=0.001, lease=lease)
+    wait_for(lambda: "w0" in peers.srv.metrics()["versions"]["policy"][1]["applied"], 30, "w0's report")
+    assert peers.srv.handlers.leases.held == {} and _counters(peers.srv)["pulls_shm"] == 1
+    ch.send(P.APPLIED, name="policy", version=1, worker="w1", apply_s=0.001, lease=lease)
+    wait_for(lambda: "w1" in peers.srv.metrics()["versions"]["policy"][1]["applied"], 30, "w1's report")
+    assert f"worker w1 applied policy v1: lease {lease} is unknown" in caplog.text
+    assert _counters(peers.srv)["pulls_shm"] == 1
+    assert ch.request(P.MANIFEST_REQ, name="policy", version=1, pending=False, shm=True)["kind"] == P.MANIFEST
 
 
 def test_an_expired_lease_taints_its_slab_which_is_dropped_not_recycled(peers, caplog):
@@ -409,6 +430,7 @@ def test_a_follower_hashes_from_shared_memory_while_the_upload_arrives_and_appli
     assert ch.request(P.PUB_COMMIT, upload=ready["upload"], shm=True)["kind"] == P.PUB_DONE
     follower.join(5)
     assert result["res"] == (2, None) and _same(target, data) and sub.stats["pulls_shm"] == 2
+    wait_for(lambda: peers.srv.metrics()["versions"]["policy"][2]["applied"], 30, "v2 applied")  # its lease with it
     assert peers.srv.handlers.leases.held == {}
 
 
