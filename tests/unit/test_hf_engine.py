@@ -120,7 +120,7 @@ def test_direct_forward_computes_what_the_models_own_forward_does(fresh_policy, 
         assert a.logprobs.tolist() == b.logprobs.tolist()
 
 
-def test_models_direct_forward_does_not_know_run_their_own_forward(fresh_policy, tokenizer):
+def test_models_the_direct_forward_does_not_know_run_their_own_forward(fresh_policy, tokenizer):
     from transformers import LlamaForCausalLM
 
     from rollout_workers.slot_kv import direct_forward_supported
