@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("weight_server")
@@ -48,6 +49,28 @@ COUNTERS = (
 )
 
 
+@dataclass
+class _Pace:
+    """One key of a :class:`PacedLog`."""
+
+    last_info: float  # when its last INFO line was written
+    between: int = 0  # events after that line and before the held one
+    slowest: float = 0.0  # the slowest of those
+    held: tuple[str, tuple[Any, ...], float] | None = None  # the newest event not at INFO: (msg, args, seconds)
+
+    def hold(self, msg: str, args: tuple[Any, ...], seconds: float) -> None:
+        if self.held is not None:  # the event held so far is one between now
+            self.between += 1
+            self.slowest = max(self.slowest, self.held[2])
+        self.held = (msg, args, seconds)
+
+    def since(self) -> tuple[int, float]:
+        """(count, slowest) of every event after the last INFO line, the held one included."""
+        if self.held is None:
+            return self.between, self.slowest
+        return self.between + 1, max(self.slowest, self.held[2])
+
+
 class PacedLog:
     """INFO lines for an event that recurs many times a second, per key (a parameter set's
     publishes; a worker's applies): the first at once, then at most one each ``every_s``, saying
@@ -57,37 +80,32 @@ class PacedLog:
 
     def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
         self.logger, self.every_s, self.clock = logger, float(every_s), clock
-        # key -> [time of its last INFO line, events between it and the held one, their slowest,
-        #         the held event (msg, args, seconds): the newest not at INFO, or None]
-        self._keys: dict[Any, list[Any]] = {}
+        self._keys: dict[Any, _Pace] = {}
         self._lock = threading.Lock()
 
     def event(self, key: Any, seconds: float, msg: str, *args: Any) -> None:
         """One event of ``key`` that took ``seconds``; ``msg % args`` describes it."""
         now = self.clock()
         with self._lock:
-            state = self._keys.get(key)
-            held = state is not None and now - state[0] < self.every_s
+            pace = self._keys.get(key)
+            held = pace is not None and now - pace.last_info < self.every_s
             if held:
-                if state[3] is not None:  # the event held so far is one between now
-                    state[1] += 1
-                    state[2] = max(state[2], state[3][2])
-                state[3] = (msg, args, seconds)
+                pace.hold(msg, args, seconds)
             else:
-                between = (0, 0.0) if state is None else _between(state)
-                self._keys[key] = [now, 0, 0.0, None]
+                since = pace.since() if pace is not None else (0, 0.0)
+                self._keys[key] = _Pace(now)
         if held:
             self.logger.debug(msg, *args)
         else:
-            self._info(msg, args, *between)
+            self._info(msg, args, *since)
 
     def flush(self) -> None:
         lines = []
         with self._lock:
-            for state in self._keys.values():
-                if state[3] is not None:
-                    lines.append((state[3][0], state[3][1], state[1], state[2]))
-                    state[1:] = [0, 0.0, None]
+            for key, pace in self._keys.items():
+                if pace.held is not None:
+                    lines.append((*pace.held[:2], pace.between, pace.slowest))
+                    self._keys[key] = _Pace(pace.last_info)
         for msg, args, count, slowest in lines:
             self._info(msg, args, count, slowest)
 
@@ -96,13 +114,6 @@ class PacedLog:
             msg += " (%d more since the line before, the slowest %.3f s)"
             args = (*args, count, slowest)
         self.logger.info(msg, *args)
-
-
-def _between(state: list[Any]) -> tuple[int, float]:
-    """(count, slowest) of the events since a key's last INFO line, the held one included."""
-    if state[3] is None:
-        return state[1], state[2]
-    return state[1] + 1, max(state[2], state[3][2])
 
 
 class ServerMetrics:
