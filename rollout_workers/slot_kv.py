@@ -165,8 +165,9 @@ DIRECT_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
 def direct_forward_supported(model: torch.nn.Module) -> bool:
     """Whether :func:`direct_forward` computes what ``model``'s own forward does (not for a
-    subclass, which may change it, or a sliding-window layer)."""
-    return type(model).__name__ in DIRECT_MODELS and all(
+    subclass, which may change it, even one of the same name, or a sliding-window layer)."""
+    cls = type(model)
+    return cls.__name__ in DIRECT_MODELS and cls.__module__.startswith("transformers.models.") and all(
         getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers)
 
 

@@ -130,6 +130,8 @@ def test_models_the_direct_forward_does_not_know_run_their_own_forward(fresh_pol
 
     assert direct_forward_supported(fresh_policy)
     assert not direct_forward_supported(Custom(fresh_policy.config))
+    same_name = type("LlamaForCausalLM", (LlamaForCausalLM,), {})  # a user's class, named as the library's
+    assert not direct_forward_supported(same_name(fresh_policy.config))
     windowed = tiny_qwen2(len(tokenizer))
     windowed.model.layers[1].self_attn.sliding_window = 16
     assert not direct_forward_supported(windowed)
