@@ -83,6 +83,7 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
         "generated_tokens_per_s": summary["throughput"]["generated_tokens_per_s"],
         "learner_compute_s": summary["throughput"]["learner_compute_s"],
         "learner_wait_s": summary["throughput"]["learner_wait_s"],
+        "learner_read_s": summary["throughput"]["learner_read_s"],
         "learner_mfu": summary["throughput"].get("learner_mfu"),
         "cpu_ms_per_update": cpu.result(),
         "_tail": tail,

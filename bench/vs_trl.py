@@ -235,7 +235,7 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
             "training_window_s": row["training_window_s"], "trained_samples_per_s": row["trained_samples_per_s"],
             "reward_start": row["reward_start"], "reward_last_quarter": row["reward_last_quarter"],
             "staleness_mean": row["staleness_mean"], "learner_compute_s": row["learner_compute_s"],
-            "learner_wait_s": row["learner_wait_s"], "learner_mfu": row["learner_mfu"],
+            "learner_wait_s": row["learner_wait_s"], "learner_read_s": row["learner_read_s"], "learner_mfu": row["learner_mfu"],
             "generated_tokens_per_s": row["generated_tokens_per_s"], "cpu_ms_per_update": row["cpu_ms_per_update"]}
 
 

@@ -58,6 +58,7 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         if res[0] == b"ok":
             groups: list[Group] = []
             ceiling = newest_version(store, max(learner_version, newest))
+            t0 = time.perf_counter()
             items = res[1:]
             for i in range(0, len(items), 2):
                 flat = items[i + 1] or []
@@ -65,6 +66,7 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
                 groups.append(decode_entry(items[i].decode(), fields, params, store.cfg.max_record_bytes, ceiling))
             batch = build_batch(groups, consumer, learner_version)
             st.handed.update(handed_of(batch))
+            batch.decode_s = time.perf_counter() - t0
             return batch
         remaining = deadline - time.monotonic()
         if remaining <= 0:

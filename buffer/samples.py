@@ -92,6 +92,9 @@ class Batch:
     staleness: dict[str, Any]
     dead: dict[str, list[tuple[str, str, str, bytes]]] = field(default_factory=dict, repr=False)
     retire: set[str] = field(default_factory=set, repr=False)
+    # seconds this process spent decoding and validating the batch's records (CPU work, apart from
+    # the wait for them to arrive): the learner's ``learner/time_read_s``
+    decode_s: float = 0.0
 
     @property
     def group_sizes(self) -> list[int]:
@@ -295,6 +298,7 @@ class LearnerState:
     carry: list[Group] = field(default_factory=list)
     handed: dict[str, Handed] = field(default_factory=dict)
     synced_at: int | None = None  # Buffer.retry.reconnects when last synced; None: never
+    decode_s: float = 0.0  # decoding of the carried groups, not yet handed to a batch
 
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
@@ -310,9 +314,11 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
             _resync(store, params, consumer, st, newest_version(store, floor))
         _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
+            t0 = time.perf_counter()
             chosen, st.carry = st.carry[:want], st.carry[want:]
             batch = build_batch(chosen, consumer, learner_version)
             st.handed.update(handed_of(batch))
+            batch.decode_s, st.decode_s = st.decode_s + time.perf_counter() - t0, 0.0
             return batch
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -321,8 +327,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         stored, res = store.retry(_read_new, store.redis, consumer, want - len(st.carry), block_ms,
                                   keys=[store.keys.version, store.keys.samples])
         ceiling = max(floor, control_int(stored, store.keys.version, ""))
+        t0 = time.perf_counter()
         for entry_id, fields in stream_entries(res):
             st.carry.append(decode_entry(_text(entry_id), fields, params, store.cfg.max_record_bytes, ceiling))
+        st.decode_s += time.perf_counter() - t0
 
 
 def _read_new(client: Any, consumer: str, count: int, block_ms: int, keys: list[str]) -> list[Any]:

@@ -378,7 +378,10 @@ class Learner:
         if batch is not None and self._replay:
             # re-delivered entries come first: a batch without one means none is coming back
             self._replay = self._replay - set(batch.ids) if self._replay & set(batch.ids) else set()
-        wait_s = time.monotonic() - t_wait
+        # waiting: from the end of the last update until this one starts, less rank 0's decoding of
+        # the batch (CPU work of its own, reported as learner/time_read_s)
+        read_s = batch.decode_s if batch is not None else 0.0
+        wait_s = max(0.0, time.monotonic() - t_wait - read_s)
         lags = [read_version - smp.oldest_version for smp in samples]
         t_compute = time.monotonic()
         metrics = self.updater.update(samples, read_version)
@@ -395,6 +398,7 @@ class Learner:
             "learner/updates": self.updates,
             "learner/samples_trained": self.samples_trained,
             "learner/time_wait_s": wait_s,
+            "learner/time_read_s": read_s,
             "learner/time_compute_s": compute_s,
             "learner/time_publish_s": self._last_publish_s,
             "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],

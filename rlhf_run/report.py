@@ -320,6 +320,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
     wait = sum(r.get(M.TIME_WAIT_S, 0.0) for r in rows)
+    read = sum(r.get(M.TIME_READ_S, 0.0) for r in rows)
     publish = sum(r.get(M.TIME_PUBLISH_S, 0.0) for r in rows)
     # the learner's active window (first to last update), so start-up time does not dilute the rate
     window = [r for r in rows if since is None or r.get(M.TIME, 0.0) >= since] or rows
@@ -349,6 +350,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "generated_tokens_per_s": sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers.values()),
             "learner_compute_s": compute,
             "learner_wait_s": wait,
+            "learner_read_s": read,
             "learner_publish_s": publish,
             "learner_tflops": _mean([r.get(M.TRAIN_TFLOPS) for r in rows]),
             "learner_mfu": _mean([r.get(M.MFU) for r in rows]),  # None without a known device peak
@@ -375,7 +377,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  staleness mean {f(s['staleness_mean'])}, max {f(s['staleness_max'])} (limit {s['max_staleness']})",
         f"  throughput: generated {t['generated_tokens_per_s']:.0f} tok/s ({t['generated_samples_per_s']:.1f} samples/s), "
         f"trained {t['trained_samples_per_s']:.1f} samples/s; learner compute {t['learner_compute_s']:.0f} s, "
-        f"waiting {t['learner_wait_s']:.0f} s, publishing {t['learner_publish_s']:.1f} s",
+        f"reading batches {t['learner_read_s']:.1f} s, waiting {t['learner_wait_s']:.0f} s, "
+        f"publishing {t['learner_publish_s']:.1f} s (on its own thread)",
     ]
     dropped, generated = s.get("samples_dropped_stale") or 0, s["samples_generated"] or 0
     if generated and dropped > 0.1 * generated:

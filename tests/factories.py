@@ -85,3 +85,23 @@ def sized_sample(prompt_id: str, index: int, group_size: int, payload_bytes: int
     """A sample whose encoding is about ``payload_bytes`` long (int32 ids + float32 log-probs: 8 bytes/token)."""
     tokens = max(1, (payload_bytes - 450) // 8)
     return sample(prompt_id, index=index, group_size=group_size, version=version, response_tokens=tokens, prompt_tokens=16)
+
+
+def fake_decode_clock(monkeypatch, module) -> None:
+    """``module``'s decode_entry advances its perf_counter by exactly 1.0 per entry (and nothing else
+    does): a batch's ``decode_s`` then counts the entries decoded for it, whatever the wait."""
+    import time
+    import types
+
+    from buffer import samples
+
+    clock = [0.0]
+    real = samples.decode_entry
+
+    def decode(*args, **kwargs):
+        clock[0] += 1.0
+        return real(*args, **kwargs)
+
+    names = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(**{**names, "perf_counter": lambda: clock[0]}))
+    monkeypatch.setattr(module, "decode_entry", decode)

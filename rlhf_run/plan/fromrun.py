@@ -4,8 +4,8 @@ Where no calibration can run (a cluster run already done, a machine one cannot s
 run's own records give most stage costs, more coarsely than :mod:`rlhf_run.plan.measure`:
 
 * the learner, from ``metrics.jsonl``: ``learner/time_compute_s`` fitted against the batch's
-  tokens; what each update spends besides computing and waiting (snapshot, metrics,
-  checkpoints) from the time between updates; ``learner/time_publish_s`` is the send;
+  tokens; decoding a batch from ``learner/time_read_s``; what each update spends besides
+  computing, reading and waiting (snapshot, metrics, checkpoints) from the time between updates; ``learner/time_publish_s`` is the send;
 * generation, from the workers' last heartbeats in ``timeline.jsonl``: time in the engine per
   token; with the run's slots and the share of slots busy this becomes a per-step cost;
 * lengths, from ``reward/response_len_mean`` and ``reward/truncated_frac`` (a two-point
@@ -58,7 +58,11 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     tokens = [float(r.get("learner/num_tokens", 0.0)) for r in rows]
     compute = [float(r.get(M.TIME_COMPUTE_S, 0.0)) for r in rows]
     coef = fit([[1.0, t] for t in tokens], compute)
-    gaps = [b[M.TIME] - a[M.TIME] - b.get(M.TIME_WAIT_S, 0.0) - b.get(M.TIME_COMPUTE_S, 0.0) for a, b in zip(rows, rows[1:])]
+    gaps = [b[M.TIME] - a[M.TIME] - b.get(M.TIME_WAIT_S, 0.0) - b.get(M.TIME_READ_S, 0.0) - b.get(M.TIME_COMPUTE_S, 0.0)
+            for a, b in zip(rows, rows[1:])]
+    # decoding a batch, per sample (0 for a run from before the learner reported it: then it is in per_update)
+    read_per_sample = statistics.median(float(r.get(M.TIME_READ_S, 0.0)) / max(1.0, float(r.get("learner/num_samples", batch)))
+                                        for r in rows)
     every = max(1, cfg.learner.checkpoint_every)
     plain = [g for r, g in zip(rows[1:], gaps) if r.get(M.UPDATES, 0) % every]
     ckpt = [g for r, g in zip(rows[1:], gaps) if not r.get(M.UPDATES, 0) % every]
@@ -100,7 +104,7 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
         worker=Worker(per_iteration=0.0, claim_call=0.0, per_prompt=0.0, emit_call=0.0, per_sample_emit=0.0,
                       score_batch=0.0, score_sample=0.0),
         learner=Learner(update_base=coef[0], update_per_micro=0.0, update_per_sample=0.0, update_per_token=coef[1],
-                        per_update=per_update, read_base=0.0, read_per_sample=0.0, checkpoint_s=checkpoint),
+                        per_update=per_update, read_base=0.0, read_per_sample=read_per_sample, checkpoint_s=checkpoint),
         sync=Sync(bytes=sync_bytes, transport="shm" if cfg.weight_server.shm == "auto" else "tcp", snapshot_base=0.0,
                   snapshot_per_byte=0.0, send_base=send, send_per_byte=0.0, pull_base=pull_s, pull_per_byte=0.0),
         notes=["fitted from a run's records: wall-clock costs under that run's own sharing of the machine "

@@ -163,6 +163,22 @@ def test_read_batch_times_out_and_keeps_what_it_read(redis_url):
     assert [g.group_id for g in batch.groups] == ["g-p0", "g-p1", "g-p2"]
 
 
+def test_a_batch_reports_the_decoding_of_its_records_and_not_the_wait(redis_url, monkeypatch):
+    from buffer import samples
+
+    T.fake_decode_clock(monkeypatch, samples)
+    buf = _connect(redis_url)
+    buf.init_run(batch_size=12, group_size=4, max_staleness=8)
+    _produce(buf, 2)
+    assert buf.read_batch("L", 0, 12, timeout_s=0.2) is None  # decodes 2 groups, waits 0.2 s for a third
+    _produce(buf, 1, start=2)
+    batch = buf.read_batch("L", 0, 12, timeout_s=1.0)
+    # the two groups carried from the call that timed out count with the one read now; the wait does not
+    assert batch.decode_s == 3.0
+    _produce(buf, 3, start=3)
+    assert buf.read_batch("L", 0, 12, timeout_s=1.0).decode_s == 3.0  # nothing counted twice
+
+
 def test_commit_ids_later_records_read_time_staleness(redis_url):
     """The learner commits at checkpoint time, versions later: the histogram keeps the lag at read time."""
     buf = _connect(redis_url)

@@ -96,6 +96,18 @@ def test_each_sample_is_used_exactly_max_reuse_times(redis_url):
     assert buf.redis.xlen(buf.keys.samples) == 0
 
 
+def test_a_replayed_batch_reports_the_decoding_of_its_records(redis_url, monkeypatch):
+    from buffer import replay
+
+    T.fake_decode_clock(monkeypatch, replay)
+    buf = _buf(redis_url, "decode", max_reuse=2)
+    _insert(buf, 2)
+    for _ in range(2):  # each draw decodes its two groups again
+        batch = buf.read_batch("L", 0, B, timeout_s=0.5)
+        assert batch.decode_s == 2.0
+        buf.commit(batch)
+
+
 def test_capacity_evicts_the_stalest_first(redis_url):
     buf = _buf(redis_url, "cap", max_reuse=2, capacity=8)
     for version in range(4):

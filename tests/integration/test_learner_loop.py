@@ -248,6 +248,8 @@ def check_accounting(run: Run, updates: int) -> None:
     assert sorted(by_update) == list(range(1, updates + 1))
     assert sum(int(m["learner/num_samples"]) for m in by_update.values()) == updates * BATCH
     assert by_update[updates]["learner/samples_trained"] == updates * BATCH
+    # decoding the batch is reported apart from waiting for it
+    assert all(m["learner/time_read_s"] > 0 and m["learner/time_wait_s"] >= 0 for m in by_update.values())
     # nothing lost: every appended sample was trained once, dropped as stale (counted) or is still there
     assert c["dead_letters"] == 0 and c["samples_dead_lettered"] == 0
     in_stream = run.stream_samples()

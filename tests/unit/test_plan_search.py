@@ -209,3 +209,26 @@ def test_unusable_profiles_say_what_to_do(tmp_path, cpu_profile):
 def test_a_saved_profile_loads_back_equal(tmp_path, cpu_profile, gpu_profile):
     for profile in (cpu_profile, gpu_profile):
         assert load(profile.save(tmp_path / "p.json")) == profile
+
+
+def test_a_profile_from_a_run_counts_decoding_batches_as_the_learners_read(tmp_path):
+    """A run's rows with ``learner/time_read_s``: the read moves out of the per-update rest into
+    ``read_per_sample`` (the stored run predates the metric: its read was in the waits)."""
+    import json
+    import shutil
+
+    from rlhf_run.plan.fromrun import profile_from_run
+
+    run = Path(__file__).parents[1] / "integration" / "data" / "plan_run"
+    before = profile_from_run(run).learner
+    assert before.read_per_sample == 0.0
+    shutil.copytree(run, tmp_path / "run")
+    path = tmp_path / "run" / "metrics.jsonl"
+    # every update decoded its 32 samples in 3.2 ms (1e-4 s each), taken from its wait
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [{**r, "learner/time_read_s": 0.0032, "learner/time_wait_s": r["learner/time_wait_s"] - 0.0032} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    after = profile_from_run(tmp_path / "run").learner
+    assert after.read_per_sample == pytest.approx(1e-4)
+    # the time between updates is the same: what was the wait's is the read's, the rest unchanged
+    assert after.per_update == pytest.approx(before.per_update)

@@ -64,6 +64,19 @@ def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
     assert old["rewards"]["scoring_share"] is None and "rewards:" not in format_summary(old)
 
 
+def test_the_summary_tells_decoding_batches_apart_from_waiting_for_them():
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    # 3 updates, each: compute 1.0 s, decoding its batch 0.5 s, waiting 2.0 s, publish 0.25 s on its thread
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i), "learner/time_compute_s": 1.0,
+             "learner/time_read_s": 0.5, "learner/time_wait_s": 2.0, "learner/time_publish_s": 0.25} for i in range(1, 4)]
+    s = summarize(Config(), rows, [], wall_s=10.0, exit_reason="done")
+    assert (s["throughput"]["learner_read_s"], s["throughput"]["learner_wait_s"]) == (1.5, 6.0)
+    assert format_summary(s).splitlines()[4].endswith(
+        "learner compute 3 s, reading batches 1.5 s, waiting 6 s, publishing 0.8 s (on its own thread)")
+
+
 def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summary():
     from rlhf_core.config import Config
     from rlhf_run.report import format_summary, summarize
