@@ -92,8 +92,9 @@ class Batch:
     staleness: dict[str, Any]
     dead: dict[str, list[tuple[str, str, str, bytes]]] = field(default_factory=dict, repr=False)
     retire: set[str] = field(default_factory=set, repr=False)
-    # seconds this process spent decoding and validating the batch's records (CPU work, apart from
-    # the wait for them to arrive): the learner's ``learner/time_read_s``
+    # seconds this process spent since the batch before decoding and validating records (and, after
+    # a restart, re-reading those delivered before), apart from waiting for new ones: the learner's
+    # ``learner/time_read_s``
     decode_s: float = 0.0
 
     @property
@@ -298,7 +299,7 @@ class LearnerState:
     carry: list[Group] = field(default_factory=list)
     handed: dict[str, Handed] = field(default_factory=dict)
     synced_at: int | None = None  # Buffer.retry.reconnects when last synced; None: never
-    decode_s: float = 0.0  # decoding of the carried groups, not yet handed to a batch
+    decode_s: float = 0.0  # reading and decoding since the last batch was handed out
 
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
@@ -310,8 +311,10 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
     deadline = time.monotonic() + max(0.0, timeout_s)
     floor = max(learner_version, newest)
     while True:
-        if st.synced_at != store.retry.reconnects:
+        if st.synced_at != store.retry.reconnects:  # re-reading what was delivered before counts as reading
+            t0 = time.perf_counter()
             _resync(store, params, consumer, st, newest_version(store, floor))
+            st.decode_s += time.perf_counter() - t0
         _filter(store, st, learner_version, params["max_staleness"])
         if len(st.carry) >= want:
             t0 = time.perf_counter()

@@ -177,6 +177,10 @@ def test_a_batch_reports_the_decoding_of_its_records_and_not_the_wait(redis_url,
     assert batch.decode_s == 3.0
     _produce(buf, 3, start=3)
     assert buf.read_batch("L", 0, 12, timeout_s=1.0).decode_s == 3.0  # nothing counted twice
+    buf.close()  # a crash before commit: a restarted learner re-reads the two batches, one at a time
+    restarted = _connect(redis_url)
+    assert restarted.read_batch("L", 0, 12, timeout_s=1.0).decode_s == 6.0  # all six re-read before the first
+    assert restarted.read_batch("L", 0, 12, timeout_s=1.0).decode_s == 0.0  # carried: decoded for the first
 
 
 def test_commit_ids_later_records_read_time_staleness(redis_url):
