@@ -87,7 +87,7 @@ def sized_sample(prompt_id: str, index: int, group_size: int, payload_bytes: int
     return sample(prompt_id, index=index, group_size=group_size, version=version, response_tokens=tokens, prompt_tokens=16)
 
 
-def fake_decode_clock(monkeypatch, module) -> None:
+def fake_decode_clock(monkeypatch: Any, module: Any) -> None:
     """``module``'s decode_entry advances its perf_counter by exactly 1.0 per entry (and nothing else
     does): a batch's ``decode_s`` then counts the entries decoded for it, whatever the wait."""
     import time
@@ -98,7 +98,7 @@ def fake_decode_clock(monkeypatch, module) -> None:
     clock = [0.0]
     real = samples.decode_entry
 
-    def decode(*args, **kwargs):
+    def decode(*args: Any, **kwargs: Any) -> Any:
         clock[0] += 1.0
         return real(*args, **kwargs)
 

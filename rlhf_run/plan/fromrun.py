@@ -5,7 +5,8 @@ run's own records give most stage costs, more coarsely than :mod:`rlhf_run.plan.
 
 * the learner, from ``metrics.jsonl``: ``learner/time_compute_s`` fitted against the batch's
   tokens; decoding a batch from ``learner/time_read_s``; what each update spends besides
-  computing, reading and waiting (snapshot, metrics, checkpoints) from the time between updates; ``learner/time_publish_s`` is the send;
+  computing, reading and waiting (snapshot, metrics, checkpoints) from the time between
+  updates; ``learner/time_publish_s`` is the send;
 * generation, from the workers' last heartbeats in ``timeline.jsonl``: time in the engine per
   token; with the run's slots and the share of slots busy this becomes a per-step cost;
 * lengths, from ``reward/response_len_mean`` and ``reward/truncated_frac`` (a two-point
