@@ -74,8 +74,8 @@ class _Pace:
 class PacedLog:
     """INFO lines for an event that recurs many times a second, per key (a parameter set's
     publishes; a worker's applies): the first at once, then at most one each ``every_s``, saying
-    how many came between it and the line before and the slowest of those; every event goes to
-    DEBUG. :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final
+    how many came between it and the line before and the slowest of those; the others go to
+    DEBUG (so with DEBUG on, every event has its line). :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final
     state (the server flushes when it stops). Thread-safe."""
 
     def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
