@@ -39,7 +39,7 @@ for arg in "$@"; do
     vs_trl) step vs_trl "${limit:-400}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
     gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ${GATEWAY_ARGS:-} ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
-    tests) step tests "${limit:-120}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py ;;
+    tests) step tests "${limit:-180}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py tests/integration/test_learner_gpu.py ;;
     *) echo "unknown step $what (generation, learner, vs_trl, gateway, tests)"; exit 2 ;;
   esac
 done

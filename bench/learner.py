@@ -17,6 +17,11 @@ micro-batches of ``micro_batch``):
 - ``learner deepspeed ZeRO-2`` (``--gpu`` only): the same with ``learner.engine=deepspeed``,
   bf16 with fp32 masters.
 
+Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
+whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
+its elementwise work in eager torch and through ``torch.compile`` (what ``learner.compile`` runs):
+how much of an update the head is, and what compiling its softmax passes saves.
+
 MFU = 6 x parameters x tokens / seconds / the device's dense bf16 peak (``learner.stats``); the
 learner's own ``learner/mfu`` metric is reported beside it. Each method: ``warmup`` updates,
 then the median of ``repeats`` timed ones (synchronised).
@@ -209,6 +214,37 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     return rows
 
 
+def head_rows(spec: dict[str, Any], path: Path, shape: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The fused LM head alone, forward and backward over ``batch x response_tokens`` hidden states
+    at the model's width and vocabulary (chunked as the learner chunks), eager and compiled."""
+    from learner.batch import _head_math, _LinearLogprobs
+    from rlhf_core.config import LearnerConfig
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    batch, _, _, response_tokens, _ = shape
+    n, device, dtype = batch * response_tokens, spec["device"], getattr(torch, spec["dtype"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, config.hidden_size, device=device, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(config.vocab_size, config.hidden_size, device=device, generator=gen) * 0.02).to(dtype).requires_grad_()
+    ids = torch.randint(0, config.vocab_size, (n,), device=device, generator=gen)
+    chunk = LearnerConfig().logits_chunk_tokens
+
+    def step(compiled: bool) -> None:
+        hidden.grad = weight.grad = None
+        logp, _ = _LinearLogprobs.apply(hidden, weight, ids, 1.0, chunk, True, _head_math(compiled))
+        logp.sum().backward()
+
+    rows = []
+    for compiled in (False, True):
+        seconds, _ = timed(partial(step, compiled), spec["warmup"], spec["repeats"], device)
+        rows.append({"math": "compiled" if compiled else "eager", "tokens": n, "vocab": config.vocab_size,
+                     "hidden": config.hidden_size, "chunk": chunk, "fwd_bwd_ms": seconds * 1e3})
+    del hidden, weight
+    release_memory()
+    return rows
+
+
 def main() -> None:
     ap = mode_parser(__doc__, MODES)
     ap.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed row out")
@@ -240,6 +276,10 @@ def main() -> None:
         mine = {r["method"].split(" (")[0]: r for r in rows if r["shape"] == name}
         ratios[name] = {m: mine["plain torch"]["step_s"] / r["step_s"] for m, r in mine.items() if m != "plain torch"}
         print(f"{name}: speed over plain torch " + ", ".join(f"{m} {v:.2f}x" for m, v in ratios[name].items()))
+    head = head_rows(spec, path, next(iter(spec["shapes"].values())))
+    print_table(head, "the fused LM head alone, forward + backward (entropy as a statistic)")
+    head_ratio = head[0]["fwd_bwd_ms"] / head[1]["fwd_bwd_ms"]
+    print(f"fused head: compiled {head_ratio:.2f}x eager")
     best = max((r["mfu"] for r in rows if r["mfu"] is not None and r["method"].startswith("learner")), default=None)
     if best is not None:
         print(f"best learner MFU {best:.1%} (target >= {TARGET_MFU:.0%})")
@@ -249,6 +289,7 @@ def main() -> None:
                    "shapes": {k: dict(zip(("batch", "group", "prompt_tokens", "response_tokens", "micro_batch"), v))
                               for k, v in spec["shapes"].items()}, "model": path.name},
         "results": rows, "speed_over_plain": ratios, "best_learner_mfu": best, "target_mfu": TARGET_MFU,
+        "head": head, "head_compiled_over_eager": head_ratio,
         "notes": "MFU = 6 x params x tokens / median step time / dense bf16 peak (989 TFLOP/s for an H100); "
                  "tokens = every position of the batch (prompt and response); the learner's loss covers response tokens",
     })

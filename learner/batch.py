@@ -379,60 +379,113 @@ class _LinearLogprobs(torch.autograd.Function):
     """Log-probs of ``ids`` under ``softmax(hidden @ weight.T / temperature)``, ``chunk`` rows at a
     time, with the backward written out so no chunk's logits outlive it.
 
-    Forward per chunk: the head's matmul (bf16 in, bf16 out), one fp32 log-softmax read straight
-    from it, the gather; only the ``[N]`` results and the inputs are kept. Backward per chunk:
-    the matmul again, ``p = softmax`` from the same log-softmax, ``d logp_i / d z = onehot_i - p``
-    scaled by the incoming gradient and ``1 / temperature``, then ``grad_hidden = g @ W`` and
-    ``grad_W += g.T @ h`` (accumulated in the weight's dtype, as micro-batches accumulate). The
-    entropy (a statistic here: no gradient) comes from the forward's log-softmax,
-    ``H = -sum_v p_v log p_v``. The numbers are those of :func:`chunked_response_logprobs` without
-    its activation-checkpointed autograd graph: about half the passes over ``[chunk, V]``.
+    Per chunk, forward and backward alike start from the head's matmul ``z`` (the weight's dtype
+    in and out) and hand it to a :class:`_HeadMath`: the forward takes the log-probs of the
+    sampled tokens (and, as a statistic without gradient, the entropies) and keeps only those
+    ``[N]`` results and its inputs; the backward computes ``z`` again, turns it into
+    ``dz = d(sum g * logp) / dz = g * (onehot - p) / temperature`` in the weight's dtype, then
+    ``grad_hidden = dz @ W`` and ``grad_W += dz.T @ h`` (accumulated in the weight's dtype, as
+    micro-batches accumulate). By count, on a GPU the elementwise passes over ``[chunk, V]``
+    outweigh the matmuls: the four matmuls do ``8 x width`` FLOP a logit (7,168 at width 896),
+    the passes moved about 58 bytes a logit before :class:`_HeadMath` (26 forward, 32 backward),
+    and an H100 does about 300 FLOP in the time it moves a byte. ``bench/learner.py`` times the head
+    alone (its ``head`` rows).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy):  # noqa: ANN001
+    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy, math):  # noqa: ANN001
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        ent = torch.empty_like(logp) if with_entropy else None
+        ent = torch.zeros_like(logp)
         for i in range(0, hidden.shape[0], chunk):
-            y = _chunk_log_softmax(hidden[i : i + chunk], weight, temperature)
-            logp[i : i + chunk] = y.gather(-1, ids[i : i + chunk, None]).squeeze(-1)
-            if ent is not None:
-                ent[i : i + chunk] = -(y.exp().unsqueeze(1) @ y.unsqueeze(2)).view(-1)
-            del y
-        ctx.save_for_backward(hidden, weight, ids)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ent = torch.zeros_like(logp) if ent is None else ent
+            z = hidden[i : i + chunk].to(weight.dtype) @ weight.t()
+            lp, e = math.stats(z, ids[i : i + chunk], temperature, with_entropy)
+            logp[i : i + chunk] = lp
+            if with_entropy:
+                ent[i : i + chunk] = e
+            del z
+        ctx.save_for_backward(hidden, weight, ids, logp)
+        ctx.temperature, ctx.chunk, ctx.math = temperature, chunk, math
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):  # noqa: ANN001
-        hidden, weight, ids = ctx.saved_tensors
+        hidden, weight, ids, logp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for i in range(0, hidden.shape[0], ctx.chunk):
-            h, g = hidden[i : i + ctx.chunk], grad_logp[i : i + ctx.chunk].float()
-            p = _chunk_log_softmax(h, weight, ctx.temperature).exp_()  # softmax
-            dz = p.mul_(-g[:, None])  # -g * p, then + g at the sampled token: g * (onehot - p)
-            dz.scatter_add_(-1, ids[i : i + ctx.chunk, None], g[:, None])
-            if ctx.temperature != 1.0:
-                dz.div_(ctx.temperature)
-            dz = dz.to(weight.dtype)
+            h, rows = hidden[i : i + ctx.chunk].to(weight.dtype), slice(i, i + ctx.chunk)
+            dz = ctx.math.grad(h @ weight.t(), ids[rows], grad_logp[rows].float(), logp[rows], ctx.temperature)
             if grad_hidden is not None:
-                grad_hidden[i : i + ctx.chunk] = dz @ weight
+                grad_hidden[rows] = dz @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(dz.t(), h.to(weight.dtype))
-            del p, dz
-        return grad_hidden, grad_weight, None, None, None, None
+                grad_weight.addmm_(dz.t(), h)
+            del dz
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _chunk_log_softmax(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[n, V]`` fp32 log-softmax of ``h @ weight.T / temperature`` (a low-precision matmul's
-    output is read as fp32 by the log-softmax itself, no fp32 copy of the logits first)."""
-    z = h.to(weight.dtype) @ weight.t()
-    if temperature != 1.0:
-        return torch.log_softmax(z.float().div_(temperature), dim=-1)
-    return torch.log_softmax(z, dim=-1, dtype=torch.float32)
+class _HeadMath:
+    """The fused head's elementwise work on a chunk's logits ``z [n, V]``, in eager torch.
+
+    ``stats``: the fp32 log-softmax read straight from ``z`` (a low-precision matmul's output is
+    not copied to fp32 first), the sampled tokens' log-probs gathered from it, and the entropy
+    ``H = -sum_v p_v log p_v`` when asked. ``grad``: ``p = softmax(z)`` in fp32 scaled in place
+    by ``-g / T``, the sampled token's entry set to ``g / T * (1 - p) = -g / T * expm1(logp)``
+    from the forward's fp32 log-prob (exact where ``p`` is near 1), then cast to the weight's
+    dtype: its passes over ``[n, V]`` move about 22 bytes an entry with a bf16 head (a
+    log-softmax, ``exp``, scaling and cast moved about 32), the forward's about 26.
+    """
+
+    @staticmethod
+    def stats(z: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
+        y = torch.log_softmax(z if temperature == 1.0 else z.float().div_(temperature), dim=-1, dtype=torch.float32)
+        logp = y.gather(-1, ids[:, None]).squeeze(-1)
+        return logp, (-(y.exp().unsqueeze(1) @ y.unsqueeze(2)).view(-1) if with_entropy else None)
+
+    @staticmethod
+    def grad(z: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, logp: torch.Tensor, temperature: float) -> torch.Tensor:
+        coef = g.div(-temperature)[:, None]  # -g / T
+        p = torch.softmax(z if temperature == 1.0 else z.float().div_(temperature), dim=-1, dtype=torch.float32)
+        return p.mul_(coef).scatter_(-1, ids[:, None], coef * torch.expm1(logp)[:, None]).to(z.dtype)
+
+
+class _CompiledHeadMath:
+    """:class:`_HeadMath` as expressions ``torch.compile`` fuses (``learner.compile``): ``stats``
+    reads ``z`` for the log-sum-exp, the sampled logits and ``sum p z`` (``H = lse - sum_v p_v z_v``)
+    and writes ``[n]`` results; ``grad`` reads ``z`` (and the forward's log-sum-exp, recovered as
+    ``z_id - logp``) and writes ``dz`` in the weight's dtype, the sampled token's entry
+    ``p - 1`` in fp32 inside the kernel: a few bytes an entry with a bf16 head, against the
+    eager one's 26 and 22. Same numbers to float rounding (``tests/unit/test_learner_batch.py``)."""
+
+    @staticmethod
+    def _stats(z, ids, temperature: float, with_entropy: bool):  # noqa: ANN001
+        x = z.float() / temperature
+        lse = torch.logsumexp(x, dim=-1)
+        logp = x.gather(-1, ids[:, None]).squeeze(-1) - lse
+        return logp, ((lse - (torch.softmax(x, dim=-1) * x).sum(-1)) if with_entropy else None)
+
+    @staticmethod
+    def _grad(z, ids, g, logp, temperature: float):  # noqa: ANN001
+        x = z.float() / temperature
+        lse = x.gather(-1, ids[:, None]) - logp[:, None]
+        p = torch.exp(x - lse)
+        onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == ids[:, None]
+        return (torch.where(onehot, p - 1.0, p) * (g.div(-temperature)[:, None])).to(z.dtype)
+
+    def __init__(self) -> None:
+        self.stats = torch.compile(self._stats, dynamic=True)
+        self.grad = torch.compile(self._grad, dynamic=True)
+
+
+_COMPILED_HEAD: list[_CompiledHeadMath] = []  # made once, at the first compiled use
+
+
+def _head_math(compiled: bool) -> _HeadMath | _CompiledHeadMath:
+    if not compiled:
+        return _HeadMath
+    if not _COMPILED_HEAD:
+        _COMPILED_HEAD.append(_CompiledHeadMath())
+    return _COMPILED_HEAD[0]
 
 
 def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
@@ -448,16 +501,17 @@ def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
 
 def fused_response_logprobs(
     body: torch.nn.Module, weight: torch.Tensor, batch: TrainBatch, temperature: float, chunk_tokens: int,
-    with_entropy: bool,
+    with_entropy: bool, compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, T]`` log-probs of the response tokens at ``temperature`` (no top-k/top-p), and their
     entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
-    :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits."""
+    :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits.
+    ``compiled``: its elementwise work through ``torch.compile`` (:class:`_CompiledHeadMath`)."""
     hidden = body(**policy_inputs(batch)).last_hidden_state
     h = gather_response(hidden, batch)  # [B, T, H]
     B, T = batch.response_ids.shape
     logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
-                                      float(temperature), int(chunk_tokens), bool(with_entropy))
+                                      float(temperature), int(chunk_tokens), bool(with_entropy), _head_math(compiled))
     return logp.reshape(B, T), (ent.reshape(B, T) if with_entropy else None)
 
 

@@ -92,6 +92,8 @@ def ds_config(cfg: LearnerConfig, world_size: int, on_gpu: bool, bf16_model: boo
 class DeepSpeedEngine:
     """A :class:`learner.engines.TrainEngine` over ``deepspeed.initialize``."""
 
+    compiled = False  # learner.compile is the torch engine's
+
     def __init__(self, module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> None:
         try:
             import deepspeed

@@ -30,6 +30,7 @@ class TrainEngine(Protocol):
     module: torch.nn.Module  # the unwrapped model (config, eval/train, save_pretrained)
     rank: int
     world_size: int
+    compiled: bool  # learner.compile: its blocks (and the fused LM head's elementwise work) through torch.compile
 
     @property
     def is_rank0(self) -> bool: ...
@@ -168,7 +169,8 @@ class TorchEngine:
             raise ConfigError("learner.engine=torch runs in one process; use learner.engine=deepspeed with torchrun/deepspeed")
         self.module = module
         self.cfg = cfg
-        if wants_compile(cfg.compile, module, on_gpu=any(p.is_cuda for p in module.parameters())):
+        self.compiled = wants_compile(cfg.compile, module, on_gpu=any(p.is_cuda for p in module.parameters()))
+        if self.compiled:
             blocks = compile_blocks(module)
             log.info("learner.compile: %d transformer blocks set to compile (the first updates compile them)", blocks)
         self.params = [p for p in module.parameters() if p.requires_grad]

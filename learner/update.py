@@ -182,7 +182,8 @@ class PolicyUpdater:
         weight = fused_head(parts[1]) if parts is not None else None
         if weight is not None and not (entropy and self.algo.entropy_coef) and no_filtering(r):
             # the common case (plain head, no top-k/top-p, entropy only a statistic): a written-out backward
-            return fused_response_logprobs(parts[0], weight, mb, r.temperature, self.lcfg.logits_chunk_tokens, entropy)
+            return fused_response_logprobs(parts[0], weight, mb, r.temperature, self.lcfg.logits_chunk_tokens, entropy,
+                                           compiled=self.engine.compiled)
         if parts is not None:  # long responses x a large vocabulary: never all the logits at once
             logp, ent = chunked_response_logprobs(
                 *parts, mb, lambda x: process_logits(x, r.temperature, r.top_k, r.top_p), self.lcfg.logits_chunk_tokens,

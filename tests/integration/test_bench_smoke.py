@@ -33,7 +33,8 @@ BENCHES = {
     "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small", "--clients", "2"],
                 {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
-    "learner": (["--quick"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes"}),
+    "learner": (["--quick"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
+                              "head_compiled_over_eager"}),
     "lora": (["--quick", "--reps", "1"], {"results", "ratios", "targets", "met", "device", "generation_tiny_cpu", "notes"}),
     "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
     "rewards": (["--quick", "--updates", "4"], {"runs", "batched_over_per_sample", "ratios_per_seed", "target",

@@ -324,7 +324,7 @@ def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg
     assert lm_parts(base) is not None  # the tiny Llama's body and head are found
     fused_calls = []
     real = learner.batch.fused_response_logprobs
-    monkeypatch.setattr(learner.update, "fused_response_logprobs", lambda *a: fused_calls.append(1) or real(*a))
+    monkeypatch.setattr(learner.update, "fused_response_logprobs", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
     results, norms = [], []
     for chunk in (4, 10**6):
         up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk,
@@ -389,16 +389,25 @@ def test_prox_from_the_training_pass_gives_the_update_of_a_separate_pass(stale, 
 
 
 @pytest.mark.slow
-def test_compiled_blocks_give_the_update_of_eager_ones(base, samples, tiny_model_cfg):
-    # learner.compile: each decoder layer through torch.compile (inductor) in place. Two updates in
-    # micro-batches of 3, 3 and 2 samples of different padded lengths (dynamic shapes): the same
-    # gradient norms and weights as eager, to float rounding (the fused kernels sum in another
-    # order; the bound is that of the micro-batch test above), under the same parameter names.
+def test_compiled_blocks_give_the_update_of_eager_ones(base, samples, tiny_model_cfg, monkeypatch):
+    # learner.compile: each decoder layer through torch.compile (inductor) in place, and the fused
+    # LM head's elementwise work too (learner.logits_chunk_tokens=4 sends every micro-batch through
+    # it). Two updates in micro-batches of 3, 3 and 2 samples of different padded lengths (dynamic
+    # shapes): the same gradient norms and weights as eager, to float rounding (the fused kernels
+    # sum in another order; the bound is that of the micro-batch test above), under the same
+    # parameter names.
+    import learner.batch
+
+    heads = []
+    real = learner.batch._head_math
+    monkeypatch.setattr(learner.batch, "_head_math", lambda compiled: heads.append(compiled) or real(compiled))
     runs = []
     for compiled in (False, True):
-        up = make(base, tiny_config(tiny_model_cfg, **{"learner.micro_batch_size": 3, "learner.compile": compiled}))
+        up = make(base, tiny_config(tiny_model_cfg, **{"learner.micro_batch_size": 3, "learner.compile": compiled,
+                                                      "learner.logits_chunk_tokens": 4}))
         norms = [up.update(samples, v)["learner/grad_norm"] for v in (0, 1)]
         runs.append((norms, params(up.engine.module), up.engine.module))
+    assert sorted(set(heads)) == [False, True] and heads == sorted(heads)  # eager head in the first run, compiled in the second
     (eager_norms, eager, _), (norms, compiled, module) = runs
     blocks = [m for m in module.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert len(blocks) == tiny_model_cfg.tiny.num_layers and all(b._compiled_call_impl is not None for b in blocks)
