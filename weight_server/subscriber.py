@@ -176,7 +176,7 @@ class WeightSubscriber:
         # A lease pins the slab on the server until released: release it on every way out (an
         # applied shm pull does so with its APPLIED report), except when the server stopped
         # answering (it expires the lease by itself).
-        via = None
+        via, released = None, False
         try:
             plan = self._plan(layout, v, into, skip_unchanged)
             if plan is None:
@@ -185,13 +185,13 @@ class WeightSubscriber:
                 via = "tcp"
                 result = self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
             else:
-                result, via = self._pull_shm(man, layout, v, chunk_bytes, slab, into, offer.lease, *plan)
+                result, via, released = self._pull_shm(man, layout, v, chunk_bytes, slab, into, offer.lease, *plan)
         except NoReply:
             raise
         except BaseException:
             self._release(offer.lease, via)
             raise
-        if via != "applied":
+        if not released:
             self._release(offer.lease, via)
         return result
 
@@ -235,13 +235,13 @@ class WeightSubscriber:
     def _pull_shm(
         self, man: dict[str, Any], layout: P.Layout, v: int, chunk_bytes: int, slab: np.ndarray, into: Any,
         lease: int, target: Any, needed: list[int],
-    ) -> tuple[Any, str | None]:
+    ) -> tuple[Any, str | None, bool]:
         """Read version ``v`` from the leased slab mapping: every needed tensor is hashed there (or
         while it is copied into the staging buffer) and nothing reaches the target unless all
         match. ``into=None`` gets its own copy, never a view of a slab the server may recycle.
         A followed upload is hashed as its bytes land and applied after the commit.
-        Returns (result, how the bytes came: "shm", or None when none were read; "applied" when
-        they were applied into a target and the APPLIED report released ``lease``)."""
+        Returns (result, how the bytes came: "shm", or None when none were read, and whether
+        the APPLIED report of bytes applied into a target released ``lease``)."""
         staging = None
         if target is None or any(t.is_cuda for t in target.values()):
             staging = self._staging_for(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
@@ -251,9 +251,9 @@ class WeightSubscriber:
                 self.channel.reset()
                 log.info("worker %s: followed upload of v%d went away (%s); keeping v%s", self.worker_id, v,
                          error.get("message"), self.version)
-                return None, None
+                return None, None, False
             if not self._committed(man, layout, v):
-                return None, None
+                return None, None, False
             if staging is not None:
                 for i in needed:
                     t = layout.tensors[i]
@@ -264,10 +264,10 @@ class WeightSubscriber:
             hashes = hash_tensors(slab, layout, needed)
         self.stats["bytes_shm"] += sum(layout.tensors[i].nbytes for i in needed)
         if not self._verified(layout, v, needed, hashes):
-            return None, "shm"
+            return None, "shm", False
         self.stats["pulls_shm"] += 1
         result = self._finish(layout, v, staging if staging is not None else slab, target, into, needed, lease)
-        return result, "shm" if target is None else "applied"
+        return result, "shm", target is not None
 
     def _map(self, offer: P.ShmOffer) -> np.ndarray | None:
         try:
