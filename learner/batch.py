@@ -462,7 +462,7 @@ class _CompiledHeadMath:
         x = z.float() / temperature
         lse = torch.logsumexp(x, dim=-1)
         logp = x.gather(-1, ids[:, None]).squeeze(-1) - lse
-        return logp, ((lse - (torch.softmax(x, dim=-1) * x).sum(-1)) if with_entropy else None)
+        return logp, ((lse - (torch.exp(x - lse[:, None]) * x).sum(-1)) if with_entropy else None)
 
     @staticmethod
     def _grad(z, ids, g, logp, temperature: float):  # noqa: ANN001
