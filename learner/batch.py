@@ -427,11 +427,11 @@ class _LinearLogprobs(torch.autograd.Function):
 class _HeadMath:
     """The fused head's elementwise work on a chunk's logits ``z [n, V]``, in eager torch.
 
-    ``stats``: the fp32 log-softmax read straight from ``z`` (a low-precision matmul's output is
-    not copied to fp32 first), the sampled tokens' log-probs gathered from it, and the entropy
+    ``stats``: the fp32 log-softmax read straight from ``z`` (at temperature 1 a low-precision
+    matmul's output is not copied to fp32 first), the sampled tokens' log-probs gathered from it, and the entropy
     ``H = -sum_v p_v log p_v`` when asked. ``grad``: ``p = softmax(z)`` in fp32 scaled in place
     by ``-g / T``, the sampled token's entry set to ``g / T * (1 - p) = -g / T * expm1(logp)``
-    from the forward's fp32 log-prob (exact where ``p`` is near 1), then cast to the weight's
+    from the forward's fp32 log-prob (precise where ``p`` is near 1), then cast to the weight's
     dtype: its passes over ``[n, V]`` move about 22 bytes an entry with a bf16 head (a
     log-softmax, ``exp``, scaling and cast moved about 32), the forward's about 26.
     """

@@ -236,9 +236,10 @@ class LearnerConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
     devices: Optional[list[int]] = None  # GPU indices of the learner (CUDA_VISIBLE_DEVICES); > 1 runs it under torchrun
     # torch.compile each transformer block (inductor fuses its norms, rotary and activations) and
-    # the fused LM head's softmax passes; the first updates compile (tens of seconds, then cached on disk). learner.engine=torch only.
-    # null: on for full-parameter training on a GPU (1.19-1.42x the eager update on an H200), off
-    # on a CPU (slower there) and with LoRA (not measured)
+    # the fused LM head's softmax passes; the first updates compile (tens of seconds, then cached
+    # on disk). learner.engine=torch only. null: on for full-parameter training on a GPU
+    # (1.19-1.42x the eager update on an H200), off on a CPU (slower on one host, faster on
+    # another) and with LoRA (not measured)
     compile: Optional[bool] = None
 
 
