@@ -451,7 +451,7 @@ class _HeadMath:
 
 class _CompiledHeadMath:
     """:class:`_HeadMath` as expressions ``torch.compile`` fuses (``learner.compile``): ``stats``
-    reads ``z`` for the log-sum-exp, the sampled logits and ``sum p z`` (``H = lse - sum_v p_v z_v``)
+    reads ``z`` for the log-sum-exp, the sampled logits and the entropy (``sum_v p_v (lse - z_v)``)
     and writes ``[n]`` results; ``grad`` reads ``z`` (and the forward's log-sum-exp, recovered as
     ``z_id - logp``) and writes ``dz`` in the weight's dtype, the sampled token's entry
     ``p - 1`` in fp32 inside the kernel: a few bytes an entry with a bf16 head, against the
@@ -462,7 +462,10 @@ class _CompiledHeadMath:
         x = z.float() / temperature
         lse = torch.logsumexp(x, dim=-1)
         logp = x.gather(-1, ids[:, None]).squeeze(-1) - lse
-        return logp, ((lse - (torch.exp(x - lse[:, None]) * x).sum(-1)) if with_entropy else None)
+        if not with_entropy:
+            return logp, None
+        neg_logp = lse[:, None] - x  # H = sum_v p_v (lse - x_v): non-negative terms, no cancellation at the end
+        return logp, (torch.exp(-neg_logp) * neg_logp).sum(-1)
 
     @staticmethod
     def _grad(z, ids, g, logp, temperature: float):  # noqa: ANN001
