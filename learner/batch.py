@@ -23,6 +23,7 @@ advantages, ...) so that :meth:`TrainBatch.select` slices them with the batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -480,15 +481,13 @@ class _CompiledHeadMath:
         self.grad = torch.compile(self._grad, dynamic=True)
 
 
-_COMPILED_HEAD: list[_CompiledHeadMath] = []  # made once, at the first compiled use
+@functools.cache
+def _compiled_head_math() -> _CompiledHeadMath:
+    return _CompiledHeadMath()  # made once, at the first compiled use
 
 
-def _head_math(compiled: bool) -> _HeadMath | _CompiledHeadMath:
-    if not compiled:
-        return _HeadMath
-    if not _COMPILED_HEAD:
-        _COMPILED_HEAD.append(_CompiledHeadMath())
-    return _COMPILED_HEAD[0]
+def _head_math(compiled: bool) -> type[_HeadMath] | _CompiledHeadMath:
+    return _compiled_head_math() if compiled else _HeadMath
 
 
 def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
