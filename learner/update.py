@@ -49,6 +49,7 @@ from learner.losses import (
 )
 from learner.masked import aggregate, masked_max, masked_mean, masked_sum
 from learner.stats import MetricSums, RunningMoments, flops_metrics, peak_flops
+from rlhf_core import metric_names as M
 from rlhf_core.config import AlgoConfig, Config, ConfigError, response_budget
 from rlhf_core.dapo import overlong_penalty
 from rlhf_core.errors import UserError
@@ -504,8 +505,8 @@ class PolicyUpdater:
         m.set("staleness/max", stale.max())
         tok = (version - batch.token_versions).double()
         m.set("staleness/token_mean", masked_mean(tok, batch.policy_mask))
-        m.set("learner/num_samples", batch.num_rows)
-        m.set("learner/num_tokens", batch.policy_mask.sum())
+        m.set(M.NUM_SAMPLES, batch.num_rows)
+        m.set(M.NUM_TOKENS, batch.policy_mask.sum())
         m.set("learner/num_groups", batch.num_groups)
         m.set("learner/partial_groups", (batch.group_sizes < self.algo.group_size).sum())
 

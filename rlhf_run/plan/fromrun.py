@@ -55,14 +55,14 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
         raise ProfileError(f"{folder} has {len(rows)} updates; at least {warmup + 10} are needed to fit the costs")
     rows = rows[warmup:]
     timeline = read_jsonl(folder / "timeline.jsonl")
-    batch = float(statistics.median(r.get("learner/num_samples", cfg.learner.batch_size) for r in rows))
-    tokens = [float(r.get("learner/num_tokens", 0.0)) for r in rows]
+    batch = float(statistics.median(r.get(M.NUM_SAMPLES, cfg.learner.batch_size) for r in rows))
+    tokens = [float(r.get(M.NUM_TOKENS, 0.0)) for r in rows]
     compute = [float(r.get(M.TIME_COMPUTE_S, 0.0)) for r in rows]
     coef = fit([[1.0, t] for t in tokens], compute)
     gaps = [b[M.TIME] - a[M.TIME] - b.get(M.TIME_WAIT_S, 0.0) - b.get(M.TIME_READ_S, 0.0) - b.get(M.TIME_COMPUTE_S, 0.0)
             for a, b in zip(rows, rows[1:])]
     # decoding a batch, per sample (0 for a run from before the learner reported it: then it is in per_update)
-    read_per_sample = statistics.median(float(r.get(M.TIME_READ_S, 0.0)) / max(1.0, float(r.get("learner/num_samples", batch)))
+    read_per_sample = statistics.median(float(r.get(M.TIME_READ_S, 0.0)) / max(1.0, float(r.get(M.NUM_SAMPLES, batch)))
                                         for r in rows)
     every = max(1, cfg.learner.checkpoint_every)
     plain = [g for r, g in zip(rows[1:], gaps) if r.get(M.UPDATES, 0) % every]
