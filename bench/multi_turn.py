@@ -13,7 +13,8 @@ environment's answers?
    with the batch, so fewer active slots cost less there than on a GPU; the ratio can exceed 1.
 2. **Learning**. ``rlhf-run experiment=multi_turn`` (the environment answers each turn with the
    digit that comes next) against ``rollout.env.hints=false`` (it answers ``?``: the no-tool
-   baseline), the same number of updates each; mean reward over the last updates.
+   baseline), the same number of updates each; mean reward over the last updates, and the share
+   of the engine's prompt tokens whose K/V an episode's last turn left (not prefilled again).
 
     .venv/bin/python bench/multi_turn.py [--quick|--full] [--skip-learning]
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from _common import mode_parser, print_table, write_results  # noqa: E402
+from rlhf_core import metric_names as M  # noqa: E402
 
 MODES = {
     "quick": dict(episodes=256, concurrency=64, slots=32, turns=4, repeats=2, updates=100, tail=20),
@@ -160,7 +162,11 @@ def learning_run(out: Path, hints: bool, m: dict) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward/mean"] for r in rows]
     tail = rewards[-m["tail"]:]
+    # the worker's engine at its last heartbeat: prompt tokens whose K/V a finished turn left behind
+    last = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
+    (worker,) = [c["stats"] for c in last["consumers"].values() if M.WORKER_ENGINE_PROMPT in c.get("stats", {})]
     return {"hints": hints, "updates": len(rows), "reward_first": rewards[0], "reward_last_mean": sum(tail) / len(tail),
+            "prompt_tokens_reused": worker[M.WORKER_ENGINE_REUSED] / max(1, worker[M.WORKER_ENGINE_PROMPT]),
             "wall_s": time.perf_counter() - t0}
 
 

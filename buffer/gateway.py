@@ -73,12 +73,16 @@ class GatewayCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     created_at: float = field(default_factory=time.time)
+    # the oldest policy version of the session's tokens so far (None on its first call): the worker's
+    # engine may reuse K/V of the session's last turn written by that version or a later one
+    min_kv_version: int | None = None
 
     def encode(self) -> bytes:
         return encode_record(KIND_CALL, {
             "call_id": self.call_id, "reply_to": self.reply_to, "prompt_ids": [int(t) for t in self.prompt_ids],
             "max_tokens": int(self.max_tokens), "temperature": float(self.temperature), "top_p": float(self.top_p),
-            "stop": list(self.stop), "stream": bool(self.stream), "created_at": float(self.created_at)})
+            "stop": list(self.stop), "stream": bool(self.stream), "created_at": float(self.created_at),
+            "min_kv_version": None if self.min_kv_version is None else int(self.min_kv_version)})
 
     @classmethod
     def decode(cls, data: bytes) -> "GatewayCall":
@@ -89,12 +93,15 @@ class GatewayCall:
         max_tokens = require(obj, "max_tokens", int)
         if max_tokens < 1:
             raise WireError(f"field 'max_tokens': must be >= 1, got {max_tokens}")
+        min_kv_version = optional(obj, "min_kv_version", int)
+        if min_kv_version is not None and min_kv_version < 0:
+            raise WireError(f"field 'min_kv_version': a policy version is >= 0, got {min_kv_version}")
         return cls(call_id=require(obj, "call_id", str), reply_to=require(obj, "reply_to", str),
                    prompt_ids=_int_list(obj, "prompt_ids"), max_tokens=max_tokens,
                    temperature=float(require(obj, "temperature", (int, float))),
                    top_p=float(require(obj, "top_p", (int, float))), stop=stop,
                    stream=bool(optional(obj, "stream", bool, False)),
-                   created_at=float(optional(obj, "created_at", (int, float), 0.0)))
+                   created_at=float(optional(obj, "created_at", (int, float), 0.0)), min_kv_version=min_kv_version)
 
 
 @dataclass

@@ -321,7 +321,8 @@ class Gateway:
             want = sampling.max_tokens or default
             call = GatewayCall(call_id=f"{uuid.uuid4().hex}", reply_to=self.gateway_id, prompt_ids=list(ctx),
                                max_tokens=min(want, room), temperature=sampling.temperature, top_p=sampling.top_p,
-                               stop=sampling.stop, stream=sampling.stream)
+                               stop=sampling.stop, stream=sampling.stream,
+                               min_kv_version=s.transcript.oldest_version if s.transcript is not None else None)
             choices.append(_Choice(i, s, call, None))
         return choices
 

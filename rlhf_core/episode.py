@@ -64,6 +64,12 @@ class Transcript:
     def num_policy_tokens(self) -> int:
         return sum(self.mask)
 
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version of its tokens (the one its staleness counts from); None before
+        the first policy token. What a next turn may reuse K/V from (``GenRequest.min_kv_version``)."""
+        return min(self.versions) if self.versions else None
+
     def add_policy(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         """Append one policy turn exactly as sampled: ``[n]`` ids, behaviour log-probs, versions."""
         if not len(token_ids) == len(logprobs) == len(versions):

@@ -50,7 +50,8 @@ WORKER_SCORE_SHARE = "score_share"  # share of the scoring threads' time spent s
 WORKER_REWARD_CALLS_PER_S = "reward_calls_per_s"  # reward function/model calls, over the worker's uptime
 WORKER_ENGINE_STEPS = "engine_steps"  # decoding passes of the worker's engine (hf), cumulative
 WORKER_ENGINE_PREFILLS = "engine_prefills"  # its prefill passes (over engine_steps: how often a step carries one)
-WORKER_ENGINE_REUSED = "engine_reused_tokens"  # prompt tokens not prefilled: a finished turn's K/V kept in its slot (hf)
+WORKER_ENGINE_REUSED = "engine_reused_tokens"  # prompt tokens not prefilled: K/V kept from a finished turn (hf) or cached (vllm)
+WORKER_ENGINE_PROMPT = "engine_prompt_tokens"  # prompt tokens of its requests, reused or prefilled
 
 # Running totals (Prometheus counters); every other number of these records is a level (a gauge).
 LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)
@@ -63,5 +64,5 @@ WORKER_TOTALS = (
     "episode_policy_tokens", "episode_observation_tokens", "observations_cut", "tool_calls", "tool_call_errors",
     "retokenisation_drift", "env_calls", "env_timeouts",
     "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
-    WORKER_ENGINE_STEPS, WORKER_ENGINE_PREFILLS, WORKER_ENGINE_REUSED,
+    WORKER_ENGINE_STEPS, WORKER_ENGINE_PREFILLS, WORKER_ENGINE_REUSED, WORKER_ENGINE_PROMPT,
 )

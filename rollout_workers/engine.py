@@ -97,11 +97,19 @@ class SamplingParams:
 
 @dataclass
 class GenRequest:
-    """One response to generate. A group of n responses is n requests with distinct ids."""
+    """One response to generate. A group of n responses is n requests with distinct ids.
+
+    ``min_kv_version``: the oldest policy version whose K/V (a finished turn's, kept by the engine)
+    the request may reuse. A continued conversation passes the oldest version of its tokens so
+    far: the sample's staleness is counted from that version already, so reusing K/V that the
+    weights of that version or later computed hides nothing (an engine at an older version reads
+    it as its own: the turn's tokens will say that one). None: the engine's current version only
+    (a new prompt, whose tokens will all say the version that samples them)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    min_kv_version: int | None = None
 
 
 @dataclass

@@ -351,7 +351,7 @@ class EpisodeRunner:
             return
         params = self.sampling if self.sampling.max_new_tokens <= room else replace(self.sampling, max_new_tokens=room)
         ep.request_id = f"{ep.key}#{len(ep.turns)}"
-        self.engine.add(GenRequest(ep.request_id, context, params))
+        self.engine.add(GenRequest(ep.request_id, context, params, min_kv_version=ep.transcript.oldest_version))
 
     def _turn_done(self, ep: Episode, result: GenResult) -> None:
         """The policy's turn: append its tokens as sampled, parse its tool calls, call ``step``."""

@@ -202,7 +202,7 @@ class GatewayCalls:
             try:
                 params = SamplingParams(temperature=call.temperature, top_p=call.top_p, max_new_tokens=call.max_tokens,
                                         stop_strings=tuple(call.stop))
-                self.engine.add(GenRequest(PREFIX + call.call_id, list(call.prompt_ids), params))
+                self.engine.add(GenRequest(PREFIX + call.call_id, list(call.prompt_ids), params, call.min_kv_version))
             except RequestError as exc:
                 self.stats["gateway_refused"] += 1
                 refused.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),

@@ -40,10 +40,15 @@ the ids they hold. A request whose prompt extends those ids takes the slot and p
 there, so a multi-turn conversation (the gateway's sessions, the worker's episodes) costs the
 new tokens a turn, not its whole context. A parked slot is the last free slot taken for
 anything else (least recently parked first); packing moves a running sequence into it and the
-parked K/V up into the running one's slot. A weight update drops every parked slot, and the
-sequences running then (which go on with their K/V, in flight) are not parked when they end, so
-the K/V a request reuses is what the weights it is generated with compute (to float rounding: one pass over a prompt and one per token sum in
-another order). ``num_reused_tokens`` counts the prompt tokens not prefilled.
+parked K/V up into the running one's slot. Parked K/V outlives weight updates, as running
+sequences' K/V does (the in-flight update), and remembers the oldest version that wrote any of
+it (the version at its sequence's admission, or the K/V that sequence reused): a request reuses
+it only when that version is at least its ``GenRequest.min_kv_version`` (by default the current
+one), so the K/V a continued conversation reuses is never older than its own oldest token, the
+version its staleness is counted from, and a new prompt reuses only K/V of the weights it is
+generated with (to float rounding: one pass over a prompt and one per token sum in another
+order). Weights that replace a version without a newer number (a reload) drop every parked slot.
+``num_reused_tokens`` counts the prompt tokens not prefilled, ``num_prompt_tokens`` all of them.
 
 CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
 settings) that are refilled before each replay; weight updates ``copy_`` into the same parameter
@@ -87,9 +92,9 @@ class _Seq:
     """One running sequence and the slot it owns."""
 
     __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "slot", "n_cached", "next_input",
-                 "stop_ids", "stop_window", "done", "parkable")
+                 "stop_ids", "stop_window", "done", "parkable", "kv_version")
 
-    def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int) -> None:
+    def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int, kv_version: int) -> None:
         self.request = request
         self.params = request.params
         self.prompt = request.prompt_ids
@@ -105,7 +110,8 @@ class _Seq:
         longest = max((len(s) for s in self.params.stop_strings), default=0)
         self.stop_window = longest + 8
         self.done = False
-        self.parkable = True  # all its K/V from the current weights: its slot may be parked when it ends
+        self.parkable = True  # its slot may be parked when it ends (not after a reload of other weights)
+        self.kv_version = kv_version  # the oldest version whose weights wrote any of its K/V
 
     @property
     def prefilled(self) -> bool:
@@ -153,12 +159,14 @@ class HFEngine:
         self.num_steps = 0  # decoding steps run (one forward pass of [n, 1] each)
         self.num_prefills = 0  # prefill forward passes run
         self.num_reused_tokens = 0  # prompt tokens not prefilled: their K/V was in a parked slot
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests, reused or prefilled
         self.tokens_generated = 0
         self._waiting: deque[GenRequest] = deque()
         self._known: dict[str, GenRequest | _Seq] = {}  # waiting or running, by request id
         self._running: list[_Seq] = []  # in admission order
         self._free = list(range(self.slots))  # a heap: the lowest free slot is taken first
-        self._parked: dict[int, tuple[int, list[int]]] = {}  # slot -> (when parked, the ids of the K/V it holds)
+        # slot -> (when parked, the oldest version that wrote its K/V, the ids of the K/V it holds)
+        self._parked: dict[int, tuple[int, int, list[int]]] = {}
         self._parked_count = 0
         dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(config, self.slots, self.max_model_len, dtype, self.device)
@@ -246,7 +254,8 @@ class HFEngine:
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     own[name].copy_(tensor)  # copy_ converts device and dtype
-        if int(version) != self.version or tensors is not None:  # K/V so far is the old weights'
+        if int(version) < self.version or (int(version) == self.version and tensors is not None):
+            # other weights under a number not above the last: no version tells K/V apart any more
             for slot in self._parked:
                 heapq.heappush(self._free, slot)
             self._parked.clear()
@@ -274,7 +283,7 @@ class HFEngine:
         for seq in finished:  # finished or aborted, its first n_cached columns hold these ids' K/V
             if seq.n_cached and seq.parkable:
                 self._parked_count += 1
-                self._parked[seq.slot] = (self._parked_count, (seq.prompt + seq.tokens)[: seq.n_cached])
+                self._parked[seq.slot] = (self._parked_count, seq.kv_version, (seq.prompt + seq.tokens)[: seq.n_cached])
             else:
                 heapq.heappush(self._free, seq.slot)
         if finished:
@@ -292,7 +301,7 @@ class HFEngine:
                 break
             if low in self._parked:
                 parked = self._parked.pop(low)
-                swaps.append((seq.slot, low, seq.n_cached, len(parked[1])))
+                swaps.append((seq.slot, low, seq.n_cached, len(parked[2])))
                 self._parked[seq.slot] = parked
             else:
                 heapq.heapreplace(self._free, seq.slot)
@@ -306,33 +315,36 @@ class HFEngine:
         while self._waiting and (self._free or self._parked):
             request = self._waiting.popleft()
             stop_ids = frozenset(request.params.stop_token_ids) | (frozenset() if request.params.ignore_eos else self.eos_ids)
-            slot, reused = self._slot_for(request.prompt_ids)
-            seq = _Seq(request, stop_ids, slot)
+            floor = self.version if request.min_kv_version is None else min(int(request.min_kv_version), self.version)
+            slot, reused, kv_version = self._slot_for(request.prompt_ids, floor)
+            seq = _Seq(request, stop_ids, slot, kv_version)
             seq.n_cached = reused
             self.num_reused_tokens += reused
+            self.num_prompt_tokens += len(request.prompt_ids)
             self._known[request.request_id] = seq
             self._running.append(seq)
         return admitted
 
-    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
-        """A slot for ``prompt`` and how many of its first tokens that slot's K/V already holds:
-        the parked slot whose ids ``prompt`` extends (or starts: a call asked again), the most of
-        them, all but the prompt's last token at most (its pass gives the first sampled token);
-        else the lowest free slot, else the least recently parked one. A prompt that only shares
-        a start with a parked sequence (a system prompt) does not take its slot from it."""
+    def _slot_for(self, prompt: list[int], floor: int) -> tuple[int, int, int]:
+        """A slot for ``prompt``, how many of its first tokens that slot's K/V already holds, and
+        the oldest version that wrote them: the parked slot written by version ``floor`` or later
+        whose ids ``prompt`` extends (or starts: a call asked again), the most of them, all but
+        the prompt's last token at most (its pass gives the first sampled token); else the lowest
+        free slot, else the least recently parked one. A prompt that only shares a start with a
+        parked sequence (a system prompt) does not take its slot from it."""
         best, reused = -1, 0
-        for slot, (_, ids) in self._parked.items():
+        for slot, (_, kv_version, ids) in self._parked.items():
             m = min(len(ids), len(prompt))  # the last token first: sessions that share a system prompt part there
-            if min(m, len(prompt) - 1) > reused and prompt[m - 1] == ids[m - 1] and prompt[:m] == ids[:m]:
+            if (min(m, len(prompt) - 1) > reused and kv_version >= floor and prompt[m - 1] == ids[m - 1]
+                    and prompt[:m] == ids[:m]):
                 best, reused = slot, min(m, len(prompt) - 1)
         if best >= 0:
-            del self._parked[best]
-            return best, reused
+            return best, reused, self._parked.pop(best)[1]
         if self._free:
-            return heapq.heappop(self._free), 0
+            return heapq.heappop(self._free), 0, self.version
         slot = min(self._parked, key=lambda k: self._parked[k][0])
         del self._parked[slot]
-        return slot, 0
+        return slot, 0, self.version
 
     def _prefill(self) -> list[GenResult]:
         """Write up to ``prefill_chunk`` prompt tokens of the newest sequences into their slots;

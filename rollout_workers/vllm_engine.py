@@ -28,9 +28,12 @@ LoRA API instead of the reload (:mod:`rollout_workers.vllm_lora`): each version 
 ``LoRARequest`` that every request added after it carries to its end, so a request's tokens all
 carry the version it started with.
 
-Prefix cache: every request carries ``cache_salt = "v<version>"``, so a request added after an
-update can never reuse blocks computed by older weights (the salt is part of the block hash);
-the cache is also reset after each update when no request is running.
+Prefix cache: every request carries ``cache_salt = "v<s>"`` (the salt is part of the block
+hash), ``s`` the current version or, for a continued conversation, its
+``GenRequest.min_kv_version`` when that is older: blocks under salt ``v<s>`` are all written by
+version ``s`` or later, so a new prompt never reuses blocks of older weights and a conversation's
+next turn reuses its last turn's blocks across weight updates (its staleness already counts from
+its oldest token). Old blocks stay cached until vLLM needs their room.
 
 Sampling settings map one to one: temperature, top_p, top_k (0 -> -1 = off), max_new_tokens ->
 max_tokens, stop_token_ids, stop_strings -> stop (``include_stop_str_in_output=True`` so the
@@ -253,6 +256,8 @@ class VLLMEngine:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         self.version = 0
+        self.num_reused_tokens = 0  # prompt tokens served from the prefix cache (counted as requests finish)
+        self.num_prompt_tokens = 0  # prompt tokens of the finished requests
         self._tracks: dict[str, _Track] = {}
 
     @classmethod
@@ -287,7 +292,8 @@ class VLLMEngine:
         if len(request.prompt_ids) >= self.max_model_len:
             raise RequestError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens leaves no "
                                f"room to generate in the model's context of {self.max_model_len}")
-        prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{self.version}"}
+        salt = self.version if request.min_kv_version is None else min(int(request.min_kv_version), self.version)
+        prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{salt}"}
         adapter = self._adapters.request() if self._adapters is not None else None
         try:
             self.engine.add_request(request.request_id, prompt, self._sampling_params(request.params),
@@ -316,6 +322,8 @@ class VLLMEngine:
             track.versions.extend([version if track.adapter is None else track.adapter] * len(new))
             if out.finished:
                 del self._tracks[out.request_id]
+                self.num_prompt_tokens += len(track.request.prompt_ids)
+                self.num_reused_tokens += int(out.num_cached_tokens or 0)
                 reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
                 finished.append(self._result(track, reason))
         if finished and self._adapters is not None and len(self._adapters.requests) > 1:
@@ -375,9 +383,6 @@ class VLLMEngine:
         finally:
             path.unlink(missing_ok=True)
         self.version = int(version)
-        # The salt already keeps old blocks from new requests; dropping them frees the cache. vLLM
-        # refuses while requests run (their blocks are in use) and that is fine.
-        self._call(self.engine.reset_prefix_cache)
         log.info("vllm: reloaded %s tensors as version %d", loaded, version)
 
     def close(self) -> None:

@@ -83,7 +83,7 @@ BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries aft
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
 #: heartbeat stats key -> engine attribute, for engines that count their forward passes (hf)
 ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills",
-                   M.WORKER_ENGINE_REUSED: "num_reused_tokens"}
+                   M.WORKER_ENGINE_REUSED: "num_reused_tokens", M.WORKER_ENGINE_PROMPT: "num_prompt_tokens"}
 
 
 class PromptsRejected(UserError):
@@ -671,7 +671,7 @@ class RolloutWorker:
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"],
                      score_share=self.score_share(), scoring_threads=self.cfg.reward.num_threads)
-        for name, attr in ENGINE_COUNTERS.items():  # the hf engine's forward passes (prefill passes per step)
+        for name, attr in ENGINE_COUNTERS.items():  # forward passes (hf), prompt tokens reused and in all
             if hasattr(self.engine, attr):
                 extra[name] = getattr(self.engine, attr)
         if self.gateway is not None:

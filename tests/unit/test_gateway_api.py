@@ -12,6 +12,7 @@ import pytest
 from buffer.gateway import KIND_CALL, KIND_CHUNK, CallChunk, GatewayCall
 from gateway.openai_api import (ApiError, normal_message, parse_chat, parse_completion, parse_json, parse_sampling)
 from gateway.sessions import PLAIN_TEMPLATE, SessionError, Sessions
+from rlhf_core.config import Config
 from rlhf_core.wire import WireError, encode_record
 
 MODEL = "tiny"
@@ -215,6 +216,30 @@ def test_a_turn_cut_after_a_literal_angle_bracket_still_gets_the_whole_turn_end(
     added = ctx2[len(ctx1) + len(turn):]
     assert added[0] == tok.eos_token_id
     assert tok.decode(added, skip_special_tokens=False) == "<eos> [user] go [assistant] "
+
+
+def test_a_sessions_next_call_may_reuse_k_v_as_old_as_its_oldest_token(tokenizer):
+    # The call carries the oldest version of the session's tokens so far (none on its first call):
+    # a worker's engine may reuse K/V written by that version or later (the sample's staleness
+    # counts from there already).
+    from types import SimpleNamespace
+
+    from gateway.server import Gateway
+
+    gw = object.__new__(Gateway)  # _calls needs the sessions, the limits and its id only
+    gw.sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    gw.cfg, gw.max_context, gw.gateway_id = Config(), 1000, "gw-1"
+    sampling = SimpleNamespace(max_tokens=4, temperature=1.0, top_p=1.0, stop=[], stream=False)
+    s = gw.sessions.open("s", None)
+    msgs = [{"role": "user", "content": "a"}]
+    (first,) = gw._calls([s], [gw.sessions.chat_context(s, msgs, None)], sampling)
+    assert first.call.min_kv_version is None
+    for turn, (text, version) in enumerate((("xy", 3), ("z", 7))):  # the next turn sampled by a newer version
+        reply, _ = sampled_turn(gw.sessions, s, ids(tokenizer, text), version=version)
+        s.expected = [*msgs, normal_message(reply)]
+        msgs = [*s.expected, {"role": "user", "content": f"b{turn}"}]
+        (call,) = gw._calls([s], [gw.sessions.chat_context(s, msgs, None)], sampling)
+        assert call.call.min_kv_version == 3
 
 
 def test_a_call_that_does_not_extend_the_session_restarts_it(tokenizer):
@@ -507,6 +532,8 @@ def test_a_stop_string_cuts_the_reply(finisher):
 def test_calls_and_chunks_round_trip():
     call = GatewayCall("c1", "gw-1", [1, 2, 3], 8, temperature=0.7, top_p=0.9, stop=["]", "\n"], stream=True)
     assert GatewayCall.decode(call.encode()) == call
+    later = GatewayCall("c2", "gw-1", [1, 2, 3, 4], 8, min_kv_version=0)  # a session's next call
+    assert GatewayCall.decode(later.encode()) == later
     chunk = CallChunk("c1", [5, 6], final=True, logprobs=[-0.5, 0.0], versions=[2, 3], finish_reason="stop",
                       worker_id="w0")
     assert CallChunk.decode(chunk.encode()) == chunk
@@ -539,6 +566,7 @@ def _chunk_fields(**change):
     {"call_id": 5}, {"call_id": ...}, {"reply_to": None}, {"prompt_ids": "abc"}, {"prompt_ids": [1, -2]},
     {"prompt_ids": [1, True]}, {"prompt_ids": [1.5]}, {"max_tokens": 0}, {"max_tokens": "8"}, {"max_tokens": True},
     {"temperature": "hot"}, {"top_p": None}, {"stop": ["a", 1]}, {"stop": "a"}, {"stream": "yes"},
+    {"min_kv_version": -1}, {"min_kv_version": 1.5}, {"min_kv_version": True},
 ])
 def test_bad_calls_are_refused(change):
     with pytest.raises(WireError):
@@ -595,6 +623,7 @@ class _Engine:
         self.max_len = max_len
         self.requests: dict[str, tuple[list[int], list[int]]] = {}
         self.version = 4
+        self.min_kv_versions: dict[str, int | None] = {}
 
     def add(self, request):
         from rollout_workers.engine import RequestError
@@ -602,6 +631,7 @@ class _Engine:
         if len(request.prompt_ids) >= self.max_len:
             raise RequestError(f"prompt has {len(request.prompt_ids)} tokens but the model's context is {self.max_len}")
         self.requests[request.request_id] = (list(request.prompt_ids), [])
+        self.min_kv_versions[request.request_id] = request.min_kv_version
 
     def step(self):
         for _, tokens in self.requests.values():
@@ -629,12 +659,13 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     channel, engine = _Channel(), _Engine()
     calls = gateway_calls.GatewayCalls(channel, engine, "w0")
     channel.queued = [GatewayCall("streamed", "gw-a", [1, 2], 8, stream=True).encode(),
-                      GatewayCall("plain", "gw-b", [1], 8).encode(),
+                      GatewayCall("plain", "gw-b", [1], 8, min_kv_version=2).encode(),
                       GatewayCall("toolong", "gw-a", list(range(20)), 8).encode(),
                       b"not a record",
                       GatewayCall("later", "gw-a", [1], 8).encode()]
     calls.take(4)
     assert len(calls) == 2 and set(engine.requests) == {"gw/streamed", "gw/plain"} and len(channel.queued) == 1
+    assert engine.min_kv_versions == {"gw/streamed": None, "gw/plain": 2}  # a session's next call: its oldest version
     assert [(g, c.call_id, c.final, c.error is not None) for g, c in channel.sent] == [("gw-a", "toolong", True, True)]
     assert calls.stats["gateway_refused"] == 1 and calls.stats["gateway_bad_records"] == 1
     channel.sent.clear()

@@ -315,7 +315,7 @@ def test_a_prompt_extending_a_finished_sequence_prefills_only_its_new_tokens(pol
         np.testing.assert_allclose(r.logprobs, recompute(policy, r, sp), rtol=0, atol=PARITY_ATOL, err_msg=r.request_id)
 
 
-def test_parked_k_v_survives_packing_and_slot_pressure_and_a_weight_update_drops_it(fresh_policy, tokenizer):
+def test_parked_k_v_survives_packing_and_slot_pressure(fresh_policy, tokenizer):
     # 4 slots, 3 requests. "a" ends first: its slot 0 is parked and the highest running sequence
     # moves down into it, a's K/V moving up in exchange. A newcomer with an unrelated prompt takes
     # the free slot 3, not the parked one; a's next turn then finds a's K/V where it went.
@@ -337,7 +337,8 @@ def test_parked_k_v_survives_packing_and_slot_pressure_and_a_weight_update_drops
     for r in (*more.values(), a):
         np.testing.assert_allclose(r.logprobs, recompute(fresh_policy, r, SamplingParams(temperature=0.9)), rtol=0,
                                    atol=PARITY_ATOL, err_msg=r.request_id)
-    # A weight update drops every parked slot: the next turn is prefilled whole, with the new weights.
+    # After a weight update a request that does not say how old its conversation's tokens are
+    # (min_kv_version None) reuses nothing the old weights wrote: prefilled whole, with the new ones.
     engine.update_weights(None, version=1)
     engine.add(GenRequest("a2", next_turn(tokenizer, more["a1"], " again"), fixed(3)))
     a2 = run(engine)[0]["a2"]
@@ -364,10 +365,11 @@ def test_relocate_applies_a_packings_moves_and_swaps_at_once(policy):
         assert torch.equal(t[5], old[5])  # a move's source keeps its bytes (it is free now)
 
 
-def test_k_v_written_before_a_weight_update_is_never_reused(fresh_policy, tokenizer):
+def test_k_v_of_older_weights_is_reused_only_by_conversations_as_old(fresh_policy, tokenizer):
     # "done" ends before the update but is released (parked) only at the next step, after it;
-    # "across" runs through the update (in flight: its K/V mixes both weights). Neither is parked.
-    engine = HFEngine(fresh_policy, tokenizer, slots=2, seed=2)
+    # "across" runs through the update (in flight: its K/V mixes both weights). Both are parked
+    # as written by version 0, the oldest that wrote any of their K/V.
+    engine = HFEngine(fresh_policy, tokenizer, slots=4, seed=2)
     sp = lambda n: SamplingParams(max_new_tokens=n, ignore_eos=True)  # noqa: E731
     engine.add(GenRequest("done", ids(tokenizer, "first one"), sp(2)))
     engine.add(GenRequest("across", ids(tokenizer, "second one"), sp(6)))
@@ -376,10 +378,46 @@ def test_k_v_written_before_a_weight_update_is_never_reused(fresh_policy, tokeni
         results.update((r.request_id, r) for r in engine.step())
     engine.update_weights(None, version=1)
     results.update(run(engine)[0])
-    engine.add(GenRequest("d1", next_turn(tokenizer, results["done"], " on"), sp(2)))
-    engine.add(GenRequest("a1", next_turn(tokenizer, results["across"], " on"), sp(2)))
-    run(engine)
-    assert engine.num_reused_tokens == 0
+    done, across = results["done"], results["across"]
+    assert done.versions.tolist() == [0, 0] and across.versions.min() == 0 and across.versions.max() == 1
+    # Next turns first by requests that say nothing of their tokens (a new prompt: only version
+    # 1's K/V would do) or whose tokens are all version 1: prefilled whole, each into a free slot,
+    # and the parked K/V stays.
+    engine.add(GenRequest("new", next_turn(tokenizer, done, " then"), sp(2)))
+    engine.add(GenRequest("young", next_turn(tokenizer, across, " then"), sp(2), min_kv_version=1))
+    first = run(engine)[0]
+    assert engine.num_reused_tokens == 0 and len(engine._parked) == 2
+    # Then as the conversations' next turns: their oldest token is version 0, the version their
+    # staleness counts from, so version 0's K/V hides nothing and is reused.
+    engine.add(GenRequest("d1", next_turn(tokenizer, done, " on"), sp(2), min_kv_version=done.versions.min()))
+    engine.add(GenRequest("a1", next_turn(tokenizer, across, " on"), sp(2), min_kv_version=across.versions.min()))
+    out = run(engine)[0]
+    reused = len(done.prompt_ids) + done.num_tokens - 1 + len(across.prompt_ids) + across.num_tokens - 1
+    assert engine.num_reused_tokens == reused
+    assert engine.num_prompt_tokens == sum(len(r.prompt_ids) for r in (done, across, *first.values(), *out.values()))
+    # the weights did not change (update_weights(None)): the reused K/V gives the log-probs of one pass
+    for r in out.values():
+        np.testing.assert_allclose(r.logprobs, recompute(fresh_policy, r, sp(2)), rtol=0, atol=PARITY_ATOL)
+    # d1 and a1 parked again, still as version 0's. New weights under a number not above the last
+    # (a reload) leave no version to tell K/V apart by: every parked slot is dropped.
+    engine.step()
+    assert sorted(kv for _, kv, _ in engine._parked.values()) == [0, 0, 1, 1]
+    engine.update_weights({k: v.clone() for k, v in fresh_policy.state_dict().items()}, version=1)
+    assert not engine._parked and sorted(engine._free) == [0, 1, 2, 3]
+
+
+def test_a_conversation_older_than_the_engine_reuses_only_k_v_as_new_as_the_engine(fresh_policy, tokenizer):
+    # A worker whose weights lag behind the conversation's (an earlier turn ran on another worker at
+    # version 3): the turn's tokens will say version 1, the engine's, so K/V of version 1 may serve it.
+    engine = HFEngine(fresh_policy, tokenizer, slots=2, seed=4)
+    engine.update_weights(None, version=1)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add(GenRequest("t0", ids(tokenizer, "hello there"), sp))
+    t0 = run(engine)[0]["t0"]
+    engine.add(GenRequest("t1", next_turn(tokenizer, t0, " on"), sp, min_kv_version=3))
+    t1 = run(engine)[0]["t1"]
+    assert engine.num_reused_tokens == len(t0.prompt_ids) + t0.num_tokens - 1
+    assert t1.versions.tolist() == [1, 1, 1]
 
 
 def test_with_no_free_slot_a_newcomer_takes_the_least_recently_parked(policy, tokenizer):
