@@ -328,15 +328,17 @@ class HFEngine:
     def _slot_for(self, prompt: list[int], floor: int) -> tuple[int, int, int]:
         """A slot for ``prompt``, how many of its first tokens that slot's K/V already holds, and
         the oldest version that wrote them: the parked slot written by version ``floor`` or later
-        whose ids ``prompt`` extends (or starts: a call asked again), the most of them, all but
-        the prompt's last token at most (its pass gives the first sampled token); else the lowest
-        free slot, else the least recently parked one. A prompt that only shares a start with a
-        parked sequence (a system prompt) does not take its slot from it."""
+        whose ids ``prompt`` extends, the most of them, all but the prompt's last token at most
+        (its pass gives the first sampled token); else the lowest free slot, else the least
+        recently parked one. A prompt that only starts a parked sequence's ids (a group's next
+        sample of the same prompt, a call asked again) takes its slot only when none is free:
+        the rest of that K/V may be a conversation's that goes on. A prompt that only shares a
+        start with a parked sequence (a system prompt) does not take its slot from it."""
         best, reused = -1, 0
         for slot, (_, kv_version, ids) in self._parked.items():
             m = min(len(ids), len(prompt))  # the last token first: sessions that share a system prompt part there
-            if (min(m, len(prompt) - 1) > reused and kv_version >= floor and prompt[m - 1] == ids[m - 1]
-                    and prompt[:m] == ids[:m]):
+            if (min(m, len(prompt) - 1) > reused and kv_version >= floor and (m == len(ids) or not self._free)
+                    and prompt[m - 1] == ids[m - 1] and prompt[:m] == ids[:m]):
                 best, reused = slot, min(m, len(prompt) - 1)
         if best >= 0:
             return best, reused, self._parked.pop(best)[1]

@@ -420,6 +420,25 @@ def test_a_conversation_older_than_the_engine_reuses_only_k_v_as_new_as_the_engi
     assert t1.versions.tolist() == [1, 1, 1]
 
 
+def test_a_groups_next_sample_leaves_a_parked_conversation_alone_while_a_slot_is_free(policy, tokenizer):
+    # "sibling" has a's prompt (a group's next sample admitted later). Taking a's parked slot would
+    # save prefilling its prompt but lose the rest of a's K/V, which a's next turn needs: with a
+    # slot free it takes that one; with none free, a's slot (reusing all but the prompt's last token).
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    prompt = ids(tokenizer, "the same prompt")
+    for slots, sibling_reuses in ((1, len(prompt) - 1), (2, 0)):
+        engine = HFEngine(policy, tokenizer, slots=slots, seed=3)
+        engine.add(GenRequest("a", prompt, sp))
+        a = run(engine)[0]["a"]
+        engine.add(GenRequest("sibling", prompt, sp))  # a's slot is parked at this step
+        run(engine)
+        assert engine.num_reused_tokens == sibling_reuses, slots
+    # (2 slots) a's K/V is still parked for a's next turn
+    engine.add(GenRequest("a1", next_turn(tokenizer, a, " on"), sp, min_kv_version=0))
+    run(engine)
+    assert engine.num_reused_tokens == len(prompt) + a.num_tokens - 1
+
+
 def test_with_no_free_slot_a_newcomer_takes_the_least_recently_parked(policy, tokenizer):
     engine = HFEngine(policy, tokenizer, slots=2, seed=1)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
