@@ -322,7 +322,7 @@ class Gateway:
             call = GatewayCall(call_id=f"{uuid.uuid4().hex}", reply_to=self.gateway_id, prompt_ids=list(ctx),
                                max_tokens=min(want, room), temperature=sampling.temperature, top_p=sampling.top_p,
                                stop=sampling.stop, stream=sampling.stream,
-                               min_kv_version=s.transcript.oldest_version if s.transcript is not None else None)
+                               min_kv_version=s.transcript.oldest_version)
             choices.append(_Choice(i, s, call, None))
         return choices
 

@@ -111,6 +111,10 @@ class GenRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     min_kv_version: int | None = None
 
+    def kv_floor(self, version: int) -> int:
+        """The oldest version whose K/V this request may reuse on an engine at ``version``."""
+        return version if self.min_kv_version is None else min(int(self.min_kv_version), version)
+
 
 @dataclass
 class GenResult:

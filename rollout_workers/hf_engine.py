@@ -315,8 +315,7 @@ class HFEngine:
         while self._waiting and (self._free or self._parked):
             request = self._waiting.popleft()
             stop_ids = frozenset(request.params.stop_token_ids) | (frozenset() if request.params.ignore_eos else self.eos_ids)
-            floor = self.version if request.min_kv_version is None else min(int(request.min_kv_version), self.version)
-            slot, reused, kv_version = self._slot_for(request.prompt_ids, floor)
+            slot, reused, kv_version = self._slot_for(request.prompt_ids, request.kv_floor(self.version))
             seq = _Seq(request, stop_ids, slot, kv_version)
             seq.n_cached = reused
             self.num_reused_tokens += reused

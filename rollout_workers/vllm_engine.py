@@ -292,8 +292,7 @@ class VLLMEngine:
         if len(request.prompt_ids) >= self.max_model_len:
             raise RequestError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens leaves no "
                                f"room to generate in the model's context of {self.max_model_len}")
-        salt = self.version if request.min_kv_version is None else min(int(request.min_kv_version), self.version)
-        prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{salt}"}
+        prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{request.kv_floor(self.version)}"}
         adapter = self._adapters.request() if self._adapters is not None else None
         try:
             self.engine.add_request(request.request_id, prompt, self._sampling_params(request.params),

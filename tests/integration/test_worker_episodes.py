@@ -179,10 +179,10 @@ def test_a_weight_update_between_turns_versions_each_policy_token(run, tmp_path)
         # engine kept: turn 1's (all but its last token, never fed) was written by v0, and the
         # turns after the update reuse it (the episode's oldest token is v0: its staleness counts
         # from there already); v1 prefilled and decoded the rest
-        v0_kv = len(s.prompt_ids) + int(starts[1] - (policy[: starts[1]] == 0).sum()) - 1
-        np.testing.assert_allclose(s.behaviour_logprobs[policy & (versions == 0)],
-                                   recompute(v0, s, 1.0, 0, 1.0)[policy & (versions == 0)], rtol=0, atol=PARITY_ATOL)
-        after = policy & (versions == 1)
+        v0_kv = len(s.prompt_ids) + int(policy[: starts[1]].sum()) - 1
+        before, after = policy & (versions == 0), policy & (versions == 1)
+        np.testing.assert_allclose(s.behaviour_logprobs[before], recompute(v0, s, 1.0, 0, 1.0)[before],
+                                   rtol=0, atol=PARITY_ATOL)
         np.testing.assert_allclose(s.behaviour_logprobs[after], recompute(v1, s, 1.0, 0, 1.0, (v0, v0_kv))[after],
                                    rtol=0, atol=PARITY_ATOL)
         off = max(off, float(np.abs(s.behaviour_logprobs[after] - recompute(v0, s, 1.0, 0, 1.0)[after]).max()))
