@@ -1,14 +1,17 @@
 -- Append a group that no prompt lease produced (rlhf-gateway's episodes), FIFO mode only.
 -- KEYS: samples stream, counters, dead-letter stream, the hash of kept records the group is made of
---       (rlhf-gateway's rewarded sessions).
+--       (rlhf-gateway's rewarded sessions), the run's params.
 -- ARGV: 1 producer, 2 now, 3 dead-letter maxlen, 4 oldest token version of the group, 5 group id,
 --       6 prompt id, 7 good samples, 8 bad records, 9 kept fields, 10.. the good samples' bytes, then
 --       per bad record: kind, reason, raw bytes, then the kept records' fields (in the hash of kept records)
--- The entry is marked F_EXTERNAL: pacing never admitted it, so a stale drop returns no budget.
+-- An appended group counts as admitted (group_size samples, as a prompt's): the learner reads
+-- batches of whole groups and its version counts batch_size samples' worth of them, so a gateway
+-- group takes a prompt's place (without this each one trained would let the run's own prompts a
+-- group further ahead of the learner). A drop gives it back as it does any group's (drop.lua).
 -- The kept records are deleted with the append, and a group whose kept records are not all there
 -- any more is not appended (nil): it was appended already (a retried call whose reply was lost,
 -- another gateway of the run), so a group is appended at most once.
-local samples_key, counters_key, dead_key, kept_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local samples_key, counters_key, dead_key, kept_key, params_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local producer, now, dead_maxlen, oldest_version = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local group_id, prompt_id, n_good, n_bad = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_kept = tonumber(ARGV[9])
@@ -21,8 +24,9 @@ for i = 0, n_kept - 1 do
 end
 local id = ''
 if n_good > 0 then
-  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, producer, now, first_good, true)
+  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, producer, now, first_good)
   incr(counters_key, C.groups_external, 1)
+  incr(counters_key, C.admitted, tonumber(redis.call('HGET', params_key, 'group_size')))
 end
 for i = 0, n_bad - 1 do
   local b = first_bad + 3 * i

@@ -265,8 +265,9 @@ class Buffer:
     def append_group(self, producer: str, group: list[Sample], kept: Sequence[str] = ()) -> str | None:
         """Append a group that no prompt lease produced (rlhf-gateway's episodes) to the sample
         stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
-        stream entry id, or "" when no sample was valid. Pacing never admitted such a group, so
-        it takes no admission budget and returns none when dropped as stale.
+        stream entry id, or "" when no sample was valid. An appended group counts as admitted,
+        as a prompt's does (it takes a prompt's place in the learner's batches: pacing holds
+        the run's own prompts back by as much), and a drop gives it back.
 
         ``kept``: the fields in ``P gw:rewarded`` (:meth:`keep_rewarded`) holding the group's
         samples until now; they are deleted in the same step, and when one of them is gone the
@@ -274,7 +275,7 @@ class Buffer:
         K.check_consumer(producer)
         args = samples.prepare_external(self._store, self.run_params(), producer, group, kept)
         k = self.keys
-        res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead, k.gw_rewarded], args=args)
+        res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead, k.gw_rewarded, k.params], args=args)
         if res is None:
             return None
         return res.decode() if isinstance(res, bytes) else str(res)

@@ -50,8 +50,7 @@ redis.call('XDEL', prompts_key, lease_id)
 incr(counters_key, C.inflight, -group_size)
 local id = ''
 if n_good > 0 then
-  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, consumer, now, first_good,
-                    false)
+  id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, consumer, now, first_good)
   if mode == 'replay' then
     local seq = redis.call('HINCRBY', counters_key, C.replay_seq, 1)
     redis.call('ZADD', index_key, tonumber(oldest_version) * VSCALE + (seq % VSCALE), id)

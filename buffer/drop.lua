@@ -1,9 +1,8 @@
 -- Drop groups the learner will not train on (FIFO mode): too stale, or nothing usable in them.
 -- ARGV: 1 now, 2 dead-letter maxlen, 3 number of entries, then per entry:
 --       id, why (stale|bad), lag, bad count, then per dead letter: kind, reason, producer, raw
--- The group's admission reservation is returned (pacing would stall otherwise; none for a group
--- appended without a prompt lease, which pacing never admitted) and claimers
--- are woken. Idempotent like commit.lua.
+-- Each group's admission (group_size samples, a prompt's or a gateway group's: append.lua) is
+-- returned (pacing would stall otherwise) and claimers are woken. Idempotent like commit.lua.
 local samples_key, counters_key, hist_key, dead_key, params_key, wake_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now, dead_maxlen, n_entries = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -14,11 +13,8 @@ for _ = 1, n_entries do
   pos = pos + 4
   if redis.call('XACK', samples_key, LEARNER, id) == 1 then
     local e = redis.call('XRANGE', samples_key, id, id)
-    local n, external = 0, false
-    if #e == 1 then
-      n = field_int(field(e[1][2], F_COUNT), 0)
-      external = field(e[1][2], F_EXTERNAL)
-    end
+    local n = 0
+    if #e == 1 then n = field_int(field(e[1][2], F_COUNT), 0) end
     redis.call('XDEL', samples_key, id)
     incr(counters_key, C.samples_removed, n)
     incr(counters_key, C.groups_removed, 1)
@@ -32,7 +28,7 @@ for _ = 1, n_entries do
       dead_letter(dead_key, counters_key, dead_maxlen, ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], id, now)
     end
     returned = returned + 1
-    if not external then budget = budget + 1 end
+    budget = budget + 1
   end
   pos = pos + 4 * n_bad
 end

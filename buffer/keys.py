@@ -160,7 +160,6 @@ F_VERSION = "v"  # oldest token version over the group's samples (staleness filt
 F_COUNT = "n"  # samples in this entry (a partial group has fewer than group_size)
 F_PRODUCER = "w"  # worker (consumer) that completed the group
 F_TIME = "t"  # completion time, seconds since the epoch
-F_EXTERNAL = "x"  # present on groups appended without a prompt lease (rlhf-gateway): no admission budget to return
 SAMPLE_FIELD_PREFIX = "s"
 #: dead stream
 D_KIND = "kind"  # sample | prompt | entry

@@ -64,7 +64,6 @@ def preamble() -> str:
         "F_COUNT": K.F_COUNT,
         "F_PRODUCER": K.F_PRODUCER,
         "F_TIME": K.F_TIME,
-        "F_EXTERNAL": K.F_EXTERNAL,
         "F_SAMPLE": K.SAMPLE_FIELD_PREFIX,
         "D_KIND": K.D_KIND,
         "D_REASON": K.D_REASON,
@@ -99,15 +98,10 @@ end
 local function wake(stream, why)
   redis.call('XADD', stream, 'MAXLEN', '~', WAKE_MAXLEN, '*', 'e', why)
 end
--- append a group's stream entry: the good samples are ARGV[first .. first + n_good - 1]; an
--- external group (no prompt lease: rlhf-gateway) is marked so a stale drop returns no budget
-local function append_entry(samples_key, counters_key, group_id, prompt_id, oldest, n_good, producer, now, first, external)
+-- append a group's stream entry: the good samples are ARGV[first .. first + n_good - 1]
+local function append_entry(samples_key, counters_key, group_id, prompt_id, oldest, n_good, producer, now, first)
   local fields = {F_GROUP, group_id, F_PROMPT_ID, prompt_id, F_VERSION, oldest, F_COUNT, n_good,
                   F_PRODUCER, producer, F_TIME, now}
-  if external then
-    fields[#fields + 1] = F_EXTERNAL
-    fields[#fields + 1] = '1'
-  end
   for i = 0, n_good - 1 do
     fields[#fields + 1] = F_SAMPLE .. i
     fields[#fields + 1] = ARGV[first + i]

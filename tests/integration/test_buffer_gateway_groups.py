@@ -65,3 +65,45 @@ def test_kept_samples_survive_a_redis_restart(redis_server, redis_url):
     redis_server.restart(signal.SIGKILL)  # only the append-only file keeps it
     assert Sample.decode(b.rewarded_kept()["k"]).sample_id == s.sample_id
     b.close()
+
+
+
+@pytest.fixture
+def paced(redis_url):
+    """A synchronous run (max_staleness 0) of batches of one group of 2: one prompt admitted at a time."""
+    b = Buffer.connect(redis_url, "gw-paced", BufferConfig(lease_timeout_s=5.0))
+    b.init_run(batch_size=2, group_size=2, max_staleness=0, max_response_tokens=16, vocab_size=100)
+    b.enqueue_prompts(T.prompts(4))
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("n", [2, 1], ids=["full-group", "session-without-group"])
+def test_a_gateway_group_takes_a_prompts_place_in_pacing(paced, n):
+    # budget = (max_staleness 0 + version 0 + 1) * batch 2 - admitted 0 = 2: one prompt's group
+    assert paced.admission_budget() == 2
+    assert paced.append_group("gateway", _group(n)) != ""
+    # the learner's next batch is the gateway's group (batches are whole groups, whatever their
+    # size), so no prompt may start until it is trained: 2 - group_size 2 = 0 (before, the run's
+    # prompts took the budget the gateway's group used up)
+    assert paced.admission_budget() == 0
+    assert paced.claim("w", 4) == []
+    batch = paced.read_batch("L", 0, 2, timeout_s=1.0)
+    assert len(batch.samples) == n
+    paced.commit(batch)
+    paced.set_learner_version(1)
+    # (0 + 1 + 1) * 2 - 2 = 2: the next batch's prompt
+    assert paced.admission_budget() == 2
+    assert len(paced.claim("w", 4)) == 1
+
+
+def test_a_gateway_group_dropped_as_stale_gives_its_place_back(paced):
+    assert paced.append_group("gateway", _group(1)) != ""  # its sample is of version 0
+    paced.set_learner_version(2)
+    # admitted 2: (0 + 2 + 1) * 2 - 2 = 4
+    assert paced.admission_budget() == 4
+    assert paced.read_batch("L", 2, 2, timeout_s=0.2) is None  # lag 2 > max_staleness 0: dropped
+    counters = paced.metrics()["counters"]
+    assert counters["groups_dropped_stale"] == 1 and counters["budget_returned"] == 2
+    # given back: (0 + 2 + 1) * 2 - 0 = 6
+    assert paced.admission_budget() == 6
