@@ -262,10 +262,13 @@ class Buffer:
             self._leases.get(c.lease.consumer, {}).pop(c.lease.lease_id, None)
         return [samples.complete_status(r) for r in results]
 
-    def append_group(self, producer: str, group: list[Sample], kept: Sequence[str] = ()) -> str | None:
+    def append_group(self, producer: str, group: list[Sample], kept: Sequence[str] = (),
+                     filtered: str | None = None) -> str | None:
         """Append a group that no prompt lease produced (rlhf-gateway's episodes) to the sample
         stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
-        stream entry id, or "" when no sample was valid. An appended group counts as admitted,
+        stream entry id, or "" when no sample was valid or the group was ``filtered`` (a reason
+        of :data:`rlhf_core.dapo.FILTER_REASONS`: counted as a worker's filtered group, nothing
+        appended). An appended group counts as admitted,
         as a prompt's does (it takes a prompt's place in the learner's batches: pacing holds
         the run's own prompts back by as much), and a drop gives it back.
 
@@ -273,7 +276,7 @@ class Buffer:
         samples until now; they are deleted in the same step, and when one of them is gone the
         group was appended before (a retry whose first reply was lost) and None is returned."""
         K.check_consumer(producer)
-        args = samples.prepare_external(self._store, self.run_params(), producer, group, kept)
+        args = samples.prepare_external(self._store, self.run_params(), producer, group, kept, filtered)
         k = self.keys
         res = self.retry(self.scripts.append, keys=[k.samples, k.counters, k.dead, k.gw_rewarded, k.params], args=args)
         if res is None:

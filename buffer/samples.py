@@ -125,11 +125,7 @@ def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list
     :data:`rlhf_core.dapo.FILTER_REASONS`): its prompt is acked and its admission budget
     returned, nothing is appended, and ``groups_filtered_<reason>`` counts it.
     """
-    n_filtered = 0
-    if filtered is not None:
-        if filtered not in FILTER_REASONS:
-            raise ValueError(f"filter reason {filtered!r} is not one of {FILTER_REASONS}")
-        n_filtered, samples = len(samples), []
+    n_filtered, samples = _filtered(filtered, samples)
     good, bad = _check_group(store, params, samples, "complete()")
     for kind, reason, raw in rejected:
         bad += [kind, reason, raw]
@@ -165,19 +161,31 @@ def _check_group(store: Store, params: Mapping[str, Any], samples: list[Sample],
 
 
 def prepare_external(store: Store, params: Mapping[str, Any], producer: str, samples: list[Sample],
-                     kept: Sequence[str] = ()) -> list[Any]:
+                     kept: Sequence[str] = (), filtered: str | None = None) -> list[Any]:
     """Validate and encode a group that no prompt lease produced; return the ``append.lua``
     arguments (FIFO mode: a replay table is filled by leased prompts only). ``kept``: the fields
-    of the records in ``P gw:rewarded`` the group is made of (deleted with the append)."""
+    of the records in ``P gw:rewarded`` the group is made of (deleted with the append);
+    ``filtered``: as for :func:`prepare` (nothing is appended, the kept records are deleted)."""
     if params["mode"] != "fifo":
         raise ValueError(f"groups without a prompt lease need buffer.mode=fifo, this run uses {params['mode']}")
     if not samples:
         raise ValueError("append_group() got no samples")
+    group_id, prompt_id = samples[0].group_id, samples[0].prompt_id
+    n_filtered, samples = _filtered(filtered, samples)
     good, bad = _check_group(store, params, samples, "append_group()")
     oldest = min((s.oldest_version for s, _ in good), default=0)
-    head = [producer, repr(time.time()), store.dead_maxlen, oldest, samples[0].group_id, samples[0].prompt_id,
-            len(good), len(bad) // 3, len(kept)]
+    head = [producer, repr(time.time()), store.dead_maxlen, oldest, group_id, prompt_id,
+            len(good), len(bad) // 3, len(kept), filtered or "", n_filtered]
     return head + [raw for _, raw in good] + bad + list(kept)
+
+
+def _filtered(filtered: str | None, samples: list[Sample]) -> tuple[int, list[Sample]]:
+    """``(samples filtered, samples to append)`` for a group ``filtered`` names a reason for, or not."""
+    if filtered is None:
+        return 0, samples
+    if filtered not in FILTER_REASONS:
+        raise ValueError(f"filter reason {filtered!r} is not one of {FILTER_REASONS}")
+    return len(samples), []
 
 
 def complete_status(res: list[Any]) -> str:

@@ -43,6 +43,7 @@ from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE,
                                 parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core.config import Config, ConfigError, response_budget, validate
+from rlhf_core.dapo import filter_reason
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_tokenizer, model_dir
 from rlhf_core.records import Sample
@@ -662,9 +663,10 @@ class Gateway:
             log.warning("gateway: could not keep the reward of session %s: %s", sid, exc)
             raise ApiError(503, f"the reward could not be stored ({type(exc).__name__}); post it again", UNAVAILABLE,
                            "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        samples = await self._append_due(rewarded)
-        return JSONResponse({"session": sid, "group": rewarded.group, "reward": total,
-                             "status": "appended" if samples else "waiting_for_group", "samples": samples})
+        samples, why = await self._append_due(rewarded)
+        status = "filtered" if why else "appended" if samples else "waiting_for_group"
+        return JSONResponse({"session": sid, "group": rewarded.group, "reward": total, "status": status,
+                             "samples": 0 if why else samples})
 
     def _settle_kept(self, rewarded: Rewarded, done: asyncio.Future) -> None:
         if done.cancelled() or done.exception() is not None:
@@ -672,20 +674,22 @@ class Gateway:
         else:  # kept: in its group, appended at the next round when that makes it due
             self.sessions.rewarded(rewarded)
 
-    async def _append_due(self, rewarded: Rewarded | None = None) -> int:
+    async def _append_due(self, rewarded: Rewarded | None = None) -> tuple[int, str | None]:
         """Add ``rewarded`` (kept) to its group, then append every group that is due (full, or its
-        TTL over), each with the deletion of its kept samples; a group the buffer cannot take now
-        stays and is tried again at the next round. Returns how many samples the group of
-        ``rewarded`` appended (0: it waits for more sessions)."""
+        TTL over), each with the deletion of its kept samples (a group that teaches nothing, with
+        ``algo.filter_groups``, only the deletion); a group the buffer cannot take now stays and is
+        tried again at the next round. Returns the group of ``rewarded``: how many samples it had
+        (0: it waits for more sessions), and why it was filtered (None: it was not)."""
         assert self.sessions is not None
-        counters, appended_with = self.sessions.counters, 0
+        counters, appended_with, filtered = self.sessions.counters, 0, None
         async with self._appending:  # one round at a time: a group is appended by the round that saw it due
             if rewarded is not None:
                 self.sessions.rewarded(rewarded)
             for name in self.sessions.due():
                 keys, samples = self.sessions.group(name)
+                why = self._filtered(samples)
                 try:
-                    entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples, keys)
+                    entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples, keys, why)
                 except Exception:  # noqa: BLE001  # Redis away: the samples stay kept; the next round retries
                     log.exception("gateway: appending group %s failed; it is tried again", name)
                     continue
@@ -697,15 +701,26 @@ class Gateway:
                     continue
                 self.sessions.appended(name, keys)
                 if rewarded is not None and rewarded.key in keys:
-                    appended_with = len(samples)
-                if entry:
+                    appended_with, filtered = len(samples), why
+                if why is not None:
+                    counters.groups_filtered += 1
+                    counters.samples_filtered += len(samples)
+                elif entry:
                     counters.groups_appended += 1
                     counters.samples_appended += len(samples)
                 else:
                     counters.samples_dead_lettered += len(samples)
                     log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)",
                                 len(samples))
-        return appended_with
+        return appended_with, filtered
+
+    def _filtered(self, samples: list[Sample]) -> str | None:
+        """DAPO's group filter (``algo.filter_groups``), as the workers apply it to the run's own groups."""
+        algo = self.cfg.algo
+        if not algo.filter_groups:
+            return None
+        return filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
+                             overlong=algo.overlong)
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)

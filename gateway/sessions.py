@@ -116,6 +116,8 @@ class GatewayCounters:
     groups_appended: int = 0
     samples_appended: int = 0
     samples_dead_lettered: int = 0
+    groups_filtered: int = 0  # algo.filter_groups: all rewards equal (or, with overlong=mask, all truncated)
+    samples_filtered: int = 0
     retokenisation_drift: int = 0
     calls_aborted: int = 0
     calls_failed: int = 0

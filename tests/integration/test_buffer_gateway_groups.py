@@ -55,6 +55,22 @@ def test_a_group_one_of_whose_kept_samples_is_gone_is_not_appended_and_keeps_the
     assert buf.append_group("gateway", group) != ""  # nothing kept: appended as before
 
 
+def test_a_filtered_group_is_counted_not_appended_and_its_kept_samples_go(buf):
+    group = _group()
+    for i, s in enumerate(group):
+        buf.keep_rewarded(f"f{i}", s)
+    budget = buf.admission_budget()
+    assert buf.append_group("gateway", group, ["f0", "f1"], filtered="zero_variance") == ""
+    assert buf.rewarded_kept() == {}
+    c = buf.metrics()["counters"]
+    assert (c["groups_filtered"], c["samples_filtered"], c["groups_filtered_zero_variance"]) == (1, 2, 1)
+    assert (c["groups_appended"], c["groups_external"]) == (0, 0)
+    assert buf.admission_budget() == budget  # no batch slot taken
+    assert buf.read_batch("L", 0, 2, timeout_s=0.2) is None
+    with pytest.raises(ValueError, match="filter reason"):
+        buf.append_group("gateway", group, filtered="boring")
+
+
 def test_kept_samples_survive_a_redis_restart(redis_server, redis_url):
     import signal
 

@@ -163,15 +163,16 @@ def _cfg(infra, tiny_model_cfg, run_id: str, *extra: str) -> Any:
 
 
 @contextlib.contextmanager
-def _run(infra, tiny_model_cfg, run_id: str, worker_id: str,
-         wrap: Callable[[Any, Any], Any]) -> Iterator[tuple[Any, Any, Any, str, Any]]:
-    """A run of this module's kind: the test plays the learner, one worker thread, the gateway in
-    this process. ``wrap(engine, tokenizer)`` wraps the worker's engine before it starts; yields
-    ``(cfg, learner, worker thread, gateway url, what wrap returned)``; stops them all after."""
+def _run(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[Any, Any], Any],
+         *extra: str) -> Iterator[tuple[Any, Any, Any, str, Any]]:
+    """A run of this module's kind (``extra``: more settings): the test plays the learner, one
+    worker thread, the gateway in this process. ``wrap(engine, tokenizer)`` wraps the worker's
+    engine before it starts; yields ``(cfg, learner, worker thread, gateway url, what wrap
+    returned)``; stops them all after."""
     from gateway.server import GatewayServer
     from worker_helpers import FakeLearner, WorkerThread
 
-    cfg = _cfg(infra, tiny_model_cfg, run_id)
+    cfg = _cfg(infra, tiny_model_cfg, run_id, *extra)
     learner = FakeLearner(cfg)
     learner.publish(VERSION)
     wt = WorkerThread(cfg, worker_id)
@@ -903,6 +904,37 @@ def test_a_session_is_rewarded_once(served):
     served.chat("once-2", "g-once", max_tokens=1)
     assert served.reward("once-2", 0.0).json()["status"] == "appended"
     assert {s.metadata["session"] for s in served.group("g-once")} == {"once", "once-2"}
+
+
+def test_with_filter_groups_a_group_whose_rewards_are_all_equal_is_filtered_as_the_runs_own_are(infra, tiny_model_cfg):
+    """algo.filter_groups (DAPO's dynamic sampling) holds for agents' groups as for the run's own:
+    a group whose rewards are all equal teaches nothing, so it is not appended (its kept rewards
+    are deleted, the buffer counts it per reason) and takes no batch slot."""
+    with _run(infra, tiny_model_cfg, "gw-filter", "wf", lambda engine, tokenizer: None, "algo.filter_groups=true") as run:
+        cfg, learner, _, url, _ = run
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
+            for sid in ("same/0", "same/1", "mixed/0", "mixed/1"):
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               extra_headers={"X-Session-Id": sid, "X-Group-Id": sid.split("/")[0]})
+
+        def reward(sid: str, value: float) -> dict:
+            r = httpx.post(f"{url}/rl/sessions/{sid}/reward", json={"reward": value}, timeout=10)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        assert reward("same/0", 1.0)["status"] == "waiting_for_group"
+        assert reward("same/1", 1.0) == {"session": "same/1", "group": "same", "reward": 1.0, "status": "filtered",
+                                         "samples": 0}
+        assert reward("mixed/0", 1.0)["status"] == "waiting_for_group"
+        assert reward("mixed/1", 0.0)["status"] == "appended"
+        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+        assert (stats["groups_filtered"], stats["samples_filtered"], stats["groups_appended"]) == (1, 2, 1)
+        counters = learner.buffer.metrics()["counters"]
+        assert (counters["groups_filtered_zero_variance"], counters["groups_external"]) == (1, 1)
+        assert learner.buffer.rewarded_kept() == {}  # the filtered group's kept rewards went with it
+        batch = learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=5.0)
+        assert [s.metadata["session"] for s in batch.samples] == ["mixed/0", "mixed/1"]
+        assert learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=0.2) is None
 
 
 def test_a_second_gateway_takes_up_kept_rewards_and_each_sample_is_appended_once(served, infra, tiny_model_cfg):
