@@ -15,10 +15,16 @@ from rlhf_core.records import Sample
 pytestmark = pytest.mark.integration
 
 
+def _buffer(url: str, run_id: str, max_staleness: int = 8) -> Buffer:
+    """A run of batches of one group of 2."""
+    b = Buffer.connect(url, run_id, BufferConfig(lease_timeout_s=5.0))
+    b.init_run(batch_size=2, group_size=2, max_staleness=max_staleness, max_response_tokens=16, vocab_size=100)
+    return b
+
+
 @pytest.fixture
 def buf(redis_url):
-    b = Buffer.connect(redis_url, "gw-groups", BufferConfig(lease_timeout_s=5.0))
-    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
+    b = _buffer(redis_url, "gw-groups")
     yield b
     b.close()
 
@@ -74,8 +80,7 @@ def test_a_filtered_group_is_counted_not_appended_and_its_kept_samples_go(buf):
 def test_kept_samples_survive_a_redis_restart(redis_server, redis_url):
     import signal
 
-    b = Buffer.connect(redis_url, "gw-durable", BufferConfig(lease_timeout_s=5.0))
-    b.init_run(batch_size=2, group_size=2, max_staleness=8, max_response_tokens=16, vocab_size=100)
+    b = _buffer(redis_url, "gw-durable")
     s = _group()[0]
     b.keep_rewarded("k", s)
     redis_server.restart(signal.SIGKILL)  # only the append-only file keeps it
@@ -86,9 +91,8 @@ def test_kept_samples_survive_a_redis_restart(redis_server, redis_url):
 
 @pytest.fixture
 def paced(redis_url):
-    """A synchronous run (max_staleness 0) of batches of one group of 2: one prompt admitted at a time."""
-    b = Buffer.connect(redis_url, "gw-paced", BufferConfig(lease_timeout_s=5.0))
-    b.init_run(batch_size=2, group_size=2, max_staleness=0, max_response_tokens=16, vocab_size=100)
+    """A synchronous run (max_staleness 0): one prompt admitted at a time."""
+    b = _buffer(redis_url, "gw-paced", max_staleness=0)
     b.enqueue_prompts(T.prompts(4))
     yield b
     b.close()
