@@ -268,9 +268,9 @@ class Buffer:
         stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
         stream entry id, or "" when no sample was valid or the group was ``filtered`` (a reason
         of :data:`rlhf_core.dapo.FILTER_REASONS`: counted as a worker's filtered group, nothing
-        appended). An appended group counts as admitted,
-        as a prompt's does (it takes a prompt's place in the learner's batches: pacing holds
-        the run's own prompts back by as much), and a drop gives it back.
+        appended). An appended group counts as admitted, as a prompt's does (it takes a
+        prompt's place in the learner's batches: pacing holds the run's own prompts back by as
+        much), and a drop gives it back.
 
         ``kept``: the fields in ``P gw:rewarded`` (:meth:`keep_rewarded`) holding the group's
         samples until now; they are deleted in the same step, and when one of them is gone the

@@ -21,7 +21,8 @@ Counters (monotonic):
     rate limiter; rl_samples may be fractional), replay_seq
 Gauges (go up and down):
     prompts_waiting (enqueued, never delivered), admitted (samples admitted by pacing, group_size
-    per prompt or rlhf-gateway group, net of give-backs), inflight (samples being generated), replay_size (samples in the replay table)
+    per prompt or rlhf-gateway group, net of give-backs), inflight (samples being generated),
+    replay_size (samples in the replay table)
 Derived by :func:`read_counters` (not stored, so the worker's hot path writes less):
     prompts_acked = groups_appended + completions_empty + groups_filtered,
     samples_in_buffer = samples_appended - samples_removed, groups_in_buffer likewise.

@@ -18,9 +18,10 @@ Admission (AReaL's staleness control), counted in samples::
 ``admitted`` for it. ``append.lua`` admits a group no prompt produced (rlhf-gateway's episodes)
 as it appends it, also ``group_size``: the learner's batches are whole groups, so such a group
 takes a prompt's place in one. Prompts re-delivered after an expired lease were admitted once
-and need nothing. Budget comes back when a reservation produces nothing to train on: ``release.lua``
-(a prompt given back), ``complete.lua`` (every sample invalid), ``drop.lua`` (a group too stale
-or unusable) and ``claim.lua`` itself (a prompt dead-lettered after ``max_deliveries``). With
+and need nothing. Budget comes back when a reservation produces nothing to train on:
+``release.lua`` (a prompt given back), ``complete.lua`` (every sample invalid), ``drop.lua`` (a
+group too stale or unusable) and ``claim.lua`` itself (a prompt dead-lettered after
+``max_deliveries``). With
 ``max_staleness = 0`` this is synchronous training. The lookahead keeps workers that outpace
 the learner from generating batches that would only wait in the buffer and age.
 
