@@ -21,9 +21,9 @@ takes a prompt's place in one. Prompts re-delivered after an expired lease were 
 and need nothing. Budget comes back when a reservation produces nothing to train on:
 ``release.lua`` (a prompt given back), ``complete.lua`` (every sample invalid), ``drop.lua`` (a
 group too stale or unusable) and ``claim.lua`` itself (a prompt dead-lettered after
-``max_deliveries``). With
-``max_staleness = 0`` this is synchronous training. The lookahead keeps workers that outpace
-the learner from generating batches that would only wait in the buffer and age.
+``max_deliveries``). With ``max_staleness = 0`` this is synchronous training. The lookahead
+keeps workers that outpace the learner from generating batches that would only wait in the
+buffer and age.
 
 Rate limiter (Reverb's ``SampleToInsertRatio``, replay mode with ``samples_per_insert`` set)::
 
