@@ -8,8 +8,10 @@ worker (``rollout_workers/gateway_calls.py``) both use them.
 
 A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
 session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
-for a streamed call one per decoding step with the new token ids, and always one ``final``
-chunk with every token id, behaviour log-prob and policy version (or an error). Pushing a call
+one without tokens when it queues the call in its engine (:attr:`CallChunk.started`: the gateway
+then knows which worker holds the call, and fails it when that worker stops heartbeating), for a
+streamed call one per decoding step with the new token ids, and always one ``final`` chunk with
+every token id, behaviour log-prob and policy version (or an error). Pushing a call
 also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
 a worker whose own taker thread fetched calls while its main thread waits there wakes it the same way.
 
@@ -122,6 +124,11 @@ class CallChunk:
     # finished (wall clock, time.time(); the gateway's "where a call's time goes")
     started_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def started(self) -> bool:
+        """The worker ``worker_id`` queued the call in its engine (a chunk with no tokens, not final)."""
+        return not self.final and not self.token_ids
 
     def encode(self) -> bytes:
         return encode_record(KIND_CHUNK, {
@@ -241,10 +248,10 @@ async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
     await client.hdel(keys.gw_cancel, call_id)
 
 
-async def live_workers(client: Any, keys: RunKeys, within_s: float) -> int:
+async def live_workers(client: Any, keys: RunKeys, within_s: float) -> set[str]:
     """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds."""
     raw = await client.hgetall(keys.consumers)
-    now, n = time.time(), 0
+    now, live = time.time(), set()
     for name, rec in raw.items():
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name.startswith(("learner", "eval")):
@@ -253,33 +260,37 @@ async def live_workers(client: Any, keys: RunKeys, within_s: float) -> int:
             seen = float(msgpack.unpackb(rec, raw=False).get("last_seen", 0))
         except Exception:  # noqa: BLE001  # a garbled record is not a live worker
             continue
-        n += int(now - seen <= within_s)
-    return n
+        if now - seen <= within_s:
+            live.add(name)
+    return live
 
 
 class LiveWorkers:
-    """:func:`live_workers`, counted again once the count is ``max_age_s`` old (at once while it
-    is 0), and once however many calls ask together: the 64 turns of agents in step arrive
+    """:func:`live_workers`, read again once it is ``max_age_s`` old (at once while there are
+    none), and once however many calls ask together: the 64 turns of agents in step arrive
     together, and each asking on its own would send its own ``HGETALL`` of every consumer's
     record (and open its own connection) before its call could go."""
 
     def __init__(self, client: Any, keys: RunKeys, within_s: float, max_age_s: float = 1.0) -> None:
         self.client, self.keys, self.within_s, self.max_age_s = client, keys, within_s, max_age_s
-        self._last = (0.0, 0)  # (counted at, live workers)
-        self._counting: asyncio.Future | None = None
+        self._last: tuple[float, set[str]] = (0.0, set())  # (read at, live workers)
+        self._reading: asyncio.Future | None = None
 
     async def count(self) -> int:
-        counted_at, n = self._last
-        if n and time.monotonic() - counted_at <= self.max_age_s:
-            return n
-        if self._counting is None:
-            self._counting = asyncio.ensure_future(self._count())
-        return await asyncio.shield(self._counting)  # a caller that goes away leaves the count to the others
+        return len(await self.live())
 
-    async def _count(self) -> int:
+    async def live(self) -> set[str]:
+        read_at, live = self._last
+        if live and time.monotonic() - read_at <= self.max_age_s:
+            return live
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+        return await asyncio.shield(self._reading)  # a caller that goes away leaves the read to the others
+
+    async def _read(self) -> set[str]:
         try:
-            n = await live_workers(self.client, self.keys, self.within_s)
-            self._last = (time.monotonic(), n)
-            return n
+            live = await live_workers(self.client, self.keys, self.within_s)
+            self._last = (time.monotonic(), live)
+            return live
         finally:
-            self._counting = None
+            self._reading = None

@@ -96,6 +96,7 @@ class _Choice:
     tokens: list[int] = field(default_factory=list)
     sent_chars: int = 0
     final: CallChunk | None = None
+    worker: str = ""  # the worker that queued the call in its engine (CallChunk.started)
 
 
 @dataclass
@@ -351,8 +352,12 @@ class Gateway:
                                        "timeout", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
                     if request is not None and await request.is_disconnected():
                         raise ClientGone()
+                    await self._check_holders(choices)
                     continue
                 c = choices[index]
+                if chunk.started:
+                    c.worker = chunk.worker_id
+                    continue
                 if chunk.final:
                     c.final = chunk
                     left -= 1
@@ -372,6 +377,20 @@ class Gateway:
                     for call_id in unfinished:
                         with contextlib.suppress(Exception):
                             await cancel(self.redis, self.keys, call_id)
+
+    async def _check_holders(self, choices: list[_Choice]) -> None:
+        """Fail the call when a worker holding one of its unfinished choices stopped heartbeating
+        (``buffer.lease_timeout_s``, as for the run's prompts): it died with the call, which
+        would otherwise wait for ``gateway.call_timeout_s``."""
+        held = {c.worker for c in choices if c.worker and c.final is None}
+        if not held:
+            return
+        assert self.workers is not None
+        gone = held - await self.workers.live()
+        if gone:
+            raise ApiError(503, f"the worker serving the call ({', '.join(sorted(gone))}) stopped heartbeating for "
+                                f"buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} s; retry", UNAVAILABLE,
+                           "worker_stopped", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:
         """The calls' drift checks on a thread while they are generated (they tokenise up to a

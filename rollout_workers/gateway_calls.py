@@ -184,14 +184,14 @@ class GatewayCalls:
 
     def take(self, capacity: int) -> int:
         """Add up to ``capacity`` queued calls to the engine (an idle worker). Returns the calls running."""
-        refused = self._add(self.channel.take(capacity))
-        self.channel.send(refused)
+        self.channel.send(self._add(self.channel.take(capacity)))
         return len(self.calls)
 
     def _add(self, raws: list[bytes]) -> list[tuple[str, CallChunk]]:
-        """Queue calls in the engine; a call the engine refuses (too long for its context, bad
-        settings) is answered with the reason (the chunks returned)."""
-        refused: list[tuple[str, CallChunk]] = []
+        """Queue calls in the engine; returns the chunks that say so (:attr:`CallChunk.started`:
+        the gateway learns which worker holds each call), or, for a call the engine refuses (too
+        long for its context, bad settings), the reason."""
+        answers: list[tuple[str, CallChunk]] = []
         for raw in raws:
             try:
                 call = GatewayCall.decode(raw)
@@ -205,12 +205,13 @@ class GatewayCalls:
                 self.engine.add(GenRequest(PREFIX + call.call_id, list(call.prompt_ids), params, call.min_kv_version))
             except RequestError as exc:
                 self.stats["gateway_refused"] += 1
-                refused.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),
+                answers.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),
                                                          worker_id=self.worker_id)))
                 continue
             self.calls[PREFIX + call.call_id] = (call, [0], time.time())
             self.stats["gateway_calls"] += 1
-        return refused
+            answers.append((call.reply_to, CallChunk(call.call_id, [], worker_id=self.worker_id)))
+        return answers
 
     def after_step(self, finished: list[GenResult], capacity: int) -> list[GenResult]:
         """Answer the calls among ``finished``, stream the running ones, take up to ``capacity``

@@ -677,6 +677,36 @@ def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(serve
         impatient.stop()
 
 
+def test_a_call_whose_worker_stops_heartbeating_fails_with_503_after_the_lease_timeout(infra, tiny_model_cfg):
+    # A worker that dies holding a call never answers it: the gateway knows which worker holds it
+    # (the worker says so when it queues the call) and fails it once that worker has been silent
+    # for buffer.lease_timeout_s (2 s here), not after gateway.call_timeout_s (120 s)
+    from servers import wait_for
+
+    settings = ("buffer.lease_timeout_s=2", "buffer.heartbeat_interval_s=0.5")
+    with _run(infra, tiny_model_cfg, "gw-dead", "w-dead", lambda engine, _: Hold(engine), *settings) as run, run[4]:
+        cfg, _, wt, url, _ = run
+        assert cfg.gateway.call_timeout_s >= 100
+        out: dict[str, Any] = {}
+
+        def call() -> None:
+            out["response"] = httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=60,
+                                         headers={"X-Session-Id": "orphan"})
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
+        t0 = time.monotonic()
+        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does; its engine holds the call
+        caller.join(30)
+        r = out["response"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.json()["error"]["code"] == "worker_stopped" and "w-dead" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 15
+        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+        assert (stats["calls_failed"], stats["sessions_open"]) == (1, 0)  # the session is as before the call: none
+
+
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
     # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
     # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)

@@ -666,7 +666,11 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     calls.take(4)
     assert len(calls) == 2 and set(engine.requests) == {"gw/streamed", "gw/plain"} and len(channel.queued) == 1
     assert engine.min_kv_versions == {"gw/streamed": None, "gw/plain": 2}  # a session's next call: its oldest version
-    assert [(g, c.call_id, c.final, c.error is not None) for g, c in channel.sent] == [("gw-a", "toolong", True, True)]
+    # each call the engine took says so and who holds it (the gateway fails it if that worker dies);
+    # the one it refused is answered with why
+    assert [(g, c.call_id, c.started, c.final, c.error is not None, c.worker_id) for g, c in channel.sent] == [
+        ("gw-a", "streamed", True, False, False, "w0"), ("gw-b", "plain", True, False, False, "w0"),
+        ("gw-a", "toolong", False, True, True, "w0")]
     assert calls.stats["gateway_refused"] == 1 and calls.stats["gateway_bad_records"] == 1
     channel.sent.clear()
     own = make_result("lease/0", [1], [3], [-0.1], [4], "stop", "")  # the run's own request passes through
@@ -691,6 +695,8 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     channel.sent.clear()
     calls.after_step([], 1)
     assert set(engine.requests) == {"gw/later"} and not channel.queued
+    assert [(c.call_id, c.started) for _, c in channel.sent] == [("later", True)]
+    channel.sent.clear()
     # at exit every call still running ends as an abort
     calls.abort_all()
     assert [(c.call_id, c.finish_reason) for _, c in channel.sent] == [("later", "abort")] and not engine.requests
