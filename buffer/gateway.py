@@ -248,20 +248,26 @@ async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
     await client.hdel(keys.gw_cancel, call_id)
 
 
-async def live_workers(client: Any, keys: RunKeys, within_s: float) -> set[str]:
-    """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds."""
+async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str, float]:
+    """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds, each
+    with when its process started (wall clock: its last heartbeat less its uptime; 0 when its
+    record does not say). A worker restarted under its name (``rlhf-run`` restarts a crashed
+    ``worker-<i>`` as ``worker-<i>``) is live again at once, but started after the calls its dead
+    predecessor held."""
     raw = await client.hgetall(keys.consumers)
-    now, live = time.time(), set()
+    now, live = time.time(), {}
     for name, rec in raw.items():
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name.startswith(("learner", "eval")):
             continue
         try:
-            seen = float(msgpack.unpackb(rec, raw=False).get("last_seen", 0))
+            obj = msgpack.unpackb(rec, raw=False)
+            seen = float(obj.get("last_seen", 0))
+            uptime = (obj.get("stats") or {}).get("uptime_s")
         except Exception:  # noqa: BLE001  # a garbled record is not a live worker
             continue
         if now - seen <= within_s:
-            live.add(name)
+            live[name] = seen - float(uptime) if isinstance(uptime, (int, float)) else 0.0
     return live
 
 
@@ -273,13 +279,14 @@ class LiveWorkers:
 
     def __init__(self, client: Any, keys: RunKeys, within_s: float, max_age_s: float = 1.0) -> None:
         self.client, self.keys, self.within_s, self.max_age_s = client, keys, within_s, max_age_s
-        self._last: tuple[float, set[str]] = (0.0, set())  # (read at, live workers)
+        self._last: tuple[float, dict[str, float]] = (0.0, {})  # (read at, live workers)
         self._reading: asyncio.Future | None = None
 
     async def count(self) -> int:
         return len(await self.live())
 
-    async def live(self) -> set[str]:
+    async def live(self) -> dict[str, float]:
+        """The live workers, each with when its process started (:func:`live_workers`)."""
         read_at, live = self._last
         if live and time.monotonic() - read_at <= self.max_age_s:
             return live
@@ -287,7 +294,7 @@ class LiveWorkers:
             self._reading = asyncio.ensure_future(self._read())
         return await asyncio.shield(self._reading)  # a caller that goes away leaves the read to the others
 
-    async def _read(self) -> set[str]:
+    async def _read(self) -> dict[str, float]:
         try:
             live = await live_workers(self.client, self.keys, self.within_s)
             self._last = (time.monotonic(), live)

@@ -96,7 +96,8 @@ class _Choice:
     tokens: list[int] = field(default_factory=list)
     sent_chars: int = 0
     final: CallChunk | None = None
-    worker: str = ""  # the worker that queued the call in its engine (CallChunk.started)
+    worker: str = ""  # the worker that queued the call in its engine (CallChunk.started), and when
+    queued_at: float = 0.0  # (its clock; 0: it did not say)
 
 
 @dataclass
@@ -356,7 +357,7 @@ class Gateway:
                     continue
                 c = choices[index]
                 if chunk.started:
-                    c.worker = chunk.worker_id
+                    c.worker, c.queued_at = chunk.worker_id, chunk.started_at or 0.0
                     continue
                 if chunk.final:
                     c.final = chunk
@@ -379,17 +380,20 @@ class Gateway:
                             await cancel(self.redis, self.keys, call_id)
 
     async def _check_holders(self, choices: list[_Choice]) -> None:
-        """Fail the call when a worker holding one of its unfinished choices stopped heartbeating
-        (``buffer.lease_timeout_s``, as for the run's prompts): it died with the call, which
-        would otherwise wait for ``gateway.call_timeout_s``."""
-        held = {c.worker for c in choices if c.worker and c.final is None}
+        """Fail the call when the worker holding one of its unfinished choices died with it: it
+        stopped heartbeating (for ``buffer.lease_timeout_s``, as for the run's prompts), or a
+        worker of its name started after it queued the call (a restart). The call would
+        otherwise wait for ``gateway.call_timeout_s``."""
+        held = [c for c in choices if c.worker and c.final is None]
         if not held:
             return
         assert self.workers is not None
-        gone = held - await self.workers.live()
+        live = await self.workers.live()
+        gone = sorted({c.worker for c in held if c.worker not in live or live[c.worker] > c.queued_at > 0})
         if gone:
-            raise ApiError(503, f"the worker serving the call ({', '.join(sorted(gone))}) stopped heartbeating for "
-                                f"buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} s; retry", UNAVAILABLE,
+            raise ApiError(503, f"the worker serving the call ({', '.join(gone)}) stopped or restarted before it "
+                                f"finished (no heartbeat for buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} "
+                                "s, or a new process of its name); retry", UNAVAILABLE,
                            "worker_stopped", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:

@@ -208,9 +208,10 @@ class GatewayCalls:
                 answers.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),
                                                          worker_id=self.worker_id)))
                 continue
-            self.calls[PREFIX + call.call_id] = (call, [0], time.time())
+            queued = time.time()
+            self.calls[PREFIX + call.call_id] = (call, [0], queued)
             self.stats["gateway_calls"] += 1
-            answers.append((call.reply_to, CallChunk(call.call_id, [], worker_id=self.worker_id)))
+            answers.append((call.reply_to, CallChunk(call.call_id, [], worker_id=self.worker_id, started_at=queued)))
         return answers
 
     def after_step(self, finished: list[GenResult], capacity: int) -> list[GenResult]:

@@ -677,14 +677,19 @@ def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(serve
         impatient.stop()
 
 
-def test_a_call_whose_worker_stops_heartbeating_fails_with_503_after_the_lease_timeout(infra, tiny_model_cfg):
+@pytest.mark.parametrize("restarted", [False, True], ids=["silent", "restarted-under-its-name"])
+def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, tiny_model_cfg, restarted):
     # A worker that dies holding a call never answers it: the gateway knows which worker holds it
     # (the worker says so when it queues the call) and fails it once that worker has been silent
-    # for buffer.lease_timeout_s (2 s here), not after gateway.call_timeout_s (120 s)
+    # for buffer.lease_timeout_s (2 s here), or at once when a process of its name started after
+    # it queued the call (rlhf-run restarts a crashed worker-<i> as worker-<i>), not after
+    # gateway.call_timeout_s (120 s)
     from servers import wait_for
+    from worker_helpers import WorkerThread
 
     settings = ("buffer.lease_timeout_s=2", "buffer.heartbeat_interval_s=0.5")
-    with _run(infra, tiny_model_cfg, "gw-dead", "w-dead", lambda engine, _: Hold(engine), *settings) as run, run[4]:
+    run_id = f"gw-dead-{restarted}".lower()
+    with _run(infra, tiny_model_cfg, run_id, "w-dead", lambda engine, _: Hold(engine), *settings) as run, run[4]:
         cfg, _, wt, url, _ = run
         assert cfg.gateway.call_timeout_s >= 100
         out: dict[str, Any] = {}
@@ -698,13 +703,18 @@ def test_a_call_whose_worker_stops_heartbeating_fails_with_503_after_the_lease_t
         wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
         t0 = time.monotonic()
         wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does; its engine holds the call
-        caller.join(30)
-        r = out["response"]
-        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
-        assert r.json()["error"]["code"] == "worker_stopped" and "w-dead" in r.json()["error"]["message"]
-        assert time.monotonic() - t0 < 15
-        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
-        assert (stats["calls_failed"], stats["sessions_open"]) == (1, 0)  # the session is as before the call: none
+        successor = WorkerThread(cfg, "w-dead").start() if restarted else None  # heartbeats under the same name
+        try:
+            caller.join(30)
+            r = out["response"]
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert r.json()["error"]["code"] == "worker_stopped" and "w-dead" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 15
+            stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+            assert (stats["calls_failed"], stats["sessions_open"]) == (1, 0)  # the session is as before the call: none
+        finally:
+            if successor is not None:
+                successor.stop()
 
 
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
