@@ -9,10 +9,10 @@ worker (``rollout_workers/gateway_calls.py``) both use them.
 A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
 session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
 one without tokens when it queues the call in its engine (:attr:`CallChunk.started`: the gateway
-then knows which worker holds the call, and fails it when that worker stops heartbeating), for a
-streamed call one per decoding step with the new token ids, and always one ``final`` chunk with
-every token id, behaviour log-prob and policy version (or an error). Pushing a call
-also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
+then knows which worker holds the call, and fails it when that worker stops heartbeating or a
+new process of its name starts), for a streamed call one per decoding step with the new token
+ids, and always one ``final`` chunk with every token id, behaviour log-prob and policy version
+(or an error). Pushing a call also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
 a worker whose own taker thread fetched calls while its main thread waits there wakes it the same way.
 
 Nothing here is pickled or evaluated: records are msgpack maps checked field by field

@@ -389,7 +389,12 @@ class Gateway:
             return
         assert self.workers is not None
         live = await self.workers.live()
-        gone = sorted({c.worker for c in held if c.worker not in live or live[c.worker] > c.queued_at > 0})
+
+        def died(c: _Choice) -> bool:  # silent, or a process of its name younger than the call (the worker's clock)
+            started = live.get(c.worker)
+            return started is None or started > c.queued_at > 0
+
+        gone = sorted({c.worker for c in held if died(c)})
         if gone:
             raise ApiError(503, f"the worker serving the call ({', '.join(gone)}) stopped or restarted before it "
                                 f"finished (no heartbeat for buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} "
