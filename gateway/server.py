@@ -43,7 +43,7 @@ from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE,
                                 parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core.config import Config, ConfigError, response_budget, validate
-from rlhf_core.dapo import filter_reason
+from rlhf_core.dapo import group_filter
 from rlhf_core.errors import UserError
 from rlhf_core.models import load_tokenizer, model_dir
 from rlhf_core.records import Sample
@@ -694,7 +694,7 @@ class Gateway:
         samples, why = await self._append_due(rewarded)
         status = "filtered" if why else "appended" if samples else "waiting_for_group"
         return JSONResponse({"session": sid, "group": rewarded.group, "reward": total, "status": status,
-                             "samples": 0 if why else samples})
+                             "samples": samples})
 
     def _settle_kept(self, rewarded: Rewarded, done: asyncio.Future) -> None:
         if done.cancelled() or done.exception() is not None:
@@ -706,8 +706,9 @@ class Gateway:
         """Add ``rewarded`` (kept) to its group, then append every group that is due (full, or its
         TTL over), each with the deletion of its kept samples (a group that teaches nothing, with
         ``algo.filter_groups``, only the deletion); a group the buffer cannot take now stays and is
-        tried again at the next round. Returns the group of ``rewarded``: how many samples it had
-        (0: it waits for more sessions), and why it was filtered (None: it was not)."""
+        tried again at the next round. Returns the group of ``rewarded``: how many samples it
+        appended (0: it waits for more sessions, or was filtered), and why it was filtered (None:
+        it was not)."""
         assert self.sessions is not None
         counters, appended_with, filtered = self.sessions.counters, 0, None
         async with self._appending:  # one round at a time: a group is appended by the round that saw it due
@@ -715,7 +716,7 @@ class Gateway:
                 self.sessions.rewarded(rewarded)
             for name in self.sessions.due():
                 keys, samples = self.sessions.group(name)
-                why = self._filtered(samples)
+                why = group_filter(self.cfg.algo, samples)
                 try:
                     entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples, keys, why)
                 except Exception:  # noqa: BLE001  # Redis away: the samples stay kept; the next round retries
@@ -729,7 +730,7 @@ class Gateway:
                     continue
                 self.sessions.appended(name, keys)
                 if rewarded is not None and rewarded.key in keys:
-                    appended_with, filtered = len(samples), why
+                    appended_with, filtered = (0 if why else len(samples)), why
                 if why is not None:
                     counters.groups_filtered += 1
                     counters.samples_filtered += len(samples)
@@ -741,14 +742,6 @@ class Gateway:
                     log.warning("gateway: a group of %d sample(s) was dead-lettered by the buffer (rlhf-monitor shows why)",
                                 len(samples))
         return appended_with, filtered
-
-    def _filtered(self, samples: list[Sample]) -> str | None:
-        """DAPO's group filter (``algo.filter_groups``), as the workers apply it to the run's own groups."""
-        algo = self.cfg.algo
-        if not algo.filter_groups:
-            return None
-        return filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
-                             overlong=algo.overlong)
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)

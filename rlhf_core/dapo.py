@@ -17,7 +17,7 @@ Both worker and learner import this module, so it lives in the shared leaf.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # the buffer and the launcher read the names here without loading torch
     import torch
@@ -53,6 +53,16 @@ def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlo
     if max(rewards) - min(rewards) <= tol:
         return "zero_variance"
     return None
+
+
+def group_filter(algo: Any, samples: Sequence[Any]) -> str | None:
+    """Why a finished group of ``samples`` (records with ``reward`` and ``finish_reason``) is dropped
+    under ``algo`` (``filter_groups``, ``overlong``): :func:`filter_reason`, or None when the filter
+    is off. The workers apply it to the run's own groups, rlhf-gateway to agents' groups."""
+    if not algo.filter_groups:
+        return None
+    return filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
+                         overlong=algo.overlong)
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int) -> torch.Tensor:

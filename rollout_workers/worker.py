@@ -60,7 +60,7 @@ from buffer.keys import check_consumer
 from rlhf_core import metric_names as M
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
-from rlhf_core.dapo import filter_reason
+from rlhf_core.dapo import group_filter
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reference, load_tokenizer
 from rlhf_core.prometheus import GENERATION, SCORING, WEIGHT_SYNC
@@ -601,12 +601,9 @@ class RolloutWorker:
             ready.append((lease_id, group, samples, dead))
         if not ready:
             return
-        algo = self.cfg.algo
         # DAPO's dynamic sampling: a group that teaches nothing is completed as filtered (prompt acked,
         # budget returned: pacing admits another prompt, so learner batches stay full of useful groups)
-        reasons = [filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
-                                 overlong=algo.overlong) if algo.filter_groups else None
-                   for _, _, samples, _ in ready]
+        reasons = [group_filter(self.cfg.algo, samples) for _, _, samples, _ in ready]
         with self._buf_lock:  # per group: append + dead letters + ack, one atomic step
             statuses = self.buffer.complete_many([
                 self.buffer.prepare(group.lease, samples, rejected=[("sample", r, raw) for r, raw in dead], filtered=why)

@@ -21,7 +21,7 @@ from learner.losses import ppo_clip_loss
 from learner.update import PolicyUpdater
 from learner_helpers import close, digit_reward, generate_samples, tiny_config
 from rlhf_core.config import ConfigError, RolloutConfig, import_env_target
-from rlhf_core.dapo import FilterStall, filter_reason, overlong_penalty
+from rlhf_core.dapo import FilterStall, filter_reason, group_filter, overlong_penalty
 from rlhf_core.episode import Transcript
 from rlhf_core.models import load_policy
 from rlhf_core.records import Sample
@@ -166,6 +166,16 @@ def test_filter_reasons():
     assert filter_reason([0.0, 1.0], [True, True], overlong="mask") == "all_truncated"
     assert filter_reason([0.0, 1.0], [True, True]) is None  # truncation costs nothing without overlong=mask
     assert filter_reason([], []) is None
+
+
+def test_group_filter_reads_a_groups_samples_under_the_algo_settings():
+    NS = SimpleNamespace
+    cut = [NS(reward=0.0, finish_reason="length"), NS(reward=1.0, finish_reason="length")]
+    same = [NS(reward=1.0, finish_reason="stop"), NS(reward=1.0, finish_reason="length")]
+    assert group_filter(NS(filter_groups=False, overlong="mask"), same) is None  # the filter off
+    assert group_filter(NS(filter_groups=True, overlong="none"), same) == "zero_variance"
+    assert group_filter(NS(filter_groups=True, overlong="none"), cut) is None
+    assert group_filter(NS(filter_groups=True, overlong="mask"), cut) == "all_truncated"  # finish_reason "length"
 
 
 def test_the_stall_warning_comes_once_per_stretch_of_only_filtered_groups():
