@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 GROUP_HEADER = "x-group-id"
 RETRY_AFTER_S = 2
+#: what a call's queue gets in place of a chunk when the channel from the workers dropped (Gateway._channel_lost)
+LOST: Any = None
 RECEIVED = "rlhf.received"  # request.scope key: when the request reached the gateway (time.time())
 _TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
@@ -160,6 +162,7 @@ class Gateway:
         self.pending: dict[str, tuple[asyncio.Queue, int]] = {}
         self.workers: LiveWorkers | None = None  # set in start(), with the async client
         self.phases = CallPhases()
+        self.channel_up = False  # subscribed to the workers' chunks: calls are taken only then
         self._tasks: list[asyncio.Task] = []
         self._appending = asyncio.Lock()
         self.started = time.time()
@@ -187,6 +190,9 @@ class Gateway:
         self.workers = LiveWorkers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
+        # redis-py reconnects the channel by itself within a read's retries: told, to fail the calls running
+        pubsub.connection.register_connect_callback(self._reconnected)
+        self.channel_up = True
         self._tasks = [asyncio.create_task(self._route(pubsub), name="gateway-route"),
                        asyncio.create_task(self._housekeeping(), name="gateway-expiry")]
 
@@ -207,9 +213,11 @@ class Gateway:
                 msg = await pubsub.get_message(timeout=1.0)
             except (ConnectionError, OSError, aioredis.RedisError) as exc:
                 log.warning("gateway: the channel from the workers failed (%s); resubscribing", exc)
+                self._channel_lost()
                 await asyncio.sleep(0.5)
                 with contextlib.suppress(Exception):
                     await pubsub.subscribe(self.keys.gw_out(self.gateway_id))
+                    self.channel_up = True
                 continue
             if msg is None or msg.get("type") != "message":
                 continue
@@ -224,6 +232,19 @@ class Gateway:
             elif chunk.final:
                 with contextlib.suppress(Exception):
                     await forget_cancel(self.redis, self.keys, chunk.call_id)
+
+    def _reconnected(self, connection: Any) -> None:
+        log.warning("gateway: the channel from the workers reconnected; chunks published meanwhile are lost")
+        self._channel_lost()
+        self.channel_up = True
+
+    def _channel_lost(self) -> None:
+        """Pub/sub keeps nothing for a subscriber that is away: a call running while the channel
+        was down may have lost chunks (its final one: it would wait for gateway.call_timeout_s).
+        Each fails at once (:data:`LOST`); no call is taken until the channel is back."""
+        self.channel_up = False
+        for waiting, index in self.pending.values():
+            waiting.put_nowait((index, LOST))
 
     async def _recover(self) -> None:
         """Take up the rewarded sessions a gateway before this one kept and did not append (it
@@ -288,6 +309,9 @@ class Gateway:
 
     async def need_worker(self) -> None:
         assert self.workers is not None
+        if not self.channel_up:
+            raise ApiError(503, "the gateway's channel from the workers (Redis pub/sub) is down; retry shortly", UNAVAILABLE,
+                           "channel_lost", headers={"Retry-After": str(RETRY_AFTER_S)})
         if not await self.workers.count():
             raise ApiError(503, "no rollout worker is serving this run right now; retry shortly", UNAVAILABLE,
                            "no_worker", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -355,6 +379,10 @@ class Gateway:
                         raise ClientGone()
                     await self._check_holders(choices)
                     continue
+                if chunk is LOST:
+                    raise ApiError(503, "the gateway's channel from the workers (Redis pub/sub) dropped while the call ran, "
+                                        "and its tokens may be lost with it; retry", UNAVAILABLE, "channel_lost",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)})
                 c = choices[index]
                 if chunk.started:
                     c.worker, c.queued_at = chunk.worker_id, chunk.started_at or 0.0
@@ -751,9 +779,10 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         assert self.workers is not None
         workers = await self.workers.count()
-        body = {"status": "ok" if workers else "no_worker", "workers": workers, "model": self.model_name}
-        return JSONResponse(body, status_code=200 if workers else 503,
-                            headers={} if workers else {"Retry-After": str(RETRY_AFTER_S)})
+        status = "ok" if workers and self.channel_up else "channel_lost" if workers else "no_worker"
+        body = {"status": status, "workers": workers, "model": self.model_name}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503,
+                            headers={} if status == "ok" else {"Retry-After": str(RETRY_AFTER_S)})
 
     async def stats(self, request: Request) -> Response:
         self.authorize(request)

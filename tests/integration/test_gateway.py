@@ -717,6 +717,56 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
                 successor.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_call_running_when_redis_restarts_fails_with_503_at_once_and_the_next_call_is_served(
+        infra, tiny_model_cfg, tmp_path, stream):
+    # The workers' chunks reach the gateway over Redis pub/sub, which keeps nothing for a
+    # subscriber that is away: a chunk published while the gateway's channel was down is lost,
+    # and a call whose final chunk was lost would wait for gateway.call_timeout_s (60 s here).
+    # Every call running when the channel drops or reconnects fails at once with a retryable 503
+    # (its session as before the call), the worker aborts it, and the next call is served.
+    from servers import RedisServer, wait_for
+
+    redis = RedisServer(tmp_path / "redis").start()  # its own Redis (append-only): the test kills it
+    try:
+        with _run((redis, infra[1]), tiny_model_cfg, f"gw-redis-{stream}".lower(), "w-redis",
+                  lambda engine, _: Hold(engine), "gateway.call_timeout_s=60") as run:
+            cfg, learner, wt, url, hold = run
+            out: dict[str, Any] = {}
+
+            def call() -> None:
+                with httpx.Client(timeout=60) as client:
+                    with client.stream("POST", f"{url}/chat/completions", content=_chat_body(stream=stream),
+                                       headers={"X-Session-Id": "across"}) as r:
+                        out["response"], out["body"] = r, r.read().decode()
+
+            with hold:
+                caller = threading.Thread(target=call, daemon=True)
+                caller.start()
+                wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
+                t0 = time.monotonic()
+                redis.restart()  # SIGKILL, then the same port and append-only file
+                caller.join(30)
+                took = time.monotonic() - t0
+            r, body = out["response"], out["body"]
+            if stream:  # the stream had begun (200): the error is its last event
+                assert r.status_code == 200 and '"code": "channel_lost"' in body, body
+            else:
+                assert r.status_code == 503 and r.headers["retry-after"] == "2", body
+                assert json.loads(body)["error"]["code"] == "channel_lost", body
+            assert took < 15, took
+            wait_for(lambda: len(wt.worker.gateway) == 0, 30, "the worker to abort the call", 0.1)
+            stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+            assert (stats["calls_failed"], stats["calls_aborted"], stats["sessions_open"]) == (1, 1, 0), stats
+            health = url.removesuffix("/v1") + "/health"  # 503 channel_lost until the gateway is subscribed again
+            wait_for(lambda: httpx.get(health, timeout=10).status_code == 200, 30, "the gateway's channel back", 0.1)
+            r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "after"}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+            assert wt.error is None, wt.error
+    finally:
+        redis.stop()
+
+
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
     # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
     # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)
