@@ -238,9 +238,10 @@ def _wake(client: Any, keys: RunKeys) -> Any:
     return client.xadd(keys.wake_prompts, {"e": WAKE_REASON}, maxlen=WAKE_MAXLEN, approximate=True)
 
 
-async def cancel(client: Any, keys: RunKeys, call_id: str) -> None:
-    """Ask the worker serving ``call_id`` to abort it; a call still queued is dropped unrun."""
-    await client.hset(keys.gw_cancel, call_id, repr(time.time()))
+async def cancel(client: Any, keys: RunKeys, call_ids: Sequence[str]) -> None:
+    """Ask the workers serving ``call_ids`` to abort them (one round trip); a call still queued is dropped unrun."""
+    if call_ids:
+        await client.hset(keys.gw_cancel, mapping=dict.fromkeys(call_ids, repr(time.time())))
 
 
 async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:

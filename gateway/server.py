@@ -163,6 +163,7 @@ class Gateway:
         self.workers: LiveWorkers | None = None  # set in start(), with the async client
         self.phases = CallPhases()
         self.channel_up = False  # subscribed to the workers' chunks: calls are taken only then
+        self.cancels_owed: set[str] = set()  # cancellations Redis did not take (down): sent again each second
         self._tasks: list[asyncio.Task] = []
         self._appending = asyncio.Lock()
         self.started = time.time()
@@ -183,7 +184,7 @@ class Gateway:
                                  int(params["max_response_tokens"]))
         await self._recover()
         kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
-        kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default is no retry either
+        kwargs.pop("retry")  # redis-py's synchronous Retry: the asyncio client keeps its default (quick retries, seconds)
         kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
         self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
         self.calls = CallQueue(self.redis, self.keys)
@@ -230,6 +231,7 @@ class Gateway:
             if waiting is not None:
                 waiting[0].put_nowait((waiting[1], chunk))
             elif chunk.final:
+                self.cancels_owed.discard(chunk.call_id)
                 with contextlib.suppress(Exception):
                     await forget_cancel(self.redis, self.keys, chunk.call_id)
 
@@ -272,6 +274,7 @@ class Gateway:
         while True:
             await asyncio.sleep(every)
             try:
+                await self._send_cancels()
                 self.sessions.expire()
                 await self._append_due()
                 stats = {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
@@ -403,9 +406,24 @@ class Gateway:
                 assert self.sessions is not None
                 self.sessions.counters.calls_aborted += len(unfinished)
                 with anyio.CancelScope(shield=True):
-                    for call_id in unfinished:
-                        with contextlib.suppress(Exception):
-                            await cancel(self.redis, self.keys, call_id)
+                    await self._cancel(unfinished)
+
+    async def _cancel(self, call_ids: list[str]) -> None:
+        """Ask the workers to abort these calls. They are owed until Redis takes them: the
+        housekeeping task sends what is owed every second (a call nobody waits for would otherwise
+        hold its worker's slot until its last token); while the channel is down, Redis most likely
+        with it, they wait for that rather than hold the failed call's answer."""
+        self.cancels_owed.update(call_ids)
+        if self.channel_up:
+            await self._send_cancels()
+
+    async def _send_cancels(self) -> None:
+        owed = list(self.cancels_owed)
+        if not owed:
+            return
+        with contextlib.suppress(Exception):
+            await cancel(self.redis, self.keys, owed)
+            self.cancels_owed.difference_update(owed)
 
     async def _check_holders(self, choices: list[_Choice]) -> None:
         """Fail the call when the worker holding one of its unfinished choices died with it: it

@@ -717,19 +717,23 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
                 successor.stop()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_a_call_running_when_redis_restarts_fails_with_503_at_once_and_the_next_call_is_served(
-        infra, tiny_model_cfg, tmp_path, stream):
+@pytest.mark.parametrize("stream,cut", [(False, False), (True, False), (False, True)],
+                         ids=["plain-redis-restarted", "streamed-redis-restarted", "plain-channel-cut"])
+def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_at_once_and_the_next_is_served(
+        infra, tiny_model_cfg, tmp_path, stream, cut):
     # The workers' chunks reach the gateway over Redis pub/sub, which keeps nothing for a
     # subscriber that is away: a chunk published while the gateway's channel was down is lost,
     # and a call whose final chunk was lost would wait for gateway.call_timeout_s (60 s here).
     # Every call running when the channel drops or reconnects fails at once with a retryable 503
-    # (its session as before the call), the worker aborts it, and the next call is served.
+    # (its session as before the call), the worker aborts it (the cancellation is sent once Redis
+    # is back), and the next call is served. Redis restarted (SIGKILL, then its append-only file),
+    # or only the channel's connection cut, which redis-py reconnects within the read that failed
+    import redis as redis_py
     from servers import RedisServer, wait_for
 
     redis = RedisServer(tmp_path / "redis").start()  # its own Redis (append-only): the test kills it
     try:
-        with _run((redis, infra[1]), tiny_model_cfg, f"gw-redis-{stream}".lower(), "w-redis",
+        with _run((redis, infra[1]), tiny_model_cfg, f"gw-redis-{stream}-{cut}".lower(), "w-redis",
                   lambda engine, _: Hold(engine), "gateway.call_timeout_s=60") as run:
             cfg, learner, wt, url, hold = run
             out: dict[str, Any] = {}
@@ -745,9 +749,15 @@ def test_a_call_running_when_redis_restarts_fails_with_503_at_once_and_the_next_
                 caller.start()
                 wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
                 t0 = time.monotonic()
-                redis.restart()  # SIGKILL, then the same port and append-only file
+                if cut:
+                    with redis_py.Redis.from_url(redis.url) as admin:
+                        assert admin.client_kill_filter(_type="pubsub") == 1
+                else:
+                    redis.restart()  # SIGKILL, then the same port and append-only file
                 caller.join(30)
                 took = time.monotonic() - t0
+                # still held: the call ends only by its cancellation, which may have met Redis down
+                wait_for(lambda: len(wt.worker.gateway) == 0, 30, "the worker to abort the call", 0.1)
             r, body = out["response"], out["body"]
             if stream:  # the stream had begun (200): the error is its last event
                 assert r.status_code == 200 and '"code": "channel_lost"' in body, body
@@ -755,7 +765,7 @@ def test_a_call_running_when_redis_restarts_fails_with_503_at_once_and_the_next_
                 assert r.status_code == 503 and r.headers["retry-after"] == "2", body
                 assert json.loads(body)["error"]["code"] == "channel_lost", body
             assert took < 15, took
-            wait_for(lambda: len(wt.worker.gateway) == 0, 30, "the worker to abort the call", 0.1)
+            assert wt.worker.gateway.stats["gateway_aborted"] == 1
             stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
             assert (stats["calls_failed"], stats["calls_aborted"], stats["sessions_open"]) == (1, 1, 0), stats
             health = url.removesuffix("/v1") + "/health"  # 503 channel_lost until the gateway is subscribed again
