@@ -1,6 +1,8 @@
 """A run fed by agents only, as a user starts it: `rlhf-run gateway.enabled=true data.source=none`
 starts the learner, a worker and the gateway; agents written with the `openai` client (async)
-talk to it, post rewards, and the learner trains on their sessions until it has made its updates."""
+talk to it, post rewards, and the learner trains on their sessions until it has made its updates.
+The gateway is SIGKILLed after the agents' first round: `rlhf-run` restarts it on its port and
+the agents go on."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,7 +59,7 @@ async def agent(client, model: str, group: str) -> list[str]:
     return sessions
 
 
-async def feed(info: dict, proc: subprocess.Popen, deadline: float) -> dict[str, int]:
+async def feed(info: dict, proc: subprocess.Popen, deadline: float, after_first_round: Any) -> dict[str, int]:
     """Groups of agents until the run ends; their rewards: 1 for the first session, 0 for the other."""
     done = {"groups": 0, "appended": 0}
     async with openai.AsyncOpenAI(base_url=info["url"], api_key="none", max_retries=0, timeout=30) as client:
@@ -70,6 +74,8 @@ async def feed(info: dict, proc: subprocess.Popen, deadline: float) -> dict[str,
                         assert r.status_code == 200, r.text
                         done["appended"] += r.json()["status"] == "appended"
                     done["groups"] += 1
+                if g == 0:
+                    after_first_round()
             except (openai.APIConnectionError, openai.InternalServerError, httpx.TransportError):
                 if proc.poll() is not None:  # the run finished while agents were talking to it
                     break
@@ -82,9 +88,12 @@ async def feed(info: dict, proc: subprocess.Popen, deadline: float) -> dict[str,
     return done
 
 
-def test_a_run_fed_by_agents_through_the_gateway_trains(tmp_path, model_cache):
+def test_a_run_fed_by_agents_through_the_gateway_trains_and_its_gateway_killed_is_restarted(tmp_path, model_cache):
+    from servers import free_port
+
     out = tmp_path / "out"
-    cmd = [str(Path(sys.executable).parent / "rlhf-run"), "gateway.enabled=true", "gateway.port=0", "data.source=none",
+    cmd = [str(Path(sys.executable).parent / "rlhf-run"), "gateway.enabled=true", f"gateway.port={free_port()}",
+           "data.source=none",
            f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false", "learner.batch_size=4",
            "algo.group_size=2", "learner.micro_batch_size=4", "learner.max_updates=2", "rollout.num_workers=1",
            "rollout.max_episode_tokens=64", "rollout.slots=8"]
@@ -101,7 +110,8 @@ def test_a_run_fed_by_agents_through_the_gateway_trains(tmp_path, model_cache):
     try:
         info = wait_for_gateway(out, proc, 120)
         assert info["model"] == "tiny" and info["url"].startswith("http://127.0.0.1:") and info["pid"] != proc.pid
-        done = asyncio.run(feed(info, proc, time.monotonic() + 150))
+        first_pid = info["pid"]
+        done = asyncio.run(feed(info, proc, time.monotonic() + 150, lambda: os.kill(first_pid, signal.SIGKILL)))
         code = proc.wait(timeout=60)
     except BaseException:
         proc.kill()
@@ -109,6 +119,9 @@ def test_a_run_fed_by_agents_through_the_gateway_trains(tmp_path, model_cache):
         print(tail())
         raise
     assert code == 0, tail()
+    run_log = (tmp_path / "run.log").read_text(errors="replace")
+    assert "restarting gateway (restart 1)" in run_log, tail()
+    assert json.loads((out / "gateway.json").read_text())["pid"] != first_pid  # its successor's, on the same url
     assert done["appended"] >= 4 and done["groups"] == done["appended"], done  # 2 updates of 2 groups each
     rows = read_metrics(out)
     assert [r["learner/updates"] for r in rows] == [1, 2], tail()
