@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 GROUP_HEADER = "x-group-id"
 RETRY_AFTER_S = 2
+#: what the asyncio Redis client raises when Redis is away (the builtin ConnectionError is an OSError)
+REDIS_DOWN = (OSError, aioredis.RedisError)
 #: what a call's queue gets in place of a chunk when the channel from the workers dropped (Gateway._channel_lost)
 LOST: Any = None
 RECEIVED = "rlhf.received"  # request.scope key: when the request reached the gateway (time.time())
@@ -80,6 +82,11 @@ def api_keys(cfg: Config) -> list[bytes]:
     if any(len(k) < 16 for k in keys):
         raise ConfigError("gateway API keys must be at least 16 characters (e.g. `openssl rand -hex 24`)")
     return [k.encode() for k in keys]
+
+
+def redis_down(exc: BaseException) -> ApiError:
+    return ApiError(503, f"the run's Redis did not answer ({type(exc).__name__}); retry shortly", UNAVAILABLE,
+                    "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class ClientGone(Exception):
@@ -692,6 +699,8 @@ class Gateway:
             yield sse("[DONE]")
         except ApiError as exc:
             yield sse(exc.body())
+        except REDIS_DOWN as exc:
+            yield sse(redis_down(exc).body())
         finally:
             self._settle(choices, ok)
 
@@ -796,8 +805,13 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         assert self.workers is not None
-        workers = await self.workers.count()
-        status = "ok" if workers and self.channel_up else "channel_lost" if workers else "no_worker"
+        workers, status = None, "channel_lost"  # not subscribed: Redis is likely away too, not asked
+        if self.channel_up:
+            try:
+                workers = await self.workers.count()
+                status = "ok" if workers else "no_worker"
+            except REDIS_DOWN:
+                status = "unavailable"
         body = {"status": status, "workers": workers, "model": self.model_name}
         return JSONResponse(body, status_code=200 if status == "ok" else 503,
                             headers={} if status == "ok" else {"Retry-After": str(RETRY_AFTER_S)})
@@ -826,6 +840,10 @@ def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
             return await fn(request)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except REDIS_DOWN as exc:  # Redis away for a moment (a restart): the client may retry, no traceback
+            log.warning("gateway: %s %s: Redis did not answer: %s", request.method, request.url.path, exc)
+            err = redis_down(exc)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         except ClientGone:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 

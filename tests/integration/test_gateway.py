@@ -717,23 +717,27 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
                 successor.stop()
 
 
-@pytest.mark.parametrize("stream,cut", [(False, False), (True, False), (False, True)],
-                         ids=["plain-redis-restarted", "streamed-redis-restarted", "plain-channel-cut"])
+@pytest.mark.parametrize("stream,fault", [(False, "restarted"), (True, "restarted"), (False, "cut"), (False, "down")],
+                         ids=["plain-redis-restarted", "streamed-redis-restarted", "plain-channel-cut", "plain-redis-down"])
 def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_at_once_and_the_next_is_served(
-        infra, tiny_model_cfg, tmp_path, stream, cut):
+        infra, tiny_model_cfg, tmp_path, stream, fault):
     # The workers' chunks reach the gateway over Redis pub/sub, which keeps nothing for a
     # subscriber that is away: a chunk published while the gateway's channel was down is lost,
     # and a call whose final chunk was lost would wait for gateway.call_timeout_s (60 s here).
     # Every call running when the channel drops or reconnects fails at once with a retryable 503
     # (its session as before the call), the worker aborts it (the cancellation is sent once Redis
     # is back), and the next call is served. Redis restarted (SIGKILL, then its append-only file),
-    # or only the channel's connection cut, which redis-py reconnects within the read that failed
+    # only the channel's connection cut (redis-py reconnects it within the read that failed), or
+    # Redis down for a while: meanwhile calls and /health answer 503 (never 500), and the
+    # streamed call's failure is an error event
+    import signal
+
     import redis as redis_py
     from servers import RedisServer, wait_for
 
     redis = RedisServer(tmp_path / "redis").start()  # its own Redis (append-only): the test kills it
     try:
-        with _run((redis, infra[1]), tiny_model_cfg, f"gw-redis-{stream}-{cut}".lower(), "w-redis",
+        with _run((redis, infra[1]), tiny_model_cfg, f"gw-redis-{stream}-{fault}".lower(), "w-redis",
                   lambda engine, _: Hold(engine), "gateway.call_timeout_s=60") as run:
             cfg, learner, wt, url, hold = run
             out: dict[str, Any] = {}
@@ -749,13 +753,25 @@ def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_a
                 caller.start()
                 wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
                 t0 = time.monotonic()
-                if cut:
+                if fault == "cut":
                     with redis_py.Redis.from_url(redis.url) as admin:
                         assert admin.client_kill_filter(_type="pubsub") == 1
-                else:
+                elif fault == "restarted":
                     redis.restart()  # SIGKILL, then the same port and append-only file
+                else:
+                    redis.stop(signal.SIGKILL)
                 caller.join(30)
                 took = time.monotonic() - t0
+                if fault == "down":
+                    time.sleep(1.1)  # past the gateway's 1 s cache of the live workers: it would ask Redis
+                    for stream_it in (False, True):
+                        r = httpx.post(f"{url}/chat/completions", content=_chat_body(stream=stream_it), timeout=30,
+                                       headers={"X-Session-Id": "meanwhile"})
+                        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+                        assert r.json()["error"]["code"] == "channel_lost", r.text
+                    r = httpx.get(url.removesuffix("/v1") + "/health", timeout=30)
+                    assert r.status_code == 503 and r.json()["status"] == "channel_lost", r.text
+                    redis.start(port=redis.port)
                 # still held: the call ends only by its cancellation, which may have met Redis down
                 wait_for(lambda: len(wt.worker.gateway) == 0, 30, "the worker to abort the call", 0.1)
             r, body = out["response"], out["body"]
@@ -1095,6 +1111,33 @@ def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_a
         assert len(failures) == 1
         kept = [Sample.decode(raw) for raw in served.learner.buffer.rewarded_kept().values()]
         assert [s.metadata["session"] for s in kept].count("unkept") == 1  # the second post overwrote the first
+    finally:
+        server.stop()
+
+
+def test_a_call_redis_does_not_take_is_answered_503_not_500(served, infra, tiny_model_cfg):
+    # Redis away for a moment before the gateway's channel noticed (the push of the call fails
+    # after the client's retries): a retryable 503, as an error event once a stream has begun,
+    # the session as before the call, no traceback
+    import redis as redis_py
+    from gateway.server import GatewayServer
+
+    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
+    url = server.start()
+
+    async def refused(calls: Any) -> None:
+        raise redis_py.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    server.gateway.calls.submit = refused
+    try:
+        r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "untaken"}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.json()["error"]["code"] == "unavailable" and "retry" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{url}/chat/completions", content=_chat_body(stream=True), headers={"X-Session-Id": "untaken"},
+                       timeout=30)
+        assert r.status_code == 200 and '"code": "unavailable"' in r.text and "[DONE]" not in r.text, r.text
+        stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
+        assert (stats["calls_failed"], stats["sessions_open"]) == (2, 0), stats
     finally:
         server.stop()
 
