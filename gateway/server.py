@@ -774,11 +774,12 @@ class Gateway:
                 why = group_filter(self.cfg.algo, samples)
                 try:
                     entry = await asyncio.to_thread(self.buffer.append_group, "gateway", samples, keys, why)
+                    # None: some of its kept samples were appended before (another gateway took them up)
+                    still = await asyncio.to_thread(self.buffer.rewarded_kept, keys) if entry is None else {}
                 except Exception:  # noqa: BLE001  # Redis away: the samples stay kept; the next round retries
                     log.exception("gateway: appending group %s failed; it is tried again", name)
                     continue
-                if entry is None:  # some of its kept samples were appended before (another gateway took them up)
-                    still = await asyncio.to_thread(self.buffer.rewarded_kept, keys)
+                if entry is None:
                     self.sessions.appended(name, [k for k in keys if k not in still])
                     log.info("gateway: %d sample(s) of group %s were appended before; %d wait for their group",
                              len(keys) - len(still), name, len(still))
