@@ -84,9 +84,13 @@ def api_keys(cfg: Config) -> list[bytes]:
     return [k.encode() for k in keys]
 
 
+def retry_later(message: str, code: str) -> ApiError:
+    """503 with ``Retry-After``: the service cannot serve the request now; the same request may succeed later."""
+    return ApiError(503, message, UNAVAILABLE, code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def redis_down(exc: BaseException) -> ApiError:
-    return ApiError(503, f"the run's Redis did not answer ({type(exc).__name__}); retry shortly", UNAVAILABLE,
-                    "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return retry_later(f"the run's Redis did not answer ({type(exc).__name__}); retry shortly", "unavailable")
 
 
 class ClientGone(Exception):
@@ -219,7 +223,7 @@ class Gateway:
         while True:
             try:
                 msg = await pubsub.get_message(timeout=1.0)
-            except (ConnectionError, OSError, aioredis.RedisError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("gateway: the channel from the workers failed (%s); resubscribing", exc)
                 self._channel_lost()
                 await asyncio.sleep(0.5)
@@ -320,11 +324,9 @@ class Gateway:
     async def need_worker(self) -> None:
         assert self.workers is not None
         if not self.channel_up:
-            raise ApiError(503, "the gateway's channel from the workers (Redis pub/sub) is down; retry shortly", UNAVAILABLE,
-                           "channel_lost", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise retry_later("the gateway's channel from the workers (Redis pub/sub) is down; retry shortly", "channel_lost")
         if not await self.workers.count():
-            raise ApiError(503, "no rollout worker is serving this run right now; retry shortly", UNAVAILABLE,
-                           "no_worker", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise retry_later("no rollout worker is serving this run right now; retry shortly", "no_worker")
 
     def session_of(self, request: Request, user: str | None) -> tuple[str, str | None]:
         sid = request.headers.get(SESSION_HEADER) or user or f"s-{uuid.uuid4().hex}"
@@ -382,17 +384,15 @@ class Gateway:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
                 except asyncio.TimeoutError:
                     if time.monotonic() > deadline:
-                        raise ApiError(503, f"no worker finished the call within gateway.call_timeout_s="
-                                            f"{self.cfg.gateway.call_timeout_s}; retry, or raise the limit", UNAVAILABLE,
-                                       "timeout", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                        raise retry_later(f"no worker finished the call within gateway.call_timeout_s="
+                                          f"{self.cfg.gateway.call_timeout_s}; retry, or raise the limit", "timeout") from None
                     if request is not None and await request.is_disconnected():
                         raise ClientGone()
                     await self._check_holders(choices)
                     continue
                 if chunk is LOST:
-                    raise ApiError(503, "the gateway's channel from the workers (Redis pub/sub) dropped while the call ran, "
-                                        "and its tokens may be lost with it; retry", UNAVAILABLE, "channel_lost",
-                                   headers={"Retry-After": str(RETRY_AFTER_S)})
+                    raise retry_later("the gateway's channel from the workers (Redis pub/sub) dropped while the call ran, "
+                                      "and its tokens may be lost with it; retry", "channel_lost")
                 c = choices[index]
                 if chunk.started:
                     c.worker, c.queued_at = chunk.worker_id, chunk.started_at or 0.0
@@ -449,10 +449,9 @@ class Gateway:
 
         gone = sorted({c.worker for c in held if died(c)})
         if gone:
-            raise ApiError(503, f"the worker serving the call ({', '.join(gone)}) stopped or restarted before it "
-                                f"finished (no heartbeat for buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} "
-                                "s, or a new process of its name); retry", UNAVAILABLE,
-                           "worker_stopped", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise retry_later(f"the worker serving the call ({', '.join(gone)}) stopped or restarted before it "
+                              f"finished (no heartbeat for buffer.lease_timeout_s={self.cfg.buffer.lease_timeout_s} "
+                              "s, or a new process of its name); retry", "worker_stopped")
 
     def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:
         """The calls' drift checks on a thread while they are generated (they tokenise up to a
@@ -503,8 +502,7 @@ class Gateway:
             if c.final is not None and c.final.error:
                 return bad(f"the worker could not run the call: {c.final.error}", "messages", "context_length_exceeded")
             if c.final is not None and c.final.finish_reason == "abort":
-                return ApiError(503, "the worker serving the call stopped before it finished; retry", UNAVAILABLE,
-                                "worker_stopped", headers={"Retry-After": str(RETRY_AFTER_S)})
+                return retry_later("the worker serving the call stopped before it finished; retry", "worker_stopped")
         return None
 
     def _record(self, c: _Choice) -> None:
@@ -744,8 +742,7 @@ class Gateway:
         except Exception as exc:
             self.sessions.reopen(rewarded)
             log.warning("gateway: could not keep the reward of session %s: %s", sid, exc)
-            raise ApiError(503, f"the reward could not be stored ({type(exc).__name__}); post it again", UNAVAILABLE,
-                           "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise retry_later(f"the reward could not be stored ({type(exc).__name__}); post it again", "unavailable") from None
         samples, why = await self._append_due(rewarded)
         status = "filtered" if why else "appended" if samples else "waiting_for_group"
         return JSONResponse({"session": sid, "group": rewarded.group, "reward": total, "status": status,
