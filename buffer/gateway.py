@@ -8,7 +8,7 @@ worker (``rollout_workers/gateway_calls.py``) both use them.
 
 A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
 session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
-one without tokens when it queues the call in its engine (:attr:`CallChunk.started`: the gateway
+one without tokens when it takes the call off the list (:attr:`CallChunk.started`: the gateway
 then knows which worker holds the call, and fails it when that worker stops heartbeating or a
 new process of its name starts), for a streamed call one per decoding step with the new token
 ids, and always one ``final`` chunk with every token id, behaviour log-prob and policy version
@@ -105,6 +105,16 @@ class GatewayCall:
                    stream=bool(optional(obj, "stream", bool, False)),
                    created_at=float(optional(obj, "created_at", (int, float), 0.0)), min_kv_version=min_kv_version)
 
+    @staticmethod
+    def address(data: bytes) -> tuple[str, str] | None:
+        """``(call_id, reply_to)`` of a raw call, without the rest of its decoding; None when it
+        does not decode (:meth:`decode` says why)."""
+        try:
+            obj = decode_record(data, KIND_CALL)
+            return require(obj, "call_id", str), require(obj, "reply_to", str)
+        except WireError:
+            return None
+
 
 @dataclass
 class CallChunk:
@@ -121,13 +131,15 @@ class CallChunk:
     error: str | None = None  # the call could not run (e.g. longer than the worker's context)
     worker_id: str = ""
     # on a final chunk of a call that ran: when the worker queued it in its engine and when it
-    # finished (wall clock, time.time(); the gateway's "where a call's time goes")
+    # finished (wall clock, time.time(); the gateway's "where a call's time goes"); on a started
+    # chunk: when the worker took the call
     started_at: float | None = None
     finished_at: float | None = None
 
     @property
     def started(self) -> bool:
-        """The worker ``worker_id`` queued the call in its engine (a chunk with no tokens, not final)."""
+        """The worker ``worker_id`` took the call off the list, at ``started_at`` (a chunk with no
+        tokens, not final); with no worker, it gave the call back unstarted (it stopped)."""
         return not self.final and not self.token_ids
 
     def encode(self) -> bytes:

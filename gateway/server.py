@@ -109,8 +109,8 @@ class _Choice:
     tokens: list[int] = field(default_factory=list)
     sent_chars: int = 0
     final: CallChunk | None = None
-    worker: str = ""  # the worker that queued the call in its engine (CallChunk.started), and when
-    queued_at: float = 0.0  # (its clock; 0: it did not say)
+    worker: str = ""  # the worker that took the call off the list (CallChunk.started; "": none now), and when
+    taken_at: float = 0.0  # (its clock; 0: it did not say)
 
 
 @dataclass
@@ -395,7 +395,7 @@ class Gateway:
                                       "and its tokens may be lost with it; retry", "channel_lost")
                 c = choices[index]
                 if chunk.started:
-                    c.worker, c.queued_at = chunk.worker_id, chunk.started_at or 0.0
+                    c.worker, c.taken_at = chunk.worker_id, chunk.started_at or 0.0
                     continue
                 if chunk.final:
                     c.final = chunk
@@ -435,7 +435,7 @@ class Gateway:
     async def _check_holders(self, choices: list[_Choice]) -> None:
         """Fail the call when the worker holding one of its unfinished choices died with it: it
         stopped heartbeating (for ``buffer.lease_timeout_s``, as for the run's prompts), or a
-        worker of its name started after it queued the call (a restart). The call would
+        worker of its name started after it took the call (a restart). The call would
         otherwise wait for ``gateway.call_timeout_s``."""
         held = [c for c in choices if c.worker and c.final is None]
         if not held:
@@ -445,7 +445,7 @@ class Gateway:
 
         def died(c: _Choice) -> bool:  # silent, or a process of its name younger than the call (the worker's clock)
             started = live.get(c.worker)
-            return started is None or started > c.queued_at > 0
+            return started is None or started > c.taken_at > 0
 
         gone = sorted({c.worker for c in held if died(c)})
         if gone:

@@ -48,8 +48,8 @@ class BackgroundChannel:
 
     BLOCK_S = 0.1  # a taker's BRPOP waits this long before it looks at the demand again
 
-    def __init__(self, channel: WorkerChannel) -> None:
-        self.channel = channel
+    def __init__(self, channel: WorkerChannel, worker_id: str = "") -> None:
+        self.channel, self.worker_id = channel, worker_id
         self.inbox: collections.deque[bytes] = collections.deque()
         self.cancelled: collections.deque[str] = collections.deque()
         self.outbox: queue.SimpleQueue[tuple[str, CallChunk] | list[str] | None] = queue.SimpleQueue()
@@ -119,6 +119,7 @@ class BackgroundChannel:
                 self._stop.wait(0.5)
                 continue
             if got:
+                self.send(self._held(got, time.time()))  # before the main thread can start them: in order
                 with self._got:
                     self.inbox.extend(got)
                     self.demand = max(0, self.demand - len(got))
@@ -155,10 +156,20 @@ class BackgroundChannel:
         if left:
             try:
                 self.channel.give_back(left)
+                self.send(self._held(left, None, worker_id=""))  # held by nobody: another worker takes them
             except Exception as exc:  # noqa: BLE001
                 log.warning("gateway calls: %d call(s) taken and not started could not be given back: %s", len(left), exc)
         self.outbox.put(None)
         self._threads[1].join(timeout=10)
+
+    def _held(self, raws: list[bytes], at: float | None, worker_id: str | None = None) -> list[tuple[str, CallChunk]]:
+        """The chunks that tell the calls' gateways which worker holds them (:attr:`CallChunk.started`),
+        sent as the taker fetches them, before they wait in the inbox for the main thread: a worker
+        killed with calls it has not started yet fails them too (unreadable ones are the main
+        thread's to count)."""
+        who = self.worker_id if worker_id is None else worker_id
+        return [(reply_to, CallChunk(call_id, [], worker_id=who, started_at=at))
+                for call_id, reply_to in filter(None, map(GatewayCall.address, raws))]
 
 
 class GatewayCalls:
@@ -188,9 +199,8 @@ class GatewayCalls:
         return len(self.calls)
 
     def _add(self, raws: list[bytes]) -> list[tuple[str, CallChunk]]:
-        """Queue calls in the engine; returns the chunks that say so (:attr:`CallChunk.started`:
-        the gateway learns which worker holds each call), or, for a call the engine refuses (too
-        long for its context, bad settings), the reason."""
+        """Queue calls in the engine; returns the answers to the calls it refuses (too long for its
+        context, bad settings): why. (Which worker holds a call, the channel said as it took it.)"""
         answers: list[tuple[str, CallChunk]] = []
         for raw in raws:
             try:
@@ -208,10 +218,8 @@ class GatewayCalls:
                 answers.append((call.reply_to, CallChunk(call.call_id, [], final=True, error=str(exc),
                                                          worker_id=self.worker_id)))
                 continue
-            queued = time.time()
-            self.calls[PREFIX + call.call_id] = (call, [0], queued)
+            self.calls[PREFIX + call.call_id] = (call, [0], time.time())
             self.stats["gateway_calls"] += 1
-            answers.append((call.reply_to, CallChunk(call.call_id, [], worker_id=self.worker_id, started_at=queued)))
         return answers
 
     def after_step(self, finished: list[GenResult], capacity: int) -> list[GenResult]:

@@ -190,7 +190,7 @@ class RolloutWorker:
             max_wait_s=rc.max_wait_ms / 1000.0, timeout_s=rc.timeout_s)
         self.gateway: GatewayCalls | None = None
         if cfg.gateway.enabled:
-            channel = BackgroundChannel(WorkerChannel(self.buffer.redis, self.buffer.keys))
+            channel = BackgroundChannel(WorkerChannel(self.buffer.redis, self.buffer.keys), self.worker_id)
             self.gateway = GatewayCalls(channel, self.engine, self.worker_id)
         ws = cfg.weight_server
         self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)

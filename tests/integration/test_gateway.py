@@ -717,6 +717,60 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
                 successor.stop()
 
 
+class Stuck:
+    """While blocked, the worker's main thread stops inside the engine's next step (a long
+    decoding step, a long prefill): what its taker thread fetches meanwhile waits in its inbox."""
+
+    def __init__(self, engine: Any) -> None:
+        self.gate, self.inside = threading.Event(), threading.Event()
+        self.gate.set()
+        self._step = engine.step
+        engine.step = self.step
+
+    def step(self) -> list:
+        if not self.gate.is_set():
+            self.inside.set()
+            self.gate.wait()
+        return self._step()
+
+
+def test_a_call_still_in_a_dead_workers_inbox_fails_with_503_before_the_call_timeout(infra, tiny_model_cfg):
+    # A worker's taker thread fetches calls while its main thread is in a decoding step; they wait
+    # in its inbox until the step ends. The gateway learns which worker holds a call as it is
+    # fetched, so a worker that dies then takes the call with it and the gateway fails it once
+    # the worker is silent for buffer.lease_timeout_s (2 s), not after gateway.call_timeout_s
+    from servers import wait_for
+
+    settings = ("buffer.lease_timeout_s=2", "buffer.heartbeat_interval_s=0.5", "gateway.call_timeout_s=60")
+    with _run(infra, tiny_model_cfg, "gw-dead-inbox", "w-inbox", lambda engine, _: Stuck(engine), *settings) as run:
+        cfg, _, wt, url, stuck = run
+        out: dict[str, Any] = {}
+
+        def call(name: str) -> None:
+            out[name] = httpx.post(f"{url}/chat/completions", content=_chat_body(max_tokens=8), timeout=60,
+                                   headers={"X-Session-Id": name})
+
+        stuck.gate.clear()
+        callers = [threading.Thread(target=call, args=("running",), daemon=True)]
+        callers[0].start()
+        stuck.inside.wait(30)  # the first call is in the engine, the main thread inside a step
+        callers.append(threading.Thread(target=call, args=("fetched",), daemon=True))
+        callers[1].start()
+        channel = wt.worker.gateway.channel
+        wait_for(lambda: len(channel.inbox) == 1, 30, "the taker thread to fetch the second call", 0.05)
+        t0 = time.monotonic()
+        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does
+        try:
+            for c in callers:
+                c.join(30)
+            for name in ("running", "fetched"):
+                r = out[name]
+                assert r.status_code == 503 and r.json()["error"]["code"] == "worker_stopped", (name, r.text)
+            assert time.monotonic() - t0 < 15
+        finally:
+            stuck.gate.set()
+
+
 @pytest.mark.parametrize("stream,fault", [(False, "restarted"), (True, "restarted"), (False, "cut"), (False, "down")],
                          ids=["plain-redis-restarted", "streamed-redis-restarted", "plain-channel-cut", "plain-redis-down"])
 def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_at_once_and_the_next_is_served(

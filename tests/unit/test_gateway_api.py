@@ -666,10 +666,9 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     calls.take(4)
     assert len(calls) == 2 and set(engine.requests) == {"gw/streamed", "gw/plain"} and len(channel.queued) == 1
     assert engine.min_kv_versions == {"gw/streamed": None, "gw/plain": 2}  # a session's next call: its oldest version
-    # each call the engine took says so and who holds it (the gateway fails it if that worker dies);
-    # the one it refused is answered with why
+    # the one the engine refused is answered with why (which worker holds a call, the background
+    # channel says as it takes it: the next test)
     assert [(g, c.call_id, c.started, c.final, c.error is not None, c.worker_id) for g, c in channel.sent] == [
-        ("gw-a", "streamed", True, False, False, "w0"), ("gw-b", "plain", True, False, False, "w0"),
         ("gw-a", "toolong", False, True, True, "w0")]
     assert calls.stats["gateway_refused"] == 1 and calls.stats["gateway_bad_records"] == 1
     channel.sent.clear()
@@ -694,15 +693,13 @@ def test_the_worker_streams_answers_refuses_and_aborts_calls(monkeypatch):
     # a busy worker takes new calls after a step, up to its free slots
     channel.sent.clear()
     calls.after_step([], 1)
-    assert set(engine.requests) == {"gw/later"} and not channel.queued
-    assert [(c.call_id, c.started) for _, c in channel.sent] == [("later", True)]
-    channel.sent.clear()
+    assert set(engine.requests) == {"gw/later"} and not channel.queued and not channel.sent
     # at exit every call still running ends as an abort
     calls.abort_all()
     assert [(c.call_id, c.finish_reason) for _, c in channel.sent] == [("later", "abort")] and not engine.requests
 
 
-def test_the_background_channel_takes_on_demand_sends_in_order_and_gives_back_what_it_did_not_start():
+def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_gives_back_what_it_did_not_start():
     import threading
     import time
 
@@ -740,20 +737,30 @@ def test_the_background_channel_takes_on_demand_sends_in_order_and_gives_back_wh
         return out
 
     inner = Redisless()
-    ch = BackgroundChannel(inner)
+    ch = BackgroundChannel(inner, "w7")
     assert ch.take(0) == [] and ch.demand == 0  # no free slot: nothing is fetched
-    inner.push(b"c1", b"c2", b"c3")
+    c2 = GatewayCall("c2", "gw-b", [1], 4).encode()
+    before = time.time()
+    inner.push(b"c1", c2, b"c3")  # c1, c3: not records (the main thread counts them)
     taken = ch.take(2, wait_s=5.0)  # an idle worker waits for the first call; at most 2
     assert taken and len(taken) <= 2
     while len(taken) < 3:  # later steps take the rest, oldest first, as slots free up
         taken += until(lambda: ch.exchange([], 1, [])[0])
-    assert taken == [b"c1", b"c2", b"c3"]
+    assert taken == [b"c1", c2, b"c3"]
+    # the gateway of each call learns which worker holds it as the thread takes it, before the
+    # main thread starts it: a worker killed with calls still in its inbox fails them too
+    held = until(lambda: [(g, c) for g, c in inner.sent if c.call_id == "c2"])
+    assert [(g, c.started, c.worker_id) for g, c in held] == [("gw-b", True, "w7")] and held[0][1].started_at >= before
+    inner.sent.clear()
     chunks = [("gw", CallChunk(f"x{i}", [i], final=True, logprobs=[-0.1], versions=[1])) for i in range(5)]
     ch.exchange(chunks, 0, ["gone", "kept"])
     assert until(lambda: ch.exchange([], 0, [])[1]) == ["gone"]  # the sender read the cancellations
-    inner.push(b"late")  # taken by the thread, never started: given back when the worker stops
+    late = GatewayCall("late", "gw-a", [1], 4).encode()
+    inner.push(late)  # taken by the thread, never started: given back when the worker stops
     ch._ask(1)
     until(lambda: ch.inbox)
     ch.close()
-    assert inner.given_back == [b"late"]
-    assert [c.call_id for _, c in inner.sent] == [f"x{i}" for i in range(5)]  # in order, all of them
+    assert inner.given_back == [late]
+    # in order, all of them; the given-back call is held by nobody now (another worker takes it)
+    assert [(c.call_id, c.started and c.worker_id) for _, c in inner.sent] == \
+        [*((f"x{i}", False) for i in range(5)), ("late", "w7"), ("late", "")]
