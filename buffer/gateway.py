@@ -251,7 +251,8 @@ def _wake(client: Any, keys: RunKeys) -> Any:
 
 
 async def cancel(client: Any, keys: RunKeys, call_ids: Sequence[str]) -> None:
-    """Ask the workers serving ``call_ids`` to abort them (one round trip); a call still queued is dropped unrun."""
+    """Ask the workers serving ``call_ids`` to abort them (one round trip); a call still on the list is
+    aborted at the first check after a worker starts it (within ``CANCEL_CHECK_S`` of the worker)."""
     if call_ids:
         await client.hset(keys.gw_cancel, mapping=dict.fromkeys(call_ids, repr(time.time())))
 
