@@ -42,6 +42,7 @@ from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE,
                                 completion_response, logprobs_content, normal_message, parse_chat, parse_completion,
                                 parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
+from rlhf_core import metric_names as M
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import group_filter
 from rlhf_core.errors import UserError
@@ -290,7 +291,7 @@ class Gateway:
                 await self._append_due()
                 stats = {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
                          "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)}
-                await asyncio.to_thread(self.buffer.publish_stats, "gateway", stats)
+                await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, stats)
             except Exception:  # noqa: BLE001  # Redis away for a moment: the next round retries
                 log.exception("gateway: housekeeping failed")
 
@@ -688,7 +689,7 @@ class Gateway:
                         yield event
                     continue
                 if (err := self._failed([c])) is not None:
-                    yield sse(err.body())
+                    yield self._error_event(err)
                     return
                 yield final(c)
             ok = True
@@ -696,11 +697,20 @@ class Gateway:
                 yield self._usage_chunk(cid, created, kind, choices)
             yield sse("[DONE]")
         except ApiError as exc:
-            yield sse(exc.body())
+            yield self._error_event(exc)
         except REDIS_DOWN as exc:
-            yield sse(redis_down(exc).body())
+            yield self._error_event(redis_down(exc))
         finally:
             self._settle(choices, ok)
+
+    def _error_event(self, err: ApiError) -> bytes:
+        """A streamed call's error, as its last event (the stream had begun: status 200)."""
+        self.count_error(err.code)
+        return sse(err.body())
+
+    def count_error(self, code: str | None) -> None:
+        if self.sessions is not None:
+            self.sessions.counters.errors[code or "error"] += 1
 
     def _settle(self, choices: list[_Choice], ok: bool) -> None:
         assert self.sessions is not None
@@ -837,13 +847,15 @@ def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
         try:
             return await fn(request)
         except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            err = exc
         except REDIS_DOWN as exc:  # Redis away for a moment (a restart): the client may retry, no traceback
             log.warning("gateway: %s %s: Redis did not answer: %s", request.method, request.url.path, exc)
             err = redis_down(exc)
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         except ClientGone:
+            gw.count_error("client_gone")
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        gw.count_error(err.code)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     def route(path: str, fn: Any, methods: list[str]) -> Route:
         async def endpoint(request: Request) -> Response:

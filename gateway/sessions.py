@@ -23,6 +23,7 @@ A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group `
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -122,9 +123,13 @@ class GatewayCounters:
     calls_aborted: int = 0
     calls_failed: int = 0
     rewards_recovered: int = 0  # rewarded sessions a gateway before this one kept, found at start
+    # requests answered with an error, by its code (worker_stopped, channel_lost, timeout, session, ...;
+    # client_gone: a plain call's client that went away), shown as errors_<code>
+    errors: collections.Counter = field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "errors"}
+        return {**out, **{f"errors_{code}": n for code, n in sorted(self.errors.items())}}
 
 
 class Sessions:

@@ -15,6 +15,7 @@ EVAL_FILE = "eval.jsonl"  # in the run's output folder: one JSON line per evalua
 # The components whose stats `Buffer.publish_stats` stores: `Buffer.metrics()["stats"][name]`.
 LEARNER_STATS = "learner"
 WEIGHT_SERVER_STATS = "weight_server"
+GATEWAY_STATS = "gateway"  # rlhf-gateway's /v1/rl/stats (calls, sessions, groups, errors_<code>), every second
 EVAL_STATS = "eval"  # the newest evaluation; its keys start with EVAL_PREFIX and the learner copies them into its row
 EVAL_PREFIX = "eval/"
 EVAL_VERSION = "eval/version"  # the policy version evaluated

@@ -85,6 +85,13 @@ def render(snap: dict[str, Any]):
     ws = snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {})
     head.add_row("weight-sync latency (s)", str(_fmt(ws.get("sync_latency_s"))),
                  "last version bytes", str(ws.get("bytes")), "pulls", str(ws.get("pulls")))
+    gw = snap.get("stats", {}).get(M.GATEWAY_STATS)
+    if gw:  # rlhf-gateway: its calls, its sessions, and why requests failed (retryable 503s: worker_stopped, ...)
+        errors = "  ".join(f"{k.removeprefix('errors_')} {v}" for k, v in sorted(gw.items()) if k.startswith("errors_"))
+        head.add_row("gateway calls (running, failed)", f"{gw.get('calls')} ({gw.get('calls_running')}, {gw.get('calls_failed')})",
+                     "sessions open, rewarded, expired",
+                     f"{gw.get('sessions_open')}, {gw.get('sessions_rewarded')}, {gw.get('sessions_expired')}",
+                     "gateway errors", errors or "none")
     ev = snap.get("stats", {}).get(M.EVAL_STATS)
     if ev:  # the newest evaluation (eval.every > 0)
         passes = "  ".join(f"{k.removeprefix(M.EVAL_PREFIX)} {_fmt(v)}" for k, v in ev.items() if k.startswith("eval/pass@"))

@@ -838,6 +838,8 @@ def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_a
             assert wt.worker.gateway.stats["gateway_aborted"] == 1
             stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
             assert (stats["calls_failed"], stats["calls_aborted"], stats["sessions_open"]) == (1, 1, 0), stats
+            # by code (rlhf-monitor shows them): the call that ran, and the two refused while Redis was down
+            assert stats["errors_channel_lost"] == (3 if fault == "down" else 1), stats
             health = url.removesuffix("/v1") + "/health"  # 503 channel_lost until the gateway is subscribed again
             wait_for(lambda: httpx.get(health, timeout=10).status_code == 200, 30, "the gateway's channel back", 0.1)
             r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "after"}, timeout=30)
@@ -1191,7 +1193,7 @@ def test_a_call_redis_does_not_take_is_answered_503_not_500(served, infra, tiny_
                        timeout=30)
         assert r.status_code == 200 and '"code": "unavailable"' in r.text and "[DONE]" not in r.text, r.text
         stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
-        assert (stats["calls_failed"], stats["sessions_open"]) == (2, 0), stats
+        assert (stats["calls_failed"], stats["sessions_open"], stats["errors_unavailable"]) == (2, 0, 2), stats
     finally:
         server.stop()
 

@@ -144,3 +144,22 @@ def test_the_monitors_generated_rate_is_the_buffers_appends_over_the_last_ten_se
         snap = monitor.snapshot(buf, snap)
     assert snap["appended_window"][0] == [106.0, 128]
     assert round(snap["generated_samples_per_s"], 1) == 6.4
+
+
+def test_the_monitor_shows_the_gateways_calls_sessions_and_errors_by_code():
+    import io
+
+    from rich.console import Console
+
+    from rlhf_run import monitor
+
+    gateway = {"calls": 120, "calls_running": 3, "calls_failed": 7, "sessions_open": 9, "sessions_rewarded": 40,
+               "sessions_expired": 2, "errors_worker_stopped": 5, "errors_channel_lost": 2}
+    out = io.StringIO()
+    Console(file=out, width=250).print(monitor.render({"run_id": "r", "stats": {"gateway": gateway}}))
+    text = out.getvalue()
+    assert "120 (3, 7)" in text and "9, 40, 2" in text
+    assert "channel_lost 2  worker_stopped 5" in text  # sorted by code
+    out = io.StringIO()
+    Console(file=out, width=250).print(monitor.render({"run_id": "r"}))
+    assert "gateway" not in out.getvalue()  # a run without a gateway shows no such row
