@@ -12,9 +12,11 @@ series has the label ``run``:
   samples the learner consumed / the buffer dropped as too stale, by lag, read whole from Redis;
 * per worker (label ``worker``): ``rlhf_run_worker_{version,leases,heartbeat_age_seconds}`` and
   its heartbeat stats as ``rlhf_run_worker_<key>`` (``rlhf_run_worker_tokens_total`` ...);
-* the stats the learner and the weight server publish: ``rlhf_run_learner_<key>`` (the key
-  without its ``learner/``: ``rlhf_run_learner_samples_trained_total``, ``rlhf_run_learner_reward_mean``)
-  and ``rlhf_run_weight_server_<key>``.
+* the stats the learner, the weight server and the gateway publish: ``rlhf_run_learner_<key>``
+  (the key without its ``learner/``: ``rlhf_run_learner_samples_trained_total``,
+  ``rlhf_run_learner_reward_mean``), ``rlhf_run_weight_server_<key>`` and
+  ``rlhf_run_gateway_<key>`` (``rlhf_run_gateway_calls_total``; its errors answered as
+  ``rlhf_run_gateway_errors_total`` with the label ``code``).
 
 Totals read from records that restart (a worker's, the learner's after a resume) go through
 :class:`~rlhf_core.prometheus.Totals`, so the counters never go down.
@@ -127,8 +129,13 @@ class RunExporter:
     @staticmethod
     def _published(f: _Families, component: str, stats: dict[str, Any]) -> None:
         prefix = metric_name(PREFIX, component)
+        gateway = component == M.GATEWAY_STATS
         for key, value in stats.items():
+            if gateway and key.startswith(M.GATEWAY_ERRORS):
+                f.add("counter", f"{prefix}_errors", "gateway requests answered with an error, by code", value,
+                      code=key.removeprefix(M.GATEWAY_ERRORS))
+                continue
             # the weight server's counters arrive as ws/<name> (rlhf_run.report.weight_server_stats)
-            total = key in M.LEARNER_TOTALS or key.startswith("ws/")
+            total = key in M.LEARNER_TOTALS or key.startswith("ws/") or (gateway and key not in M.GATEWAY_LEVELS)
             short = key.removeprefix(f"{component}/")
             f.add("counter" if total else "gauge", metric_name(prefix, short), f"{component} stats {key!r}", value)

@@ -143,6 +143,11 @@ def test_run_target_from_a_snapshot():
         assert value(fams, "rlhf_run_worker_tokens", "rlhf_run_worker_tokens_total", worker="worker-1") == 14149
         assert value(fams, "rlhf_run_learner_samples_trained", "rlhf_run_learner_samples_trained_total") == 14400
         assert value(fams, "rlhf_run_weight_server_ws_pulls", "rlhf_run_weight_server_ws_pulls_total") == 83
+        # the gateway's running totals are counters, its levels gauges, its errors one counter by code
+        assert value(fams, "rlhf_run_gateway_calls", "rlhf_run_gateway_calls_total") == 512
+        assert fams["rlhf_run_gateway_sessions_open"].type == "gauge"
+        assert value(fams, "rlhf_run_gateway_errors", "rlhf_run_gateway_errors_total", code="worker_stopped") == 4
+        assert value(fams, "rlhf_run_gateway_errors", "rlhf_run_gateway_errors_total", code="channel_lost") == 1
         # worker-1 restarts (its totals from 0): its counter holds, then grows by what the new process adds
         snap["consumers"]["worker-1"]["stats"][M.WORKER_TOKENS] = 40
         target.update(snap)
