@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from buffer import Buffer, BufferAuthError, BufferUnavailable, RunParamsMismatch
 import factories as T
@@ -57,6 +58,16 @@ def test_the_readmes_acl_user_runs_the_buffer_and_a_missing_permission_is_named(
         assert batch is not None and len(batch.samples) == 4
         ok.commit(batch)
         assert ok.metrics()["counters"]["samples_appended"] == 4
+        # the gateway's answers travel on a pub/sub channel of the run (RunKeys.gw_out): allowed too
+        channel = ok.keys.gw_out("gateway-1")
+        sub = ok.redis.pubsub()
+        sub.subscribe(channel)
+        assert sub.get_message(timeout=5)["type"] == "subscribe"  # subscribed before the publish
+        assert ok.redis.publish(channel, b"chunk") == 1
+        assert sub.get_message(timeout=5)["data"] == b"chunk"
+        sub.close()
+        with pytest.raises(redis.exceptions.NoPermissionError):  # not another run's or user's channel
+            ok.redis.publish("elsewhere:channel", b"x")
         assert ok.delete_run() > 0
         denied = Buffer.connect(f"redis://outsider:opw@127.0.0.1:{server.port}/0", "acl", BufferConfig())
         with pytest.raises(BufferAuthError, match="denied a command to this ACL user"):
