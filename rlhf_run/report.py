@@ -357,6 +357,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
         },
         "rewards": reward_cost(list(workers.values())),
+        # rlhf-gateway's last stats (its counts since it last started; None: no gateway)
+        "gateway": last_snap.get("stats", {}).get(M.GATEWAY_STATS),
         "dead_letters": counters.get("dead_letters"),
         "leases_reclaimed": counters.get("prompts_reclaimed"),
         # the buffer's own counters at the end, for audits (appended = consumed + stale + left)
@@ -398,6 +400,13 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  rewards: scoring busy {r['scoring_share']:.0%} of the workers' scoring-thread time, "
                      f"{r['reward_calls_per_s']:.1f} reward calls/s, {r['reward_timeouts']} call(s) timed out, "
                      f"{r['empty_responses']} empty response(s)")
+    g = s.get("gateway") or {}
+    if g:
+        errors = ", ".join(f"{k.removeprefix(M.GATEWAY_ERRORS)} {v}" for k, v in sorted(g.items())
+                           if k.startswith(M.GATEWAY_ERRORS))
+        lines.append(f"  gateway (since it last started): {g.get('calls', 0)} calls ({g.get('calls_failed', 0)} failed), "
+                     f"sessions {g.get('sessions_rewarded', 0)} rewarded and {g.get('sessions_expired', 0)} expired, "
+                     f"{g.get('groups_appended', 0)} groups appended; errors answered: {errors or 'none'}")
     return "\n".join(lines)
 
 

@@ -132,6 +132,9 @@ def test_a_run_fed_by_agents_through_the_gateway_trains_and_its_gateway_killed_i
         assert 1 <= r["reward/policy_len_mean"] <= 8 and r["learner/num_tokens"] == 4 * r["reward/policy_len_mean"]
         assert 0 < r["learner/policy_token_frac"] < 1 and r["staleness/max"] <= 2
     summary = json.loads((out / "summary.json").read_text())
+    # the gateway's own counts (its successor's, since the kill), in the summary and its printed line
+    assert summary["gateway"]["calls"] > 0 and summary["gateway"]["sessions_rewarded"] > 0, summary["gateway"]
+    assert "gateway (since it last started):" in run_log
     assert summary["buffer_counters"]["groups_appended"] >= done["appended"]  # a last answer may be cut off
     assert summary["buffer_counters"]["samples_dead_lettered"] == 0
     last = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()][-1]
