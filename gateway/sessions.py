@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlhf_core import metric_names as M
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Sample
 from rollout_workers.turns import TemplateConversation, encode
@@ -129,7 +130,7 @@ class GatewayCounters:
 
     def as_dict(self) -> dict[str, int]:
         out = {k: v for k, v in self.__dict__.items() if k != "errors"}
-        return {**out, **{f"errors_{code}": n for code, n in sorted(self.errors.items())}}
+        return {**out, **{f"{M.GATEWAY_ERRORS}{code}": n for code, n in sorted(self.errors.items())}}
 
 
 class Sessions:
