@@ -119,7 +119,7 @@ class BackgroundChannel:
                 self._stop.wait(0.5)
                 continue
             if got:
-                self.send(self._held(got, time.time()))  # before the main thread can start them: in order
+                self.send(self._held(got, self.worker_id, time.time()))  # before the main thread can start them
                 with self._got:
                     self.inbox.extend(got)
                     self.demand = max(0, self.demand - len(got))
@@ -156,19 +156,19 @@ class BackgroundChannel:
         if left:
             try:
                 self.channel.give_back(left)
-                self.send(self._held(left, None, worker_id=""))  # held by nobody: another worker takes them
+                self.send(self._held(left, "", None))  # held by nobody: another worker takes them
             except Exception as exc:  # noqa: BLE001
                 log.warning("gateway calls: %d call(s) taken and not started could not be given back: %s", len(left), exc)
         self.outbox.put(None)
         self._threads[1].join(timeout=10)
 
-    def _held(self, raws: list[bytes], at: float | None, worker_id: str | None = None) -> list[tuple[str, CallChunk]]:
+    @staticmethod
+    def _held(raws: list[bytes], worker_id: str, at: float | None) -> list[tuple[str, CallChunk]]:
         """The chunks that tell the calls' gateways which worker holds them (:attr:`CallChunk.started`),
         sent as the taker fetches them, before they wait in the inbox for the main thread: a worker
         killed with calls it has not started yet fails them too (unreadable ones are the main
         thread's to count)."""
-        who = self.worker_id if worker_id is None else worker_id
-        return [(reply_to, CallChunk(call_id, [], worker_id=who, started_at=at))
+        return [(reply_to, CallChunk(call_id, [], worker_id=worker_id, started_at=at))
                 for call_id, reply_to in filter(None, map(GatewayCall.address, raws))]
 
 
