@@ -17,6 +17,13 @@ micro-batches of ``micro_batch``):
 - ``learner deepspeed ZeRO-2`` (``--gpu`` only): the same with ``learner.engine=deepspeed``,
   bf16 with fp32 masters.
 
+``--profile`` (on with ``--gpu``) runs one more update of the compiled learner (else the eager
+one) of each shape under ``torch.profiler`` and keeps, in that row's ``profile``: the update's wall time, how much of
+it the device was computing (kernel time over wall time: the rest is the host launching,
+syncing or waiting), that kernel time by kind (matrix products, attention, compiled fusions,
+eager elementwise and reductions, the optimizer, copies) and the costliest kernels. On a CPU it
+counts the operators' own CPU time instead.
+
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
 whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
 its elementwise work in eager torch and through ``torch.compile`` (what ``learner.compile`` runs):
@@ -33,7 +40,7 @@ Modes:
 - ``--gpu``: a Qwen2-0.5B-shaped model (bf16), batch 64, group 8, 128 + 256 tokens, micro-batch 16
   (the shape of ``vs_trl.py --gpu``), and the 16 x 512 single micro-batch step.
 
-    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed] [--[no-]compile]
+    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed] [--[no-]compile] [--[no-]profile]
 
 Target (H100): learner >= 35% MFU.
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -71,9 +79,9 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", dtype="float32", warmup=1, repeats=2,
                   shape=dict(num_hidden_layers=2, vocab_size=4096, hidden_size=256, intermediate_size=704,
                              num_attention_heads=4, num_key_value_heads=2),
-                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False, compile=False),
+                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False, compile=False, profile=False),
     "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True,
-                compile=True),
+                compile=True, profile=True),
 }
 TARGET_MFU = 0.35
 
@@ -110,6 +118,55 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int, device: str) -> tupl
         sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+# kind of a kernel (or, on a CPU, of an operator), by the first pattern its lower-cased name matches
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot")),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|cublas|nvjet|\baten::(mm|addmm|bmm|baddbmm|matmul|_scaled_mm)_?\b")),
+    ("optimizer", re.compile(r"adam|foreach|multi_tensor")),
+    ("compiled (triton)", re.compile(r"triton")),
+    ("copy", re.compile(r"memcpy|memset|copy|catarray|aten::(cat|to|_to_copy|clone|contiguous)\b")),
+    ("reduction", re.compile(r"reduce|softmax|logsumexp|norm|aten::(sum|mean|max|min|amax|gather|scatter)")),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|aten::(mul|add|sub|div|exp|log|pow|neg|where|silu)")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
+
+
+def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str, Any]:
+    """One call of ``fn`` under ``torch.profiler``: its wall time, the time the device spent in
+    kernels (on a CPU, the operators' own CPU time) in all and by :func:`kernel_kind`, and the
+    ``top`` costliest kernels. Kernel time over wall time is how busy ``fn`` kept the device."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sync_device(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync_device(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    if on_gpu:
+        events = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
+    events = [e for e in events if e[2] > 0]
+    busy_ms = sum(ms for _, _, ms in events)
+    kinds: dict[str, float] = {}
+    for name, _, ms in events:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"wall_ms": wall_ms, "counted": "kernel time on the device" if on_gpu else "operators' own CPU time",
+            "busy_ms": busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms > 0 else None,
+            "kernels": sum(n for _, n, _ in events),
+            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": name[:160], "calls": n, "ms": ms, "kind": kernel_kind(name)}
+                    for name, n, ms in sorted(events, key=lambda e: -e[2])[:top]]}
 
 
 def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, micro: int) -> float:
@@ -150,7 +207,7 @@ def release_memory() -> None:
 
 
 def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool,
-            use_compile: bool) -> list[dict[str, Any]]:
+            use_compile: bool, use_profile: bool = False) -> list[dict[str, Any]]:
     from learner.engine_factory import make_engine
     from learner.stats import flops_metrics, peak_flops
     from learner.update import PolicyUpdater
@@ -191,6 +248,7 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     labels = {"torch": "learner torch (fp32 masters)", "compiled": "learner torch compiled (learner.compile=true)",
               "deepspeed": "learner deepspeed ZeRO-2 (bf16)"}
     engines = ["torch"] + (["compiled"] if use_compile else []) + (["deepspeed"] if use_deepspeed else [])
+    profiled = "compiled" if use_compile else "torch"  # the learner as a GPU run uses it
     for engine_name in engines:
         label = labels[engine_name]
         cfg = learner_config(path, spec, shape, "torch" if engine_name == "compiled" else engine_name,
@@ -209,6 +267,8 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
             rows.append({**row(label, float("nan"), params, ids.numel()), "error": f"{type(exc).__name__}: {exc}"})
             continue
         rows.append(row(label, seconds, params, ids.numel(), metrics.get(M.MFU)))
+        if use_profile and engine_name == profiled:
+            rows[-1]["profile"] = profile_once(partial(updater.update, samples, 0), device)
         del engine, updater
         release_memory()
     return rows
@@ -250,6 +310,8 @@ def main() -> None:
     ap.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed row out")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="the learner.compile=true row (default: on with --gpu; its warm-up update compiles)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="profile one more update of the compiled (else eager) learner row (default: on with --gpu)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
     spec = dict(MODES[args.mode])
@@ -258,6 +320,7 @@ def main() -> None:
         torch.set_num_threads(1)
     use_deepspeed = spec["deepspeed"] and not args.no_deepspeed
     spec["compile"] = use_compile = spec["compile"] if args.compile is None else args.compile
+    spec["profile"] = use_profile = spec["profile"] if args.profile is None else args.profile
     if use_deepspeed:
         try:
             import deepspeed  # noqa: F401
@@ -268,9 +331,15 @@ def main() -> None:
 
     torch.manual_seed(0)
     path = qwen2_05b_dir(args.cache_dir, dtype=spec["dtype"], **spec["shape"])
-    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed, use_compile)]
+    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed, use_compile, use_profile)]
     device_name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "cpu"
-    print_table(rows, f"learner update vs a plain torch step, {path.name} on {device_name}")
+    print_table([{k: v for k, v in r.items() if k != "profile"} for r in rows],
+                f"learner update vs a plain torch step, {path.name} on {device_name}")
+    for r in (r for r in rows if "profile" in r):
+        prof = r["profile"]
+        print(f"profile, {r['method']}, {r['shape']}: {prof['busy_ms']:.1f} of {prof['wall_ms']:.1f} ms "
+              f"({prof['busy_fraction']:.0%}) in {prof['counted']}: "
+              + ", ".join(f"{kind} {ms:.1f}" for kind, ms in prof["by_kind_ms"].items()))
     ratios = {}
     for name in spec["shapes"]:
         mine = {r["method"].split(" (")[0]: r for r in rows if r["shape"] == name}

@@ -33,7 +33,7 @@ BENCHES = {
     "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small", "--clients", "2"],
                 {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
-    "learner": (["--quick"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
+    "learner": (["--quick", "--profile"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
                               "head_compiled_over_eager"}),
     "lora": (["--quick", "--reps", "1"], {"results", "ratios", "targets", "met", "device", "generation_tiny_cpu", "notes"}),
     "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
@@ -60,7 +60,15 @@ def _gateway_rows(doc: dict) -> None:
         assert min(ms["gateway_in"], ms["to_worker"], ms["to_gateway"]) >= 0, ms
 
 
-CHECKS = {"gateway": _gateway_rows}  # bench -> what its JSON must hold beyond its keys
+def _learner_profile(doc: dict) -> None:
+    # the learner's update profiled (on a CPU its operators' own time): mostly matrix products
+    (prof,) = [row["profile"] for row in doc["results"] if "profile" in row]
+    assert 0 < prof["busy_ms"] and 0 < prof["busy_fraction"] <= 1.5, prof
+    assert max(prof["by_kind_ms"], key=prof["by_kind_ms"].get) == "matmul", prof["by_kind_ms"]
+    assert prof["top"] and prof["top"][0]["kind"] == "matmul", prof["top"]
+
+
+CHECKS = {"gateway": _gateway_rows, "learner": _learner_profile}  # bench -> what its JSON must hold beyond its keys
 
 
 def _digest(path: Path) -> str | None:
