@@ -268,7 +268,11 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
             continue
         rows.append(row(label, seconds, params, ids.numel(), metrics.get(M.MFU)))
         if use_profile and engine_name == profiled:
-            rows[-1]["profile"] = profile_once(partial(updater.update, samples, 0), device)
+            try:
+                rows[-1]["profile"] = profile_once(partial(updater.update, samples, 0), device)
+            except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not cost the MFU rows
+                print(f"profiling {label} failed: {type(exc).__name__}: {exc}")
+                rows[-1]["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
         del engine, updater
         release_memory()
     return rows
