@@ -17,7 +17,10 @@ Modes:
   (``--library``): its manager costs ~35 s to start on a CPU.
 - ``--gpu``: a Qwen2-0.5B-shaped model built from its config (random bf16 weights, see
   ``bench/_models.py``), 256 prompts of 128 tokens, batch/slots 256; a uniform workload (256 new
-  tokens each) and a skewed one (median 64, every 8th 256). Peak GPU memory per method.
+  tokens each) and a skewed one (median 64, every 8th 256). Peak GPU memory per method. Then
+  the engine's decoding of ``slots`` requests of 32 tokens (fewer if the context is short) under ``torch.profiler``
+  (``profile`` in the JSON): how much of a step's wall time the GPU spent in kernels (the rest is
+  the host's work between them) and that kernel time by kind.
 - ``--gpu-check``: the ``--gpu`` code path on a CPU with a 2-layer model and a handful of
   requests: checks the bench, measures nothing.
 
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, require_device, sync_device, write_results  # noqa: E402
+from _common import mode_parser, print_table, profile_once, require_device, sync_device, write_results  # noqa: E402
 
 SKEWED = dict(kind="skewed", long_every=8, long_factor=8)
 MODES = {
@@ -52,10 +55,10 @@ MODES = {
     "full": dict(model="tiny", device="cpu", num_requests=256, slots=16, repeats=3, library=False,
                  workloads=[dict(SKEWED, median_tokens=16)]),
     "gpu": dict(model="qwen2-0.5b", device="cuda", dtype="bfloat16", num_requests=256, slots=256, prompt_tokens=128,
-                repeats=2, library=True, workloads=[dict(kind="uniform", new_tokens=256),
+                repeats=2, library=True, profile=True, workloads=[dict(kind="uniform", new_tokens=256),
                                                      dict(SKEWED, median_tokens=64, long_factor=4)]),
     "gpu-check": dict(model="qwen2-0.5b", shape=dict(num_hidden_layers=2, vocab_size=4096), device="cpu",
-                      dtype="float32", num_requests=8, slots=4, prompt_tokens=16, repeats=1, library=False,
+                      dtype="float32", num_requests=8, slots=4, prompt_tokens=16, repeats=1, library=False, profile=True,
                       workloads=[dict(kind="uniform", new_tokens=8), dict(SKEWED, median_tokens=4, long_factor=2)]),
 }
 TARGETS = {"cpu": {"engine_over_generate": 2.0}, "cuda": {"engine_over_generate": 10.0, "engine_over_library": 1.0}}
@@ -195,6 +198,16 @@ def warm_up(cfg, model, tokenizer, engine, prompts, library: bool) -> None:
         run_library(model, prompts[:n], [2] * n, n, cfg["device"])
 
 
+def profile_decoding(cfg: dict, engine, prompts, new_tokens: int = 32) -> dict:
+    """The engine decoding ``slots`` requests of ``new_tokens`` each under the profiler, per step."""
+    n = cfg["slots"]
+    steps0 = engine.num_steps
+    prof = profile_once(lambda: run_engine(engine, prompts[:n], [new_tokens] * n), cfg["device"])
+    steps = engine.num_steps - steps0
+    return {"requests": n, "new_tokens": new_tokens, "steps": steps, "cuda_graphs": engine._graphs is not None,
+            "wall_ms_per_step": prof["wall_ms"] / steps, "busy_ms_per_step": prof["busy_ms"] / steps, **prof}
+
+
 def ratios(rows: list[dict]) -> dict:
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
@@ -245,12 +258,18 @@ def main() -> None:
     for w, r in got.items():
         print(f"{w}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     print(f"targets {targets}: {'met' if met else 'NOT met'}")
+    room = longest - max(len(p) for p in prompts)  # new tokens the engine's context holds after any prompt
+    prof = profile_decoding(cfg, engine, prompts, min(32, room)) if cfg.get("profile") else None
+    if prof is not None:
+        print(f"profile, {prof['requests']} requests x {prof['new_tokens']} tokens: {prof['wall_ms_per_step']:.2f} ms a step, "
+              f"{prof['busy_ms_per_step']:.2f} of it in {prof['counted']}: "
+              + ", ".join(f"{kind} {ms / prof['steps']:.2f}" for kind, ms in prof["by_kind_ms"].items()))
     stem = "generation" if name in ("quick", "full") else f"generation_{name.replace('-', '_')}"
     write_results(stem + ("_library" if args.library else ""), {
         "mode": name, "device": device_name,
         "config": {**{k: v for k, v in cfg.items() if k != "workloads"}, "workloads": cfg["workloads"], "threads": args.threads,
                    "sampling": dict(temperature=1.0, top_k=0, top_p=1.0), **described, "library": library},
-        "results": rows, "ratios": got, "targets": targets, "met": met,
+        "results": rows, "ratios": got, "targets": targets, "met": met, **({"profile": prof} if prof else {}),
     })
 
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from _common import mode_parser, print_table, require_device, sync_device, write_results  # noqa: E402
+from _common import mode_parser, print_table, profile_once, require_device, sync_device, write_results  # noqa: E402
 
 SHAPES = {
     # name: (batch, group, prompt tokens, response tokens, micro-batch)
@@ -118,55 +117,6 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int, device: str) -> tupl
         sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-# kind of a kernel (or, on a CPU, of an operator), by the first pattern its lower-cased name matches
-KERNEL_KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot")),
-    ("matmul", re.compile(r"gemm|cutlass|xmma|cublas|nvjet|\baten::(mm|addmm|bmm|baddbmm|matmul|_scaled_mm)_?\b")),
-    ("optimizer", re.compile(r"adam|foreach|multi_tensor")),
-    ("compiled (triton)", re.compile(r"triton")),
-    ("copy", re.compile(r"memcpy|memset|copy|catarray|aten::(cat|to|_to_copy|clone|contiguous)\b")),
-    ("reduction", re.compile(r"reduce|softmax|logsumexp|norm|aten::(sum|mean|max|min|amax|gather|scatter)")),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|aten::(mul|add|sub|div|exp|log|pow|neg|where|silu)")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
-
-
-def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str, Any]:
-    """One call of ``fn`` under ``torch.profiler``: its wall time, the time the device spent in
-    kernels (on a CPU, the operators' own CPU time) in all and by :func:`kernel_kind`, and the
-    ``top`` costliest kernels. Kernel time over wall time is how busy ``fn`` kept the device."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    sync_device(device)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        fn()
-        sync_device(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    if on_gpu:
-        events = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    else:
-        events = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
-    events = [e for e in events if e[2] > 0]
-    busy_ms = sum(ms for _, _, ms in events)
-    kinds: dict[str, float] = {}
-    for name, _, ms in events:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    return {"wall_ms": wall_ms, "counted": "kernel time on the device" if on_gpu else "operators' own CPU time",
-            "busy_ms": busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms > 0 else None,
-            "kernels": sum(n for _, n, _ in events),
-            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"name": name[:160], "calls": n, "ms": ms, "kind": kernel_kind(name)}
-                    for name, n, ms in sorted(events, key=lambda e: -e[2])[:top]]}
 
 
 def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, micro: int) -> float:

@@ -115,6 +115,9 @@ def test_generation_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
     doc = gpu_check("generation", tmp_path, model_cache)
     assert {r["workload"] for r in doc["results"]} == {"uniform", "skewed"}
     assert set(doc["ratios"]["uniform"]) == {"engine_over_generate"}
+    # and the engine's decoding steps profiled (on a CPU, its operators' own time)
+    prof = doc["profile"]
+    assert prof["steps"] > 0 and prof["busy_ms_per_step"] > 0 and prof["top"], prof
 
 
 def test_vs_trl_runs_trl_and_the_service_on_a_real_model_shape(tmp_path, model_cache):
