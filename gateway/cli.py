@@ -3,12 +3,13 @@
     rlhf-gateway buffer.url=redis://host:6379 buffer.run_id=myrun gateway.port=8000
 """
 
-from rlhf_core.cli import hydra_entry
+from rlhf_core.cli import collect_less_while_starting, hydra_entry
 from rlhf_core.config import to_object
 
 
 @hydra_entry()
 def main(cfg) -> int:
+    collect_less_while_starting()
     from gateway.server import run_gateway
 
     cfg = to_object(cfg)

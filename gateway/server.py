@@ -49,7 +49,7 @@ from rlhf_core.errors import UserError
 from rlhf_core.models import load_tokenizer, model_dir
 from rlhf_core.records import Sample
 from rlhf_core.wire import WireError
-from rlhf_core.cli import write_json
+from rlhf_core.cli import freeze_startup_heap, write_json
 from rollout_workers.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -943,4 +943,6 @@ class GatewayServer:
 
 def run_gateway(cfg: Config, output_dir: str | Path | None = None) -> None:
     """Entry point body: serve until SIGTERM/SIGINT (uvicorn handles both)."""
-    GatewayServer(cfg, output_dir).run()
+    server = GatewayServer(cfg, output_dir)
+    freeze_startup_heap()
+    server.run()

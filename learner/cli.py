@@ -1,11 +1,12 @@
 """`rlhf-learner`: the training process (one per data-parallel rank under torchrun/deepspeed)."""
 
-from rlhf_core.cli import hydra_entry
+from rlhf_core.cli import collect_less_while_starting, hydra_entry
 from rlhf_core.config import to_object
 
 
 @hydra_entry()
 def main(cfg) -> int:
+    collect_less_while_starting()
     from learner.trainer import run_learner
 
     run_learner(to_object(cfg))

@@ -39,6 +39,7 @@ import torch
 from buffer import Buffer
 from buffer.datasets import iter_prompts
 from rlhf_core import lora
+from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, UserError
@@ -626,7 +627,8 @@ def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> Lea
     if cfg.buffer.run_id == "auto":
         raise ConfigError("rlhf-learner needs buffer.run_id=<name>: the key namespace its workers use too")
     learner = Learner(cfg)
-    if install_signals:
+    if install_signals:  # this call owns the process
+        freeze_startup_heap()
         signal.signal(signal.SIGTERM, learner.request_stop)
         signal.signal(signal.SIGINT, learner.request_stop)
     try:

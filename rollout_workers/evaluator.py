@@ -218,11 +218,13 @@ def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> l
     if cfg.buffer.url is None or cfg.weight_server.address is None or cfg.buffer.run_id == "auto":
         raise ConfigError("the evaluator needs buffer.url, buffer.run_id and weight_server.address/pub_address "
                           "(rlhf-run passes them)")
+    from rlhf_core.cli import freeze_startup_heap
     from rollout_workers.worker import _set_threads
 
     _set_threads()
     evaluator = Evaluator(cfg)
-    if install_signals:
+    if install_signals:  # this call owns the process
+        freeze_startup_heap()
         signal.signal(signal.SIGTERM, evaluator.request_stop)
         signal.signal(signal.SIGINT, evaluator.request_stop)
     return evaluator.run(**budget)

@@ -58,7 +58,7 @@ from buffer import Buffer, Lease
 from buffer.gateway import WorkerChannel
 from buffer.keys import check_consumer
 from rlhf_core import metric_names as M
-from rlhf_core.cli import WORKER_ID_ENV
+from rlhf_core.cli import WORKER_ID_ENV, freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
 from rlhf_core.dapo import group_filter
 from rlhf_core.errors import FailureWindow, UserError
@@ -813,7 +813,8 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
     """Entry point body: validate, build, run until SIGTERM/SIGINT (then exit cleanly).
 
     ``budget``: ``max_prompts`` / ``max_seconds`` for tests and benches. ``install_signals``
-    must be False when called off the main thread.
+    must be False when called off the main thread, or in a process the worker does not own (it
+    also freezes the startup heap, :func:`~rlhf_core.cli.freeze_startup_heap`).
     """
     if isinstance(cfg, DictConfig):
         cfg = to_object(cfg)
@@ -839,7 +840,8 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
              "timeout %s (reward.timeout_s)", worker.worker_id, cfg.buffer.run_id, cfg.rollout.engine, cfg.rollout.slots,
              threads, worker.scorer.describe(), rc.num_threads, rc.batch_size,
              "none" if rc.timeout_s is None else f"{rc.timeout_s:g} s")
-    if install_signals:
+    if install_signals:  # this call owns the process
+        freeze_startup_heap()
         signal.signal(signal.SIGTERM, worker.request_stop)
         signal.signal(signal.SIGINT, worker.request_stop)
         if early:

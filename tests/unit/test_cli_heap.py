@@ -1,0 +1,62 @@
+"""A service's start and its heap: the collector runs rarely while it starts, then everything the
+start left alive is frozen, so later full collections skip it (rlhf_core.cli)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# In a fresh interpreter: freezing is for a whole process, not for the test runner's.
+SCRIPT = textwrap.dedent("""
+    import gc, weakref
+    from rlhf_core.cli import collect_less_while_starting, freeze_startup_heap
+
+    defaults = gc.get_threshold()
+    collect_less_while_starting()
+    assert gc.get_threshold() == (50_000, *defaults[1:]), gc.get_threshold()
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    garbage = cycle()                                # the start's garbage: collected, not frozen
+    kept = [[Node() for _ in range(100)] for _ in range(100)]  # what the start keeps
+    frozen_before = gc.get_freeze_count()
+    freeze_startup_heap()
+    assert garbage() is None, "a garbage cycle of the start was frozen instead of collected"
+    assert gc.get_freeze_count() >= frozen_before + 10_100, gc.get_freeze_count()
+    assert gc.get_threshold() == defaults, gc.get_threshold()
+    assert not gc.get_objects(generation=2), "something alive at the freeze is still scanned"
+
+    later = cycle()                                  # what the service makes afterwards is collected as ever
+    gc.collect()
+    assert later() is None
+    print("ok", len(kept))
+""")
+
+
+def test_the_start_runs_few_collections_and_its_heap_is_frozen_while_later_garbage_is_collected():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "100"]
+
+
+def test_a_freeze_without_a_quiet_start_leaves_the_thresholds_alone():
+    # a service started some other way (a Ray actor) freezes its heap and keeps its thresholds
+    script = textwrap.dedent("""
+        import gc
+        from rlhf_core.cli import freeze_startup_heap
+        gc.set_threshold(1234, 5, 6)
+        freeze_startup_heap()
+        assert gc.get_threshold() == (1234, 5, 6), gc.get_threshold()
+        assert gc.get_freeze_count() > 0
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
