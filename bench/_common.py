@@ -222,16 +222,20 @@ def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str,
         fn()
         sync_device(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
+    averages, counted = prof.key_averages(), "kernel time on the device" if on_gpu else "operators' own CPU time"
     if on_gpu:
-        events = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        events = [(e.key, e.count, e.self_device_time_total / 1e3) for e in averages if e.device_type == DeviceType.CUDA]
+        if not any(ms > 0 for *_, ms in events):  # kernels not listed apart: their time by the operator that launched them
+            events = [(e.key, e.count, e.self_device_time_total / 1e3) for e in averages if e.device_type == DeviceType.CPU]
+            counted = "kernel time on the device, by launching operator"
     else:
-        events = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
+        events = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in averages]
     events = [e for e in events if e[2] > 0]
     busy_ms = sum(ms for _, _, ms in events)
     kinds: dict[str, float] = {}
     for name, _, ms in events:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    return {"wall_ms": wall_ms, "counted": "kernel time on the device" if on_gpu else "operators' own CPU time",
+    return {"wall_ms": wall_ms, "counted": counted,
             "busy_ms": busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms > 0 else None,
             "kernels": sum(n for _, n, _ in events),
             "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
