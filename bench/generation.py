@@ -18,9 +18,9 @@ Modes:
 - ``--gpu``: a Qwen2-0.5B-shaped model built from its config (random bf16 weights, see
   ``bench/_models.py``), 256 prompts of 128 tokens, batch/slots 256; a uniform workload (256 new
   tokens each) and a skewed one (median 64, every 8th 256). Peak GPU memory per method. Then
-  the engine's decoding of ``slots`` requests of 32 tokens (fewer if the context is short) under ``torch.profiler``
-  (``profile`` in the JSON): how much of a step's wall time the GPU spent in kernels (the rest is
-  the host's work between them) and that kernel time by kind.
+  the engine's decoding of ``slots`` requests of 32 tokens (fewer if the context is short)
+  under ``torch.profiler`` (``profile`` in the JSON): how much of a step's wall time the GPU
+  spent in kernels (the rest is the host's work between them) and that kernel time by kind.
 - ``--gpu-check``: the ``--gpu`` code path on a CPU with a 2-layer model and a handful of
   requests: checks the bench, measures nothing.
 
@@ -204,6 +204,8 @@ def profile_decoding(cfg: dict, engine, prompts, new_tokens: int = 32) -> dict:
     steps0 = engine.num_steps
     prof = profile_once(lambda: run_engine(engine, prompts[:n], [new_tokens] * n), cfg["device"])
     steps = engine.num_steps - steps0
+    if "error" in prof or not steps:
+        return prof
     return {"requests": n, "new_tokens": new_tokens, "steps": steps, "cuda_graphs": engine._graphs is not None,
             "wall_ms_per_step": prof["wall_ms"] / steps, "busy_ms_per_step": prof["busy_ms"] / steps, **prof}
 
@@ -260,7 +262,7 @@ def main() -> None:
     print(f"targets {targets}: {'met' if met else 'NOT met'}")
     room = longest - max(len(p) for p in prompts)  # new tokens the engine's context holds after any prompt
     prof = profile_decoding(cfg, engine, prompts, min(32, room)) if cfg.get("profile") else None
-    if prof is not None:
+    if prof is not None and "error" not in prof:
         print(f"profile, {prof['requests']} requests x {prof['new_tokens']} tokens: {prof['wall_ms_per_step']:.2f} ms a step, "
               f"{prof['busy_ms_per_step']:.2f} of it in {prof['counted']}: "
               + ", ".join(f"{kind} {ms / prof['steps']:.2f}" for kind, ms in prof["by_kind_ms"].items()))
