@@ -87,7 +87,7 @@ def freeze_startup_heap() -> None:
     the model, the tokenizer: some 400,000 in a process that imported torch and transformers) to
     the collector's permanent generation, which its full collections skip. They then look at what
     the service made since: in the gateway, whose sessions keep objects until they end, a full
-    collection of the whole heap took about 240 ms on a 2-core machine, and its one event loop
+    collection of the whole heap took 190-380 ms on a 2-core machine, and its one event loop
     answered nothing meanwhile (after this, a worker's and a learner's took under 1 ms). Call it
     once, from the process's entry point, when the service is built and before it serves (as
     vLLM's engine does after its start)."""
