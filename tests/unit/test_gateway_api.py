@@ -577,7 +577,8 @@ def test_bad_calls_are_refused(change):
     {"logprobs": [-0.1, 0.5]}, {"logprobs": [-0.1, float("nan")]}, {"logprobs": [-0.1]}, {"versions": [0]},
     {"token_ids": [1, 2, 3]}, {"token_ids": [1, -1]}, {"token_ids": "ab"}, {"final": 1}, {"final": ...},
     {"versions": [0, "1"]}, {"finish_reason": 3}, {"error": 5}, {"call_id": None},
-    {"logprobs": [-0.1, None]}, {"logprobs": [-0.1, [1]]}, {"logprobs": "ab"},
+    {"logprobs": [-0.1, None]}, {"logprobs": [-0.1, [1]]}, {"logprobs": "ab"}, {"logprobs": [True, -0.1]},
+    {"versions": [0, False]},
 ])
 def test_bad_chunks_are_refused(change):
     with pytest.raises(WireError):
