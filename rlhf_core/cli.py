@@ -73,7 +73,10 @@ def collect_less_while_starting(young: int = 50_000) -> None:
     model: importing torch and transformers triggers half a dozen full collections, each scanning
     every object made so far, and the start keeps nearly all of them (ad hoc, the imports and the
     tiny model of a worker: 4.4 s with the default thresholds, 4.1 s with this, both counting
-    :func:`freeze_startup_heap`'s collection). That function sets the thresholds back."""
+    :func:`freeze_startup_heap`'s collection; where several processes start at once on two
+    cores, more: four tests of ``tests/integration/test_run.py`` that start runs and restart
+    learners took 72.5-75.8 s before these two functions and 58.0-60.7 s with them, four
+    alternated runs each). That function sets the thresholds back."""
     global _GC_THRESHOLDS
     import gc
 
