@@ -18,11 +18,11 @@ micro-batches of ``micro_batch``):
   bf16 with fp32 masters.
 
 ``--profile`` (on with ``--gpu``) runs one more update of the compiled learner (else the eager
-one) of each shape under ``torch.profiler`` and keeps, in that row's ``profile``: the update's wall time, how much of
-it the device was computing (kernel time over wall time: the rest is the host launching,
-syncing or waiting), that kernel time by kind (matrix products, attention, compiled fusions,
-eager elementwise and reductions, the optimizer, copies) and the costliest kernels. On a CPU it
-counts the operators' own CPU time instead.
+one) of each shape under ``torch.profiler`` and keeps, in that row's ``profile``: the update's
+wall time, how much of it the device was computing (kernel time over wall time: the rest is the
+host launching, syncing or waiting), that kernel time by kind (matrix products, attention,
+compiled fusions, eager elementwise and reductions, the optimizer, copies) and the costliest
+kernels. On a CPU it counts the operators' own CPU time instead.
 
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
 whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
