@@ -215,6 +215,11 @@ class Gateway:
         for t in self._tasks:
             with contextlib.suppress(BaseException):
                 await t
+        if self.sessions is not None:  # the last counts: a run's summary is taken after its children stop
+            try:
+                await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, self.counts())
+            except Exception as exc:  # noqa: BLE001  # Redis gone first: the counts of a second ago stay
+                log.warning("gateway: its last counts could not be published: %s", exc)
         if self.redis is not None:
             await self.redis.aclose()
         self.buffer.close()
@@ -289,9 +294,7 @@ class Gateway:
                 await self._send_cancels()
                 self.sessions.expire()
                 await self._append_due()
-                stats = {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
-                         "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)}
-                await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, stats)
+                await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, self.counts())
             except Exception:  # noqa: BLE001  # Redis away for a moment: the next round retries
                 log.exception("gateway: housekeeping failed")
 
@@ -827,9 +830,14 @@ class Gateway:
     async def stats(self, request: Request) -> Response:
         self.authorize(request)
         assert self.sessions is not None
-        return JSONResponse({**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
-                             "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending),
-                             "call_phases_s": self.phases.as_dict()})
+        return JSONResponse({**self.counts(), "call_phases_s": self.phases.as_dict()})
+
+    def counts(self) -> dict[str, Any]:
+        """The counters since this gateway started and its levels now (what it publishes for the
+        monitor, the run's exporter and summary)."""
+        assert self.sessions is not None
+        return {**self.sessions.counters.as_dict(), "sessions_open": len(self.sessions.sessions),
+                "groups_waiting": len(self.sessions.groups), "calls_running": len(self.pending)}
 
 
 def _session_error(exc: SessionError) -> ApiError:

@@ -15,7 +15,7 @@ EVAL_FILE = "eval.jsonl"  # in the run's output folder: one JSON line per evalua
 # The components whose stats `Buffer.publish_stats` stores: `Buffer.metrics()["stats"][name]`.
 LEARNER_STATS = "learner"
 WEIGHT_SERVER_STATS = "weight_server"
-GATEWAY_STATS = "gateway"  # rlhf-gateway's /v1/rl/stats (calls, sessions, groups, errors_<code>), every second
+GATEWAY_STATS = "gateway"  # rlhf-gateway's /v1/rl/stats (calls, sessions, groups, errors_<code>), every second and as it stops
 GATEWAY_LEVELS = ("sessions_open", "groups_waiting", "calls_running")  # its other numbers are running totals
 GATEWAY_ERRORS = "errors_"  # the prefix of its counts of errors answered, by code
 EVAL_STATS = "eval"  # the newest evaluation; its keys start with EVAL_PREFIX and the learner copies them into its row

@@ -1205,6 +1205,26 @@ def test_health_and_stats(served):
     assert stats["calls"] >= 1 and stats["calls_running"] == 0
 
 
+def test_a_gateway_that_stops_publishes_its_last_counts(infra, tiny_model_cfg):
+    # The run's summary takes the gateway's counts from what it last published, after the run's
+    # processes stopped. It publishes every second and once more as it stops: a call and a reward
+    # just before the stop are counted.
+    from buffer import Buffer
+    from rlhf_core import metric_names as M
+
+    with _run(infra, tiny_model_cfg, "gw-last-counts", "w-last", lambda engine, tokenizer: None) as (cfg, _, _, url, _):
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_headers={"X-Session-Id": "last"})
+        assert httpx.post(f"{url}/rl/sessions/last/reward", json={"reward": 1.0}, timeout=10).status_code == 200
+    buf = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+    try:
+        counts = buf.stats(M.GATEWAY_STATS)
+    finally:
+        buf.close()
+    assert counts is not None and (counts["calls"], counts["sessions_rewarded"]) == (1, 1), counts
+
+
 @pytest.fixture
 def keyed(infra, tiny_model_cfg):
     """A gateway with API keys for a run that no worker serves."""
