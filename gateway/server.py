@@ -829,7 +829,6 @@ class Gateway:
 
     async def stats(self, request: Request) -> Response:
         self.authorize(request)
-        assert self.sessions is not None
         return JSONResponse({**self.counts(), "call_phases_s": self.phases.as_dict()})
 
     def counts(self) -> dict[str, Any]:
