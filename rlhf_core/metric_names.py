@@ -69,3 +69,8 @@ WORKER_TOTALS = (
     "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
     WORKER_ENGINE_STEPS, WORKER_ENGINE_PREFILLS, WORKER_ENGINE_REUSED, WORKER_ENGINE_PROMPT,
 )
+
+
+def gateway_errors(stats: dict) -> dict[str, int]:
+    """A gateway's counts of errors answered (its ``GATEWAY_STATS``), by code, in code order."""
+    return {k.removeprefix(GATEWAY_ERRORS): v for k, v in sorted(stats.items()) if k.startswith(GATEWAY_ERRORS)}

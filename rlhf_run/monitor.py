@@ -87,8 +87,7 @@ def render(snap: dict[str, Any]):
                  "last version bytes", str(ws.get("bytes")), "pulls", str(ws.get("pulls")))
     gw = snap.get("stats", {}).get(M.GATEWAY_STATS)
     if gw:  # rlhf-gateway: its calls, its sessions, and why requests failed (retryable 503s: worker_stopped, ...)
-        errors = "  ".join(f"{k.removeprefix(M.GATEWAY_ERRORS)} {v}" for k, v in sorted(gw.items())
-                           if k.startswith(M.GATEWAY_ERRORS))
+        errors = "  ".join(f"{code} {n}" for code, n in M.gateway_errors(gw).items())
         head.add_row("gateway calls (running, failed)", f"{gw.get('calls')} ({gw.get('calls_running')}, {gw.get('calls_failed')})",
                      "sessions open, rewarded, expired",
                      f"{gw.get('sessions_open')}, {gw.get('sessions_rewarded')}, {gw.get('sessions_expired')}",

@@ -402,8 +402,7 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"{r['empty_responses']} empty response(s)")
     g = s.get("gateway") or {}
     if g:
-        errors = ", ".join(f"{k.removeprefix(M.GATEWAY_ERRORS)} {v}" for k, v in sorted(g.items())
-                           if k.startswith(M.GATEWAY_ERRORS))
+        errors = ", ".join(f"{code} {n}" for code, n in M.gateway_errors(g).items())
         lines.append(f"  gateway (since it last started): {g.get('calls', 0)} calls ({g.get('calls_failed', 0)} failed), "
                      f"sessions {g.get('sessions_rewarded', 0)} rewarded and {g.get('sessions_expired', 0)} expired, "
                      f"{g.get('groups_appended', 0)} groups appended; errors answered: {errors or 'none'}")
