@@ -119,17 +119,30 @@ def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
 
 def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically: written into a
-    temporary sibling folder and renamed, so a concurrent builder either wins or finds it done."""
+    temporary sibling folder and renamed, so a concurrent builder either wins or finds it done.
+
+    Every process writes its own copy, torch.distributed or not: ``save_pretrained`` alone writes
+    nothing on a rank other than 0, and such a rank used to rename a folder holding only the
+    tokenizer into place, which no process could load (two learner ranks building on a cold cache).
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
+        model.should_save_on_this_rank = lambda is_main_process: True  # this rank's private folder
+        try:
+            model.save_pretrained(tmp)
+        finally:
+            del model.should_save_on_this_rank
+        if not (tmp / "config.json").exists():
+            raise RuntimeError(f"transformers' save_pretrained wrote no config.json for {out}; "
+                               "this transformers release is not one the project pins (constraints-cpu.txt)")
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, out)
-        except OSError:
+        except OSError as exc:
             if not (out / "config.json").exists():
-                raise
+                raise OSError(f"cannot put the model built for {out} in place ({exc}); if that folder is left "
+                              "from an interrupted or older build, delete it and start again") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +37,47 @@ def test_tiny_is_deterministic_in_its_seed(tiny_model_cfg, tmp_path):
         assert na == nb and torch.equal(pa, pb)
     c = models.load_policy(replace(other, tiny=replace(other.tiny, seed=1)))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+# Run by each of two gloo ranks: transformers' save_pretrained writes on rank 0 only.
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    import torch.distributed as dist
+    from rlhf_core.config import ModelConfig
+    from rlhf_core import models
+
+    dist.init_process_group("gloo")
+    rank, cache = dist.get_rank(), Path(sys.argv[1])
+    cfg = ModelConfig(cache_dir=str(cache / "shared"))
+    shared = models.load_policy(cfg)                      # both ranks build the same folder at once
+    alone = models.build_tiny_model(cfg.tiny, cache / f"rank{rank}-alone")   # each rank by itself
+    reloaded = models.load_policy(ModelConfig(path=str(alone)))
+    (cache / f"rank{rank}.json").write_text(json.dumps({
+        "shared": sorted(p.name for p in models.model_dir(cfg).iterdir()),
+        "alone": sorted(p.name for p in alone.iterdir()),
+        "same": all((a == b).all().item() for a, b in zip(shared.parameters(), reloaded.parameters())),
+    }))
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_every_torch_distributed_rank_builds_a_loadable_tiny_model(tmp_path):
+    # rank 1 used to rename a folder holding only the tokenizer into place: no rank could load it
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(models.__file__).parents[1]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(got["shared"]), got
+        assert got["alone"] == got["shared"] and got["same"], got
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
 def test_char_tokenizer_round_trips_text(tiny_model_cfg):
@@ -74,3 +121,9 @@ def test_errors_a_user_can_cause(tmp_path, tiny_model_cfg):
             models.resolve_device("cuda")
     with pytest.raises(ConfigError, match="has no config.json"):
         models.load_reward_model(tmp_path, tiny_model_cfg)
+    broken = tmp_path / "broken"  # a folder an older build left without its model
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{}")
+    with pytest.raises(OSError, match="delete it and start again"):
+        models.build_tiny_model(tiny_model_cfg.tiny, broken)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # its temporary copy is gone
