@@ -306,6 +306,16 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def shutdown_distributed() -> None:
+    """The end of a clean run in a process of its own: every rank waits for the others (rank 0 may
+    still be publishing or exporting), then the process groups go down while the interpreter is
+    whole, as PyTorch asks. Left to the interpreter's exit, gloo's threads can abort a finished
+    rank ("terminate called without an active exception"), which then exits non-zero."""
+    if dist_active():
+        barrier()
+        torch.distributed.destroy_process_group()
+
+
 def broadcast_samples(samples: Sequence[Sample] | None, src: int = 0) -> list[Sample]:
     """Every rank gets rank ``src``'s samples (others pass None), as the wire format's msgpack
     bytes in a uint8 tensor: no pickle between processes either."""

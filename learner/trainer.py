@@ -48,7 +48,7 @@ from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_c
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
 from learner.batch import stop_token_message, stop_token_misfits
-from learner.engines import all_reduce_max, broadcast_samples
+from learner.engines import all_reduce_max, broadcast_samples, shutdown_distributed
 from weight_server import StaleVersionError, WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -637,5 +637,7 @@ def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> Lea
             learner.export(cfg.learner.export_dir)  # collective under ZeRO-3: every rank calls it
     finally:
         learner.close()
+    if install_signals:  # a rank that failed above leaves the others to torchrun, which stops them
+        shutdown_distributed()
     log.info("learner done at version %d after %d updates (%d samples)", result.version, result.updates, result.samples)
     return result

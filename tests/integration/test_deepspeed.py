@@ -75,6 +75,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     import torch
     from learner.checkpoint import load_latest, save_checkpoint
     from learner.engine_factory import make_engine
+    from learner.engines import shutdown_distributed
     from learner.update import PolicyUpdater
     from rlhf_core.models import load_policy
 
@@ -118,7 +119,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     result["ckpt"] = {"version": extra["version"], "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
                       "lr_equal": first.engine.lr == second.engine.lr, "steps": second.engine.global_step}
     Path(out).write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 def child_multi(cache: str, out_dir: str, address: str) -> None:
@@ -129,7 +130,7 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     from learner.checkpoint import load_latest, save_checkpoint
     from learner.engine_deepspeed import init_distributed
     from learner.engine_factory import make_engine
-    from learner.engines import broadcast_samples
+    from learner.engines import broadcast_samples, shutdown_distributed
     from learner.update import PolicyUpdater
     from rlhf_core.config import WeightServerConfig
     from rlhf_core.models import load_policy
@@ -165,8 +166,7 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
         (Path(out_dir) / "rank1.json").write_text(json.dumps({"losses": losses, "samples": [len(b) for b in batches]}))
     # rank 1 must not tear gloo down while rank 0 is still publishing: it aborted ("terminate called
     # without an active exception") in CI when it reached destroy_process_group first
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 def child_lora(cache: str, out: str, ckpt: str) -> None:
@@ -176,6 +176,7 @@ def child_lora(cache: str, out: str, ckpt: str) -> None:
     import torch
     from learner.checkpoint import export_hf, load_latest, save_checkpoint
     from learner.engine_factory import make_engine
+    from learner.engines import shutdown_distributed
     from rlhf_core import lora
     from rlhf_core.config import LoraConfig
     from rlhf_core.models import load_policy
@@ -220,7 +221,7 @@ def child_lora(cache: str, out: str, ckpt: str) -> None:
         result[name]["max_param_diff"] = max(float((published[name][k] - v).abs().max()) for k, v in published["torch"].items())
     result["model_bytes"] = sum(p.numel() * 4 for p in load_policy(make_cfg(cache, "torch").model).parameters())
     Path(out).write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 # ------------------------------------------------------------------ tests
