@@ -4,7 +4,7 @@ worker (``rollout_workers/gateway_calls.py``) both use them.
 
     gateway --LPUSH P gw:calls--> any worker with a free slot (RPOP, between decoding steps)
     worker  --PUBLISH P gw:out:<gateway id>--> the gateway that made the call (stream deltas, then the result)
-    gateway --HSET P gw:cancel--> the worker serving it aborts the call at its next step
+    gateway --HSET P gw:cancel--> the worker serving it aborts the call at its next step (and removes the mark)
 
 A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
 session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
@@ -191,18 +191,29 @@ class WorkerChannel:
         """Calls taken and never started, back at the tail (the oldest end: taken first again)."""
         self.redis.rpush(self.keys.gw_calls, *reversed(raws))
 
-    def send(self, chunks: list[tuple[str, CallChunk]], running: list[str]) -> list[str]:
+    def send(self, chunks: list[tuple[str, CallChunk]], running: list[tuple[str, str]]) -> list[str]:
         """Send ``chunks`` (``(gateway id, chunk)`` pairs) and return the calls among ``running``
-        whose client gave up on them, in one round trip."""
+        (``(call id, gateway id)`` pairs) to abort, in one round trip: those whose client gave up on
+        them (marked in ``P gw:cancel``), and those whose gateway is gone (nobody listens on its
+        channel: it stopped or died, and a gateway started since has an id of its own, so nobody
+        would ever read them). A call that ends aborted takes its mark with it."""
         if not chunks and not running:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for gateway_id, chunk in chunks:
             pipe.publish(self.keys.gw_out(gateway_id), chunk.encode())
+        aborted = [chunk.call_id for _, chunk in chunks if chunk.final and chunk.finish_reason == "abort"]
+        if aborted:
+            pipe.hdel(self.keys.gw_cancel, *aborted)
+        gateways = sorted({gateway_id for _, gateway_id in running})
         if running:
-            pipe.hmget(self.keys.gw_cancel, running)
+            pipe.hmget(self.keys.gw_cancel, [call_id for call_id, _ in running])
+            pipe.pubsub_numsub(*map(self.keys.gw_out, gateways))
         res = pipe.execute()
-        return [c for c, f in zip(running, res[-1] if running else []) if f is not None]
+        if not running:
+            return []
+        gone = {g for g, (_, listeners) in zip(gateways, res[-1]) if not listeners}
+        return [call_id for (call_id, gateway_id), mark in zip(running, res[-2]) if mark is not None or gateway_id in gone]
 
 
 class CallQueue:

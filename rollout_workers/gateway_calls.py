@@ -5,8 +5,8 @@ result of every finished call (token ids, behaviour log-probs and per-token poli
 exactly as for the run's own samples; a weight update between steps shows in the versions),
 takes queued calls up to its free slots (before it claims prompts: a client is waiting on
 them; each becomes engine request ``gw/<call id>``), and, every :data:`CANCEL_CHECK_S`, asks
-which running calls were cancelled (their client went away): those are aborted at once, freeing
-their slots. An idle worker takes calls with :meth:`GatewayCalls.take` (it is woken for them).
+which running calls were cancelled (their client went away) or lost their gateway (it stopped or
+died: nobody would read their tokens): those are aborted at once, freeing their slots. An idle worker takes calls with :meth:`GatewayCalls.take` (it is woken for them).
 
 The Redis traffic runs off the decoding loop (:class:`BackgroundChannel`): a taker thread waits
 on the call list (``BRPOP``) while the worker wants calls, a sender thread publishes chunks and
@@ -35,7 +35,7 @@ from rollout_workers.engine import GenRequest, GenResult, RequestError, Sampling
 log = logging.getLogger(__name__)
 
 PREFIX = "gw/"
-#: how often a busy worker asks which of its running calls were cancelled
+#: how often a busy worker asks which of its running calls were cancelled or lost their gateway
 CANCEL_CHECK_S = 0.05
 
 
@@ -87,7 +87,8 @@ class BackgroundChannel:
         for chunk in chunks:
             self.outbox.put(chunk)
 
-    def exchange(self, chunks: list[tuple[str, CallChunk]], take: int, running: list[str]) -> tuple[list[bytes], list[str]]:
+    def exchange(self, chunks: list[tuple[str, CallChunk]], take: int,
+                 running: list[tuple[str, str]]) -> tuple[list[bytes], list[str]]:
         self.send(chunks)
         if running:
             self.outbox.put(list(running))  # the sender asks which of these were cancelled
@@ -240,9 +241,9 @@ class GatewayCalls:
                 if len(tokens) > sent[0]:
                     out.append((call.reply_to, CallChunk(call.call_id, list(tokens[sent[0]:]), worker_id=self.worker_id)))
                     sent[0] = len(tokens)
-        ids: list[str] = []
+        ids: list[tuple[str, str]] = []
         if self.calls and time.monotonic() >= self._next_cancel_check:
-            ids = [call.call_id for call, *_ in self.calls.values()]
+            ids = [(call.call_id, call.reply_to) for call, *_ in self.calls.values()]
             self._next_cancel_check = time.monotonic() + CANCEL_CHECK_S
         raws, cancelled = self.channel.exchange(out, capacity, ids)
         answers = self._add(raws)

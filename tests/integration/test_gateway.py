@@ -677,6 +677,33 @@ def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(serve
         impatient.stop()
 
 
+def test_a_call_whose_gateway_is_gone_is_aborted_at_once(served):
+    # A gateway that died (or stopped) leaves its calls queued or running; the gateway started
+    # after it has an id of its own, so nobody would read their tokens. The worker sees nobody
+    # listening on the call's channel at its next check and aborts the call instead of sampling
+    # all of its max_tokens (held here: it would run for ever; nobody cancels it).
+    import redis.asyncio as aioredis
+
+    from buffer.gateway import CallQueue, GatewayCall
+    from servers import wait_for
+
+    keys = served.learner.buffer.keys
+    call = GatewayCall(call_id="orphan-call", reply_to="gateway-that-died", prompt_ids=[5, 6, 7], max_tokens=32)
+
+    async def submit() -> None:  # as that gateway pushed it, before it died
+        client = aioredis.Redis.from_url(served.cfg.buffer.url)
+        try:
+            await CallQueue(client, keys).submit([call])
+        finally:
+            await client.aclose()
+
+    before = served.worker_stats().get("gateway_aborted", 0)
+    with served.hold:
+        asyncio.run(submit())
+        wait_for(lambda: _aborted(served, before), 15, "the worker to abort the call of a gateway that is gone", 0.1)
+    assert served.chat("after-orphan", max_tokens=1).usage.completion_tokens == 1  # the slot is free again
+
+
 @pytest.mark.parametrize("restarted", [False, True], ids=["silent", "restarted-under-its-name"])
 def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, tiny_model_cfg, restarted):
     # A worker that dies holding a call never answers it: the gateway knows which worker holds it

@@ -1,4 +1,4 @@
-"""How a gateway call reaches a worker, on real Redis. An idle worker serving the gateway waits
+"""How a gateway call reaches a worker and is ended, on real Redis. An idle worker serving the gateway waits
 for prompts while its taker thread fetches gateway calls (the worker's BackgroundChannel over a
 WorkerChannel): a call fetched during that wait must end it (before, it sat unstarted until the
 wait's cap, 0.2 s, seen as 250-300 ms turns for one agent whose turns took 40 ms). The gateway's
@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from buffer import Buffer, prompts
-from buffer.gateway import CallQueue, GatewayCall, LiveWorkers, WorkerChannel
+from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, WorkerChannel
 from rollout_workers.gateway_calls import BackgroundChannel
 from test_buffer_gateway_groups import buf  # noqa: F401  # a run of groups of 2 on the test's own Redis
 
@@ -129,3 +129,26 @@ def test_calls_arriving_together_count_the_live_workers_once(buf, redis_url):
             await client.aclose()
 
     assert asyncio.run(go()) == [1, 3, 1, 1]
+
+
+def test_a_worker_aborts_the_calls_cancelled_or_left_by_their_gateway_and_clears_their_marks(buf):
+    # A running call is aborted when its client gave up (the gateway's mark in P gw:cancel) or its
+    # gateway is gone (nobody listens on its channel: a gateway stopped or died, and the one started
+    # after it has an id of its own). The final chunk of an aborted call takes its mark with it:
+    # marks whose gateway died before reading that chunk stayed in the hash for good.
+    listener = buf.redis.pubsub()
+    listener.subscribe(buf.keys.gw_out("alive"))
+    try:
+        assert listener.get_message(timeout=5)["type"] == "subscribe"
+        buf.redis.hset(buf.keys.gw_cancel, mapping={"c-cancelled": "1.0", "c-orphan-cancelled": "1.0"})
+        ch = WorkerChannel(buf.redis, buf.keys)
+        running = [("c-cancelled", "alive"), ("c-running", "alive"), ("c-orphan", "gone"), ("c-orphan-cancelled", "gone")]
+        assert ch.send([], running) == ["c-cancelled", "c-orphan", "c-orphan-cancelled"]
+        finals = [(g, CallChunk(c, [], final=True, finish_reason="abort")) for c, g in running if c != "c-running"]
+        assert ch.send(finals, [("c-running", "alive")]) == []
+        assert buf.redis.hlen(buf.keys.gw_cancel) == 0
+        got = listener.get_message(timeout=5)
+        assert got["type"] == "message" and CallChunk.decode(got["data"]).call_id == "c-cancelled"
+        assert listener.get_message(timeout=0.2) is None  # the gone gateway's chunks reached nobody
+    finally:
+        listener.close()

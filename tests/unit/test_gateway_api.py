@@ -614,7 +614,7 @@ class _Channel:
 
     def exchange(self, chunks, take, running):
         self.send(chunks)
-        return self.take(take), [c for c in running if c in self.cancelled]
+        return self.take(take), [c for c, _ in running if c in self.cancelled]
 
 
 class _Engine:
@@ -725,7 +725,7 @@ def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_
 
         def send(self, chunks, running):
             self.sent += chunks
-            return [c for c in running if c == "gone"]
+            return [c for c, _ in running if c == "gone"]
 
         def give_back(self, raws):
             self.given_back += raws
@@ -754,7 +754,7 @@ def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_
     assert [(g, c.started, c.worker_id) for g, c in held] == [("gw-b", True, "w7")] and held[0][1].started_at >= before
     inner.sent.clear()
     chunks = [("gw", CallChunk(f"x{i}", [i], final=True, logprobs=[-0.1], versions=[1])) for i in range(5)]
-    ch.exchange(chunks, 0, ["gone", "kept"])
+    ch.exchange(chunks, 0, [("gone", "gw"), ("kept", "gw")])
     assert until(lambda: ch.exchange([], 0, [])[1]) == ["gone"]  # the sender read the cancellations
     late = GatewayCall("late", "gw-a", [1], 4).encode()
     inner.push(late)  # taken by the thread, never started: given back when the worker stops
