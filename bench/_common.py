@@ -207,6 +207,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(low)), "other")
 
 
+#: CUDA runtime calls in which the host waits for the device
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+
+
 def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str, Any]:
     """One call of ``fn`` under ``torch.profiler``: its wall time, the time the device spent in
     kernels (on a CPU, the operators' own CPU time) in all and by :func:`kernel_kind`, and the
@@ -236,6 +240,10 @@ def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str,
     else:
         events = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in averages]
     events = [e for e in events if e[2] > 0]
+    # where the host waited for the device: each .item()/float()/bool() of a device tensor is an
+    # aten::_local_scalar_dense; .cpu()/.tolist() and explicit syncs show as CUDA runtime calls
+    waits = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in averages
+             if e.device_type == DeviceType.CPU and (e.key == "aten::_local_scalar_dense" or e.key in SYNC_CALLS)]
     busy_ms = sum(ms for _, _, ms in events)
     kinds: dict[str, float] = {}
     for name, _, ms in events:
@@ -243,6 +251,7 @@ def profile_once(fn: Callable[[], Any], device: str, top: int = 12) -> dict[str,
     return {"wall_ms": wall_ms, "counted": counted,
             "busy_ms": busy_ms, "busy_fraction": busy_ms / wall_ms if wall_ms > 0 else None,
             "kernels": sum(n for _, n, _ in events),
+            "host_syncs": {name: {"calls": n, "ms": ms} for name, n, ms in waits},
             "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"name": name[:160], "calls": n, "ms": ms, "kind": kernel_kind(name)}
                     for name, n, ms in sorted(events, key=lambda e: -e[2])[:top]]}

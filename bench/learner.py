@@ -21,8 +21,10 @@ micro-batches of ``micro_batch``):
 one) of each shape under ``torch.profiler`` and keeps, in that row's ``profile``: the update's
 wall time, how much of it the device was computing (kernel time over wall time: the rest is the
 host launching, syncing or waiting), that kernel time by kind (matrix products, attention,
-compiled fusions, eager elementwise and reductions, the optimizer, copies) and the costliest
-kernels. On a CPU it counts the operators' own CPU time instead.
+compiled fusions, eager elementwise and reductions, the optimizer, copies), the costliest
+kernels, and where the host waited for the device (``host_syncs``: each ``.item()``-style read is
+an ``aten::_local_scalar_dense``; stream and device synchronisations). On a CPU it counts the
+operators' own CPU time instead, and a scalar read waits for nothing.
 
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
 whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
@@ -289,7 +291,9 @@ def main() -> None:
         prof = r["profile"]
         print(f"profile, {r['method']}, {r['shape']}: {prof['busy_ms']:.1f} of {prof['wall_ms']:.1f} ms "
               f"({prof['busy_fraction']:.0%}) in {prof['counted']}: "
-              + ", ".join(f"{kind} {ms:.1f}" for kind, ms in prof["by_kind_ms"].items()))
+              + ", ".join(f"{kind} {ms:.1f}" for kind, ms in prof["by_kind_ms"].items())
+              + "; host waits: " + (", ".join(f"{name} x{w['calls']} ({w['ms']:.1f} ms)" for name, w in prof["host_syncs"].items())
+                                    or "none"))
     ratios = {}
     for name in spec["shapes"]:
         mine = {r["method"].split(" (")[0]: r for r in rows if r["shape"] == name}

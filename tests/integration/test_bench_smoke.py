@@ -66,6 +66,7 @@ def _learner_profile(doc: dict) -> None:
     assert 0 < prof["busy_ms"] and 0 < prof["busy_fraction"] <= 1.5, prof
     assert max(prof["by_kind_ms"], key=prof["by_kind_ms"].get) == "matmul", prof["by_kind_ms"]
     assert prof["top"] and prof["top"][0]["kind"] == "matmul", prof["top"]
+    assert prof["host_syncs"]["aten::_local_scalar_dense"]["calls"] > 0, prof  # the metrics' reads, at least
 
 
 CHECKS = {"gateway": _gateway_rows, "learner": _learner_profile}  # bench -> what its JSON must hold beyond its keys
