@@ -2,7 +2,8 @@
 # Every GPU figure of the README's bench table, on one CUDA machine: the project importable with
 # its train and baseline extras (DeepSpeed, TRL) and redis-server on the PATH. Each step runs
 # under its own time limit and a failing step does not stop the next; JSON and a log per step
-# go to $OUT (default bench/results). Commands that each fit a 10-minute device call:
+# go to $OUT (default bench/results). On a machine without a registry, bench/gpu_wheels.sh fetches
+# beforehand the wheels of the baseline and gateway extras. Commands that each fit a 10-minute device call:
 #
 #   bash bench/gpu.sh generation learner tests    # ~4 min before the compiled learner row; allow 6
 #   bash bench/gpu.sh vs_trl                      # ~5 min (VS_TRL_UPDATES=8 updates per system; H100 2026-11-28)
