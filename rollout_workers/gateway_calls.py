@@ -6,7 +6,8 @@ exactly as for the run's own samples; a weight update between steps shows in the
 takes queued calls up to its free slots (before it claims prompts: a client is waiting on
 them; each becomes engine request ``gw/<call id>``), and, every :data:`CANCEL_CHECK_S`, asks
 which running calls were cancelled (their client went away) or lost their gateway (it stopped or
-died: nobody would read their tokens): those are aborted at once, freeing their slots. An idle worker takes calls with :meth:`GatewayCalls.take` (it is woken for them).
+died: nobody would read their tokens): those are aborted at once, freeing their slots. An idle
+worker takes calls with :meth:`GatewayCalls.take` (it is woken for them).
 
 The Redis traffic runs off the decoding loop (:class:`BackgroundChannel`): a taker thread waits
 on the call list (``BRPOP``) while the worker wants calls, a sender thread publishes chunks and
