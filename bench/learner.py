@@ -26,10 +26,15 @@ kernels, and where the host waited for the device (``host_syncs``: each ``.item(
 an ``aten::_local_scalar_dense``; stream and device synchronisations). On a CPU it counts the
 operators' own CPU time instead, and a scalar read waits for nothing.
 
+``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (repeatable) adds, per shape, a row of the compiled
+(else eager) learner under those config overrides, e.g. ``keep=learner.keep_head_logits=true`` or
+``chunk4k=learner.logits_chunk_tokens=4096``: settings compared in the same run.
+
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
 whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
-its elementwise work in eager torch and through ``torch.compile`` (what ``learner.compile`` runs):
-how much of an update the head is, and what compiling its softmax passes saves.
+its elementwise work in eager torch and through ``torch.compile`` (what ``learner.compile`` runs),
+and compiled with the forward's logits kept for the backward (``learner.keep_head_logits``): how
+much of an update the head is, and what compiling its softmax passes and skipping its recompute save.
 
 MFU = 6 x parameters x tokens / seconds / the device's dense bf16 peak (``learner.stats``); the
 learner's own ``learner/mfu`` metric is reported beside it. Each method: ``warmup`` updates,
@@ -42,7 +47,7 @@ Modes:
 - ``--gpu``: a Qwen2-0.5B-shaped model (bf16), batch 64, group 8, 128 + 256 tokens, micro-batch 16
   (the shape of ``vs_trl.py --gpu``), and the 16 x 512 single micro-batch step.
 
-    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed] [--[no-]compile] [--[no-]profile]
+    .venv/bin/python bench/learner.py [--quick|--gpu] [--no-deepspeed] [--[no-]compile] [--[no-]profile] [--variant ...]
 
 Target (H100): learner >= 35% MFU.
 """
@@ -136,7 +141,8 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     return total
 
 
-def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str, compiled: bool = False):
+def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], engine: str, compiled: bool = False,
+                   overrides: tuple[str, ...] = ()):
     from e2e import compose
 
     batch, group, prompt_tokens, response_tokens, micro = shape
@@ -145,6 +151,7 @@ def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], eng
         f"learner.batch_size={batch}", f"learner.micro_batch_size={micro}", f"algo.group_size={group}",
         f"rollout.max_new_tokens={response_tokens}", f"rollout.max_prompt_tokens={prompt_tokens}",
         "learner.lr=1e-6", f"learner.engine={engine}", "learner.zero_stage=2", f"learner.bf16={spec['dtype'] == 'bfloat16'}",
+        *overrides,
     ])
 
 
@@ -159,7 +166,8 @@ def release_memory() -> None:
 
 
 def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool,
-            use_compile: bool, use_profile: bool = False) -> list[dict[str, Any]]:
+            use_compile: bool, use_profile: bool = False,
+            variants: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
     from learner.engine_factory import make_engine
     from learner.stats import flops_metrics, peak_flops
     from learner.update import PolicyUpdater
@@ -200,11 +208,16 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     labels = {"torch": "learner torch (fp32 masters)", "compiled": "learner torch compiled (learner.compile=true)",
               "deepspeed": "learner deepspeed ZeRO-2 (bf16)"}
     engines = ["torch"] + (["compiled"] if use_compile else []) + (["deepspeed"] if use_deepspeed else [])
+    overrides = {name: () for name in engines}
+    for variant, extra in (variants or {}).items():  # --variant: one more row of the compiled (else eager) learner
+        base = "compiled" if use_compile else "torch"
+        engines.append(key := f"{base} {variant}")
+        labels[key], overrides[key] = f"{labels[base].split(' (')[0]} + {variant} ({' '.join(extra)})", extra
     profiled = "compiled" if use_compile else "torch"  # the learner as a GPU run uses it
     for engine_name in engines:
         label = labels[engine_name]
-        cfg = learner_config(path, spec, shape, "torch" if engine_name == "compiled" else engine_name,
-                             compiled=engine_name == "compiled")
+        cfg = learner_config(path, spec, shape, "deepspeed" if engine_name == "deepspeed" else "torch",
+                             compiled=engine_name.startswith("compiled"), overrides=overrides[engine_name])
         try:
             engine = make_engine(cfg, load_policy(cfg.model))
             updater = PolicyUpdater(cfg, engine)
@@ -242,16 +255,17 @@ def head_rows(spec: dict[str, Any], path: Path, shape: tuple[int, ...]) -> list[
     ids = torch.randint(0, config.vocab_size, (n,), device=device, generator=gen)
     chunk = LearnerConfig().logits_chunk_tokens
 
-    def step(compiled: bool) -> None:
+    def step(compiled: bool, keep: bool) -> None:
         hidden.grad = weight.grad = None
-        logp, _ = _LinearLogprobs.apply(hidden, weight, ids, 1.0, chunk, True, _head_math(compiled))
+        logp, _ = _LinearLogprobs.apply(hidden, weight, ids, 1.0, chunk, True, _head_math(compiled), keep)
         logp.sum().backward()
 
     rows = []
-    for compiled in (False, True):
-        seconds, _ = timed(partial(step, compiled), spec["warmup"], spec["repeats"], device)
-        rows.append({"math": "compiled" if compiled else "eager", "tokens": n, "vocab": config.vocab_size,
-                     "hidden": config.hidden_size, "chunk": chunk, "fwd_bwd_ms": seconds * 1e3})
+    for compiled, keep in ((False, False), (True, False), (True, True)):
+        seconds, _ = timed(partial(step, compiled, keep), spec["warmup"], spec["repeats"], device)
+        rows.append({"math": ("compiled" if compiled else "eager") + (", logits kept" if keep else ""), "tokens": n,
+                     "vocab": config.vocab_size, "hidden": config.hidden_size, "chunk": chunk,
+                     "fwd_bwd_ms": seconds * 1e3})
     del hidden, weight
     release_memory()
     return rows
@@ -264,6 +278,9 @@ def main() -> None:
                     help="the learner.compile=true row (default: on with --gpu; its warm-up update compiles)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="profile one more update of the compiled (else eager) learner row (default: on with --gpu)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE]",
+                    help="one more learner row per shape under these config overrides, e.g. "
+                         "chunk4k=learner.logits_chunk_tokens=4096 (repeatable)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or os.path.join(tempfile.gettempdir(), "rlhf-bench-cache"))
     args = ap.parse_args()
     spec = dict(MODES[args.mode])
@@ -271,6 +288,12 @@ def main() -> None:
     if spec["device"] == "cpu":
         torch.set_num_threads(1)
     use_deepspeed = spec["deepspeed"] and not args.no_deepspeed
+    variants = {}
+    for v in args.variant:
+        name, sep, extra = v.partition("=")
+        if not sep or not name or "=" not in extra:
+            ap.error(f"--variant {v!r}: expected NAME=KEY=VALUE[,KEY=VALUE], e.g. chunk4k=learner.logits_chunk_tokens=4096")
+        variants[name] = tuple(extra.split(","))
     spec["compile"] = use_compile = spec["compile"] if args.compile is None else args.compile
     spec["profile"] = use_profile = spec["profile"] if args.profile is None else args.profile
     if use_deepspeed:
@@ -283,7 +306,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     path = qwen2_05b_dir(args.cache_dir, dtype=spec["dtype"], **spec["shape"])
-    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed, use_compile, use_profile)]
+    rows = [r for name, shape in spec["shapes"].items() for r in measure(spec, path, name, shape, use_deepspeed, use_compile, use_profile,
+                                                                        variants)]
     device_name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "cpu"
     print_table([{k: v for k, v in r.items() if k != "profile"} for r in rows],
                 f"learner update vs a plain torch step, {path.name} on {device_name}")
@@ -302,13 +326,13 @@ def main() -> None:
     head = head_rows(spec, path, next(iter(spec["shapes"].values())))
     print_table(head, "the fused LM head alone, forward + backward (entropy as a statistic)")
     head_ratio = head[0]["fwd_bwd_ms"] / head[1]["fwd_bwd_ms"]
-    print(f"fused head: compiled {head_ratio:.2f}x eager")
+    print(f"fused head: compiled {head_ratio:.2f}x eager, logits kept {head[1]['fwd_bwd_ms'] / head[2]['fwd_bwd_ms']:.2f}x compiled")
     best = max((r["mfu"] for r in rows if r["mfu"] is not None and r["method"].startswith("learner")), default=None)
     if best is not None:
         print(f"best learner MFU {best:.1%} (target >= {TARGET_MFU:.0%})")
     write_results("learner" if args.mode == "quick" else f"learner_{args.mode}", {
         "mode": args.mode, "device": device_name,
-        "config": {**{k: v for k, v in spec.items() if k != "shapes"},
+        "config": {**{k: v for k, v in spec.items() if k != "shapes"}, "variants": variants,
                    "shapes": {k: dict(zip(("batch", "group", "prompt_tokens", "response_tokens", "micro_batch"), v))
                               for k, v in spec["shapes"].items()}, "model": path.name},
         "results": rows, "speed_over_plain": ratios, "best_learner_mfu": best, "target_mfu": TARGET_MFU,

@@ -390,22 +390,27 @@ class _LinearLogprobs(torch.autograd.Function):
     outweigh the matmuls: the four matmuls do ``8 x width`` FLOP a logit (7,168 at width 896),
     the passes moved about 58 bytes a logit before :class:`_HeadMath` (26 forward, 32 backward),
     and an H100 does about 300 FLOP in the time it moves a byte. ``bench/learner.py`` times the head
-    alone (its ``head`` rows).
+    alone (its ``head`` rows). ``keep_logits`` (``learner.keep_head_logits``) keeps each chunk's
+    ``z`` from the forward for the backward instead: one matmul of four less, at ``N x V`` logits of
+    the weight's dtype held between the passes (5 GB for 64 x 256 bf16 tokens at Qwen2's vocabulary).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy, math):  # noqa: ANN001
+    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy, math, keep_logits=False):  # noqa: ANN001
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         ent = torch.zeros_like(logp)
+        kept = []
         for i in range(0, hidden.shape[0], chunk):
             z = hidden[i : i + chunk].to(weight.dtype) @ weight.t()
             lp, e = math.stats(z, ids[i : i + chunk], temperature, with_entropy)
             logp[i : i + chunk] = lp
             if with_entropy:
                 ent[i : i + chunk] = e
+            if keep_logits:
+                kept.append(z)
             del z
         ctx.save_for_backward(hidden, weight, ids, logp)
-        ctx.temperature, ctx.chunk, ctx.math = temperature, chunk, math
+        ctx.temperature, ctx.chunk, ctx.math, ctx.kept = temperature, chunk, math, kept
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -414,15 +419,19 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, ids, logp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for i in range(0, hidden.shape[0], ctx.chunk):
+        for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             h, rows = hidden[i : i + ctx.chunk].to(weight.dtype), slice(i, i + ctx.chunk)
-            dz = ctx.math.grad(h @ weight.t(), ids[rows], grad_logp[rows].float(), logp[rows], ctx.temperature)
+            z = ctx.kept[k] if ctx.kept else h @ weight.t()
+            if ctx.kept:
+                ctx.kept[k] = None  # freed as soon as its gradient is made
+            dz = ctx.math.grad(z, ids[rows], grad_logp[rows].float(), logp[rows], ctx.temperature)
+            del z
             if grad_hidden is not None:
                 grad_hidden[rows] = dz @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(dz.t(), h)
             del dz
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class _HeadMath:
@@ -439,7 +448,8 @@ class _HeadMath:
 
     @staticmethod
     def stats(z: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
-        y = torch.log_softmax(z if temperature == 1.0 else z.float().div_(temperature), dim=-1, dtype=torch.float32)
+        # not in place: an fp32 z is its own .float(), and the backward may read it again (keep_logits)
+        y = torch.log_softmax(z if temperature == 1.0 else z.float() / temperature, dim=-1, dtype=torch.float32)
         logp = y.gather(-1, ids[:, None]).squeeze(-1)
         return logp, (-(y.exp().unsqueeze(1) @ y.unsqueeze(2)).view(-1) if with_entropy else None)
 
@@ -503,17 +513,19 @@ def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
 
 def fused_response_logprobs(
     body: torch.nn.Module, weight: torch.Tensor, batch: TrainBatch, temperature: float, chunk_tokens: int,
-    with_entropy: bool, compiled: bool = False,
+    with_entropy: bool, compiled: bool = False, keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, T]`` log-probs of the response tokens at ``temperature`` (no top-k/top-p), and their
     entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
     :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits.
-    ``compiled``: its elementwise work through ``torch.compile`` (:class:`_CompiledHeadMath`)."""
+    ``compiled``: its elementwise work through ``torch.compile`` (:class:`_CompiledHeadMath`);
+    ``keep_logits``: the forward's logits kept for the backward (:class:`_LinearLogprobs`)."""
     hidden = body(**policy_inputs(batch)).last_hidden_state
     h = gather_response(hidden, batch)  # [B, T, H]
     B, T = batch.response_ids.shape
     logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
-                                      float(temperature), int(chunk_tokens), bool(with_entropy), _head_math(compiled))
+                                      float(temperature), int(chunk_tokens), bool(with_entropy), _head_math(compiled),
+                                      bool(keep_logits))
     return logp.reshape(B, T), (ent.reshape(B, T) if with_entropy else None)
 
 

@@ -226,6 +226,8 @@ class LearnerConfig:
     bf16: bool = False
     peak_tflops: Optional[float] = None  # the device's dense bf16 peak for learner/mfu; null = known GPUs by name
     logits_chunk_tokens: int = 1024  # a micro-batch with more response tokens gets its log-probs chunk by chunk
+    # the fused LM head keeps each chunk's logits for its backward (one matmul less; N x V logits held)
+    keep_head_logits: bool = False
     publish_dtype: str = "as_trained"  # as_trained | bfloat16 | float16
     prometheus_port: Optional[int] = None
     export_dir: Optional[str] = None  # HF-format export at the end

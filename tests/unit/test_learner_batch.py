@@ -174,13 +174,16 @@ def test_stop_token_misfits_name_each_offending_sample():
     assert stop_token_misfits(samples, frozenset()) == []
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(("compiled", "keep"), [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "kept-logits"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, temperature, compiled):
+def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, temperature, compiled, keep):
     # The written-out backward of the fused head (chunks of 5 of the 21 response positions, the
     # last chunk short) against autograd through one [B, T, V] logits tensor: log-probs,
     # entropies (a statistic: no gradient) and every parameter's gradient, the tied head's too;
-    # its elementwise work in eager torch and through torch.compile (learner.compile).
+    # its elementwise work in eager torch and through torch.compile (learner.compile); the
+    # backward recomputing each chunk's logits, or reading those the forward kept
+    # (learner.keep_head_logits).
     import copy
 
     from learner.batch import fused_head, fused_response_logprobs, lm_parts
@@ -195,7 +198,7 @@ def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_mod
     full = process_logits(response_logits(model, batch), temperature, 0, 1.0)
     want_logp, want_ent = token_logprobs(full, batch.response_ids), entropy_from_logits(full)
     body, head = lm_parts(twin)
-    got_logp, got_ent = fused_response_logprobs(body, fused_head(head), batch, temperature, 5, True, compiled)
+    got_logp, got_ent = fused_response_logprobs(body, fused_head(head), batch, temperature, 5, True, compiled, keep)
     mask = batch.response_mask
     torch.testing.assert_close(got_logp[mask], want_logp[mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(got_ent[mask], want_ent[mask], rtol=0, atol=1e-5)
