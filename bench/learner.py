@@ -27,8 +27,8 @@ an ``aten::_local_scalar_dense``; stream and device synchronisations). On a CPU 
 operators' own CPU time instead, and a scalar read waits for nothing.
 
 ``--variant NAME=KEY=VALUE[,KEY=VALUE]`` (repeatable) adds, per shape, a row of the compiled
-(else eager) learner under those config overrides, e.g. ``keep=learner.keep_head_logits=true`` or
-``chunk4k=learner.logits_chunk_tokens=4096``: settings compared in the same run.
+(else eager) learner under those config overrides, e.g. ``chunk4k=learner.logits_chunk_tokens=4096``:
+settings compared in the same run. ``--gpu`` always adds ``learner.keep_head_logits=true``.
 
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
 whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
@@ -85,9 +85,10 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", dtype="float32", warmup=1, repeats=2,
                   shape=dict(num_hidden_layers=2, vocab_size=4096, hidden_size=256, intermediate_size=704,
                              num_attention_heads=4, num_key_value_heads=2),
-                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False, compile=False, profile=False),
+                  shapes={"grpo 8x(16+144) mb8": (8, 4, 16, 144, 8)}, deepspeed=False, compile=False, profile=False,
+                  variants={}),
     "gpu": dict(device="cuda", dtype="bfloat16", shape={}, warmup=2, repeats=5, shapes=SHAPES, deepspeed=True,
-                compile=True, profile=True),
+                compile=True, profile=True, variants={"kept logits": ("learner.keep_head_logits=true",)}),
 }
 TARGET_MFU = 0.35
 
@@ -288,7 +289,7 @@ def main() -> None:
     if spec["device"] == "cpu":
         torch.set_num_threads(1)
     use_deepspeed = spec["deepspeed"] and not args.no_deepspeed
-    variants = {}
+    variants = dict(spec.pop("variants"))
     for v in args.variant:
         name, sep, extra = v.partition("=")
         if not sep or not name or "=" not in extra:

@@ -33,7 +33,7 @@ BENCHES = {
     "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small", "--clients", "2"],
                 {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
-    "learner": (["--quick", "--profile"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
+    "learner": (["--quick", "--profile", "--variant", "kept=learner.keep_head_logits=true"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
                               "head_compiled_over_eager"}),
     "lora": (["--quick", "--reps", "1"], {"results", "ratios", "targets", "met", "device", "generation_tiny_cpu", "notes"}),
     "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
@@ -67,6 +67,10 @@ def _learner_profile(doc: dict) -> None:
     assert max(prof["by_kind_ms"], key=prof["by_kind_ms"].get) == "matmul", prof["by_kind_ms"]
     assert prof["top"] and prof["top"][0]["kind"] == "matmul", prof["top"]
     assert prof["host_syncs"]["aten::_local_scalar_dense"]["calls"] > 0, prof  # the metrics' reads, at least
+    # --variant: one more learner row under its overrides; the head alone eager, compiled and with its logits kept
+    methods = [row["method"] for row in doc["results"]]
+    assert any(m.startswith("learner torch + kept (learner.keep_head_logits=true)") for m in methods), methods
+    assert [row["math"] for row in doc["head"]] == ["eager", "compiled", "compiled, logits kept"], doc["head"]
 
 
 CHECKS = {"gateway": _gateway_rows, "learner": _learner_profile}  # bench -> what its JSON must hold beyond its keys

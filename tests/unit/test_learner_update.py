@@ -316,7 +316,8 @@ def test_flops_and_mfu_of_an_update():
 def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg, entropy_coef, monkeypatch):
     # learner.logits_chunk_tokens=4: every micro-batch goes through the chunked LM head, by the
     # fused head's written-out backward (entropy a statistic) or checkpointed autograd (an
-    # entropy bonus needs its gradient)
+    # entropy bonus needs its gradient); learner.keep_head_logits (the fused head's backward reads
+    # the forward's logits) changes nothing either
     import learner.batch
     import learner.update
     from learner.batch import lm_parts
@@ -326,13 +327,14 @@ def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg
     real = learner.batch.fused_response_logprobs
     monkeypatch.setattr(learner.update, "fused_response_logprobs", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
     results, norms = [], []
-    for chunk in (4, 10**6):
-        up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk,
+    for chunk, keep in ((4, False), (10**6, False), (4, True)):
+        up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk, "learner.keep_head_logits": keep,
                                                       "algo.entropy_coef": entropy_coef}))
         norms.append(up.update(samples, 0)["learner/grad_norm"])
         results.append(params(up.engine.module))
-    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5) and norms[2] == pytest.approx(norms[0], rel=1e-6)
     assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], params(base)) > 5e-4
+    assert max_diff(results[2], results[0]) < 1e-6
     assert bool(fused_calls) == (entropy_coef == 0.0)
 
 
