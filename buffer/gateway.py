@@ -107,16 +107,6 @@ class GatewayCall:
                    stream=bool(optional(obj, "stream", bool, False)),
                    created_at=float(optional(obj, "created_at", (int, float), 0.0)), min_kv_version=min_kv_version)
 
-    @staticmethod
-    def address(data: bytes) -> tuple[str, str] | None:
-        """``(call_id, reply_to)`` of a raw call, without the rest of its decoding; None when it
-        does not decode (:meth:`decode` says why)."""
-        try:
-            obj = decode_record(data, KIND_CALL)
-            return require(obj, "call_id", str), require(obj, "reply_to", str)
-        except WireError:
-            return None
-
 
 @dataclass
 class CallChunk:

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
 from rlhf_core.wire import WireError
@@ -38,6 +38,21 @@ log = logging.getLogger(__name__)
 PREFIX = "gw/"
 #: how often a busy worker asks which of its running calls were cancelled or lost their gateway
 CANCEL_CHECK_S = 0.05
+
+#: a call as taken from the list: its raw record (given back as it is when the worker stops before
+#: starting it) and what it decoded to, or why it did not decode
+Taken = tuple[bytes, Union[GatewayCall, WireError]]
+
+
+def read_calls(raws: list[bytes]) -> list[Taken]:
+    """Decode each raw call once (the taker thread does, off the decoding loop)."""
+    out: list[Taken] = []
+    for raw in raws:
+        try:
+            out.append((raw, GatewayCall.decode(raw)))
+        except WireError as exc:
+            out.append((raw, exc))
+    return out
 
 
 class BackgroundChannel:
@@ -51,7 +66,7 @@ class BackgroundChannel:
 
     def __init__(self, channel: WorkerChannel, worker_id: str = "") -> None:
         self.channel, self.worker_id = channel, worker_id
-        self.inbox: collections.deque[bytes] = collections.deque()
+        self.inbox: collections.deque[Taken] = collections.deque()
         self.cancelled: collections.deque[str] = collections.deque()
         self.outbox: queue.SimpleQueue[tuple[str, CallChunk] | list[str] | None] = queue.SimpleQueue()
         self.demand = 0  # calls the worker could start now (set by the main thread)
@@ -64,7 +79,7 @@ class BackgroundChannel:
         for t in self._threads:
             t.start()
 
-    def take(self, n: int, wait_s: float = 0.01) -> list[bytes]:
+    def take(self, n: int, wait_s: float = 0.01) -> list[Taken]:
         """Up to ``n`` calls fetched; an idle worker (just woken for a call) waits ``wait_s`` for the first."""
         self._ask(n)
         if n > 0 and not self.inbox and wait_s > 0:
@@ -89,7 +104,7 @@ class BackgroundChannel:
             self.outbox.put(chunk)
 
     def exchange(self, chunks: list[tuple[str, CallChunk]], take: int,
-                 running: list[tuple[str, str]]) -> tuple[list[bytes], list[str]]:
+                 running: list[tuple[str, str]]) -> tuple[list[Taken], list[str]]:
         self.send(chunks)
         if running:
             self.outbox.put(list(running))  # the sender asks which of these were cancelled
@@ -102,7 +117,7 @@ class BackgroundChannel:
         if self.demand:
             self._want.set()
 
-    def _pop(self, n: int) -> list[bytes]:
+    def _pop(self, n: int) -> list[Taken]:
         out = []
         while len(out) < n and self.inbox:
             out.append(self.inbox.popleft())
@@ -115,7 +130,7 @@ class BackgroundChannel:
                 self._want.clear()
                 continue
             try:
-                got = self.channel.wait_take(self.demand, self.BLOCK_S)
+                got = read_calls(self.channel.wait_take(self.demand, self.BLOCK_S))
             except Exception as exc:  # noqa: BLE001  # Redis away for a moment: the loop retries
                 log.warning("gateway calls: taking calls failed (%s); retrying", exc)
                 self._stop.wait(0.5)
@@ -157,7 +172,7 @@ class BackgroundChannel:
         left = self._pop(len(self.inbox))
         if left:
             try:
-                self.channel.give_back(left)
+                self.channel.give_back([raw for raw, _ in left])
                 self.send(self._held(left, "", None))  # held by nobody: another worker takes them
             except Exception as exc:  # noqa: BLE001
                 log.warning("gateway calls: %d call(s) taken and not started could not be given back: %s", len(left), exc)
@@ -165,13 +180,13 @@ class BackgroundChannel:
         self._threads[1].join(timeout=10)
 
     @staticmethod
-    def _held(raws: list[bytes], worker_id: str, at: float | None) -> list[tuple[str, CallChunk]]:
+    def _held(taken: list[Taken], worker_id: str, at: float | None) -> list[tuple[str, CallChunk]]:
         """The chunks that tell the calls' gateways which worker holds them (:attr:`CallChunk.started`),
         sent as the taker fetches them, before they wait in the inbox for the main thread: a worker
         killed with calls it has not started yet fails them too (unreadable ones are the main
         thread's to count)."""
-        return [(reply_to, CallChunk(call_id, [], worker_id=worker_id, started_at=at))
-                for call_id, reply_to in filter(None, map(GatewayCall.address, raws))]
+        return [(call.reply_to, CallChunk(call.call_id, [], worker_id=worker_id, started_at=at))
+                for _, call in taken if isinstance(call, GatewayCall)]
 
 
 class GatewayCalls:
@@ -200,16 +215,14 @@ class GatewayCalls:
         self.channel.send(self._add(self.channel.take(capacity)))
         return len(self.calls)
 
-    def _add(self, raws: list[bytes]) -> list[tuple[str, CallChunk]]:
+    def _add(self, taken: list[Taken]) -> list[tuple[str, CallChunk]]:
         """Queue calls in the engine; returns the answers to the calls it refuses (too long for its
         context, bad settings): why. (Which worker holds a call, the channel said as it took it.)"""
         answers: list[tuple[str, CallChunk]] = []
-        for raw in raws:
-            try:
-                call = GatewayCall.decode(raw)
-            except WireError as exc:  # not from a gateway of this release: nobody to answer
+        for _, call in taken:
+            if isinstance(call, WireError):  # not from a gateway of this release: nobody to answer
                 self.stats["gateway_bad_records"] += 1
-                log.warning("worker %s: dropped an unreadable gateway call: %s", self.worker_id, exc)
+                log.warning("worker %s: dropped an unreadable gateway call: %s", self.worker_id, call)
                 continue
             try:
                 params = SamplingParams(temperature=call.temperature, top_p=call.top_p, max_new_tokens=call.max_tokens,

@@ -606,8 +606,10 @@ class _Channel:
         self.cancelled: set[str] = set()
 
     def take(self, n):
+        from rollout_workers.gateway_calls import read_calls
+
         got, self.queued = self.queued[:max(n, 0)], self.queued[max(n, 0):]
-        return got
+        return read_calls(got)  # decoded as the background channel's taker thread decodes them
 
     def send(self, chunks):
         self.sent += [(g, CallChunk.decode(c.encode())) for g, c in chunks]  # what goes on the wire must decode
@@ -747,7 +749,8 @@ def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_
     assert taken and len(taken) <= 2
     while len(taken) < 3:  # later steps take the rest, oldest first, as slots free up
         taken += until(lambda: ch.exchange([], 1, [])[0])
-    assert taken == [b"c1", c2, b"c3"]
+    assert [raw for raw, _ in taken] == [b"c1", c2, b"c3"]  # each decoded once, by the thread, or why not
+    assert [type(call).__name__ for _, call in taken] == ["WireError", "GatewayCall", "WireError"]
     # the gateway of each call learns which worker holds it as the thread takes it, before the
     # main thread starts it: a worker killed with calls still in its inbox fails them too
     held = until(lambda: [(g, c) for g, c in inner.sent if c.call_id == "c2"])
