@@ -421,9 +421,10 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             h, rows = hidden[i : i + ctx.chunk].to(weight.dtype), slice(i, i + ctx.chunk)
-            z = ctx.kept[k] if ctx.kept else h @ weight.t()
             if ctx.kept:
-                ctx.kept[k] = None  # freed as soon as its gradient is made
+                z, ctx.kept[k] = ctx.kept[k], None  # freed as soon as its gradient is made
+            else:
+                z = h @ weight.t()
             dz = ctx.math.grad(z, ids[rows], grad_logp[rows].float(), logp[rows], ctx.temperature)
             del z
             if grad_hidden is not None:
@@ -519,13 +520,14 @@ def fused_response_logprobs(
     entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
     :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits.
     ``compiled``: its elementwise work through ``torch.compile`` (:class:`_CompiledHeadMath`);
-    ``keep_logits``: the forward's logits kept for the backward (:class:`_LinearLogprobs`)."""
+    ``keep_logits``: the forward's logits kept for the backward (:class:`_LinearLogprobs`), when
+    there is a backward: a no-grad pass holds one chunk's logits at a time either way."""
     hidden = body(**policy_inputs(batch)).last_hidden_state
     h = gather_response(hidden, batch)  # [B, T, H]
     B, T = batch.response_ids.shape
     logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
                                       float(temperature), int(chunk_tokens), bool(with_entropy), _head_math(compiled),
-                                      bool(keep_logits))
+                                      bool(keep_logits and torch.is_grad_enabled()))
     return logp.reshape(B, T), (ent.reshape(B, T) if with_entropy else None)
 
 

@@ -184,8 +184,7 @@ class PolicyUpdater:
         if weight is not None and not (entropy and self.algo.entropy_coef) and no_filtering(r):
             # the common case (plain head, no top-k/top-p, entropy only a statistic): a written-out backward
             return fused_response_logprobs(parts[0], weight, mb, r.temperature, self.lcfg.logits_chunk_tokens, entropy,
-                                           compiled=self.engine.compiled,
-                                           keep_logits=self.lcfg.keep_head_logits and torch.is_grad_enabled())
+                                           compiled=self.engine.compiled, keep_logits=self.lcfg.keep_head_logits)
         if parts is not None:  # long responses x a large vocabulary: never all the logits at once
             logp, ent = chunked_response_logprobs(
                 *parts, mb, lambda x: process_logits(x, r.temperature, r.top_k, r.top_p), self.lcfg.logits_chunk_tokens,

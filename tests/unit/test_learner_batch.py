@@ -210,6 +210,24 @@ def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_mod
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_no_grad_pass_keeps_no_head_logits(tiny_model_cfg, monkeypatch):
+    # learner.keep_head_logits holds a micro-batch's logits for its backward; a pass with no
+    # backward (pi_prox, reference log-probs) must still hold one chunk at a time
+    from learner import batch as B
+    from rlhf_core.models import load_policy
+
+    seen = []
+    real = B._LinearLogprobs.apply
+    monkeypatch.setattr(B._LinearLogprobs, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    body, head = B.lm_parts(load_policy(tiny_model_cfg))
+    batch = collate([sample(prompt_ids=[1, 5, 6], response_ids=[7, 8, 9, 10])], pad_id=0, device=torch.device("cpu"),
+                    vocab_size=99)
+    with torch.no_grad():
+        B.fused_response_logprobs(body, B.fused_head(head), batch, 1.0, 2, False, keep_logits=True)
+    B.fused_response_logprobs(body, B.fused_head(head), batch, 1.0, 2, False, keep_logits=True)
+    assert seen == [False, True]
+
+
 def test_policy_forward_without_the_padding_mask_gives_every_real_token_the_masked_result(tiny_model_cfg):
     # Rows of 4, 6 and 8 tokens right-padded to 8: the learner's forward passes no attention mask
     # (causal attention never looks right), so each response token's log-prob and its gradient
