@@ -11,7 +11,8 @@
 #   bash bench/gpu.sh tests learner gateway       # ~8 min: the GPU tests, the learner's MFU rows and the gateway in one call
 #
 # A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
-# (--no-deepspeed leaves its DeepSpeed rows out), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
+# (--no-deepspeed leaves its DeepSpeed rows out; --variant NAME=KEY=VALUE adds a row under those
+# config overrides), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
 # client process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
