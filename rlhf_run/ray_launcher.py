@@ -447,8 +447,8 @@ class RayLauncher(Launcher):
         """A worker or the evaluator ended: retired, stopping, a user error, or restarted (``gone``:
         Ray will not restart its actor, so a restart is a new actor)."""
         if p.retiring_since is not None:
+            self.remove(p)  # before the line that says so: actors.json no longer lists it once it is read
             log.info("%s left (scaled down; exit %d)", p.name, code)
-            self.remove(p)
             return True
         if self.stopping:
             p.exit_code = code
