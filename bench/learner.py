@@ -209,12 +209,11 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     labels = {"torch": "learner torch (fp32 masters)", "compiled": "learner torch compiled (learner.compile=true)",
               "deepspeed": "learner deepspeed ZeRO-2 (bf16)"}
     engines = ["torch"] + (["compiled"] if use_compile else []) + (["deepspeed"] if use_deepspeed else [])
-    overrides = {name: () for name in engines}
-    for variant, extra in (variants or {}).items():  # --variant: one more row of the compiled (else eager) learner
-        base = "compiled" if use_compile else "torch"
-        engines.append(key := f"{base} {variant}")
-        labels[key], overrides[key] = f"{labels[base].split(' (')[0]} + {variant} ({' '.join(extra)})", extra
     profiled = "compiled" if use_compile else "torch"  # the learner as a GPU run uses it
+    overrides: dict[str, tuple[str, ...]] = dict.fromkeys(engines, ())
+    for variant, extra in (variants or {}).items():  # --variant: one more row of that learner
+        engines.append(key := f"{profiled} {variant}")
+        labels[key], overrides[key] = f"{labels[profiled].split(' (')[0]} + {variant} ({' '.join(extra)})", extra
     for engine_name in engines:
         label = labels[engine_name]
         cfg = learner_config(path, spec, shape, "deepspeed" if engine_name == "deepspeed" else "torch",
