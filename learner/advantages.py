@@ -107,12 +107,14 @@ def group_advantages(
         torch.Tensor: ``[N]`` per-sequence advantages.
     """
     _check_groups(rewards, group_size, min_size=1)
-    grouped = rewards.view(-1, group_size)
+    # in float64: a float32 mean of equal rewards can miss them by an ulp, and dividing that by a
+    # std of an ulp gave the whole group an advantage of up to 1 (same sign) where it is 0
+    grouped = rewards.view(-1, group_size).double()
     adv = grouped - grouped.mean(dim=-1, keepdim=True)
     if scale_std:
         std = grouped.std(dim=-1, keepdim=True, correction=1 if group_size > 1 else 0)
         adv = adv / (std + eps)
-    return adv.reshape(-1)
+    return adv.reshape(-1).to(rewards.dtype)
 
 
 @torch.no_grad()

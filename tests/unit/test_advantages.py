@@ -111,6 +111,15 @@ class TestGroupAdvantages:
     def test_constant_group_is_zero(self):
         close(group_advantages(T([5.0, 5.0, 1.0, 3.0]), group_size=2), [0.0, 0.0, -1 / math.sqrt(2), 1 / math.sqrt(2)], atol=1e-5)
 
+    @pytest.mark.parametrize("k", [3, 7, 16])
+    @pytest.mark.parametrize("value", [0.3, 3.3, 77.7, 1000.1])
+    def test_a_group_of_equal_rewards_has_advantage_exactly_zero(self, k, value):
+        # float32 mean of three 1000.1s is 1000.1 - 6.1e-5 (one ulp off), so each deviation is
+        # 6.1e-5, the unbiased std ~7.5e-5, and 6.1e-5 / (7.5e-5 + 1e-6) = 0.80 for every sample:
+        # the whole group pushed one way. Equal rewards carry no signal: exactly 0, in float32 out.
+        adv = group_advantages(torch.full((2 * k,), value), group_size=k)
+        assert adv.dtype == torch.float32 and torch.equal(adv, torch.zeros(2 * k))
+
     def test_not_divisible(self):
         with pytest.raises(ValueError, match="N=5.*group_size=2"):
             group_advantages(torch.zeros(5), group_size=2)
