@@ -223,12 +223,19 @@ def load_reference(cfg: ModelConfig) -> torch.nn.Module:
 def load_critic(cfg: ModelConfig) -> torch.nn.Module:
     """A value model: one scalar per token (AutoModelForTokenClassification, num_labels=1).
 
-    From ``model.critic_path`` when set, else the policy's trunk with a fresh value head.
+    From ``model.critic_path`` when set, else the policy's trunk with a fresh value head. Its dropout
+    is off (transformers' token-classification heads drop 10% when the config names no rate): the
+    update's ``old_values`` come from an eval-mode pass, and a train-mode pass that dropped features
+    would clip values that have not moved and give a noisy value gradient.
     """
     from transformers import AutoModelForTokenClassification
 
     path = resolve_path(str(cfg.critic_path), "model.critic_path") if cfg.critic_path else model_dir(cfg)
-    return _from_pretrained(AutoModelForTokenClassification, path, cfg, num_labels=1)
+    critic = _from_pretrained(AutoModelForTokenClassification, path, cfg, num_labels=1)
+    for m in critic.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return critic
 
 
 def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[torch.nn.Module, Any]:

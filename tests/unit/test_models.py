@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.update import has_dropout
 from rlhf_core.config import ConfigError, ModelConfig
 from rlhf_core import models
 
@@ -100,6 +101,11 @@ def test_reference_is_frozen_and_critic_has_value_head(tiny_model_cfg):
     critic = models.load_critic(tiny_model_cfg)
     out = critic(input_ids=torch.tensor([[5, 6, 7]]))
     assert out.logits.shape == (1, 3, 1)
+    # no dropout: a train-mode pass (the update's) gives the eval-mode values (its old_values);
+    # transformers' head would drop 10% of the features without classifier_dropout=0
+    assert not has_dropout(critic)
+    critic.train()
+    torch.testing.assert_close(critic(input_ids=torch.tensor([[5, 6, 7]])).logits, out.logits, rtol=0, atol=0)
 
 
 def test_reward_model_from_local_dir(tiny_model_cfg, tmp_path):
