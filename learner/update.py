@@ -437,9 +437,10 @@ class PolicyUpdater:
         pair_rows, fillers = self._shard(n_pairs)
         rows = [int(x) for p in pair_rows for x in (chosen[p], rejected[p])]
         local = batch.select(rows, drop=[f for f in fillers for _ in (0, 1)])
+        # A token that top-k/top-p filters out under the reference (or, below, the policy) has
+        # log-prob -inf: it leaves both sums of its response, so each log-ratio spans the same tokens
         ref = self._reference_logprobs(local)
-        ref_sum = masked_sum(ref, local.policy_mask, dim=-1)
-        local.row_extras["ref_sum"] = ref_sum
+        local = local.with_extras(dpo_ref=ref, dpo_mask=local.policy_mask & torch.isfinite(ref))
         m.set("learner/time_prepare_s", time.perf_counter() - t0)
 
         t1 = time.perf_counter()
@@ -462,8 +463,9 @@ class PolicyUpdater:
             for micro, denom in zip(plan, denoms.tolist()):
                 for mb, v in micro:
                     logp, _ = self._logp_entropy(self.engine.forward, mb, False)
-                    sums = masked_sum(logp, mb.policy_mask, dim=-1)
-                    rs = mb.row_extras["ref_sum"]
+                    ok = mb.token_extras["dpo_mask"] & torch.isfinite(logp.detach())
+                    sums = masked_sum(logp, ok, dim=-1)
+                    rs = masked_sum(mb.token_extras["dpo_ref"], ok, dim=-1)
                     loss, st = dpo_loss(sums[0::2], sums[1::2], rs[0::2], rs[1::2], beta=a.dpo_beta,
                                         label_smoothing=a.dpo_label_smoothing, valid=v)
                     count = v.sum()

@@ -247,6 +247,18 @@ def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_c
     assert max_diff(w0, params(up.engine.module)) > 1e-6
 
 
+def test_dpo_leaves_out_tokens_top_k_filters_and_still_steps(base, samples, tiny_model_cfg):
+    # As above, most sampled tokens are -inf under the policy and the reference at top_k=3. In a
+    # response's log-prob sum one -inf made every margin (-inf) - (-inf) = nan and the step was
+    # skipped; those tokens now leave both sums (policy and reference), and the update is finite.
+    up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo", "rollout.top_k": 3}), ref=True)
+    w0 = params(up.engine.module)
+    m = up.update(samples, 0)
+    assert m["loss/dpo_pairs"] == 2.0 and m["learner/optimizer_steps"] == 1.0
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert max_diff(w0, params(up.engine.module)) > 1e-6
+
+
 def test_entropy_bonus_enters_the_total_loss(base, samples, tiny_model_cfg):
     # total = policy - entropy_coef * entropy, per micro-batch and so in the weighted means too
     plain = make(base, tiny_config(tiny_model_cfg)).update(samples, 0)
