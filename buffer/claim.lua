@@ -47,10 +47,15 @@ if max_prompts > 0 and budget() >= group_size then
   end
 end
 
--- 2. leases whose holder stopped heartbeating for the lease timeout
+-- 2. leases whose holder stopped heartbeating for the lease timeout, a page of the pending list
+-- at a time from the oldest: released prompts (left to step 1 for want of budget) are skipped,
+-- and however many there are, the pages move past them to the expired leases behind
 local room = max_prompts - n_out
-if room > 0 then
-  local idle = redis.call('XPENDING', prompts_key, WORKERS, 'IDLE', lease_ms, '-', '+', room + 16)
+local after = '-'
+while room > 0 do
+  local idle = redis.call('XPENDING', prompts_key, WORKERS, 'IDLE', lease_ms, after, '+', room + 64)
+  if #idle == 0 then break end
+  after = '(' .. idle[#idle][1]
   for _, e in ipairs(idle) do
     if room <= 0 then break end
     if e[2] ~= RELEASED then

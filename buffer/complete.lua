@@ -7,9 +7,13 @@
 -- (an undecodable prompt is completed with no samples and itself as the bad record; a group the
 -- worker filtered (algo.filter_groups) is completed with no samples and its reason, counted in
 -- groups_filtered_<reason>, and gives its budget back like an empty one)
--- Idempotent: XACK returns 0 when the prompt was already completed (a retry after a lost reply,
--- or a slow worker finishing a prompt that was re-delivered and completed elsewhere); then
--- nothing is written and the call returns {0}. Exactly one group per prompt lands.
+-- Idempotent: a prompt no longer pending was already completed (a retry after a lost reply, or
+-- a slow worker finishing a prompt that was re-delivered and completed elsewhere); then nothing
+-- is written and the call returns {0}. Exactly one group per prompt lands.
+-- The first completion wins, whoever holds the lease now. A prompt held by RELEASED (its lease
+-- expired, the next claimer took it and released it, release.lua gave its reservation back) is
+-- completed too: the samples are good and acking it here means nobody generates it again; it
+-- takes its reservation back (admitted again, as claim.lua would, and no longer in flight).
 -- The arguments are few and the entry's field names come from the preamble: this is the hot
 -- path of every worker, and argument count is most of its client-side cost.
 local prompts_key, samples_key, counters_key, dead_key, wake_prompts_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -20,9 +24,11 @@ local filter_reason, n_filtered = ARGV[10], tonumber(ARGV[11])
 local n_good, n_bad = tonumber(ARGV[12]), tonumber(ARGV[13])
 local first_good, first_bad = 14, 14 + n_good
 
--- the stalest entries (lowest score) beyond capacity leave the table, unless a learner holds them now
+-- the stalest entries (lowest score) beyond capacity leave the table, unless a learner holds them now;
+-- returns how many were never used (their admission goes back: they will never be trained; a
+-- used one was trained on, and a trained group's admission is never returned, as in FIFO mode)
 local function evict(size, cap, spi)
-  local start = 0
+  local start, unused = 0, 0
   while size > cap do
     local cand = redis.call('ZRANGE', index_key, start, start + 63)
     if #cand == 0 then break end
@@ -35,19 +41,27 @@ local function evict(size, cap, spi)
         size = size - n
         incr(counters_key, C.samples_evicted, n)
         limiter_forgive(counters_key, spi, n, uses)
+        if uses == 0 then unused = unused + 1 end
       else
         start = start + 1
       end
     end
   end
+  return unused
 end
 
-if redis.call('XACK', prompts_key, WORKERS, lease_id) == 0 then
+local pe = redis.call('XPENDING', prompts_key, WORKERS, lease_id, lease_id, 1)
+if #pe == 0 then
   incr(counters_key, C.completions_duplicate, 1)
   return {0}
 end
+redis.call('XACK', prompts_key, WORKERS, lease_id)
 redis.call('XDEL', prompts_key, lease_id)
-incr(counters_key, C.inflight, -group_size)
+if pe[1][2] == RELEASED then
+  incr(counters_key, C.admitted, group_size)
+else
+  incr(counters_key, C.inflight, -group_size)
+end
 local id = ''
 if n_good > 0 then
   id = append_entry(samples_key, counters_key, group_id, prompt_id, oldest_version, n_good, consumer, now, first_good)
@@ -59,7 +73,7 @@ if n_good > 0 then
     local size = redis.call('HINCRBY', counters_key, C.replay_size, n_good)
     local cap = tonumber(redis.call('HGET', params_key, 'capacity'))
     local spi = ctl(redis.call('HGET', params_key, 'samples_per_insert'), 0, params_key, 'samples_per_insert')
-    evict(size, cap, spi)
+    give_back(counters_key, wake_prompts_key, evict(size, cap, spi) * group_size, 'evicted')
     wake(wake_replay_key, 'insert')
   end
 else
@@ -72,9 +86,7 @@ else
   else
     incr(counters_key, C.completions_empty, 1)
   end
-  incr(counters_key, C.admitted, -group_size)
-  incr(counters_key, C.budget_returned, group_size)
-  wake(wake_prompts_key, 'budget')
+  give_back(counters_key, wake_prompts_key, group_size, 'budget')
 end
 for i = 0, n_bad - 1 do
   local b = first_bad + 3 * i

@@ -7,7 +7,7 @@ local samples_key, counters_key, hist_key, dead_key, params_key, wake_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now, dead_maxlen, n_entries = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local group_size = tonumber(redis.call('HGET', params_key, 'group_size'))
-local pos, returned, budget = 4, 0, 0
+local pos, returned = 4, 0
 for _ = 1, n_entries do
   local id, why, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
   pos = pos + 4
@@ -28,13 +28,8 @@ for _ = 1, n_entries do
       dead_letter(dead_key, counters_key, dead_maxlen, ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], id, now)
     end
     returned = returned + 1
-    budget = budget + 1
   end
   pos = pos + 4 * n_bad
 end
-if budget > 0 and group_size then
-  incr(counters_key, C.admitted, -budget * group_size)
-  incr(counters_key, C.budget_returned, budget * group_size)
-  wake(wake_key, 'budget')
-end
+give_back(counters_key, wake_key, returned * (group_size or 0), 'budget')
 return returned

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from buffer.keys import WAKE_MAXLEN, RunKeys
+from buffer.keys import WAKE_MAXLEN, BadName, RunKeys, check_consumer
 from rlhf_core.wire import WireError, decode_record, encode_record, optional, require
 
 KIND_CALL = "gateway_call"
@@ -97,10 +97,15 @@ class GatewayCall:
         max_tokens = require(obj, "max_tokens", int)
         if max_tokens < 1:
             raise WireError(f"field 'max_tokens': must be >= 1, got {max_tokens}")
+        reply_to = require(obj, "reply_to", str)
+        try:  # it names the channel the chunks go to (RunKeys.gw_out): refused here, not when answering
+            check_consumer(reply_to)
+        except BadName as exc:
+            raise WireError(f"field 'reply_to': {exc}") from None
         min_kv_version = optional(obj, "min_kv_version", int)
         if min_kv_version is not None and min_kv_version < 0:
             raise WireError(f"field 'min_kv_version': a policy version is >= 0, got {min_kv_version}")
-        return cls(call_id=require(obj, "call_id", str), reply_to=require(obj, "reply_to", str),
+        return cls(call_id=require(obj, "call_id", str), reply_to=reply_to,
                    prompt_ids=_int_list(obj, "prompt_ids"), max_tokens=max_tokens,
                    temperature=float(require(obj, "temperature", (int, float))),
                    top_p=float(require(obj, "top_p", (int, float))), stop=stop,

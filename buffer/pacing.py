@@ -20,8 +20,10 @@ as it appends it, also ``group_size``: the learner's batches are whole groups, s
 takes a prompt's place in one. Prompts re-delivered after an expired lease were admitted once
 and need nothing. Budget comes back when a reservation produces nothing to train on:
 ``release.lua`` (a prompt given back), ``complete.lua`` (every sample invalid), ``drop.lua`` (a
-group too stale or unusable) and ``claim.lua`` itself (a prompt dead-lettered after
-``max_deliveries``). With ``max_staleness = 0`` this is synchronous training. The lookahead
+group too stale or unusable), in replay mode a group that leaves the table before any use (too
+stale in ``replay_draw.lua``, evicted in ``complete.lua``; a used group was trained on, as a
+committed one, and keeps its place) and ``claim.lua`` itself (a prompt dead-lettered after
+``max_deliveries``); all but ``claim.lua`` through the preamble's ``give_back``. With ``max_staleness = 0`` this is synchronous training. The lookahead
 keeps workers that outpace the learner from generating batches that would only wait in the
 buffer and age.
 

@@ -18,10 +18,8 @@ for i = 2, #ARGV do
   end
 end
 if n > 0 then
-  incr(counters_key, C.admitted, -n * group_size)
   incr(counters_key, C.inflight, -n * group_size)
-  incr(counters_key, C.budget_returned, n * group_size)
   incr(counters_key, C.prompts_released, n)
-  wake(wake_key, 'released')
+  give_back(counters_key, wake_key, n * group_size, 'released')
 end
 return n

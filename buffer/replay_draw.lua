@@ -1,5 +1,6 @@
 -- Draw whole groups from the replay table for one batch (replay mode), under the rate limiter.
--- First removes entries too stale to train on (counted per lag). Then blocks (returns 'wait')
+-- First removes entries too stale to train on (counted per lag; those never used give their
+-- admission back, as FIFO's drop.lua does: a used one was trained on). Then blocks (returns 'wait')
 -- while the table holds fewer than min_size_to_sample samples or fewer free groups than wanted,
 -- or while drawing would break the sample side of the limiter (limiter_can_sample, from
 -- buffer/pacing.py through the preamble). Drawn entries are marked out to this consumer until
@@ -14,7 +15,7 @@ local max_staleness = pace.max_staleness
 -- 1. too stale: entry version < version - max_staleness, i.e. score < (version - max_staleness) * VSCALE
 if version - max_staleness > 0 then
   local stale = redis.call('ZRANGEBYSCORE', index_key, '-inf', '(' .. ((version - max_staleness) * VSCALE), 'WITHSCORES')
-  local dropped = 0
+  local dropped, unused = 0, 0
   for i = 1, #stale, 2 do
     local m = stale[i]
     if redis.call('HEXISTS', out_key, m) == 0 then
@@ -27,9 +28,15 @@ if version - max_staleness > 0 then
       incr(hist_key, lag, n)
       limiter_forgive(counters_key, pace.samples_per_insert, n, uses)
       dropped = dropped + 1
+      if uses == 0 then unused = unused + 1 end
     end
   end
-  if dropped > 0 then wake(wake_prompts_key, 'dropped') end
+  -- claimers wait on the budget given back or on the limiter's draws forgiven
+  if unused > 0 then
+    give_back(counters_key, wake_prompts_key, unused * num(redis.call('HGET', params_key, 'group_size'), 0), 'dropped')
+  elseif dropped > 0 then
+    wake(wake_prompts_key, 'dropped')
+  end
 end
 
 -- 2. size gate

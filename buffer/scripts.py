@@ -130,6 +130,15 @@ local function dead_letter(dead, counters, maxlen, kind, reason, producer, raw, 
     redis.call('HINCRBY', counters, C.entries_dead_lettered, 1)
   end
 end
+-- admission given back (buffer/pacing.py): `samples` admitted will never be trained (a prompt
+-- released or completed empty, a group dropped or evicted before any use); claimers are woken
+local function give_back(counters_key, wake_key, samples, why)
+  if samples > 0 then
+    redis.call('HINCRBY', counters_key, C.admitted, -samples)
+    redis.call('HINCRBY', counters_key, C.budget_returned, samples)
+    wake(wake_key, why)
+  end
+end
 -- HINCRBY / HINCRBYFLOAT that skip a zero step (Lua's -0 would reach Redis as "-0", which
 -- HINCRBY rejects, and a zero step is a wasted write anyway)
 local function incr(key, name, by)

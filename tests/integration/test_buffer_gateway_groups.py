@@ -9,6 +9,8 @@ import pytest
 
 import factories as T
 from buffer import Buffer
+from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
+from rlhf_core.wire import WireError
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
 
@@ -127,3 +129,23 @@ def test_a_gateway_group_dropped_as_stale_gives_its_place_back(paced):
     assert counters["groups_dropped_stale"] == 1 and counters["budget_returned"] == 2
     # given back: (0 + 2 + 1) * 2 - 0 = 6
     assert paced.admission_budget() == 6
+
+
+@pytest.mark.parametrize("reply_to", ["gw bad", "", "__released__"])
+def test_a_call_whose_reply_to_names_no_channel_is_refused_as_it_is_decoded(buf, reply_to):
+    # accepted, it made WorkerChannel.send raise for the whole round, other gateways' chunks included
+    bad = GatewayCall(call_id="c1", reply_to=reply_to, prompt_ids=[1, 2], max_tokens=4)
+    good = GatewayCall(call_id="c2", reply_to="gw-good", prompt_ids=[1, 2], max_tokens=4)
+    buf.redis.lpush(buf.keys.gw_calls, bad.encode(), good.encode())
+    channel = WorkerChannel(buf.redis, buf.keys)
+    raw_bad, raw_good = channel.wait_take(2, block_s=1.0)
+    with pytest.raises(WireError, match="field 'reply_to'.*not usable"):
+        GatewayCall.decode(raw_bad)
+    call = GatewayCall.decode(raw_good)
+    listener = buf.redis.pubsub()
+    listener.subscribe(buf.keys.gw_out(call.reply_to))
+    assert listener.get_message(timeout=1.0)["type"] == "subscribe"
+    chunk = CallChunk(call.call_id, [], final=True, error="done", worker_id="w")
+    assert channel.send([(call.reply_to, chunk)], [(call.call_id, call.reply_to)]) == []
+    assert CallChunk.decode(listener.get_message(timeout=1.0)["data"]).call_id == "c2"
+    listener.close()

@@ -173,3 +173,36 @@ def test_claim_waits_for_the_run_to_be_initialised(redis_url):
 def _script_calls(buf: Buffer) -> int:
     stats = buf.redis.info("commandstats")
     return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+def test_a_late_completion_of_a_released_prompt_takes_its_reservation_back(buf):
+    # A pauses past its lease, B reclaims the prompt and stops (releasing it: its reservation goes
+    # back), A runs again and completes it: the group lands once and is admitted once
+    buf.enqueue_prompts(T.prompts(1))
+    (a,) = buf.claim("A", 1)
+    time.sleep(LEASE_S + 0.05)
+    (b,) = buf.claim("B", 1)
+    assert b.lease_id == a.lease_id and b.how == "reclaimed"
+    assert buf.release([b]) == 1
+    assert buf.complete(a, T.group(a.prompt)) == "appended"
+    c = buf.metrics()["counters"]
+    assert (c["groups_appended"], c["admitted"], c["inflight"], c["prompts_acked"]) == (1, 4, 0, 1)
+    assert buf.claim("C", 5) == []  # not delivered again
+    assert buf.complete(b, T.group(b.prompt)) == "duplicate"
+
+
+def test_expired_leases_behind_many_released_prompts_are_reclaimed(redis_url):
+    # more released prompts than one page of the pending list wait for budget ahead of the
+    # leases of a dead worker: claims must page past them to reach those leases
+    buf = Buffer.connect(redis_url, "released-page", BufferConfig(lease_timeout_s=0.3, lookahead=1))
+    buf.init_run(batch_size=40, group_size=1, max_staleness=1)  # bound at version 0: 80 prompts
+    buf.enqueue_prompts(T.prompts(100))
+    released = buf.claim("A", 70)
+    dead = buf.claim("D", 10)
+    for i in range(70):  # gateway groups take the budget the release gives back
+        buf.append_group("gateway", T.group(f"gw{i}", 1))
+    assert buf.release(released) == 70 and buf.admission_budget() == 0
+    time.sleep(0.4)
+    got = buf.claim("C", 1)
+    assert [(l.how, l.lease_id in {d.lease_id for d in dead}) for l in got] == [("reclaimed", True)]
+    buf.close()

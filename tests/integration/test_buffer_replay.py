@@ -157,3 +157,34 @@ def test_replay_learner_crash_puts_drawn_groups_back(redis_url):
     assert restarted.metrics()["counters"]["rl_samples"] == 8  # the lost draw was un-counted
     assert restarted.commit(again) == 2
     assert restarted.metrics()["counters"]["samples_consumed"] == 8
+
+
+def test_groups_dropped_as_too_stale_before_any_use_give_their_admission_back(redis_url):
+    # FIFO's drop.lua does the same; without it a run with max_reuse 1 deadlocks: the learner
+    # waits for groups while claims wait for budget the dropped groups never give back
+    buf = _buf(redis_url, "rstale-budget", max_staleness=1, max_reuse=2)
+    buf.enqueue_prompts(T.prompts(4))
+    leases = buf.claim("w", 4)  # budget (1 + 0 + 1) * 8: all 4 admitted
+    for lease in leases[:2]:
+        buf.complete(lease, T.group(lease.prompt, G, version=0))
+    buf.commit(buf.read_batch("L", 0, B, timeout_s=0.5))  # used once (max_reuse 2: still in the table)
+    for lease in leases[2:]:
+        buf.complete(lease, T.group(lease.prompt, G, version=0))
+    buf.set_learner_version(2)
+    assert buf.read_batch("L", 2, B, timeout_s=0.1) is None  # all 4 too stale (lag 2 > 1)
+    c = buf.metrics()["counters"]
+    # only the 2 never used give their admission back: the used ones were trained on
+    assert (c["groups_dropped_stale"], c["budget_returned"], c["admitted"]) == (4, 2 * G, 2 * G)
+    assert buf.admission_budget() == (1 + 2 + 1) * B - 2 * G
+
+
+def test_groups_evicted_before_any_use_give_their_admission_back(redis_url):
+    buf = _buf(redis_url, "cap-budget", max_reuse=2, capacity=8)
+    _insert(buf, 2)
+    buf.commit(buf.read_batch("L", 0, B, timeout_s=0.5))  # both used once
+    for version in (1, 2):  # each evicts one of the used groups: trained on, nothing given back
+        _insert(buf, 1, version=version, start=1 + version)
+    assert buf.metrics()["counters"]["budget_returned"] == 0
+    _insert(buf, 1, version=3, start=4)  # evicts g-p2, never used
+    c = buf.metrics()["counters"]
+    assert (c["samples_evicted"], c["budget_returned"], c["admitted"]) == (12, G, 4 * G)
