@@ -177,14 +177,19 @@ def save_checkpoint(
 
 
 def latest_checkpoint(root_dir: str | Path) -> Path | None:
-    """The folder ``latest`` names, or (if that is missing or broken) the newest complete one."""
+    """The folder ``latest`` names, or (if that is missing or broken) the newest complete one.
+
+    A crash between the two renames of a re-save under the same name (the folder moved aside,
+    the new one not yet in place) leaves ``latest`` naming a folder that is gone while the new
+    checkpoint, complete, is still ``.tmp-<name>``: that one is the newest, not an older name."""
     root = Path(root_dir)
     try:
         name = (root / LATEST).read_text().strip()
     except OSError:
         name = ""
-    if name and _meta(root / name) is not None:
-        return root / name
+    for candidate in ((name, f".tmp-{name}") if name else ()):
+        if _meta(root / candidate) is not None:
+            return root / candidate
     found = list_checkpoints(root)
     return found[-1] if found else None
 

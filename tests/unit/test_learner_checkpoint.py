@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import json
 import random
 
@@ -111,6 +113,12 @@ def test_atomic_layout_latest_pointer_and_pruning(base, tiny_model_cfg, tmp_path
     save_checkpoint(tmp_path, "v2", eng, None, {"version": 22}, keep=2)
     assert json.loads((tmp_path / "v2" / "extra.json").read_text()) == {"version": 22}
     assert [p.name for p in list_checkpoints(tmp_path)] == ["v3", "v2"] and latest_checkpoint(tmp_path).name == "v2"
+    # a crash between a re-save's two renames: v2 moved aside, the new v2 complete but still .tmp-v2;
+    # it is the newest state (its batches were acked), not v3
+    os.rename(tmp_path / "v2", tmp_path / ".old-v2")
+    shutil.copytree(tmp_path / ".old-v2", tmp_path / ".tmp-v2")
+    (tmp_path / ".tmp-v2" / "extra.json").write_text(json.dumps({"version": 23}))
+    assert latest_checkpoint(tmp_path).name == ".tmp-v2" and load_latest(tmp_path, eng)["version"] == 23
 
 
 def test_bad_names_and_unserialisable_state_are_refused(base, tiny_model_cfg, tmp_path):
