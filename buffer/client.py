@@ -392,6 +392,16 @@ class Buffer:
         returns the number of groups newly acked."""
         return self.commit_ids(batch.ids)
 
+    def discard(self, batch: Batch) -> int:
+        """Ack a batch of which nothing was trained (the learner dropped every sample): its groups
+        leave the buffer with no sample consumed and their admission goes back, so pacing does not
+        lose a batch of room for good. Returns the number of groups newly acked."""
+        for st in self._learners.values():
+            for i in batch.ids:
+                if i in st.handed:
+                    st.handed[i] = st.handed[i]._replace(good=0, retire=True)
+        return self.commit_ids(batch.ids)
+
     def commit_ids(self, ids: Iterable[str]) -> int:
         """Ack entries by id: what :meth:`commit` does, for a learner that keeps ids (several
         batches, or ids stored in its checkpoint and acked after a restart). Idempotent.

@@ -4,10 +4,13 @@
 --       then per bad sample: reason, producer, raw
 -- Idempotent: an entry already acked (XACK returns 0) is skipped with its dead letters, so a
 -- retried or repeated commit (commit_ids after a restart) never counts twice.
+-- A group committed with 0 good samples was not trained (Buffer.discard: the learner dropped
+-- every sample of its batch): its admission goes back, as drop.lua's does.
 local samples_key, counters_key, hist_key, dead_key, version_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local params_key, wake_key = KEYS[6], KEYS[7]
 local now, dead_maxlen, n_entries = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local version = ctl(redis.call('GET', version_key), 0, version_key, '')
-local pos, done = 4, 0
+local pos, done, untrained = 4, 0, 0
 for _ = 1, n_entries do
   local id, good, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
   pos = pos + 4
@@ -25,7 +28,7 @@ for _ = 1, n_entries do
     incr(counters_key, C.groups_consumed, 1)
     incr(counters_key, C.samples_removed, n)
     incr(counters_key, C.groups_removed, 1)
-    if n_good > 0 then incr(hist_key, entry_lag, n_good) end
+    if n_good > 0 then incr(hist_key, entry_lag, n_good) else untrained = untrained + 1 end
     for i = 0, n_bad - 1 do
       local b = pos + 3 * i
       dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
@@ -34,4 +37,5 @@ for _ = 1, n_entries do
   end
   pos = pos + 3 * n_bad
 end
+give_back(counters_key, wake_key, untrained * num(redis.call('HGET', params_key, 'group_size'), 0), 'budget')
 return done

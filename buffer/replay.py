@@ -102,7 +102,7 @@ def commit(store: Store, consumer: str, entries: list[tuple[str, Any, Any, bool,
         store.retry(
             store.scripts.replay_commit,
             keys=[k.params, k.counters, k.samples, k.replay_index, k.replay_n, k.replay_uses, k.replay_out,
-                  k.hist_consumed, k.dead, k.version],
+                  k.hist_consumed, k.dead, k.version, k.wake_prompts],
             args=[consumer, repr(time.time()), store.dead_maxlen, len(entries), *args],
         )
     )

@@ -423,7 +423,7 @@ def commit(store: Store, entries: Iterable[tuple[str, int | str, int | str, list
     k = store.keys
     done = store.retry(
         store.scripts.commit,
-        keys=[k.samples, k.counters, k.hist_consumed, k.dead, k.version],
+        keys=[k.samples, k.counters, k.hist_consumed, k.dead, k.version, k.params, k.wake_prompts],
         args=[repr(time.time()), store.dead_maxlen, n, *args],
     )
     return int(done)

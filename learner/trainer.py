@@ -348,6 +348,9 @@ class Learner:
                                        timeout_s=1.0, newest=self.version) if self.rank0 else None
         if batch is not None:
             batch.samples = self._drop_stop_token_misfits(batch.samples)
+            if not batch.samples:  # all dead-lettered: acked untrained, its admission back (pacing would stall)
+                self.buffer.discard(batch)
+                batch = None
         samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
         if not samples and self.rank0:
             self._check_dead_letters()

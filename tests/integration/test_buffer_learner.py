@@ -204,3 +204,24 @@ def test_publish_stats_reaches_the_monitor_snapshot(redis_url):
     stats = buf.metrics()["stats"]["learner"]
     assert stats["learner/samples_per_s"] == 12.5 and stats["staleness/hist"] == [3, 1]
     assert stats["odd"] == str(object)
+
+
+@pytest.mark.parametrize("mode", ["fifo", "replay"])
+def test_a_discarded_batch_leaves_the_buffer_and_gives_its_admission_back(redis_url, mode):
+    # The learner dead-lettered every sample of a batch (their stop tokens contradict its
+    # tokenizer): nothing was trained, the version does not move. Acked as trained, the batch
+    # kept its 8 samples of admission for good: pacing would lose a batch of room each time.
+    cfg = {"lookahead": None} if mode == "fifo" else {"lookahead": None, "max_reuse": 2}
+    buf = Buffer.connect(redis_url, f"discard-{mode}", BufferConfig(lease_timeout_s=5.0, **cfg))
+    assert buf.init_run(batch_size=8, group_size=4, max_staleness=8)["mode"] == mode
+    _produce(buf, 4)
+    before = buf.admission_budget()
+    batch = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    assert buf.discard(batch) == 2 and buf.discard(batch) == 0  # idempotent, as commit
+    c = buf.metrics()["counters"]
+    assert (c["budget_returned"], c["admitted"], c["samples_consumed"]) == (8, 8, 0)
+    assert buf.admission_budget() == before + 8 and buf.pending_for("learner-0") == []
+    nxt = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)  # the discarded groups do not come back
+    assert [g.group_id for g in nxt.groups] == ["g-p2", "g-p3"]
+    assert buf.commit(nxt) == 2 and buf.metrics()["counters"]["budget_returned"] == 8  # trained: kept
+    buf.close()

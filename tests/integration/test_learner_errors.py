@@ -105,6 +105,14 @@ def play_worker(buf: Buffer, tokenizer, response_ids: list[int], finish_reason: 
             done += 1
 
 
+def wait_for_version(buf: Buffer, proc: subprocess.Popen, version: int) -> None:
+    wait = time.monotonic() + 60
+    while buf.learner_version() < version and time.monotonic() < wait:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    assert buf.learner_version() >= version
+
+
 def run_with_bad_worker(tmp, servers, model_cache, run_id, response_ids, finish_reason):
     from rlhf_core.models import load_tokenizer
 
@@ -171,7 +179,9 @@ def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, server
 def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_goes_on(tmp_path, servers, model_cache):
     """One group of four stopping on <unk> among good groups: those samples become dead letters
     (once, a single such record crash-looped the learner: re-delivered after every restart); the
-    rest trains."""
+    rest trains. Then a whole batch of them (12 of the last 24 samples: not most, so not the
+    tokenizers differing): discarded, its admission back (acked as trained, it kept a batch of
+    room for good), and training goes on."""
     from rlhf_core.models import load_tokenizer
 
     redis_url, ws = servers
@@ -180,14 +190,15 @@ def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_
     tok = load_tokenizer(ModelConfig(cache_dir=str(model_cache)))
     try:
         play_worker(buf, tok, [40, 41, 3], "stop", groups=1)        # 4 misfits ...
-        play_worker(buf, tok, [40, 41, EOS], "stop", groups=3)      # ... and 12 good samples: one batch of 16
-        wait = time.monotonic() + 60
-        while buf.learner_version() < 2 and time.monotonic() < wait:  # two batches of 8 trained
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
-        assert buf.learner_version() >= 2
+        play_worker(buf, tok, [40, 41, EOS], "stop", groups=3)      # ... and 12 good samples: two batches of 8
+        wait_for_version(buf, proc, 2)
         dead = buf.dead_letters()
         assert len(dead) == GROUP and all("finished with 'stop' on token 3" in d["reason"] for d in dead), dead
+        play_worker(buf, tok, [40, 41, 3], "stop", groups=2)        # a batch of misfits only ...
+        play_worker(buf, tok, [40, 41, EOS], "stop", groups=2)      # ... then a good one
+        wait_for_version(buf, proc, 3)
+        assert len(buf.dead_letters()) == 3 * GROUP
+        assert buf.metrics()["counters"]["budget_returned"] == 2 * GROUP
         assert proc.poll() is None  # still training
     finally:
         proc.kill()
