@@ -75,18 +75,26 @@ class CompletionRequest:
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python reads
         raise bad(f"the request body is not valid JSON ({exc}); send a JSON object", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
     return obj
 
 
+def finite(value: Any) -> bool:
+    """A JSON number that is a finite float (not a bool, not an integer too large for a float)."""
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(obj: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = obj.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+    if not finite(value) or not low <= value <= high:
         raise bad(f"'{name}' must be a number in [{low}, {high}], got {value!r}", name)
     return float(value)
 
@@ -161,6 +169,11 @@ def parse_chat(obj: dict[str, Any], served: str, max_tokens_cap: int, n_cap: int
         content = m.get("content")
         if not (content is None or isinstance(content, str) or isinstance(content, list)):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(
+                c.get("function"), dict) for c in calls)):
+            raise bad(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", \"function\": "
+                      "{\"name\", \"arguments\"}} objects, as the gateway returned them", f"messages[{i}].tool_calls")
     tools = obj.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise bad("'tools' must be a list of tool objects", "tools")
@@ -191,18 +204,19 @@ def _text(content: Any) -> str:
 
 def normal_message(m: dict[str, Any]) -> dict[str, Any]:
     """A message as the chat template gets it and as sessions compare it: role, content as text,
-    tool calls as ``{"id", "type", "function": {"name", "arguments" (an object)}}``, tool call id."""
+    tool calls as ``{"id", "type", "function": {"name", "arguments" (an object)}}``, tool call id
+    (their shape checked by :func:`parse_chat`)."""
     out: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
     calls = []
     for c in m.get("tool_calls") or []:
-        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        fn = c["function"]
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass
-        calls.append({"id": c.get("id", "") if isinstance(c, dict) else "", "type": "function",
+        calls.append({"id": c.get("id", ""), "type": "function",
                       "function": {"name": fn.get("name", ""), "arguments": args}})
     if calls:
         out["tool_calls"] = calls

@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -39,8 +38,8 @@ from buffer import Buffer
 from buffer.connection import client_kwargs
 from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel
 from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response,
-                                completion_response, logprobs_content, normal_message, parse_chat, parse_completion,
-                                parse_json, sse, usage)
+                                completion_response, finite, logprobs_content, normal_message, parse_chat,
+                                parse_completion, parse_json, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config, ConfigError, response_budget, validate
@@ -196,8 +195,10 @@ class Gateway:
                                  int(params["max_response_tokens"]))
         await self._recover()
         kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
-        kwargs.pop("retry")  # redis-py's synchronous Retry: the asyncio client keeps its default (quick retries, seconds)
-        kwargs["socket_timeout"] = None  # the channel's reads wait for as long as no chunk comes
+        kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default from a URL: no retries either
+        # a Redis that does not answer fails a command within the socket timeout, at most a call's
+        # (a 503, not a hang); the channel's reads pass their own timeout
+        kwargs["socket_timeout"] = min(kwargs["socket_timeout"], self.cfg.gateway.call_timeout_s)
         self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
         self.calls = CallQueue(self.redis, self.keys)
         self.workers = LiveWorkers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
@@ -523,12 +524,12 @@ class Gateway:
         the sessions are put back as they were if anything here fails."""
         assert self.sessions is not None
         sid, group = self.session_of(request, user)
+        await self.need_worker()  # first: no await between the sessions' busy check and marking them busy
         sessions = self._open(sid, group, sampling.n)
         snaps = [self.sessions.snapshot(s) for s in sessions]
         try:
             choices = self._calls(sessions, [context(s) for s in sessions], sampling)
-            await self.need_worker()
-        except BaseException:
+        except Exception:
             for s, snap in zip(sessions, snaps):
                 self.sessions.restore(s, snap)
             raise
@@ -731,13 +732,10 @@ class Gateway:
         obj = parse_json(await self.body(request))
         sid = request.path_params["session_id"]
         value = obj.get("reward")
-        if isinstance(value, dict) and value and all(_finite(v) for v in value.values()):
-            components = {str(k): float(v) for k, v in value.items()}
-            total = sum(components.values())
-        elif _finite(value):
-            components, total = {}, float(value)
-        else:
+        parts = value if isinstance(value, dict) and value else {"": value}
+        if not all(finite(v) for v in parts.values()) or not finite(total := sum(float(v) for v in parts.values())):
             raise bad("'reward' must be a finite number, or an object of named finite numbers (summed)", "reward")
+        components = {str(k): float(v) for k, v in parts.items()} if parts is value else {}
         group = obj.get("group")
         if group is not None and not (isinstance(group, str) and 0 < len(group) <= 200):
             raise bad("'group' must be a string of 1-200 characters", "group")
@@ -841,10 +839,6 @@ class Gateway:
 
 def _session_error(exc: SessionError) -> ApiError:
     return ApiError(exc.status, str(exc), {404: NOT_FOUND, 409: CONFLICT}.get(exc.status, INVALID), "session")
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:

@@ -876,6 +876,53 @@ def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_a
         redis.stop()
 
 
+def test_a_redis_that_stops_answering_gets_503s_not_hangs_and_the_gateway_goes_on_after(infra, tiny_model_cfg, tmp_path):
+    # Redis stopped (SIGSTOP: a hung server, or a network path that drops packets): a command
+    # fails within the gateway's Redis socket timeout (at most gateway.call_timeout_s, 2 s here),
+    # so the call running then, a new call and /health answer 503, then all goes on once it answers
+    import os
+    import signal
+
+    from servers import RedisServer, wait_for
+
+    redis = RedisServer(tmp_path / "redis", appendonly=False).start()  # its own Redis: the test stops it
+    try:
+        with _run((redis, infra[1]), tiny_model_cfg, "gw-silent", "w-silent", lambda engine, _: Hold(engine),
+                  "gateway.call_timeout_s=2") as run:
+            cfg, learner, wt, url, hold = run
+            health = url.removesuffix("/v1") + "/health"
+            out: dict[str, httpx.Response] = {}
+
+            def running() -> None:
+                out["running"] = httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=30)
+
+            with hold:
+                caller = threading.Thread(target=running, daemon=True)
+                caller.start()
+                wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
+                os.kill(redis.pid, signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    new = httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=30)
+                    probe = httpx.get(health, timeout=30)
+                    caller.join(30)
+                    took = time.monotonic() - t0
+                finally:
+                    os.kill(redis.pid, signal.SIGCONT)
+                for r in (new, out["running"]):
+                    assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+                    assert r.json()["error"]["code"] in ("unavailable", "timeout"), r.text
+                assert new.json()["error"]["code"] == "unavailable", new.text
+                assert probe.status_code == 503 and probe.json()["status"] == "unavailable", probe.text
+                assert took < 15, took
+            wait_for(lambda: httpx.get(health, timeout=10).status_code == 200, 30, "the gateway's health back", 0.1)
+            r = httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+            assert wt.error is None, wt.error
+    finally:
+        redis.stop()
+
+
 def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled(infra, tiny_model_cfg):
     # A call two engine steps into its reply when the worker stops: aborted, and what it sampled
     # counts as generated (the worker's tokens equal its calls' tokens, as in the run's summary)
@@ -925,6 +972,50 @@ def test_a_session_takes_one_call_at_a_time(served):
     served.chat("busy", messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": text},
                                   {"role": "user", "content": "b"}], max_tokens=1)
     assert served.reward("busy", 1.0).status_code == 200
+
+
+def test_two_calls_of_one_session_sent_together_one_is_served_the_other_gets_409(served, infra, tiny_model_cfg):
+    # A call may wait for Redis before it starts (the live workers, read again once a second); a
+    # second call of its session arriving meanwhile must not pass the session's busy check too:
+    # one is served, the other refused, and the session holds one turn
+    from gateway.server import GatewayServer
+    from servers import wait_for
+
+    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run, a gateway the test can reach into
+    url = server.start()
+    gw, asking, answer = server.gateway, [], threading.Event()
+    read = gw.workers.live
+
+    async def live_once_both_ask() -> dict[str, float]:  # Redis's answer comes once both calls wait for it
+        asking.append(1)
+        await asyncio.to_thread(answer.wait, 30)
+        return await read()
+
+    gw.workers.live = live_once_both_ask
+    answers: list[httpx.Response] = []
+
+    def call() -> None:
+        answers.append(httpx.post(f"{url}/chat/completions", content=_chat_body(max_tokens=2), timeout=30,
+                                  headers={"X-Session-Id": "together"}))
+
+    calls = [threading.Thread(target=call, daemon=True) for _ in range(2)]
+    try:
+        with served.hold:  # the served call stays in flight while the other is answered
+            for t in calls:
+                t.start()
+            wait_for(lambda: len(asking) == 2, 30, "both calls to wait for Redis", 0.01)
+            answer.set()
+            wait_for(lambda: answers, 10, "the second call's answer while the first runs", 0.02)
+            refused = answers[0]
+            assert refused.status_code == 409 and "has a call running" in refused.json()["error"]["message"], refused.text
+        for t in calls:
+            t.join(30)
+        assert [r.status_code for r in answers] == [409, 200], [r.text for r in answers]
+        assert gw.sessions.sessions["together"].turns == 1
+        assert httpx.get(f"{url}/rl/stats", timeout=10).json()["sessions_restarted"] == 0
+    finally:
+        answer.set()
+        server.stop()
 
 
 def test_the_stats_say_where_a_calls_time_went(served):
@@ -1058,6 +1149,20 @@ BAD = {
                                     413, "request_too_large"),
     "unknown session's reward": ("/rl/sessions/nobody/reward", b'{"reward": 1}', 404, "session"),
     "reward not a number": ("/rl/sessions/nobody/reward", b'{"reward": "high"}', 400, "invalid_value"),
+    "reward an integer too large for a float": ("/rl/sessions/nobody/reward", b'{"reward": 1' + b"0" * 400 + b"}",
+                                                400, "invalid_value"),
+    "reward component too large for a float": ("/rl/sessions/nobody/reward", b'{"reward": {"a": 1' + b"0" * 400 + b"}}",
+                                               400, "invalid_value"),
+    "reward components summing past a float": ("/rl/sessions/nobody/reward", b'{"reward": {"a": 1e308, "b": 1e308}}',
+                                               400, "invalid_value"),
+    "integer of more digits than JSON is read with": ("/rl/sessions/nobody/reward", b'{"reward": 1' + b"0" * 5000 + b"}",
+                                                      400, "invalid_json"),
+    "temperature too large for a float": ("/chat/completions", _chat_body(temperature=10 ** 400), 400, "invalid_value"),
+    "tool_calls not a list": ("/chat/completions", _chat_body(messages=[
+        {"role": "assistant", "content": "x", "tool_calls": 5}, {"role": "user", "content": "y"}]), 400, "invalid_value"),
+    "a tool call's function not an object": ("/chat/completions", _chat_body(messages=[
+        {"role": "assistant", "content": "x", "tool_calls": [{"function": "add"}]}, {"role": "user", "content": "y"}]),
+        400, "invalid_value"),
     "unknown endpoint": ("/embeddings", b"{}", 404, None),
 }
 

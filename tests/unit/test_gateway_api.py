@@ -63,6 +63,8 @@ def test_sampling_settings_within_the_caps_are_taken():
     ({"temperature": -0.1}, "temperature", "invalid_value"),
     ({"temperature": "hot"}, "temperature", "invalid_value"),
     ({"temperature": float("nan")}, "temperature", "invalid_value"),
+    ({"temperature": 10 ** 400}, "temperature", "invalid_value"),  # a JSON integer too large for a float
+    ({"top_p": -10 ** 400}, "top_p", "invalid_value"),
     ({"top_p": 0}, "top_p", "invalid_value"),
     ({"top_p": 1.5}, "top_p", "invalid_value"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
@@ -90,7 +92,10 @@ def test_a_request_for_another_model_is_refused_naming_the_served_one():
 
 
 @pytest.mark.parametrize("messages", [[], None, "hi", [{"content": "x"}], [{"role": "robot", "content": "x"}],
-                                      [{"role": "user", "content": 5}], ["hi"]])
+                                      [{"role": "user", "content": 5}], ["hi"],
+                                      [{"role": "assistant", "content": "x", "tool_calls": 5}],
+                                      [{"role": "assistant", "content": "x", "tool_calls": ["add"]}],
+                                      [{"role": "assistant", "content": "x", "tool_calls": [{"function": "add"}]}]])
 def test_chat_messages_must_be_a_non_empty_list_of_role_content_objects(messages):
     err = refused(parse_chat, {"model": MODEL, "messages": messages}, MODEL, **CAPS)
     assert err.status == 400 and err.param.startswith("messages")
@@ -103,7 +108,8 @@ def test_tools_must_be_a_list_of_objects():
     assert req.tools == [{"type": "function", "function": {"name": "add"}}] and req.tool_choice == "auto"
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"null"])
+@pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"null",
+                                  b'{"reward": 1' + b"0" * 5000 + b"}"])  # more digits than Python reads
 def test_a_body_that_is_not_a_json_object_is_refused(body):
     err = refused(parse_json, body)
     assert (err.status, err.code) == (400, "invalid_json")
