@@ -186,11 +186,15 @@ class Buffer:
         raw = self.retry(self.redis.hgetall, self.keys.fill)
         return {"epoch": int(raw.get(b"epoch", 0)), "index": int(raw.get(b"index", 0)), "done": raw.get(b"done") == b"1"}
 
-    def restore_fill_state(self, state: dict[str, Any]) -> bool:
+    def restore_fill_state(self, state: dict[str, Any], admitted: int = 0) -> bool:
         """Set the producer cursor to ``state`` (a learner checkpoint's) when this run has none, so
         a run resumed on a fresh Redis goes on from where its prompts had reached, not from the
         first one (the prompts queued but untrained at that checkpoint are skipped, never trained
-        twice). Returns whether it was set."""
+        twice). Returns whether it was set.
+
+        ``admitted``: the samples the checkpoint's updates took (version x batch size), counted as
+        admitted on that fresh Redis too: pacing's bound counts from the learner's version, and
+        from 0 admitted it let about ``version`` batches be generated at once, most then too stale."""
         mapping = {"epoch": int(state["epoch"]), "index": int(state["index"]), "done": int(bool(state.get("done")))}
 
         def once() -> bool:
@@ -201,6 +205,7 @@ class Buffer:
                     return False
                 pipe.multi()
                 pipe.hset(self.keys.fill, mapping=mapping)
+                pipe.hincrby(self.keys.counters, "admitted", int(admitted))
                 pipe.execute()  # a WatchError (a producer got there first) propagates: nothing was set
                 return True
 

@@ -168,7 +168,8 @@ class Learner:
         self.samples_trained = int(extra.get("samples_trained", 0))
         self.updates = self._checkpointed = int(extra.get("updates", 0))
         self.updater.load_state_dict(extra.get("updater", {}))
-        if self.rank0 and extra.get("fill") and self.buffer.restore_fill_state(extra["fill"]):
+        if self.rank0 and extra.get("fill") and self.buffer.restore_fill_state(
+                extra["fill"], admitted=self.version * self.cfg.learner.batch_size):
             log.info("a fresh buffer: prompts go on from the checkpoint's cursor (epoch %d, prompt %d)",
                      extra["fill"]["epoch"], extra["fill"]["index"])
         trained_ids = extra.get("trained_ids", [])

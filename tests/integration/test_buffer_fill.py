@@ -73,6 +73,19 @@ def test_a_checkpoints_cursor_starts_a_fresh_run_where_its_prompts_had_reached(r
     assert fresh.fill_state() == {"epoch": 2, "index": 0, "done": True}
 
 
+def test_a_fresh_buffer_resumed_at_a_version_paces_from_that_version(redis_url):
+    # A finished run resumed at version 20 on a fresh Redis: the checkpoint's 20 batches count as
+    # admitted, so workers may run the lookahead ahead (1 batch) plus the batch read next, 2 x 8.
+    # From 0 admitted the bound was (1 + 20 + 1) x 8 = 176: 20 batches generated at once.
+    fresh = Buffer.connect(redis_url, "fresh-pace", BufferConfig(lookahead=1))
+    fresh.init_run(batch_size=8, group_size=4, max_staleness=2)
+    assert fresh.restore_fill_state({"epoch": 0, "index": 40, "done": False}, admitted=20 * 8) is True
+    fresh.set_learner_version(20)
+    assert fresh.admission_budget() == (1 + 1) * 8
+    assert fresh.restore_fill_state({"epoch": 0, "index": 40, "done": False}, admitted=20 * 8) is False
+    assert fresh.admission_budget() == (1 + 1) * 8  # counted once
+
+
 def _take_prompts_at_700_per_s(lead_s: float, redis_url: str, run: str) -> list[int]:
     """A producer looking every 0.1 s (a fake clock) while workers take 70 prompts between looks
     (700 prompts/s; the tiny model on 2 CPU cores takes ~600); returns what each take got."""
