@@ -323,6 +323,8 @@ class RayLauncher(Launcher):
         done = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
         for ref in done:
             p = running[ref]
+            if p not in self.actors:  # replaced meanwhile: a learner restart kills every rank, this one too
+                continue
             p.run_ref = None
             code, error, gone = self.outcome(ref)
             if not (self.on_learner_exit(p, code, error) if p.kind == "learner"

@@ -149,3 +149,35 @@ def test_no_cluster_at_the_address_is_refused_at_once(monkeypatch):
         probe("head-node", 5.0)
     with pytest.raises(ConfigError, match="Ray Client addresses are not supported"):
         probe("ray://head:10001", 5.0)
+
+
+def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
+    # Both ranks' calls end between two polls: the first restarts the learner (every rank
+    # anew); the second belongs to a rank that restart already replaced, so it must not count
+    # as a second crash (that restarted again, or ended the run once the restarts were used up)
+    from rlhf_run.ray_launcher import RayLauncher, RoleProc
+
+    class Ray:  # Ray's answers for two finished calls: both ranks exited with code 1
+        def wait(self, refs, num_returns, timeout):
+            return refs, []
+
+        def get(self, ref):
+            return {"code": 1, "error": "rank died"}
+
+    launcher = object.__new__(RayLauncher)
+    ranks = [RoleProc(f"learner-{r}", "learner", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"ref{r}") for r in (0, 1)]
+    launcher.ray, launcher.actors, launcher.stopping, launcher.learner_restarts = Ray(), list(ranks), False, 0
+    launcher.cfg = Config()
+    launcher.cfg.run.learner_restarts = 1
+    launcher.poll_placement = launcher.check_infrastructure = lambda: True
+    launcher.end_retired, launcher.tail = lambda: None, lambda p: ""
+    restarts = []
+
+    def restart_learner():  # what it does to the actors: every rank replaced by a new one, running
+        restarts.append(1)
+        launcher.actors = [RoleProc(f"learner-{r}", "learner", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"new{r}")
+                           for r in (0, 1)]
+
+    launcher.restart_learner = restart_learner
+    assert launcher.supervise_once() is True
+    assert restarts == [1] and launcher.learner_restarts == 1
