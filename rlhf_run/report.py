@@ -206,7 +206,7 @@ class Progress:
     def line(self, snap: dict[str, Any]) -> str:
         last = self._tail.poll()
         reward = last.get(M.REWARD_MEAN)
-        workers = [w.get("stats", {}) for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
+        workers = list(worker_stats(snap, self.cfg.buffer.lease_timeout_s).values())
         gen_tps = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
         scoring = reward_cost(workers)
         now, version = time.time(), int(last.get(M.VERSION, 0))
@@ -288,13 +288,23 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
 
 def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -> float | None:
     """Samples appended to the buffer per second (by workers and by the gateway), from the first
-    snapshot (after ``since``) that counts any to the last; None without two such snapshots."""
+    snapshot (after ``since``) that counts more than the first one did (start-up left out, also
+    on a resume whose Redis data counts the launch before) to the last; None without two such."""
     points = [(float(snap["time"]), int(snap["counters"]["samples_appended"])) for snap in timeline
-              if snap.get("counters", {}).get("samples_appended") and "time" in snap
+              if "samples_appended" in snap.get("counters", {}) and "time" in snap
               and (since is None or snap["time"] >= since)]
+    points = [p for p in points if p[1] > points[0][1]] if points else []
     if len(points) < 2 or points[-1][0] <= points[0][0]:
         return None
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """The stats of the consumers that heartbeated within ``timeout_s`` (``buffer.lease_timeout_s``):
+    a worker's record stays in the buffer after it left (a resumed run's workers of the launch
+    before, one scaled down), and its rate over its uptime is not generation now."""
+    return {n: w.get("stats", {}) for n, w in snap.get("consumers", {}).items()
+            if isinstance(w, dict) and float(w.get("age_s", 0.0)) <= timeout_s}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -310,7 +320,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     k = max(1, min(5, len(rows) // 4 or 1))
     samples = rows[-1].get(M.SAMPLES_TRAINED, 0) if rows else 0
     last_snap = timeline[-1] if timeline else {}
-    workers = {n: w.get("stats", {}) for n, w in last_snap.get("consumers", {}).items() if isinstance(w, dict)}
+    workers = worker_stats(last_snap, cfg.buffer.lease_timeout_s)
     # the buffer's count (the workers' samples and the gateway's): the workers' own counters restart
     # with each worker process and know nothing of the gateway's
     counters = last_snap.get("counters", {})

@@ -163,3 +163,27 @@ def test_the_monitor_shows_the_gateways_calls_sessions_and_errors_by_code():
     out = io.StringIO()
     Console(file=out, width=250).print(monitor.render({"run_id": "r"}))
     assert "gateway" not in out.getvalue()  # a run without a gateway shows no such row
+
+
+def test_a_resume_on_kept_redis_data_counts_generation_from_its_first_append_not_its_start_up():
+    from rlhf_run.report import appended_per_s
+
+    # the buffer counted 1,440 samples before the stop; the resumed launch loads for 20 s, then
+    # appends 1,472 -> 1,984 in 3 s: (1984 - 1472) / (24 - 21) = 170.7 samples/s. Counting from the
+    # first snapshot that counts any took in the start-up: (1984 - 1440) / 24 = 22.7
+    timeline = [{"time": t, "counters": {"samples_appended": n}} for t, n in [(0.0, 1440), (20.0, 1440), (21.0, 1472),
+                                                                               (24.0, 1984)]]
+    assert abs(appended_per_s(timeline) - 512 / 3) < 1e-9
+
+
+def test_workers_that_left_do_not_count_in_the_generation_rates():
+    from rlhf_core.config import Config
+    from rlhf_run.report import summarize
+
+    # worker-1's record is from the launch before a resume (last heartbeat 40 s ago, over
+    # buffer.lease_timeout_s=30): its rates over its uptime are not generation now
+    consumers = {"worker-0": {"age_s": 0.5, "stats": {"tokens_per_s": 1306.0, "reward_calls_per_s": 20.0}},
+                 "worker-1": {"age_s": 40.0, "stats": {"tokens_per_s": 914.0, "reward_calls_per_s": 15.0}}}
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i)} for i in range(1, 4)]
+    s = summarize(Config(), rows, [{"consumers": consumers, "counters": {}}], wall_s=10.0, exit_reason="done")
+    assert s["throughput"]["generated_tokens_per_s"] == 1306.0 and s["rewards"]["reward_calls_per_s"] == 20.0
