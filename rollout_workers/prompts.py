@@ -90,8 +90,13 @@ class PromptRenderer:
 
     def render(self, prompt: Prompt, tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """Return ``(text, ids)``: the text as the model sees it (before any truncation) and its
-        token ids ``[P]``, ``P <= max_prompt_tokens``. Raises :class:`PromptRejected`."""
-        text = self.text_of(prompt, tools)
+        token ids ``[P]``, ``P <= max_prompt_tokens``. Raises :class:`PromptRejected`, also when
+        the chat template refuses the prompt (``raise_exception``, as Llama-2/Mistral/Gemma
+        templates do for a system turn or roles that do not alternate) or its messages are malformed."""
+        try:
+            text = self.text_of(prompt, tools)
+        except Exception as exc:  # noqa: BLE001 - this prompt cannot be rendered; the caller goes on with others
+            raise PromptRejected(f"prompt {prompt.prompt_id!r} could not be rendered: {type(exc).__name__}: {exc}") from exc
         ids = [int(t) for t in self.tokenizer(text, add_special_tokens=not self.uses_chat_template)["input_ids"]]
         with self._lock:
             if not ids:

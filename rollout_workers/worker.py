@@ -341,12 +341,37 @@ class RolloutWorker:
         if not leases:
             self._next_claim_at = time.monotonic() + BUSY_CLAIM_BACKOFF_S
             return
-        # Pacing's staleness bound assumes generation with weights >= the version at admission.
-        need = max(lease.learner_version for lease in leases)
-        if need > self.engine.version:
-            self._pull_towards(need, "the learner's version when the prompts were admitted")
-        for lease in leases:
-            self._start_group(lease)
+        started = 0
+        try:
+            # Pacing's staleness bound assumes generation with weights >= the version at admission.
+            need = max(lease.learner_version for lease in leases)
+            if need > self.engine.version:
+                self._pull_towards(need, "the learner's version when the prompts were admitted")
+            for lease in leases:
+                self._start_group(lease)
+                started += 1
+        except BaseException:
+            # _release_all gives back only self.groups: the leases of this claim not started yet
+            # would stay pending until they expire (and come back to the next worker oldest first)
+            self._release_unstarted(leases[started:])
+            raise
+
+    def _release_unstarted(self, leases: list[Lease]) -> None:
+        """Give back claimed leases that no group holds (a failure between the claim and their
+        start). A lease completed meanwhile (a rejected prompt) is no longer held: releasing it is
+        a no-op in the buffer. Best effort, like :meth:`_release_all`."""
+        leases = [lease for lease in leases if lease.lease_id not in self.groups]
+        if not leases:
+            return
+        try:
+            with self._buf_lock:
+                n = self.buffer.release(leases)
+        except Exception as exc:
+            log.warning("worker %s: could not release %d claimed prompt(s) (%s); they come back after the lease timeout",
+                        self.worker_id, len(leases), exc)
+            return
+        self.stats.released += n
+        log.info("worker %s: failed before starting them; released %d claimed prompt(s)", self.worker_id, n)
 
     def _reject_prompt(self, lease: Lease, reason: str) -> None:
         seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1

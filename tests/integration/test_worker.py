@@ -392,3 +392,62 @@ def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
     assert "16 of the last 16 prompts were rejected" in str(err.value)
     assert "more than rollout.max_prompt_tokens=8" in str(err.value)
     assert learner.counters()["prompts_dead_lettered"] == 16
+
+
+# What Llama-2/Mistral/Gemma chat templates do with a system turn or roles that do not alternate.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_prompt_the_chat_template_refuses_is_dead_lettered_and_the_others_claimed_with_it_go_on(run):
+    # once: jinja2.TemplateError killed the worker, leaving the whole claim pending; restarted
+    # workers took the bad prompt first again until the good ones were dead-lettered with it
+    cfg, learner = run(rollout__slots=16)  # 4 prompts of 4: one claim takes them all
+    learner.publish(0)
+    bad = Prompt("p-bad", "", messages=[{"role": "user", "content": "1:"}, {"role": "user", "content": "2:"}])
+    good = [Prompt(f"p-{i}", f"{i}:", metadata={"start": i}) for i in range(3)]
+    learner.buffer.enqueue_prompts([bad, *good])  # the bad one first: the others come after it in the claim
+    wt = learner.thread(cfg, "w-tmpl")
+    wt.worker.tokenizer.chat_template = ALTERNATING_TEMPLATE  # the renderer's tokenizer: what a chat model carries
+    wt.start()
+    wait_for(lambda: wt.worker.stats.prompts == 3 or wt.error, 60, "the 3 good prompts to complete")
+    assert wt.error is None and wt.thread.is_alive()
+    (dead,) = learner.buffer.dead_letters(10)
+    assert (dead["kind"], dead["producer"], Prompt.decode(dead["raw"]).prompt_id) == ("prompt", "w-tmpl", "p-bad")
+    assert dead["reason"] == ("prompt 'p-bad' could not be rendered: TemplateError: "
+                              "Conversation roles must alternate user/assistant/user/assistant/...")
+    groups = by_prompt(learner.read_groups(3))
+    assert sorted(groups) == ["p-0", "p-1", "p-2"]
+    for p in good:
+        ids = learner.tokenizer(f"user: {p.text}\nassistant: ", add_special_tokens=False)["input_ids"]
+        assert len(groups[p.prompt_id]) == 4 and all(s.prompt_ids.tolist() == ids for s in groups[p.prompt_id])
+    # it goes on working: a prompt enqueued now is generated too
+    learner.buffer.enqueue_prompts([Prompt("p-later", "5:", metadata={"start": 5})])
+    wait_for(lambda: wt.worker.stats.prompts == 4 or wt.error, 60, "the later prompt to complete")
+    wt.stop()
+    assert (wt.stats.prompts, wt.stats.prompts_empty, wt.stats.dead_letters, wt.stats.released) == (4, 1, 1, 0)
+    assert learner.leases_total() == 0
+    c = learner.counters()
+    assert (c["prompts_acked"], c["prompts_dead_lettered"], c["groups_appended"]) == (5, 1, 4)
+
+
+def test_a_failure_between_claim_and_start_releases_the_prompts_not_started(run):
+    # one claim of 20 prompts; the 16th rejection stops the worker (PromptsRejected) before it
+    # reaches the last 4: they were left pending until the lease timeout, and then reclaimed
+    from rollout_workers.worker import PromptsRejected
+
+    cfg, learner = run(rollout__slots=80, rollout__max_prompt_tokens=8)
+    learner.publish(0)
+    learner.buffer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
+    worker = RolloutWorker(cfg, "w-fail")
+    with pytest.raises(PromptsRejected, match="16 of the last 16 prompts were rejected"):
+        worker.run()
+    assert learner.leases_of("w-fail") == []  # given back (pending under the buffer's "released" consumer)
+    c = learner.counters()
+    assert (c["prompts_dead_lettered"], c["prompts_released"]) == (16, 4)
+    assert worker.stats.released == 4
+    # released, not expired: handed out at once to the next claimer, not counted as a failed delivery
+    again = learner.buffer.claim("other", 20, block_s=0)
+    assert len(again) == 4 and {(l.how, l.delivery_count) for l in again} == {("released", 1)}
