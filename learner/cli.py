@@ -2,6 +2,7 @@
 
 from rlhf_core.cli import collect_less_while_starting, hydra_entry
 from rlhf_core.config import to_object
+from rlhf_core.errors import STOPPED_EARLY_EXIT
 
 
 @hydra_entry()
@@ -9,8 +10,8 @@ def main(cfg) -> int:
     collect_less_while_starting()
     from learner.trainer import run_learner
 
-    run_learner(to_object(cfg))
-    return 0
+    result = run_learner(to_object(cfg))
+    return STOPPED_EARLY_EXIT if result.stopped_by == "signal" else 0
 
 
 if __name__ == "__main__":

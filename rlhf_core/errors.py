@@ -3,8 +3,12 @@
 Entry points catch it and print its message without a traceback; anything else is a bug and
 keeps its traceback. The exit code tells a supervisor (``rlhf-run``) whether a restart can help:
 2 for an error that needs a fix (a restart would repeat it), 75 (EX_TEMPFAIL) for a server that
-stayed unreachable past the retry budget (a restart later may find it back).
+stayed unreachable past the retry budget (a restart later may find it back). A learner stopped
+by a signal before its budget was spent exits ``STOPPED_EARLY_EXIT`` (128 + SIGTERM, the shell's
+code for it), not 0: its supervisor must not take the run for finished.
 """
+
+STOPPED_EARLY_EXIT = 143
 
 
 class UserError(Exception):

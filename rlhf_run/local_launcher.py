@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from buffer.connection import redact
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
+from rlhf_core.errors import STOPPED_EARLY_EXIT
 from rlhf_core.model_paths import pin_model_paths, pin_reward_model_paths
 
 log = logging.getLogger(__name__)
@@ -230,9 +231,10 @@ class Launcher:
             code = child.proc.returncode
             if child.kind == "learner":
                 if code not in (0, USER_ERROR_EXIT) and not self.stopping and child.restarts < self.cfg.run.learner_restarts:
-                    # an OOM kill, a crash: the learner resumes from its last checkpoint, the
-                    # buffer re-delivers what it had read and not committed
-                    log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
+                    # an OOM kill, a crash, a signal to the learner alone: the learner resumes from its
+                    # last checkpoint, the buffer re-delivers what it had read and not committed
+                    how = "was stopped by a signal" if code == STOPPED_EARLY_EXIT else "crashed"
+                    log.error("learner %s (exit %d); last lines of %s:\n%s", how, code, child.log_path, child.tail())
                     child.restarts += 1
                     log.info("restarting the learner from its last checkpoint (restart %d of %d)", child.restarts,
                              self.cfg.run.learner_restarts)

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from rlhf_core.errors import UserError
+from rlhf_core.errors import STOPPED_EARLY_EXIT, UserError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class RoleActor:
             elif kind == "learner":
                 from learner.trainer import run_learner
 
-                run_learner(cfg)
+                if run_learner(cfg).stopped_by == "signal":  # before its budget: not a finished run
+                    return {"code": STOPPED_EARLY_EXIT, "error": "stopped by a signal"}
             elif kind == "evaluator":
                 from rollout_workers.evaluator import run_evaluator
 

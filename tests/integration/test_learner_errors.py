@@ -9,6 +9,7 @@ whose tokenizer does not match the learner's model, through the buffer API a wor
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from buffer import Buffer
 from rlhf_core.config import ModelConfig, WeightServerConfig
+from rlhf_core.errors import STOPPED_EARLY_EXIT
 from rlhf_core.records import Sample, rle_encode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -200,6 +202,10 @@ def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_
         assert len(buf.dead_letters()) == 3 * GROUP
         assert buf.metrics()["counters"]["budget_returned"] == 2 * GROUP
         assert proc.poll() is None  # still training
+        # stopped by a signal long before its 1,200 updates: not exit 0, which rlhf-run took for a
+        # finished run (and deleted its Redis data)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == STOPPED_EARLY_EXIT, proc.communicate()[1][-3000:]
     finally:
         proc.kill()
         proc.wait()
