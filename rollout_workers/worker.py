@@ -352,26 +352,11 @@ class RolloutWorker:
                 started += 1
         except BaseException:
             # _release_all gives back only self.groups: the leases of this claim not started yet
-            # would stay pending until they expire (and come back to the next worker oldest first)
-            self._release_unstarted(leases[started:])
+            # would stay pending until they expire (and come back to the next worker oldest first).
+            # A lease completed meanwhile (a rejected prompt) is no longer held: its release is a no-op.
+            self._release([lease for lease in leases[started:] if lease.lease_id not in self.groups],
+                          "failed before starting them", "claimed")
             raise
-
-    def _release_unstarted(self, leases: list[Lease]) -> None:
-        """Give back claimed leases that no group holds (a failure between the claim and their
-        start). A lease completed meanwhile (a rejected prompt) is no longer held: releasing it is
-        a no-op in the buffer. Best effort, like :meth:`_release_all`."""
-        leases = [lease for lease in leases if lease.lease_id not in self.groups]
-        if not leases:
-            return
-        try:
-            with self._buf_lock:
-                n = self.buffer.release(leases)
-        except Exception as exc:
-            log.warning("worker %s: could not release %d claimed prompt(s) (%s); they come back after the lease timeout",
-                        self.worker_id, len(leases), exc)
-            return
-        self.stats.released += n
-        log.info("worker %s: failed before starting them; released %d claimed prompt(s)", self.worker_id, n)
 
     def _reject_prompt(self, lease: Lease, reason: str) -> None:
         seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1
@@ -813,6 +798,13 @@ class RolloutWorker:
             log.warning("worker %s: engine abort failed: %s", self.worker_id, exc)
         leases = [g.lease for g in self.groups.values()]
         self.groups.clear()
+        self._release(leases, why, "unfinished")
+
+    def _release(self, leases: list[Lease], why: str, which: str) -> None:
+        """Give ``leases`` back to the buffer (best effort: on a crash Redis may be away, and then
+        they simply expire)."""
+        if not leases:
+            return
         try:
             with self._buf_lock:
                 n = self.buffer.release(leases)
@@ -821,7 +813,7 @@ class RolloutWorker:
                         self.worker_id, len(leases), exc)
             return
         self.stats.released += n
-        log.info("worker %s: %s; released %d unfinished prompt(s)", self.worker_id, why, n)
+        log.info("worker %s: %s; released %d %s prompt(s)", self.worker_id, why, n, which)
 
 
 def _set_threads() -> int:
