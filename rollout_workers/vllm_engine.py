@@ -7,8 +7,7 @@ processes, so whatever builds this engine must sit under ``if __name__ == "__mai
 How the protocol maps onto vLLM:
 
 * ``add`` -> ``LLMEngine.add_request(id, {"prompt_token_ids": ids, "cache_salt": ...}, params)``
-  with ``output_kind=DELTA`` (each ``step()`` reports only the new tokens, so every token is
-  stamped with the policy version current when it was produced) and ``logprobs=0`` (the sampled
+  with ``output_kind=DELTA`` (each ``step()`` reports only the new tokens) and ``logprobs=0`` (the sampled
   token's log-prob only, under ``logprobs_mode="processed_logprobs"``: the distribution after
   temperature, top-k and top-p, the one the token was drawn from);
 * ``step`` -> one ``LLMEngine.step()``; vLLM schedules (continuous batching, chunked prefill,
@@ -22,6 +21,14 @@ How the protocol maps onto vLLM:
   path crosses it; and the CPU backend repacks its linear weights at start, so the weights go
   through vLLM's in-place reload (which redoes that processing), never ``model.load_weights``.
   Running requests keep their KV cache (the in-flight update of PipelineRL).
+
+Per-token versions: vLLM's engine core runs in its own process and keeps decoding while this
+process is busy elsewhere, queueing its outputs; ``step()`` only takes the next queued batch. So
+the version current when ``step()`` returns a token says nothing about the weights that computed
+it. The engine core labels its outputs instead (``set_weight_version``: ``"0"`` at start, the new
+version right after each reload), and a finished request's ``CompletionOutput.weight_versions``
+spans give each token the label its step ran under; those replace the per-step stamps. vLLM
+without ``set_weight_version`` keeps the per-step stamps, which may be newer than the weights.
 
 LoRA (``model.lora.r`` > 0): a version holds adapter tensors only, and they go through vLLM's
 LoRA API instead of the reload (:mod:`rollout_workers.vllm_lora`): each version becomes a
@@ -256,6 +263,13 @@ class VLLMEngine:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         self.version = 0
+        # Label the engine core's outputs with the version of its weights (see the module docstring).
+        self._labels = hasattr(self.engine, "set_weight_version")
+        if self._labels:
+            self._call(self.engine.set_weight_version, "0")
+        elif self._adapters is None:  # with LoRA a request's tokens carry its adapter's version, exact anyway
+            log.warning("vllm %s has no LLMEngine.set_weight_version: a token decoded while this worker was busy "
+                        "may be labelled with a newer policy version than the one that sampled it", self._vllm.__version__)
         self.num_reused_tokens = 0  # prompt tokens served from the prefix cache (counted as requests finish)
         self.num_prompt_tokens = 0  # prompt tokens of the finished requests
         self._tracks: dict[str, _Track] = {}
@@ -318,8 +332,11 @@ class VLLMEngine:
             new = list(completion.token_ids)
             track.tokens.extend(new)
             track.logprobs.extend(_sampled_logprobs(completion.logprobs, new))
+            # provisional: the version now, possibly newer than the weights that ran (see the module docstring)
             track.versions.extend([version if track.adapter is None else track.adapter] * len(new))
             if out.finished:
+                if track.adapter is None:
+                    track.versions = _span_versions(completion.weight_versions, len(track.tokens)) or track.versions
                 del self._tracks[out.request_id]
                 self.num_prompt_tokens += len(track.request.prompt_ids)
                 self.num_reused_tokens += int(out.num_cached_tokens or 0)
@@ -345,6 +362,8 @@ class VLLMEngine:
         return track.tokens if track is not None else []
 
     def abort(self, request_id: str) -> GenResult | None:
+        # LLMEngine.abort_request returns nothing and sends no final output for the request, so its
+        # weight-version spans never arrive: an aborted result keeps the per-step stamps.
         track = self._tracks.pop(request_id, None)
         if track is None:
             return None
@@ -381,6 +400,13 @@ class VLLMEngine:
             loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
         finally:
             path.unlink(missing_ok=True)
+        if self._labels:
+            # The core may run steps with the new weights between the reload and this label; their
+            # tokens get the previous version, older than their weights: staleness over-counted,
+            # never under-counted. The label cannot come early: it is sent once the reload has
+            # answered, and a batch in flight at the reload (async scheduling) ran the old weights
+            # and is taken out by the core's very next step, well before the label's round trip.
+            self._call(self.engine.set_weight_version, str(int(version)))
         self.version = int(version)
         log.info("vllm: reloaded %s tensors as version %d", loaded, version)
 
@@ -470,6 +496,21 @@ class VLLMEngine:
         text = self.tokenizer.decode(track.tokens, skip_special_tokens=True)
         return make_result(track.request.request_id, track.request.prompt_ids, track.tokens, track.logprobs,
                            track.versions, reason, text)
+
+
+def _span_versions(spans: Any, num_tokens: int) -> list[int] | None:
+    """Per-token versions from a finished request's ``CompletionOutput.weight_versions`` (spans of
+    output-token indexes and the label of the weights that ran them); None unless the spans cover
+    exactly ``num_tokens`` tokens in order, each labelled with an integer version."""
+    versions: list[int] = []
+    try:
+        for span in spans or ():
+            if span.start != len(versions) or span.end < span.start:
+                return None
+            versions.extend([int(span.version)] * (span.end - span.start))
+    except (TypeError, ValueError):  # a label this engine did not set (vLLM's "default")
+        return None
+    return versions if versions and len(versions) == num_tokens else None
 
 
 def _sampled_logprobs(position_logprobs: Any, tokens: list[int]) -> list[float]:

