@@ -85,6 +85,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, what: str = "the policy
     """
     peft = import_peft()
     config = peft_config(lora, model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     try:
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except (ValueError, TypeError, KeyError, NotImplementedError, AttributeError) as exc:
@@ -94,6 +96,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, what: str = "the policy
             f"them (suffixes such as q_proj) or use [{ALL_LINEAR}], or set model.lora.r=0 to train the whole model"
         ) from None
     layers = lora_layers(model)
+    if tied and any(layer.get_base_layer() is head for layer in layers.values()):
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} puts an adapter on the output head of "
+                          f"{what}, which shares its matrix with the input embeddings (tie_word_embeddings): its update "
+                          "cannot be merged into the one shared matrix (the export would fail at the end of the run). "
+                          f"Leave the head out ([{ALL_LINEAR}] does), or use a model whose embeddings are not tied")
     odd = sorted({f"{name} ({type(layer.get_base_layer()).__name__})" for name, layer in layers.items()
                   if not isinstance(layer, peft.tuners.lora.layer.Linear)})
     if odd:

@@ -120,6 +120,18 @@ def test_targets_that_do_not_fit_the_model_are_refused_before_anything_loads(tin
         assert str(LINEAR) in str(err.value)
 
 
+def test_an_adapter_on_a_head_tied_to_the_embeddings_is_refused_before_anything_loads(tiny_model_cfg):
+    # Qwen2.5-0.5B ties its head to its embeddings: [all-linear, lm_head] trained on, then the
+    # export at the end of the run failed (the merge finds no head of its own); refused at start now
+    from rlhf_core.models import tiny_model_config
+
+    tied = tiny_model_config(tiny_model_cfg.tiny)
+    tied.tie_word_embeddings = True
+    with pytest.raises(ConfigError, match="shares its matrix with the input embeddings"):
+        lora.check_targets(tied, LORA)
+    assert lora.check_targets(tied, dataclasses.replace(LORA, target_modules=["all-linear"]))[0] > 0
+
+
 def test_all_linear_leaves_the_head_out_unless_it_is_named(tiny_model_cfg):
     # tiny: hidden 64, intermediate 128, vocab 99, 2 layers. Per layer q,k,v,o: r * (64 + 64) each;
     # gate, up: r * (64 + 128); down: r * (128 + 64). Head: r * (64 + 99).
