@@ -74,7 +74,10 @@ class EnvCalls:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self._done: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
-        self._pending: dict[int, tuple[Hashable, float]] = {}  # call id -> (key, started)
+        self._pending: dict[int, Hashable] = {}  # call id -> key
+        # call id -> when it began running (written by the pool threads): the time limit counts
+        # from there, not from a wait for a free thread
+        self._began: dict[int, float] = {}
         self._next = 0
         self.calls = 0
         self.timeouts = 0
@@ -87,7 +90,9 @@ class EnvCalls:
                 self._loop = loop
             return self._loop
 
-    def _run_sync(self, fn: Any, args: tuple) -> Any:
+    def _run_sync(self, fn: Any, args: tuple, call_id: int | None = None) -> Any:
+        if call_id is not None:
+            self._began[call_id] = time.monotonic()
         out = fn(*args)
         if inspect.isawaitable(out):
             return asyncio.run_coroutine_threadsafe(_awaited(out), self._event_loop()).result()
@@ -96,12 +101,13 @@ class EnvCalls:
     def submit(self, key: Hashable, fn: Any, *args: Any) -> None:
         """Start ``fn(*args)``; its answer comes back from :meth:`poll` under ``key``."""
         call_id, self._next = self._next, self._next + 1
-        self._pending[call_id] = (key, time.monotonic())
+        self._pending[call_id] = key
         self.calls += 1
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn):  # the event loop runs it at once: no thread to wait for
+            self._began[call_id] = time.monotonic()
             fut: Future = asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop())
         else:
-            fut = self._pool.submit(self._run_sync, fn, args)
+            fut = self._pool.submit(self._run_sync, fn, args, call_id)
         fut.add_done_callback(lambda f, c=call_id: self._done.put((c, f)))
 
     def fire(self, fn: Any) -> None:
@@ -127,15 +133,19 @@ class EnvCalls:
                 break
         out: list[tuple[Hashable, Any, BaseException | None]] = []
         for call_id, fut in done:
-            entry = self._pending.pop(call_id, None)
-            if entry is None:  # timed out or cancelled before it answered
+            self._began.pop(call_id, None)
+            if call_id not in self._pending:  # timed out or cancelled before it answered
                 continue
-            exc = fut.exception()
-            out.append((entry[0], None if exc is not None else fut.result(), exc))
+            key = self._pending.pop(call_id)
+            # a coroutine that ended in CancelledError cancels its future, whose exception() raises
+            exc = (RuntimeError("the environment's call was cancelled (its coroutine ended in asyncio.CancelledError)")
+                   if fut.cancelled() else fut.exception())
+            out.append((key, None if exc is not None else fut.result(), exc))
         if self.timeout_s is not None and self._pending:
             now = time.monotonic()
-            for call_id, (key, started) in list(self._pending.items()):
-                if now - started > self.timeout_s:
+            for call_id, key in list(self._pending.items()):
+                began = self._began.get(call_id)
+                if began is not None and now - began > self.timeout_s:
                     del self._pending[call_id]
                     self.timeouts += 1
                     out.append((key, None, TimeoutError(
@@ -144,7 +154,7 @@ class EnvCalls:
 
     def cancel(self, key: Hashable) -> None:
         """Forget the calls of ``key`` (their answers are dropped)."""
-        for call_id in [c for c, (k, _) in self._pending.items() if k == key]:
+        for call_id in [c for c, k in self._pending.items() if k == key]:
             del self._pending[call_id]
 
     def pending(self) -> int:

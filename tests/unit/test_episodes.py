@@ -80,10 +80,10 @@ class ScriptedEngine:
         self.aborted.append(request_id)
 
 
-def runner(engine, tokenizer, env: dict, *, max_turns=4, max_context=64, max_new_tokens=8, timeout_s=10.0):
+def runner(engine, tokenizer, env: dict, *, max_turns=4, max_context=64, max_new_tokens=8, timeout_s=10.0, threads=4):
     factory = EnvFactory(RolloutConfig(env=env))
     return EpisodeRunner(engine, tokenizer, PromptRenderer(tokenizer, 32), SamplingParams(max_new_tokens=max_new_tokens),
-                         factory, max_turns=max_turns, max_context=max_context, threads=4, timeout_s=timeout_s)
+                         factory, max_turns=max_turns, max_context=max_context, threads=threads, timeout_s=timeout_s)
 
 
 def run_all(run: EpisodeRunner, prompts: dict[str, Prompt], timeout_s: float = 30.0):
@@ -231,6 +231,8 @@ def test_the_bad_input_table(chat_tokenizer, tokenizer):
     assert "answered badly" in ep.error and "return a StepResult" in ep.error
     ep, run = one("Slow", timeout_s=0.3)  # past rollout.env_timeout_s: that episode fails
     assert "rollout.env_timeout_s=0.3" in ep.error and run.calls.timeouts == 1
+    ep, run = one("CancelledMidCall")  # an async call ended in CancelledError: once, the worker's loop died of it
+    assert ep.finish_reason is None and "cancelled" in ep.error and run.stats.failed == 1
     # a tool call the parser cannot read: the environment is told (an error observation), nothing crashes
     ep, run = one("Echo", tok=chat_tokenizer, reply='<tool_call>{"name": oops</tool_call>',
                   max_new_tokens=40, max_context=200)
@@ -249,6 +251,31 @@ class AsyncEcho(Echo):
     async def step(self, turn):
         await asyncio.sleep(0.01)
         return Echo.step(self, turn)
+
+
+class CancelledMidCall(AsyncEcho):
+    async def reset(self, prompt):
+        return Echo.reset(self, prompt)
+
+    async def step(self, turn):
+        if self.bad:  # it awaited a sub-request that something else cancelled
+            raise asyncio.CancelledError()
+        return await AsyncEcho.step(self, turn)
+
+
+class Busy(Echo):
+    def step(self, turn):
+        time.sleep(0.3)  # a tool's work
+        return super().step(turn)
+
+
+def test_the_time_limit_counts_from_when_a_call_runs_not_from_its_wait_for_a_thread(tokenizer):
+    # 8 episodes of 2 steps of 0.3 s on 2 threads: the last steps wait about 2 s for a thread.
+    # Counted from their submission, those failed a 1 s limit that no call came near.
+    run = runner(ScriptedEngine(tokenizer, lambda req, turn: "ab"), tokenizer, {"_target_": "test_episodes.Busy"},
+                 timeout_s=1.0, threads=2)
+    done = run_all(run, {f"e{i}": Prompt(f"p{i}", "hi") for i in range(8)})
+    assert [ep.error for ep in done.values()] == [None] * 8 and run.calls.timeouts == 0
 
 
 def test_async_environments_run_on_the_event_loop(tokenizer):
