@@ -385,6 +385,8 @@ class RolloutWorker:
             log.info("worker %s: prompt %s came back to this worker, which still generates it (its lease expired "
                      "while the process was paused)", self.worker_id, prompt.prompt_id)
             held.lease = lease
+            with self._buf_lock:  # a heartbeat may have found the old delivery lost: this one is held
+                self._lost.discard(lease.lease_id)
             return
         if self.episodes is not None:  # each member an episode; its environment's reset renders its prompt
             group = _Group(lease, f"{prompt.prompt_id}:e{prompt.epoch}:{lease.lease_id}", prompt.text, [], time.time(),
