@@ -37,5 +37,5 @@ for _ = 1, n_entries do
   end
   pos = pos + 3 * n_bad
 end
-give_back(counters_key, wake_key, untrained * num(redis.call('HGET', params_key, 'group_size'), 0), 'budget')
+give_back_groups(params_key, counters_key, wake_key, untrained, 'budget')
 return done

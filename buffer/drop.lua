@@ -6,7 +6,6 @@
 local samples_key, counters_key, hist_key, dead_key, params_key, wake_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now, dead_maxlen, n_entries = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local group_size = tonumber(redis.call('HGET', params_key, 'group_size'))
 local pos, returned = 4, 0
 for _ = 1, n_entries do
   local id, why, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
@@ -31,5 +30,5 @@ for _ = 1, n_entries do
   end
   pos = pos + 4 * n_bad
 end
-give_back(counters_key, wake_key, returned * (group_size or 0), 'budget')
+give_back_groups(params_key, counters_key, wake_key, returned, 'budget')
 return returned

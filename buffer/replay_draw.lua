@@ -33,7 +33,7 @@ if version - max_staleness > 0 then
   end
   -- claimers wait on the budget given back or on the limiter's draws forgiven
   if unused > 0 then
-    give_back(counters_key, wake_prompts_key, unused * num(redis.call('HGET', params_key, 'group_size'), 0), 'dropped')
+    give_back_groups(params_key, counters_key, wake_prompts_key, unused, 'dropped')
   elseif dropped > 0 then
     wake(wake_prompts_key, 'dropped')
   end

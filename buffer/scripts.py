@@ -151,6 +151,12 @@ local function num(x, default)
   if x == false or x == nil or x == '' then return default end
   return tonumber(x)
 end
+-- give_back for `groups` whole groups of the run's group_size (read only when there are some)
+local function give_back_groups(params_key, counters_key, wake_key, groups, why)
+  if groups > 0 then
+    give_back(counters_key, wake_key, groups * num(redis.call('HGET', params_key, 'group_size'), 0), why)
+  end
+end
 -- a control value the service wrote (a counter, the version): a number, else stop with an error
 -- naming the key (buffer.connection turns it into CorruptStateError); never arithmetic on nil
 local function ctl(x, default, key, name)
