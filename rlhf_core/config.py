@@ -460,6 +460,10 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("resume_or"):
         # hydra.run.dir of rlhf-run: a resumed run logs into its own folder, not a new one
         OmegaConf.register_new_resolver("resume_or", lambda resume, default: resume or default)
+    if not OmegaConf.has_resolver("hydra_subdir"):
+        # hydra.output_subdir of rlhf-run: `.hydra/` keeps the first launch's config and overrides;
+        # each resume writes its own under `.hydra/resume-<time>/`
+        OmegaConf.register_new_resolver("hydra_subdir", lambda resume, stamp: f".hydra/resume-{stamp}" if resume else ".hydra")
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(name="base_monitor", node=MonitorConfig)

@@ -684,6 +684,10 @@ def test_resume_after_the_whole_launcher_is_killed_loses_nothing_and_trains_noth
     assert "resumed from checkpoint at version" in (out / "logs" / "learner.log").read_text()
     assert not (tmp_path / "outputs").exists()  # no new folder for the resumed launcher
     assert not (out / "redis").exists()  # a clean finish removes the Redis data
+    # Hydra's record of the first launch stays; the resume's command is kept beside it (once: overwritten)
+    assert "learner.max_updates=100000" in (out / ".hydra" / "overrides.yaml").read_text()
+    records = sorted((out / ".hydra").glob("resume-*/overrides.yaml"))  # the refused resume's too
+    assert len(records) == 2 and f"learner.max_updates={updates}" in records[-1].read_text(), records
     summary = json.loads((out / "summary.json").read_text())
     c = summary["buffer_counters"]
     assert (summary["run_id"], summary["steps"]) == (run_id, updates)
