@@ -78,6 +78,9 @@ class EnvCalls:
         # call id -> when it began running (written by the pool threads): the time limit counts
         # from there, not from a wait for a free thread
         self._began: dict[int, float] = {}
+        # calls given to the pool and not yet ended, abandoned ones included: a call past the time
+        # limit cannot be stopped and keeps its thread until it returns
+        self._on_pool: set[int] = set()
         self._next = 0
         self.calls = 0
         self.timeouts = 0
@@ -107,6 +110,7 @@ class EnvCalls:
             self._began[call_id] = time.monotonic()
             fut: Future = asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop())
         else:
+            self._on_pool.add(call_id)
             fut = self._pool.submit(self._run_sync, fn, args, call_id)
         fut.add_done_callback(lambda f, c=call_id: self._done.put((c, f)))
 
@@ -134,6 +138,7 @@ class EnvCalls:
         out: list[tuple[Hashable, Any, BaseException | None]] = []
         for call_id, fut in done:
             self._began.pop(call_id, None)
+            self._on_pool.discard(call_id)
             if call_id not in self._pending:  # timed out or cancelled before it answered
                 continue
             key = self._pending.pop(call_id)
@@ -159,6 +164,10 @@ class EnvCalls:
 
     def pending(self) -> int:
         return len(self._pending)
+
+    def queued(self) -> int:
+        """Calls waiting for a free thread: the threads abandoned calls still hold are not free."""
+        return max(0, len(self._on_pool) - self.threads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -324,7 +333,7 @@ class EpisodeRunner:
 
     def queued_for_env(self) -> int:
         """Environment calls waiting for a free thread (``rollout.env_threads``)."""
-        return max(0, self.calls.pending() - self.calls.threads)
+        return self.calls.queued()
 
     def has_work(self) -> bool:
         return bool(self.episodes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 from typing import Any, Callable
 
@@ -276,6 +277,31 @@ def test_the_time_limit_counts_from_when_a_call_runs_not_from_its_wait_for_a_thr
                  timeout_s=1.0, threads=2)
     done = run_all(run, {f"e{i}": Prompt(f"p{i}", "hi") for i in range(8)})
     assert [ep.error for ep in done.values()] == [None] * 8 and run.calls.timeouts == 0
+
+
+def test_a_call_abandoned_past_its_time_limit_still_holds_its_thread(tokenizer):
+    # 1 thread: a call past the limit is abandoned (its episode fails), but a Python thread cannot
+    # be stopped, so the next call waits for that thread. Once it was counted as running, not
+    # queued, and the worker claimed more episodes for environment threads that were not free.
+    run = runner(ScriptedEngine(tokenizer, lambda req, turn: "ab"), tokenizer, {"_target_": "test_episodes.Echo"},
+                 timeout_s=0.05, threads=1)
+    release = threading.Event()
+
+    def answers():
+        deadline = time.monotonic() + 10
+        while not (got := run.calls.poll(block_s=0.02)):
+            assert time.monotonic() < deadline, "no answer"
+        return got
+
+    try:
+        run.calls.submit("stuck", release.wait)
+        assert [(key, type(exc)) for key, _, exc in answers()] == [("stuck", TimeoutError)]
+        run.calls.submit("next", lambda: "ok")
+        assert (run.waiting_for_env(), run.queued_for_env()) == (1, 1)  # waits for the abandoned call's thread
+    finally:
+        release.set()
+    assert answers() == [("next", "ok", None)] and run.queued_for_env() == 0
+    run.close()
 
 
 def test_async_environments_run_on_the_event_loop(tokenizer):
