@@ -176,6 +176,7 @@ class Gateway:
         self.channel_up = False  # subscribed to the workers' chunks: calls are taken only then
         self.cancels_owed: set[str] = set()  # cancellations Redis did not take (down): sent again each second
         self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Task] = set()  # cancellations on their way to Redis
         self._appending = asyncio.Lock()
         self.started = time.time()
 
@@ -211,9 +212,10 @@ class Gateway:
                        asyncio.create_task(self._housekeeping(), name="gateway-expiry")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._sending]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
         if self.sessions is not None:  # the last counts: a run's summary is taken after its children stop
@@ -417,17 +419,19 @@ class Gateway:
             if unfinished:
                 assert self.sessions is not None
                 self.sessions.counters.calls_aborted += len(unfinished)
-                with anyio.CancelScope(shield=True):
-                    await self._cancel(unfinished)
+                self._cancel(unfinished)
 
-    async def _cancel(self, call_ids: list[str]) -> None:
+    def _cancel(self, call_ids: list[str]) -> None:
         """Ask the workers to abort these calls. They are owed until Redis takes them: the
         housekeeping task sends what is owed every second (a call nobody waits for would otherwise
-        hold its worker's slot until its last token); while the channel is down, Redis most likely
-        with it, they wait for that rather than hold the failed call's answer."""
+        hold its worker's slot until its last token). They are sent on a task of their own, so a
+        Redis that does not answer holds no call's answer; while the channel is down, Redis most
+        likely with it, they wait for the housekeeping."""
         self.cancels_owed.update(call_ids)
         if self.channel_up:
-            await self._send_cancels()
+            task = asyncio.create_task(self._send_cancels())
+            self._sending.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._sending.discard)
 
     async def _send_cancels(self) -> None:
         owed = list(self.cancels_owed)
