@@ -225,8 +225,9 @@ def _clipped_policy_loss(
             loss=loss.detach(),
             clip_frac=masked_mean(to_f(pg_loss2 > pg_loss1), m),
             dual_clip_frac=masked_mean(to_f(dual_clipped), m),
-            # KL(old || pi) with x ~ old, r = pi / old: k3 = (r - 1) - log r.
-            approx_kl=masked_mean(ratio_d - 1.0 - log_ratio_d, m),
+            # KL(old || pi) with x ~ old, r = pi / old: k3 = (r - 1) - log r; over the tokens pi
+            # has (a token top-k/top-p filters out under pi has log r = -inf: k3 = inf)
+            approx_kl=masked_mean(ratio_d - 1.0 - log_ratio_d, m & torch.isfinite(log_ratio_d)),
             ratio_mean=masked_mean(ratio_d, m),
             ratio_max=masked_max(ratio_d, m),
             is_weight_mean=masked_mean(isw.raw_w, m),

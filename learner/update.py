@@ -23,7 +23,9 @@
 
 The loss mask of every loss, KL, entropy, advantage and statistic is ``TrainBatch.policy_mask``
 (the tokens the policy sampled: a multi-turn episode's observations are out), AND finite
-log-probs, AND (``algo.overlong=mask``) not a truncated response.
+log-probs, AND (``algo.overlong=mask``) not a truncated response. It is fixed before training;
+a token that the weights of a later optimizer step filter out (top-k/top-p: log-prob -inf) adds
+no KL and no ``approx_kl`` (``loss/filtered_out_frac`` counts them).
 
 Policy losses: ``decoupled`` (AReaL: clip pi/pi_prox, weight by pi_prox/mu with TIS/MIS) or
 ``ppo`` (plain PPO with old = behaviour, no correction: the baseline that shows what
@@ -383,6 +385,11 @@ class PolicyUpdater:
         share = count * (self.engine.world_size / denom) if denom > 0 else 0.0
         norm_len = response_budget(self.rollout)
         logp, entropy = self._logp_entropy(self.engine.forward, mb, True)
+        # The mask was fixed before training: from the update's second optimizer step on, a token
+        # can leave these weights' top-k/nucleus (log-prob -inf). It has no KL (k3 would be
+        # inf - inf = nan); it stays in the denominators, as every masked-out token's 0 does.
+        live = mask & torch.isfinite(logp.detach())
+        m.add("loss/filtered_out_frac", masked_mean((~live).float(), mask), w)
         adv = mb.token_extras["adv"]
         prox = mb.token_extras.get("prox")
         if prox is None:  # the weights before the update are these: pi_prox is this pass, detached
@@ -399,7 +406,7 @@ class PolicyUpdater:
         if a.entropy_coef:
             total = total + bonus
         if "ref" in mb.token_extras:
-            kl = kl_estimate(logp, mb.token_extras["ref"], mask, kind=a.kl_estimator)
+            kl = kl_estimate(logp, mb.token_extras["ref"], live, kind=a.kl_estimator)
             kl_agg = aggregate(kl, mask, mode=a.agg_mode, norm_len=norm_len)
             if a.kl_mode == "loss":
                 total = total + a.kl_coef * kl_agg

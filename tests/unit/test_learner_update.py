@@ -259,6 +259,26 @@ def test_dpo_leaves_out_tokens_top_k_filters_and_still_steps(base, samples, tiny
     assert max_diff(w0, params(up.engine.module)) > 1e-6
 
 
+@pytest.mark.parametrize("kl_mode", ["loss", "reward"])
+def test_tokens_the_updated_policy_filters_out_leave_the_kl_and_every_step_is_taken(kl_mode, base, tiny_model_cfg):
+    # Sampled by these very weights at top_k=4: every token is finite under pi_prox and the
+    # reference when the update starts, so the loss mask keeps them all. After the first of 4
+    # optimizer steps (2 epochs x 2 minibatches, lr 1e-3) some leave the policy's top 4: log-prob
+    # -inf inside the mask. The k3 KL was exp(ref - (-inf)) - (ref - (-inf)) - 1 = inf - inf = nan
+    # (in the loss: gradient nan, the step skipped; in the reward: loss/kl nan) and approx_kl
+    # ratio - 1 - log ratio = 0 - 1 + inf = inf. Those tokens now leave the KL and approx_kl
+    # (counted in loss/filtered_out_frac) and stay in the denominators.
+    settings = {"rollout.top_k": 4, "learner.ppo_epochs": 2, "learner.num_minibatches": 2, "learner.batch_size": 16,
+                "learner.micro_batch_size": 8, "algo.kl_coef": 0.1, "algo.kl_mode": kl_mode}
+    smp = generate_samples(base, PROMPTS + [[23, 31]], group_size=4, max_new_tokens=6, seed=1, reward_fn=digit_reward,
+                           top_k=4)
+    up = make(base, tiny_config(tiny_model_cfg, **settings), ref=True)
+    m = up.update(smp, 0)
+    assert m["learner/nonfinite_logprob_frac"] == 0.0 and m["loss/filtered_out_frac"] > 0.0
+    assert up.engine.skipped_steps == 0 and m["learner/optimizer_steps"] == 4.0
+    assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}
+
+
 def test_entropy_bonus_enters_the_total_loss(base, samples, tiny_model_cfg):
     # total = policy - entropy_coef * entropy, per micro-batch and so in the weighted means too
     plain = make(base, tiny_config(tiny_model_cfg)).update(samples, 0)

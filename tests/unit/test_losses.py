@@ -121,6 +121,17 @@ class TestPPOClip:
         close(stats.clip_frac, 0.0)
         close(stats.approx_kl, 0.0)
 
+    def test_a_token_the_policy_filters_out_keeps_the_loss_and_approx_kl_finite(self):
+        # token 1 left the policy's top-k: logp -inf, log r = -inf, r = 0. Its loss is
+        # max(-A * 0, -A * clip(0, 0.8, 1.2)) = max(0, -0.8) = 0 with gradient 0; its k3
+        # (r - 1 - log r = inf) leaves approx_kl, the mean over token 0: e^0.1 - 1 - 0.1 = 0.0051709
+        logp = T([[-0.9, -INF]]).requires_grad_()
+        loss, stats = ppo_clip_loss(logp, T([[-1.0, -1.0]]), T([[1.0, 1.0]]), T([[1, 1]]))
+        close(loss, -math.exp(0.1) / 2)  # (-1 * e^0.1 + 0) / 2 tokens
+        close(stats.approx_kl, math.exp(0.1) - 1.1)
+        loss.backward()
+        close(logp.grad, [[-math.exp(0.1) / 2, 0.0]])
+
     def test_dual_clip(self):
         # A = -1, ratio 5: max(5, 1.2) = 5 -> dual clip min(5, c=3) = 3 (no grad)
         # A = +1, ratio 5: max(-5, -1.2) = -1.2; dual clip does not apply to A > 0
