@@ -20,6 +20,8 @@ constants for the losses.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from learner.masked import bool_mask, check_same_shape, masked_whiten, where_real
@@ -288,17 +290,21 @@ def vtrace(
 
 @torch.no_grad()
 def select_dpo_pairs(
-    rewards: torch.Tensor, group_size: int
+    rewards: torch.Tensor, group_size: int, *, eligible: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick (best, worst) by reward within each group of ``group_size`` samples.
 
     Samples ``[g * group_size, (g + 1) * group_size)`` form group ``g``. Ties
     resolve to the lowest index. A group whose rewards are all equal has no
-    preference and is marked invalid.
+    preference and is marked invalid. With ``eligible``, best and worst are
+    picked among the eligible samples only (an ineligible one counts as reward
+    ``-inf`` for the best and ``+inf`` for the worst), so a group with fewer than
+    two eligible samples of different rewards is invalid.
 
     Args:
-        rewards (torch.Tensor): ``[N]`` scalar rewards, ``N = G * group_size``.
+        rewards (torch.Tensor): ``[N]`` scalar (finite) rewards, ``N = G * group_size``.
         group_size (int): samples per prompt, >= 2.
+        eligible (torch.Tensor | None): ``[N]`` bool, the samples that may be paired (None: all).
 
     Returns:
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``chosen_idx [G]``,
@@ -307,6 +313,11 @@ def select_dpo_pairs(
     _check_groups(rewards, group_size, min_size=2)
     grouped = rewards.detach().view(-1, group_size)
     offsets = torch.arange(grouped.shape[0], device=rewards.device) * group_size
-    best, chosen = grouped.max(dim=-1)
-    worst, rejected = grouped.min(dim=-1)
+    if eligible is None:
+        best, chosen = grouped.max(dim=-1)
+        worst, rejected = grouped.min(dim=-1)
+    else:
+        ok = eligible.view(-1, group_size)
+        best, chosen = torch.where(ok, grouped, -math.inf).max(dim=-1)
+        worst, rejected = torch.where(ok, grouped, math.inf).min(dim=-1)
     return chosen + offsets, rejected + offsets, best > worst

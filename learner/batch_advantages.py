@@ -85,8 +85,10 @@ def group_relative_advantages(estimator: str, rewards: torch.Tensor, group_sizes
 
 
 @torch.no_grad()
-def dpo_pairs(rewards: torch.Tensor, group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best vs worst sample of every group with at least 2 samples and unequal rewards.
+def dpo_pairs(rewards: torch.Tensor, group_sizes: torch.Tensor,
+              eligible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best vs worst sample of every group with at least 2 samples and unequal rewards; with
+    ``eligible`` (``[B]`` bool), best vs worst of the group's eligible samples.
 
     Returns:
         ``chosen [P]`` and ``rejected [P]`` row indices of the valid pairs, in group order.
@@ -95,7 +97,7 @@ def dpo_pairs(rewards: torch.Tensor, group_sizes: torch.Tensor) -> tuple[torch.T
     for size, rows in _rows_by_size(group_sizes).items():
         if size < 2:
             continue
-        c, r, valid = adv_fn.select_dpo_pairs(rewards[rows], size)
+        c, r, valid = adv_fn.select_dpo_pairs(rewards[rows], size, eligible=None if eligible is None else eligible[rows])
         chosen.append(rows[c][valid])
         rejected.append(rows[r][valid])
         group_of.append(rows[c][valid])

@@ -432,10 +432,11 @@ class PolicyUpdater:
             m.add("loss/explained_variance", vst.explained_variance, count)
 
     def _dpo_update(self, batch: TrainBatch, rewards: torch.Tensor, version: int, m: MetricSums) -> int:
-        """Online DPO: best vs worst response of each group against the reference policy."""
+        """Online DPO: best vs worst response of each group against the reference policy, among
+        the responses with a token in the loss mask (``algo.overlong=mask``: those that finished)."""
         a, lc = self.algo, self.lcfg
         t0 = time.perf_counter()
-        chosen, rejected = batch_adv.dpo_pairs(rewards, batch.group_sizes)
+        chosen, rejected = batch_adv.dpo_pairs(rewards, batch.group_sizes, eligible=self.loss_mask(batch).any(-1))
         n_pairs = int(chosen.shape[0])
         m.set("loss/dpo_pairs", n_pairs)
         if n_pairs == 0:  # every group tied: nothing to prefer, no step (the version still advances)

@@ -127,8 +127,9 @@ class AlgoConfig:
     # DAPO (rlhf_core/dapo.py). filter_groups: a group whose rewards are all equal is dropped by the worker
     # before it takes a batch slot (counted per reason; pacing admits another prompt in its place)
     filter_groups: bool = False
-    # over-long responses: none | mask (truncated responses get zero loss weight) | shaping (DAPO's soft
-    # penalty, in [-1, 0], on responses longer than the response budget minus overlong_buffer tokens)
+    # over-long responses: none | mask (truncated responses get zero loss weight; dpo pairs only finished
+    # ones) | shaping (DAPO's soft penalty, in [-1, 0], on responses longer than the response budget minus
+    # overlong_buffer tokens)
     overlong: str = "none"
     overlong_buffer: int = 4  # tokens at the end of the response budget where shaping's penalty ramps to -1
 

@@ -148,6 +148,16 @@ class TestSelectDPOPairs:
         assert rejected.tolist() == [0, 3, 7]
         assert valid.tolist() == [True, False, True]  # group 1 is a three-way tie
 
+    def test_only_eligible_samples_are_paired(self):
+        # group 0 [1, 3, 2] without row 1: best row 2 (2), worst row 0 (1);
+        # group 1 [0, -1, 4] with row 8 alone eligible: best = worst = row 8, no pair;
+        # group 2 [7, 6, 5], none eligible: no pair
+        rewards = T([1.0, 3.0, 2.0, 0.0, -1.0, 4.0, 7.0, 6.0, 5.0])
+        eligible = torch.tensor([1, 0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+        chosen, rejected, valid = select_dpo_pairs(rewards, group_size=3, eligible=eligible)
+        assert valid.tolist() == [True, False, False]
+        assert (chosen[0].item(), rejected[0].item()) == (2, 0)
+
     def test_errors(self):
         with pytest.raises(ValueError, match="N=8.*group_size=3"):
             select_dpo_pairs(torch.zeros(8), 3)

@@ -234,6 +234,28 @@ def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
     assert max_diff(w0, params(up.engine.module)) == 0.0
 
 
+def test_dpo_under_overlong_mask_pairs_only_responses_that_finished(base, samples, tiny_model_cfg):
+    # algo.overlong=mask leaves truncated responses out of every loss; DPO paired them all the same.
+    # Every sample of the fixture ran to max_new_tokens ("length"): no pair, no step, no change.
+    cfg = tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo", "algo.overlong": "mask"})
+    up = make(base, cfg, ref=True)
+    w0 = params(up.engine.module)
+    m = up.update(samples, 0)
+    assert (m["loss/dpo_pairs"], m["learner/optimizer_steps"]) == (0.0, 0.0)
+    assert max_diff(w0, params(up.engine.module)) == 0.0
+    # rewards per group [0, 0, 0, 1/6]: the only preference is row 3's. With it truncated and the
+    # others finished, each group's finished rows tie: no pair; with rows 2 and 3 finished, 3 vs 2
+    assert [s.reward for s in samples] == [0.0, 0.0, 0.0, pytest.approx(1 / 6)] * 2
+
+    def pairs(finished):
+        smp = [copy.deepcopy(s) for s in samples]
+        for s in smp:
+            s.finish_reason = "stop" if s.group_index in finished else "length"
+        return make(base, cfg, ref=True).update(smp, 0)["loss/dpo_pairs"]
+
+    assert pairs((0, 1, 2)) == 0.0 and pairs((2, 3)) == 2.0
+
+
 def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_cfg):
     # sampled at top_k=0 but trained with top_k=3: most sampled tokens now have log-prob -inf
     up = make(base, tiny_config(tiny_model_cfg, **{"rollout.top_k": 3}))
