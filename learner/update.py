@@ -425,7 +425,7 @@ class PolicyUpdater:
             values = response_values(self.critic.forward, mb)
             vloss, vst = value_loss(values, mb.token_extras["old_values"], mb.token_extras["returns"], mask,
                                     clip_eps=a.value_clip, agg_mode=a.agg_mode, norm_len=norm_len)
-            self.critic.backward(vloss * a.vf_coef * share)
+            self.critic.backward(vloss * share)
             m.add("loss/value", vst.loss, count)
             m.add("loss/value_clip_frac", vst.clip_frac, w)
             m.add("loss/value_mean", vst.value_mean, w)

@@ -114,7 +114,6 @@ class AlgoConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_mode: str = "loss"  # loss | reward
     entropy_coef: float = 0.0
-    vf_coef: float = 0.5
     value_clip: Optional[float] = 0.2
     vtrace: bool = False
     vtrace_rho_bar: float = 1.0
@@ -233,7 +232,9 @@ class LearnerConfig:
     prometheus_port: Optional[int] = None
     export_dir: Optional[str] = None  # HF-format export at the end
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (OpenRLHF's default floor)
-    critic_lr: Optional[float] = None  # critic (gae) learning rate; null = lr
+    # critic (gae) learning rate; null = lr. The critic has its own AdamW and clipping, so this sets its step
+    # size (a coefficient on its loss would change nothing: Adam's step does not depend on the loss's scale)
+    critic_lr: Optional[float] = None
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
