@@ -9,7 +9,9 @@
   update (partial groups), as long as every rank makes the same calls.
 * Under ZeRO-3 :meth:`DeepSpeedEngine.named_full_parameters` gathers one module's own
   parameters at a time (``deepspeed.zero.GatheredParameters``) and copies them to the CPU,
-  so the full model never exists twice on the accelerator.
+  so the full model never exists twice on the accelerator. A parameter two modules share (an
+  output head tied to the input embeddings) comes out once, under the name
+  ``module.named_parameters()`` gives it, as with every other engine.
 
 Single-process runs get the ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK``
 environment filled in by :func:`init_distributed`; under ``torchrun``/``deepspeed`` it is set.
@@ -169,8 +171,13 @@ class DeepSpeedEngine:
             return
         import deepspeed
 
+        # a parameter two modules share (a tied head) goes out once, under its first name: the names
+        # and order of module.named_parameters(), which the workers' targets are built from
+        seen: set[int] = set()
         for mod_name, mod in self.module.named_modules():
-            params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad or not trainable_only]
+            params = [(n, p) for n, p in mod.named_parameters(recurse=False)
+                      if id(p) not in seen and (p.requires_grad or not trainable_only)]
+            seen.update(id(p) for _, p in params)
             if not params:
                 continue
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):

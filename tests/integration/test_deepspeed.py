@@ -71,7 +71,8 @@ def full_state(engine) -> dict:
 # ------------------------------------------------------------------ child processes
 def child_single(cache: str, out: str, ckpt: str) -> None:
     """torch, ZeRO-2, ZeRO-3, ZeRO-2 with optimizer offload, ZeRO-3 with gradient checkpointing,
-    in one process; then a ZeRO-3 checkpoint round trip."""
+    in one process; then a ZeRO-3 checkpoint round trip, and ZeRO-3 gathering and exporting a
+    model whose head is tied to its input embeddings."""
     import torch
     from learner.checkpoint import load_latest, save_checkpoint
     from learner.engine_factory import make_engine
@@ -118,6 +119,29 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     got = full_state(second.engine)
     result["ckpt"] = {"version": extra["version"], "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
                       "lr_equal": first.engine.lr == second.engine.lr, "steps": second.engine.global_step}
+
+    # a head tied to the input embeddings (Qwen2-0.5B, Llama-3.2-1B), as the torch engine names it
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from learner.checkpoint import export_hf
+    from learner.engines import full_parameters
+    from rlhf_core.models import tiny_model_config
+
+    tied_cfg = tiny_model_config(cfg.model.tiny)
+    tied_cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(tied_cfg).eval()
+    x = torch.tensor([[5, 40, 41, 20, 21]])
+    with torch.no_grad():
+        want_logits = tied(input_ids=x).logits
+    torch_names = sorted(n for n, _ in full_parameters(tied, None))
+    engine = make_engine(cfg, tied)
+    export_hf(engine, None, Path(ckpt).parent / "tied-export")
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(Path(ckpt).parent / "tied-export").eval()
+        diff = float((exported(input_ids=x).logits - want_logits).abs().max())
+    result["tied"] = {"names": sorted(full_state(engine)), "torch_names": torch_names, "export_logit_diff": diff,
+                      "export_tied": exported.lm_head.weight is exported.model.embed_tokens.weight}
     Path(out).write_text(json.dumps(result))
     shutdown_distributed()
 
@@ -292,6 +316,18 @@ def test_zero3_checkpoint_round_trip(single_run):
     ck = single_run["ckpt"]
     assert ck["version"] == 1 and ck["lr_equal"] and ck["steps"] == 2
     assert ck["max_diff"] == 0.0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero3_gathers_a_tied_head_once_under_the_torch_engines_name(single_run):
+    # module.named_parameters() lists a Parameter shared by two modules once (model.embed_tokens);
+    # ZeRO-3 walked module by module and yielded it again as lm_head.weight, so every worker
+    # (its target lists the torch names) refused every version
+    tied = single_run["tied"]
+    assert tied["names"] == tied["torch_names"] and "lm_head.weight" not in tied["names"]
+    assert tied["export_tied"] and tied["export_logit_diff"] < 1e-5
 
 
 @pytest.mark.integration
