@@ -155,10 +155,12 @@ def compile_blocks(module: torch.nn.Module) -> int:
 class TorchEngine:
     """Plain torch: AdamW + LambdaLR, clip_grad_norm_, one process.
 
-    A model held below fp32 (``model.dtype=bfloat16`` or ``float16``) is optimised through fp32
-    master copies of its trainable parameters: gradients are copied up, AdamW steps the masters,
-    and the masters are rounded back into the model. Stepped directly, bf16 weights lose every
-    update smaller than their precision (about 0.4% of a weight: at lr 1e-6, all of them).
+    A model held in bf16 (``model.dtype=bfloat16``) is optimised through fp32 master copies of its
+    trainable parameters: gradients are copied up, AdamW steps the masters, and the masters are
+    rounded back into the model. Stepped directly, bf16 weights lose every update smaller than
+    their precision (about 0.4% of a weight: at lr 1e-6, all of them). There is no loss scaling,
+    so ``model.dtype=float16`` is refused with this engine (``rlhf_core.config.validate``): its
+    gradients of a loss scaled to a micro-batch's share underflow to 0.
     """
 
     rank = 0

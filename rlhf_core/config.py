@@ -63,7 +63,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     ref_path: Optional[str] = None  # reference policy; defaults to `path` (the initial policy)
     critic_path: Optional[str] = None  # value model; defaults to a value head on `path`
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (float16 trains with learner.engine=deepspeed only)
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     cache_dir: str = "~/.cache/rlhf-service"
     trust_remote_code: bool = False
@@ -547,7 +547,7 @@ def validate(cfg: Any) -> None:
     validate_model(cfg.model, cfg.rollout)
     validate_lora(cfg.model.lora, cfg.rollout)
     validate_data(cfg.data)
-    validate_learner(cfg.learner)
+    validate_learner(cfg.learner, cfg.model)
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
     validate_run(cfg.run)
@@ -800,14 +800,18 @@ def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> 
                           "(buffer.max_reuse=1, buffer.samples_per_insert=null, buffer.sampling=fifo)")
 
 
-def validate_learner(learner: LearnerConfig) -> None:
-    """The learning-rate floor, the checkpoints kept, and compilation's engine."""
+def validate_learner(learner: LearnerConfig, model: ModelConfig) -> None:
+    """The learning-rate floor, the checkpoints kept, and the engine compilation and float16 need."""
     if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
                           f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
     if learner.compile is True and learner.engine != "torch":
         raise ConfigError("learner.compile=true works with learner.engine=torch only (DeepSpeed wraps and partitions "
                           "the model itself); drop learner.compile or use the torch engine")
+    if model.dtype == "float16" and learner.engine == "torch":
+        raise ConfigError("model.dtype=float16 with learner.engine=torch: the torch engine does not scale the loss, so "
+                          "float16 gradients underflow to 0 and updates are lost; use model.dtype=bfloat16 (or float32), "
+                          "or learner.engine=deepspeed (its ZeRO optimizer scales the loss for float16)")
 
 
 def validate_buffer(buf: BufferConfig, learner: LearnerConfig) -> None:
