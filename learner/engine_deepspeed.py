@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
-from learner.engines import lr_lambda, make_optimizer, persistent_buffers
+from learner.engines import apply_config_hyperparameters, lr_lambda, make_optimizer, persistent_buffers
 from rlhf_core.config import ConfigError, LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class DeepSpeedEngine:
         on_gpu = next(module.parameters()).is_cuda
         bf16_model = any(p.dtype == torch.bfloat16 for p in module.parameters())
         self.config = ds_config(cfg, self.world_size, on_gpu, bf16_model)
-        optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr)
+        self.base_lr = cfg.lr if lr is None else lr
+        optimizer = make_optimizer(module, cfg, self.base_lr)
         schedule = lr_lambda(cfg)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
@@ -202,3 +203,4 @@ class DeepSpeedEngine:
         )
         if path is None:
             raise ConfigError(f"no DeepSpeed checkpoint (tag {CHECKPOINT_TAG!r}) in {directory}")
+        apply_config_hyperparameters(self.scheduler, self.cfg, self.base_lr)

@@ -91,6 +91,31 @@ def make_optimizer(module: torch.nn.Module, cfg: LearnerConfig, lr: float,
                              fused=True if fused else None)
 
 
+def apply_config_hyperparameters(scheduler: Any, cfg: LearnerConfig, lr: float) -> None:
+    """After a checkpoint's optimizer and schedule were loaded: the run's own lr, betas, eps and
+    weight decay, not the checkpoint's. Both state dicts carry them (an optimizer's param groups,
+    ``LambdaLR``'s ``base_lrs``), so a run resumed with ``learner.lr=...`` (README, "Stopping and
+    resuming") trained on at the old ones. The lr of the next step is the schedule's (this
+    config's: warm-up, cosine over ``max_updates``) at the steps taken, times ``lr``. Logs what
+    changed."""
+    want = {"initial_lr": float(lr), "betas": tuple(float(b) for b in cfg.adam_betas), "eps": float(cfg.adam_eps),
+            "weight_decay": float(cfg.weight_decay)}
+    groups = scheduler.optimizer.param_groups
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group, schedule in zip(groups, scheduler.lr_lambdas):
+        for key, value in want.items():
+            old = tuple(group[key]) if key == "betas" else group.get(key)
+            if old != value:
+                changed[key] = (old, value)
+            group[key] = value
+        group["lr"] = float(lr) * schedule(scheduler.last_epoch)
+    scheduler.base_lrs = [float(lr)] * len(groups)
+    scheduler._last_lr = [group["lr"] for group in groups]
+    if changed:
+        log.info("the run's optimizer settings replace the checkpoint's: %s",
+                 ", ".join(f"{'lr' if k == 'initial_lr' else k} {old} -> {new}" for k, (old, new) in changed.items()))
+
+
 def full_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU copy) of every parameter and persistent buffer, in state-dict names."""
     for name, p in module.named_parameters():
@@ -178,7 +203,8 @@ class TorchEngine:
         self.params = [p for p in module.parameters() if p.requires_grad]
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if low else None
-        self.optimizer = make_optimizer(module, cfg, cfg.lr if lr is None else lr, params=self.masters, fused=True)
+        self.base_lr = cfg.lr if lr is None else lr
+        self.optimizer = make_optimizer(module, cfg, self.base_lr, params=self.masters, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.skipped_steps = 0
 
@@ -259,6 +285,7 @@ class TorchEngine:
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
         sched = torch.load(d / "scheduler.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(sched["scheduler"])
+        apply_config_hyperparameters(self.scheduler, self.cfg, self.base_lr)
         self.skipped_steps = int(sched["skipped_steps"])
         if self.masters is not None:
             saved = d / "masters.pt"

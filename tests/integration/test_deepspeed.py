@@ -119,6 +119,16 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     got = full_state(second.engine)
     result["ckpt"] = {"version": extra["version"], "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
                       "lr_equal": first.engine.lr == second.engine.lr, "steps": second.engine.global_step}
+    # resumed with another lr and weight decay: the run's, not the checkpoint's (README: resume)
+    from learner.engines import lr_lambda
+
+    changed = make_cfg(cache, "deepspeed", 3)
+    changed.learner.lr, changed.learner.weight_decay = 1e-4, 0.1
+    third = make_engine(changed, copy.deepcopy(base))
+    load_latest(ckpt, third)
+    result["ckpt"]["resumed_changed"] = {
+        "lr": third.lr, "want_lr": 1e-4 * lr_lambda(changed.learner)(third.global_step),
+        "weight_decay": third.optimizer.param_groups[0]["weight_decay"], "steps": third.global_step}
 
     # a head tied to the input embeddings (Qwen2-0.5B, Llama-3.2-1B), as the torch engine names it
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -316,6 +326,9 @@ def test_zero3_checkpoint_round_trip(single_run):
     ck = single_run["ckpt"]
     assert ck["version"] == 1 and ck["lr_equal"] and ck["steps"] == 2
     assert ck["max_diff"] == 0.0
+    changed = ck["resumed_changed"]  # the optimizer's groups and the schedule held the checkpoint's
+    assert changed["steps"] == 1 and changed["lr"] == pytest.approx(changed["want_lr"], rel=1e-12)
+    assert changed["weight_decay"] == 0.1
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ import copy
 import os
 import shutil
 import json
+import math
 import random
 
 import numpy as np
@@ -82,6 +83,33 @@ def test_resume_continues_bit_for_bit(estimator, base, batches, tiny_model_cfg, 
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert resumed.engine.lr == straight.engine.lr and resumed.engine.global_step == straight.engine.global_step == 16
     assert again["loss/policy"] == last["loss/policy"] and again["reward/running_mean"] == last["reward/running_mean"]
+
+
+def test_resume_trains_with_the_configs_optimizer_settings(base, batches, tiny_model_cfg, tmp_path, caplog):
+    # `rlhf-run resume=<folder> learner.lr=...` changes the run's settings (README), but the
+    # optimizer's param groups and LambdaLR's base_lrs in the checkpoint carried the old lr, betas,
+    # eps and weight decay, and the resumed run trained on with them (the critic's too)
+    cfg = resume_cfg(tiny_model_cfg, **{"algo.estimator": "gae"})
+    critic_model = load_critic(tiny_model_cfg)
+    first = build(base, cfg, critic_model)
+    first.update(batches[0], 0)  # 2 epochs x 2 minibatches: 4 optimizer steps
+    save_checkpoint(tmp_path, "v00000001", first.engine, first.critic, {"version": 1})
+    new = resume_cfg(tiny_model_cfg, **{"algo.estimator": "gae", "learner.lr": 1e-4, "learner.critic_lr": 2e-4,
+                                        "learner.weight_decay": 0.1, "learner.adam_betas": [0.8, 0.99],
+                                        "learner.adam_eps": 1e-6, "learner.max_updates": 12})
+    resumed = build(base, new, critic_model)
+    with caplog.at_level("INFO", logger="learner.engines"):
+        load_latest(tmp_path, resumed.engine, resumed.critic)
+    # step 4 of the new schedule: warm-up 2, then cosine over 12 x 4 = 48 steps down to 0.1:
+    # 0.1 + 0.9 * 0.5 * (1 + cos(pi * 2 / 46)) = 0.995806
+    factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 / 46))
+    for engine, lr in ((resumed.engine, 1e-4), (resumed.critic, 2e-4)):
+        group = engine.optimizer.param_groups[0]
+        assert engine.global_step == 4 and engine.lr == pytest.approx(lr * factor, rel=1e-12)
+        assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.1, (0.8, 0.99), 1e-6)
+    assert "lr 0.003 -> 0.0001" in caplog.text and "weight_decay 0.0 -> 0.1" in caplog.text
+    resumed.update(batches[1], 1)  # the schedule goes on from there: step 8 at the new lr
+    assert resumed.engine.lr == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 6 / 46))))
 
 
 def test_rng_states_are_restored(base, tiny_model_cfg, tmp_path):
