@@ -172,6 +172,7 @@ def flops_metrics(params: int, tokens: float, seconds: float, peak: float | None
                   trainable: int | None = None) -> dict[str, float]:
     """Training FLOP/s as ``6 * params * tokens / seconds`` (forward 2, backward 4 per parameter
     and token; recomputation passes and attention are not counted) and MFU against ``peak``.
+    ``tokens``: those trained, each as often as it was (once per epoch of an update).
     ``trainable`` (default: all ``params``): the parameters that get gradients; frozen ones
     (LoRA's base weights) cost the forward 2 and the backward to the activations 2, not the
     weight gradient 2: ``(4 * params + 2 * trainable) * tokens``.

@@ -260,9 +260,9 @@ class PolicyUpdater:
             m.set("reward/running_std", self.reward_stats.std)
         lr = self.engine.lr
         if self.algo.estimator == "dpo":
-            steps = self._dpo_update(batch, rewards, learner_version, m)
+            steps, trained = self._dpo_update(batch, rewards, learner_version, m)
         else:
-            steps = self._ppo_update(batch, rewards, learner_version, m)
+            steps, trained = self._ppo_update(batch, rewards, learner_version, m)
         m.reduce(all_reduce_sum, all_reduce_max)
         out = m.result()
         elapsed = time.perf_counter() - t_start
@@ -274,8 +274,7 @@ class PolicyUpdater:
             "learner/samples_per_s": batch.num_rows / elapsed,
             "learner/tokens_per_s": float(batch.policy_mask.sum()) / elapsed,
         })
-        out.update(flops_metrics(self.total_params, float(batch.attention_mask.sum()), elapsed, self.peak_flops,
-                                 trainable=self.trainable_params))
+        out.update(flops_metrics(self.total_params, trained, elapsed, self.peak_flops, trainable=self.trainable_params))
         return out
 
     def _shard(self, n: int) -> tuple[list[int], list[bool]]:
@@ -303,7 +302,9 @@ class PolicyUpdater:
         it = iter(flat.tolist())
         return [[next(it) for _ in ep] for ep in parts]
 
-    def _ppo_update(self, batch: TrainBatch, rewards: torch.Tensor, version: int, m: MetricSums) -> int:
+    def _ppo_update(self, batch: TrainBatch, rewards: torch.Tensor, version: int, m: MetricSums) -> tuple[int, float]:
+        """Returns the optimizer steps taken and the tokens trained (forward and backward): every
+        token of the batch (prompt and response), once per epoch."""
         a, lc = self.algo, self.lcfg
         t0 = time.perf_counter()
         rows, fillers = self._shard(batch.num_rows)
@@ -373,7 +374,7 @@ class PolicyUpdater:
                     m.add("learner/critic_grad_norm", self.critic.step())
                 steps += 1
         m.set("learner/time_train_s", time.perf_counter() - t1)
-        return steps
+        return steps, float(batch.attention_mask.sum()) * lc.ppo_epochs
 
     def _ppo_micro(self, mb: TrainBatch, denom: float, m: MetricSums) -> None:
         a = self.algo
@@ -431,9 +432,10 @@ class PolicyUpdater:
             m.add("loss/value_mean", vst.value_mean, w)
             m.add("loss/explained_variance", vst.explained_variance, count)
 
-    def _dpo_update(self, batch: TrainBatch, rewards: torch.Tensor, version: int, m: MetricSums) -> int:
+    def _dpo_update(self, batch: TrainBatch, rewards: torch.Tensor, version: int, m: MetricSums) -> tuple[int, float]:
         """Online DPO: best vs worst response of each group against the reference policy, among
-        the responses with a token in the loss mask (``algo.overlong=mask``: those that finished)."""
+        the responses with a token in the loss mask (``algo.overlong=mask``: those that finished).
+        Returns the optimizer steps and the tokens trained: the pairs' rows', once per epoch."""
         a, lc = self.algo, self.lcfg
         t0 = time.perf_counter()
         chosen, rejected = batch_adv.dpo_pairs(rewards, batch.group_sizes, eligible=self.loss_mask(batch).any(-1))
@@ -441,7 +443,7 @@ class PolicyUpdater:
         m.set("loss/dpo_pairs", n_pairs)
         if n_pairs == 0:  # every group tied: nothing to prefer, no step (the version still advances)
             m.set("learner/time_prepare_s", time.perf_counter() - t0)
-            return 0
+            return 0, 0.0
         pair_rows, fillers = self._shard(n_pairs)
         rows = [int(x) for p in pair_rows for x in (chosen[p], rejected[p])]
         local = batch.select(rows, drop=[f for f in fillers for _ in (0, 1)])
@@ -487,7 +489,7 @@ class PolicyUpdater:
                 m.add_max("learner/grad_norm_max", norm)
                 steps += 1
         m.set("learner/time_train_s", time.perf_counter() - t1)
-        return steps
+        return steps, float(batch.attention_mask[torch.cat([chosen, rejected])].sum()) * lc.ppo_epochs
 
     # ------------------------------------------------------------------ metrics
     def _batch_metrics(self, batch: TrainBatch, samples: Sequence[Sample], version: int, m: MetricSums) -> None:

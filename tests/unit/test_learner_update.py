@@ -366,6 +366,20 @@ def test_flops_and_mfu_of_an_update():
     assert peak_flops(torch.device("cpu"), 50.0) == 50e12  # learner.peak_tflops
 
 
+@pytest.mark.parametrize("estimator, epochs, tokens", [("grpo", 2, 152), ("dpo", 3, 114)])
+def test_flops_count_the_tokens_each_epoch_trains(estimator, epochs, tokens, base, samples, tiny_model_cfg):
+    # rows of 2 + 6 and 5 + 6 tokens, 4 of each: 76 tokens, each trained once per epoch, so 2
+    # epochs train 152 (76 were counted, half the FLOPs done). DPO trains its pairs alone: rows
+    # 3 and 0 of each group (rewards [0, 0, 0, 1/6]), 2 x 8 + 2 x 11 = 38 an epoch, 114 in 3
+    from rlhf_core import metric_names as M
+
+    up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": estimator, "learner.ppo_epochs": epochs}), ref=True)
+    m = up.update(samples, 0)
+    assert m["learner/optimizer_steps"] == float(epochs)
+    # TFLOPS = 6 x params x tokens / time
+    assert m[M.TRAIN_TFLOPS] * 1e12 * m["learner/time_compute_s"] / (6 * up.total_params) == pytest.approx(tokens)
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg, entropy_coef, monkeypatch):
     # learner.logits_chunk_tokens=4: every micro-batch goes through the chunked LM head, by the
