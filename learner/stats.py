@@ -151,10 +151,30 @@ def _on_device(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_cpu
 
 
-#: Dense bf16 peak TFLOPS by device name (NVIDIA's datasheets, without sparsity); the first
-#: key contained in ``torch.cuda.get_device_name()`` wins.
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("L4", 121.0),
-               ("4090", 165.0))
+#: Dense bf16 peak TFLOPS by device name: NVIDIA's datasheets, the figure without sparsity (half
+#: the "with sparsity" one). The longest key contained in ``torch.cuda.get_device_name()`` wins
+#: (case aside), so a variant's own figure beats its family's: "H100 PCIe" before "H100", "L40S"
+#: and "L40" before "L4".
+PEAK_TFLOPS = {
+    "H200": 989.0,  # H200 SXM (GH200's figure too)
+    "H200 NVL": 835.0,
+    "H100": 989.0,  # H100 SXM ("H100 80GB HBM3")
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "A100": 312.0,  # SXM and PCIe alike
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10G": 70.0,  # AWS's A10G
+    "4090": 165.0,  # GeForce RTX 4090, bf16 with fp32 accumulation
+}
+
+
+def peak_tflops_by_name(name: str) -> float | None:
+    """The dense bf16 peak of the GPU ``name`` (``torch.cuda.get_device_name()``) from
+    :data:`PEAK_TFLOPS`: the longest key the name contains; None for a GPU not listed."""
+    keys = [key for key in PEAK_TFLOPS if key.lower() in name.lower()]
+    return PEAK_TFLOPS[max(keys, key=len)] if keys else None
 
 
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
@@ -164,8 +184,8 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
         return float(override_tflops) * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+    tflops = peak_tflops_by_name(torch.cuda.get_device_name(device))
+    return None if tflops is None else tflops * 1e12
 
 
 def flops_metrics(params: int, tokens: float, seconds: float, peak: float | None,

@@ -366,6 +366,20 @@ def test_flops_and_mfu_of_an_update():
     assert peak_flops(torch.device("cpu"), 50.0) == 50e12  # learner.peak_tflops
 
 
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40", 181.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 70.0),
+    ("NVIDIA GeForce RTX 4090", 165.0), ("NVIDIA GeForce RTX 3090", None),
+])
+def test_peak_tflops_of_a_gpu_by_its_exact_variant(name, tflops):
+    # the first key contained in the name won: the L40 got the L4's 121 (MFU 1.5x too high), the
+    # H100 PCIe and NVL the SXM's 989 (MFU 24% and 16% too low); now the longest key contained
+    from learner.stats import peak_tflops_by_name
+
+    assert peak_tflops_by_name(name) == tflops
+
+
 @pytest.mark.parametrize("estimator, epochs, tokens", [("grpo", 2, 152), ("dpo", 3, 114)])
 def test_flops_count_the_tokens_each_epoch_trains(estimator, epochs, tokens, base, samples, tiny_model_cfg):
     # rows of 2 + 6 and 5 + 6 tokens, 4 of each: 76 tokens, each trained once per epoch, so 2
