@@ -604,6 +604,10 @@ def validate_batch_shape(algo: AlgoConfig, learner: LearnerConfig) -> None:
     """Groups, batches, minibatches and micro-batches must divide into each other."""
     if algo.group_size < 1:
         raise ConfigError(f"algo.group_size must be >= 1, got {algo.group_size}")
+    if learner.batch_size < 1:
+        raise ConfigError(f"learner.batch_size must be >= 1 (samples per update), got {learner.batch_size}")
+    if learner.num_minibatches < 1:
+        raise ConfigError(f"learner.num_minibatches must be >= 1 (optimizer steps per epoch), got {learner.num_minibatches}")
     if algo.estimator in ("grpo", "dr_grpo", "rloo", "dpo") and algo.group_size < 2:
         raise ConfigError(
             f"algo.estimator={algo.estimator} compares responses of one prompt, so algo.group_size "

@@ -135,6 +135,9 @@ def test_wrong_type_is_refused_at_composition():
         (["learner.batch_size=32", "learner.num_minibatches=3", "learner.micro_batch_size=2"],
          "learner.batch_size 32 is not divisible by learner.num_minibatches 3"),
         (["learner.micro_batch_size=64"], "learner.micro_batch_size 64 must be between 1 and the minibatch size 32"),
+        # once a ZeroDivisionError (batch_size % 0), and a batch of 0 blamed micro_batch_size
+        (["learner.num_minibatches=0"], r"learner.num_minibatches must be >= 1 \(optimizer steps per epoch\), got 0"),
+        (["learner.batch_size=0"], r"learner.batch_size must be >= 1 \(samples per update\), got 0"),
         (["algo.group_size=1"], "algo.estimator=grpo compares responses of one prompt"),
         (["algo.max_staleness=-1"], "algo.max_staleness must be >= 0, got -1"),
         (["algo.estimator=ppo2"], "algo.estimator='ppo2' is not one of"),
