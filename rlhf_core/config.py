@@ -777,6 +777,13 @@ def validate_data(data: DataConfig) -> None:
     if data.source not in ("builtin", "none") and not data.path:
         raise ConfigError(f"data.source={data.source} needs data.path=/path/to/prompts (a local file or folder); "
                           "or use data=builtin, the default task")
+    validate_shuffle_seed(data, "data")
+
+
+def validate_shuffle_seed(data: DataConfig, key: str) -> None:
+    """``<key>.seed`` seeds numpy's shuffle of each epoch (``buffer.datasets``), which takes no negative seed."""
+    if data.seed < 0:
+        raise ConfigError(f"{key}.seed must be >= 0 (it seeds the shuffle of each epoch), got {data.seed}")
 
 
 def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> None:
@@ -894,6 +901,7 @@ def validate_eval(ev: EvalConfig) -> None:
     if ev.data.source != "builtin" and not ev.data.path:
         raise ConfigError(f"eval.data.source={ev.data.source} needs eval.data.path=/path/to/held_out_prompts; "
                           "or use eval.data.source=builtin")
+    validate_shuffle_seed(ev.data, "eval.data")
 
 
 #: run.loggers -> the module each needs (extra `tracking`)

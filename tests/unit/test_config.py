@@ -155,6 +155,9 @@ def test_wrong_type_is_refused_at_composition():
         (["weight_server.shm=yes"], "weight_server.shm must be one of auto, off, got 'yes'"),
         (["weight_server.shm_dir=shm"], "weight_server.shm_dir must be an absolute path"),
         (["buffer.capacity=8"], "buffer.capacity 8 is smaller than one batch"),
+        # numpy's shuffle of every epoch raised on them, and the producer retried it for ever: no prompt, no word
+        (["data.seed=-1"], r"data.seed must be >= 0 \(it seeds the shuffle of each epoch\), got -1"),
+        (["eval.every=10", "eval.data.seed=-2"], r"eval.data.seed must be >= 0 \(it seeds the shuffle of each epoch\), got -2"),
     ],
 )
 def test_validation_names_the_numbers(overrides, message):
