@@ -686,33 +686,39 @@ def response_budget(rollout: Any) -> int:
 
 
 def validate_episodes(algo: AlgoConfig, rollout: RolloutConfig, ev: "EvalConfig") -> None:
-    """Multi-turn settings (checked when ``rollout.env`` names an environment) and DAPO's options."""
+    """The response budget (checked with or without an environment: the buffer refuses longer
+    responses either way), multi-turn settings (when ``rollout.env`` names an environment) and DAPO's options."""
     from rlhf_core.dapo import OVERLONG_MODES
 
     if algo.overlong not in OVERLONG_MODES:
         raise ConfigError(f"algo.overlong must be one of {', '.join(OVERLONG_MODES)}, got {algo.overlong!r}")
-    budget = response_budget(rollout)
-    if algo.overlong == "shaping" and not 0 < algo.overlong_buffer < budget:
-        raise ConfigError(f"algo.overlong_buffer {algo.overlong_buffer} must be between 1 and the response budget "
-                          f"{budget} - 1 (rollout.max_new_tokens, or rollout.max_episode_tokens with an environment)")
-    if algo.filter_groups and algo.estimator not in ("grpo", "dr_grpo", "rloo", "dpo"):
-        raise ConfigError(f"algo.filter_groups drops groups whose rewards are all equal, which teach nothing only to a "
-                          f"group-relative estimator (grpo, dr_grpo, rloo, dpo); algo.estimator={algo.estimator} learns "
-                          "from them: set algo.filter_groups=false")
     env = rollout.env
     if not isinstance(env, Mapping):
         raise ConfigError(f"rollout.env must be a mapping with _target_: dotted.path.to.Environment, got {env!r}")
-    if env_target(rollout) is None:
+    has_env = env_target(rollout) is not None
+    if not has_env:
         extra = sorted(k for k, v in env.items() if k != "_target_" and v is not None)
         if extra:
             raise ConfigError(f"rollout.env has settings {extra} but no _target_: name the environment class "
                               "(rollout.env._target_=my_pkg.envs.MyEnv)")
-        return
-    if rollout.max_turns < 1:
+    elif rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns must be >= 1 (assistant turns per episode), got {rollout.max_turns}")
-    if budget < rollout.max_new_tokens:
-        raise ConfigError(f"rollout.max_episode_tokens {budget} is below rollout.max_new_tokens {rollout.max_new_tokens}: "
-                          "an episode's response must hold at least one whole turn")
+    if rollout.max_episode_tokens is not None and rollout.max_episode_tokens < rollout.max_new_tokens:
+        raise ConfigError(f"rollout.max_episode_tokens {rollout.max_episode_tokens} is below rollout.max_new_tokens "
+                          f"{rollout.max_new_tokens}: a response must hold at least one whole reply (the buffer refuses "
+                          "longer responses, so nearly every sample would be dead-lettered)")
+    budget = response_budget(rollout)
+    if algo.overlong == "shaping" and not 0 < algo.overlong_buffer < budget:
+        setting = ("rollout.max_episode_tokens" if rollout.max_episode_tokens is not None
+                   else "2 * rollout.max_turns * rollout.max_new_tokens" if has_env else "rollout.max_new_tokens")
+        raise ConfigError(f"algo.overlong_buffer {algo.overlong_buffer} must be between 1 and the response budget "
+                          f"{budget} ({setting}) - 1")
+    if algo.filter_groups and algo.estimator not in ("grpo", "dr_grpo", "rloo", "dpo"):
+        raise ConfigError(f"algo.filter_groups drops groups whose rewards are all equal, which teach nothing only to a "
+                          f"group-relative estimator (grpo, dr_grpo, rloo, dpo); algo.estimator={algo.estimator} learns "
+                          "from them: set algo.filter_groups=false")
+    if not has_env:
+        return
     if rollout.env_threads < 1:
         raise ConfigError(f"rollout.env_threads must be >= 1, got {rollout.env_threads}")
     if rollout.env_timeout_s is not None and not (0 < rollout.env_timeout_s < math.inf):
