@@ -648,6 +648,13 @@ def validate_algo(algo: AlgoConfig) -> None:
         raise ConfigError(f"algo.gamma {algo.gamma} and algo.lam {algo.lam} must lie in [0, 1]")
     if not 0 <= algo.dpo_label_smoothing < 0.5:
         raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {algo.dpo_label_smoothing}")
+    if algo.value_clip is not None and not algo.value_clip > 0:
+        raise ConfigError(f"algo.value_clip must be > 0 (or null: no clipping), got {algo.value_clip}")
+    if not algo.kl_coef >= 0:
+        raise ConfigError(f"algo.kl_coef must be >= 0 (0: no KL term), got {algo.kl_coef}")
+    if algo.vtrace and algo.estimator != "gae":
+        raise ConfigError(f"algo.vtrace=true corrects the critic's targets of algo.estimator=gae; algo.estimator="
+                          f"{algo.estimator} has no critic, so it would change nothing: set algo.vtrace=false")
 
 
 def validate_rollout(rollout: RolloutConfig) -> None:
@@ -656,8 +663,8 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.max_new_tokens {rollout.max_new_tokens} and rollout.max_prompt_tokens {rollout.max_prompt_tokens} must be >= 1"
         )
-    if rollout.temperature <= 0:
-        raise ConfigError(f"rollout.temperature must be > 0 (sampling is required for RL), got {rollout.temperature}")
+    if not 0 < rollout.temperature < math.inf:
+        raise ConfigError(f"rollout.temperature must be > 0 and finite (sampling is required for RL), got {rollout.temperature}")
     if not 0 < rollout.top_p <= 1 or rollout.top_k < 0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and top_k >= 0, got {rollout.top_p}, {rollout.top_k}")
     if rollout.prefill_chunk_tokens < 1:
@@ -818,10 +825,17 @@ def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> 
 
 
 def validate_learner(learner: LearnerConfig, model: ModelConfig) -> None:
-    """The learning-rate floor, the checkpoints kept, and the engine compilation and float16 need."""
+    """The learning rates and their floor, the run's length in updates, the checkpoints kept, and the
+    engine compilation and float16 need."""
     if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
                           f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
+    if learner.max_updates < 1 or learner.ppo_epochs < 1:
+        raise ConfigError(f"learner.max_updates and learner.ppo_epochs must be >= 1 (a run also ends at run.max_seconds), "
+                          f"got {learner.max_updates}, {learner.ppo_epochs}")
+    if not all(0 <= lr < math.inf for lr in (learner.lr, learner.critic_lr) if lr is not None):
+        raise ConfigError(f"learner.lr and learner.critic_lr must be >= 0 and finite (critic_lr null: lr), got "
+                          f"{learner.lr}, {learner.critic_lr}")
     if learner.compile is True and learner.engine != "torch":
         raise ConfigError("learner.compile=true works with learner.engine=torch only (DeepSpeed wraps and partitions "
                           "the model itself); drop learner.compile or use the torch engine")
@@ -841,6 +855,11 @@ def validate_buffer(buf: BufferConfig, learner: LearnerConfig) -> None:
         raise ConfigError(f"buffer.samples_per_insert must be > 0 or null, got {buf.samples_per_insert}")
     if buf.capacity < learner.batch_size:
         raise ConfigError(f"buffer.capacity {buf.capacity} is smaller than one batch (learner.batch_size {learner.batch_size})")
+    if not buf.heartbeat_interval_s > 0:
+        raise ConfigError(f"buffer.heartbeat_interval_s must be > 0 seconds, got {buf.heartbeat_interval_s}")
+    if buf.max_deliveries < 1:
+        raise ConfigError(f"buffer.max_deliveries must be >= 1 (deliveries of a prompt before it is dead-lettered), "
+                          f"got {buf.max_deliveries}")
     if buf.lease_timeout_s <= buf.heartbeat_interval_s:
         raise ConfigError(
             f"buffer.lease_timeout_s {buf.lease_timeout_s} must exceed buffer.heartbeat_interval_s {buf.heartbeat_interval_s}, "
@@ -902,8 +921,8 @@ def validate_eval(ev: EvalConfig) -> None:
                           "per prompt, the chance that one of k passes); raise eval.n or drop the larger k")
     if ev.num_prompts is not None and ev.num_prompts < 1:
         raise ConfigError(f"eval.num_prompts must be >= 1 or null (all of eval.data), got {ev.num_prompts}")
-    if ev.temperature is not None and ev.temperature <= 0:
-        raise ConfigError(f"eval.temperature must be > 0 (pass@k needs sampling) or null (rollout.temperature), got {ev.temperature}")
+    if ev.temperature is not None and not 0 < ev.temperature < math.inf:
+        raise ConfigError(f"eval.temperature must be > 0 and finite (pass@k needs sampling) or null (rollout.temperature), got {ev.temperature}")
     if ev.data.source != "builtin" and not ev.data.path:
         raise ConfigError(f"eval.data.source={ev.data.source} needs eval.data.path=/path/to/held_out_prompts; "
                           "or use eval.data.source=builtin")

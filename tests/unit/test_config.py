@@ -141,6 +141,11 @@ def test_wrong_type_is_refused_at_composition():
         (["algo.group_size=1"], "algo.estimator=grpo compares responses of one prompt"),
         (["algo.max_staleness=-1"], "algo.max_staleness must be >= 0, got -1"),
         (["algo.estimator=ppo2"], "algo.estimator='ppo2' is not one of"),
+        # passed validate, then value_loss raised at the first update / V-trace did nothing but force a pi_prox pass /
+        # a negative KL coefficient rewarded drifting from the reference (kl_mode=reward: raised at the first update)
+        (["algo.estimator=gae", "algo.value_clip=0"], r"algo.value_clip must be > 0 \(or null: no clipping\), got 0.0"),
+        (["algo.vtrace=true"], "algo.vtrace=true corrects the critic's targets of algo.estimator=gae; algo.estimator=grpo"),
+        (["algo.kl_coef=-0.1"], r"algo.kl_coef must be >= 0 \(0: no KL term\), got -0.1"),
         (["algo.is_correction=mis", "algo.mis_low=2.0", "algo.mis_high=1.0"], r"mis_low < algo.mis_high, got \[2.0, 1.0\]"),
         (["algo.is_level=sequence", "algo.is_correction=mis", "algo.seq_mis_low=1.01", "algo.seq_mis_high=1.0"],
          r"algo.seq_mis_low < algo.seq_mis_high, got \[1.01, 1.0\]"),
@@ -148,6 +153,9 @@ def test_wrong_type_is_refused_at_composition():
         (["rollout.max_prompt_tokens=200", "rollout.max_new_tokens=100"],
          "rollout.max_prompt_tokens 200 \\+ rollout.max_new_tokens 100 = 300 exceeds model.tiny.max_position_embeddings 256"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["rollout.temperature=nan"], r"rollout.temperature must be > 0 and finite \(sampling is required for RL\), got nan"),
+        (["rollout.temperature=inf"], "rollout.temperature must be > 0 and finite"),
+        (["eval.every=10", "eval.temperature=nan"], "eval.temperature must be > 0 and finite"),
         # without an environment this passed, and the buffer then dead-lettered every longer response
         (["rollout.max_new_tokens=16", "rollout.max_episode_tokens=4"],
          "rollout.max_episode_tokens 4 is below rollout.max_new_tokens 16: a response must hold at least one whole reply"),
@@ -157,6 +165,14 @@ def test_wrong_type_is_refused_at_composition():
         (["algo.overlong=shaping", "algo.overlong_buffer=16", "rollout.max_new_tokens=16"],
          r"algo.overlong_buffer 16 must be between 1 and the response budget 16 \(rollout.max_new_tokens\) - 1"),
         (["buffer.lease_timeout_s=1", "buffer.heartbeat_interval_s=2"], "buffer.lease_timeout_s 1.0 must exceed"),
+        # heartbeats back to back (a busy loop on Redis); a prompt dead-lettered "after 0 deliveries" was delivered once
+        (["buffer.heartbeat_interval_s=0"], r"buffer.heartbeat_interval_s must be > 0 seconds, got 0.0"),
+        (["buffer.max_deliveries=0"], r"buffer.max_deliveries must be >= 1 \(deliveries of a prompt before it is dead-lettered\), got 0"),
+        # a run that trained nothing and said "learner finished" / checked only once the models were loaded /
+        # torch's AdamW raised a ValueError traceback at the learner's start
+        (["learner.max_updates=0"], r"learner.max_updates and learner.ppo_epochs must be >= 1 .*, got 0, 1"),
+        (["learner.ppo_epochs=0"], r"learner.max_updates and learner.ppo_epochs must be >= 1 .*, got 1200, 0"),
+        (["learner.lr=-1e-3"], r"learner.lr and learner.critic_lr must be >= 0 and finite \(critic_lr null: lr\), got -0.001, None"),
         (["buffer.url=http://localhost"], "must start with redis://"),
         (["weight_server.host=0.0.0.0"], "weight_server.auth=curve"),
         (["weight_server.auth=hmac"], "needs weight_server.secret"),
