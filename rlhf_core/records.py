@@ -289,6 +289,8 @@ def validate_sample(
     n = sample.num_response_tokens
     if n == 0:
         raise WireError("response is empty")
+    if sample.prompt_ids.shape[0] == 0:
+        raise WireError("prompt is empty: the first response token needs a prompt token to be predicted from")
     if max_response_tokens is not None and n > max_response_tokens:
         raise WireError(f"response has {n} tokens, more than the configured max of {max_response_tokens}")
     if max_prompt_tokens is not None and sample.prompt_ids.shape[0] > max_prompt_tokens:

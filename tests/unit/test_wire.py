@@ -262,6 +262,8 @@ def test_validate_accepts_a_good_sample():
         ({"behaviour_logprobs": np.array([-0.5, np.nan, -0.1], dtype=np.float32)}, "NaN or inf"),
         ({"response_ids": np.array([9, 11, 2], dtype=np.int32)}, r"outside the vocabulary \[0, 11\)"),
         ({"finish_reason": "tired"}, "finish_reason 'tired'"),
+        # passed, and the learner's collate then stopped the run on it (BatchError), again after every resume
+        ({"prompt_ids": np.array([], dtype=np.int32)}, "prompt is empty"),
     ],
 )
 def test_validate_rejects(overrides, message):
