@@ -84,7 +84,7 @@ def check_tensor_header(obj: Any, field: str) -> tuple[str, tuple[int, ...], byt
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if dtype not in WIRE_DTYPES:
         raise WireError(f"field {field!r}: unknown dtype {dtype!r}; expected one of {sorted(WIRE_DTYPES)}")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
         raise WireError(f"field {field!r}: shape must be a list of non-negative ints, got {shape!r}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"field {field!r}: tensor data must be bytes, got {type(data).__name__}")

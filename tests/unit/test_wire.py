@@ -187,6 +187,16 @@ def test_shape_and_data_length_disagree():
         Sample.decode(pack(obj))
 
 
+def test_a_bool_in_a_shape_is_a_wire_error():
+    # isinstance(True, int): the header passed and numpy's reshape raised TypeError, which the learner's
+    # decode_entry (it catches WireError) let out: one such stream entry stopped its reads after every restart
+    header = {"dtype": "int32", "shape": [True], "data": b"\x05\x00\x00\x00"}
+    with pytest.raises(WireError, match=r"shape must be a list of non-negative ints, got \[True\]"):
+        decode_tensor(header, "prompt_ids")
+    with pytest.raises(WireError, match="'prompt_ids': shape must be a list of non-negative ints"):
+        Sample.decode(pack(raw_sample_map(prompt_ids=header)))
+
+
 def test_wrong_rank():
     obj = raw_sample_map(response_ids=encode_tensor(np.zeros((3, 1), dtype=np.int32)))
     with pytest.raises(WireError, match="expected 1 dimension"):
