@@ -14,8 +14,8 @@ Order of operations (the same as transformers' default warpers and vLLM's sample
    temperature 1 with ``top_k = 1``, so the chosen token has log-prob 0);
 3. top-k: keep the ``top_k`` largest logits (``0`` = off; ties with the k-th value are kept);
 4. top-p (nucleus) on the renormalised top-k distribution: keep the smallest prefix of the
-   tokens sorted by probability whose mass reaches ``top_p`` (the most likely token is always
-   kept; ``top_p >= 1`` = off).
+   tokens sorted by probability whose mass reaches ``top_p``, and the tokens tied with the last
+   one kept (the most likely token is always kept; ``top_p`` held as float32 ``>= 1`` = off).
 
 Filtered entries become ``-inf``. Every setting may be a Python number (one value for the
 whole batch) or a tensor of shape ``[B]`` (one value per row, broadcast over the remaining
@@ -68,8 +68,9 @@ def process_logits(
     if 0 < int(top_k) < x.shape[-1]:
         kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if float(top_p) < 1.0:
-        x = _top_p(x, float(top_p))
+    p = torch.tensor(float(top_p), dtype=torch.float32)  # as the rows' path holds it: 1 - 1e-8 is 1.0, off
+    if p < 1:
+        x = _top_p(x, p)
     return x
 
 
@@ -103,18 +104,21 @@ def _per_row(value: Setting, rows: int, dtype: torch.dtype, device: torch.device
     return torch.full((rows,), value, dtype=dtype, device=device)
 
 
-def _top_p(x: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Nucleus filter on ``softmax(x)``: keep the smallest prefix of the tokens sorted by
-    probability whose mass reaches ``p`` (the most likely token is always kept; rows with
-    ``p >= 1`` keep everything)."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    probs = sorted_x.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # Keep a token while the mass of the more likely tokens is still below top_p; the first
-    # token has mass_before 0 and is always kept.
-    remove_sorted = (mass_before >= p) & (p < 1)
-    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-    return x.masked_fill(remove, float("-inf"))
+def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter on ``softmax(x)``: drop the least likely tokens while their mass stays within
+    ``1 - p``, and keep every token tied with the least likely one kept (the most likely token is
+    always kept; rows with ``p >= 1`` keep everything).
+
+    The arithmetic is vLLM's (an ascending sort, ``cumsum <= 1 - p`` in float32), so its engine and
+    this function cut at the same value. The cut is then a value, as top-k's is: which of several
+    equal logits a sort puts first is arbitrary (a bfloat16 model's logits tie often), and vLLM
+    keeps some of a tie and drops the rest; here all of it stays, so no token vLLM may sample is
+    -inf in the learner's recomputation. ``p``: float32, 0-d (a CPU scalar, so no device sync) or per row."""
+    sorted_x = x.sort(dim=-1).values
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    dropped = (cum <= 1 - p).sum(dim=-1, keepdim=True).clamp(max=x.shape[-1] - 1)
+    least_kept = sorted_x.gather(-1, dropped)
+    return x.masked_fill((x < least_kept) & (p < 1), float("-inf"))
 
 
 def sample_tokens(processed: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

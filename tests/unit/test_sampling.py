@@ -66,6 +66,52 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, expect):
     assert [out[i] for i in order] == expect
 
 
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
+    # probs [0.4, 0.2, 0.2, 0.2], top_p=0.5: the 0.4 and one 0.2 reach it (mass before the 2nd is
+    # 0.4 < 0.5, before the 3rd 0.6), but which 0.2 a sort puts second is arbitrary, so all three
+    # stay, as top-k keeps ties with its k-th value. (vLLM's ascending cut, mass 0.2, 0.4 <= 1 - 0.5,
+    # dropped two of them: the learner had -inf for tokens the engine sampled.)
+    x = logits_of(0.2, 0.4, 0.2, 0.2)
+    assert kept(process_logits(x, top_p=0.5)) == [True, True, True, True]
+    assert kept(process_logits(x[None], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([0.5]))) == [[True] * 4]
+    # without the tie the cut is the same: probs [0.4, 0.3, 0.2, 0.1] keep the first two
+    assert kept(process_logits(logits_of(0.4, 0.3, 0.2, 0.1), top_p=0.5)) == [True, True, False, False]
+
+
+def test_top_p_cuts_where_vllm_does_and_keeps_every_token_it_may_sample():
+    """The vllm engine samples through vLLM's top-k/top-p and the learner recomputes through this
+    module. Float32 logits: the same tokens and the same log-probs, bit for bit. Logits of a
+    bfloat16 model tie often at the cut, where vLLM keeps some of a tie: each one it keeps is kept
+    here too (with the rest of the tie, so the log-probs differ there: README, vLLM)."""
+    ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    torch.manual_seed(0)
+    rows, vocab = 16, 32000
+    k = torch.randint(1, 200, (rows,))
+    k[::2] = vocab  # top-p alone on half the rows
+    p = torch.rand(rows) * 0.5 + 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(rows, vocab) * 3).to(dtype).float()
+        for kk, pp, ours in ((None, torch.full((rows,), 0.9), process_logits(logits, 1.0, 0, 0.9)),
+                             (k, p, process_logits(logits, torch.ones(rows), k, p))):
+            theirs = ops.apply_top_k_top_p_pytorch(logits.clone(), kk, pp)
+            lost = torch.isfinite(theirs) & ~torch.isfinite(ours)
+            assert not lost.any(), f"{int(lost.sum())} tokens vLLM may sample are -inf here ({dtype})"
+            if dtype == torch.float32:
+                assert torch.equal(torch.log_softmax(ours, -1), torch.log_softmax(theirs, -1))
+
+
+def test_top_p_just_below_one_filters_the_same_on_both_sides():
+    # 0.99999999 is 1.0 in float32, as the hf engine holds its rows' settings: top-p is off there,
+    # and was on in the learner's scalar path (a Python float < 1), whose float32 masses reach 1.0
+    # in the tail: tokens the worker could sample had log-prob -inf in the learner's recomputation
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50000) * 4
+    p = 0.99999999
+    engine = process_logits(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.full((4,), p))
+    assert torch.equal(engine, logits)
+    assert torch.equal(process_logits(logits, 1.0, 0, p), engine)
+
+
 def test_top_p_applies_to_the_renormalised_top_k_distribution():
     # probs [0.4, 0.3, 0.2, 0.1]. Alone, top_p=0.5 keeps two (mass before the 2nd is 0.4 < 0.5).
     # After top_k=2 the distribution is [4/7, 3/7]: mass before the 2nd is 0.571 >= 0.5 -> one kept.
