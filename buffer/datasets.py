@@ -2,14 +2,19 @@
 
 :func:`iter_prompts` yields the prompts of one epoch in a deterministic shuffled order (seed
 and epoch), each with its ``epoch`` and ``index`` (position in that order) set, so
-:meth:`Buffer.fill_prompts` can resume at an (epoch, index) cursor. Rows are read once per
-process and cached (the file's path, size and mtime are the cache key).
+:meth:`Buffer.fill_prompts` can resume at an (epoch, index) cursor. A file is read and every
+row mapped to a prompt once per process, before the first prompt is yielded, and cached (the
+file's path, size and mtime and the fields read are the cache key): rows that cannot be
+prompts stop it at once with one :class:`DataError` naming the first few by line (JSONL) or
+row and saying how many there are, instead of when the shuffled walk reaches them.
 
 Row mapping: the prompt text is ``row[data.text_field]`` (default ``prompt``); when a row has
 ``row[data.messages_field]`` (default ``messages``, a list of ``{"role", "content"}``), those
 chat turns are the prompt instead. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
 ``"<file name>:<row number>"``. Every other field goes to ``metadata`` (reaching the reward
-function), nested values as JSON strings since metadata holds scalars and lists only.
+function), nested values as JSON strings since metadata holds scalars and lists only. A prompt
+must cross the wire (msgpack): an integer beyond 64 bits or a lone surrogate (half of a
+``\\uXXXX`` pair, e.g. an emoji's escape cut in two) is a :class:`DataError` naming its field.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import numpy as np
 from rlhf_core.config import DataConfig
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt
+from rlhf_core.wire import pack
 
 _SCALARS = (str, int, float, bool)
-_cache: dict[tuple, list[dict[str, Any]]] = {}
+_cache: dict[tuple, list[Prompt]] = {}
+#: bad rows named in the DataError of a data set that has some (the count says how many in all)
+BAD_ROWS_SHOWN = 3
 
 
 class DataError(UserError, ValueError):
@@ -42,30 +50,28 @@ def iter_prompts(
     if data_cfg.source == "builtin":
         if builtin is None:
             raise DataError("data.source=builtin needs the built-in task's prompt function (pass builtin=...)")
-        rows = list(builtin(data_cfg, epoch))
-        order = _order(len(rows), data_cfg.seed, epoch)
-        for i, j in enumerate(order):
-            p = rows[j]
-            yield Prompt(p.prompt_id, p.text, p.messages, dict(p.metadata), epoch=epoch, index=i)
-        return
-    rows = load_rows(data_cfg)
-    name = Path(data_cfg.path or "").name
-    for i, j in enumerate(_order(len(rows), data_cfg.seed, epoch)):
-        yield row_to_prompt(rows[j], data_cfg, f"{name}:{j}", epoch, i)
+        prompts = list(builtin(data_cfg, epoch))
+    else:
+        prompts = load_prompts(data_cfg)
+    for i, j in enumerate(_order(len(prompts), data_cfg.seed, epoch)):
+        p = prompts[j]
+        yield Prompt(p.prompt_id, p.text, p.messages, dict(p.metadata), epoch=epoch, index=i)
 
 
 def _order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
 
 
-def load_rows(data_cfg: DataConfig) -> list[dict[str, Any]]:
+def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
+    """Every row of ``data.path`` as a prompt, in file order (cached); :class:`DataError` if any
+    row cannot be one, naming the first :data:`BAD_ROWS_SHOWN` and counting them all."""
     if not data_cfg.path:
         raise DataError(f"data.source={data_cfg.source} needs data.path (a local file or directory)")
     path = Path(os.path.expanduser(data_cfg.path))
     if not path.exists():
         raise DataError(f"data.path {str(path)!r} does not exist (data.source={data_cfg.source})")
     st = path.stat()
-    key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns)
+    key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns, data_cfg.text_field, data_cfg.messages_field)
     if key not in _cache:
         loader = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}.get(data_cfg.source)
         if loader is None:
@@ -73,15 +79,33 @@ def load_rows(data_cfg: DataConfig) -> list[dict[str, Any]]:
         rows = loader(path)
         if not rows:
             raise DataError(f"data set {str(path)!r} has no rows")
+        prompts, bad = [], []
+        for j, (where, row) in enumerate(rows):
+            try:
+                prompts.append(row_to_prompt(row, data_cfg, f"{path.name}:{j}"))
+            except DataError as exc:
+                bad.append(f"{where}: {exc}")
+        if bad:
+            raise DataError(f"{len(bad)} of the {len(rows)} rows of {path} cannot be prompts; fix or remove them "
+                            f"(the first {min(len(bad), BAD_ROWS_SHOWN)}: {'; '.join(bad[:BAD_ROWS_SHOWN])})")
         _cache.clear()  # one data set per process is the normal case; do not hold several
-        _cache[key] = rows
+        _cache[key] = prompts
     return _cache[key]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def _jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = path.open("rb")  # decoded line by line, so a byte that is not UTF-8 is named by its line
+    except OSError as exc:  # a folder, no permission
+        raise DataError(f"cannot read {path} (data.source=jsonl): {exc.strerror}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of "
+                                "the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -90,7 +114,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            rows.append((f"line {lineno}", row))
     return rows
 
 
@@ -100,9 +124,10 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
     except ImportError:  # pragma: no cover
         raise DataError("data.source=parquet needs pyarrow: pip install 'rlhf-service[data]'") from None
     try:
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # noqa: BLE001  # pyarrow raises several types for a bad file
         raise DataError(f"cannot read Parquet file {path}: {exc}") from None
+    return [(f"row {j}", row) for j, row in enumerate(rows)]
 
 
 def _hf_disk(path: Path) -> list[dict[str, Any]]:
@@ -117,10 +142,12 @@ def _hf_disk(path: Path) -> list[dict[str, Any]]:
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else next(iter(ds))
         ds = ds[split]
-    return ds.to_list()
+    return [(f"row {j}", row) for j, row in enumerate(ds.to_list())]
 
 
-def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str, epoch: int, index: int) -> Prompt:
+def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str) -> Prompt:
+    """One row as a prompt (epoch and index 0: :func:`iter_prompts` sets them); :class:`DataError`
+    saying what is wrong with it (the caller names the row)."""
     messages = None
     mf = data_cfg.messages_field
     if mf and row.get(mf) is not None:
@@ -128,7 +155,7 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str, ep
         if not (isinstance(messages, list) and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
         )):
-            raise DataError(f"row {default_id}: field {mf!r} must be a list of {{'role': str, 'content': str}} turns")
+            raise DataError(f"field {mf!r} must be a list of {{'role': str, 'content': str}} turns")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         text = row.get(data_cfg.text_field) if isinstance(row.get(data_cfg.text_field), str) else ""
     else:
@@ -136,14 +163,33 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str, ep
         if not isinstance(text, str):
             have = ", ".join(sorted(row)) or "none"
             raise DataError(
-                f"row {default_id}: no string field {data_cfg.text_field!r} (fields: {have}); set data.text_field "
+                f"no string field {data_cfg.text_field!r} (fields: {have}); set data.text_field "
                 "or data.messages_field to the field holding the prompt"
             )
     pid = row.get("id", row.get("prompt_id"))
     prompt_id = str(pid) if pid is not None else default_id
     skip = {data_cfg.text_field, mf, "id", "prompt_id"}
     metadata = {k: _meta_value(v) for k, v in row.items() if k not in skip and isinstance(k, str)}
-    return Prompt(prompt_id, text, messages, metadata, epoch=epoch, index=index)
+    prompt = Prompt(prompt_id, text, messages, metadata)
+    try:
+        prompt.encode()
+    except (OverflowError, UnicodeEncodeError):  # msgpack's: an integer beyond 64 bits, a lone surrogate
+        raise DataError(_unencodable({"id": prompt_id, data_cfg.text_field: text, mf: messages, **metadata})) from None
+    return prompt
+
+
+def _unencodable(fields: dict[Any, Any]) -> str:
+    """What in ``fields`` (a prompt's values by the row's field names) the wire cannot carry."""
+    for name, value in fields.items():
+        try:
+            pack({"v": value})
+        except OverflowError:
+            return (f"field {name!r} holds an integer beyond 64 bits ({str(value)[:60]}), which the wire cannot carry; "
+                    "write it as a string in the file")
+        except UnicodeEncodeError as exc:
+            return (f"field {name!r} holds a lone surrogate {exc.object[exc.start:exc.end]!r} (half of a \\uXXXX pair, "
+                    "e.g. an emoji's escape cut in two), which is not text; fix it in the file")
+    return "it cannot be encoded for the wire"
 
 
 def _meta_value(v: Any) -> Any:

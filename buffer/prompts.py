@@ -272,6 +272,12 @@ def fill(
         except redis.exceptions.WatchError:
             filler.forget()  # another producer moved the cursor; re-read it
             log.debug("fill cursor of run %s moved under us; retrying", store.keys.run_id)
+        except BaseException:
+            # nothing was enqueued, and the open iterator may have ended on the error (a generator
+            # that raised is done): the next call re-opens it at the cursor instead of taking the
+            # dead one for the end of the epoch
+            filler.forget()
+            raise
 
 
 def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, high: int, lead_s: float) -> int:
@@ -312,11 +318,7 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
             pipe.hincrby(k.counters, "prompts_enqueued", len(batch))
             pipe.hincrby(k.counters, "prompts_waiting", len(batch))
             pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
-        try:
-            pipe.execute()
-        except BaseException:
-            filler.forget()
-            raise
+        pipe.execute()
         return len(batch)
 
 

@@ -42,7 +42,7 @@ from rlhf_core import lora
 from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
-from rlhf_core.errors import FailureWindow, UserError
+from rlhf_core.errors import FailureWindow, Unavailable, UserError
 from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
@@ -82,6 +82,33 @@ def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
         return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
 
     return lambda epoch: iter_prompts(data, epoch, builtin=builtin)
+
+
+def produce_prompts(buffer: Buffer, cfg: Config, stop: threading.Event,
+                    source: Callable[[int], Iterable[Prompt]] | None = None) -> None:
+    """Keep the prompt queue topped up (epoch by epoch, cursor kept in Redis) until every epoch is
+    queued or ``stop`` is set. Only Redis unreachable past ``buffer.max_retry_s`` is retried (it
+    may come back, and the training loop's own reads end the run if it does not); anything else
+    (bad data, corrupt state, a bug) is raised: the cursor stays before the prompt that failed, so
+    trying again would fail on it for ever and the run would stall without a word."""
+    source = source or prompt_source(cfg)
+    groups = max(1, cfg.learner.batch_size // cfg.algo.group_size)
+    # Workers must never find the queue empty: an empty queue stalls generation until the
+    # next top-up. The queue is checked every PROMPT_CHECK_S and holds at least what workers
+    # take in PROMPT_LEAD_S at their recent rate (the tiny model on 2 CPU cores takes ~600
+    # prompts/s: a fixed 32 ran dry between checks, idling the worker ~45 ms about every
+    # 17th update).
+    low = max(32, 4 * groups)
+    while not stop.is_set():
+        try:
+            buffer.fill_prompts(source, epochs=cfg.data.epochs, low_watermark=low, high_watermark=4 * low,
+                                lead_s=PROMPT_LEAD_S)
+            if buffer.fill_state()["done"]:
+                log.info("all %d epochs of prompts are enqueued", cfg.data.epochs)
+                return
+        except Unavailable as exc:
+            log.warning("prompt producer: %s; trying again", exc)
+        stop.wait(PROMPT_CHECK_S)
 
 
 class Learner:
@@ -139,7 +166,7 @@ class Learner:
         self.adapters_only = lora.enabled(cfg.model.lora)  # what a version holds: LoRA adapters, or everything
         self.metrics_path = self.output_dir / METRICS_FILE
         self._producer: threading.Thread | None = None
-        self._producer_error: UserError | None = None
+        self._producer_error: Exception | None = None
         self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._vocab = vocab
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
@@ -340,7 +367,7 @@ class Learner:
     def _read(self) -> tuple[Any, list[Sample]]:
         """Rank 0 reads a batch (waiting up to 1 s); every rank gets the same samples (broadcast as
         wire bytes). When nothing came, rank 0 checks the dead letters for a tokenizer mismatch.
-        A prompt producer that stopped on an error the user must fix ends the run here."""
+        A prompt producer that stopped on an error ends the run here, with that error."""
         if self._producer_error is not None:
             raise self._producer_error
         # newest: while re-delivered batches are read against the checkpoint's version, the
@@ -542,29 +569,16 @@ class Learner:
         )
 
     def _produce_prompts(self) -> None:
-        """Keep the prompt queue topped up (epoch by epoch, cursor kept in Redis) until the run stops."""
-        source = prompt_source(self.cfg)
-        groups = max(1, self.cfg.learner.batch_size // self.cfg.algo.group_size)
-        # Workers must never find the queue empty: an empty queue stalls generation until the
-        # next top-up. The queue is checked every PROMPT_CHECK_S and holds at least what workers
-        # take in PROMPT_LEAD_S at their recent rate (the tiny model on 2 CPU cores takes ~600
-        # prompts/s: a fixed 32 ran dry between checks, idling the worker ~45 ms about every
-        # 17th update).
-        low = max(32, 4 * groups)
-        while not self.stop_event.is_set():
-            try:
-                self.buffer.fill_prompts(source, epochs=self.cfg.data.epochs, low_watermark=low, high_watermark=4 * low,
-                                         lead_s=PROMPT_LEAD_S)
-                if self.buffer.fill_state()["done"]:
-                    log.info("all %d epochs of prompts are enqueued", self.cfg.data.epochs)
-                    return
-            except UserError as exc:  # bad data, corrupt state, Redis gone: retrying cannot help
+        """The producer thread: :func:`produce_prompts` until every epoch is queued or the run
+        stops; what ends it early is raised by the training loop at its next read."""
+        try:
+            produce_prompts(self.buffer, self.cfg, self.stop_event)
+        except Exception as exc:  # noqa: BLE001  # handed to the training loop, which ends the run on it
+            if isinstance(exc, UserError):
                 log.error("prompt producer stopped: %s", exc)
-                self._producer_error = exc  # the training loop raises it at its next read
-                return
-            except Exception:  # keep training on what is queued; the log says why prompts stopped
-                log.exception("prompt producer failed; retrying")
-            self.stop_event.wait(PROMPT_CHECK_S)
+            else:
+                log.exception("prompt producer failed")
+            self._producer_error = exc
 
     def export(self, out_dir: str | Path) -> Path:
         from learner.checkpoint import export_hf

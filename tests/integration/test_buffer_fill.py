@@ -61,6 +61,30 @@ def test_fill_with_an_empty_source_says_so(redis_url):
         buf.fill_prompts(lambda epoch: [], epochs=3, low_watermark=2)
 
 
+def test_a_source_that_raised_is_opened_again_at_the_cursor(redis_url):
+    """The open iterator of the epoch ended on the error (a generator that raised is done); the
+    next top-up took the dead one for the end of the epoch: 'no prompts for epoch 0' at the
+    start, the rest of the epoch skipped further in."""
+    from rlhf_core.records import Prompt
+
+    failures = [3]  # the first walk raises at its 4th prompt
+
+    def source(epoch):
+        for i in range(6):
+            if failures and i == failures[0]:
+                failures.pop()
+                raise OSError("the file went away for a moment")
+            yield Prompt(f"p{i}", f"q{i}", epoch=epoch, index=i)
+
+    buf = Buffer.connect(redis_url, "raised", BufferConfig())
+    buf.init_run(batch_size=400, group_size=4, max_staleness=0)
+    with pytest.raises(OSError):
+        buf.fill_prompts(source, epochs=1, low_watermark=10, high_watermark=10)
+    assert buf.fill_state() == {"epoch": 0, "index": 0, "done": False}  # nothing enqueued
+    assert buf.fill_prompts(source, epochs=1, low_watermark=10, high_watermark=10) == 6
+    assert sorted(t for _, _, t in _drain(buf)) == [f"q{i}" for i in range(6)]
+
+
 def test_a_checkpoints_cursor_starts_a_fresh_run_where_its_prompts_had_reached(redis_url, data_cfg):
     source = lambda epoch: iter_prompts(data_cfg, epoch)  # noqa: E731
     fresh = Buffer.connect(redis_url, "fresh", BufferConfig())  # a resume on a new Redis: no cursor yet

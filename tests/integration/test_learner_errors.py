@@ -8,10 +8,12 @@ whose tokenizer does not match the learner's model, through the buffer API a wor
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,6 +178,70 @@ def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, server
             f"data.path={data}", f"run.output_dir={tmp_path / 'out'}"]
     line = one_clear_line(learner(args, tmp_path, timeout=90))
     assert all(w in line for w in words), line
+
+
+class Signal(logging.Handler):
+    """Sets ``event`` when a record whose message contains ``text`` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_is_unreachable(redis_server):
+    """A prompt that cannot be produced (here a source with a bug; once a row msgpack could not
+    encode or a file that was not UTF-8) was logged and tried again every 100 ms for ever: the
+    cursor stays before it, so nothing was ever enqueued again and the run stalled without a
+    word. Only Redis unreachable past buffer.max_retry_s may come back; that alone is retried."""
+    from learner.trainer import produce_prompts
+    from rlhf_core.config import BufferConfig, Config
+    from rlhf_core.records import Prompt
+
+    cfg = Config()
+    cfg.learner.batch_size, cfg.algo.group_size, cfg.data.epochs = 8, GROUP, 1
+    buf = Buffer.connect(redis_server.url, "producer", BufferConfig(max_retry_s=0.3))
+    buf.init_run(batch_size=8, group_size=GROUP, max_staleness=0)
+    stop = threading.Event()
+    calls = []
+
+    def broken(epoch: int):
+        calls.append(epoch)
+        raise RuntimeError("a bug in the prompt source")
+        yield  # a generator, as iter_prompts is
+
+    raised = []
+
+    def produce() -> None:
+        try:
+            produce_prompts(buf, cfg, stop, broken)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    t.join(30)
+    stop.set()
+    assert raised and calls == [0], f"the producer tried the broken source {len(calls)} times and went on"
+
+    retried = Signal("trying again")
+    logging.getLogger("learner.trainer").addHandler(retried)
+    try:
+        redis_server.stop()  # SIGTERM: Redis writes its data, and comes back with it on the same port
+        t = threading.Thread(target=produce_prompts, args=(buf, cfg, threading.Event(),
+                                                           lambda e: (Prompt(f"p{i}", "q") for i in range(5))), daemon=True)
+        t.start()
+        assert retried.event.wait(30), "the producer gave up on an unreachable Redis"
+        redis_server.start(port=redis_server.port)
+        t.join(30)
+        assert not t.is_alive() and buf.fill_state()["done"]
+        assert buf.metrics()["counters"]["prompts_enqueued"] == 5
+    finally:
+        logging.getLogger("learner.trainer").removeHandler(retried)
+        buf.close()
 
 
 def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_goes_on(tmp_path, servers, model_cache):

@@ -107,3 +107,46 @@ def test_errors_name_the_file_row_and_field(tmp_path):
     nofield = _write_jsonl(tmp_path / "nofield.jsonl", [{"question": "x"}])
     with pytest.raises(DataError, match=r"no string field 'prompt' \(fields: question\); set data.text_field"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(nofield)), 0))
+
+
+def test_bad_rows_are_refused_at_load_before_any_prompt(tmp_path):
+    # once found only when the shuffled walk reached them (939 prompts produced before row 700
+    # raised), so a run trained for a while, stopped, and a resume stopped again at once
+    rows = [{"prompt": f"q{i}"} for i in range(1000)]
+    rows[700] = {"question": "no prompt field"}
+    rows[900] = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}  # OpenAI's parts
+    rows[950] = {"question": "again"}
+    rows[990] = {"question": "and again"}
+    cfg = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "p.jsonl", rows)))
+    it = iter_prompts(cfg, 0)
+    with pytest.raises(DataError) as err:
+        next(it)
+    msg = str(err.value)
+    assert msg.startswith("4 of the 1000 rows of ") and "p.jsonl cannot be prompts; fix or remove them (the first 3: " in msg
+    assert "line 701: no string field 'prompt' (fields: question)" in msg
+    assert "line 901: field 'messages' must be a list of {'role': str, 'content': str} turns" in msg
+    assert "line 951: " in msg and "line 991" not in msg
+
+
+@pytest.mark.parametrize("line, field, why", [
+    ('{"prompt": "what is 2**100?", "answer": 1267650600228229401496703205376}', "answer",
+     r"holds an integer beyond 64 bits \(1267650600228229401496703205376\), which the wire cannot carry; write it as a string"),
+    ('{"prompt": "emoji \\ud83d cut"}', "prompt", r"holds a lone surrogate '\\ud83d' \(half of a \\uXXXX pair"),
+    ('{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages", "holds a lone surrogate"),
+    ('{"prompt": "q", "steps": [1, 36893488147419103232]}', "steps", "holds an integer beyond 64 bits"),
+])
+def test_a_value_the_wire_cannot_carry_is_a_data_error_naming_its_field(tmp_path, line, field, why):
+    # msgpack raised OverflowError / UnicodeEncodeError when the prompt was enqueued: not a user
+    # error, so the learner's producer retried the same prompt for ever and the run stalled
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError, match=rf"line 2: field '{field}' {why}"):
+        list(iter_prompts(DataConfig(source="jsonl", path=str(path)), 0))
+
+
+def test_a_jsonl_that_is_not_utf8_names_its_line(tmp_path):
+    # a Latin-1 file raised UnicodeDecodeError, which the producer retried for ever
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9?"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at byte 16 of the line\); save the file as UTF-8"):
+        list(iter_prompts(DataConfig(source="jsonl", path=str(path)), 0))
