@@ -392,6 +392,21 @@ class Buffer:
         read = replay.read_batch if params["mode"] == "replay" else samples.read_batch
         return read(self._store, st, params, consumer, learner_version, batch_size, timeout_s, newest)
 
+    def exhausted(self, consumer: str, learner_version: int, batch_size: int, epochs: int) -> bool:
+        """True when no batch for ``consumer`` can come any more from the run's prompts: each of
+        ``epochs`` is enqueued and every prompt completed (:func:`buffer.prompts.drained`), and what is
+        left makes no batch (FIFO: the groups not yet handed out; replay: a draw now is refused,
+        and without inserts nothing lifts that). Checked in that order, so a group a worker
+        appends meanwhile is seen. Groups no prompt produced (rlhf-gateway's) are not foreseen:
+        a run they feed is never exhausted, and must not ask."""
+        if not prompts.drained(self._store, epochs):
+            return False
+        params = self.run_params()
+        if params["mode"] == "replay":
+            return not replay.can_draw(self._store, params, consumer, learner_version, batch_size)
+        st = self._learners.get(consumer) or samples.LearnerState()
+        return not samples.can_form_batch(self._store, st, params, batch_size)
+
     def commit(self, batch: Batch) -> int:
         """Ack a batch once the update that used it is published and checkpointed. Idempotent;
         returns the number of groups newly acked."""

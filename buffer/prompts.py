@@ -294,7 +294,10 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
                 low, high = need, max(need, math.ceil(high * need / max(low, 1)))
         epoch = control_int(state.get(b"epoch"), k.fill, "epoch")
         index = control_int(state.get(b"index"), k.fill, "index")
-        if state.get(b"done") == b"1" or epoch >= epochs or waiting >= low:
+        # "done" is every one of `epochs` enqueued, the cursor at or past the last: a flag that says
+        # otherwise (epochs=0, or a run resumed with more or fewer epochs than it had) is rewritten below
+        done = epoch >= epochs
+        if (state.get(b"done") == b"1") == done and (done or waiting >= low):
             pipe.unwatch()
             return 0
         batch: list[Prompt] = []
@@ -320,6 +323,24 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
             pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
         pipe.execute()
         return len(batch)
+
+
+def drained(store: Store, epochs: int) -> bool:
+    """Every one of ``epochs`` is enqueued (the fill cursor is at or past the last; its stored flag
+    may be from a run resumed with other epochs, before this run's first top-up) and every prompt
+    completed or dead-lettered (none waits, none is leased: both delete it from the stream). Read
+    in one MULTI, as the last top-up enqueues its prompts and moves the cursor in one. Once true it
+    stays true: no prompt's group can be appended any more."""
+    k = store.keys
+
+    def read() -> list[Any]:
+        pipe = store.redis.pipeline(transaction=True)
+        pipe.hget(k.fill, "epoch")
+        pipe.xlen(k.prompts)
+        return pipe.execute()
+
+    epoch, left = store.retry(read)
+    return control_int(epoch, k.fill, "epoch") >= epochs and int(left) == 0
 
 
 def _chunks(items: Iterable[Prompt], n: int) -> Iterator[list[Prompt]]:

@@ -49,12 +49,8 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
     deadline = time.monotonic() + max(0.0, timeout_s)
     k = store.keys
     while True:
-        res = store.retry(
-            store.scripts.replay_draw,
-            keys=[k.params, k.counters, k.samples, k.replay_index, k.replay_n, k.replay_uses, k.replay_out,
-                  k.hist_dropped, k.wake_replay, k.wake_prompts],
-            args=[consumer, learner_version, want, params["sampling"]],
-        )
+        res = store.retry(store.scripts.replay_draw, keys=_draw_keys(store),
+                          args=[consumer, learner_version, want, params["sampling"]])
         if res[0] == b"ok":
             groups: list[Group] = []
             ceiling = newest_version(store, max(learner_version, newest))
@@ -72,6 +68,21 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         if remaining <= 0:
             return None
         store.wait_on(k.wake_replay, res[1], min(remaining, WAIT_CAP_S))
+
+
+def can_draw(store: Store, params: Mapping[str, Any], consumer: str, learner_version: int, batch_size: int) -> bool:
+    """Whether :func:`read_batch` would draw a batch now (``replay_draw.lua``'s dry run: the same
+    gates, too stale entries removed as a draw removes them, nothing drawn)."""
+    want = groups_per_batch(batch_size, params["group_size"])
+    res = store.retry(store.scripts.replay_draw, keys=_draw_keys(store),
+                      args=[consumer, learner_version, want, params["sampling"], 1])
+    return res[0] == b"ok"
+
+
+def _draw_keys(store: Store) -> list[str]:
+    k = store.keys
+    return [k.params, k.counters, k.samples, k.replay_index, k.replay_n, k.replay_uses, k.replay_out,
+            k.hist_dropped, k.wake_replay, k.wake_prompts]
 
 
 def pending(store: Store, consumer: str) -> list[str]:

@@ -6,9 +6,11 @@
 -- buffer/pacing.py through the preamble). Drawn entries are marked out to this consumer until
 -- commit (uses count then) or return.
 -- Returns {'wait', last wake_replay id, why} or {'ok', id, fields, id, fields, ...}.
+-- ARGV[5] '1': a dry run (Buffer.exhausted): {'ok'} where a draw would succeed, nothing drawn.
 local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local uses_key, out_key, hist_key, wake_replay_key, wake_prompts_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local consumer, version, want, policy = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local dry = ARGV[5] == '1'
 local pace = pacing_params(params_key)
 local max_staleness = pace.max_staleness
 
@@ -73,6 +75,7 @@ for _, m in ipairs(chosen) do total = total + ctl(redis.call('HGET', n_key, m), 
 if not limiter_can_sample(pace, inserts, sampled, total) then
   return {'wait', last_id(wake_replay_key), 'ratio'}
 end
+if dry then return {'ok'} end
 
 incrf(counters_key, C.rl_samples, total)
 local res = {'ok'}

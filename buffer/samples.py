@@ -344,6 +344,14 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
         st.decode_s += time.perf_counter() - t0
 
 
+def can_form_batch(store: Store, st: LearnerState, params: Mapping[str, Any], batch_size: int) -> bool:
+    """FIFO mode: whether the groups in the sample stream that ``st``'s consumer has not handed
+    out in a batch (unread, or read and carried) make a batch. Groups too stale or unusable count
+    until a read drops them (committed, dropped and trained groups are deleted from the stream)."""
+    groups = int(store.retry(store.redis.xlen, store.keys.samples))
+    return groups - len(st.handed) >= groups_per_batch(batch_size, params["group_size"])
+
+
 def _read_new(client: Any, consumer: str, count: int, block_ms: int, keys: list[str]) -> list[Any]:
     """The stored learner version (``keys[0]``, see :func:`newest_version`) and up to ``count``
     new entries of the sample stream (``keys[1]``) for ``consumer``, in one round trip (a

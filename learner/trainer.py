@@ -43,7 +43,7 @@ from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
-from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE
+from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, STOPPED_BY
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -167,6 +167,7 @@ class Learner:
         self.metrics_path = self.output_dir / METRICS_FILE
         self._producer: threading.Thread | None = None
         self._producer_error: Exception | None = None
+        self._used_up = False  # rank 0: the buffer said no batch can come any more from the prompts (Buffer.exhausted)
         self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._vocab = vocab
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
@@ -326,7 +327,8 @@ class Learner:
 
     def run(self, max_updates: int | None = None, max_seconds: float | None = None) -> LearnerResult:
         """Train until ``max_updates`` (default ``learner.max_updates``), ``max_seconds`` (default
-        ``run.max_seconds``) or a stop request, then write the final checkpoint. Collective."""
+        ``run.max_seconds``), the prompts of every epoch (``data.epochs``) are trained on, or a stop
+        request, then write the final checkpoint. Collective."""
         max_updates = self.cfg.learner.max_updates if max_updates is None else max_updates
         max_seconds = self.cfg.run.max_seconds if max_seconds is None else max_seconds
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -337,8 +339,18 @@ class Learner:
             t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
             while True:
                 reason = self._stop_reason(max_updates, deadline)
+                if reason == "data" and self.updates != self._checkpointed:
+                    # commit what was trained first: in replay mode the entries drawn since the last
+                    # checkpoint may be drawn again only once committed
+                    self.checkpoint()
+                    self._used_up = False
+                    continue
                 if reason:
                     result.stopped_by = reason
+                    if reason == "data":
+                        log.info("every prompt of data.epochs=%d is trained on (what is left makes no batch): "
+                                 "stopping after %d updates (learner.max_updates=%d)", self.cfg.data.epochs,
+                                 self.updates, max_updates)
                     break
                 batch, samples = self._read()
                 if not samples:
@@ -382,6 +394,10 @@ class Learner:
         samples = broadcast_samples(batch.samples if batch is not None else [] if self.rank0 else None)
         if not samples and self.rank0:
             self._check_dead_letters()
+            # the run's own prompts are its only source (no rlhf-gateway): it ends once they are used up
+            if self.cfg.data.source != "none" and not self.cfg.gateway.enabled:
+                self._used_up = self.buffer.exhausted(self.consumer, self._read_version(), self.cfg.learner.batch_size,
+                                                      self.cfg.data.epochs)
         return batch, samples
 
     def _drop_stop_token_misfits(self, samples: list[Sample]) -> list[Sample]:
@@ -521,8 +537,8 @@ class Learner:
         """Stop the prompt producer, write the final checkpoint (then commit), fill in ``result``."""
         self.stop_event.set()
         self.wait_published()
-        if self.rank0 and self._last_metrics is not None:  # the final stats, whatever the throttle held back
-            self.buffer.publish_stats("learner", self._last_metrics)
+        if self.rank0:  # the final stats, whatever the throttle held back, and why the run stopped (the summary's)
+            self.buffer.publish_stats("learner", {**(self._last_metrics or {}), STOPPED_BY: result.stopped_by})
         # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
         if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
             self.checkpoint()  # final checkpoint, then commit
@@ -539,10 +555,11 @@ class Learner:
         return self._restored_version if self._replay else self.version
 
     def _stop_reason(self, max_updates: int, deadline: float | None) -> str:
-        """Why to stop now ("" to go on), agreed by all ranks (rank 0 may have seen the signal)."""
-        reasons = ("", "budget", "time", "signal")
-        local = 3 if self.stop_event.is_set() else 1 if self.updates >= max_updates else \
-            2 if deadline is not None and time.monotonic() > deadline else 0
+        """Why to stop now ("" to go on), agreed by all ranks (rank 0 may have seen the signal, and
+        only rank 0 reads the buffer: "data", the prompts of every epoch trained on)."""
+        reasons = ("", "budget", "time", "data", "signal")
+        local = 4 if self.stop_event.is_set() else 1 if self.updates >= max_updates else \
+            2 if deadline is not None and time.monotonic() > deadline else 3 if self._used_up else 0
         agreed = int(all_reduce_max(torch.tensor([float(local)])).item())
         return reasons[agreed]
 

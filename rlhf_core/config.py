@@ -320,6 +320,8 @@ class DataConfig:
     num_prompts: int = 256  # builtin only
     text_field: str = "prompt"
     messages_field: Optional[str] = "messages"  # chat turns, used when a row has them (null: never)
+    # passes over the prompts, each in another shuffled order; the run ends once every prompt of the
+    # last one is trained on (or earlier, at learner.max_updates / run.max_seconds)
     epochs: int = 1000
     seed: int = 0
 
@@ -786,10 +788,14 @@ def validate_lora(lora: LoraConfig, rollout: RolloutConfig) -> None:
 
 
 def validate_data(data: DataConfig) -> None:
-    """A prompt file source needs its path (``data=jsonl`` and the others leave it as ??? for the user)."""
+    """A prompt file source needs its path (``data=jsonl`` and the others leave it as ??? for the user),
+    at least one epoch and a seed numpy's shuffle takes."""
     if data.source not in ("builtin", "none") and not data.path:
         raise ConfigError(f"data.source={data.source} needs data.path=/path/to/prompts (a local file or folder); "
                           "or use data=builtin, the default task")
+    if data.epochs < 1:
+        raise ConfigError(f"data.epochs must be >= 1 (passes over the prompts; the run ends once the last is trained on), "
+                          f"got {data.epochs}")
     validate_shuffle_seed(data, "data")
 
 

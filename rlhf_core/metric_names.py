@@ -44,6 +44,8 @@ STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch
 KL_KEYS = ("loss/kl", "loss/approx_kl")  # KL against the reference when there is one, else vs pi_prox
+# In the learner's last stats record only (`_finish`): why it stopped, budget | time | data | signal
+STOPPED_BY = "learner/stopped_by"
 
 # Fields of a worker's stats record (its heartbeat: `Buffer.metrics()["consumers"][id]["stats"]`).
 WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative

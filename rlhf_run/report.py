@@ -339,6 +339,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     return {
         "run_id": cfg.buffer.run_id,
         "exit_reason": exit_reason,
+        # the learner's own reason (its last stats record): budget | time | data | signal
+        "stopped_by": last_snap.get("stats", {}).get(M.LEARNER_STATS, {}).get(M.STOPPED_BY),
         "max_staleness": cfg.algo.max_staleness,
         "steps": len(rows),
         "samples_trained": samples,
@@ -376,13 +378,19 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     }
 
 
+#: the learner's stop reasons (``learner.trainer.LearnerResult.stopped_by``) as the summary says them
+STOP_REASONS = {"budget": "learner.max_updates reached", "time": "run.max_seconds reached",
+                "data": "every prompt of data.epochs trained on", "signal": "stopped by a signal"}
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def f(x: Any) -> str:
         return "n/a" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
     t = s["throughput"]
+    why = STOP_REASONS.get(s.get("stopped_by") or "", s.get("stopped_by"))
     lines = [
-        f"run {s['run_id']} ({s['exit_reason'] or 'done'}) in {s['wall_s']:.0f} s",
+        f"run {s['run_id']} ({s['exit_reason'] or 'done'}{f': {why}' if why else ''}) in {s['wall_s']:.0f} s",
         f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}"
         + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else ""),
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",

@@ -61,6 +61,24 @@ def test_fill_with_an_empty_source_says_so(redis_url):
         buf.fill_prompts(lambda epoch: [], epochs=3, low_watermark=2)
 
 
+def test_a_cursor_at_or_past_the_last_epoch_is_done(redis_url, data_cfg):
+    # epochs=0 returned 0 for ever without marking the cursor done (the learner's producer looped
+    # on it and nothing ever said the data was used up); so did a run resumed with fewer epochs
+    source = lambda epoch: iter_prompts(data_cfg, epoch)  # noqa: E731
+    buf = Buffer.connect(redis_url, "past", BufferConfig())
+    buf.init_run(batch_size=400, group_size=4, max_staleness=0)
+    assert buf.fill_prompts(source, epochs=0, low_watermark=3) == 0
+    assert buf.fill_state() == {"epoch": 0, "index": 0, "done": True}
+    resumed = Buffer.connect(redis_url, "past-resumed", BufferConfig())
+    resumed.init_run(batch_size=400, group_size=4, max_staleness=0)
+    assert resumed.restore_fill_state({"epoch": 3, "index": 2, "done": False})  # data.epochs=5 then
+    assert resumed.fill_prompts(source, epochs=2, low_watermark=3) == 0  # resumed with data.epochs=2
+    assert resumed.fill_state() == {"epoch": 3, "index": 2, "done": True}
+    # and the other way: a run whose epochs were all queued, resumed with more, goes on
+    assert resumed.fill_prompts(source, epochs=5, low_watermark=3, high_watermark=4) == 4  # epoch 3's last 3, then 4's
+    assert resumed.fill_state() == {"epoch": 4, "index": 1, "done": False}
+
+
 def test_a_source_that_raised_is_opened_again_at_the_cursor(redis_url):
     """The open iterator of the epoch ended on the error (a generator that raised is done); the
     next top-up took the dead one for the end of the epoch: 'no prompts for epoch 0' at the

@@ -225,3 +225,39 @@ def test_a_discarded_batch_leaves_the_buffer_and_gives_its_admission_back(redis_
     assert [g.group_id for g in nxt.groups] == ["g-p2", "g-p3"]
     assert buf.commit(nxt) == 2 and buf.metrics()["counters"]["budget_returned"] == 8  # trained: kept
     buf.close()
+
+
+@pytest.mark.parametrize("mode", ["fifo", "replay"])
+def test_the_buffer_is_exhausted_once_no_batch_can_come_from_the_prompts(redis_url, mode):
+    # A run whose data.epochs ran out before learner.max_updates waited for batches for ever: no
+    # stop reason covered it. 3 prompts of one epoch, groups of 4, batches of 8 (2 groups).
+    cfg = {"lookahead": None} if mode == "fifo" else {"lookahead": None, "max_reuse": 2}
+    buf = Buffer.connect(redis_url, f"exhausted-{mode}", BufferConfig(lease_timeout_s=5.0, **cfg))
+    assert buf.init_run(batch_size=8, group_size=4, max_staleness=8)["mode"] == mode
+
+    def exhausted() -> bool:
+        return buf.exhausted("learner-0", 0, 8, epochs=1)
+
+    assert not exhausted()  # the producer has not filled yet
+    assert buf.fill_prompts(lambda epoch: T.prompts(3, epoch=epoch), epochs=1, low_watermark=8) == 3
+    assert buf.fill_state()["done"] and not exhausted()  # every epoch queued, 3 prompts waiting
+    leases = buf.claim("w", 3)
+    for lease in leases[:2]:
+        buf.complete(lease, T.group(lease.prompt))
+    first = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)
+    assert len(first.groups) == 2
+    assert not exhausted()  # a worker holds the last prompt: its group may still make a batch
+    buf.complete(leases[2], T.group(leases[2].prompt))
+    if mode == "fifo":
+        assert exhausted()  # one group left (the batch read is handed out): no batch of two
+        buf.commit(first)
+        assert exhausted() and buf.read_batch("learner-0", 0, 8, timeout_s=0.2) is None
+    else:
+        assert exhausted()  # one free group; the two drawn are out until committed
+        buf.commit(first)  # used once of max_reuse 2: back in the table
+        assert not exhausted()
+        second = buf.read_batch("learner-0", 0, 8, timeout_s=1.0)
+        assert [g.group_id for g in second.groups] == [g.group_id for g in first.groups]  # stalest first
+        buf.commit(second)  # used up: removed
+        assert exhausted() and buf.read_batch("learner-0", 0, 8, timeout_s=0.2) is None  # one group left
+    buf.close()

@@ -76,13 +76,13 @@ def servers(redis_url):
     ws.stop()
 
 
-def start_learner(tmp: Path, redis_url: str, ws, cache: Path, run_id: str) -> subprocess.Popen:
+def start_learner(tmp: Path, redis_url: str, ws, cache: Path, run_id: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "learner", f"buffer.url={redis_url}", f"buffer.run_id={run_id}",
            f"weight_server.address={ws.address}", f"weight_server.pub_address={ws.pub_address}",
            f"model.cache_dir={cache}", "learner.batch_size=8", "learner.micro_batch_size=8", f"algo.group_size={GROUP}",
            "rollout.max_new_tokens=8", f"run.output_dir={tmp / 'out'}", f"hydra.run.dir={tmp / 'hydra'}",
-           "hydra.output_subdir=null"]
+           "hydra.output_subdir=null", *extra]
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -178,6 +178,39 @@ def test_bad_prompt_data_stops_the_learner_with_the_first_error(tmp_path, server
             f"data.path={data}", f"run.output_dir={tmp_path / 'out'}"]
     line = one_clear_line(learner(args, tmp_path, timeout=90))
     assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("mode, settings, updates", [
+    ("fifo", [], 2),  # 4 prompts x 1 epoch x 4 samples = 2 batches of 8
+    # each group trained twice (drawn ones come back once committed); the played samples are all of
+    # version 0, so a staleness bound above the 4 updates keeps them
+    ("replay", ["buffer.max_reuse=2", "algo.max_staleness=8"], 4),
+])
+def test_a_learner_whose_data_is_used_up_stops_and_says_so(tmp_path, servers, model_cache, mode, settings, updates):
+    """learner.max_updates 10 is never reached: the learner waited for batches that could never
+    come, for ever (rlhf-run then never ended: no export, no summary). Now it ends cleanly (exit
+    0, which rlhf-run takes for a finished run) with stopped_by "data" in its last stats."""
+    from rlhf_core.metric_names import STOPPED_BY
+    from rlhf_core.models import load_tokenizer
+
+    redis_url, ws = servers
+    run_id = f"used-up-{mode}"
+    proc = start_learner(tmp_path, redis_url, ws, model_cache, run_id, "data.num_prompts=4", "data.epochs=1",
+                         "learner.max_updates=10", "learner.checkpoint_every=100", *settings)
+    buf = Buffer.connect(redis_url, run_id)
+    try:
+        play_worker(buf, load_tokenizer(ModelConfig(cache_dir=str(model_cache))), [40, 41, EOS], "stop", groups=4)
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err[-3000:]
+        assert f"every prompt of data.epochs=1 is trained on (what is left makes no batch): stopping after {updates} " \
+               "updates (learner.max_updates=10)" in out + err
+        assert buf.learner_version() == updates and buf.stats("learner")[STOPPED_BY] == "data"
+        assert buf.metrics()["counters"]["samples_consumed"] == 8 * updates
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        buf.close()
 
 
 class Signal(logging.Handler):

@@ -180,6 +180,8 @@ def test_wrong_type_is_refused_at_composition():
         (["weight_server.shm_dir=shm"], "weight_server.shm_dir must be an absolute path"),
         (["buffer.capacity=8"], "buffer.capacity 8 is smaller than one batch"),
         # numpy's shuffle of every epoch raised on them, and the producer retried it for ever: no prompt, no word
+        # nothing was ever enqueued, and the producer and the learner waited for ever
+        (["data.epochs=0"], r"data.epochs must be >= 1 \(passes over the prompts; the run ends once the last is trained on\), got 0"),
         (["data.seed=-1"], r"data.seed must be >= 0 \(it seeds the shuffle of each epoch\), got -1"),
         (["eval.every=10", "eval.data.seed=-2"], r"eval.data.seed must be >= 0 \(it seeds the shuffle of each epoch\), got -2"),
     ],

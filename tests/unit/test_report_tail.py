@@ -64,6 +64,21 @@ def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
     assert old["rewards"]["scoring_share"] is None and "rewards:" not in format_summary(old)
 
 
+def test_the_summary_says_why_the_learner_stopped():
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    # the learner's last stats record carries its reason; a run whose data ran out before
+    # learner.max_updates once waited for batches for ever, and now says so when it ends
+    rows = [{"learner/updates": i, "learner/samples_trained": 8 * i, "time": float(i)} for i in range(1, 3)]
+    snap = {"counters": {}, "stats": {"learner": {"learner/updates": 2, "learner/stopped_by": "data"}}}
+    s = summarize(Config(), rows, [snap], wall_s=10.0, exit_reason="learner finished")
+    assert s["stopped_by"] == "data"
+    assert format_summary(s).splitlines()[0].endswith("(learner finished: every prompt of data.epochs trained on) in 10 s")
+    older = summarize(Config(), rows, [{"counters": {}}], wall_s=10.0, exit_reason="learner finished")
+    assert older["stopped_by"] is None and format_summary(older).splitlines()[0].endswith("(learner finished) in 10 s")
+
+
 def test_the_summary_tells_decoding_batches_apart_from_waiting_for_them():
     from rlhf_core.config import Config
     from rlhf_run.report import format_summary, summarize
