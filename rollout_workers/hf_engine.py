@@ -66,7 +66,10 @@ merge the next version into); and the adapters' storage never moves, so CUDA gra
 valid. The price is two thin matmuls per adapted layer and step (``bench/lora.py`` measures it).
 
 Models whose cache is not plain full attention (sliding-window or linear attention layers) are
-refused with a clear error; use the vllm engine for them.
+refused with a clear error; so are models whose own forward does not run the slot attention in
+every layer (their attention code bypasses transformers' attention interface: Falcon, GPT-J, MPT,
+Bloom, ...) or fails on the slot cache (multi-head latent attention), found by a one-token pass at
+construction (:func:`rollout_workers.slot_kv.check_slot_attention`). Use the vllm engine for them.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
-from rollout_workers.slot_kv import SlotKVCache, direct_forward, direct_forward_supported, round_up, slot_attention_for
+from rollout_workers.slot_kv import (SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up,
+                                    slot_attention_for)
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +184,10 @@ class HFEngine:
         self._loaded_keys: dict[int, tuple[float, int, float]] = {}  # slot -> sampling key in the buffers
         self._loaded_rows = 0
         self._filters = (False, False)
+        if not self._direct:  # its own forward must reach the slot attention in every layer
+            with torch.inference_mode():
+                token = torch.full((1, 1), self.pad_id, device=self.device)  # into slot 0, column 0: rewritten before read
+                check_slot_attention(self.model, lambda: self._forward(token, torch.zeros_like(token), 1, 1))
 
     # ----------------------------------------------------------------------------- protocol
 

@@ -17,14 +17,15 @@ so SDPA reads each K/V head once instead of a repeated copy. Llama and Qwen2 mod
 without the work around them (argument handling, mask building, output capture) that on a small
 model costs more than its arithmetic; any other model runs its own forward with
 :func:`slot_attention` plugged in for the duration of the engine's passes
-(:func:`slot_attention_for`).
+(:func:`slot_attention_for`), once :func:`check_slot_attention` has seen it reach every layer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from rollout_workers.engine import EngineError
 
 ATTENTION_NAME = "rlhf_slots"
+PROBE_NAME = "rlhf_slots_probe"  # the start-up probe's counting slot attention (check_slot_attention)
 COLUMN_ALIGN = 64  # columns are allocated (and, without CUDA graphs, attended) in multiples of this
 
 
@@ -196,16 +198,54 @@ def direct_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.T
 
 
 @contextlib.contextmanager
-def slot_attention_for(model: torch.nn.Module) -> Iterator[None]:
-    """Route ``model``'s attention through :func:`slot_attention` inside the block (the model's
-    own implementation is restored after, so other users of the model are unaffected)."""
+def slot_attention_for(model: torch.nn.Module, name: str = ATTENTION_NAME,
+                       attention: Callable[..., Any] = slot_attention) -> Iterator[None]:
+    """Route ``model``'s attention through :func:`slot_attention` (registered as ``name``; the
+    probe's counting wrapper of it) inside the block (the model's own implementation is restored
+    after, so other users of the model are unaffected)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    AttentionInterface.register(name, attention)
     config = model.config
     before = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = name
     try:
         yield
     finally:
         config._attn_implementation = before
+
+
+_probe = threading.local()  # .layers: the modules the slot attention ran for in this thread's probe
+
+
+def _counted_slot_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    _probe.layers.append(module)
+    return slot_attention(module, *args, **kwargs)
+
+
+def check_slot_attention(model: torch.nn.Module, one_pass: Callable[[], Any]) -> None:
+    """Refuse a model the slot attention plug-in does not reach: ``one_pass`` (the engine's pass of
+    one token) must run :func:`slot_attention` once in each layer. Families whose attention code
+    does not dispatch through transformers' attention interface (Falcon, GPT-J, MPT, Bloom, most
+    remote-code models) run their own attention instead: they would add the boolean mask to the
+    scores (nothing masked, a slot's earlier K/V read) and give wrong log-probs without a word.
+    A pass that fails (a cache layout the slot cache does not hold: multi-head latent attention's
+    keys and values of other widths) is refused the same way."""
+    layers = kv_shape(model.config)[0]
+    _probe.layers = []
+    try:
+        with slot_attention_for(model, PROBE_NAME, _counted_slot_attention):
+            one_pass()
+    except Exception as exc:  # noqa: BLE001 - whatever breaks, the engine cannot run this model
+        raise EngineError(
+            f"the hf engine cannot run {type(model).__name__}: a one-token pass through its slot KV cache failed "
+            f"({type(exc).__name__}: {exc}); its attention is not one the slot cache holds. Use rollout.engine=vllm"
+        ) from exc
+    finally:
+        ran, _probe.layers = _probe.layers, []
+    if len(ran) != layers or len({id(m) for m in ran}) != layers:
+        raise EngineError(
+            f"the hf engine cannot run {type(model).__name__}: its attention does not go through transformers' "
+            f"attention interface (the slot attention ran {len(ran)} times for {layers} layers in a one-token pass), "
+            "so it would ignore the slot cache's mask and read other requests' K/V. Use rollout.engine=vllm"
+        )

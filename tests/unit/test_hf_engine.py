@@ -138,6 +138,69 @@ def test_models_the_direct_forward_does_not_know_run_their_own_forward(fresh_pol
     assert not HFEngine(Custom(fresh_policy.config).eval(), tokenizer, slots=2)._direct
 
 
+def other_families(vocab_size: int) -> dict[str, torch.nn.Module]:
+    """Causal LMs of other families, 2 layers of 64 wide: whose attention transformers dispatches
+    through its attention interface (StableLm, GPT-2) or not (the rest: their own eager attention
+    code; Bloom's breaks on the slot cache), and one with multi-head latent attention (DeepSeek-V3:
+    keys and values of other widths than its head_dim)."""
+    import transformers as T
+
+    v = vocab_size
+    configs = {
+        "stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(vocab_size=v, hidden_size=64, intermediate_size=128,
+                                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                                  num_key_value_heads=2)),
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=v, n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=v, hidden_size=64, num_hidden_layers=2,
+                                                             num_attention_heads=4)),
+        "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=v, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                                       n_positions=256)),
+        "codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(vocab_size=v, n_embd=64, n_layer=2, n_head=4,
+                                                                rotary_dim=8, n_positions=256)),
+        "mpt": lambda: T.MptForCausalLM(T.MptConfig(vocab_size=v, d_model=64, n_layers=2, n_heads=4, max_seq_len=256)),
+        "gptneo": lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(vocab_size=v, hidden_size=64, num_layers=2, num_heads=4,
+                                                             attention_types=[[["global"], 2]],
+                                                             max_position_embeddings=256)),
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=v, hidden_size=64, n_layer=2, n_head=4)),
+        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=256, q_lora_rank=None, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)),
+    }
+    return configs
+
+
+@pytest.mark.parametrize("family", ["stablelm", "gpt2"])
+def test_other_families_whose_attention_takes_the_slot_attention_match_a_plain_forward_pass(tokenizer, family):
+    # StableLm does not declare transformers' attention-backend support, yet dispatches through
+    # it: the engine's probe (slot attention ran once per layer) lets it in, and it computes right.
+    torch.manual_seed(0)
+    model = other_families(len(tokenizer))[family]().eval()
+    with torch.no_grad():  # make the attention matter
+        for p in model.parameters():
+            p.mul_(10.0) if p.ndim > 1 else None
+    engine = HFEngine(model, tokenizer, slots=2, seed=0, max_model_len=100)
+    assert not engine._direct
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.add(GenRequest("a", list(range(3, 30)), params))
+    engine.add(GenRequest("b", [5, 6, 7], params))
+    for r in run(engine)[0].values():
+        np.testing.assert_allclose(r.logprobs, recompute(model, r, params), rtol=0, atol=PARITY_ATOL, err_msg=r.request_id)
+
+
+@pytest.mark.parametrize("family", ["falcon", "gptj", "codegen", "mpt", "gptneo", "bloom", "deepseek_v3"])
+def test_models_whose_attention_the_slot_cache_cannot_serve_are_refused_at_start(tokenizer, family):
+    # Their own attention code never calls the plugged-in slot attention: it would add the engine's
+    # boolean mask to the scores (True = +1: nothing masked, a slot's stale columns read) and give
+    # log-probs 0.4-3.4 nats off (Bloom's and DeepSeek-V3's crash on the first prefill instead).
+    # A one-token probe at construction tells them apart and says what to use instead.
+    torch.manual_seed(0)
+    model = other_families(len(tokenizer))[family]().eval()
+    with pytest.raises(EngineError, match=r"(?s)cannot run .*ForCausalLM.*rollout\.engine=vllm"):
+        HFEngine(model, tokenizer, slots=2, max_model_len=100)
+
+
 def reference_decode(models, result: GenResult, params: SamplingParams) -> tuple[list[int], np.ndarray]:
     """Batch-1 incremental decoding with a DynamicCache: no slots, no padding, no batching. The
     input that predicts token t is fed with the weights of ``versions[t]`` (the engine's in-flight
