@@ -27,7 +27,8 @@ Per :meth:`HFEngine.step`:
 4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
    power of two, the bucket its graph was captured for): one token per slot at its own
    position, written in place into its own column; free, parked or still-prefilling slots inside
-   the batch feed a pad token at the scratch column and are ignored. Then temperature/top-k/top-p,
+   the batch feed a pad token into the scratch column (embedded at position 0: the scratch column
+   may lie past the model's context) and are ignored. Then temperature/top-k/top-p,
    sampling and log-probs for all rows at once through :mod:`rlhf_core.sampling`, and one host
    sync for the sampled ids.
 
@@ -177,7 +178,7 @@ class HFEngine:
         self._direct = direct_forward_supported(model)  # else the model's own forward, slot attention plugged in
         self._graphs = _DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" else None
         # Static inputs of a decoding pass (rows 0..n-1 are used): what a CUDA graph reads.
-        self._in_ids_pos = torch.zeros(2, self.slots, dtype=torch.long, device=self.device)  # token ids; positions
+        self._in_ids_pos = torch.zeros(2, self.slots, dtype=torch.long, device=self.device)  # token ids; columns (= positions)
         self._in_temp = torch.ones(self.slots, dtype=torch.float32, device=self.device)
         self._in_top_k = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self._in_top_p = torch.ones(self.slots, dtype=torch.float32, device=self.device)
@@ -394,12 +395,14 @@ class HFEngine:
         self.tokens_generated += len(seqs)
         return self._record(seqs, tokens.tolist(), logprobs.tolist())
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
-        """One forward pass of ``ids`` ``[n, C]`` at ``positions`` through the slot cache; returns
-        the last input's logits ``[n, V]``. ``seen``: columns any real input may attend to."""
+    def _forward(self, ids: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
+        """One forward pass of ``ids`` ``[n, C]`` writing ``columns`` (real tokens': their positions;
+        padding's: the scratch column) through the slot cache; returns the last input's logits
+        ``[n, V]``. ``seen``: columns any real input may attend to."""
         width = self.cache.columns if self._graphs is not None else min(self.cache.columns, round_up(seen, 8))
-        self.cache.select(rows, positions, width)
-        mask = self.cache.attention_mask(positions, width)
+        self.cache.select(rows, columns, width)
+        mask = self.cache.attention_mask(columns, width)
+        positions = self.cache.positions(columns)  # on a graph's static inputs too: captured with it
         if self._direct:
             return direct_forward(self.model, ids, positions, mask, self.cache)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,

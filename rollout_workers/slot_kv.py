@@ -9,7 +9,9 @@ also what lets a decoding step be captured in a CUDA graph and replayed).
 Each forward pass names the slots it feeds and, per input token, its position (= the column it
 writes); the attention of a token at position ``p`` sees columns ``0..p`` of its own slot. The
 last column is a scratch column no real token ever reaches: inputs that only fill a batch (a
-free slot inside a decoding batch, the padding of a prefill chunk) write there.
+free slot inside a decoding batch, the padding of a prefill chunk) write there, and are fed to
+the model at position 0 (:meth:`SlotKVCache.positions`), since the scratch column may lie past
+the model's context.
 
 The attention itself is :func:`slot_attention`; it folds grouped-query heads into the query axis
 so SDPA reads each K/V head once instead of a repeated copy. Llama and Qwen2 models run through
@@ -122,6 +124,13 @@ class SlotKVCache:
             cache[dst, :, :width] = cache[src, :, :width]
             if kept is not None:
                 cache[back_dst, :, :back_width] = kept
+
+    def positions(self, columns: torch.Tensor) -> torch.Tensor:
+        """The position ids the model embeds for inputs writing ``columns``: a real token's column
+        is its position; the scratch column, which may lie past the model's context (a learned
+        position table's end; dynamic RoPE sizing itself from the largest position of the pass),
+        is fed at position 0."""
+        return columns.masked_fill(columns == self.scratch, 0)
 
     def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, 1, C, width]`` boolean, True where column ``j <= position``: each token sees its

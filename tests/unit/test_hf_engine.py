@@ -201,6 +201,46 @@ def test_models_whose_attention_the_slot_cache_cannot_serve_are_refused_at_start
         HFEngine(model, tokenizer, slots=2, max_model_len=100)
 
 
+def left_padded_prefill(model, tokenizer, **engine_kwargs) -> None:
+    """A long and a short prompt admitted together (one prefill pass: the short row left-padded)
+    give the log-probs of a plain forward pass."""
+    engine = HFEngine(model, tokenizer, slots=2, seed=0, **engine_kwargs)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    engine.add(GenRequest("long", list(range(3, 90)), params))
+    engine.add(GenRequest("short", [5, 6, 7], params))
+    results = run(engine)[0]
+    assert engine.num_prefills == 1 and sorted(results) == ["long", "short"]
+    for r in results.values():
+        np.testing.assert_allclose(r.logprobs, recompute(model, r, params), rtol=0, atol=PARITY_ATOL, err_msg=r.request_id)
+
+
+def test_padding_is_embedded_at_a_position_the_model_has(tokenizer):
+    # Padding writes the cache's scratch column (319 here: round_up(256 + 1, 64) - 1), past the
+    # model's context when the engine's is the model's whole context (the default). It used to be
+    # fed at that position too: GPT-2's learned position table (256 rows) raised IndexError.
+    torch.manual_seed(0)
+    model = other_families(len(tokenizer))["gpt2"]().eval()
+    left_padded_prefill(model, tokenizer)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
+     "short_factor": [1.0] * 8, "long_factor": [4.0] * 8},
+])
+def test_rope_scaled_by_the_longest_position_sees_only_real_positions(tokenizer, rope):
+    # Dynamic and LongRoPE rotary embeddings size their frequencies from max(position_ids) of the
+    # pass: a pad at the scratch column (319 > 256, 128) rescaled the real tokens' rotations too,
+    # 3.5-4.4 nats off.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters=rope, initializer_range=0.2)
+    left_padded_prefill(LlamaForCausalLM(config).eval(), tokenizer)
+
+
 def reference_decode(models, result: GenResult, params: SamplingParams) -> tuple[list[int], np.ndarray]:
     """Batch-1 incremental decoding with a DynamicCache: no slots, no padding, no batching. The
     input that predicts token t is fed with the weights of ``versions[t]`` (the engine's in-flight
