@@ -18,7 +18,12 @@ How the worker drives an engine (one thread; engines are not thread-safe)::
 Per-token versions: every token carries the ``engine.version`` current when it was sampled,
 so a weight update that lands mid-generation shows up as a change in ``GenResult.versions``
 at exactly the step after ``update_weights`` (the in-flight update of PipelineRL: the KV cache
-of running sequences, computed by the old weights, is kept).
+of running sequences, computed by the old weights, is kept). A response's first token carries
+at most the version current when its prompt's prefill may have begun (hf: the request's
+admission into a slot; vllm: its ``add``, as the engine core admits it unseen): a prompt
+prefilled in chunks across an update was partly written by older weights, and a sample's
+staleness, counted from its oldest token, must not start at weights newer than its prompt's
+(that one token over-counted at most, never under).
 """
 
 from __future__ import annotations

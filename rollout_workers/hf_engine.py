@@ -49,6 +49,8 @@ one), so the K/V a continued conversation reuses is never older than its own old
 version its staleness is counted from, and a new prompt reuses only K/V of the weights it is
 generated with (to float rounding: one pass over a prompt and one per token sum in another
 order). Weights that replace a version without a newer number (a reload) drop every parked slot.
+A sequence's first token carries at most the version at its admission (a chunked prefill may
+span updates: the first columns are then older weights'), the rest the version that sampled them.
 ``num_reused_tokens`` counts the prompt tokens not prefilled, ``num_prompt_tokens`` all of them.
 
 CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
@@ -97,9 +99,10 @@ class _Seq:
     """One running sequence and the slot it owns."""
 
     __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "slot", "n_cached", "next_input",
-                 "stop_ids", "stop_window", "done", "parkable", "kv_version")
+                 "stop_ids", "stop_window", "done", "parkable", "kv_version", "admitted_version")
 
-    def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int, kv_version: int) -> None:
+    def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int, kv_version: int,
+                 admitted_version: int) -> None:
         self.request = request
         self.params = request.params
         self.prompt = request.prompt_ids
@@ -117,6 +120,8 @@ class _Seq:
         self.done = False
         self.parkable = True  # its slot may be parked when it ends (not after a reload of other weights)
         self.kv_version = kv_version  # the oldest version whose weights wrote any of its K/V
+        # no newer than the weights that write what it prefills (its first token carries at most this)
+        self.admitted_version = admitted_version
 
     @property
     def prefilled(self) -> bool:
@@ -325,7 +330,7 @@ class HFEngine:
             request = self._waiting.popleft()
             stop_ids = frozenset(request.params.stop_token_ids) | (frozenset() if request.params.ignore_eos else self.eos_ids)
             slot, reused, kv_version = self._slot_for(request.prompt_ids, request.kv_floor(self.version))
-            seq = _Seq(request, stop_ids, slot, kv_version)
+            seq = _Seq(request, stop_ids, slot, kv_version, self.version)
             seq.n_cached = reused
             self.num_reused_tokens += reused
             self.num_prompt_tokens += len(request.prompt_ids)
@@ -468,12 +473,17 @@ class HFEngine:
         return self._filters
 
     def _record(self, decoding: list[_Seq], token_list: list[int], logprob_list: list[float]) -> list[GenResult]:
+        """Append each sequence's sampled token. A token carries the version now, a sequence's
+        first one at most the version at its admission: a chunked prefill may span updates, and
+        the sample's staleness must count from the oldest weights of its context (one token
+        over-counted at most). Older K/V that a conversation reuses needs no such stamp: its
+        ``min_kv_version`` says its staleness counts from there already."""
         version, finished = self.version, []
         for seq, token, logprob in zip(decoding, token_list, logprob_list):
             seq.next_input = token
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            seq.versions.append(version)
+            seq.versions.append(version if len(seq.tokens) > 1 else min(version, seq.admitted_version))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.done = True

@@ -29,6 +29,11 @@ it. The engine core labels its outputs instead (``set_weight_version``: ``"0"`` 
 version right after each reload), and a finished request's ``CompletionOutput.weight_versions``
 spans give each token the label its step ran under; those replace the per-step stamps. vLLM
 without ``set_weight_version`` keeps the per-step stamps, which may be newer than the weights.
+The labels say nothing of the prompt: the core prefills a long prompt (or one sharing a step's
+token budget) in chunks over several steps, and a reload may land between them, so the first
+label a request gets may be newer than its first columns. A response's first token therefore
+carries at most the version at ``add`` (over-counted when the prefill ran wholly after a reload,
+never under-counted). With LoRA a request runs one adapter throughout and needs none of this.
 
 LoRA (``model.lora.r`` > 0): a version holds adapter tensors only, and they go through vLLM's
 LoRA API instead of the reload (:mod:`rollout_workers.vllm_lora`): each version becomes a
@@ -182,16 +187,18 @@ class WeightLoaderExtension:
 
 class _Track:
     """Host-side record of one request: tokens, log-probs and per-token versions so far.
+    ``added_at``: the version at ``add``, no newer than the weights that prefill its prompt.
     ``adapter``: the version of the LoRA adapter it runs with (None without LoRA: the engine's
     weights, whatever version they are at each step)."""
 
-    __slots__ = ("request", "tokens", "logprobs", "versions", "adapter")
+    __slots__ = ("request", "tokens", "logprobs", "versions", "added_at", "adapter")
 
-    def __init__(self, request: GenRequest, adapter: int | None = None) -> None:
+    def __init__(self, request: GenRequest, added_at: int, adapter: int | None = None) -> None:
         self.request = request
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.added_at = added_at
         self.adapter = adapter
 
 
@@ -315,7 +322,7 @@ class VLLMEngine:
             raise self._dead(exc) from None
         except ValueError as exc:  # vLLM's own input checks (token ids outside the vocabulary, ...)
             raise RequestError(f"request {request.request_id}: vLLM refused it: {exc}") from None
-        self._tracks[request.request_id] = _Track(request, self._adapters.current if adapter is not None else None)
+        self._tracks[request.request_id] = _Track(request, self.version, self._adapters.current if adapter is not None else None)
 
     def step(self) -> list[GenResult]:
         finished = []
@@ -494,8 +501,11 @@ class VLLMEngine:
 
     def _result(self, track: _Track, reason: str) -> GenResult:
         text = self.tokenizer.decode(track.tokens, skip_special_tokens=True)
+        versions = track.versions
+        if versions and track.adapter is None:  # its prompt's prefill may have spanned a reload (module docstring)
+            versions = [min(versions[0], track.added_at), *versions[1:]]
         return make_result(track.request.request_id, track.request.prompt_ids, track.tokens, track.logprobs,
-                           track.versions, reason, text)
+                           versions, reason, text)
 
 
 def _span_versions(spans: Any, num_tokens: int) -> list[int] | None:

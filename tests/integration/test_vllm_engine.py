@@ -294,6 +294,25 @@ def test_tokens_the_core_decoded_before_an_update_keep_the_old_version(idle, tok
     assert labelled_old < r.num_tokens  # the update landed mid-generation, so the test saw both versions
 
 
+def test_a_prompt_waiting_through_an_update_keeps_the_version_it_was_added_at(idle, tokenizer, tiny_vllm_cfg):
+    # The core prefills a prompt when its scheduler gets to it, over several steps when the prompt
+    # is long or shares a step's token budget, so a reload may land before or between the chunks,
+    # and the first label the request's tokens get is then newer than its first columns. Its first
+    # token says the version at add (over-counted at worst, never under-counted). Here the prompt
+    # waits for a slot behind 16 long requests while the update lands.
+    long = SamplingParams(max_new_tokens=150, ignore_eos=True)
+    for i in range(idle.slots):
+        idle.add(GenRequest(f"busy{i}", ids(tokenizer, f"busy {i}"), long))
+    idle.add(GenRequest("waits", ids(tokenizer, "a prompt"), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    idle.step()
+    old = idle.version
+    tensors = {n: p.detach().clone() for n, p in load_policy(tiny_vllm_cfg).named_parameters()}
+    idle.update_weights(tensors, version=old + 1)
+    results = run(idle)
+    assert results["busy0"].versions[-1] == old + 1  # the update landed before any slot was free
+    assert results["waits"].versions.tolist() == [old] + [old + 1] * 3
+
+
 def test_update_with_unknown_tensors_is_refused(idle):
     with pytest.raises(EngineError, match="not.a.weight"):
         idle.update_weights({"not.a.weight": torch.zeros(2)}, version=idle.version + 1)

@@ -501,6 +501,9 @@ def test_k_v_of_older_weights_is_reused_only_by_conversations_as_old(fresh_polic
     # the weights did not change (update_weights(None)): the reused K/V gives the log-probs of one pass
     for r in out.values():
         np.testing.assert_allclose(r.logprobs, recompute(fresh_policy, r, sp(2)), rtol=0, atol=PARITY_ATOL)
+        # every token says the weights that sampled it: their conversation counts its staleness
+        # from version 0 already (min_kv_version), the K/V's version hides nothing
+        assert r.versions.tolist() == [1, 1]
     # d1 and a1 parked again, still as version 0's. New weights under a number not above the last
     # (a reload) leave no version to tell K/V apart by: every parked slot is dropped.
     engine.step()
@@ -580,6 +583,21 @@ def test_versions_change_exactly_at_the_update_step(fresh_policy, tokenizer):
     assert results["a"].versions.tolist() == [0] * 5 + [1] * 5
     assert results["b"].versions.tolist() == [0] * 5 + [1] * 1
     assert results["c"].versions.tolist() == [1] * 3  # admitted after the update
+
+
+def test_a_prompt_prefilled_across_an_update_keeps_the_version_it_was_admitted_at(fresh_policy, tokenizer):
+    # 40 prompt tokens in chunks of 8: version 0 writes the first 8 columns, version 1 the rest and
+    # samples every token. Stamped with version 1 alone, the sample would hide version 0's part of
+    # its context (staleness counts from the oldest token): its first token says version 0, the
+    # version at its admission (over-counted by that one token, never under), the rest the
+    # version that sampled them.
+    engine = HFEngine(fresh_policy, tokenizer, slots=2, prefill_chunk=8)
+    engine.add(GenRequest("p", list(range(3, 43)), SamplingParams(max_new_tokens=6, ignore_eos=True)))
+    assert engine.step() == [] and engine.num_prefills == 1
+    engine.update_weights(None, version=1)
+    assert run(engine)[0]["p"].versions.tolist() == [0] + [1] * 5
+    engine.step()
+    assert [kv for _, kv, _ in engine._parked.values()] == [0]  # parked as version 0's, as its first token says
 
 
 def test_update_weights_copies_tensors_and_refuses_mismatches_before_copying(fresh_policy, tokenizer):
