@@ -113,9 +113,10 @@ class _Seq:
         self.n_cached = 0  # columns of the slot holding this sequence's K/V (= position of the next input)
         self.next_input = -1  # the last sampled token, fed at the next decoding pass
         self.stop_ids = stop_ids
-        # A stop string of n characters spans at most n tokens when each token decodes to >= 1
-        # character; the margin covers tokenizers that merge a leading space into a word.
-        longest = max((len(s) for s in self.params.stop_strings), default=0)
+        # A stop string of n UTF-8 bytes spans at most n tokens when each token decodes to >= 1
+        # byte (byte-level and byte-fallback vocabularies spell a character in up to 4 tokens);
+        # the margin covers tokenizers that merge a leading space into a word.
+        longest = max((len(s.encode("utf-8", "surrogatepass")) for s in self.params.stop_strings), default=0)
         self.stop_window = longest + 8
         self.done = False
         self.parkable = True  # its slot may be parked when it ends (not after a reload of other weights)

@@ -664,6 +664,50 @@ def test_stop_string_ends_the_sequence_on_decoded_text(policy, tokenizer):
     assert r.token_ids.tolist() == ref.token_ids.tolist()[: r.num_tokens]
 
 
+def byte_tokenizer():
+    """One token per UTF-8 byte (byte-level BPE without merges), as byte-fallback vocabularies
+    spell characters they lack: a character is up to 4 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>")
+
+
+def test_a_stop_string_of_multi_byte_characters_stops_the_sequence():
+    # "日本語です" is 5 characters and 15 byte tokens. The decoded tail searched for it was
+    # 5 + 8 = 13 tokens long, so it began inside the string (its first character decoded as
+    # U+FFFD) and the sequence ran on to max_new_tokens with the stop string in its text.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    prompt = tok("Q:")["input_ids"]
+    script = tok("ok 日本語です。 and then more")["input_ids"]
+
+    class Scripted(LlamaForCausalLM):
+        """Its own forward, whose logits then favour script[k] at the k-th response position."""
+
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            out.logits = torch.zeros_like(out.logits)
+            for i, k in enumerate((position_ids[:, -1] + 1 - len(prompt)).tolist()):
+                if 0 <= k < len(script):
+                    out.logits[i, -1, script[k]] = 50.0
+            return out
+
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=128)
+    engine = HFEngine(Scripted(config).eval(), tok, slots=1)
+    stop = "日本語です"
+    engine.add(GenRequest("s", prompt, SamplingParams(temperature=0.0, max_new_tokens=40, stop_strings=(stop,))))
+    r = run(engine)[0]["s"]
+    assert (r.finish_reason, r.text, r.num_tokens) == ("stop", "ok 日本語です", 3 + len(stop.encode()))
+
+
 def test_length_limits(policy, tokenizer):
     engine = HFEngine(policy, tokenizer, slots=2, max_model_len=20)
     engine.add(GenRequest("new", ids(tokenizer, "abc"), SamplingParams(max_new_tokens=5, ignore_eos=True)))
