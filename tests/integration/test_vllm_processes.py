@@ -6,9 +6,14 @@ another worker finishes every prompt: nothing is lost. The test plays the learne
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from engine_helpers import engine_core
@@ -93,3 +98,56 @@ def test_the_default_task_learns_on_the_vllm_engine(tmp_path, model_cache):
     assert summary["reward_start"] < 0.03, summary
     assert summary["reward_end"] > 3 * summary["reward_start"] and summary["reward_end"] > summary["reward_start"] + 0.03, summary
     assert summary["staleness_max"] <= 2 and summary["dead_letters"] == 0
+
+
+def child_lora_engine(cache: str) -> None:
+    """A vllm engine with LoRA that has loaded version 1's adapter; prints its private folder and
+    waits to be killed (a worker at work when the OOM killer comes)."""
+    import time
+
+    from rlhf_core import lora
+    from rlhf_core.config import Config, LoraConfig, ModelConfig, TinyModelConfig
+    from rlhf_core.models import load_policy
+    from rollout_workers.engine_factory import make_engine
+
+    cfg = Config()
+    cfg.model = ModelConfig(cache_dir=cache, tiny=TinyModelConfig(hidden_size=128, num_heads=2, intermediate_size=256),
+                            lora=LoraConfig(r=8, alpha=16.0, target_modules=["all-linear"]))
+    cfg.rollout.engine, cfg.rollout.slots, cfg.rollout.enforce_eager = "vllm", 4, True
+    engine = make_engine(cfg)
+    engine.update_weights({n: p.detach().clone() for n, p in lora.adapter_parameters(load_policy(cfg.model)).items()}, 1)
+    print("FOLDER", engine.folder, flush=True)
+    time.sleep(START_S)
+
+
+def test_a_sigkilled_vllm_worker_leaves_no_process_and_no_dev_shm_folder(model_cache):
+    # vLLM's engine core does not watch its parent: a thread in vLLM's worker process does
+    # (rlhf_watch_owner), stops vLLM's processes and removes the engine's private folder, which
+    # holds the LoRA versions (and an update file being read) in /dev/shm's memory. That folder
+    # used to stay for good, a new one with each restarted worker.
+    here = Path(__file__).resolve()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here.parents[1])]))
+    proc = subprocess.Popen([sys.executable, str(here), str(model_cache)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    folder = None
+    try:
+        folder = next((Path(line.split(" ", 1)[1].strip()) for line in proc.stdout if line.startswith("FOLDER ")), None)
+        assert folder is not None, f"the child exited ({proc.wait()}) before its engine was ready"
+        assert [p.name for p in folder.iterdir()] == ["v1"]
+        vllm = psutil.Process(proc.pid).children(recursive=True)
+        assert vllm
+        proc.kill()
+        proc.wait(30)
+        _, alive = psutil.wait_procs(vllm, timeout=60)  # the watch polls its owner every second
+        assert not alive, f"vLLM's processes outlived their owner: {alive}"
+        assert not folder.exists(), f"{folder} outlived the killed worker"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # leave the machine clean whatever happened
+
+
+if __name__ == "__main__":
+    child_lora_engine(sys.argv[1])
