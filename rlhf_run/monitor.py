@@ -23,6 +23,7 @@ from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig, ConfigError
 from rlhf_core.dapo import FILTER_REASONS
+from rlhf_run.report import worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]
     """One monitor snapshot: the buffer's metrics plus rates derived from the snapshots before."""
     snap = buf.metrics()
     snap["time"] = time.time()
-    workers = [c.get("stats", {}) for n, c in snap.get("consumers", {}).items() if not n.startswith("learner")]
+    # the workers heartbeating now: a record stays after its worker left (report.worker_stats)
+    workers = list(worker_stats(snap, _lease_timeout_s(buf)).values())
     snap["generated_tokens_per_s"] = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
     # samples appended by workers and by the gateway (whose samples no worker counts) over the
     # last RATE_WINDOW_S; the workers' own rates until there are two snapshots
@@ -57,6 +59,16 @@ def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]
         snap["rate_samples_appended_per_s"] = (c.get("samples_appended", 0) - p.get("samples_appended", 0)) / dt
         snap["rate_samples_consumed_per_s"] = (c.get("samples_consumed", 0) - p.get("samples_consumed", 0)) / dt
     return snap
+
+
+def _lease_timeout_s(buf: Any) -> float:
+    """The run's ``buffer.lease_timeout_s`` (the default before the run has parameters)."""
+    from buffer import RunNotInitialised
+
+    try:
+        return float(buf.run_params()["lease_timeout_s"])
+    except RunNotInitialised:
+        return BufferConfig.lease_timeout_s
 
 
 def render(snap: dict[str, Any]):

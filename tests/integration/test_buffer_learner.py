@@ -206,6 +206,31 @@ def test_publish_stats_reaches_the_monitor_snapshot(redis_url):
     assert stats["odd"] == str(object)
 
 
+def test_the_monitor_leaves_out_workers_gone_longer_than_the_lease_timeout(redis_url, monkeypatch):
+    import time
+
+    from buffer import prompts as buffer_prompts
+    from rlhf_run import monitor
+
+    buf = Buffer.connect(redis_url, "gone", BufferConfig(lease_timeout_s=30.0))
+    buf.init_run(batch_size=8, group_size=4, max_staleness=1)
+    # worker-1 heartbeated last 120 s ago (the launch before a resume, or scaled down), worker-0 now:
+    # the run's lease timeout (30 s) says worker-1 left, so its rates over its uptime are not shown
+    real = time.time
+    monkeypatch.setattr(buffer_prompts.time, "time", lambda: real() - 120.0)
+    buf.heartbeat("worker-1", 0, {"tokens_per_s": 914.0, "samples_per_s": 30.0})
+    monkeypatch.setattr(buffer_prompts.time, "time", real)
+    buf.heartbeat("worker-0", 0, {"tokens_per_s": 1306.0, "samples_per_s": 40.0})
+    # a monitor of its own (it learns the lease timeout from the run, not from its config)
+    watcher = Buffer.connect(redis_url, "gone", BufferConfig(lease_timeout_s=1000.0))
+    snap = monitor.snapshot(watcher)
+    assert snap["consumers"]["worker-1"]["age_s"] > 100
+    # 'generated tok/s' and, with one snapshot, 'generated samples/s': worker-0's alone, not 2,220 and 70
+    assert (snap["generated_tokens_per_s"], snap["generated_samples_per_s"]) == (1306.0, 40.0)
+    watcher.close()
+    buf.close()
+
+
 @pytest.mark.parametrize("mode", ["fifo", "replay"])
 def test_a_discarded_batch_leaves_the_buffer_and_gives_its_admission_back(redis_url, mode):
     # The learner dead-lettered every sample of a batch (their stop tokens contradict its

@@ -130,8 +130,11 @@ class _Counters:
     def __init__(self) -> None:
         self.appended = 0
 
+    def run_params(self) -> dict:
+        return {"lease_timeout_s": 30.0}
+
     def metrics(self) -> dict:
-        worker = {"stats": {"samples_per_s": 7.0}}  # a gateway-only run's worker: its own rate says little
+        worker = {"age_s": 0.5, "stats": {"samples_per_s": 7.0}}  # a gateway-only run's worker: its own rate says little
         return {"counters": {"samples_appended": self.appended}, "consumers": {"worker-0": worker}}
 
 
