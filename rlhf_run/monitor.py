@@ -44,21 +44,35 @@ def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]
     snap["generated_tokens_per_s"] = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
     # samples appended by workers and by the gateway (whose samples no worker counts) over the
     # last RATE_WINDOW_S; the workers' own rates until there are two snapshots
-    before = (previous or {}).get("appended_window", [])
-    window = [p for p in before[:-1] if p[0] >= snap["time"] - RATE_WINDOW_S] + before[-1:]
-    snap["appended_window"] = window + [[snap["time"], snap.get("counters", {}).get("samples_appended", 0)]]
-    (t0, n0), (t1, n1) = snap["appended_window"][0], snap["appended_window"][-1]
-    snap["generated_samples_per_s"] = (n1 - n0) / (t1 - t0) if t1 > t0 else sum(
+    rate = _windowed_rate(snap, previous, "appended_window", snap.get("counters", {}).get("samples_appended", 0))
+    snap["generated_samples_per_s"] = rate if rate is not None else sum(
         float(w.get(M.WORKER_SAMPLES_PER_S, 0.0)) for w in workers)
+    # samples trained likewise (the learner's learner/samples_per_s is over one update's compute
+    # time: a learner waiting for batches trains far fewer a second); None until two snapshots
     learner = snap.get("stats", {}).get(M.LEARNER_STATS, {})
-    snap["trained_samples_per_s"] = learner.get(M.SAMPLES_PER_S)
-    snap["trained_tokens_per_s"] = learner.get(M.TOKENS_PER_S)
+    snap["trained_samples_per_s"] = _windowed_rate(snap, previous, "trained_window", learner.get(M.SAMPLES_TRAINED))
     if previous is not None:
         dt = max(snap["time"] - previous["time"], 1e-9)
         c, p = snap.get("counters", {}), previous.get("counters", {})
         snap["rate_samples_appended_per_s"] = (c.get("samples_appended", 0) - p.get("samples_appended", 0)) / dt
         snap["rate_samples_consumed_per_s"] = (c.get("samples_consumed", 0) - p.get("samples_consumed", 0)) / dt
     return snap
+
+
+def _windowed_rate(snap: dict[str, Any], previous: dict[str, Any] | None, name: str, count: Any) -> float | None:
+    """The growth per second of ``count`` over the last RATE_WINDOW_S of snapshots (the newest
+    point before them stays, so a count that grows less often still has two points). The points
+    are kept in ``snap[name]``; a count that went down (a restored learner) starts them again.
+    None with fewer than two points."""
+    if count is None:  # no learner stats yet
+        snap[name] = []
+        return None
+    before = (previous or {}).get(name, [])
+    if before and count < before[-1][1]:
+        before = []
+    snap[name] = [p for p in before[:-1] if p[0] >= snap["time"] - RATE_WINDOW_S] + before[-1:] + [[snap["time"], count]]
+    (t0, n0), (t1, n1) = snap[name][0], snap[name][-1]
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
 
 def _lease_timeout_s(buf: Any) -> float:

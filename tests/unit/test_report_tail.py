@@ -129,13 +129,15 @@ class _Counters:
 
     def __init__(self) -> None:
         self.appended = 0
+        self.learner: dict = {}  # the learner's published stats
 
     def run_params(self) -> dict:
         return {"lease_timeout_s": 30.0}
 
     def metrics(self) -> dict:
         worker = {"age_s": 0.5, "stats": {"samples_per_s": 7.0}}  # a gateway-only run's worker: its own rate says little
-        return {"counters": {"samples_appended": self.appended}, "consumers": {"worker-0": worker}}
+        return {"counters": {"samples_appended": self.appended}, "consumers": {"worker-0": worker},
+                "stats": {"learner": self.learner}}
 
 
 def test_the_monitors_generated_rate_is_the_buffers_appends_over_the_last_ten_seconds(monkeypatch):
@@ -162,6 +164,32 @@ def test_the_monitors_generated_rate_is_the_buffers_appends_over_the_last_ten_se
         snap = monitor.snapshot(buf, snap)
     assert snap["appended_window"][0] == [106.0, 128]
     assert round(snap["generated_samples_per_s"], 1) == 6.4
+
+
+def test_the_monitors_trained_rate_is_samples_trained_per_second_not_per_second_of_compute(monkeypatch):
+    from rlhf_run import monitor
+
+    now = [1000.0]
+    monkeypatch.setattr(monitor.time, "time", lambda: now[0])
+    buf = _Counters()
+    snap = monitor.snapshot(buf)
+    assert snap["trained_samples_per_s"] is None  # no update yet
+    # one update every 10 s, each computing 32 samples in 0.1 s: learner/samples_per_s says 320;
+    # seen at t=1001 (32 trained) and t=1011 (64): (64 - 32) / (1011 - 1001) = 3.2 samples/s
+    for t in range(1001, 1012):
+        updates = 1 if t < 1011 else 2
+        now[0], buf.learner = float(t), {"learner/updates": updates, "learner/samples_trained": 32 * updates,
+                                         "learner/samples_per_s": 320.0, "learner/time_compute_s": 0.1}
+        snap = monitor.snapshot(buf, snap)
+    assert snap["trained_samples_per_s"] == 3.2
+    # a learner restored from its checkpoint at 32 trained (its count went down at t=1021) starts the
+    # window again: no rate, not (32 - 64) / (1021 - 1011) = -3.2; then 64 at t=1031: 32 / 10 s
+    rates = []
+    for t, trained in [*((t, 64) for t in range(1012, 1021)), (1021, 32), (1031, 64)]:
+        now[0], buf.learner = float(t), {"learner/samples_trained": trained}
+        snap = monitor.snapshot(buf, snap)
+        rates.append(snap["trained_samples_per_s"])
+    assert rates[-2:] == [None, 3.2]
 
 
 def test_the_monitor_shows_the_gateways_calls_sessions_and_errors_by_code():
