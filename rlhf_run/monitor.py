@@ -11,6 +11,7 @@ stats the learner and weight server publish there), so the monitor needs no othe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -23,7 +24,7 @@ from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig, ConfigError
 from rlhf_core.dapo import FILTER_REASONS
-from rlhf_run.report import worker_stats
+from rlhf_run.report import PROBE_RETRY_S, worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,13 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     """Show the run (``once``: one snapshot). ``prometheus_port``: also serve the run's Prometheus
     target (:mod:`rlhf_run.run_exporter`) from the live view's snapshots, for a run whose
     ``rlhf-run`` does not (``run.prometheus_port``) or that was started by hand."""
-    from buffer import Buffer
-
-    from buffer import RunNotInitialised
+    from buffer import Buffer, BufferUnavailable, RunNotInitialised
 
     out = out or sys.stdout
-    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id))
+    # the live view rides a Redis outage out (the run does): a short retry budget per refresh, so
+    # the view says so within seconds, then it tries again; --once fails after the full budget
+    cfg = BufferConfig(url=url, run_id=run_id)
+    buf = Buffer.connect(url, run_id, cfg if once else dataclasses.replace(cfg, max_retry_s=PROBE_RETRY_S))
     try:
         buf.run_params()
     except RunNotInitialised:  # a wrong run_id would otherwise show a page of zeros
@@ -169,7 +171,9 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
 
             Console(file=out).print(render(snap))
         return snap
+    from rich.console import Group
     from rich.live import Live
+    from rich.text import Text
 
     prev = snapshot(buf)
     target = None
@@ -186,13 +190,26 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     if threading.current_thread() is threading.main_thread():
         handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
                     for sig in (signal.SIGINT, signal.SIGTERM)}
+    down_since: float | None = None
     try:
         with Live(render(prev), refresh_per_second=max(1, int(1 / refresh_s))) as live:
             while not stopping:
                 time.sleep(refresh_s)
                 if stopping:
                     break
-                prev = snapshot(buf, prev)
+                try:
+                    prev = snapshot(buf, prev)
+                except BufferUnavailable as exc:  # the last snapshot stays, under a line that says so
+                    if down_since is None:
+                        down_since = time.time()
+                        log.warning("Redis unreachable: %s; retrying", exc)
+                    since = time.strftime("%H:%M:%S", time.localtime(down_since))
+                    live.update(Group(Text(f"Redis unreachable since {since} (the last snapshot below); retrying",
+                                           style="bold red"), render(prev)))
+                    continue
+                if down_since is not None:
+                    log.warning("Redis reachable again after %.0f s", time.time() - down_since)
+                    down_since = None
                 live.update(render(prev))
                 if target is not None:
                     target.update(prev)

@@ -737,3 +737,45 @@ def test_monitor_says_what_is_wrong_and_keeps_its_json_clean(tmp_path, redis_ser
     help_text = run_cmd([monitor, "--help"], tmp_path, timeout=60).stdout
     assert "--once --json" in help_text and "algo:" not in help_text
     assert not list(tmp_path.glob("*.log")), list(tmp_path.iterdir())
+
+
+def test_the_live_monitor_rides_a_redis_outage_out(tmp_path, redis_server):
+    # Redis down longer than the buffer's retry budget (buffer.max_retry_s, 30 s) ended the live view
+    # with exit 75, though the run rides such an outage out. Now it says so and tries again: each
+    # refresh waits a short budget (2 s), so the outage shows within seconds and needs no 30 s here.
+    from buffer import Buffer
+    from rlhf_core.config import BufferConfig
+    from servers import free_port
+
+    buf = Buffer.connect(redis_server.url, "down", BufferConfig())
+    buf.init_run(batch_size=8, group_size=4, max_staleness=1)
+    buf.close()
+    port, err = free_port(), tmp_path / "monitor.err"
+    with err.open("w") as log:
+        monitor = subprocess.Popen([script("rlhf-monitor"), f"url={redis_server.url}", "run_id=down", "refresh_s=0.2",
+                                    f"prometheus_port={port}"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log,
+                                   env=child_env())
+    try:
+        def version() -> float | None:
+            assert monitor.poll() is None, err.read_text()[-3000:]
+            try:
+                return sample(scrape(port), "rlhf_run_version", "gauge", "rlhf_run_version", run="down") + 1
+            except OSError:  # not listening yet
+                return None
+
+        assert wait_for(version, 60, "the monitor's target") == 1  # version 0
+        redis_port = redis_server.port
+        redis_server.stop()
+        wait_for(lambda: "Redis unreachable" in err.read_text(), 30, "the monitor to see Redis gone")
+        assert monitor.poll() is None, err.read_text()[-3000:]
+        redis_server.start(port=redis_port)
+        buf = Buffer.connect(redis_server.url, "down", BufferConfig())
+        buf.set_learner_version(7)
+        buf.close()
+        assert wait_for(lambda: version() == 8, 30, "the monitor's snapshots after Redis came back")
+        assert "Redis reachable again" in err.read_text()
+    finally:
+        monitor.send_signal(signal.SIGINT)
+        code = monitor.wait(timeout=30)
+    assert code == 0, err.read_text()[-3000:]
+
