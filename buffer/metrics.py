@@ -14,7 +14,9 @@ Counters (monotonic):
     appended because the group teaches nothing: ``algo.filter_groups``), groups_filtered_<reason>
     per reason of :data:`rlhf_core.dapo.FILTER_REASONS`, groups_external (appended without a prompt
     lease: rlhf-gateway's episodes; counted in groups_appended too), groups_appended, samples_appended, groups_consumed,
-    samples_consumed, groups_dropped_stale, samples_dropped_stale, samples_evicted,
+    samples_consumed, groups_dropped_stale and samples_dropped_stale (too stale when read, never
+    trained on), groups_aged_out and samples_aged_out (replay mode: trained on, then too stale to be
+    drawn again), samples_evicted,
     samples_dead_lettered, entries_dead_lettered, dead_letters (all kinds), groups_removed and
     samples_removed (left the sample stream: consumed, dropped, evicted or used up),
     budget_returned (admission budget given back, in samples), rl_inserts, rl_samples (replay
@@ -60,6 +62,8 @@ COUNTERS = (
     "samples_consumed",
     "groups_dropped_stale",
     "samples_dropped_stale",
+    "groups_aged_out",
+    "samples_aged_out",
     "samples_evicted",
     "samples_dead_lettered",
     "entries_dead_lettered",

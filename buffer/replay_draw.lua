@@ -1,6 +1,7 @@
 -- Draw whole groups from the replay table for one batch (replay mode), under the rate limiter.
--- First removes entries too stale to train on (counted per lag; those never used give their
--- admission back, as FIFO's drop.lua does: a used one was trained on). Then blocks (returns 'wait')
+-- First removes entries too stale to train on: those never used are dropped as too stale (counted
+-- per lag, and they give their admission back, as FIFO's drop.lua does); a used one was trained on
+-- and only ages out (samples_aged_out). Then blocks (returns 'wait')
 -- while the table holds fewer than min_size_to_sample samples or fewer free groups than wanted,
 -- or while drawing would break the sample side of the limiter (limiter_can_sample, from
 -- buffer/pacing.py through the preamble). Drawn entries are marked out to this consumer until
@@ -25,12 +26,17 @@ if version - max_staleness > 0 then
       local uses = ctl(redis.call('HGET', uses_key, m), 0, uses_key, m)
       local lag = version - math.floor(tonumber(stale[i + 1]) / VSCALE)
       replay_remove(index_key, n_key, uses_key, samples_key, counters_key, m, n)
-      incr(counters_key, C.samples_dropped_stale, n)
-      incr(counters_key, C.groups_dropped_stale, 1)
-      incr(hist_key, lag, n)
+      if uses == 0 then
+        incr(counters_key, C.samples_dropped_stale, n)
+        incr(counters_key, C.groups_dropped_stale, 1)
+        incr(hist_key, lag, n)
+        unused = unused + 1
+      else
+        incr(counters_key, C.samples_aged_out, n)
+        incr(counters_key, C.groups_aged_out, 1)
+      end
       limiter_forgive(counters_key, pace.samples_per_insert, n, uses)
       dropped = dropped + 1
-      if uses == 0 then unused = unused + 1 end
     end
   end
   -- claimers wait on the budget given back or on the limiter's draws forgiven

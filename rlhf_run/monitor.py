@@ -103,6 +103,8 @@ def render(snap: dict[str, Any]):
                  "trained samples/s", str(_fmt(snap.get("trained_samples_per_s"))))
     head.add_row("dead letters", str(c.get("dead_letters")), "reclaimed leases", str(c.get("prompts_reclaimed")),
                  "dropped stale", str(c.get("samples_dropped_stale")))
+    if c.get("samples_aged_out"):  # replay mode: samples trained on, then too stale to draw again
+        head.add_row("aged out after training", str(c.get("samples_aged_out")), "", "", "", "")
     if c.get("groups_filtered"):  # algo.filter_groups: groups dropped because they teach nothing
         head.add_row("groups filtered", str(c.get("groups_filtered")), "by reason",
                      "  ".join(f"{r} {c.get(f'groups_filtered_{r}', 0)}" for r in FILTER_REASONS), "", "")

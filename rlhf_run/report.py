@@ -345,7 +345,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "steps": len(rows),
         "samples_trained": samples,
         "samples_generated": gen_samples,
-        "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),
+        "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),  # never trained on
+        "samples_aged_out": int(counters.get("samples_aged_out", 0)),  # replay mode: trained, then too stale
         "reward_start": _mean(rewards[:k]),
         "reward_end": _mean(rewards[-k:]),
         "reward_max": max((r for r in rewards if r is not None), default=None),
@@ -392,7 +393,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_id']} ({s['exit_reason'] or 'done'}{f': {why}' if why else ''}) in {s['wall_s']:.0f} s",
         f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}"
-        + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else ""),
+        + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else "")
+        + (f", trained and then aged out {s['samples_aged_out']}" if s.get("samples_aged_out") else ""),
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",
         f"  staleness mean {f(s['staleness_mean'])}, max {f(s['staleness_max'])} (limit {s['max_staleness']})",
         f"  throughput: generated {t['generated_tokens_per_s']:.0f} tok/s ({t['generated_samples_per_s']:.1f} samples/s), "

@@ -173,9 +173,41 @@ def test_groups_dropped_as_too_stale_before_any_use_give_their_admission_back(re
     buf.set_learner_version(2)
     assert buf.read_batch("L", 2, B, timeout_s=0.1) is None  # all 4 too stale (lag 2 > 1)
     c = buf.metrics()["counters"]
-    # only the 2 never used give their admission back: the used ones were trained on
-    assert (c["groups_dropped_stale"], c["budget_returned"], c["admitted"]) == (4, 2 * G, 2 * G)
+    # only the 2 never used are dropped and give their admission back: the used ones were trained
+    # on, and age out
+    assert (c["groups_dropped_stale"], c["groups_aged_out"], c["budget_returned"], c["admitted"]) == (2, 2, 2 * G, 2 * G)
     assert buf.admission_budget() == (1 + 2 + 1) * B - 2 * G
+
+
+def test_trained_groups_that_age_out_are_not_reported_as_dropped_untrained(redis_url):
+    # A group trained once and then too stale to draw again was counted in samples_dropped_stale
+    # (and its lag histogram): the summary said all of the generated samples 'were dropped: raise
+    # algo.max_staleness' for a run that trained every one, and the monitor and Prometheus agreed
+    import dataclasses
+
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    buf = _buf(redis_url, "aged", max_staleness=1, max_reuse=4)
+    _insert(buf, 2)
+    buf.commit(buf.read_batch("L", 0, B, timeout_s=0.5))  # both trained once at version 0
+    buf.set_learner_version(2)
+    assert buf.read_batch("L", 2, B, timeout_s=0.1) is None  # both age out (lag 2 > 1)
+    snap = buf.metrics()
+    c = snap["counters"]
+    assert (c["samples_appended"], c["samples_consumed"], c["samples_dropped_stale"], c["samples_aged_out"]) == (8, 8, 0, 8)
+    assert (c["groups_dropped_stale"], c["groups_aged_out"], snap["dropped_stale_hist"]) == (0, 2, {})
+    assert (c["budget_returned"], c["samples_in_buffer"]) == (0, 0)  # trained: their admission stays taken
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, buffer=buf.cfg, algo=dataclasses.replace(cfg.algo, max_staleness=1))
+    rows = [{"learner/updates": 1, "learner/samples_trained": 8, "time": 1.0}]
+    s = summarize(cfg, rows, [snap], wall_s=5.0, exit_reason="done")
+    assert (s["samples_dropped_stale"], s["samples_aged_out"]) == (0, 8)
+    text = format_summary(s)
+    assert "dropped as too stale" not in text and "were dropped" not in text, text
+    assert text.splitlines()[1] == "  steps 1, samples trained 8, generated 8, trained and then aged out 8", text
+    buf.close()
 
 
 def test_groups_evicted_before_any_use_give_their_admission_back(redis_url):
