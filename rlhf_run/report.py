@@ -289,11 +289,14 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
 def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -> float | None:
     """Samples appended to the buffer per second (by workers and by the gateway), from the first
     snapshot (after ``since``) that counts more than the first one did (start-up left out, also
-    on a resume whose Redis data counts the launch before) to the last; None without two such."""
+    on a resume whose Redis data counts the launch before) to the first that counts the final
+    total (the end of the run left out: the final checkpoint and the workers' drain append
+    nothing); None without two such."""
     points = [(float(snap["time"]), int(snap["counters"]["samples_appended"])) for snap in timeline
               if "samples_appended" in snap.get("counters", {}) and "time" in snap
               and (since is None or snap["time"] >= since)]
     points = [p for p in points if p[1] > points[0][1]] if points else []
+    points = points[:next((i + 1 for i, p in enumerate(points) if p[1] == points[-1][1]), 0)]
     if len(points) < 2 or points[-1][0] <= points[0][0]:
         return None
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])

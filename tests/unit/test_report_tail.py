@@ -222,6 +222,19 @@ def test_a_resume_on_kept_redis_data_counts_generation_from_its_first_append_not
     assert abs(appended_per_s(timeline) - 512 / 3) < 1e-9
 
 
+def test_the_generation_rate_ends_at_the_last_append_not_at_the_end_of_the_run():
+    from rlhf_core.config import Config
+    from rlhf_run.report import summarize
+
+    # 100 samples/s from t=10 to t=30 (100 -> 2,100), then 60 s of final checkpoint and drain with
+    # no append: (2100 - 100) / (30 - 10) = 100 samples/s. To the last snapshot: 2000 / 80 = 25
+    timeline = [{"time": t, "counters": {"samples_appended": n}, "consumers": {}}
+                for t, n in [(0.0, 0), (10.0, 100), (20.0, 1100), (30.0, 2100), (60.0, 2100), (90.0, 2100)]]
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": 10.0 + 0.32 * i} for i in range(1, 63)]
+    s = summarize(Config(), rows, timeline, wall_s=90.0, exit_reason="done")
+    assert s["throughput"]["generated_samples_per_s"] == 100.0
+
+
 def test_workers_that_left_do_not_count_in_the_generation_rates():
     from rlhf_core.config import Config
     from rlhf_run.report import summarize
