@@ -43,7 +43,7 @@ from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
-from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, STOPPED_BY
+from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOPPED_BY, UPDATES
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -369,6 +369,8 @@ class Learner:
         """Publish the starting weights; rank 0 tells the buffer the version and starts the prompt producer."""
         self._last_publish_s = 0.0
         self._publish_start()
+        if self.exporter is not None:  # the base of its counters: 0, or the restored checkpoint's totals
+            self.exporter.update({UPDATES: self.updates, SAMPLES_TRAINED: self.samples_trained})
         if self.rank0:
             self.buffer.set_learner_version(self.version)
             if self.cfg.data.source == "none":  # samples come from rlhf-gateway's sessions only

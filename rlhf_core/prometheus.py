@@ -5,9 +5,12 @@ and serves it with prometheus_client's HTTP server at ``http://host:port/metrics
 the component's flat metrics dict (``learner/version``, ``reward/mean``, ``tokens`` ...):
 
 * keys named as running totals become counters (``learner/samples_trained`` ->
-  ``rlhf_learner_samples_trained_total``), raised by how much the total grew: a total that
-  goes down (its process restarted, or resumed from a checkpointed value) raises nothing until
-  it grows again from there, so a counter never goes down;
+  ``rlhf_learner_samples_trained_total``), raised by how much the total grew since the first
+  value this process saw (the base: a learner restored from a checkpoint starts at its totals,
+  and the checkpoint's count is no growth; the learner feeds the totals it starts from before its
+  first update). A total that goes down (its process restarted) raises nothing until it grows
+  again from there, so a counter never goes down, and a new process's counter starts at 0, which
+  Prometheus reads as a reset, not as the restored totals trained again;
 * the key of a :class:`Hist` feeds a histogram: a number is one observation, a list counts the
   observations of 0, 1, 2 ... (the learner's ``staleness/hist``); :meth:`Exporter.observe`
   feeds a histogram directly (the workers' latencies);
@@ -64,8 +67,9 @@ class Hist:
 
 
 class Totals:
-    """Running totals -> how much their counter grows: the first total counts whole, later ones
-    by their growth; a total below the last one (a restart) adds nothing and is the new base."""
+    """Running totals -> how much their counter grows: the first total is the base (adds nothing),
+    later ones add their growth; a total below the last one (a restart) adds nothing and is the
+    new base."""
 
     def __init__(self) -> None:
         self._last: dict[Hashable, float] = {}
@@ -74,7 +78,7 @@ class Totals:
     def growth(self, series: Hashable, total: float) -> float:
         last = self._last.get(series)
         self._last[series] = total
-        return max(0.0, total if last is None else total - last)
+        return 0.0 if last is None else max(0.0, total - last)
 
     def count(self, series: Hashable, total: float) -> float:
         """The counter's value after this total: the sum of the growths so far."""

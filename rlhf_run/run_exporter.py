@@ -18,8 +18,12 @@ series has the label ``run``:
   ``rlhf_run_gateway_<key>`` (``rlhf_run_gateway_calls_total``; its errors answered as
   ``rlhf_run_gateway_errors_total`` with the label ``code``).
 
-Totals read from records that restart (a worker's, the learner's after a resume) go through
-:class:`~rlhf_core.prometheus.Totals`, so the counters never go down.
+Totals go through :class:`~rlhf_core.prometheus.Totals`, as the learner's and the workers' own:
+the first snapshot this process takes is the base (a resumed run's Redis counts the launch before,
+a monitor attaches mid-run), and a record that restarts (a worker's, the learner's after a resume)
+adds nothing until it grows again, so the counters start at 0 and never go down. The histograms
+are Redis's, read whole: they count every sample of the run's Redis data (a resume on a fresh
+Redis starts them again, which Prometheus reads as a reset).
 """
 
 from __future__ import annotations

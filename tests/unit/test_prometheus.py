@@ -47,6 +47,7 @@ def test_learner_target_over_http_counters_gauges_histograms():
     ex = learner_exporter("run-a")
     port = ex.serve(0)
     try:
+        ex.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})  # the totals a fresh learner starts from (Learner._start)
         ex.update({M.VERSION: 1, M.UPDATES: 1, M.SAMPLES_TRAINED: 32, M.TIME_COMPUTE_S: 0.3,
                    M.STALENESS_HIST: [20, 10, 2], M.REWARD_MEAN: 0.25, "note": "text", "bad": math.nan})
         ex.update({M.VERSION: 2, M.UPDATES: 2, M.SAMPLES_TRAINED: 64, M.TIME_COMPUTE_S: 0.7,
@@ -74,16 +75,43 @@ def test_learner_target_over_http_counters_gauges_histograms():
     assert value(fams, "rlhf_learner_time_compute_s", "rlhf_learner_time_compute_s") == 0.7  # the gauge stays
 
 
+def _trained(ex) -> float:
+    return value(families(ex.render()), "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total")
+
+
 def test_counter_never_goes_down_across_a_restart():
     ex = learner_exporter("r")
-    for total in (100, 200):
+    for total in (0, 100, 200):
         ex.update({M.SAMPLES_TRAINED: total})
-    # the learner restarted from a checkpoint at 150: the total goes back, the counter stays at 200 ...
+    # the total goes back to 150 (a record that restarted): the counter stays at 200 ...
     ex.update({M.SAMPLES_TRAINED: 150})
-    assert value(families(ex.render()), "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total") == 200
+    assert _trained(ex) == 200
     # ... and grows with the total again: 200 + (170 - 150)
     ex.update({M.SAMPLES_TRAINED: 170})
-    assert value(families(ex.render()), "rlhf_learner_samples_trained", "rlhf_learner_samples_trained_total") == 220
+    assert _trained(ex) == 220
+
+
+def prometheus_increase(scraped: list[float]) -> float:
+    """What Prometheus's increase() adds up over scraped values of one series (a drop is a reset from 0)."""
+    return sum(b - a if b >= a else b for a, b in zip(scraped, scraped[1:]))
+
+
+def test_a_restored_learner_counts_only_what_it_trains():
+    # The learner's target lives in its process: a crash restart or a resume builds a new exporter,
+    # whose totals start at the checkpoint's. Counted whole, the new counter started at 150 after
+    # 200: Prometheus read a reset and increase() counted the 150 again (260 for 100 + 10 trained)
+    scraped = []
+    first = learner_exporter("r")
+    for total in (0, 100, 200):  # from a fresh start; it crashes at 200
+        first.update({M.SAMPLES_TRAINED: total})
+        scraped.append(_trained(first))
+    second = learner_exporter("r")  # restored from the checkpoint at 150, then trains 10
+    for total in (150, 160):
+        second.update({M.SAMPLES_TRAINED: total})
+        scraped.append(_trained(second))
+    assert scraped == [0, 100, 200, 0, 10]
+    # trained: 200, then 10 (the re-trained 150..200 aside): 200 + 0 (the reset) + 10
+    assert prometheus_increase(scraped) == 210
 
 
 def test_worker_target_labels_and_latency_histograms():
@@ -123,9 +151,24 @@ def test_every_running_total_of_a_worker_is_named_a_total():
     assert counts == set(M.WORKER_TOTALS)
 
 
+def _zeroed(x):
+    """``x`` with every number 0: the same records at the start of a run."""
+    if isinstance(x, dict):
+        return {k: _zeroed(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_zeroed(v) for v in x]
+    return 0 if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+
+
 def test_run_target_from_a_snapshot():
     target = RunExporter("r1")
     snap = json.loads(json.dumps(INPUTS["snapshot"]))
+    # the first snapshot a process takes is the base of its counters (a monitor attached mid-run,
+    # a resumed run's Redis): nothing of it is growth
+    target.update(snap)
+    assert value(families(target.render()), "rlhf_run_samples_appended", "rlhf_run_samples_appended_total") == 0
+    target = RunExporter("r1")
+    target.update(_zeroed(snap))  # this run's start
     target.update(snap)
     port = target.serve(0)
     try:
@@ -198,6 +241,7 @@ def test_promql_names_are_extracted():
 def exposed_samples() -> dict[str, str]:
     """{sample name: its family's type} of the three targets fed a real run's records."""
     learner = learner_exporter("r1")
+    learner.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})
     learner.update(INPUTS["learner_row"])
     worker = worker_exporter("worker-0", "r1")
     worker.update(INPUTS["snapshot"]["consumers"]["worker-0"]["stats"])
