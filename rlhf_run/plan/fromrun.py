@@ -65,8 +65,9 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     read_per_sample = statistics.median(float(r.get(M.TIME_READ_S, 0.0)) / max(1.0, float(r.get(M.NUM_SAMPLES, batch)))
                                         for r in rows)
     every = max(1, cfg.learner.checkpoint_every)
-    plain = [g for r, g in zip(rows[1:], gaps) if r.get(M.UPDATES, 0) % every]
-    ckpt = [g for r, g in zip(rows[1:], gaps) if not r.get(M.UPDATES, 0) % every]
+    # the learner writes update u's row, then checkpoints (u % every == 0): its cost is in the gap after row u
+    plain = [g for r, g in zip(rows, gaps) if r.get(M.UPDATES, 0) % every]
+    ckpt = [g for r, g in zip(rows, gaps) if not r.get(M.UPDATES, 0) % every]
     per_update = max(0.0, statistics.median(plain)) if plain else 0.0
     checkpoint = max(0.0, statistics.median(ckpt) - per_update) if ckpt else 0.0
     send = statistics.median(float(r.get(M.TIME_PUBLISH_S, 0.0)) for r in rows)

@@ -211,6 +211,33 @@ def test_a_saved_profile_loads_back_equal(tmp_path, cpu_profile, gpu_profile):
         assert load(profile.save(tmp_path / "p.json")) == profile
 
 
+def test_a_profile_from_a_run_finds_the_checkpoint_after_its_metrics_line(tmp_path):
+    """The learner writes update u's line, then checkpoints (u % checkpoint_every == 0), then waits:
+    the checkpoint is in the gap between rows u and u + 1. The gaps that end at row u were taken,
+    and checkpoint_s came out 0.0, also on the stored run (its gaps after updates 30, 40 and 50
+    are 60-80 ms against 1-20 ms elsewhere)."""
+    import json
+    import shutil
+
+    from rlhf_run.plan.fromrun import profile_from_run
+
+    run = Path(__file__).parents[1] / "integration" / "data" / "plan_run"
+    assert profile_from_run(run).learner.checkpoint_s > 0.02
+    shutil.copytree(run, tmp_path / "run")
+    path = tmp_path / "run" / "metrics.jsonl"
+    # the stored run checkpoints every 10 updates; a clock where each update waits 20 ms, computes
+    # 10 ms and spends 5 ms besides, and the one after a checkpointed update also the checkpoint's 80 ms
+    t, rows = 1000.0, []
+    for r in (json.loads(line) for line in path.read_text().splitlines()):
+        u = r["learner/updates"]
+        t += 0.020 + 0.010 + 0.005 + (0.080 if u > 1 and (u - 1) % 10 == 0 else 0.0)
+        rows.append({**r, "time": t, "learner/time_wait_s": 0.020, "learner/time_compute_s": 0.010})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fitted = profile_from_run(tmp_path / "run").learner
+    assert fitted.per_update == pytest.approx(0.005, abs=1e-6)
+    assert fitted.checkpoint_s == pytest.approx(0.080, abs=1e-6)
+
+
 def test_a_profile_from_a_run_counts_decoding_batches_as_the_learners_read(tmp_path):
     """A run's rows with ``learner/time_read_s``: the read moves out of the per-update rest into
     ``read_per_sample`` (the stored run predates the metric: its read was in the waits)."""
