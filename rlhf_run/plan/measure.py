@@ -159,7 +159,8 @@ def measure_generation(cfg: Any, reps: int = 3) -> tuple[Generation, list[tuple[
                         (first.append((rows, sum(len(p) for p in ids), ctx + rows, dt)) if step == 0
                          else decode.append((active, ctx, dt)))
                         responses.update(r.num_tokens for r in done)
-                    ctx += active + (active if step == 0 else 0)
+                    # every row sampled a token (two in the prefill pass); the finished ones leave the context
+                    ctx += active + (active if step == 0 else 0) - sum(len(r.prompt_ids) + r.num_tokens for r in done)
                     step += 1
     engine.close()
     d = fit([[1.0, r, c] for r, c, _ in decode], [t for *_, t in decode])

@@ -211,6 +211,58 @@ def test_a_saved_profile_loads_back_equal(tmp_path, cpu_profile, gpu_profile):
         assert load(profile.save(tmp_path / "p.json")) == profile
 
 
+def test_the_calibration_fits_decoding_against_the_context_of_the_rows_still_decoding(monkeypatch):
+    """A decoding step costs base + per_row * rows + per_ctx_token * (context of its rows). The
+    context of finished responses stayed in the count, so late steps of a wave, with few rows
+    left, were fitted against rows long gone: per-context cost 2.7x too low with lengths 2 .. 32.
+    An engine whose step costs exactly 1 ms + 0.01 ms a row + 1 us a context token, on a fake
+    CPU clock, is fitted back to those numbers."""
+    import itertools
+    from types import SimpleNamespace
+
+    import rollout_workers.engine_factory as EF
+    from rlhf_core.config import Config
+    from rlhf_run.plan import measure
+
+    base, per_row, per_ctx, lengths = 1e-3, 1e-5, 1e-6, [2, 4, 8, 16, 32]
+    clock = [0.0]
+
+    class Engine:
+        def __init__(self) -> None:
+            self.rows, self.seq = [], itertools.count()
+
+        def add(self, req):
+            self.rows.append({"req": req, "tokens": 0, "len": lengths[next(self.seq) % len(lengths)]})
+
+        def has_work(self):
+            return bool(self.rows)
+
+        def num_active(self):
+            return len(self.rows)
+
+        def num_waiting(self):
+            return 0
+
+        def step(self):
+            clock[0] += base + per_row * len(self.rows) + per_ctx * sum(len(r["req"].prompt_ids) + r["tokens"]
+                                                                        for r in self.rows)
+            for r in self.rows:
+                r["tokens"] += 2 if r["tokens"] == 0 else 1  # the prefill pass samples one, its decode another
+            done = [r for r in self.rows if r["tokens"] >= r["len"]]
+            self.rows = [r for r in self.rows if r["tokens"] < r["len"]]
+            return [SimpleNamespace(request_id=r["req"].request_id, prompt_ids=r["req"].prompt_ids, num_tokens=r["len"])
+                    for r in done]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(EF, "make_engine", lambda *a, **k: Engine())
+    monkeypatch.setattr(measure.time, "thread_time", lambda: clock[0])
+    gen, _ = measure.measure_generation(Config(), reps=1)
+    assert (gen.decode_base, gen.decode_per_row, gen.decode_per_ctx_token) == pytest.approx((base, per_row, per_ctx),
+                                                                                          rel=1e-6)
+
+
 def test_a_profile_from_a_run_finds_the_checkpoint_after_its_metrics_line(tmp_path):
     """The learner writes update u's line, then checkpoints (u % checkpoint_every == 0), then waits:
     the checkpoint is in the gap between rows u and u + 1. The gaps that end at row u were taken,
