@@ -269,7 +269,8 @@ def measure_updates(learner: Any, cfg: Any, samples: list[Any], reps: int = 3) -
             continue
         for micro in sorted({n, max(1, n // 2)}):
             lcfg = dataclasses.replace(cfg.learner, batch_size=n, micro_batch_size=micro, num_minibatches=1)
-            updater = PolicyUpdater(dataclasses.replace(cfg, learner=lcfg), learner.engine, None, None,
+            # the learner's own reference and critic: a run with either updates them (and gae needs the critic)
+            updater = PolicyUpdater(dataclasses.replace(cfg, learner=lcfg), learner.engine, learner.ref, learner.critic,
                                     eos_ids=learner.updater.eos_ids)
             batch_samples = samples[:n]
             tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch_samples)

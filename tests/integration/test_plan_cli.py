@@ -82,6 +82,31 @@ def test_calibration_on_this_machine_feeds_the_simulator(tmp_path):
         assert json.loads(same.stdout)["result"]["trained_samples_per_s"] == pytest.approx(fit["measured_samples_per_s"], rel=0.03)
 
 
+@pytest.mark.parametrize("overrides", [["experiment=ppo"], ["algo.kl_coef=0.05"]], ids=["ppo-critic", "kl-reference"])
+def test_the_update_of_a_run_with_a_critic_or_a_reference_is_profiled(tmp_path, redis_url, weight_server, model_cache,
+                                                                      overrides):
+    # the calibration's update stage built its updater without the learner's critic and reference:
+    # experiment=ppo stopped with 'gae needs a critic', a learner-side KL (kl_coef > 0,
+    # rollout.ref_logprobs_on=learner) with MissingReferenceError, after the other stages had run
+    import factories as T
+    from learner.trainer import Learner
+    from rlhf_run.plan.cli import compose
+    from rlhf_run.plan.measure import isolated_config, measure_updates
+
+    small = ["learner.batch_size=8", "learner.micro_batch_size=4", f"model.cache_dir={model_cache}"]
+    cfg = isolated_config(compose([*overrides, *small]), redis_url, weight_server.address, weight_server.pub_address,
+                          tmp_path)
+    learner = Learner(cfg, output_dir=tmp_path)
+    try:
+        assert (learner.critic is not None) == (overrides == ["experiment=ppo"]) and (learner.ref is not None)
+        g = cfg.algo.group_size
+        samples = [s for i in range(8 // g) for s in T.group(f"p{i}", g, reward=float(i), finish_reason="length")]
+        coef = measure_updates(learner, cfg, samples, reps=1)
+    finally:
+        learner.close()
+    assert len(coef) == 4 and sum(coef) > 0
+
+
 def test_refusals_name_the_problem(tmp_path):
     assert plan("profile", "--from-run", str(RUN), "--out", "p.json", cwd=tmp_path).returncode == 0
     other = plan("simulate", "--profile", "p.json", "model=hf", "model.path=/models/qwen", "rollout=vllm", cwd=tmp_path)
