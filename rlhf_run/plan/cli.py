@@ -58,6 +58,18 @@ def _run_config(profile: Any, path: str, base: list[str], overrides: list[str]) 
     return cfg
 
 
+def _validated(overrides: list[str]) -> None:
+    """Refuse to print a plan whose ``rlhf-run`` command would stop at its start-up checks."""
+    from rlhf_core.config import ConfigError, validate
+    from rlhf_run.plan.search import PlanError
+
+    try:
+        validate(compose(overrides))
+    except ConfigError as exc:
+        raise PlanError(f"the search found a plan that rlhf-run would refuse ({exc}); its overrides: "
+                        f"{' '.join(overrides)}. That is a bug of rlhf-plan: please report it") from None
+
+
 # ---- commands ----------------------------------------------------------------------------------
 
 
@@ -152,6 +164,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     ranked = search(request, profile, top=args.top, updates=args.updates, seed=args.seed,
                     simulate_at_most=args.max_simulations, stats=stats)
     gpu = profile.kind == "gpu"
+    for r in ranked:  # what is printed must start: the run's own checks on every plan's command
+        _validated(base + list(args.overrides) + overrides(r.plan, gpu))
     if gpu and not stats["exact"]:
         log.warning("the search stopped after %d simulations (--max-simulations) of %d plans: a plan not simulated "
                     "could still be up to %.0f%% faster than the #%d by its bound", stats["simulated"],

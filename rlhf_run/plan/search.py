@@ -44,7 +44,8 @@ def plan_from_config(cfg: Any) -> Plan:
     devices = cfg.learner.devices
     return Plan(
         workers=int(cfg.rollout.num_workers), slots=int(cfg.rollout.slots), batch_size=int(cfg.learner.batch_size),
-        micro_batch_size=int(cfg.learner.micro_batch_size), group_size=int(cfg.algo.group_size),
+        micro_batch_size=int(cfg.learner.micro_batch_size), num_minibatches=int(cfg.learner.num_minibatches),
+        group_size=int(cfg.algo.group_size),
         max_staleness=int(cfg.algo.max_staleness), lookahead=cfg.buffer.lookahead,
         checkpoint_every=int(cfg.learner.checkpoint_every), learner_devices=len(devices) if devices else 1,
         zero_stage=int(cfg.learner.zero_stage) if cfg.learner.engine == "deepspeed" else 0,
@@ -86,8 +87,11 @@ def check_plan(plan: Plan, request: Request, profile: Profile) -> list[str]:
     why = []
     if plan.batch_size % plan.group_size:
         why.append(f"learner.batch_size {plan.batch_size} is not a multiple of algo.group_size {plan.group_size}")
-    if not 1 <= plan.micro_batch_size <= plan.batch_size:
-        why.append(f"learner.micro_batch_size {plan.micro_batch_size} is outside 1..{plan.batch_size}")
+    if plan.batch_size % plan.num_minibatches:
+        why.append(f"learner.batch_size {plan.batch_size} is not a multiple of learner.num_minibatches {plan.num_minibatches}")
+    elif not 1 <= plan.micro_batch_size <= plan.batch_size // plan.num_minibatches:
+        why.append(f"learner.micro_batch_size {plan.micro_batch_size} is outside 1..{plan.batch_size // plan.num_minibatches} "
+                   f"(the minibatch: learner.batch_size / learner.num_minibatches)")
     if plan.max_staleness > request.max_staleness:
         why.append(f"algo.max_staleness {plan.max_staleness} is above the bound {request.max_staleness}")
     if plan.lookahead is not None and plan.lookahead > plan.max_staleness:
@@ -178,9 +182,10 @@ def candidates(request: Request, profile: Profile) -> list[Plan]:
     out: list[Plan] = []
     if profile.kind == "cpu":
         for batch in batches:
+            minibatch = max(1, batch // base.num_minibatches)  # the largest micro-batch
             for workers in range(1, request.max_workers + 1):
                 for slots in sorted({batch // 2, batch, 2 * batch, 4 * batch} - {0}):
-                    for micro in sorted({batch, max(1, batch // 2)}):
+                    for micro in sorted({minibatch, max(1, minibatch // 2)}):
                         for staleness, lookahead in _pacing(request):
                             out.append(replace(base, workers=workers, slots=slots, batch_size=batch, micro_batch_size=micro,
                                                max_staleness=staleness, lookahead=lookahead, learner_devices=1, zero_stage=0))
@@ -209,7 +214,8 @@ def fastest_learner(plan: Plan, request: Request, profile: Profile) -> Plan | No
     for zero in (1, 2, 3):
         for micro in (1, 2, 4, 8, 16, 32):
             cand = replace(plan, zero_stage=zero, micro_batch_size=micro, slots=1)
-            if plan.batch_size % (micro * plan.learner_devices) or memory_problems(cand, profile):
+            if (plan.batch_size % (micro * plan.learner_devices) or micro > plan.batch_size // plan.num_minibatches
+                    or memory_problems(cand, profile)):
                 continue
             t = profile.learner.update_s(plan.batch_size, tokens, micro, plan.learner_devices, zero,
                                          profile.machine.gpus_per_node)

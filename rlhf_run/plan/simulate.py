@@ -59,7 +59,8 @@ class Plan:
     workers: int = 2  # rollout.num_workers
     slots: int = 32  # rollout.slots
     batch_size: int = 32  # learner.batch_size
-    micro_batch_size: int = 32  # learner.micro_batch_size
+    micro_batch_size: int = 32  # learner.micro_batch_size (at most the minibatch: batch_size / num_minibatches)
+    num_minibatches: int = 1  # learner.num_minibatches
     group_size: int = 4  # algo.group_size
     max_staleness: int = 2  # algo.max_staleness
     lookahead: int | None = 1  # buffer.lookahead (None: up to max_staleness)

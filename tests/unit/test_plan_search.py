@@ -41,6 +41,27 @@ def test_cpu_search_returns_only_feasible_plans_best_first(cpu_profile):
     assert rates == sorted(rates, reverse=True)
 
 
+def test_micro_batches_fit_the_minibatch_and_every_printed_plan_passes_the_runs_checks(cpu_profile, capsys):
+    # experiment=ppo trains each batch of 32 in 2 minibatches of 16: the search proposed
+    # learner.micro_batch_size=32, which rlhf-run refuses ('must be between 1 and the minibatch size 16')
+    from rlhf_core.config import validate
+    from rlhf_run.plan import cli
+
+    request = Request(base=Plan(workers=1, group_size=1, num_minibatches=2, max_staleness=0, lookahead=0),
+                      max_staleness=0, max_workers=1)
+    assert sorted({r.plan.micro_batch_size for r in search(request, cpu_profile, top=100, updates=30)}) == [8, 16]
+    assert check_plan(replace(request.base, micro_batch_size=32), request, cpu_profile) == [
+        "learner.micro_batch_size 32 is outside 1..16 (the minibatch: learner.batch_size / learner.num_minibatches)"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["search", "--profile", str(PROFILE), "--max-workers", "1", "--max-staleness", "0", "--updates", "30",
+                  "--top", "8", "--json", "experiment=ppo"])
+    assert exit_.value.code == 0, capsys.readouterr().err
+    plans = json.loads(capsys.readouterr().out)
+    assert len(plans) == 8
+    for p in plans:
+        validate(compose(["experiment=ppo", *p["overrides"]]))
+
+
 def test_a_fixed_lookahead_is_searched_alone(cpu_profile):
     request = Request(base=replace(Plan(), lookahead=1), max_staleness=2, max_workers=1, lookahead_fixed=True)
     assert {p.lookahead for p in candidates(request, cpu_profile)} == {1}
