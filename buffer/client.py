@@ -31,7 +31,7 @@ from buffer.prompts import Lease
 from buffer.samples import Batch
 from buffer.scripts import Scripts, complete_keys, run_many
 from buffer.store import Store
-from rlhf_core.config import BufferConfig
+from rlhf_core.config import BufferConfig, replay_mode
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt, Sample
 
@@ -123,7 +123,7 @@ class Buffer:
                 f"buffer.samples_per_insert {spi} exceeds buffer.max_reuse {cfg.max_reuse}: each sample would have to be "
                 "drawn more often than it may be used, and the limiter would stall; raise max_reuse or lower samples_per_insert"
             )
-        mode = "replay" if (cfg.max_reuse > 1 or spi is not None or cfg.sampling != "fifo") else "fifo"
+        mode = "replay" if replay_mode(cfg) else "fifo"
         wanted: dict[str, Any] = {
             "batch_size": batch_size, "group_size": group_size, "max_staleness": max_staleness,
             "max_response_tokens": max_response_tokens, "vocab_size": vocab_size,

@@ -164,6 +164,12 @@ class BufferConfig:
     max_retry_s: float = 30.0
 
 
+def replay_mode(buf: BufferConfig) -> bool:
+    """Whether ``buf`` runs the buffer in replay mode (a table whose samples may be drawn again)
+    rather than FIFO: buffer.max_reuse > 1, buffer.samples_per_insert set or buffer.sampling=uniform."""
+    return buf.max_reuse > 1 or buf.samples_per_insert is not None or buf.sampling != "fifo"
+
+
 @dataclass
 class RolloutConfig:
     engine: str = "hf"  # hf | vllm
@@ -825,7 +831,7 @@ def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> 
                           f"got {gw.max_tokens}, {gw.max_n}, {gw.max_request_bytes}")
     if gw.group_size is not None and gw.group_size < 1:
         raise ConfigError(f"gateway.group_size must be >= 1 or null (algo.group_size), got {gw.group_size}")
-    if buf.max_reuse > 1 or buf.samples_per_insert is not None or buf.sampling != "fifo":
+    if replay_mode(buf):
         raise ConfigError("the gateway appends its episodes to a FIFO buffer; it does not fill a replay table "
                           "(buffer.max_reuse=1, buffer.samples_per_insert=null, buffer.sampling=fifo)")
 

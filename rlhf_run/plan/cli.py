@@ -88,8 +88,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         cfg = compose(args.overrides)
         from rlhf_core.config import validate
+        from rlhf_run.plan.search import plan_from_config
 
         validate(cfg)
+        plan_from_config(cfg)  # what the simulator cannot model is refused before the minute of measuring
         print(f"calibrating {cfg.model.name} / {cfg.rollout.engine} / {cfg.learner.engine} on this machine "
               "(about a minute: every stage alone, then three short runs of this config to fit how much the processes "
               "slow each other)...", flush=True)

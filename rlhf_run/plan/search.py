@@ -41,6 +41,14 @@ class Request:
 
 
 def plan_from_config(cfg: Any) -> Plan:
+    from rlhf_core.config import replay_mode
+
+    if replay_mode(cfg.buffer):  # the simulator trains each group once, in order
+        b = cfg.buffer
+        raise PlanError(f"rlhf-plan models a FIFO buffer only; this config runs it in replay mode (buffer.max_reuse="
+                        f"{b.max_reuse}, buffer.samples_per_insert={'null' if b.samples_per_insert is None else b.samples_per_insert}, "
+                        f"buffer.sampling={b.sampling}), whose reuse and rate limiter it does not simulate: plan the "
+                        "run with buffer.max_reuse=1 buffer.samples_per_insert=null buffer.sampling=fifo")
     devices = cfg.learner.devices
     return Plan(
         workers=int(cfg.rollout.num_workers), slots=int(cfg.rollout.slots), batch_size=int(cfg.learner.batch_size),

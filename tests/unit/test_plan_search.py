@@ -200,6 +200,20 @@ def test_overrides_round_trip_through_the_run_config():
     assert "ray.learner.strategy=PACK" in ray_overrides(replace(gpu, learner_devices=16), gpu=True)
 
 
+@pytest.mark.parametrize("setting", ["buffer.max_reuse=4", "buffer.sampling=uniform", "buffer.samples_per_insert=1"])
+def test_a_replay_config_is_refused_until_the_simulator_models_it(capsys, setting):
+    # the simulator trains each group once, in order; plan_from_config dropped the replay settings
+    # and buffer.max_reuse=4 buffer.sampling=uniform printed the FIFO run's prediction
+    from rlhf_run.plan import cli
+
+    with pytest.raises(PlanError, match=r"models a FIFO buffer only; this config runs it in replay mode \(buffer.max_reuse="):
+        plan_from_config(compose([setting]))
+    for command in (["simulate", "--profile", str(PROFILE)], ["search", "--profile", str(PROFILE)], ["profile"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*command, setting])
+        assert exit_.value.code == 2 and "replay mode" in capsys.readouterr().err
+
+
 def test_a_profile_of_another_model_or_engine_is_refused_naming_both(cpu_profile):
     check_identity(cpu_profile, compose([]))  # the default run: the tiny model, hf, torch, CPU
     with pytest.raises(ProfileError, match=r"rollout_engine 'hf' \(profile\) vs 'vllm' \(asked\)"):
