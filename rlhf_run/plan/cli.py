@@ -153,7 +153,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from rlhf_run.plan.search import Request, overrides, plan_from_config, ray_overrides, search
+    from rlhf_run.plan.search import Request, overrides, plan_from_config, ray_overrides, search, spans_nodes
 
     profile, base = _profile_setup(args.profile)
     cfg = _run_config(profile, args.profile, base, args.overrides)
@@ -166,16 +166,29 @@ def cmd_search(args: argparse.Namespace) -> int:
     ranked = search(request, profile, top=args.top, updates=args.updates, seed=args.seed,
                     simulate_at_most=args.max_simulations, stats=stats)
     gpu = profile.kind == "gpu"
-    for r in ranked:  # what is printed must start: the run's own checks on every plan's command
-        _validated(base + list(args.overrides) + overrides(r.plan, gpu))
+    given = base + list(args.overrides)
+
+    def commands(plan: Any) -> tuple[list[str] | None, list[str]]:
+        """The plan's overrides for the local launcher (None: it spans nodes, which only Ray runs)
+        and for launcher=ray; each command printed passes the run's own start-up checks."""
+        local = overrides(plan, gpu)  # the device lists are the local launcher's alone
+        ray = [o for o in local if not o.startswith(("learner.devices=", "rollout.devices="))] + ray_overrides(
+            plan, gpu, profile.machine.gpus_per_node)
+        local = None if spans_nodes(plan, request) else local
+        for cmd in (local, ray):
+            if cmd is not None:
+                _validated(given + cmd)
+        return local, ray
+
+    shown = [(r, *commands(r.plan)) for r in ranked]
     if gpu and not stats["exact"]:
         log.warning("the search stopped after %d simulations (--max-simulations) of %d plans: a plan not simulated "
                     "could still be up to %.0f%% faster than the #%d by its bound", stats["simulated"],
                     stats["candidates"], 100 * stats["gap"], min(args.top, len(ranked)))
-    if args.json:
-        print(json.dumps([{"plan": r.plan.__dict__, "result": r.result.to_dict(), "overrides": overrides(r.plan, gpu),
+    if args.json:  # overrides: the local launcher's, null for a plan over several nodes
+        print(json.dumps([{"plan": r.plan.__dict__, "result": r.result.to_dict(), "overrides": local,
                            "ray_overrides": ray_overrides(r.plan, gpu, profile.machine.gpus_per_node)}
-                          for r in ranked], indent=2))
+                          for r, local, _ in shown], indent=2))
         return 0
     head = ["#", "workers", "slots", "batch", "micro", *(["learner GPUs", "ZeRO"] if gpu else []), "staleness", "lookahead",
             "samples/s", "stale mean", "learner idle"]
@@ -187,11 +200,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-    best = ranked[0]
-    print(f"\nrun the best plan:\n  rlhf-run {' '.join(base + list(args.overrides) + overrides(best.plan, gpu))}")
-    local = [o for o in overrides(best.plan, gpu) if not o.startswith(("learner.devices=", "rollout.devices="))]
-    ray = ray_overrides(best.plan, gpu, profile.machine.gpus_per_node)
-    print(f"on a Ray cluster:\n  rlhf-run {' '.join(base + list(args.overrides) + local + ray)}")
+    best, local, ray = shown[0]
+    if local is not None:
+        print(f"\nrun the best plan:\n  rlhf-run {' '.join(given + local)}")
+        print(f"on a Ray cluster:\n  rlhf-run {' '.join(given + ray)}")
+    else:
+        print(f"\nthe best plan needs {best.plan.workers + best.plan.learner_devices} GPUs, more than a node's "
+              f"{args.gpus // args.nodes}: run it on a Ray cluster:\n  rlhf-run {' '.join(given + ray)}")
     return 0
 
 

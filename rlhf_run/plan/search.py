@@ -76,6 +76,12 @@ def overrides(plan: Plan, gpu: bool) -> list[str]:
     return out
 
 
+def spans_nodes(plan: Plan, request: Request) -> bool:
+    """Whether ``plan`` needs more GPUs than one node of the request has: the local launcher,
+    which runs every role on its machine, cannot run it (``launcher=ray`` can)."""
+    return request.gpus is not None and plan.workers + plan.learner_devices > request.gpus // max(1, request.nodes)
+
+
 def ray_overrides(plan: Plan, gpu: bool, gpus_per_node: int = 8) -> list[str]:
     """The same plan under ``launcher=ray`` (on top of :func:`overrides` less its device lists,
     which only the local launcher reads): a GPU per worker and per learner rank, the ranks in

@@ -13,7 +13,7 @@ from rlhf_run.plan.cli import compose
 from rlhf_run.plan.profile import ProfileError, check_identity, load
 from rlhf_run.plan.scale import published_7b
 from rlhf_run.plan.search import (PlanError, Request, check_plan, candidates, learner_bound, memory_problems, overrides,
-                                  plan_from_config, ray_overrides, search, tightest_staleness, upper_bound)
+                                  plan_from_config, ray_overrides, search, spans_nodes, tightest_staleness, upper_bound)
 from rlhf_run.plan.simulate import Plan, same_run, simulate
 
 PROFILE = Path(__file__).parent / "data" / "plan_profile_cpu.json"
@@ -212,6 +212,33 @@ def test_a_replay_config_is_refused_until_the_simulator_models_it(capsys, settin
         with pytest.raises(SystemExit) as exit_:
             cli.main([*command, setting])
         assert exit_.value.code == 2 and "replay mode" in capsys.readouterr().err
+
+
+def test_a_plan_over_several_nodes_is_printed_with_the_ray_command_only(tmp_path, gpu_profile, capsys):
+    # --gpus 16 --nodes 2: the local launcher runs every role on its one machine, whose 8 GPUs
+    # rollout.devices=[8,...,15] do not name; it printed that command as 'run the best plan'
+    import re
+
+    from rlhf_run.plan import cli
+
+    profile = replace(gpu_profile, source={**gpu_profile.source, "overrides": list(cli.PUBLISHED_OVERRIDES)})
+    path = str(profile.save(tmp_path / "p7b.json"))
+    request = Request(base=plan_from_config(compose(list(cli.PUBLISHED_OVERRIDES))), gpus=16, nodes=2)
+    assert spans_nodes(replace(request.base, workers=8, learner_devices=1), request)
+    assert not spans_nodes(replace(request.base, workers=7, learner_devices=1), request)
+    search_args = ["search", "--profile", path, "--gpus", "16", "--nodes", "2", "--updates", "8", "--max-simulations", "2"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*search_args, "--top", "1"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "run the best plan" not in out and "devices=" not in out, out
+    needs = int(re.search(r"the best plan needs (\d+) GPUs, more than a node's 8: run it on a Ray cluster:\n  rlhf-run ",
+                          out).group(1))
+    assert needs > 8 and "launcher=ray" in out
+    with pytest.raises(SystemExit):
+        cli.main([*search_args, "--top", "3", "--json"])
+    for p in json.loads(capsys.readouterr().out):  # the local launcher's overrides only where they fit a node
+        fits = p["plan"]["workers"] + p["plan"]["learner_devices"] <= 8
+        assert (p["overrides"] is not None) == fits and "launcher=ray" in p["ray_overrides"]
 
 
 def test_a_profile_of_another_model_or_engine_is_refused_naming_both(cpu_profile):
