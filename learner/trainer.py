@@ -334,7 +334,7 @@ class Learner:
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         result = LearnerResult(self.version, 0, 0)
         self._start()
-        ckpt_every = max(1, self.cfg.learner.checkpoint_every)
+        ckpt_every = self.cfg.learner.checkpoint_every  # >= 1 (validate)
         with self.metrics_path.open("a") as metrics_file:
             t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
             while True:

@@ -226,6 +226,8 @@ class LearnerConfig:
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_dir: Optional[str] = None  # default: <output dir>/checkpoints
+    # updates between checkpoints (>= 1); the batches trained are acked in the buffer at each one,
+    # so there is no "never": a large number checkpoints rarely and keeps that many batches in Redis
     checkpoint_every: int = 10
     zero_stage: int = 2
     offload_optimizer: bool = False
@@ -837,8 +839,8 @@ def validate_gateway(gw: GatewayConfig, buf: BufferConfig, data: DataConfig) -> 
 
 
 def validate_learner(learner: LearnerConfig, model: ModelConfig) -> None:
-    """The learning rates and their floor, the run's length in updates, the checkpoints kept, and the
-    engine compilation and float16 need."""
+    """The learning rates and their floor, the run's length in updates, the checkpoints' interval and
+    how many are kept, and the engine compilation and float16 need."""
     if not 0 <= learner.min_lr_ratio <= 1 or learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.min_lr_ratio must be in [0, 1] and learner.keep_checkpoints >= 1, got "
                           f"{learner.min_lr_ratio}, {learner.keep_checkpoints}")
@@ -848,6 +850,10 @@ def validate_learner(learner: LearnerConfig, model: ModelConfig) -> None:
     if not all(0 <= lr < math.inf for lr in (learner.lr, learner.critic_lr) if lr is not None):
         raise ConfigError(f"learner.lr and learner.critic_lr must be >= 0 and finite (critic_lr null: lr), got "
                           f"{learner.lr}, {learner.critic_lr}")
+    if learner.checkpoint_every < 1:
+        raise ConfigError(f"learner.checkpoint_every must be >= 1 update, got {learner.checkpoint_every}: a checkpoint "
+                          "is where the learner acks the batches it trained, so the buffer keeps every batch since the "
+                          "last one; set a large number (e.g. 1000) to checkpoint rarely")
     if learner.compile is True and learner.engine != "torch":
         raise ConfigError("learner.compile=true works with learner.engine=torch only (DeepSpeed wraps and partitions "
                           "the model itself); drop learner.compile or use the torch engine")

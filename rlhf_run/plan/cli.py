@@ -51,9 +51,12 @@ def _profile_setup(path: str) -> tuple[Any, list[str]]:
 
 
 def _run_config(profile: Any, path: str, base: list[str], overrides: list[str]) -> Any:
+    """The run the overrides describe, refused as rlhf-run refuses it (``validate``)."""
+    from rlhf_core.config import validate
     from rlhf_run.plan.profile import check_identity
 
     cfg = compose(base + overrides)
+    validate(cfg)
     check_identity(profile, cfg, path)
     return cfg
 

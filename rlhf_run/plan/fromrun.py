@@ -64,7 +64,7 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     # decoding a batch, per sample (0 for a run from before the learner reported it: then it is in per_update)
     read_per_sample = statistics.median(float(r.get(M.TIME_READ_S, 0.0)) / max(1.0, float(r.get(M.NUM_SAMPLES, batch)))
                                         for r in rows)
-    every = max(1, cfg.learner.checkpoint_every)
+    every = max(1, cfg.learner.checkpoint_every)  # a run from before validate refused 0 checkpointed every update
     # the learner writes update u's row, then checkpoints (u % every == 0): its cost is in the gap after row u
     plain = [g for r, g in zip(rows, gaps) if r.get(M.UPDATES, 0) % every]
     ckpt = [g for r, g in zip(rows, gaps) if not r.get(M.UPDATES, 0) % every]

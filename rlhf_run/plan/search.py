@@ -286,8 +286,7 @@ def learner_bound(plan: Plan, profile: Profile, updates: int, warmup: int) -> fl
                           p.machine.gpus_per_node))
     snap = p.sync.snapshot_s()
     cycle = snap + max(p.sync.send_s(), rest)
-    every = plan.checkpoint_every
-    checkpoints = sum(1 for u in range(first, first + n) if u % every == 0) if every else 0
+    checkpoints = sum(1 for u in range(first, first + n) if u % plan.checkpoint_every == 0)
     window = rest + snap + (n - 1) * cycle + checkpoints * lc.checkpoint_s
     return n * plan.batch_size / window if window > 0 else math.inf
 

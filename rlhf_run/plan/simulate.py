@@ -64,7 +64,7 @@ class Plan:
     group_size: int = 4  # algo.group_size
     max_staleness: int = 2  # algo.max_staleness
     lookahead: int | None = 1  # buffer.lookahead (None: up to max_staleness)
-    checkpoint_every: int = 10  # learner.checkpoint_every
+    checkpoint_every: int = 10  # learner.checkpoint_every (>= 1, as rlhf_core.config.validate wants)
     learner_devices: int = 1  # len(learner.devices)
     zero_stage: int = 0  # learner.zero_stage (deepspeed)
     reward_batch_size: int = 32  # reward.batch_size
@@ -486,7 +486,7 @@ class Simulation:
             self.send_queue.append(self.version)
             k.fire(self.send_signal)
             yield CPU, lc.per_update
-            if plan.checkpoint_every and self.updates % plan.checkpoint_every == 0:
+            if self.updates % plan.checkpoint_every == 0:
                 while self.sending:
                     yield WAIT, self.sent, None
                 yield CPU, lc.checkpoint_s

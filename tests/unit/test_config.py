@@ -138,6 +138,8 @@ def test_wrong_type_is_refused_at_composition():
         # once a ZeroDivisionError (batch_size % 0), and a batch of 0 blamed micro_batch_size
         (["learner.num_minibatches=0"], r"learner.num_minibatches must be >= 1 \(optimizer steps per epoch\), got 0"),
         (["learner.batch_size=0"], r"learner.batch_size must be >= 1 \(samples per update\), got 0"),
+        # 0 checkpointed after every update (the learner's max(1, 0)) and meant 'never' to rlhf-plan
+        (["learner.checkpoint_every=0"], "learner.checkpoint_every must be >= 1 update, got 0: a checkpoint is where"),
         (["algo.group_size=1"], "algo.estimator=grpo compares responses of one prompt"),
         (["algo.max_staleness=-1"], "algo.max_staleness must be >= 0, got -1"),
         (["algo.estimator=ppo2"], "algo.estimator='ppo2' is not one of"),

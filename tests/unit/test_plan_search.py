@@ -69,7 +69,7 @@ def test_a_fixed_lookahead_is_searched_alone(cpu_profile):
 
 
 def test_gpu_search_respects_devices_and_memory(gpu_profile):
-    base = Plan(group_size=8, batch_size=256, micro_batch_size=1, checkpoint_every=0, reward_batch_size=64)
+    base = Plan(group_size=8, batch_size=256, micro_batch_size=1, checkpoint_every=1000, reward_batch_size=64)
     request = Request(base=base, gpus=16, nodes=2, max_staleness=2, batch_sizes=(256, 512))
     plans = candidates(request, gpu_profile)
     assert plans
@@ -97,7 +97,7 @@ def test_branch_and_bound_returns_the_exhaustive_searchs_best_on_four_gpus(gpu_p
     # (23.6 s; 26.6 s for that worker): 256 / 26.6 x 1.10 = 7.56. The three others with lookahead 1 are
     # bounded by 256 / 23.6 x 1.10 = 11.9: simulated, they train 7.46 (1 x 128), 8.17 (2 x 64) and
     # 9.12 samples/s (2 x 128), and the 9 plans left are ruled out (5.96, 7.56 < 9.12).
-    base = Plan(group_size=8, batch_size=256, micro_batch_size=1, checkpoint_every=0, lookahead=1, reward_batch_size=64)
+    base = Plan(group_size=8, batch_size=256, micro_batch_size=1, checkpoint_every=1000, lookahead=1, reward_batch_size=64)
     request = Request(base=base, gpus=4, nodes=1, max_staleness=1, batch_sizes=(256,))
     cache: dict = {}
     everything = search(request, gpu_profile, top=12, updates=10, exhaustive=True, cache=cache)
@@ -136,7 +136,7 @@ def test_a_run_that_dropped_nothing_replays_for_a_looser_staleness_bound(cpu_pro
 def test_learner_bound_is_reached_by_a_learner_bound_plan(gpu_profile):
     # eight workers three batches ahead of a two-GPU learner: it never waits, and its rate is the bound
     plan = Plan(workers=8, slots=128, batch_size=256, micro_batch_size=4, group_size=8, max_staleness=3, lookahead=3,
-                learner_devices=2, zero_stage=3, checkpoint_every=0, reward_batch_size=64)
+                learner_devices=2, zero_stage=3, checkpoint_every=1000, reward_batch_size=64)
     run = simulate(gpu_profile, plan, updates=12, warmup=5)
     assert run.learner_idle_frac == pytest.approx(0.0, abs=1e-9)
     assert run.trained_samples_per_s == pytest.approx(learner_bound(plan, gpu_profile, 12, 5), rel=1e-9)
@@ -198,6 +198,17 @@ def test_overrides_round_trip_through_the_run_config():
     assert ray.launcher == "ray" and (ray.ray.learner.ranks, ray.ray.learner.num_gpus, ray.ray.worker.num_gpus) == (4, 1, 1)
     assert ray.ray.learner.strategy == "STRICT_PACK"  # 4 ranks fit one node of 8
     assert "ray.learner.strategy=PACK" in ray_overrides(replace(gpu, learner_devices=16), gpu=True)
+
+
+def test_the_planner_refuses_what_the_run_refuses(capsys):
+    # learner.checkpoint_every=0 passed, the learner then checkpointed after every update and the
+    # simulator never: the planner now takes the run's config through rlhf-run's own checks
+    from rlhf_run.plan import cli
+
+    for command in ("simulate", "search"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--profile", str(PROFILE), "learner.checkpoint_every=0"])
+        assert exit_.value.code == 2 and "learner.checkpoint_every must be >= 1 update, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("setting", ["buffer.max_reuse=4", "buffer.sampling=uniform", "buffer.samples_per_insert=1"])

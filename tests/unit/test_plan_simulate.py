@@ -193,7 +193,7 @@ def test_gpu_plans_use_one_device_per_process():
 
     profile = published_7b("nccl")
     plan = Plan(workers=8, slots=128, batch_size=256, micro_batch_size=1, group_size=8, max_staleness=2, lookahead=2,
-                learner_devices=8, zero_stage=2, checkpoint_every=0, reward_batch_size=64)
+                learner_devices=8, zero_stage=2, checkpoint_every=1000, reward_batch_size=64)
     sim = Simulation(profile, plan)
     result = sim.run(updates=12, warmup=2, check=True)
     assert sim.violations == []
