@@ -302,6 +302,19 @@ def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
 
 
+def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
+    """Publish -> applied, averaged over the versions the snapshots saw applied, each version's
+    (its mean over workers) from the last snapshot that names it, when most workers had it. The
+    newest version's alone, at the end of a run, is one version's and may have reached few
+    workers or none (None)."""
+    by_version: dict[Any, float] = {}
+    for snap in timeline:
+        ws = (snap.get("stats") or {}).get(M.WEIGHT_SERVER_STATS) or {}
+        if ws.get("sync_latency_s") is not None:
+            by_version[ws.get("version")] = float(ws["sync_latency_s"])
+    return _mean(list(by_version.values()))
+
+
 def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
     """The stats of the consumers that heartbeated within ``timeout_s`` (``buffer.lease_timeout_s``):
     a worker's record stays in the buffer after it left (a resumed run's workers of the launch
@@ -370,7 +383,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
             "learner_publish_s": publish,
             "learner_tflops": _mean([r.get(M.TRAIN_TFLOPS) for r in rows]),
             "learner_mfu": _mean([r.get(M.MFU) for r in rows]),  # None without a known device peak
-            "weight_sync_latency_s": last_snap.get("stats", {}).get(M.WEIGHT_SERVER_STATS, {}).get("sync_latency_s"),
+            "weight_sync_latency_s": sync_latency_s(timeline),
         },
         "rewards": reward_cost(list(workers.values())),
         # rlhf-gateway's last stats (its counts since it last started; None: no gateway)

@@ -235,6 +235,21 @@ def test_the_generation_rate_ends_at_the_last_append_not_at_the_end_of_the_run()
     assert s["throughput"]["generated_samples_per_s"] == 100.0
 
 
+def test_the_summarys_weight_sync_latency_is_over_the_versions_not_the_newest_alone():
+    from rlhf_core.config import Config
+    from rlhf_run.report import summarize
+
+    # version 1 seen by one worker (40 ms), then both (mean 30 ms); version 2 both (50 ms); the
+    # final version 3, published as the workers drained, applied by none: (30 + 50) / 2 = 40 ms,
+    # where the last snapshot alone says nothing (None), or one version's figure
+    ws = [(1, 0.040), (1, 0.030), (2, 0.050), (3, None)]
+    timeline = [{"time": float(i), "counters": {}, "consumers": {},
+                 "stats": {"weight_server": {"version": v, "sync_latency_s": lat}}} for i, (v, lat) in enumerate(ws)]
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i)} for i in range(1, 4)]
+    s = summarize(Config(), rows, timeline, wall_s=10.0, exit_reason="done")
+    assert abs(s["throughput"]["weight_sync_latency_s"] - 0.040) < 1e-12
+
+
 def test_workers_that_left_do_not_count_in_the_generation_rates():
     from rlhf_core.config import Config
     from rlhf_run.report import summarize
