@@ -274,7 +274,9 @@ class PolicyUpdater:
             "learner/samples_per_s": batch.num_rows / elapsed,
             "learner/tokens_per_s": float(batch.policy_mask.sum()) / elapsed,
         })
-        out.update(flops_metrics(self.total_params, trained, elapsed, self.peak_flops, trainable=self.trainable_params))
+        # per device: each rank trains its share of the batch's tokens in this time, on its own peak
+        out.update(flops_metrics(self.total_params, trained / self.engine.world_size, elapsed, self.peak_flops,
+                                 trainable=self.trainable_params))
         return out
 
     def _shard(self, n: int) -> tuple[list[int], list[bool]]:

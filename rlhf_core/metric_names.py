@@ -31,9 +31,10 @@ NUM_SAMPLES = "learner/num_samples"  # in this update's batch
 NUM_TOKENS = "learner/num_tokens"  # policy tokens in this update's batch (the loss mask's)
 SAMPLES_PER_S = "learner/samples_per_s"  # of this update's compute time
 TOKENS_PER_S = "learner/tokens_per_s"
-# (4 x params + 2 x trainable params: 6 x params in full) x tokens trained (prompt + response, once an epoch) / compute time
+# per device: (4 x params + 2 x trainable params: 6 x params in full) x tokens trained (prompt + response,
+# once an epoch) / data-parallel ranks / compute time
 TRAIN_TFLOPS = "learner/tflops"
-MFU = "learner/mfu"  # TRAIN_TFLOPS / the device's peak (absent when the peak is unknown, e.g. on CPU)
+MFU = "learner/mfu"  # TRAIN_TFLOPS / one device's peak (absent when the peak is unknown, e.g. on CPU)
 TIME_WAIT_S = "learner/time_wait_s"  # from the end of one update to the next, less TIME_READ_S
 TIME_READ_S = "learner/time_read_s"  # decoding and validating the update's batch
 TIME_COMPUTE_S = "learner/time_compute_s"

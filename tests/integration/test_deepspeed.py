@@ -177,7 +177,10 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     local = make_batches(base) if rank == 0 else [None] * UPDATES
     batches = [broadcast_samples(b) for b in local]  # only rank 0 reads the buffer
     up = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
-    losses = [up.update(b, v)["loss/policy"] for v, b in enumerate(batches)]
+    metrics = [up.update(b, v) for v, b in enumerate(batches)]
+    losses = [m["loss/policy"] for m in metrics]
+    # the tokens learner/tflops counts for this device: TFLOPS x time / (6 x params)
+    flop_tokens = [m["learner/tflops"] * 1e12 * m["learner/time_compute_s"] / (6 * up.total_params) for m in metrics]
     state = full_state(up.engine)
     ckpt = Path(out_dir) / "ckpt"
     save_checkpoint(ckpt, f"v{UPDATES}", up.engine, None, {"version": UPDATES})
@@ -193,7 +196,8 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
         (Path(out_dir) / "rank0.json").write_text(json.dumps({
             "losses": losses, "world": up.engine.world_size, "tensors": stats.tensors, "version": extra["version"],
             "reload_diff": max(float((reloaded[k] - state[k]).abs().max()) for k in state),
-            "num_samples": sum(len(b) for b in batches),
+            "num_samples": sum(len(b) for b in batches), "flop_tokens": flop_tokens,
+            "batch_tokens": [sum(len(x.prompt_ids) + len(x.response_ids) for x in b) for b in batches],
         }))
     else:
         assert state == {} and reloaded == {}, "only rank 0 receives gathered tensors"
@@ -371,6 +375,8 @@ def test_two_process_zero3_trains_gathers_and_publishes(model_cache, tmp_path):
     assert r0["world"] == 2 and r0["version"] == UPDATES and r0["reload_diff"] == 0.0
     assert r1["samples"] == [8] * UPDATES and r0["num_samples"] == 8 * UPDATES  # every rank saw rank 0's batches
     assert r0["losses"] == r1["losses"]  # metrics are reduced over ranks
+    # TFLOPS and MFU are per device: half of each batch's tokens (once: all of them, so 2x on 2 ranks)
+    assert r0["flop_tokens"] == pytest.approx([n / 2 for n in r0["batch_tokens"]], rel=1e-6)
     published = load_file(str(tmp_path / "published.safetensors"))
     assert version == UPDATES and sorted(pulled) == sorted(published) and r0["tensors"] == len(published)
     assert all(torch.equal(pulled[k], published[k]) for k in published)
