@@ -31,10 +31,12 @@ entry as ``<name>/<key>``, a reward model as ``<name>``. The reward is the weigh
 
 A reward value is any real number a library gives: Python ``int``/``float``/``Fraction``/
 ``Decimal``, NumPy scalars, 0-d or one-element NumPy arrays and torch tensors. Booleans (Python,
-NumPy or torch) and everything else are refused with the type named. A function that raises,
-returns a refused value, NaN/inf, or (batched) a list of the wrong length, and a reward model
-that fails or scores NaN, make :class:`RewardError` for the samples concerned; the worker
-dead-letters them with the message and keeps going.
+NumPy or torch) and everything else are refused with the type named. A function that raises
+(anything but ``KeyboardInterrupt``: ``asyncio.CancelledError`` and ``SystemExit`` too), returns
+a refused value, a value that cannot be read (its ``repr`` or ``item()`` raises), NaN/inf, or
+(batched) a list of the wrong length, and a reward model that fails or scores NaN, make
+:class:`RewardError` for the samples concerned; the worker dead-letters them with the message and
+keeps going.
 
 Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empty_response``:
 ``zero`` (the default: reward 0, no reward called), ``dead_letter`` or ``score`` (call the rewards).
@@ -42,6 +44,7 @@ Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empt
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import inspect
 import math
@@ -49,7 +52,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -114,8 +117,40 @@ class CallWatch:
         self.current = None
 
 
+@contextlib.contextmanager
+def _user_code(failed: str) -> Iterator[None]:
+    """Runs a user's reward (or reads what it returned): anything the block raises becomes a
+    RewardError ``"<failed> <exception>"`` for the samples concerned, but ``KeyboardInterrupt``.
+    ``asyncio.CancelledError`` and ``SystemExit`` are no Exceptions: once they escaped to the
+    worker's main thread and killed it, and its restart took the same prompt again."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise RewardError(f"{failed} {_describe(exc)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` (the type alone without a message), even if the message itself raises."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure it describes
+        text = "(its message cannot be shown)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def as_number(label: str, value: Any) -> float:
     """A reward value as a finite float, or RewardError naming what it was."""
+    try:
+        return _as_number(label, value)
+    except (KeyboardInterrupt, RewardError):
+        raise
+    except BaseException as exc:  # a value whose float() or item() raises
+        raise RewardError(f"reading the value of reward {label!r} ({type(value).__name__}) raised {_describe(exc)}") from None
+
+
+def _as_number(label: str, value: Any) -> float:
     if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
         kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"  # numpy.float32, torch.Tensor
         if not isinstance(value, np.generic):
@@ -142,7 +177,10 @@ def as_number(label: str, value: Any) -> float:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - the message must not fail where the value did
+        text = f"<a {type(value).__name__} whose repr raised {type(exc).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -155,18 +193,16 @@ class _PerSampleFn:
         for it in items:
             watch.begin(f"reward function {self.name!r}")
             try:
-                value = self.fn(it.prompt, it.response_text, [int(t) for t in it.response_ids], dict(it.metadata),
-                                **self.kwargs)
-            except Exception as exc:  # a user's function: any failure is this sample's failure
-                out.append(RewardError(f"reward function {self.name!r} raised {type(exc).__name__}: {exc}"))
-                continue
+                with _user_code(f"reward function {self.name!r} raised"):  # any failure is this sample's
+                    value = self.fn(it.prompt, it.response_text, [int(t) for t in it.response_ids], dict(it.metadata),
+                                    **self.kwargs)
+                    parts = ([(f"{self.name}/{k}", v) for k, v in value.items()] if isinstance(value, Mapping)
+                             else [(self.name, value)])
+                out.append(parts or RewardError(f"reward function {self.name!r} returned an empty dict"))
+            except RewardError as exc:
+                out.append(exc)
             finally:
                 watch.end()
-            if isinstance(value, Mapping):
-                out.append([(f"{self.name}/{k}", v) for k, v in value.items()] if value else
-                           RewardError(f"reward function {self.name!r} returned an empty dict"))
-            else:
-                out.append([(self.name, value)])
         return out
 
 
@@ -193,9 +229,10 @@ class _BatchedFn:
             args = {k: v for k, v in args.items() if k in self.names}
         watch.begin(f"reward function {self.name!r}")
         try:
-            result = self.fn(**args)
-        except Exception as exc:
-            return [RewardError(f"reward function {self.name!r} raised {type(exc).__name__}: {exc}")] * n
+            with _user_code(f"reward function {self.name!r} raised"):
+                result = self.fn(**args)
+        except RewardError as exc:
+            return [exc] * n
         finally:
             watch.end()
         if isinstance(result, (torch.Tensor, np.ndarray)) and result.ndim == 1:
@@ -207,7 +244,7 @@ class _BatchedFn:
         if len(result) != n:
             return [RewardError(f"reward function {self.name!r} returned {len(result)} value(s) for {n} "
                                 "completion(s); a batched reward returns exactly one number per completion")] * n
-        return [RewardError(f"reward function {self.name!r} failed for this completion: {type(v).__name__}: {v}")
+        return [RewardError(f"reward function {self.name!r} failed for this completion: {_describe(v)}")
                 if isinstance(v, BaseException) else [(self.name, v)] for v in result]
 
 
@@ -249,14 +286,15 @@ class _RewardModel:
     def run(self, items: list[ScoreItem], watch: CallWatch) -> list[list[tuple[str, Any]] | RewardError]:
         watch.begin(f"reward model {self.name!r}")
         try:
-            with self._tokenizer_lock:
-                enc = self.tokenizer([self.text(it) for it in items], return_tensors="pt", padding=True,
-                                     truncation=True, max_length=self.max_length,
-                                     add_special_tokens=not self.chat_template)
-            # the classification head reads each row's last non-padding token
-            scores = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0].float().cpu().tolist()
-        except Exception as exc:
-            return [RewardError(f"reward model {self.name!r} failed: {type(exc).__name__}: {exc}")] * len(items)
+            with _user_code(f"reward model {self.name!r} failed:"):  # its template and forward can be anyone's code
+                with self._tokenizer_lock:
+                    enc = self.tokenizer([self.text(it) for it in items], return_tensors="pt", padding=True,
+                                         truncation=True, max_length=self.max_length,
+                                         add_special_tokens=not self.chat_template)
+                # the classification head reads each row's last non-padding token
+                scores = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0].float().cpu().tolist()
+        except RewardError as exc:
+            return [exc] * len(items)
         finally:
             watch.end()
         return [RewardError(f"reward model {self.name!r} gave a non-finite score ({s})") if not math.isfinite(s)

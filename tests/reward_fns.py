@@ -6,6 +6,7 @@ so ``+reward.functions.x._target_=reward_fns.boom`` works in both.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -111,6 +112,16 @@ def exit_process(prompt: str, text: str, ids: Sequence[int], metadata: dict[str,
     os._exit(3)
 
 
+def cancelled(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
+    """What a sync reward running an async client can raise: asyncio.CancelledError, a BaseException."""
+    raise asyncio.CancelledError("the client's request task was cancelled")
+
+
+def system_exit(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
+    """A library that calls sys.exit() on bad input (argparse, a CLI-style checker)."""
+    raise SystemExit(2)
+
+
 def value_of(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], value: Any = 1.0) -> Any:
     """Returns ``value`` as it is (a NumPy scalar, a tensor, a Decimal, a bool ...): the return-value rules."""
     return value
@@ -170,3 +181,7 @@ def trl_fails_one(prompts: list[str], completions: list[str], **kwargs: Any) -> 
 
 def trl_boom(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
     raise RuntimeError("batched boom")
+
+
+def trl_cancelled(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    raise asyncio.CancelledError()

@@ -85,6 +85,18 @@ def test_a_batched_function_that_fails_fails_its_whole_batch_naming_itself(tiny_
     assert errors(s.score_batch(items("a", "b", "c"))) == [message] * 3
 
 
+@pytest.mark.parametrize("target, message", [
+    ("reward_fns.cancelled", "reward function 'f' raised CancelledError: the client's request task was cancelled"),
+    ("reward_fns.trl_cancelled", "reward function 'f' raised CancelledError"),
+    ("reward_fns.system_exit", "reward function 'f' raised SystemExit: 2"),
+])
+def test_a_reward_raising_a_base_exception_fails_its_samples_not_the_worker(tiny_model_cfg, target, message):
+    # CancelledError and SystemExit are not Exceptions: they escaped score_batch, the scoring pool
+    # raised them on the worker's main thread, and the restarted worker took the same prompt again
+    s = scorer(tiny_model_cfg, {"f": fn(target)})
+    assert errors(s.score_batch(items("a", "b"))) == [message] * 2
+
+
 def test_an_exception_in_place_of_a_number_fails_that_completion_only(tiny_model_cfg):
     s = scorer(tiny_model_cfg, {"j": fn("reward_fns.trl_fails_one")})
     out = s.score_batch(items("a", "b", "c"))
@@ -136,6 +148,39 @@ def test_booleans_and_everything_else_are_refused_with_the_type_named(value, mes
     with pytest.raises(RewardError) as info:
         as_number("f", value)
     assert str(info.value).startswith(message), str(info.value)
+
+
+class Unshowable:
+    """A value whose repr raises (a half-built object of a user's library)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class BadReal(float):
+    """A Real whose float() raises."""
+
+    def __float__(self) -> float:
+        raise ArithmeticError("no float")
+
+
+class BadItem(np.ndarray):
+    """A one-element array whose item() raises."""
+
+    def item(self, *args):
+        raise ValueError("no item")
+
+
+@pytest.mark.parametrize("value, message", [
+    (Unshowable(), "reward 'f' returned <a Unshowable whose repr raised RuntimeError> (Unshowable), not a number"),
+    (BadReal(1.0), "reading the value of reward 'f' (BadReal) raised ArithmeticError: no float"),
+    (np.zeros(1).view(BadItem), "reading the value of reward 'f' (BadItem) raised ValueError: no item"),
+])
+def test_a_value_that_cannot_be_read_is_a_reward_error(value, message):
+    # once the repr's, float()'s or item()'s own exception escaped as_number and failed the whole batch
+    with pytest.raises(RewardError) as info:
+        as_number("f", value)
+    assert str(info.value) == message
 
 
 def test_a_per_sample_function_returning_numpy_or_torch_values(tiny_model_cfg):
