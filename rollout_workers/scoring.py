@@ -170,6 +170,8 @@ class ScoringPool(Generic[K]):
                 left = self.max_wait_s - (time.monotonic() - self._waiting[0][2])
                 if self._flush or len(self._waiting) >= self.batch_size or left <= 0:
                     take = [self._waiting.popleft() for _ in range(min(self.batch_size, len(self._waiting)))]
+                    if self._waiting:  # the rest is another thread's: submit woke only this one
+                        self._cond.notify()
                     return [key for key, _, _ in take], [item for _, item, _ in take]
                 self._cond.wait(left)
             else:

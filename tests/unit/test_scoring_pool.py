@@ -154,3 +154,21 @@ def test_a_free_thread_takes_the_next_batch_without_waiting_for_the_main_thread(
         time.sleep(0.001)
     assert job.batches == [["a0"], ["a1"], ["a2"], ["a3"], ["a4"]]
     assert collect(p, 5) == {f"a{i}": f"scored a{i}" for i in range(5)} and p.in_flight() == 0
+
+
+@pytest.mark.parametrize("submitted, max_wait_s, batches", [
+    (8, 60.0, [["a0", "a1", "a2", "a3"], ["a4", "a5", "a6", "a7"]]),  # two full batches at once
+    (6, 0.05, [["a0", "a1", "a2", "a3"], ["a4", "a5"]]),  # a full batch and 2 left over, due after max_wait
+])
+def test_samples_left_after_a_thread_took_a_batch_go_to_the_free_thread(submitted, max_wait_s, batches):
+    # submit woke one thread; the other slept on until the busy one finished (or the next submit)
+    job = Job()
+    job.hold.clear()
+    p = pool(job, num_threads=2, batch_size=4, max_wait_s=max_wait_s)
+    try:
+        p.submit(group("a", submitted))  # no poll(): nothing else wakes a thread
+        assert job.entered.acquire(timeout=10) and job.entered.acquire(timeout=5), job.batches  # both calls inside at once
+        assert sorted(job.batches) == batches
+    finally:
+        job.hold.set()
+    assert len(collect(p, submitted)) == submitted
