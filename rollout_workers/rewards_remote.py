@@ -9,12 +9,13 @@ batch's requests go out at once (up to ``concurrency``)::
 ``model`` is the server's model name (left out of the request when null: a server that serves
 one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{response}`` and any data column,
 e.g. ``{reference}``), sends it as the user turn (after ``system``, if given), reads
-``choices[0].message.content`` of the reply, takes the first number in it (``pattern``) and
-returns it times ``scale``. Connection errors, timeouts (``timeout_s`` per request) and HTTP
-408/409/429/5xx are retried ``max_retries`` times with exponential backoff (``backoff_s``,
-doubling, at most ``max_backoff_s``); a reply that is not the chat API's JSON or holds no number
-is not retried. A completion whose request fails gets a :class:`JudgeError` in place of its
-number: that one sample is dead-lettered with the message, the rest of the batch is kept.
+``choices[0].message.content`` of the reply, takes the first number in it (``pattern``; its
+first group when it has groups, e.g. ``Score: *(\\d+)``) and returns it times ``scale``.
+Connection errors, timeouts (``timeout_s`` per request) and HTTP 408/409/429/5xx are retried
+``max_retries`` times with exponential backoff (``backoff_s``, doubling, at most
+``max_backoff_s``); a reply that is not the chat API's JSON or holds no number is not retried.
+A completion whose request fails gets a :class:`JudgeError` in place of its number: that one
+sample is dead-lettered with the message, the rest of the batch is kept.
 
 The API key comes from ``api_key`` or, better (config files are saved with the run), from the
 environment variable named by ``api_key_env``; without either no ``Authorization`` header is sent
@@ -145,9 +146,10 @@ class ChatJudge:
         if not isinstance(content, str):
             raise JudgeError(f"the reply's choices[0].message.content is {type(content).__name__}, not text")
         match = self.pattern.search(content)
-        if match is None:
+        number = None if match is None else match.group(1 if self.pattern.groups else 0)  # a group that took no part: None
+        if number is None:
             raise JudgeError(f"the judge's reply {content[:200]!r} holds no number (pattern {self.pattern.pattern!r})")
         try:
-            return float(match.group(0)) * self.scale
+            return float(number) * self.scale
         except ValueError:
-            raise JudgeError(f"the judge's reply {content[:200]!r}: {match.group(0)!r} is not a number") from None
+            raise JudgeError(f"the judge's reply {content[:200]!r}: {number!r} is not a number") from None

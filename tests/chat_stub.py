@@ -8,6 +8,7 @@
 * ``slow``: sleeps ``slow_s`` first, then answers like ``length``;
 * ``flaky``: HTTP 503 for the first two requests carrying a given message, then like ``length``;
 * ``garbage``: HTTP 200 with a body that is not JSON; ``wordy``: a chat reply without a number;
+  ``echo``: the user message as the reply;
 * ``together``: waits until ``together`` requests are inside at once (a barrier), then like ``length``.
 
 A request whose ``Authorization`` differs from ``Bearer <api_key>`` (when the stub has a key) gets
@@ -74,6 +75,8 @@ class ChatStub:
             return self.send(handler, 200, b"<html>not json at all</html>")
         elif model == "wordy":
             return self.reply(handler, "An excellent answer!")
+        elif model == "echo":
+            return self.reply(handler, user)
         elif model == "together":
             self.barrier.wait()
         if model == "match":

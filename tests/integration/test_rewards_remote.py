@@ -94,3 +94,11 @@ def test_without_a_model_name_the_request_leaves_it_out(stub):
     # a server of one model (vLLM's, llama.cpp's) answers with that one
     assert ChatJudge(stub.url, template="{response}")(["p", "q"], ["abc", ""]) == [3.0, 0.0]
     assert all("model" not in r["body"] for r in stub.requests) and len(stub.requests) == 2
+
+
+def test_a_pattern_with_a_group_reads_the_group(stub):
+    # a reply that restates the scale before its verdict: group(0) was "Score: 8", never a number
+    judge = ChatJudge(stub.url, "echo", template="{response}", pattern=r"Score:\s*(\d+)")
+    assert judge(["p"], ["On a 0-10 scale. Score: 8"]) == [8.0]
+    (err,) = ChatJudge(stub.url, "echo", template="{response}", pattern=r"Score:\s*(\d+)?")(["p"], ["Score: none"])
+    assert str(err) == "the judge's reply 'Score: none' holds no number (pattern 'Score:\\\\s*(\\\\d+)?')"
