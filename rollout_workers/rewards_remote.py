@@ -11,10 +11,12 @@ one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{
 e.g. ``{reference}``), sends it as the user turn (after ``system``, if given), reads
 ``choices[0].message.content`` of the reply, takes the first number in it (``pattern``; its
 first group when it has groups, e.g. ``Score: *(\\d+)``) and returns it times ``scale``.
-Connection errors, timeouts (``timeout_s`` per request) and HTTP 408/409/429/5xx are retried
-``max_retries`` times with exponential backoff (``backoff_s``, doubling, at most
-``max_backoff_s``); a reply that is not the chat API's JSON or holds no number is not retried.
-A completion whose request fails gets a :class:`JudgeError` in place of its number: that one
+Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501
+and 505 (Cloudflare's 520-524 and 529 included) are retried ``max_retries`` times with
+exponential backoff (``backoff_s``, doubling, at most ``max_backoff_s``; a 429's or 503's
+``Retry-After`` is waited for, up to ``max_backoff_s``); a reply that is not the chat API's JSON
+or holds no number, and other statuses, are not retried. A completion whose request fails, or
+whose judging fails in any other way, gets a :class:`JudgeError` in place of its number: that one
 sample is dead-lettered with the message, the rest of the batch is kept.
 
 The API key comes from ``api_key`` or, better (config files are saved with the run), from the
@@ -28,6 +30,7 @@ plus the backoff, times the batch's rounds of ``concurrency`` requests.
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
 import os
@@ -41,7 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 MAX_REPLY_BYTES = 1 << 20
-RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+RETRY_STATUS = frozenset({408, 409, 429})  # and every 5xx but FINAL_5XX
+FINAL_5XX = frozenset({501, 505})  # Not Implemented, HTTP Version Not Supported: a retry cannot change them
+RETRY_AFTER_STATUS = frozenset({429, 503})
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 DEFAULT_TEMPLATE = (
     "Rate how well the answer responds to the question, from 0 (useless) to 10 (perfect).\n\n"
@@ -110,25 +115,33 @@ class ChatJudge:
             return self._score(reply)
         except JudgeError as exc:
             return exc
+        except Exception as exc:  # noqa: BLE001 - fails this completion, never its batch-mates
+            return JudgeError(f"judging failed: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ HTTP
 
     def _post(self, data: bytes) -> bytes:
-        last = ""
+        last, wait = "", 0.0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+                time.sleep(wait)
+            backoff = min(self.backoff_s * 2 ** attempt, self.max_backoff_s)  # before the next attempt
+            wait = backoff
             request = urllib.request.Request(self.endpoint, data=data, headers=self.headers, method="POST")
             try:
                 with self._opener.open(request, timeout=self.timeout_s) as response:
                     return response.read(MAX_REPLY_BYTES + 1)
             except urllib.error.HTTPError as exc:
-                detail = exc.read(300).decode("utf-8", "replace").strip()
-                last = f"HTTP {exc.code} {exc.reason}: {detail!r}"
+                try:  # the body of an error reply can stall or break like any other read
+                    last = f"HTTP {exc.code} {exc.reason}: {exc.read(300).decode('utf-8', 'replace').strip()!r}"
+                except (OSError, http.client.HTTPException, ValueError) as read_exc:
+                    last = f"HTTP {exc.code} {exc.reason} (its body could not be read: {type(read_exc).__name__}: {read_exc})"
                 if exc.code in (401, 403):
                     raise JudgeError(f"{self.endpoint} refused the request ({last}): check api_key / api_key_env") from None
-                if exc.code not in RETRY_STATUS:
+                if exc.code not in RETRY_STATUS and not (exc.code >= 500 and exc.code not in FINAL_5XX):
                     raise JudgeError(f"{self.endpoint} answered {last}; check url and model") from None
+                if exc.code in RETRY_AFTER_STATUS:
+                    wait = min(max(backoff, _retry_after(exc.headers.get("Retry-After") if exc.headers else None)), self.max_backoff_s)
             except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
                 last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
@@ -153,3 +166,18 @@ class ChatJudge:
             return float(number) * self.scale
         except ValueError:
             raise JudgeError(f"the judge's reply {content[:200]!r}: {number!r} is not a number") from None
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds a ``Retry-After`` header asks for (delay-seconds or an HTTP date); 0 without a usable one."""
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return max(0.0, when.timestamp() - time.time()) if when.tzinfo is not None else 0.0

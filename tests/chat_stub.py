@@ -6,7 +6,10 @@
 * ``match``: the user message is ``<reference>|<response>`` (the test's template); replies the
   number of leading characters the two share;
 * ``slow``: sleeps ``slow_s`` first, then answers like ``length``;
-* ``flaky``: HTTP 503 for the first two requests carrying a given message, then like ``length``;
+* ``flaky``: HTTP ``flaky_status`` (503; with a ``Retry-After: <retry_after>`` header when given)
+  for the first two requests carrying a given message, then like ``length``;
+* ``stall``: for a message starting with ``stall``, HTTP 503 whose headers promise a body that
+  does not come for ``slow_s``; other messages like ``length``;
 * ``garbage``: HTTP 200 with a body that is not JSON; ``wordy``: a chat reply without a number;
   ``echo``: the user message as the reply;
 * ``together``: waits until ``together`` requests are inside at once (a barrier), then like ``length``.
@@ -25,8 +28,10 @@ from typing import Any
 
 
 class ChatStub:
-    def __init__(self, api_key: str | None = None, slow_s: float = 2.0, together: int = 4) -> None:
+    def __init__(self, api_key: str | None = None, slow_s: float = 2.0, together: int = 4, flaky_status: int = 503,
+                 retry_after: str | None = None) -> None:
         self.api_key, self.slow_s = api_key, slow_s
+        self.flaky_status, self.retry_after = flaky_status, retry_after
         self.requests: list[dict[str, Any]] = []
         self.seen: dict[str, int] = {}
         self.barrier = threading.Barrier(together, timeout=10)
@@ -40,7 +45,8 @@ class ChatStub:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
-                    stub.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                    stub.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
+                                          "at": time.monotonic()})
                 stub.answer(self, body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -70,7 +76,15 @@ class ChatStub:
             with self.lock:
                 self.seen[user] = self.seen.get(user, 0) + 1
                 if self.seen[user] <= 2:
-                    return self.send(handler, 503, {"error": {"message": "overloaded"}})
+                    headers = {"Retry-After": self.retry_after} if self.retry_after is not None else {}
+                    return self.send(handler, self.flaky_status, {"error": {"message": "overloaded"}}, headers)
+        elif model == "stall" and user.startswith("stall"):
+            handler.send_response(503)
+            handler.send_header("Content-Length", "100")
+            handler.end_headers()
+            handler.wfile.flush()
+            time.sleep(self.slow_s)
+            return None
         elif model == "garbage":
             return self.send(handler, 200, b"<html>not json at all</html>")
         elif model == "wordy":
@@ -91,9 +105,11 @@ class ChatStub:
                                               "message": {"role": "assistant", "content": content}}]})
 
     @staticmethod
-    def send(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    def send(handler: BaseHTTPRequestHandler, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         handler.send_response(status)
+        for name, value in (headers or {}).items():
+            handler.send_header(name, value)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()

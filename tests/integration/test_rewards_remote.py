@@ -96,9 +96,51 @@ def test_without_a_model_name_the_request_leaves_it_out(stub):
     assert all("model" not in r["body"] for r in stub.requests) and len(stub.requests) == 2
 
 
+def test_an_error_reply_whose_body_stalls_is_retried_and_fails_its_own_completion_only(tiny_model_cfg):
+    # the read of the 503's body timed out inside the except clause: that TimeoutError escaped the
+    # judge and failed the whole batch, without a retry
+    with ChatStub(slow_s=3.0) as stub:
+        s = judge_scorer(tiny_model_cfg, url=stub.url, model="stall", template="{response}", timeout_s=0.5,
+                         max_retries=1, backoff_s=0.0)
+        out = s.score_batch([ScoreItem("p", "fine", [1], {}), ScoreItem("p", "stall here", [1], {})])
+        stalled = [r for r in stub.requests if r["body"]["messages"][-1]["content"] == "stall here"]
+    assert out[0] == (8.0, {"judge": 4.0})  # "fine": "I'd say 4/10", weight 2
+    assert isinstance(out[1], RewardError) and len(stalled) == 2  # retried once, as a 503 is
+    assert str(out[1]) == (f"reward function 'judge' failed for this completion: JudgeError: no answer from {stub.url}"
+                           "/chat/completions after 2 attempt(s) (timeout_s=0.5 each), the last: HTTP 503 Service "
+                           "Unavailable (its body could not be read: TimeoutError: timed out)")
+
+
 def test_a_pattern_with_a_group_reads_the_group(stub):
     # a reply that restates the scale before its verdict: group(0) was "Score: 8", never a number
     judge = ChatJudge(stub.url, "echo", template="{response}", pattern=r"Score:\s*(\d+)")
     assert judge(["p"], ["On a 0-10 scale. Score: 8"]) == [8.0]
     (err,) = ChatJudge(stub.url, "echo", template="{response}", pattern=r"Score:\s*(\d+)?")(["p"], ["Score: none"])
     assert str(err) == "the judge's reply 'Score: none' holds no number (pattern 'Score:\\\\s*(\\\\d+)?')"
+
+
+@pytest.mark.parametrize("status", [500, 520, 524, 529])
+def test_a_transient_5xx_is_retried(status):
+    # Cloudflare's 520-524 and Anthropic's 529 failed at once with "check url and model"
+    with ChatStub(flaky_status=status) as stub:
+        assert ChatJudge(stub.url, "flaky", template="{response}", max_retries=2, backoff_s=0.01)(["p"], ["abc"]) == [3.0]
+        assert len(stub.requests) == 3
+
+
+@pytest.mark.parametrize("status", [400, 404, 501, 505])
+def test_a_status_a_retry_cannot_change_fails_at_once(status):
+    with ChatStub(flaky_status=status) as stub:
+        (err,) = ChatJudge(stub.url, "flaky", template="{response}", max_retries=2, backoff_s=0.01)(["p"], ["abc"])
+        assert str(err).startswith(f"{stub.url}/chat/completions answered HTTP {status} ") and len(stub.requests) == 1
+        assert str(err).endswith("; check url and model")
+
+
+def test_retry_after_of_an_overloaded_server_is_waited_for_up_to_max_backoff():
+    with ChatStub(retry_after="1") as stub:
+        judge = ChatJudge(stub.url, "flaky", template="{response}", max_retries=2, backoff_s=0.01, max_backoff_s=5.0)
+        assert judge(["p"], ["abc"]) == [3.0]
+        at = [r["at"] for r in stub.requests]
+    assert len(at) == 3 and min(b - a for a, b in zip(at, at[1:])) >= 1.0  # not the 0.01 s and 0.02 s of backoff_s
+    with ChatStub(retry_after="3600") as stub:  # an hour: capped at max_backoff_s
+        judge = ChatJudge(stub.url, "flaky", template="{response}", max_retries=2, backoff_s=0.01, max_backoff_s=0.1)
+        assert judge(["p"], ["abc"]) == [3.0]
