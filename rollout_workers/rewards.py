@@ -17,7 +17,8 @@ node overrides the guess):
   dict of named numbers;
 * batched, TRL's ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list``: a
   function with a ``prompts`` or ``completions`` parameter gets the whole batch, every data column
-  as a keyword argument holding one value per completion (None where a prompt lacks it), and
+  as a keyword argument holding one value per completion (None where a prompt lacks it; a column
+  the function names without a default comes so even when no prompt of the batch has it), and
   returns one number per completion; an exception object in place of a number fails that one
   completion (how :class:`~rollout_workers.rewards_remote.ChatJudge` reports a bad reply).
 
@@ -217,11 +218,15 @@ class _BatchedFn:
             params = {}
         self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.names = set(params)
+        # the columns it cannot go without: a batch where no prompt has one gets None for each
+        # completion, as a batch where some prompt has it (a parameter with a default keeps it)
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        self.required = [k for k, p in params.items() if p.kind in keyword and p.default is p.empty and k not in _BATCH_ARGS]
 
     def run(self, items: list[ScoreItem], watch: CallWatch) -> list[list[tuple[str, Any]] | RewardError]:
         n = len(items)
-        args: dict[str, Any] = {key: [it.metadata.get(key) for it in items]
-                                for key in dict.fromkeys(k for it in items for k in it.metadata) if key not in _BATCH_ARGS}
+        columns = dict.fromkeys([*self.required, *(k for it in items for k in it.metadata)])
+        args: dict[str, Any] = {key: [it.metadata.get(key) for it in items] for key in columns if key not in _BATCH_ARGS}
         args.update(prompts=[it.prompt for it in items], completions=[it.response_text for it in items],
                     completion_ids=[[int(t) for t in it.response_ids] for it in items])
         args.update(self.kwargs)

@@ -7,8 +7,9 @@ batch's requests go out at once (up to ``concurrency``)::
         reward.functions.judge.model=Qwen2.5-7B-Instruct
 
 ``model`` is the server's model name (left out of the request when null: a server that serves
-one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{response}`` and any data column,
-e.g. ``{reference}``), sends it as the user turn (after ``system``, if given), reads
+one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{response}`` and any
+data column, e.g. ``{reference}``; a completion whose prompt lacks a column the template names, or
+holds null there, fails with a :class:`JudgeError` and is not sent), sends it as the user turn (after ``system``, if given), reads
 ``choices[0].message.content`` of the reply, takes the first number in it (``pattern``; its
 first group when it has groups, e.g. ``Score: *(\\d+)``) and returns it times ``scale``.
 Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501
@@ -101,8 +102,10 @@ class ChatJudge:
 
     def judge(self, prompt: str, completion: str, row: dict[str, Any] | None = None) -> float | JudgeError:
         """One completion's score, or the JudgeError that says why there is none."""
+        # a column the batch has but this prompt lacks is None: missing here too, never the text "None"
+        known = {k: v for k, v in (row or {}).items() if v is not None}
         try:
-            text = self.template.format_map({**(row or {}), "prompt": prompt, "response": completion})
+            text = self.template.format_map({**known, "prompt": prompt, "response": completion})
         except (KeyError, IndexError) as exc:
             return JudgeError(f"the judge's template names {{{exc.args[0]}}}, which this prompt's data does not have "
                               "(placeholders: {prompt}, {response} and the data set's columns)")

@@ -152,6 +152,12 @@ def trl_reference(prompts: list[str], completions: list[str], reference: list[st
     return [-1.0 if r is None else sum(a == b for a, b in zip(c, r)) / max(1, len(r)) for c, r in zip(completions, reference)]
 
 
+def trl_solution(completions: list[str], solution: list[str | None]) -> list[float]:
+    """TRL-style, naming the one column it needs (no ``**kwargs``): 1.0 where the completion is the
+    ``solution``, 0.0 where it is not or the prompt has none (None)."""
+    return [float(c == s) if s is not None else 0.0 for c, s in zip(completions, solution)]
+
+
 def trl_short(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
     """One value too few."""
     return [1.0] * (len(completions) - 1)

@@ -77,6 +77,16 @@ def test_a_template_naming_a_missing_column_says_so(stub):
     assert stub.requests == []  # nothing sent
 
 
+def test_a_prompt_without_the_column_is_not_judged_whatever_its_batch(stub, tiny_model_cfg):
+    # beside a prompt with a reference, one without was judged against the literal text "None"
+    s = judge_scorer(tiny_model_cfg, url=stub.url, model="match", template="{reference}|{response}")
+    out = s.score_batch([ScoreItem("1:", "23", [1], {"reference": "234"}), ScoreItem("5:", "6", [1], {})])
+    assert out[0] == (4.0, {"judge": 2.0})  # "23" shares 2 leading characters with "234", weight 2
+    assert str(out[1]).startswith("reward function 'judge' failed for this completion: JudgeError: the judge's "
+                                  "template names {reference}, which this prompt's data does not have")
+    assert [r["body"]["messages"][-1]["content"] for r in stub.requests] == ["234|23"]
+
+
 def test_the_api_key_comes_from_the_environment_and_a_wrong_one_says_what_to_check(tiny_model_cfg, monkeypatch):
     with ChatStub(api_key="sekrit") as stub:
         (err,) = ChatJudge(stub.url, "length", template="{response}")(["p"], ["a"])

@@ -66,6 +66,15 @@ def test_a_column_missing_from_some_prompts_is_none_there(tiny_model_cfg):
     assert s.score_batch(batch) == [(pytest.approx(2 / 3), {"ref": pytest.approx(2 / 3)}), (-1.0, {"ref": -1.0})]
 
 
+def test_a_column_the_function_names_is_none_where_a_prompt_lacks_it_whatever_its_batch(tiny_model_cfg):
+    # once the keyword was left out of a batch where no prompt had the column: TypeError, the
+    # whole batch dead-lettered, while the same prompt beside one with a solution scored 0
+    s = scorer(tiny_model_cfg, {"acc": fn("reward_fns.trl_solution")})
+    mixed = s.score_batch([ScoreItem("p", "4", [1], {"solution": "4"}), ScoreItem("q", "x", [1], {})])
+    assert mixed == [(1.0, {"acc": 1.0}), (0.0, {"acc": 0.0})]  # "4" is the solution; none for q: 0
+    assert s.score_batch([ScoreItem("q", "x", [1], {})]) == [(0.0, {"acc": 0.0})]
+
+
 def test_per_sample_and_batched_functions_sum_in_one_batch(tiny_model_cfg):
     s = scorer(tiny_model_cfg, {"const": fn("reward_fns.constant", value=0.5), "len": fn("reward_fns.trl_length")})
     out = s.score_batch(items("abc", "a", start=[0, 0]))
