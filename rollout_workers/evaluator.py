@@ -140,11 +140,7 @@ class Evaluator:
         failed, size = 0, max(1, int(self.cfg.reward.batch_size))
         for start in range(0, len(results), size):
             chunk = results[start:start + size]
-            items = []
-            for r in chunk:
-                prompt, text = rendered[r.request_id.split("/")[0]]
-                items.append(ScoreItem(text, r.text, r.token_ids.tolist(), prompt.metadata,
-                                       prompt.messages or [{"role": "user", "content": prompt.text}]))
+            items = [ScoreItem.of(*rendered[r.request_id.split("/")[0]], r.text, r.token_ids.tolist()) for r in chunk]
             for r, score in zip(chunk, self.scorer.score_batch(items)):
                 if isinstance(score, RewardError):
                     failed += 1

@@ -16,11 +16,21 @@ node overrides the guess):
   ``metadata`` the prompt's data columns (e.g. the reference answer); it returns a number or a
   dict of named numbers;
 * batched, TRL's ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list``: a
-  function with a ``prompts`` or ``completions`` parameter gets the whole batch, every data column
-  as a keyword argument holding one value per completion (None where a prompt lacks it; a column
-  the function names without a default comes so even when no prompt of the batch has it), and
-  returns one number per completion; an exception object in place of a number fails that one
-  completion (how :class:`~rollout_workers.rewards_remote.ChatJudge` reports a bad reply).
+  function with a ``prompts``, ``completions`` or ``completion_ids`` parameter gets the whole
+  batch as TRL's ``GRPOTrainer`` passes it: a prompt that came as text is that text (no chat
+  template) and its completion a string; a prompt that came as chat turns (``messages``; an
+  episode's always) is that list of ``{"role", "content"}`` turns and its completion
+  ``[{"role": "assistant", "content": text}]``. Every data column comes as a keyword argument
+  holding one value per completion (None where a prompt lacks it; a column the function names
+  without a default comes so even when no prompt of the batch has it). It returns one number per
+  completion: None where it does not apply (TRL's multi-task rewards: left out of that sample's
+  sum and components; a sample no reward applies to fails), an exception object to fail that one
+  completion (how :class:`~rollout_workers.rewards_remote.ChatJudge` reports a bad reply). TRL's
+  ``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are not passed, and NaN
+  fails where TRL's sum skips it.
+
+An ``async def`` function (or one returning an awaitable) is awaited on an event loop in a thread
+of its own, as TRL runs them.
 
 Every other key of a function's node is passed as a keyword argument (it wins over a data column
 of the same name). A ``_target_`` that names a class is instantiated once with those keyword
@@ -34,7 +44,7 @@ A reward value is any real number a library gives: Python ``int``/``float``/``Fr
 ``Decimal``, NumPy scalars, 0-d or one-element NumPy arrays and torch tensors. Booleans (Python,
 NumPy or torch) and everything else are refused with the type named. A function that raises
 (anything but ``KeyboardInterrupt``: ``asyncio.CancelledError`` and ``SystemExit`` too), returns
-a refused value, a value that cannot be read (its ``repr`` or ``item()`` raises), NaN/inf, or
+a refused value, a value that cannot be read (its ``float()`` or ``item()`` raises), NaN/inf, or
 (batched) a list of the wrong length, and a reward model that fails or scores NaN, make
 :class:`RewardError` for the samples concerned; the worker dead-letters them with the message and
 keeps going.
@@ -45,6 +55,7 @@ Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empt
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import decimal
 import inspect
@@ -61,6 +72,7 @@ import torch
 from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
+from rlhf_core.records import Prompt
 
 _RESERVED = ("_target_", "weight", "default", "batched")
 _BATCH_ARGS = ("prompts", "completions", "completion_ids")
@@ -92,9 +104,31 @@ class ScoreItem:
     response_text: str  # decoded without special tokens
     response_ids: Sequence[int]
     metadata: Mapping[str, Any] = field(default_factory=dict)  # the prompt's data columns
-    messages: list[dict[str, str]] | None = None  # the prompt's chat turns, for a reward model's own template
+    # the prompt's chat turns when it came as turns (None: it came as text); a reward model renders
+    # them through its own template, a batched function gets them as TRL's conversational prompt
+    messages: list[dict[str, str]] | None = None
     # a multi-turn episode as messages (prompt, assistant turns, observations); a reward model renders it whole
     conversation: list[dict[str, Any]] | None = None
+    raw_prompt: str | None = None  # the prompt's own text, before any chat template (None: ``prompt``)
+
+    @classmethod
+    def of(cls, prompt: Prompt, rendered: str, response_text: str, response_ids: Sequence[int]) -> "ScoreItem":
+        """A response to ``prompt``, which the policy saw as ``rendered``."""
+        return cls(rendered, response_text, list(response_ids), prompt.metadata, prompt.messages or None,
+                   raw_prompt=prompt.text)
+
+    @property
+    def turns(self) -> list[dict[str, str]]:
+        """The prompt as chat turns: its own, or its text as the one user turn."""
+        return list(self.messages or [{"role": "user", "content": self.prompt if self.raw_prompt is None else self.raw_prompt}])
+
+    def trl_prompt(self) -> str | list[dict[str, str]]:
+        """What TRL passes a batched reward as this prompt: its turns, or its raw text."""
+        return self.turns if self.messages else (self.prompt if self.raw_prompt is None else self.raw_prompt)
+
+    def trl_completion(self) -> str | list[dict[str, str]]:
+        """What TRL passes a batched reward as this response: one assistant turn after a chat prompt, else the text."""
+        return [{"role": "assistant", "content": self.response_text}] if self.messages else self.response_text
 
 
 def is_empty_response(text: str) -> bool:
@@ -130,6 +164,28 @@ def _user_code(failed: str) -> Iterator[None]:
         raise
     except BaseException as exc:
         raise RewardError(f"{failed} {_describe(exc)}") from None
+
+
+_loop: asyncio.AbstractEventLoop | None = None  # where async rewards run (one thread of its own, started on first use)
+_loop_lock = threading.Lock()
+
+
+def _awaited(value: Any) -> Any:
+    """``value``, or what it resolves to when it is awaitable (an ``async def`` reward's coroutine),
+    awaited on the rewards' event loop while this scoring thread waits. One loop for every call,
+    as TRL's ``GRPOTrainer`` runs async rewards: a client a reward keeps stays on its loop."""
+    if not inspect.isawaitable(value):
+        return value
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="reward-asyncio", daemon=True).start()
+
+    async def wait() -> Any:
+        return await value
+
+    return asyncio.run_coroutine_threadsafe(wait(), _loop).result()
 
 
 def _describe(exc: BaseException) -> str:
@@ -195,8 +251,8 @@ class _PerSampleFn:
             watch.begin(f"reward function {self.name!r}")
             try:
                 with _user_code(f"reward function {self.name!r} raised"):  # any failure is this sample's
-                    value = self.fn(it.prompt, it.response_text, [int(t) for t in it.response_ids], dict(it.metadata),
-                                    **self.kwargs)
+                    value = _awaited(self.fn(it.prompt, it.response_text, [int(t) for t in it.response_ids],
+                                             dict(it.metadata), **self.kwargs))
                     parts = ([(f"{self.name}/{k}", v) for k, v in value.items()] if isinstance(value, Mapping)
                              else [(self.name, value)])
                 out.append(parts or RewardError(f"reward function {self.name!r} returned an empty dict"))
@@ -227,7 +283,7 @@ class _BatchedFn:
         n = len(items)
         columns = dict.fromkeys([*self.required, *(k for it in items for k in it.metadata)])
         args: dict[str, Any] = {key: [it.metadata.get(key) for it in items] for key in columns if key not in _BATCH_ARGS}
-        args.update(prompts=[it.prompt for it in items], completions=[it.response_text for it in items],
+        args.update(prompts=[it.trl_prompt() for it in items], completions=[it.trl_completion() for it in items],
                     completion_ids=[[int(t) for t in it.response_ids] for it in items])
         args.update(self.kwargs)
         if not self.takes_all:  # pass only what the function names, so it need not take **kwargs
@@ -235,7 +291,7 @@ class _BatchedFn:
         watch.begin(f"reward function {self.name!r}")
         try:
             with _user_code(f"reward function {self.name!r} raised"):
-                result = self.fn(**args)
+                result = _awaited(self.fn(**args))
         except RewardError as exc:
             return [exc] * n
         finally:
@@ -250,7 +306,7 @@ class _BatchedFn:
             return [RewardError(f"reward function {self.name!r} returned {len(result)} value(s) for {n} "
                                 "completion(s); a batched reward returns exactly one number per completion")] * n
         return [RewardError(f"reward function {self.name!r} failed for this completion: {_describe(v)}")
-                if isinstance(v, BaseException) else [(self.name, v)] for v in result]
+                if isinstance(v, BaseException) else [] if v is None else [(self.name, v)] for v in result]
 
 
 class _RewardModel:
@@ -283,8 +339,7 @@ class _RewardModel:
         if it.conversation:  # an episode: the whole conversation, through the reward model's template
             return self.tokenizer.apply_chat_template(list(it.conversation), tokenize=False)
         # the reward model's own template over [user turns, assistant: response]
-        turns = list(it.messages or [{"role": "user", "content": it.prompt}])
-        return self.tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": it.response_text}],
+        return self.tokenizer.apply_chat_template(it.turns + [{"role": "assistant", "content": it.response_text}],
                                                   tokenize=False)
 
     @torch.no_grad()
@@ -328,17 +383,18 @@ def _redacted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_batched(name: str, fn: Callable[..., Any], declared: Any = None) -> bool:
-    """TRL-style when ``batched: true`` is declared, or the signature names ``prompts`` or ``completions``."""
+    """TRL-style when ``batched: true`` is declared, or the signature names ``prompts``,
+    ``completions`` or ``completion_ids``."""
     if declared is not None:
         if not isinstance(declared, bool):
             raise ConfigError(f"reward.functions.{name}.batched must be true or false (or left out: then a function "
-                              f"with a `prompts` or `completions` parameter is batched), got {declared!r}")
+                              f"with a `prompts`, `completions` or `completion_ids` parameter is batched), got {declared!r}")
         return declared
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "prompts" in params or "completions" in params
+    return any(arg in params for arg in _BATCH_ARGS)
 
 
 class Scorer:
@@ -408,6 +464,7 @@ class Scorer:
                 results[i] = RewardError("empty response (only end-of-sequence or whitespace): dead-lettered by "
                                          "reward.empty_response=dead_letter (zero scores it 0, score calls the rewards)")
         totals = [0.0] * len(items)
+        called = list(todo)
         for component in [*self.functions, *self.models]:
             todo = [i for i in todo if not isinstance(results[i], RewardError)]
             if not todo:
@@ -422,6 +479,10 @@ class Scorer:
                         totals[i] += component.weight * value
                 except RewardError as exc:
                     results[i] = exc
+        for i in called:
+            if results[i] == {}:  # every function returned None for it, and there is no model
+                results[i] = RewardError("no reward applies to this sample: every reward function returned None for it "
+                                         "(TRL's 'does not apply') and no reward model is configured")
         out: list[tuple[float, dict[str, float]] | RewardError] = []
         for total, parts in zip(totals, results):
             if not isinstance(parts, RewardError) and not math.isfinite(total):  # finite parts can overflow when weighted

@@ -7,9 +7,11 @@ batch's requests go out at once (up to ``concurrency``)::
         reward.functions.judge.model=Qwen2.5-7B-Instruct
 
 ``model`` is the server's model name (left out of the request when null: a server that serves
-one model uses it). For each completion it fills ``template`` (``{prompt}``, ``{response}`` and any
-data column, e.g. ``{reference}``; a completion whose prompt lacks a column the template names, or
-holds null there, fails with a :class:`JudgeError` and is not sent), sends it as the user turn (after ``system``, if given), reads
+one model uses it). For each completion it fills ``template``: ``{prompt}`` is the question (a text
+prompt as it is, before any chat template; a chat prompt's last user turn), ``{response}`` the
+completion's text, and any data column, e.g. ``{reference}`` (a completion whose prompt lacks a
+column the template names, or holds null there, fails with a :class:`JudgeError` and is not
+sent). It sends it as the user turn (after ``system``, if given), reads
 ``choices[0].message.content`` of the reply, takes the first number in it (``pattern``; its
 first group when it has groups, e.g. ``Score: *(\\d+)``) and returns it times ``scale``.
 Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501
@@ -94,11 +96,14 @@ class ChatJudge:
         self._opener = urllib.request.build_opener(*handlers)
         self._pool = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="judge")
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | JudgeError]:
+    def __call__(self, prompts: Sequence[str | list[dict[str, Any]]], completions: Sequence[str | list[dict[str, Any]]],
+                 **columns: Any) -> list[float | JudgeError]:
+        """TRL's batched signature: a prompt and a completion as text, or as chat turns (TRL's
+        conversational form): the question is then the last user turn, the response the last turn."""
         n = len(prompts)
         data = {k: v for k, v in columns.items() if k != "completion_ids" and isinstance(v, list) and len(v) == n}
         rows = [{k: v[i] for k, v in data.items()} for i in range(n)]
-        return list(self._pool.map(self.judge, prompts, completions, rows))
+        return list(self._pool.map(self.judge, map(_question, prompts), map(_text, completions), rows))
 
     def judge(self, prompt: str, completion: str, row: dict[str, Any] | None = None) -> float | JudgeError:
         """One completion's score, or the JudgeError that says why there is none."""
@@ -169,6 +174,19 @@ class ChatJudge:
             return float(number) * self.scale
         except ValueError:
             raise JudgeError(f"the judge's reply {content[:200]!r}: {number!r} is not a number") from None
+
+
+def _text(turns: str | list[dict[str, Any]], role: str | None = None) -> str:
+    """Text as it is; of chat turns, the content of the last one (of ``role``, when given)."""
+    if isinstance(turns, str):
+        return turns
+    contents = [t.get("content") for t in turns if isinstance(t, dict) and role in (None, t.get("role"))]
+    return contents[-1] if contents and isinstance(contents[-1], str) else ""
+
+
+def _question(prompt: str | list[dict[str, Any]]) -> str:
+    """A text prompt as it is; a chat prompt's last user turn."""
+    return _text(prompt, "user")
 
 
 def _retry_after(value: str | None) -> float:

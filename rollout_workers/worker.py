@@ -510,11 +510,8 @@ class RolloutWorker:
         Per response ``(sample, None, b"")``, or ``(None, reason, raw)`` for the dead-letter stream."""
         if self.episodes is not None:
             return self._score_episodes(entries, watch)
-        items = []
-        for group, _, result in entries:
-            prompt = group.lease.prompt
-            items.append(ScoreItem(group.prompt_text, result.text, result.token_ids.tolist(), prompt.metadata,
-                                   prompt.messages or [{"role": "user", "content": prompt.text}]))
+        items = [ScoreItem.of(group.lease.prompt, group.prompt_text, result.text, result.token_ids.tolist())
+                 for group, _, result in entries]
         scores = self.scorer.score_batch(items, watch)
         out: list[tuple[Sample | None, str | None, bytes]] = []
         for (group, index, result), score in zip(entries, scores):
@@ -546,7 +543,7 @@ class RolloutWorker:
                 text = self.tokenizer.decode(ep.transcript.response_ids, skip_special_tokens=True)
                 meta = {**group.lease.prompt.metadata, "turns": [t.text for t in ep.turns], "env_reward": ep.env_reward}
                 items.append(ScoreItem(ep.prompt_text, text, list(ep.transcript.response_ids), meta,
-                                       ep.prompt_messages, ep.messages))
+                                       ep.prompt_messages, ep.messages, raw_prompt=group.lease.prompt.text))
             scores.update(zip(live, self.scorer.score_batch(items, watch)))
         out: list[tuple[Sample | None, str | None, bytes]] = []
         for i, ((_, _, ep), sample) in enumerate(zip(entries, samples)):

@@ -158,6 +158,41 @@ def trl_solution(completions: list[str], solution: list[str | None]) -> list[flo
     return [float(c == s) if s is not None else 0.0 for c, s in zip(completions, solution)]
 
 
+def trl_math_only(prompts: list[Any], completions: list[Any], task: list[str], **kwargs: Any) -> list[float | None]:
+    """TRL's multi-task pattern: ``len(completion)`` for a ``math`` prompt, None (does not apply) elsewhere."""
+    return [float(len(c)) if t == "math" else None for c, t in zip(completions, task)]
+
+
+def trl_code_only(prompts: list[Any], completions: list[Any], task: list[str], **kwargs: Any) -> list[float | None]:
+    """0.5 for a ``code`` prompt, None elsewhere."""
+    return [0.5 if t == "code" else None for t in task]
+
+
+async def trl_async_length(prompts: list[Any], completions: list[str], **kwargs: Any) -> list[float]:
+    """An ``async def`` reward (TRL awaits them): ``len(completion)``."""
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+async def async_constant(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], value: float = 1.0) -> float:
+    await asyncio.sleep(0)
+    return value
+
+
+def trl_ids_only(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """Reads only the token ids (the shape of TRL's own over-long and repetition rewards): -0.01 a token."""
+    return [-0.01 * len(ids) for ids in completion_ids]
+
+
+trl_seen: list[dict[str, Any]] = []  # what trl_echo got, per call
+
+
+def trl_echo(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """Keeps its ``prompts`` and ``completions`` in ``trl_seen``; 1.0 each."""
+    trl_seen.append({"prompts": prompts, "completions": completions})
+    return [1.0] * len(completions)
+
+
 def trl_short(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
     """One value too few."""
     return [1.0] * (len(completions) - 1)

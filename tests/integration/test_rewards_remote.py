@@ -71,6 +71,15 @@ def test_a_failing_judge_fails_that_completion_with_what_happened(stub, tiny_mod
     assert isinstance(out, RewardError) and str(out) == message.format(url=stub.url)
 
 
+def test_a_chat_prompt_is_asked_as_its_last_user_turn(stub):
+    # TRL's conversational form, which a batched function gets for a prompt that came as turns
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3+3?"}]
+    judge = ChatJudge(stub.url, "length", template="Q: {prompt} A: {response}")
+    assert judge([chat, "What is 2+2?"], [[{"role": "assistant", "content": "6"}], "4"]) == [20.0, 20.0]
+    assert sorted(r["body"]["messages"][-1]["content"] for r in stub.requests) == ["Q: What is 2+2? A: 4",
+                                                                                  "Q: What is 3+3? A: 6"]
+
+
 def test_a_template_naming_a_missing_column_says_so(stub):
     (err,) = ChatJudge(stub.url, "length", template="{reference} vs {response}")(["p"], ["a"])
     assert str(err).startswith("the judge's template names {reference}, which this prompt's data does not have")

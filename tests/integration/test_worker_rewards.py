@@ -102,6 +102,33 @@ def test_an_llm_judge_over_http_scores_a_worker_s_samples(run):
     assert asked == sorted(t for t in texts.values() if t.strip())
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_judge_is_asked_the_question_not_the_policy_s_rendering_of_it(run):
+    # {prompt} held the chat template's rendering: role markers and special tokens as text, which a
+    # judge of the policy's family reads as turn boundaries of its own
+    from rlhf_core.records import Prompt
+
+    with ChatStub() as stub:
+        cfg, learner = run(reward__empty_response="score", rollout__max_prompt_tokens=128,  # the rendering's characters
+                           extra=["~reward.functions.count_up",
+                                  "+reward.functions.judge._target_=rollout_workers.rewards_remote.ChatJudge",
+                                  f"+reward.functions.judge.url={stub.url}", "+reward.functions.judge.model=length"])
+        learner.publish(0)
+        learner.buffer.enqueue_prompts([Prompt("text", "What is 2+2?", metadata={"start": 0}),
+                                        Prompt("chat", "", [{"role": "system", "content": "Be brief."},
+                                                            {"role": "user", "content": "What is 3+3?"}], {"start": 0})])
+        worker = RolloutWorker(cfg, "w-judge-question")
+        worker.tokenizer.chat_template = CHATML  # what an instruct policy's tokenizer carries
+        worker.run(max_prompts=2)
+        asked = [r["body"]["messages"][-1]["content"] for r in stub.requests]
+    assert len(asked) == 8, asked  # 2 prompts x 4 responses, empty ones judged too (empty_response=score)
+    questions = sorted(text.split("Question:\n", 1)[1].split("\n\nAnswer:", 1)[0] for text in asked)
+    assert questions == ["What is 2+2?"] * 4 + ["What is 3+3?"] * 4
+
+
 def test_a_reward_that_keeps_timing_out_stops_the_worker_with_that_message(run):
     from rollout_workers.rewards import RewardFailing
 

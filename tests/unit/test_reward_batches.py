@@ -42,6 +42,7 @@ def errors(results) -> list[str | None]:
 
 def test_signature_tells_batched_from_per_sample_and_config_overrides_it():
     assert is_batched("f", reward_fns.trl_length) and is_batched("f", reward_fns.trl_short)
+    assert is_batched("f", reward_fns.trl_ids_only)  # completion_ids alone: TRL's too
     assert not is_batched("f", reward_fns.constant) and not is_batched("f", reward_fns.CallCounter())
     assert not is_batched("f", reward_fns.trl_length, declared=False) and is_batched("f", reward_fns.constant, declared=True)
     with pytest.raises(ConfigError, match=r"reward.functions.f.batched must be true or false .* got 'yes'"):
@@ -80,6 +81,53 @@ def test_per_sample_and_batched_functions_sum_in_one_batch(tiny_model_cfg):
     out = s.score_batch(items("abc", "a", start=[0, 0]))
     assert out == [(pytest.approx(0.8), {"const": 0.5, "len": pytest.approx(0.3)}),
                    (pytest.approx(0.6), {"const": 0.5, "len": pytest.approx(0.1)})]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+RENDERED = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_batched_function_gets_what_trl_passes_the_raw_prompt_or_its_turns(tiny_model_cfg):
+    # TRL: a text prompt as it is (no chat template), a chat prompt as its turns with each completion
+    # as [{"role": "assistant", "content": ...}]; the policy's rendering went to both once
+    reward_fns.trl_seen.clear()
+    s = scorer(tiny_model_cfg, {"echo": fn("reward_fns.trl_echo")})
+    s.score_batch([ScoreItem(RENDERED, "4", [1], {}, CHAT, raw_prompt=""),
+                   ScoreItem("<|im_start|>user\n3:<|im_end|>\n<|im_start|>assistant\n", "45", [1, 2], {}, raw_prompt="3:")])
+    (seen,) = reward_fns.trl_seen
+    assert seen == {"prompts": [CHAT, "3:"], "completions": [[{"role": "assistant", "content": "4"}], "45"]}
+
+
+def test_trl_s_own_reward_scores_a_chat_prompt_s_completions(tiny_model_cfg):
+    pytest.importorskip("trl")
+    # think_format_reward reads completion[0]["content"]: a plain string failed every sample
+    s = scorer(tiny_model_cfg, {"fmt": fn("trl.rewards.think_format_reward")})
+    out = s.score_batch([ScoreItem(RENDERED, "<think>\n2+2 is 4\n</think>\n4", [1, 2], {}, CHAT),
+                         ScoreItem(RENDERED, "4", [1], {}, CHAT)])
+    assert out == [(1.0, {"fmt": 1.0}), (0.0, {"fmt": 0.0})]
+
+
+def test_none_means_the_function_does_not_apply_to_that_completion(tiny_model_cfg):
+    # TRL's multi-task rewards: None for a sample leaves the function out of its sum (nansum);
+    # here both samples were dead-lettered
+    s = scorer(tiny_model_cfg, {"math": fn("reward_fns.trl_math_only"), "code": fn("reward_fns.trl_code_only", weight=2.0)})
+    out = s.score_batch(items("abc", "de", "f", task=["math", "code", "prose"]))
+    # "abc" is math: len 3 (code leaves it); "de" is code: 2 x 0.5; "f" is neither: no reward applies
+    assert out[:2] == [(3.0, {"math": 3.0}), (1.0, {"code": 0.5})]
+    assert errors(out)[2] == ("no reward applies to this sample: every reward function returned None for it (TRL's "
+                              "'does not apply') and no reward model is configured")
+
+
+def test_an_async_reward_is_awaited(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"len": fn("reward_fns.trl_async_length"), "c": fn("reward_fns.async_constant", value=0.5)})
+    # len("abc") = 3, plus the per-sample coroutine's 0.5
+    assert s.score_batch(items("abc")) == [(3.5, {"len": 3.0, "c": 0.5})]
+
+
+def test_a_function_of_completion_ids_alone_is_batched(tiny_model_cfg):
+    s = scorer(tiny_model_cfg, {"len": fn("reward_fns.trl_ids_only")})
+    # items() gives "abc" the ids [0, 1, 2, 3]: -0.01 x 4
+    assert s.score_batch(items("abc")) == [(pytest.approx(-0.04), {"len": pytest.approx(-0.04)})]
 
 
 @pytest.mark.parametrize("target, message", [
