@@ -250,6 +250,12 @@ def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[torch.
     tok = AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    if model.config.pad_token_id is None:
+    # Batches are padded (on the right) with the tokenizer's pad token, and the head reads each row
+    # at its last token that is not config.pad_token_id: the two must be one id, or a short row is
+    # read at a padding position and its score depends on its batch-mates.
+    if model.config.pad_token_id != tok.pad_token_id:
+        if model.config.pad_token_id is not None:
+            log.warning("reward model %s: config pad_token_id %s differs from its tokenizer's pad token %r (id %s); "
+                        "using the tokenizer's", path, model.config.pad_token_id, tok.pad_token, tok.pad_token_id)
         model.config.pad_token_id = tok.pad_token_id
     return model, tok

@@ -310,6 +310,25 @@ def test_a_padded_batch_scores_each_text_as_alone(tiny_model_cfg, rm_dir):
     assert [parts["rm"] for _, parts in out] == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_config_pad_id_other_than_the_tokenizer_s_does_not_make_scores_batch_dependent(tiny_model_cfg, rm_dir, tmp_path):
+    # the batch is padded with the tokenizer's pad token, HF's head looks for config.pad_token_id:
+    # a short row was read at a padding position, -0.152 alone and -0.144 beside a longer one
+    import json
+
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "rm-pad"
+    shutil.copytree(rm_dir, other)
+    tok = AutoTokenizer.from_pretrained(other)
+    config = json.loads((other / "config.json").read_text())
+    config["pad_token_id"] = tok.unk_token_id if tok.unk_token_id != tok.pad_token_id else tok.eos_token_id
+    (other / "config.json").write_text(json.dumps(config))  # a base model's pad id kept beside a tokenizer with its own
+    s = scorer(tiny_model_cfg, models={"rm": {"path": str(other)}})
+    (alone,), together = s.score_batch(items("4")), s.score_batch(items("4", "4567890123"))
+    assert together[0][1]["rm"] == pytest.approx(alone[1]["rm"], abs=1e-5)
+    assert alone[1]["rm"] == pytest.approx(final_token_score(other, "3:4"), abs=1e-5)  # read at its last token
+
+
 def test_two_scoring_threads_share_one_reward_model(tiny_model_cfg, rm_dir):
     # reward.num_threads=2: forward passes side by side, the tokenizer taking turns
     import threading
