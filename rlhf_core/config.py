@@ -296,7 +296,8 @@ class WeightServerConfig:
 class RewardConfig:
     # name -> {_target_: dotted.path, weight: float, ...kwargs}; called per sample
     functions: dict[str, Any] = field(default_factory=dict)
-    # name -> {path: local HF dir of an AutoModelForSequenceClassification, weight: float}
+    # name -> {path: local HF dir of an AutoModelForSequenceClassification, weight: float}; no
+    # function's name (each value is kept under its name in the sample's reward components)
     models: dict[str, Any] = field(default_factory=dict)
     # a worker whose last `failure_window` samples failed to score more often than this share stops
     # the run with the reward's error (single failures are dead-lettered and the run goes on)
@@ -926,6 +927,11 @@ def validate_reward(reward: RewardConfig) -> None:
     if reward.empty_response not in EMPTY_RESPONSE_MODES:
         raise ConfigError(f"reward.empty_response must be one of {', '.join(EMPTY_RESPONSE_MODES)} (what to do with a "
                           f"response that has no text), got {reward.empty_response!r}")
+    models = {name for name, spec in (reward.models or {}).items() if spec is not None}
+    both = sorted(models.intersection(active_reward_functions(reward)))
+    if both:
+        raise ConfigError(f"reward.functions and reward.models both name {', '.join(map(repr, both))}: a sample keeps "
+                          "each reward's value under its name (reward_components), so one would hide the other; rename one")
 
 
 def validate_eval(ev: EvalConfig) -> None:

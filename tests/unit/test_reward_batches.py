@@ -281,6 +281,16 @@ def test_scoring_settings_are_checked_at_start_up(settings, message):
     validate_reward(RewardConfig(timeout_s=None))  # null: no limit
 
 
+def test_a_function_and_a_model_of_one_name_are_refused_at_start_up():
+    # both were summed into the reward, but reward_components kept one: the parts no longer added up
+    clash = RewardConfig(functions={"quality": fn("reward_fns.constant"), "count_up": fn("x", default=True)},
+                         models={"quality": {"path": "/models/rm"}, "count_up": {"path": "/models/rm2"}})
+    with pytest.raises(ConfigError, match=r"reward.functions and reward.models both name 'quality': .* rename one"):
+        validate_reward(clash)
+    # a default that steps aside for the models (count_up here) clashes with nothing
+    validate_reward(RewardConfig(functions={"count_up": fn("x", default=True)}, models={"count_up": {"path": "/m"}}))
+
+
 # ---------------------------------------------------------------------------- reward models
 
 
