@@ -317,7 +317,8 @@ class RewardConfig:
     # The call's thread cannot be killed and finishes in the background. null: no limit.
     timeout_s: Optional[float] = 120.0
     # A response with no text (only end-of-sequence, or whitespace): zero = reward 0 without calling
-    # the rewards; dead_letter = not trained on; score = scored like any other response.
+    # the rewards; dead_letter = not trained on (a dead letter, not a reward failure for
+    # max_failure_share); score = scored like any other response.
     empty_response: str = "zero"
 
 

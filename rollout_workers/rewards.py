@@ -96,6 +96,12 @@ class RewardError(Exception):
     """A reward could not be computed for one sample (the message names the component)."""
 
 
+#: the dead-letter reason of an empty response under reward.empty_response=dead_letter: the user's
+#: choice, not a failing reward (the worker does not count it towards reward.max_failure_share)
+EMPTY_DEAD_LETTER = ("empty response (only end-of-sequence or whitespace): dead-lettered by "
+                     "reward.empty_response=dead_letter (zero scores it 0, score calls the rewards)")
+
+
 @dataclass
 class ScoreItem:
     """One finished response to score."""
@@ -461,8 +467,7 @@ class Scorer:
             if not is_empty_response(it.response_text) or self.empty_response == "score":
                 todo.append(i)
             elif self.empty_response == "dead_letter":
-                results[i] = RewardError("empty response (only end-of-sequence or whitespace): dead-lettered by "
-                                         "reward.empty_response=dead_letter (zero scores it 0, score calls the rewards)")
+                results[i] = RewardError(EMPTY_DEAD_LETTER)
         totals = [0.0] * len(items)
         called = list(todo)
         for component in [*self.functions, *self.models]:

@@ -72,7 +72,8 @@ from rollout_workers.environment import EnvFactory
 from rollout_workers.episodes import Episode, EpisodeRunner
 from rollout_workers.gateway_calls import BackgroundChannel, GatewayCalls
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, is_empty_response, reward_failing
+from rollout_workers.rewards import (EMPTY_DEAD_LETTER, CallWatch, RewardError, Scorer, ScoreItem, is_empty_response,
+                                     reward_failing)
 from rollout_workers.scoring import ScoringPool
 from weight_server import TensorMismatchError, WeightSubscriber
 
@@ -636,7 +637,9 @@ class RolloutWorker:
             else:
                 self.stats.prompts_empty += 1
         for _, _, samples, dead in ready:  # after the groups are stored: a stop loses nothing scored
-            outcomes = [(False, "")] * len(samples) + [(True, reason) for reason, _ in dead]
+            # empty responses dead-lettered by reward.empty_response=dead_letter are the user's choice, not
+            # a failing reward: a policy that mostly answers nothing must not stop the run blaming the reward
+            outcomes = [(False, "")] * len(samples) + [(True, reason) for reason, _ in dead if reason != EMPTY_DEAD_LETTER]
             if any([self.reward_failures.record(failed, reason) for failed, reason in outcomes]):
                 raise reward_failing(self.reward_failures)
 

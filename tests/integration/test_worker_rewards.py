@@ -129,6 +129,33 @@ def test_the_judge_is_asked_the_question_not_the_policy_s_rendering_of_it(run):
     assert questions == ["What is 2+2?"] * 4 + ["What is 3+3?"] * 4
 
 
+def silent_state(learner: FakeLearner) -> dict[str, torch.Tensor]:
+    """Weights under which the tiny policy answers end-of-sequence at once: the residual stream is
+    the input embedding (all ones), and the output head sees only the end-of-sequence row."""
+    state = {k: v.detach().clone() for k, v in learner.base.state_dict().items()}
+    for k, v in state.items():
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            v.zero_()
+    state["model.embed_tokens.weight"].fill_(1.0)
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][learner.tokenizer.eos_token_id] = 1.0  # eos logit 64, every other 0
+    return state
+
+
+def test_empty_responses_dead_lettered_by_choice_do_not_stop_the_worker_as_a_failing_reward(run):
+    # each counted as a reward failure: a policy that mostly answers nothing stopped the worker
+    # (exit 2) with "Fix the reward function"
+    cfg, learner = run(reward__empty_response="dead_letter", reward__failure_window=8,
+                       extra=["~reward.functions.count_up", "+reward.functions.c._target_=reward_fns.constant"])
+    learner.publisher.publish(0, silent_state(learner))
+    learner.enqueue(4)
+    stats = RolloutWorker(cfg, "w-silent").run(max_prompts=4)
+    assert (stats.empty_responses, stats.dead_letters) == (16, 16)
+    dead = learner.buffer.dead_letters(20)
+    assert len(dead) == 16 and all("reward.empty_response=dead_letter" in d["reason"] for d in dead)
+
+
 def test_a_reward_that_keeps_timing_out_stops_the_worker_with_that_message(run):
     from rollout_workers.rewards import RewardFailing
 
