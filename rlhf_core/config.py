@@ -312,9 +312,10 @@ class RewardConfig:
     # torch intra-op threads of a worker, reward models included, are OMP_NUM_THREADS (rlhf-run
     # gives each child cores // (workers + 1) unless it is set).
     num_threads: int = 1
-    # A reward call (one function or model over one batch) running longer than this is abandoned:
-    # its samples are dead-lettered, and a worker whose rewards keep timing out stops (max_failure_share).
-    # The call's thread cannot be killed and finishes in the background. null: no limit.
+    # A reward call running longer than this is abandoned: a per-sample function's call on one sample
+    # (the clock starts again at each sample), a batched function's or a reward model's on one batch.
+    # Its batch's samples are dead-lettered, and a worker whose rewards keep timing out stops
+    # (max_failure_share). The call's thread cannot be killed and finishes in the background. null: no limit.
     timeout_s: Optional[float] = 120.0
     # A response with no text (only end-of-sequence, or whitespace): zero = reward 0 without calling
     # the rewards; dead_letter = not trained on (a dead letter, not a reward failure for

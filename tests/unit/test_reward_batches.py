@@ -281,6 +281,24 @@ def test_scoring_settings_are_checked_at_start_up(settings, message):
     validate_reward(RewardConfig(timeout_s=None))  # null: no limit
 
 
+def test_the_time_limit_counts_per_call_a_per_sample_function_s_per_sample(tiny_model_cfg):
+    # reward.timeout_s holds each call the scoring thread notes in its watch: a per-sample function
+    # starts the clock again at every sample, a batched function once per batch
+    class Watch(CallWatch):
+        def __init__(self) -> None:
+            super().__init__()
+            self.begun: list[str] = []
+
+        def begin(self, what: str) -> None:
+            super().begin(what)
+            self.begun.append(what)
+
+    watch = Watch()
+    s = scorer(tiny_model_cfg, {"c": fn("reward_fns.constant"), "len": fn("reward_fns.trl_length")})
+    s.score_batch(items("a", "b", "c", start=[0, 0, 0]), watch)
+    assert watch.begun == ["reward function 'c'"] * 3 + ["reward function 'len'"] and watch.current is None
+
+
 def test_a_function_and_a_model_of_one_name_are_refused_at_start_up():
     # both were summed into the reward, but reward_components kept one: the parts no longer added up
     clash = RewardConfig(functions={"quality": fn("reward_fns.constant"), "count_up": fn("x", default=True)},
