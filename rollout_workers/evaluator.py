@@ -5,8 +5,10 @@ The evaluator is a rollout worker without the buffer's prompt queue: the same en
 vllm), prompt renderer and :class:`~rollout_workers.rewards.Scorer`, weights from the weight
 server. It follows the announcements; when a version at or past the next due one exists, it
 pulls the newest, generates ``n`` responses to each of the first ``eval.num_prompts`` prompts of
-``eval.data`` (continuous batching over ``rollout.slots``), scores them in batches of
-``reward.batch_size`` and records, tagged with the version evaluated:
+``eval.data`` (continuous batching over ``rollout.slots``), scores them as a worker does (a
+:class:`~rollout_workers.scoring.ScoringPool`: batches of ``reward.batch_size`` on
+``reward.num_threads`` threads, a reward call past ``reward.timeout_s`` abandoned and its samples
+counted failed) and records, tagged with the version evaluated:
 
 * ``eval/reward_mean``, ``eval/reward_std`` over the scored samples;
 * ``eval/pass@k`` for each ``k`` of ``eval.k``: the unbiased estimate (Chen et al. 2021, "Evaluating
@@ -18,7 +20,7 @@ pulls the newest, generates ``n`` responses to each of the first ``eval.num_prom
 The record goes to ``eval.jsonl`` in the run's output folder (the report's summary reads it) and
 to the buffer's stats (``Buffer.stats("eval")``), where the learner merges it into its next
 metrics line (so trackers get it) and the monitor shows it. A stop request lets an evaluation in
-progress finish (a second one abandons it). Its prompts are never trained on: nothing here
+progress finish (a second one abandons it, also while it waits for its rewards). Its prompts are never trained on: nothing here
 touches the prompt queue, the admission budget or the sample stream.
 """
 
@@ -46,11 +48,13 @@ from rollout_workers.engine import GenRequest, GenResult, SamplingParams
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.rewards import RewardError, Scorer, ScoreItem
+from rollout_workers.scoring import ScoringPool
 from weight_server import WeightSubscriber
 
 log = logging.getLogger("rollout_workers.evaluator")  # also when run as __main__
 
 ANNOUNCE_WAIT_MS = 500  # how long one wait for a new version announcement blocks
+SCORE_WAIT_S = 0.1  # how long one wait for scores blocks (a second stop request is seen within it)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -103,6 +107,10 @@ class Evaluator:
         self.renderer = PromptRenderer(self.tokenizer, cfg.rollout.max_prompt_tokens, cfg.rollout.prompt_overflow)
         self.prompts = eval_prompts(cfg)
         self.scorer = Scorer(cfg.reward, cfg.model)
+        rc = cfg.reward
+        self.scoring: ScoringPool[str] = ScoringPool(
+            self.scorer.score_batch, lambda key, reason: RewardError(reason), num_threads=rc.num_threads,
+            batch_size=rc.batch_size, max_wait_s=0.0, timeout_s=rc.timeout_s)
         self.sampling = SamplingParams.from_config(
             cfg.rollout, **({} if ev.temperature is None else {"temperature": float(ev.temperature)}))
         engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=int(ev.seed)))
@@ -136,16 +144,21 @@ class Evaluator:
                 self.engine.abort_all()
                 raise InterruptedError("evaluation abandoned by a second stop request")
             results.extend(self.engine.step())
+        self.scoring.submit([(r.request_id, ScoreItem.of(*rendered[r.request_id.split("/")[0]], r.text,
+                                                         r.token_ids.tolist())) for r in results])
+        scores: dict[str, Any] = {}
+        while len(scores) < len(results):
+            if self._abort:
+                raise InterruptedError("evaluation abandoned by a second stop request while its rewards were scored")
+            scores.update(self.scoring.poll(flush=True, wait_s=SCORE_WAIT_S))
         per_prompt: dict[str, list[float]] = {key: [] for key in rendered}
-        failed, size = 0, max(1, int(self.cfg.reward.batch_size))
-        for start in range(0, len(results), size):
-            chunk = results[start:start + size]
-            items = [ScoreItem.of(*rendered[r.request_id.split("/")[0]], r.text, r.token_ids.tolist()) for r in chunk]
-            for r, score in zip(chunk, self.scorer.score_batch(items)):
-                if isinstance(score, RewardError):
-                    failed += 1
-                    continue
-                per_prompt[r.request_id.split("/")[0]].append(score[0])
+        failed = 0
+        for r in results:
+            score = scores[r.request_id]
+            if isinstance(score, RewardError):
+                failed += 1
+                continue
+            per_prompt[r.request_id.split("/")[0]].append(score[0])
         ev = self.cfg.eval
         out: dict[str, Any] = {EVAL_VERSION: self.engine.version,
                                **eval_metrics(list(per_prompt.values()), ev.k, ev.pass_threshold)}
@@ -192,11 +205,16 @@ class Evaluator:
         except InterruptedError as exc:
             log.info("evaluator: %s", exc)
         finally:
-            self.engine.close()
-            self.weights.close()
-            if self._own_buffer:
-                self.buffer.close()
+            self.close()
         return self.records
+
+    def close(self) -> None:
+        """Scoring threads (never waiting for a stuck reward call), engine, connections."""
+        self.scoring.close(wait_s=1.0)
+        self.engine.close()
+        self.weights.close()
+        if self._own_buffer:
+            self.buffer.close()
 
     def request_stop(self, *_: Any) -> None:
         """Finish the evaluation in progress, then stop; a second request abandons it."""

@@ -87,9 +87,10 @@ class ScoringPool(Generic[K]):
         self._abandoned = [t for t in self._abandoned if t.is_alive()]
         return len(self._abandoned)
 
-    def poll(self, flush: bool = False) -> list[tuple[K, Any]]:
+    def poll(self, flush: bool = False, wait_s: float = 0.0) -> list[tuple[K, Any]]:
         """``(key, outcome)`` of every sample answered since the last call. ``flush``: score what
-        waits without waiting for a fuller batch (until a later call says otherwise)."""
+        waits without waiting for a fuller batch (until a later call says otherwise). ``wait_s``:
+        wait up to that long for an answer when none is there yet."""
         with self._cond:
             if flush and not self._flush:
                 self._cond.notify_all()
@@ -97,7 +98,7 @@ class ScoringPool(Generic[K]):
         out: list[tuple[K, Any]] = []
         while True:
             try:
-                keys, result = self._done.get_nowait()
+                keys, result = self._done.get(timeout=wait_s) if wait_s > 0 and not out else self._done.get_nowait()
             except queue.Empty:
                 break
             with self._cond:

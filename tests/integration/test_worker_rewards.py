@@ -175,3 +175,23 @@ def test_a_reward_that_keeps_timing_out_stops_the_worker_with_that_message(run):
     c = learner.counters()
     assert (c["samples_dead_lettered"], c["samples_appended"]) == (8, 0)
     assert learner.consumer("w-slow")["stats"]["reward_timeouts"] == 2
+
+
+def test_the_evaluator_holds_a_hanging_reward_to_reward_timeout_s(run, tmp_path):
+    # it called score_batch on its main thread without a limit: a hanging reward hung the
+    # evaluation, and a stop request waited for it forever
+    from rollout_workers.evaluator import Evaluator
+
+    gate = tmp_path / "gate"
+    gate.touch()  # reward_fns.gate with free=0: every call waits while the file exists
+    cfg, learner = run(reward__timeout_s=0.5, reward__empty_response="score", eval__every=1, eval__num_prompts=2,
+                       eval__n=2, eval__k="[1]",
+                       extra=["~reward.functions.count_up", "+reward.functions.gate._target_=reward_fns.gate",
+                              f"+reward.functions.gate.path='{gate}'", "+reward.functions.gate.free=0"])
+    evaluator = Evaluator(cfg, buffer=learner.buffer, output_dir=tmp_path)
+    try:
+        metrics = evaluator.evaluate()
+    finally:
+        gate.unlink()
+        evaluator.close()
+    assert (metrics["eval/samples"], metrics["eval/failed"]) == (4, 4)  # 2 prompts x 2, each call abandoned
