@@ -28,7 +28,8 @@ environment variable named by ``api_key_env``; without either no ``Authorization
 is executed. Loopback URLs bypass any HTTP proxy of the environment. Only the standard library.
 
 ``reward.timeout_s`` limits a whole call (one batch): keep it above ``timeout_s x (max_retries + 1)``
-plus the backoff, times the batch's rounds of ``concurrency`` requests.
+plus the waits between attempts (up to ``max_backoff_s`` each), times the batch's rounds of
+``concurrency`` requests (``conf/reward/judge.yaml``: 32 / 8 x (3 x 30 + 2 x 8) = 424 s).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class ChatJudge:
         # a judge on this machine must not be sent through the environment's HTTP proxy
         handlers = [urllib.request.ProxyHandler({})] if parsed.hostname in LOOPBACK else []
         self._opener = urllib.request.build_opener(*handlers)
-        self._pool = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="judge")
+        self.concurrency = int(concurrency)
+        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
 
     def __call__(self, prompts: Sequence[str | list[dict[str, Any]]], completions: Sequence[str | list[dict[str, Any]]],
                  **columns: Any) -> list[float | JudgeError]:

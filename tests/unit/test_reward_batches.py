@@ -435,6 +435,13 @@ def test_the_judge_config_group_builds_a_batched_judge_and_needs_its_url(tiny_mo
     s = Scorer(reward, tiny_model_cfg)
     (judge,) = s.functions
     assert isinstance(judge.fn, ChatJudge) and judge.fn.endpoint == "http://127.0.0.1:9/v1/chat/completions"
-    assert s.describe() == "judge (batched)" and reward.timeout_s == 300.0
+    assert s.describe() == "judge (batched)"
+    # the group's own numbers fit in its reward.timeout_s: a batch of reward.batch_size in rounds of
+    # `concurrency` requests, each up to max_retries + 1 attempts of timeout_s and a wait of at most
+    # max_backoff_s between them (a Retry-After); 32 / 8 x (3 x 30 + 2 x 8) = 424 s was over 300 s
+    j = judge.fn
+    rounds = -(-reward.batch_size // j.concurrency)
+    worst = rounds * ((j.max_retries + 1) * j.timeout_s + j.max_retries * j.max_backoff_s)
+    assert (rounds, worst) == (4, 424.0) and reward.timeout_s >= worst
     with pytest.raises(ConfigError, match="required setting reward.functions.judge.url has no value"):
         composed_reward(["reward=judge"])
