@@ -188,10 +188,16 @@ def _awaited(value: Any) -> Any:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="reward-asyncio", daemon=True).start()
 
-    async def wait() -> Any:
-        return await value
+    async def wait() -> tuple[bool, Any]:
+        try:
+            return True, await value
+        except BaseException as exc:  # noqa: BLE001 - a SystemExit would end the loop's thread, with every later call
+            return False, exc
 
-    return asyncio.run_coroutine_threadsafe(wait(), _loop).result()
+    ok, out = asyncio.run_coroutine_threadsafe(wait(), _loop).result()
+    if not ok:
+        raise out
+    return out
 
 
 def _describe(exc: BaseException) -> str:

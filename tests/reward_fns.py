@@ -179,6 +179,11 @@ async def async_constant(prompt: str, text: str, ids: Sequence[int], metadata: d
     return value
 
 
+async def async_exit(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any]) -> float:
+    """A coroutine that raises SystemExit, which would end the event loop running it."""
+    raise SystemExit(3)
+
+
 def trl_ids_only(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     """Reads only the token ids (the shape of TRL's own over-long and repetition rewards): -0.01 a token."""
     return [-0.01 * len(ids) for ids in completion_ids]

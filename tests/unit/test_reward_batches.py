@@ -118,10 +118,15 @@ def test_none_means_the_function_does_not_apply_to_that_completion(tiny_model_cf
                               "'does not apply') and no reward model is configured")
 
 
+@pytest.mark.timeout(30)
 def test_an_async_reward_is_awaited(tiny_model_cfg):
     s = scorer(tiny_model_cfg, {"len": fn("reward_fns.trl_async_length"), "c": fn("reward_fns.async_constant", value=0.5)})
     # len("abc") = 3, plus the per-sample coroutine's 0.5
     assert s.score_batch(items("abc")) == [(3.5, {"len": 3.0, "c": 0.5})]
+    # a coroutine's SystemExit fails its sample; it ended the event loop's thread, and the call waited forever
+    assert errors(scorer(tiny_model_cfg, {"x": fn("reward_fns.async_exit")}).score_batch(items("a"))) == [
+        "reward function 'x' raised SystemExit: 3"]
+    assert s.score_batch(items("ab")) == [(2.5, {"len": 2.0, "c": 0.5})]  # the loop still runs
 
 
 def test_a_function_of_completion_ids_alone_is_batched(tiny_model_cfg):
