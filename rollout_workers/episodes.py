@@ -27,11 +27,9 @@ episode alone with the reason (the worker dead-letters it) and everything else g
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import queue
-import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +44,7 @@ from rollout_workers.environment import (AssistantTurn, EnvFactory, as_step_resu
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.tool_calls import ToolCallParser
 from rollout_workers.turns import PlainConversation, TemplateConversation
+from rollout_workers.user_loop import UserLoop
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +70,7 @@ class EnvCalls:
     def __init__(self, threads: int, timeout_s: float | None) -> None:
         self.threads, self.timeout_s = int(threads), timeout_s
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="env")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_lock = threading.Lock()
+        self._loop = UserLoop("env-asyncio")  # async methods, and plain ones that returned an awaitable
         self._done: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
         self._pending: dict[int, Hashable] = {}  # call id -> key
         # call id -> when it began running (written by the pool threads): the time limit counts
@@ -85,20 +83,12 @@ class EnvCalls:
         self.calls = 0
         self.timeouts = 0
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        with self._loop_lock:  # pool threads may ask for it too (a plain method that returned a coroutine)
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="env-asyncio", daemon=True).start()
-                self._loop = loop
-            return self._loop
-
     def _run_sync(self, fn: Any, args: tuple, call_id: int | None = None) -> Any:
         if call_id is not None:
             self._began[call_id] = time.monotonic()
         out = fn(*args)
         if inspect.isawaitable(out):
-            return asyncio.run_coroutine_threadsafe(_awaited(out), self._event_loop()).result()
+            return self._loop.submit(out).result()
         return out
 
     def submit(self, key: Hashable, fn: Any, *args: Any) -> None:
@@ -108,7 +98,7 @@ class EnvCalls:
         self.calls += 1
         if inspect.iscoroutinefunction(fn):  # the event loop runs it at once: no thread to wait for
             self._began[call_id] = time.monotonic()
-            fut: Future = asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop())
+            fut: Future = self._loop.submit(fn(*args))
         else:
             self._on_pool.add(call_id)
             fut = self._pool.submit(self._run_sync, fn, args, call_id)
@@ -117,7 +107,7 @@ class EnvCalls:
     def fire(self, fn: Any) -> None:
         """Run ``fn()`` in the background and forget it (an environment's ``close``)."""
         if inspect.iscoroutinefunction(fn):
-            asyncio.run_coroutine_threadsafe(fn(), self._event_loop())
+            self._loop.submit(fn())
         else:
             self._pool.submit(self._run_sync, fn, ())
 
@@ -171,12 +161,7 @@ class EnvCalls:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+        self._loop.stop()
 
 
 @dataclass(eq=False)

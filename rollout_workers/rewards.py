@@ -55,7 +55,6 @@ Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empt
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import decimal
 import inspect
@@ -73,6 +72,7 @@ from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_rewa
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 from rlhf_core.records import Prompt
+from rollout_workers.user_loop import UserLoop
 
 _RESERVED = ("_target_", "weight", "default", "batched")
 _BATCH_ARGS = ("prompts", "completions", "completion_ids")
@@ -172,32 +172,14 @@ def _user_code(failed: str) -> Iterator[None]:
         raise RewardError(f"{failed} {_describe(exc)}") from None
 
 
-_loop: asyncio.AbstractEventLoop | None = None  # where async rewards run (one thread of its own, started on first use)
-_loop_lock = threading.Lock()
+_LOOP = UserLoop("reward-asyncio")  # where async rewards run, one loop for every call (as TRL's GRPOTrainer)
 
 
 def _awaited(value: Any) -> Any:
     """``value``, or what it resolves to when it is awaitable (an ``async def`` reward's coroutine),
-    awaited on the rewards' event loop while this scoring thread waits. One loop for every call,
-    as TRL's ``GRPOTrainer`` runs async rewards: a client a reward keeps stays on its loop."""
-    if not inspect.isawaitable(value):
-        return value
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="reward-asyncio", daemon=True).start()
-
-    async def wait() -> tuple[bool, Any]:
-        try:
-            return True, await value
-        except BaseException as exc:  # noqa: BLE001 - a SystemExit would end the loop's thread, with every later call
-            return False, exc
-
-    ok, out = asyncio.run_coroutine_threadsafe(wait(), _loop).result()
-    if not ok:
-        raise out
-    return out
+    awaited on the rewards' event loop while this scoring thread waits: a client a reward keeps
+    stays on its loop."""
+    return _LOOP.submit(value).result() if inspect.isawaitable(value) else value
 
 
 def _describe(exc: BaseException) -> str:

@@ -304,6 +304,35 @@ def test_a_call_abandoned_past_its_time_limit_still_holds_its_thread(tokenizer):
     run.close()
 
 
+def test_an_async_call_that_raises_system_exit_fails_alone_and_the_event_loop_goes_on(tokenizer):
+    # raised inside the event loop, SystemExit ended its thread: every later async call waited for ever
+    run = runner(ScriptedEngine(tokenizer, lambda req, turn: "ab"), tokenizer, {"_target_": "test_episodes.Echo"})
+
+    async def leaves(code):
+        raise SystemExit(code)
+
+    async def answers():
+        await asyncio.sleep(0)
+        return "ok"
+
+    def answer(key):
+        deadline = time.monotonic() + 10
+        while not (got := run.calls.poll(block_s=0.02)):
+            assert time.monotonic() < deadline, f"no answer for {key}: the event loop is gone"
+        ((got_key, value, exc),) = got
+        assert got_key == key
+        return value, exc
+
+    run.calls.submit("exits", leaves, 3)
+    value, exc = answer("exits")
+    assert value is None and isinstance(exc, SystemExit) and exc.code == 3
+    run.calls.submit("plain, returning a coroutine", lambda: leaves(4))
+    assert isinstance(answer("plain, returning a coroutine")[1], SystemExit)
+    run.calls.submit("next", answers)
+    assert answer("next") == ("ok", None)
+    run.close()
+
+
 def test_async_environments_run_on_the_event_loop(tokenizer):
     run = runner(ScriptedEngine(tokenizer, lambda req, turn: "ab"), tokenizer, {"_target_": "test_episodes.AsyncEcho"})
     done = run_all(run, {f"e{i}": Prompt(f"p{i}", "hi") for i in range(3)})
