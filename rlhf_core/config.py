@@ -564,7 +564,7 @@ def validate(cfg: Any) -> None:
     validate_buffer(cfg.buffer, cfg.learner)
     validate_weight_server(cfg.weight_server)
     validate_run(cfg.run)
-    validate_reward(cfg.reward)
+    validate_reward(cfg.reward, cfg.rollout)
     validate_eval(cfg.eval)
     validate_episodes(cfg.algo, cfg.rollout, cfg.eval)
     validate_placement(cfg.learner, cfg.rollout)
@@ -912,9 +912,11 @@ def validate_weight_server(ws: WeightServerConfig) -> None:
 
 
 EMPTY_RESPONSE_MODES = ("zero", "dead_letter", "score")
+#: an episode's reward component holding what its environment's steps returned (``rollout.env``)
+ENV_COMPONENT = "env"
 
 
-def validate_reward(reward: RewardConfig) -> None:
+def validate_reward(reward: RewardConfig, rollout: RolloutConfig) -> None:
     if not 0 < reward.max_failure_share <= 1 or reward.failure_window < 1:
         raise ConfigError(f"reward.max_failure_share must be in (0, 1] (1: never stop) and reward.failure_window >= 1, "
                           f"got {reward.max_failure_share}, {reward.failure_window}")
@@ -930,10 +932,14 @@ def validate_reward(reward: RewardConfig) -> None:
         raise ConfigError(f"reward.empty_response must be one of {', '.join(EMPTY_RESPONSE_MODES)} (what to do with a "
                           f"response that has no text), got {reward.empty_response!r}")
     models = {name for name, spec in (reward.models or {}).items() if spec is not None}
-    both = sorted(models.intersection(active_reward_functions(reward)))
+    functions = set(active_reward_functions(reward))
+    both = sorted(models & functions)
     if both:
         raise ConfigError(f"reward.functions and reward.models both name {', '.join(map(repr, both))}: a sample keeps "
                           "each reward's value under its name (reward_components), so one would hide the other; rename one")
+    if env_target(rollout) is not None and ENV_COMPONENT in models | functions:
+        raise ConfigError(f"a reward is named {ENV_COMPONENT!r}, the component an episode's environment rewards are kept "
+                          f"under (rollout.env): one would hide the other in reward_components; rename the reward")
 
 
 def validate_eval(ev: EvalConfig) -> None:

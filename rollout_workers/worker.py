@@ -59,7 +59,7 @@ from buffer.gateway import WorkerChannel
 from buffer.keys import check_consumer
 from rlhf_core import metric_names as M
 from rlhf_core.cli import WORKER_ID_ENV, freeze_startup_heap
-from rlhf_core.config import Config, ConfigError, env_target, response_budget, to_object, validate
+from rlhf_core.config import ENV_COMPONENT, Config, ConfigError, env_target, response_budget, to_object, validate
 from rlhf_core.dapo import group_filter
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reference, load_tokenizer
@@ -562,7 +562,7 @@ class RolloutWorker:
                 continue
             total, parts = score
             if ep.env_reward is not None:
-                total, parts = total + ep.env_reward, {**parts, "env": ep.env_reward}
+                total, parts = total + ep.env_reward, {**parts, ENV_COMPONENT: ep.env_reward}
             sample.reward, sample.reward_components = total, parts
             if self.reference is not None:
                 sample.ref_logprobs = self._ref_logprobs(sample.prompt_ids.tolist(), sample.response_ids)
