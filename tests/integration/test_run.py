@@ -346,27 +346,35 @@ def readme_block(after: str) -> list[list[str]]:
 def test_standalone_workers_join_and_leave_as_the_readme_says(tmp_path, model_cache):
     """The README's standalone-workers commands, run as written (loopback for 10.0.0.5, free ports):
     Redis with a password, CURVE keys, rlhf-run with no workers; rlhf-worker processes join, one leaves."""
-    from servers import free_port
+    import re
 
-    redis_port, port, pub_port = free_port(), free_port(), free_port()
+    from servers import free_port_block
+
+    # below the ephemeral range, where no outgoing connection takes them meanwhile (once Redis
+    # found its port taken and the test waited for it in vain)
+    redis_port = free_port_block(3)
+    port, pub_port = redis_port + 1, redis_port + 2
     swap = {"10.0.0.5": "127.0.0.1", "6379": str(redis_port), "5555": str(port), "5556": str(pub_port),
             "/var/lib/rlhf-redis": str(tmp_path / "redis")}
+    swapped = re.compile("|".join(map(re.escape, swap)))  # in one pass: a new port holds no old one's digits
 
     def as_here(cmd: list[str]) -> list[str]:
-        for old, new in swap.items():
-            cmd = [arg.replace(old, new) for arg in cmd]
+        cmd = [swapped.sub(lambda m: swap[m.group(0)], arg) for arg in cmd]
         return [script(cmd[0]) if cmd[0].startswith("rlhf-") else cmd[0], *cmd[1:]]
 
     mkdir_cmd, redis_cmd, keys_cmd, run_cmd_, worker_cmd = [as_here(c) for c in readme_block("**Standalone workers.**")]
     assert mkdir_cmd[0] == "mkdir" and redis_cmd[0] == "redis-server" and keys_cmd[1:] == ["--gen-keys", "keys/"]
     assert run_cmd(mkdir_cmd, tmp_path, timeout=10).returncode == 0
     out, run_id = tmp_path / "out", "exp1"
-    redis_proc = subprocess.Popen(redis_cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
+    redis_log = tmp_path / "redis.out"
+    with redis_log.open("w") as log_file:
+        redis_proc = subprocess.Popen(redis_cmd, cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
     procs: list[subprocess.Popen] = [redis_proc]
     try:
         r = redis.Redis(port=redis_port, password="SECRET")
-        wait_for(lambda: _ping(r), 30, "the README's Redis")
+        wait_for(lambda: _ping(r) or redis_proc.poll() is not None, 30, "the README's Redis")
+        assert redis_proc.poll() is None, f"the README's redis-server exited: {redis_log.read_text()[-2000:]}"
         assert run_cmd(keys_cmd, tmp_path, timeout=60).returncode == 0
         run = subprocess.Popen([*run_cmd_, f"hydra.run.dir={out}", *base_overrides(model_cache), "learner.max_updates=6"],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
