@@ -2,10 +2,15 @@
 
 Both train the same model directory with the same tokenizer, prompts, reward function, group
 size, samples per update, response length, learning rate (and schedule, clipping, AdamW
-settings) and number of updates, one after the other: TRL first (in a child process, with every
-core of the machine, as a user runs it), then this service asynchronously
+settings) and number of updates, one after the other: TRL first (in a child process with
+``--trl-threads`` torch threads, 1 by default: torch's own default, one per core, made TRL 3x
+slower on the 2-core machine, 78-80 against 242-936 samples/s in alternating 60-update runs
+beside other jobs, its threads spin-waiting for each other on the tiny model's small products),
+then this service asynchronously
 (``algo.max_staleness=2``, one worker with ``buffer.lookahead=2`` and two batches of slots: the
-one-worker setting the README recommends) and synchronously (``algo.max_staleness=0``). Reported per run:
+one-worker setting the README recommends) and synchronously (``algo.max_staleness=0``), its
+learner and worker with one torch thread each (what ``rlhf-run`` gives them on two cores). A
+shell's ``OMP_NUM_THREADS`` reaches neither side. Reported per run:
 trained samples/s, wall-clock and the mean batch reward over the last quarter of the updates;
 the ratios to TRL go into the JSON. Target on the CPU machine: async >= 2x TRL at equal reward.
 
@@ -25,7 +30,7 @@ of each system over the same window after 20 warm-up updates (TRL's one process;
 service's learner, workers, launcher with its weight server, and redis-server), which says
 where the time goes and, unlike wall time, barely moves with the machine's other load.
 
-    .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N]
+    .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N] [--trl-threads N]
 
 Needs TRL (the ``baseline`` extra: ``pip install -c constraints-cpu.txt -e .[baseline]``).
 """
@@ -113,6 +118,8 @@ def trl_child(spec_file: str, out_file: str) -> None:
     """Train with TRL's GRPOTrainer as ``spec_file`` says; write timings and rewards to ``out_file``."""
     spec = json.loads(Path(spec_file).read_text())
     import torch
+
+    torch.set_num_threads(spec["trl_threads"])  # OMP_NUM_THREADS says the same; this is what trains
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -147,7 +154,8 @@ def trl_child(spec_file: str, out_file: str) -> None:
     trainer.train()
     wall = time.monotonic() - t0
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
-    Path(out_file).write_text(json.dumps({"step_times": step_times, "train_wall_s": wall, "rewards": rewards}))
+    Path(out_file).write_text(json.dumps({"step_times": step_times, "train_wall_s": wall, "rewards": rewards,
+                                          "threads": torch.get_num_threads()}))
 
 
 def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[str, Any]:
@@ -156,7 +164,8 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
     spec_file, out_file = workdir / f"trl-s{seed}.json", workdir / f"trl-s{seed}.out.json"
     spec_file.write_text(json.dumps(child))
     t0 = time.monotonic()
-    child = subprocess.Popen([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)])
+    child = subprocess.Popen([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)],
+                             env=dict(os.environ, OMP_NUM_THREADS=str(spec["trl_threads"])))
     cpu_samples = sample_cpu(child)  # (monotonic time, CPU seconds) of the child, until it exits
     wall = time.monotonic() - t0
     if child.returncode:
@@ -166,7 +175,8 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
     window = times[-1] - times[0] if len(times) > 1 else res["train_wall_s"]
     trained = (len(times) - 1) * spec["batch"] if len(times) > 1 else spec["updates"] * spec["batch"]
     tail = rewards[-max(1, len(rewards) // 4):]
-    return {"system": "trl", "seed": seed, "updates": len(times), "wall_s": wall, "training_window_s": window,
+    return {"system": "trl", "seed": seed, "updates": len(times), "threads": res["threads"], "wall_s": wall,
+            "training_window_s": window,
             "trained_samples_per_s": trained / window if window else 0.0,
             "reward_start": rewards[0] if rewards else None,
             "reward_last_quarter": statistics.fmean(tail) if tail else None,
@@ -267,6 +277,8 @@ def main() -> None:
         group.add_argument(f"--{m}", action="store_true")
     ap.add_argument("--updates", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="torch threads of TRL's process (default 1, its faster setting on the 2-core machine)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "~/.cache/rlhf-service",
                     help="where the models are built (the tiny one as rlhf-run builds it)")
     ap.add_argument("--trl-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -276,13 +288,14 @@ def main() -> None:
     mode = next((m for m in MODES if getattr(args, m.replace("-", "_"))), "quick")
     spec = dict(MODES[mode])
     spec["updates"] = args.updates or spec["updates"]
+    spec["trl_threads"] = args.trl_threads
     seeds = args.seeds or spec["seeds"]
     require_device(spec["device"])
     try:
         import trl  # noqa: F401
     except ImportError:
         sys.exit("TRL is not installed: pip install -c constraints-cpu.txt -e '.[baseline]'")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # this service's children; TRL's child sets its own
+    os.environ["OMP_NUM_THREADS"] = "1"  # this service's children, one thread each; TRL's child gets trl_threads
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         workdir = Path(tmp)
@@ -309,9 +322,9 @@ def main() -> None:
         "async_over_trl": s["async_over_trl"], "sync_over_trl": s["sync_over_trl"],
         "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
         "notes": "trained samples/s over the training window (first to last update); reward = mean batch reward over "
-                 "the last quarter of the updates; TRL runs in its own process with every core, this service's "
-                 "learner and worker with one thread each (one worker); neither side checkpoints during the run "
-                 "(TRL save_strategy=no, learner.checkpoint_every=1000)",
+                 "the last quarter of the updates; TRL runs in its own process with trl_threads torch threads (its "
+                 "rows' threads), this service's learner and worker with one thread each (one worker); neither side "
+                 "checkpoints during the run (TRL save_strategy=no, learner.checkpoint_every=1000)",
     })
 
 

@@ -104,11 +104,12 @@ def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
     assert _digest(committed) == before, f"the smoke run overwrote {committed}"
 
 
-def gpu_check(name: str, tmp_path: Path, model_cache: Path) -> dict:
-    """Run ``bench/<name>.py --gpu-check`` (the --gpu mode's path on a CPU with a 2-layer model);
-    return its JSON."""
+def gpu_check(name: str, tmp_path: Path, model_cache: Path, **env_vars: str) -> dict:
+    """Run ``bench/<name>.py --gpu-check`` (the --gpu mode's path on a CPU with a 2-layer model)
+    with ``env_vars`` in its environment; return its JSON."""
     out = tmp_path / "results"
-    env = dict(os.environ, RLHF_BENCH_RESULTS=str(out), RLHF_TEST_CACHE=str(model_cache), OMP_NUM_THREADS="1")
+    env = {**os.environ, "RLHF_BENCH_RESULTS": str(out), "RLHF_TEST_CACHE": str(model_cache), "OMP_NUM_THREADS": "1",
+           **env_vars}
     proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--gpu-check"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -129,8 +130,11 @@ def test_vs_trl_runs_trl_and_the_service_on_a_real_model_shape(tmp_path, model_c
     # --gpu-check: the --gpu mode's path on a CPU (a 2-layer Qwen2-shaped model with tied
     # embeddings, prompts from a JSONL file, model=hf) for TRL, this service async and sync.
     pytest.importorskip("trl")
-    doc = gpu_check("vs_trl", tmp_path, model_cache)
+    # a shell's OMP_NUM_THREADS does not reach either side: TRL trains with the bench's thread
+    # count, which its row records (the JSON once said every core while TRL ran on one thread)
+    doc = gpu_check("vs_trl", tmp_path, model_cache, OMP_NUM_THREADS="2")
     assert [(r["system"], r["updates"]) for r in doc["runs"]] == [("trl", 4), ("async", 4), ("sync", 4)]
+    assert doc["runs"][0]["threads"] == doc["config"]["trl_threads"] == 1, doc["config"]
     assert all(r["trained_samples_per_s"] > 0 for r in doc["runs"])
     assert doc["async_over_trl"] == doc["summary"]["async"]["trained_samples_per_s"] / doc["summary"]["trl"]["trained_samples_per_s"]
 
