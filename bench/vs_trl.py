@@ -12,7 +12,8 @@ one-worker setting the README recommends) and synchronously (``algo.max_stalenes
 learner and worker with one torch thread each (what ``rlhf-run`` gives them on two cores). A
 shell's ``OMP_NUM_THREADS`` reaches neither side. Reported per run:
 trained samples/s, wall-clock and the mean batch reward over the last quarter of the updates;
-the ratios to TRL go into the JSON. Target on the CPU machine: async >= 2x TRL at equal reward.
+the ratios to TRL go into the JSON, each seed's (its three runs back to back) and their median over
+seeds. Target on the CPU machine: async >= 2x TRL at equal reward.
 
 Modes:
 
@@ -264,9 +265,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # CPU of every process of the system per update (see bench/_common.CpuPerUpdate)
             "cpu_ms_per_update": statistics.median(r["cpu_ms_per_update"].get("total", math.nan) for r in mine),
         }
-    trl = out["trl"]["trained_samples_per_s"] or 1e-9
-    out["async_over_trl"] = out["async"]["trained_samples_per_s"] / trl
-    out["sync_over_trl"] = out["sync"]["trained_samples_per_s"] / trl
+    # side by side: each seed's runs against its own TRL run (back to back), then the median over seeds
+    rate = {(r["system"], r["seed"]): r["trained_samples_per_s"] for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    for system in ("async", "sync"):
+        per_seed = [rate[system, seed] / (rate["trl", seed] or 1e-9) for seed in seeds]
+        out[f"{system}_over_trl_per_seed"] = per_seed
+        out[f"{system}_over_trl"] = statistics.median(per_seed)
     return out
 
 
@@ -312,14 +317,15 @@ def main() -> None:
             rows.append(run_service("sync", spec, path, seed, 0, workdir, data_file, cache))
     s = summarise(rows)
     print_table(rows, f"{mode}: TRL GRPOTrainer vs this service (same model, task, samples, lr, updates)")
-    print(f"\nasync / TRL trained samples/s: {s['async_over_trl']:.2f}x (target >= 2x on CPU, 5x on an H100); "
-          f"sync / TRL: {s['sync_over_trl']:.2f}x")
+    print(f"\nasync / TRL trained samples/s: {s['async_over_trl']:.2f}x (median over {seeds} seed(s) of each seed's "
+          f"ratio; target >= 2x on CPU, 5x on an H100); sync / TRL: {s['sync_over_trl']:.2f}x")
     print("CPU per update, all processes: " + ", ".join(f"{k} {s[k]['cpu_ms_per_update']:.0f} ms" for k in ("trl", "async", "sync")))
     print("reward over the last quarter: " + ", ".join(
         f"{k} {s[k]['reward_last_quarter']:.3f}" for k in ("trl", "async", "sync") if s[k]['reward_last_quarter'] is not None))
     write_results("vs_trl" if mode == "quick" else f"vs_trl_{mode.replace('-', '_')}", {
         "mode": mode, "config": {**spec, "seeds": seeds}, "runs": rows, "summary": s,
         "async_over_trl": s["async_over_trl"], "sync_over_trl": s["sync_over_trl"],
+        "async_over_trl_per_seed": s["async_over_trl_per_seed"], "sync_over_trl_per_seed": s["sync_over_trl_per_seed"],
         "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
         "notes": "trained samples/s over the training window (first to last update); reward = mean batch reward over "
                  "the last quarter of the updates; TRL runs in its own process with trl_threads torch threads (its "

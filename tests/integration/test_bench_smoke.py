@@ -136,7 +136,8 @@ def test_vs_trl_runs_trl_and_the_service_on_a_real_model_shape(tmp_path, model_c
     assert [(r["system"], r["updates"]) for r in doc["runs"]] == [("trl", 4), ("async", 4), ("sync", 4)]
     assert doc["runs"][0]["threads"] == doc["config"]["trl_threads"] == 1, doc["config"]
     assert all(r["trained_samples_per_s"] > 0 for r in doc["runs"])
-    assert doc["async_over_trl"] == doc["summary"]["async"]["trained_samples_per_s"] / doc["summary"]["trl"]["trained_samples_per_s"]
+    trl, asyn = doc["runs"][0]["trained_samples_per_s"], doc["runs"][1]["trained_samples_per_s"]
+    assert doc["async_over_trl_per_seed"] == [asyn / trl] and doc["async_over_trl"] == asyn / trl
 
 
 def test_gateway_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
