@@ -36,8 +36,11 @@ its elementwise work in eager torch and through ``torch.compile`` (what ``learne
 and compiled with the forward's logits kept for the backward (``learner.keep_head_logits``): how
 much of an update the head is, and what compiling its softmax passes and skipping its recompute save.
 
-MFU = 6 x parameters x tokens / seconds / the device's dense bf16 peak (``learner.stats``); the
-learner's own ``learner/mfu`` metric is reported beside it. Each method: ``warmup`` updates,
+MFU = a step's FLOPs / its seconds / the device's dense bf16 peak, the FLOPs counted as the learner
+counts them (``learner.stats.flops_metrics``: 6 x parameters x tokens, each token once per epoch
+that trains it, a frozen parameter 4 instead of 6), so a ``--variant`` of other epochs or LoRA
+reads as ``learner/mfu`` does; the learner's own ``learner/mfu`` metric (its time inside the
+update) is reported beside it. Each method: ``warmup`` updates,
 then the median of ``repeats`` timed ones (synchronised).
 
 Modes:
@@ -180,11 +183,17 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     peak = peak_flops(torch.device(device), None)
     rows = []
 
-    def row(method: str, seconds: float, params: int, tokens: int, learner_mfu: float | None = None) -> dict[str, Any]:
-        f = flops_metrics(params, tokens, seconds, peak)
+    def row(method: str, seconds: float, flops: float, tokens: int, learner_mfu: float | None = None) -> dict[str, Any]:
+        """``flops``: one step's, so that the row's TFLOP/s and MFU are at the bench's median time."""
+        achieved = flops / seconds
         return {"shape": name, "method": method, "tokens": tokens, "step_s": seconds,
-                "tflops": f.get(M.TRAIN_TFLOPS), "mfu": f.get(M.MFU), "learner_metric_mfu": learner_mfu,
+                "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None, "learner_metric_mfu": learner_mfu,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+
+    def update_flops(metrics: dict[str, Any]) -> float:
+        """An update's FLOPs as the learner counts them (``flops_metrics``: each token once per epoch
+        that trains it, frozen parameters without their weight gradient): its TFLOP/s x its time."""
+        return metrics[M.TRAIN_TFLOPS] * 1e12 * metrics[M.TIME_COMPUTE_S]
 
     # plain torch
     cfg = learner_config(path, spec, shape, "torch")
@@ -194,15 +203,16 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
     ids = torch.tensor(np.stack([np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]), dtype=torch.long,
                        device=device)
     params = sum(p.numel() for p in model.parameters())
+    plain_flops = flops_metrics(params, ids.numel(), 1.0, None)[M.TRAIN_TFLOPS] * 1e12  # one epoch, every weight trains
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     plain_label = "plain torch (bf16 weights, full logits)" if spec["dtype"] == "bfloat16" else "plain torch"
     try:
         seconds, _ = timed(partial(plain_step, model, opt, ids, micro), warmup, repeats, device)
-        rows.append(row(plain_label, seconds, params, ids.numel()))
+        rows.append(row(plain_label, seconds, plain_flops, ids.numel()))
     except torch.OutOfMemoryError as exc:  # full-vocabulary logits of a large micro-batch
         print(f"{plain_label} failed: out of memory")
-        rows.append({**row(plain_label, float("nan"), params, ids.numel()), "error": f"OutOfMemoryError: {exc}"[:300]})
+        rows.append({**row(plain_label, float("nan"), plain_flops, ids.numel()), "error": f"OutOfMemoryError: {exc}"[:300]})
     del model, opt
     release_memory()
 
@@ -229,9 +239,9 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
             if engine_name == "torch":
                 raise
             print(f"{label} failed: {type(exc).__name__}: {exc}")
-            rows.append({**row(label, float("nan"), params, ids.numel()), "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({**row(label, float("nan"), plain_flops, ids.numel()), "error": f"{type(exc).__name__}: {exc}"})
             continue
-        rows.append(row(label, seconds, params, ids.numel(), metrics.get(M.MFU)))
+        rows.append(row(label, seconds, update_flops(metrics), ids.numel(), metrics.get(M.MFU)))
         if use_profile and engine_name == profiled:
             rows[-1]["profile"] = profile_once(partial(updater.update, samples, 0), device)
         del engine, updater
@@ -338,7 +348,8 @@ def main() -> None:
         "results": rows, "speed_over_plain": ratios, "best_learner_mfu": best, "target_mfu": TARGET_MFU,
         "head": head, "head_compiled_over_eager": head_ratio,
         "notes": "MFU = 6 x params x tokens / median step time / dense bf16 peak (989 TFLOP/s for an H100); "
-                 "tokens = every position of the batch (prompt and response); the learner's loss covers response tokens",
+                 "tokens = every position of the batch (prompt and response), once per epoch that trains it, and a "
+                 "frozen parameter counts 4 (learner.stats.flops_metrics); the learner's loss covers response tokens",
     })
 
 

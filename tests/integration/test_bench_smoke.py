@@ -33,7 +33,8 @@ BENCHES = {
     "gateway": (["--quick", "--sessions", "8", "--turn-tokens", "16", "--shape", "small", "--clients", "2"],
                 {"rows", "ratio_gateway_over_engine", "target", "met"}),
     "generation": (["--quick"], {"results", "ratios", "targets", "met", "device"}),
-    "learner": (["--quick", "--profile", "--variant", "kept=learner.keep_head_logits=true"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
+    "learner": (["--quick", "--profile", "--variant", "kept=learner.keep_head_logits=true",
+                 "--variant", "ep2=learner.ppo_epochs=2"], {"results", "speed_over_plain", "best_learner_mfu", "target_mfu", "device", "notes", "head",
                               "head_compiled_over_eager"}),
     "lora": (["--quick", "--reps", "1"], {"results", "ratios", "targets", "met", "device", "generation_tiny_cpu", "notes"}),
     "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
@@ -71,6 +72,9 @@ def _learner_profile(doc: dict) -> None:
     methods = [row["method"] for row in doc["results"]]
     assert any(m.startswith("learner torch + kept (learner.keep_head_logits=true)") for m in methods), methods
     assert [row["math"] for row in doc["head"]] == ["eager", "compiled", "compiled, logits kept"], doc["head"]
+    # FLOPs as the learner counts them (learner.stats.flops_metrics): two epochs train every token twice
+    flops = {row["method"].split(" (")[0]: row["tflops"] * row["step_s"] for row in doc["results"]}
+    assert flops["learner torch + ep2"] == pytest.approx(2 * flops["learner torch"], rel=1e-6), flops
 
 
 CHECKS = {"gateway": _gateway_rows, "learner": _learner_profile}  # bench -> what its JSON must hold beyond its keys
