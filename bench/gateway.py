@@ -365,11 +365,12 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, nargs="+", help="max_tokens per turn, one setting each (16 128)")
     ap.add_argument("--user-chars", type=int, help="characters (tiny model: tokens) the agent adds after each reply "
                     "(the mode's: a short user message; --long 64)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model of both sides (see above); --gpu and --gpu-check run the Qwen2 shape instead")
     ap.add_argument("--clients", type=int,
                     help="processes the sessions are split over (the mode's: 1, all on one async client here; --gpu 8)")
     args = ap.parse_args()
-    m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=args.shape)
+    # --shape picks the tiny builder's settings; a Qwen2-shaped mode's model is that shape instead
+    m = dict(MODES[args.mode], cache_dir=args.cache_dir, shape=None if MODES[args.mode].get("qwen2") is not None else args.shape)
     require_device(m.get("device", "cpu"))
     if args.sessions:
         m["sessions"] = args.sessions
@@ -434,7 +435,7 @@ def main() -> None:
             print(f"  the agents' CPU a client process {per_client:.2f} s against the engine side's whole round "
                   f"{e['wall_s']:.2f} s: with these agents the ratio is at most about {bounds[n]:.2f}")
     name = "gateway" + ("" if args.mode == "quick" else "_" + args.mode.replace("-", "_")) \
-        + ("" if m["shape"] == "tiny" or m.get("qwen2") is not None else f"_{m['shape']}")
+        + ("" if m["shape"] in ("tiny", None) else f"_{m['shape']}")
     write_results(name,
                   {"mode": args.mode, "config": m, "rows": rows, "ratio_gateway_over_engine": ratios, "target": TARGET,
                    "ratio_bound_by_agents_cpu": bounds, "met": {n: r >= TARGET for n, r in ratios.items()}})

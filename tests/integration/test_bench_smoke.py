@@ -148,6 +148,7 @@ def test_gateway_gpu_mode_code_path_runs_on_a_cpu(tmp_path, model_cache):
     # --gpu-check: the --gpu mode's path on a CPU (a 2-layer Qwen2-shaped model loaded as
     # model=hf by the run's worker and by the direct engine, the sessions over 2 client processes)
     doc = gpu_check("gateway", tmp_path, model_cache)
-    assert doc["config"]["clients"] == 2 and doc["config"]["qwen2"]
+    # the JSON names the model both sides ran: the Qwen2 shape, not --shape's tiny builder (its default)
+    assert doc["config"]["clients"] == 2 and doc["config"]["qwen2"] and doc["config"]["shape"] is None, doc["config"]
     assert [(r["side"], r["requests"]) for r in doc["rows"]] == [("gateway", 16), ("engine", 16)]
     _gateway_rows(doc)
