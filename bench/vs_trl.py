@@ -2,11 +2,12 @@
 
 Both train the same model directory with the same tokenizer, prompts, reward function, group
 size, samples per update, response length, learning rate (and schedule, clipping, AdamW
-settings) and number of updates, one after the other: TRL first (in a child process with
-``--trl-threads`` torch threads, 1 by default: torch's own default, one per core, made TRL 3x
-slower on the 2-core machine, 78-80 against 242-936 samples/s in alternating 60-update runs
-beside other jobs, its threads spin-waiting for each other on the tiny model's small products),
-then this service asynchronously
+settings) and number of updates, one after the other: TRL first (in a child process with torch's
+own number of threads, one per core, as a user runs it; ``--trl-threads N`` sets another: on the
+2-core machine, quiet, one thread trained 709 samples/s against 773 with two in the quick mode
+(``vs_trl_quick_2026-12-01_trl_threads_{1,2}.json``), while beside other jobs two threads were
+3x slower, 78-80 against 242-936 samples/s, spin-waiting for each other on the tiny model's
+small products), then this service asynchronously
 (``algo.max_staleness=2``, one worker with ``buffer.lookahead=2`` and two batches of slots: the
 one-worker setting the README recommends) and synchronously (``algo.max_staleness=0``), its
 learner and worker with one torch thread each (what ``rlhf-run`` gives them on two cores). A
@@ -120,7 +121,8 @@ def trl_child(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     import torch
 
-    torch.set_num_threads(spec["trl_threads"])  # OMP_NUM_THREADS says the same; this is what trains
+    if spec["trl_threads"]:  # OMP_NUM_THREADS says the same; this is what trains
+        torch.set_num_threads(spec["trl_threads"])
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -165,8 +167,10 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
     spec_file, out_file = workdir / f"trl-s{seed}.json", workdir / f"trl-s{seed}.out.json"
     spec_file.write_text(json.dumps(child))
     t0 = time.monotonic()
-    child = subprocess.Popen([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)],
-                             env=dict(os.environ, OMP_NUM_THREADS=str(spec["trl_threads"])))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the service's 1 is not TRL's
+    if spec["trl_threads"]:
+        env["OMP_NUM_THREADS"] = str(spec["trl_threads"])
+    child = subprocess.Popen([sys.executable, __file__, "--trl-child", str(spec_file), str(out_file)], env=env)
     cpu_samples = sample_cpu(child)  # (monotonic time, CPU seconds) of the child, until it exits
     wall = time.monotonic() - t0
     if child.returncode:
@@ -282,8 +286,8 @@ def main() -> None:
         group.add_argument(f"--{m}", action="store_true")
     ap.add_argument("--updates", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--trl-threads", type=int, default=1,
-                    help="torch threads of TRL's process (default 1, its faster setting on the 2-core machine)")
+    ap.add_argument("--trl-threads", type=int, default=None,
+                    help="torch threads of TRL's process (default: torch's own, one per core, as a user runs it)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "~/.cache/rlhf-service",
                     help="where the models are built (the tiny one as rlhf-run builds it)")
     ap.add_argument("--trl-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -300,7 +304,7 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         sys.exit("TRL is not installed: pip install -c constraints-cpu.txt -e '.[baseline]'")
-    os.environ["OMP_NUM_THREADS"] = "1"  # this service's children, one thread each; TRL's child gets trl_threads
+    os.environ["OMP_NUM_THREADS"] = "1"  # this service's children, one thread each; TRL's child gets its own
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         workdir = Path(tmp)
@@ -328,8 +332,8 @@ def main() -> None:
         "async_over_trl_per_seed": s["async_over_trl_per_seed"], "sync_over_trl_per_seed": s["sync_over_trl_per_seed"],
         "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
         "notes": "trained samples/s over the training window (first to last update); reward = mean batch reward over "
-                 "the last quarter of the updates; TRL runs in its own process with trl_threads torch threads (its "
-                 "rows' threads), this service's learner and worker with one thread each (one worker); neither side "
+                 "the last quarter of the updates; TRL runs in its own process with trl_threads torch threads (null: "
+                 "torch's own, one per core; its rows' threads), this service's learner and worker with one thread each (one worker); neither side "
                  "checkpoints during the run (TRL save_strategy=no, learner.checkpoint_every=1000)",
     })
 
