@@ -279,6 +279,14 @@ def test_the_time_limit_counts_from_when_a_call_runs_not_from_its_wait_for_a_thr
     assert [ep.error for ep in done.values()] == [None] * 8 and run.calls.timeouts == 0
 
 
+def next_answers(calls, timeout_s: float = 10.0):
+    """The next answers :meth:`EnvCalls.poll` gives (failing after ``timeout_s`` without any)."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := calls.poll(block_s=0.02)):
+        assert time.monotonic() < deadline, "no answer: the call is lost (or the event loop gone)"
+    return got
+
+
 def test_a_call_abandoned_past_its_time_limit_still_holds_its_thread(tokenizer):
     # 1 thread: a call past the limit is abandoned (its episode fails), but a Python thread cannot
     # be stopped, so the next call waits for that thread. Once it was counted as running, not
@@ -286,21 +294,14 @@ def test_a_call_abandoned_past_its_time_limit_still_holds_its_thread(tokenizer):
     run = runner(ScriptedEngine(tokenizer, lambda req, turn: "ab"), tokenizer, {"_target_": "test_episodes.Echo"},
                  timeout_s=0.05, threads=1)
     release = threading.Event()
-
-    def answers():
-        deadline = time.monotonic() + 10
-        while not (got := run.calls.poll(block_s=0.02)):
-            assert time.monotonic() < deadline, "no answer"
-        return got
-
     try:
         run.calls.submit("stuck", release.wait)
-        assert [(key, type(exc)) for key, _, exc in answers()] == [("stuck", TimeoutError)]
+        assert [(key, type(exc)) for key, _, exc in next_answers(run.calls)] == [("stuck", TimeoutError)]
         run.calls.submit("next", lambda: "ok")
         assert (run.waiting_for_env(), run.queued_for_env()) == (1, 1)  # waits for the abandoned call's thread
     finally:
         release.set()
-    assert answers() == [("next", "ok", None)] and run.queued_for_env() == 0
+    assert next_answers(run.calls) == [("next", "ok", None)] and run.queued_for_env() == 0
     run.close()
 
 
@@ -315,21 +316,14 @@ def test_an_async_call_that_raises_system_exit_fails_alone_and_the_event_loop_go
         await asyncio.sleep(0)
         return "ok"
 
-    def answer(key):
-        deadline = time.monotonic() + 10
-        while not (got := run.calls.poll(block_s=0.02)):
-            assert time.monotonic() < deadline, f"no answer for {key}: the event loop is gone"
-        ((got_key, value, exc),) = got
-        assert got_key == key
-        return value, exc
-
     run.calls.submit("exits", leaves, 3)
-    value, exc = answer("exits")
-    assert value is None and isinstance(exc, SystemExit) and exc.code == 3
+    ((key, value, exc),) = next_answers(run.calls)
+    assert (key, value, type(exc), exc.code) == ("exits", None, SystemExit, 3)
     run.calls.submit("plain, returning a coroutine", lambda: leaves(4))
-    assert isinstance(answer("plain, returning a coroutine")[1], SystemExit)
+    ((key, _, exc),) = next_answers(run.calls)
+    assert (key, type(exc)) == ("plain, returning a coroutine", SystemExit)
     run.calls.submit("next", answers)
-    assert answer("next") == ("ok", None)
+    assert next_answers(run.calls) == [("next", "ok", None)]
     run.close()
 
 
