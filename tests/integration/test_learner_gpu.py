@@ -46,3 +46,42 @@ def test_the_compiled_head_gives_the_eager_heads_logprobs_and_gradients_in_bf16(
     assert rel_err(c_gh, gh) < 1e-2 and rel_err(c_gw, gw) < 1e-2
     # where p is near the one-hot the gradient is small; both keep it
     assert rel_err(c_gh[:64], gh[:64]) < 2e-2 and float(gh[:64].float().abs().sum()) > 0
+
+
+def test_an_updates_compute_time_includes_its_last_optimizer_step(tiny_model_cfg):
+    # The metrics' host copy waits for the gradient norm, which the optimizer step follows on the
+    # stream: an update whose step ends with 50 ms of queued GPU work (torch.cuda._sleep) must
+    # return with the stream idle and count those 50 ms in learner/time_compute_s (and so in MFU).
+    import copy
+    import dataclasses
+    import time
+
+    from learner.engine_factory import make_engine
+    from learner.update import PolicyUpdater
+    from learner_helpers import digit_reward, generate_samples, tiny_config
+    from rlhf_core.models import load_policy
+
+    base = load_policy(tiny_model_cfg)  # on the CPU, where the test's sampler runs
+    samples = generate_samples(base, [[20, 30], [21, 30, 4]], group_size=4, max_new_tokens=6, seed=1,
+                               reward_fn=digit_reward)
+    cfg = tiny_config(dataclasses.replace(tiny_model_cfg, device="cuda"))
+    engine = make_engine(cfg, copy.deepcopy(base).cuda())
+    up = PolicyUpdater(cfg, engine)
+    up.update(samples, 0)  # warm: kernels loaded, allocator primed
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(1_000_000)
+    torch.cuda.synchronize()
+    per_million = time.perf_counter() - t0  # seconds per million sleep cycles on this GPU
+    cycles = int(1e6 * 0.05 / per_million)
+    step = engine.step
+
+    def slow_step():
+        norm = step()
+        torch.cuda._sleep(cycles)
+        return norm
+
+    engine.step = slow_step
+    out = up.update(samples, 1)
+    assert torch.cuda.current_stream().query()  # nothing left running when update returns
+    assert out["learner/time_compute_s"] >= 0.045
