@@ -32,6 +32,12 @@ READABLE_SCHEMA_VERSIONS = (1, 2)
 #: Default cap on one encoded record. A sample of a few thousand tokens is a few tens of KB;
 #: anything near this cap is a bug or an attack. Callers may pass their own cap.
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
+#: Maps and arrays one record may hold: ``CONTAINERS_BASE`` and one per ``BYTES_PER_CONTAINER``
+#: bytes of it. An empty map or array is one byte on the wire and some 60 in Python, so without
+#: a bound a record of nested empty ones became 70x its size in memory (8 MB: 590 MB); real
+#: records hold far fewer (a weight manifest, the densest, about one per 50 bytes).
+CONTAINERS_BASE = 1024
+BYTES_PER_CONTAINER = 16
 
 # dtype names on the wire -> numpy dtype (always little-endian). bfloat16 has no numpy
 # dtype; it is carried as its raw 2-byte words and only torch-side code may view it.
@@ -55,6 +61,10 @@ assert sys.byteorder == "little", "the wire format assumes a little-endian host"
 
 class WireError(ValueError):
     """Bytes or a record that do not form a valid message. The message says what was wrong."""
+
+
+class _TooManyContainers(Exception):
+    """Raised inside msgpack's hooks by :func:`unpack` (turned into a WireError there)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -121,6 +131,16 @@ def unpack(data: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_RE
         raise WireError(f"record of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
     if len(data) == 0:
         raise WireError("empty record")
+    allowed = CONTAINERS_BASE + len(data) // BYTES_PER_CONTAINER
+    left = allowed
+
+    def count(container: Any) -> Any:  # called for every map and array as it is built
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _TooManyContainers
+        return container
+
     try:
         obj = msgpack.unpackb(
             data,
@@ -131,7 +151,12 @@ def unpack(data: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_RE
             max_array_len=max_bytes,
             max_map_len=max_bytes,
             max_ext_len=0,
+            list_hook=count,
+            object_hook=count,
         )
+    except _TooManyContainers:
+        raise WireError(f"record of {len(data)} bytes holds more than {allowed} maps and arrays "
+                        f"({CONTAINERS_BASE} and one per {BYTES_PER_CONTAINER} bytes)") from None
     except msgpack.ExtraData as exc:
         raise WireError(f"record has {len(exc.extra)} trailing bytes after the msgpack object") from None
     except (msgpack.OutOfData, ValueError) as exc:

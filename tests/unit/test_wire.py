@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from factories import sample
+from rlhf_core import wire
 from rlhf_core.records import KIND_PROMPT, KIND_SAMPLE, Prompt, Sample, rle_decode, rle_encode, validate_sample
 from rlhf_core.wire import (
     SCHEMA_VERSION,
@@ -226,6 +227,21 @@ def test_oversize_record_hits_the_configurable_cap():
     assert Sample.decode(data).num_response_tokens == 5000
     with pytest.raises(WireError, match=f"record of {len(data)} bytes exceeds the cap of 1024 bytes"):
         Sample.decode(data, max_bytes=1024)
+
+
+def test_a_record_of_nested_empty_containers_is_refused_before_it_fills_memory():
+    # An empty array or map is one byte on the wire and ~60 in Python: 8 MB of them became 590 MB.
+    # A record of n bytes may hold 1024 + n // 16 maps and arrays: this one of 3 + 5 + 4,096
+    # bytes holds 1 + 1 + 4,096 (the envelope map, the outer array, the empty ones), more than
+    # 1024 + 4104 // 16 = 1,280.
+    n = 4096
+    data = b"\x81\xa1a" + b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    with pytest.raises(WireError, match=f"record of {len(data)} bytes holds more than 1280 maps and arrays"):
+        wire.unpack(data)
+    # a record as dense as a weight manifest (a map per tensor, ~56 bytes each) is far inside it
+    manifest = {"tensors": [{"name": f"layers.{i}.mlp.experts.{i % 128}.w", "dtype": "bfloat16", "shape": [768, 2048]}
+                            for i in range(20_000)]}
+    assert len(wire.unpack(wire.pack(manifest))["tensors"]) == 20_000
 
 
 def test_no_extension_types_accepted():
