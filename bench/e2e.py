@@ -50,7 +50,9 @@ def reward_tail(out: Path, frac: float = 0.25) -> list[float]:
     return rewards[-max(1, int(len(rewards) * frac)):]
 
 
-def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
+def run_one(name: str, overrides: list[str], workdir: Path, cpu_warmup: int = 20) -> dict:
+    """One run of rlhf-run under ``overrides`` in ``workdir / name``; ``cpu_warmup``: the updates
+    before its CPU-per-update window opens."""
     from rlhf_run.launch import run_launcher
     from rlhf_run.report import SUMMARY_FILE
 
@@ -59,7 +61,7 @@ def run_one(name: str, overrides: list[str], workdir: Path) -> dict:
     cfg = compose(overrides)
     out = workdir / name
     t0 = time.monotonic()
-    with CpuPerUpdate(out / METRICS_FILE) as cpu:
+    with CpuPerUpdate(out / METRICS_FILE, warmup=cpu_warmup) as cpu:
         code = run_launcher(cfg, out)
     wall = time.monotonic() - t0
     summary = json.loads((out / SUMMARY_FILE).read_text())

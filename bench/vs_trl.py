@@ -25,12 +25,24 @@ Modes:
   group 8, 128 prompt + 256 new tokens, on CUDA.
 - ``--gpu-check``: the ``--gpu`` code path on a CPU, with a 2-layer model and a few updates.
 
-Speed: trained samples/s over the training window (first to last update; start-up is excluded
-on both sides, so a model load or a compile does not count). TRL's updates are timed by a
-callback at the end of each optimizer step. Cost: CPU milliseconds per update of every process
-of each system over the same window after 20 warm-up updates (TRL's one process; this
-service's learner, workers, launcher with its weight server, and redis-server), which says
-where the time goes and, unlike wall time, barely moves with the machine's other load.
+Speed: trained samples/s in steady state, over the same training window on both sides: from the
+end of update K to the end of the last update, the samples trained in it being (updates after K)
+x batch. K is the mode's ``warmup_updates`` (in the JSON's config), by one rule: at least the
+async run's ``buffer.lookahead`` + 1 = 3, because its worker goes on generating while the learner
+runs its first updates (on a GPU the first one compiles, 12 s on an H100) and so enters the
+window with up to ``lookahead`` batches already made (a head start of a quarter of an 8-update
+run); the GPU modes take exactly that (updates of seconds each, on scarce device time), the CPU
+modes (600 and 1,200 updates) 20, the warm-up their CPU-per-update figures always skipped, so
+that on a CPU speed and cost cover the same updates. Start-up (a model load, a compile) is
+outside the window on both sides. ``--updates`` must be larger than K. TRL's updates
+are timed by a callback at the end of each optimizer step, this service's by the learner's
+metrics rows (their ``time``, written at the end of each update). Each run's JSON row also keeps
+the first-to-last-update figures (``first_to_last``), the window this bench used before.
+
+Cost: CPU milliseconds per update of every process of each system over the same window (after
+the first K updates; TRL's one process; this service's learner, workers, launcher with its
+weight server, and redis-server), which says where the time goes and, unlike wall time, barely
+moves with the machine's other load.
 
     .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N] [--trl-threads N]
 
@@ -56,17 +68,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, require_device, write_results  # noqa: E402
 
+ASYNC_LOOKAHEAD = 2  # the async run's buffer.lookahead: batches its worker may make ahead of the learner
+CPU_WARMUP = 20  # the warm-up the CPU-per-update figures used before the speed window skipped one too
+# warmup_updates (K): the updates both sides train before the speed window opens (the module's docstring)
 MODES: dict[str, dict[str, Any]] = {
     "quick": dict(model="tiny", device="cpu", dtype="float32", updates=600, seeds=1, batch=32, group=4,
-                  prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32),
+                  prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32, warmup_updates=CPU_WARMUP),
     "full": dict(model="tiny", device="cpu", dtype="float32", updates=1200, seeds=3, batch=32, group=4,
-                 prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32),
+                 prompt_tokens=None, new_tokens=6, lr=3e-4, micro_batch=32, warmup_updates=CPU_WARMUP),
     "gpu": dict(model="qwen2-0.5b", device="cuda", dtype="bfloat16", updates=30, seeds=1, batch=64, group=8,
-                prompt_tokens=128, new_tokens=256, lr=1e-6, micro_batch=16),
+                prompt_tokens=128, new_tokens=256, lr=1e-6, micro_batch=16, warmup_updates=ASYNC_LOOKAHEAD + 1),
+    # warm-up + 2 updates: a window of two
     "gpu-check": dict(model="qwen2-0.5b", shape=dict(num_hidden_layers=2, vocab_size=4096), device="cpu",
-                      dtype="float32", updates=4, seeds=1, batch=8, group=4, prompt_tokens=16, new_tokens=8, lr=1e-6,
-                      micro_batch=8),
+                      dtype="float32", updates=5, seeds=1, batch=8, group=4, prompt_tokens=16, new_tokens=8, lr=1e-6,
+                      micro_batch=8, warmup_updates=ASYNC_LOOKAHEAD + 1),
 }
+assert all(m["warmup_updates"] >= ASYNC_LOOKAHEAD + 1 for m in MODES.values()), "the async head start must be used up"
 NUM_PROMPTS = 256
 
 
@@ -112,6 +129,33 @@ def count_up(prompts: list[str], completions: list[str], start: list[int], **_: 
     from rlhf_core.tasks import count_up_reward
 
     return [count_up_reward(p, c, [], {"start": s}) for p, c, s in zip(prompts, completions, start)]
+
+
+# ---------------------------------------------------------------------- the speed window
+
+def steady_window(times: list[float], trained: list[int], warmup: int) -> dict[str, Any]:
+    """Trained samples/s from the end of update ``warmup`` to the end of the last one.
+
+    ``times[i]``: when update i + 1 ended (one clock, any origin); ``trained[i]``: samples trained
+    by then, cumulative. The window holds the updates after ``warmup``; its samples are theirs
+    (updates after ``warmup`` x batch when every batch is full). ``warmup=1`` is the first-to-last
+    window. Raises ValueError without an update after ``warmup``.
+    """
+    if warmup < 1 or len(times) <= warmup or len(trained) != len(times):
+        raise ValueError(f"a window after {warmup} update(s) needs more than {warmup} timed updates "
+                         f"(got {len(times)} times, {len(trained)} sample counts)")
+    window_s = times[-1] - times[warmup - 1]
+    samples = trained[-1] - trained[warmup - 1]
+    return {"warmup_updates": warmup, "window_updates": len(times) - warmup, "training_window_s": window_s,
+            "samples": samples, "trained_samples_per_s": samples / window_s if window_s > 0 else 0.0}
+
+
+def check_updates(spec: dict[str, Any]) -> None:
+    """Refuse a run whose speed window would be empty."""
+    if spec["updates"] <= spec["warmup_updates"]:
+        raise SystemExit(f"--updates {spec['updates']}: must be larger than this mode's warm-up of "
+                         f"{spec['warmup_updates']} updates (the speed window opens after them), e.g. "
+                         f"--updates {spec['warmup_updates'] + 8}")
 
 
 # ---------------------------------------------------------------------- TRL (child process)
@@ -177,15 +221,21 @@ def run_trl(spec: dict[str, Any], path: Path, seed: int, workdir: Path) -> dict[
         raise SystemExit(f"the TRL child exited with {child.returncode}")
     res = json.loads(out_file.read_text())
     times, rewards = res["step_times"], res["rewards"]
-    window = times[-1] - times[0] if len(times) > 1 else res["train_wall_s"]
-    trained = (len(times) - 1) * spec["batch"] if len(times) > 1 else spec["updates"] * spec["batch"]
+    k = spec["warmup_updates"]
+    if len(times) <= k:
+        raise SystemExit(f"TRL timed {len(times)} updates of {spec['updates']}: none after the warm-up of {k}")
+    trained = [spec["batch"] * (i + 1) for i in range(len(times))]  # every TRL step trains one full batch
+    steady, first = steady_window(times, trained, k), steady_window(times, trained, 1)
     tail = rewards[-max(1, len(rewards) // 4):]
     return {"system": "trl", "seed": seed, "updates": len(times), "threads": res["threads"], "wall_s": wall,
-            "training_window_s": window,
-            "trained_samples_per_s": trained / window if window else 0.0,
+            "warmup_updates": k, "window_updates": steady["window_updates"],
+            "training_window_s": steady["training_window_s"],
+            "trained_samples_per_s": steady["trained_samples_per_s"],
+            "first_to_last": {"training_window_s": first["training_window_s"],
+                              "trained_samples_per_s": first["trained_samples_per_s"]},
             "reward_start": rewards[0] if rewards else None,
             "reward_last_quarter": statistics.fmean(tail) if tail else None,
-            "cpu_ms_per_update": trl_cpu_per_update(cpu_samples, times)}
+            "cpu_ms_per_update": trl_cpu_per_update(cpu_samples, times, warmup=k)}
 
 
 def sample_cpu(proc: subprocess.Popen, interval_s: float = 0.25) -> list[tuple[float, float]]:
@@ -204,11 +254,13 @@ def sample_cpu(proc: subprocess.Popen, interval_s: float = 0.25) -> list[tuple[f
     return out
 
 
-def trl_cpu_per_update(samples: list[tuple[float, float]], step_times: list[float], warmup: int = 20) -> dict[str, float]:
-    """TRL's CPU ms per update over its steps after ``warmup`` (the same window as this service's)."""
-    if len(step_times) <= warmup + 1:
+def trl_cpu_per_update(samples: list[tuple[float, float]], step_times: list[float],
+                       warmup: int = CPU_WARMUP) -> dict[str, float]:
+    """TRL's CPU ms per update over its steps after ``warmup``: from the end of step ``warmup``, as
+    this service's window opens once ``warmup`` updates are in its metrics file."""
+    if warmup < 1 or len(step_times) <= warmup:
         return {}
-    inside = [(t, c) for t, c in samples if step_times[warmup] <= t <= step_times[-1]]
+    inside = [(t, c) for t, c in samples if step_times[warmup - 1] <= t <= step_times[-1]]
     if len(inside) < 2:
         return {}
     (t0, c0), (t1, c1) = inside[0], inside[-1]
@@ -240,14 +292,28 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
     if staleness > 0:
         # One worker: two batches admitted ahead, decoded in one wave, so the worker never waits for
         # a new version to be published and pulled (README, "Staleness vs lookahead")
-        overrides += ["buffer.lookahead=2", f"rollout.slots={2 * spec['batch']}"]
+        overrides += [f"buffer.lookahead={ASYNC_LOOKAHEAD}", f"rollout.slots={ASYNC_LOOKAHEAD * spec['batch']}"]
     else:  # one batch a wave (the default 32 slots are the CPU batch)
         overrides += [f"rollout.slots={spec['batch']}"]
-    row = run_one(f"{name}-s{seed}", overrides, workdir)
+    k = spec["warmup_updates"]
+    row = run_one(f"{name}-s{seed}", overrides, workdir, cpu_warmup=k)
     if row["exit_code"] != 0:
         raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
+    from rlhf_run.report import read_metrics
+
+    from rlhf_core import metric_names as M
+
+    # the learner's rows, one per update (a re-trained update's later row), each written as it ended
+    metrics = read_metrics(workdir / row["mode"])
+    if len(metrics) <= k:
+        raise SystemExit(f"rlhf-run ({name}) wrote {len(metrics)} update rows: none after the warm-up of {k}")
+    steady = steady_window([r[M.TIME] for r in metrics], [r[M.SAMPLES_TRAINED] for r in metrics], k)
     return {"system": name, "seed": seed, "updates": row["updates"], "wall_s": row["wall_s"],
-            "training_window_s": row["training_window_s"], "trained_samples_per_s": row["trained_samples_per_s"],
+            "warmup_updates": k, "window_updates": steady["window_updates"],
+            "training_window_s": steady["training_window_s"], "trained_samples_per_s": steady["trained_samples_per_s"],
+            # the run's own summary: its learner's first to last update
+            "first_to_last": {"training_window_s": row["training_window_s"],
+                              "trained_samples_per_s": row["trained_samples_per_s"]},
             "reward_start": row["reward_start"], "reward_last_quarter": row["reward_last_quarter"],
             "staleness_mean": row["staleness_mean"], "learner_compute_s": row["learner_compute_s"],
             "learner_wait_s": row["learner_wait_s"], "learner_read_s": row["learner_read_s"], "learner_mfu": row["learner_mfu"],
@@ -298,6 +364,7 @@ def main() -> None:
     spec = dict(MODES[mode])
     spec["updates"] = args.updates or spec["updates"]
     spec["trl_threads"] = args.trl_threads
+    check_updates(spec)
     seeds = args.seeds or spec["seeds"]
     require_device(spec["device"])
     try:
@@ -321,7 +388,8 @@ def main() -> None:
             rows.append(run_service("sync", spec, path, seed, 0, workdir, data_file, cache))
     s = summarise(rows)
     print_table(rows, f"{mode}: TRL GRPOTrainer vs this service (same model, task, samples, lr, updates)")
-    print(f"\nasync / TRL trained samples/s: {s['async_over_trl']:.2f}x (median over {seeds} seed(s) of each seed's "
+    print(f"\nasync / TRL trained samples/s after the first {spec['warmup_updates']} updates: "
+          f"{s['async_over_trl']:.2f}x (median over {seeds} seed(s) of each seed's "
           f"ratio; target >= 2x on CPU, 5x on an H100); sync / TRL: {s['sync_over_trl']:.2f}x")
     print("CPU per update, all processes: " + ", ".join(f"{k} {s[k]['cpu_ms_per_update']:.0f} ms" for k in ("trl", "async", "sync")))
     print("reward over the last quarter: " + ", ".join(
@@ -331,7 +399,12 @@ def main() -> None:
         "async_over_trl": s["async_over_trl"], "sync_over_trl": s["sync_over_trl"],
         "async_over_trl_per_seed": s["async_over_trl_per_seed"], "sync_over_trl_per_seed": s["sync_over_trl_per_seed"],
         "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
-        "notes": "trained samples/s over the training window (first to last update); reward = mean batch reward over "
+        "notes": "trained samples/s in steady state: over the training window from the end of update "
+                 "config.warmup_updates (K) to the end of the last, (updates - K) x batch samples, on both sides "
+                 "(K >= the async run's buffer.lookahead + 1, so the samples its worker made during the first updates "
+                 "are used up before the window opens; the CPU modes skip 20, the warm-up of the CPU figures); "
+                 "each run's first_to_last: the window from the end of the first update, used before; "
+                 "cpu_ms_per_update over the same updates; reward = mean batch reward over "
                  "the last quarter of the updates; TRL runs in its own process with trl_threads torch threads (null: "
                  "torch's own, one per core; its rows' threads), this service's learner and worker with one thread each (one worker); neither side "
                  "checkpoints during the run (TRL save_strategy=no, learner.checkpoint_every=1000)",

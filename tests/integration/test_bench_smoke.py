@@ -138,7 +138,15 @@ def test_vs_trl_runs_trl_and_the_service_on_a_real_model_shape(tmp_path, model_c
     # threads, as a user runs it, which its row records (TRL once inherited the 1 the bench set for
     # this service's processes while the JSON said it ran with every core)
     doc = gpu_check("vs_trl", tmp_path, model_cache, OMP_NUM_THREADS="1")
-    assert [(r["system"], r["updates"]) for r in doc["runs"]] == [("trl", 4), ("async", 4), ("sync", 4)]
+    assert [(r["system"], r["updates"]) for r in doc["runs"]] == [("trl", 5), ("async", 5), ("sync", 5)]
+    # the speed window leaves out the first 3 updates on every side (the async worker's head start,
+    # buffer.lookahead=2, is used up by then): updates 4 and 5, 2 x 8 samples, a shorter window than
+    # the first-to-last one the run's own summary reports
+    assert doc["config"]["warmup_updates"] == 3, doc["config"]
+    for r in doc["runs"]:
+        assert (r["warmup_updates"], r["window_updates"]) == (3, 2), r
+        assert r["trained_samples_per_s"] * r["training_window_s"] == pytest.approx(2 * 8), r
+        assert 0 < r["training_window_s"] < r["first_to_last"]["training_window_s"], r
     own = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
                          text=True, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, timeout=120)
     assert doc["config"]["trl_threads"] is None and doc["runs"][0]["threads"] == int(own.stdout), doc["runs"][0]

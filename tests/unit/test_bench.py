@@ -33,3 +33,46 @@ def test_vs_trl_ratios_are_taken_per_seed_side_by_side():
     assert s["sync_over_trl_per_seed"] == pytest.approx([1.2, 0.9, 1.1])
     assert s["sync_over_trl"] == pytest.approx(1.1)
     assert s["trl"]["trained_samples_per_s"] == 200  # each system's own median stays
+
+
+def test_vs_trl_speed_window_leaves_out_the_first_updates():
+    # Six updates of batch 10, ending at (seconds, any origin):
+    #   update    1     2     3     4     5     6
+    #   ends at  12.0  12.5  13.0  14.0  15.0  16.0      (the first one compiled: 12 s)
+    #   trained  10    20    30    40    50    60        (cumulative samples)
+    # A warm-up of 3: the window runs from the end of update 3 (13.0) to the end of update 6 (16.0),
+    # 3.0 s, holding updates 4, 5, 6: 3 x 10 = 60 - 30 = 30 samples, 30 / 3.0 = 10 samples/s.
+    # First to last (warm-up 1) would count updates 2-6 over 16.0 - 12.0 = 4.0 s: 50 / 4.0 = 12.5 samples/s,
+    # updates 2 and 3 the fast ones a head start made (0.5 s each).
+    times, trained = [12.0, 12.5, 13.0, 14.0, 15.0, 16.0], [10, 20, 30, 40, 50, 60]
+    w = vs_trl.steady_window(times, trained, 3)
+    assert w == {"warmup_updates": 3, "window_updates": 3, "training_window_s": 3.0, "samples": 30,
+                 "trained_samples_per_s": 10.0}
+    first = vs_trl.steady_window(times, trained, 1)
+    assert (first["window_updates"], first["training_window_s"], first["samples"]) == (5, 4.0, 50)
+    assert first["trained_samples_per_s"] == 12.5
+    # a short batch counts what it trained: update 6 trained 4 samples (56 in all) -> (56 - 30) / 3.0
+    assert vs_trl.steady_window(times, [10, 20, 30, 40, 50, 56], 3)["trained_samples_per_s"] == pytest.approx(26 / 3)
+    # no update after the warm-up: no window
+    with pytest.raises(ValueError):
+        vs_trl.steady_window(times[:3], trained[:3], 3)
+
+
+def test_vs_trl_refuses_updates_not_larger_than_the_warm_up():
+    # every mode's warm-up uses up the async run's head start (its lookahead + 1 = 3 updates)
+    assert all(m["warmup_updates"] >= vs_trl.ASYNC_LOOKAHEAD + 1 == 3 for m in vs_trl.MODES.values())
+    assert vs_trl.MODES["gpu-check"]["updates"] >= vs_trl.MODES["gpu-check"]["warmup_updates"] + 2
+    spec = dict(vs_trl.MODES["gpu"], updates=3)
+    with pytest.raises(SystemExit, match="--updates 3: must be larger than this mode's warm-up of 3"):
+        vs_trl.check_updates(spec)
+    vs_trl.check_updates(dict(spec, updates=4))  # one update in the window: allowed
+
+
+def test_vs_trl_cpu_window_opens_at_the_end_of_the_warm_up():
+    # TRL's steps end at 1, 2, 3, 4, 5 s; CPU seconds sampled every 0.5 s, 0.1 s of CPU per 0.5 s.
+    # A warm-up of 2: from the first sample at or after the end of step 2 (t=2.0, cpu 0.4) to the last
+    # at or before the end of step 5 (t=5.0, cpu 1.0): 0.6 s of CPU over the steps ending in it after
+    # the first (3, 4, 5: 3 updates) -> 200 ms per update.
+    samples = [(0.5 * i, 0.1 * i) for i in range(12)]
+    assert vs_trl.trl_cpu_per_update(samples, [1.0, 2.0, 3.0, 4.0, 5.0], warmup=2) == pytest.approx(
+        {"trl": 200.0, "total": 200.0})
