@@ -59,7 +59,9 @@ class Handlers:
         counter = _REFUSAL_COUNTERS.get(exc.code)
         if counter:
             self.metrics.count(counter)
-        log.warning("refused %s: %s", obj["kind"], exc)
+        # a subscriber asking for the newest version before the first is published (every run's start) is no fault
+        quiet = exc.code == P.E_NOT_FOUND and obj.get("version") is None
+        log.log(logging.INFO if quiet else logging.WARNING, "refused %s: %s", obj["kind"], exc)
         self.out.error(ident, obj.get("rid"), exc.code, str(exc))
 
     # -- publishing ---------------------------------------------------------------------------------

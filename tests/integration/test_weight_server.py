@@ -3,6 +3,7 @@ delta, 8 concurrent pullers, metrics."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -130,6 +131,18 @@ def test_keeps_newest_k_versions_and_pulls_a_named_one(server, clients):
     assert version == 2
     _assert_same(got, _tensors(2))
     assert sub.pull(version=1) is None  # evicted: nothing applied
+
+
+def test_asking_for_the_newest_before_any_is_published_is_no_warning(server, clients, caplog):
+    # every run's workers ask before the learner's first publication: logged at INFO; a named
+    # version the server does not hold is a fault worth a WARNING
+    caplog.set_level(logging.INFO, logger="weight_server")
+    sub = clients.sub()
+    assert sub.pull() is None
+    assert sub.pull(version=7) is None
+    refusals = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("refused")]
+    assert (logging.INFO, "refused ws.manifest_req: no version of 'policy' is held yet") in refusals
+    assert (logging.WARNING, "refused ws.manifest_req: version 7 of 'policy' is not held (held: [])") in refusals
 
 
 def test_late_joining_worker_receives_newest(server, clients):
