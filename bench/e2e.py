@@ -168,7 +168,7 @@ def main() -> None:
                  "quarter of the updates; SE over runs (several seeds) or over batches (one seed: indicative only); "
                  "'equal or better' = async >= sync - 2 SE of the difference",
     }
-    write_results("e2e", payload)
+    write_results("e2e_full" if args.full else "e2e", payload)
 
 
 if __name__ == "__main__":

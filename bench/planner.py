@@ -72,7 +72,7 @@ def scale_tables() -> dict:
 
 def rescale() -> None:
     """--scale-only: recompute the at-scale tables into the committed results, nothing else."""
-    path = results_dir() / "planner.json"
+    path = results_dir() / "planner_full.json"
     doc = json.loads(path.read_text()) if path.exists() else {"bench": "planner"}
     doc["scale"] = scale_tables()
     doc["scale"]["recomputed"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -290,7 +290,7 @@ def main() -> None:
         print(f"search's pick vs the default config, measured: {payload['search']['pick_over_default']:.2f}x")
     if full and not args.skip_scale:
         payload["scale"] = scale_tables()
-    write_results("planner", payload)
+    write_results("planner_full" if full else "planner", payload)
 
 
 if __name__ == "__main__":

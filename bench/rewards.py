@@ -124,7 +124,7 @@ def main() -> None:
     print_table(rows, f"rewards: a neural reward model scored per sample vs in batches of {BATCH} ({updates} updates, "
                       "1 worker)")
     print(f"\nbatched / per-sample trained samples/s: {ratio:.2f}x (median over {seeds} seed(s); target >= 2x)")
-    write_results("rewards", {
+    write_results("rewards" if args.mode == "quick" else f"rewards_{args.mode}", {
         "mode": args.mode,
         "config": {"updates": updates, "seeds": seeds, "batch_size": BATCH, "reward_model": RM_SHAPE,
                    "overrides": common[:-1] + ["reward.models.rm.path=<built>"], "modes": modes},
