@@ -757,8 +757,8 @@ def validate_model(model: ModelConfig, rollout: RolloutConfig) -> None:
     if model.path is None and model.name == "tiny":
         budget = response_budget(rollout)
         need = rollout.max_prompt_tokens + budget
-        what = ("rollout.max_new_tokens" if env_target(rollout) is None
-                else "the episode's response budget (rollout.max_episode_tokens, null: 2 * max_turns * max_new_tokens)")
+        what = ("rollout.max_episode_tokens" if rollout.max_episode_tokens is not None else "rollout.max_new_tokens"
+                if env_target(rollout) is None else "the episode's response budget (2 * rollout.max_turns * max_new_tokens)")
         if need > model.tiny.max_position_embeddings:
             raise ConfigError(
                 f"rollout.max_prompt_tokens {rollout.max_prompt_tokens} + {what} {budget} = {need} "

@@ -154,6 +154,9 @@ def test_wrong_type_is_refused_at_composition():
         (["algo.is_level=sequence", "algo.is_correction=tis", "algo.seq_tis_cap=0"], r"algo.seq_tis_cap must be > 0 \(use a large number to disable truncation\), got 0.0"),
         (["rollout.max_prompt_tokens=200", "rollout.max_new_tokens=100"],
          "rollout.max_prompt_tokens 200 \\+ rollout.max_new_tokens 100 = 300 exceeds model.tiny.max_position_embeddings 256"),
+        # a gateway run's budget is rollout.max_episode_tokens; the message named max_new_tokens (6) beside 512
+        (["rollout.max_prompt_tokens=64", "rollout.max_episode_tokens=512"],
+         "rollout.max_prompt_tokens 64 \\+ rollout.max_episode_tokens 512 = 576 exceeds model.tiny.max_position_embeddings 256"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
         (["rollout.temperature=nan"], r"rollout.temperature must be > 0 and finite \(sampling is required for RL\), got nan"),
         (["rollout.temperature=inf"], "rollout.temperature must be > 0 and finite"),
