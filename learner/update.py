@@ -509,6 +509,7 @@ class PolicyUpdater:
                 comps.setdefault(k, []).append(v)
         for k, vals in sorted(comps.items()):
             m.set(f"reward/{k}", sum(vals) / len(vals))
+        m.set(M.PROMPT_LEN_MEAN, batch.response_start.double().mean())
         m.set("reward/response_len_mean", batch.response_lengths.double().mean())
         m.set("reward/truncated_frac", batch.truncated.double().mean())
         if any(s.loss_mask is not None for s in samples):  # multi-turn episodes

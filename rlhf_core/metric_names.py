@@ -29,6 +29,7 @@ UPDATES = "learner/updates"  # an update re-trained after a crash repeats its nu
 SAMPLES_TRAINED = "learner/samples_trained"  # cumulative
 NUM_SAMPLES = "learner/num_samples"  # in this update's batch
 NUM_TOKENS = "learner/num_tokens"  # policy tokens in this update's batch (the loss mask's)
+PROMPT_LEN_MEAN = "reward/prompt_len_mean"  # mean prompt tokens per sample of the batch (NUM_TOKENS has none)
 SAMPLES_PER_S = "learner/samples_per_s"  # of this update's compute time
 TOKENS_PER_S = "learner/tokens_per_s"
 # per device: (4 x params + 2 x trainable params: 6 x params in full) x tokens trained (prompt + response,

@@ -4,13 +4,14 @@ Where no calibration can run (a cluster run already done, a machine one cannot s
 run's own records give most stage costs, more coarsely than :mod:`rlhf_run.plan.measure`:
 
 * the learner, from ``metrics.jsonl``: ``learner/time_compute_s`` fitted against the batch's
-  tokens; decoding a batch from ``learner/time_read_s``; what each update spends besides
+  prompt and response tokens (the tokens the cost model charges); decoding a batch from ``learner/time_read_s``; what each update spends besides
   computing, reading and waiting (snapshot, metrics, checkpoints) from the time between
   updates; ``learner/time_publish_s`` is the send;
 * generation, from the workers' last heartbeats in ``timeline.jsonl``: time in the engine per
   token; with the run's slots and the share of slots busy this becomes a per-step cost;
 * lengths, from ``reward/response_len_mean`` and ``reward/truncated_frac`` (a two-point
-  distribution: the cap, and the mean of the rest) and the tokens per sample;
+  distribution: the cap, and the mean of the rest) and ``reward/prompt_len_mean`` (a run from
+  before the learner recorded it: ``rollout.max_prompt_tokens``, an upper bound);
 * weight sync: the learner's send time, and the workers' time pulling per version.
 
 All of these are wall-clock times measured while the processes shared the machine, so they
@@ -56,7 +57,11 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     rows = rows[warmup:]
     timeline = read_jsonl(folder / "timeline.jsonl")
     batch = float(statistics.median(r.get(M.NUM_SAMPLES, cfg.learner.batch_size) for r in rows))
-    tokens = [float(r.get(M.NUM_TOKENS, 0.0)) for r in rows]
+    cap = int(cfg.rollout.max_new_tokens)
+    prompts = [float(r.get(M.PROMPT_LEN_MEAN, cfg.rollout.max_prompt_tokens)) for r in rows]
+    responses = [float(r.get("reward/response_len_mean", cap)) for r in rows]
+    # prompt + response tokens of each batch (M.NUM_TOKENS counts the loss mask's: no prompt)
+    tokens = [float(r.get(M.NUM_SAMPLES, batch)) * (p + n) for r, p, n in zip(rows, prompts, responses)]
     compute = [float(r.get(M.TIME_COMPUTE_S, 0.0)) for r in rows]
     coef = fit([[1.0, t] for t in tokens], compute)
     gaps = [b[M.TIME] - a[M.TIME] - b.get(M.TIME_WAIT_S, 0.0) - b.get(M.TIME_READ_S, 0.0) - b.get(M.TIME_COMPUTE_S, 0.0)
@@ -72,13 +77,12 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     checkpoint = max(0.0, statistics.median(ckpt) - per_update) if ckpt else 0.0
     send = statistics.median(float(r.get(M.TIME_PUBLISH_S, 0.0)) for r in rows)
 
-    cap = int(cfg.rollout.max_new_tokens)
-    mean_len = statistics.fmean(float(r.get("reward/response_len_mean", cap)) for r in rows)
+    mean_len = statistics.fmean(responses)
     trunc = statistics.fmean(float(r.get("reward/truncated_frac", 1.0)) for r in rows)
     rest = (mean_len - trunc * cap) / (1.0 - trunc) if trunc < 1.0 else cap
     rest = min(cap, max(1, round(rest)))
     lengths = Lengths([rest, cap], [1.0 - trunc, trunc]) if rest != cap else Lengths([cap], [1.0])
-    prompt = max(1, round(statistics.fmean(tokens) / batch - mean_len))
+    prompt = max(1, round(statistics.fmean(prompts)))
 
     last = timeline[-1] if timeline else {}
     workers = [w.get("stats", {}) for w in last.get("consumers", {}).values() if isinstance(w, dict)]
@@ -110,5 +114,7 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
         sync=Sync(bytes=sync_bytes, transport="shm" if cfg.weight_server.shm == "auto" else "tcp", snapshot_base=0.0,
                   snapshot_per_byte=0.0, send_base=send, send_per_byte=0.0, pull_base=pull_s, pull_per_byte=0.0),
         notes=["fitted from a run's records: wall-clock costs under that run's own sharing of the machine "
-               "(contention 1); the worker loop's glue is inside the per-step cost; coarser than a calibration"],
+               "(contention 1); the worker loop's glue is inside the per-step cost; coarser than a calibration"]
+        + ([] if all(M.PROMPT_LEN_MEAN in r for r in rows) else
+           [f"the run recorded no {M.PROMPT_LEN_MEAN}: prompts taken as rollout.max_prompt_tokens long, an upper bound"]),
     )

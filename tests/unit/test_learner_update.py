@@ -163,7 +163,7 @@ def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg))
     s = [sample(prompt_ids=[20], response_ids=[21, 22, 23], token_versions=[2, 2, 3], reward=1.0, group_id="a", group_size=2,
                 index=0, reward_components={"count": 0.75, "digits": 0.1}),
-         sample(prompt_ids=[20], response_ids=[24], token_versions=[5], reward=0.0, group_id="a", group_size=2, index=1,
+         sample(prompt_ids=[20, 25, 26], response_ids=[24], token_versions=[5], reward=0.0, group_id="a", group_size=2, index=1,
                 reward_components={"count": 0.25}, finish_reason="length")]
     m = up.update(s, 6)
     # staleness = 6 - oldest token version: [4, 1]; per token [4, 4, 3, 1] -> mean 3
@@ -171,6 +171,7 @@ def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
     assert m["staleness/token_mean"] == 3.0
     assert (m["reward/mean"], m["reward/count"], m["reward/digits"]) == (0.5, 0.5, pytest.approx(0.1))
     assert (m["reward/truncated_frac"], m["reward/response_len_mean"], m["learner/num_tokens"]) == (0.5, 2.0, 4.0)
+    assert m["reward/prompt_len_mean"] == 2.0  # prompts of 1 and 3 tokens
     assert m["learner/version"] == 6.0 and m["learner/lr"] == pytest.approx(1e-3)
 
 

@@ -384,3 +384,34 @@ def test_a_profile_from_a_run_counts_decoding_batches_as_the_learners_read(tmp_p
     assert after.read_per_sample == pytest.approx(1e-4)
     # the time between updates is the same: what was the wait's is the read's, the rest unchanged
     assert after.per_update == pytest.approx(before.per_update)
+
+
+def test_a_profile_from_a_run_takes_the_prompt_length_the_learner_recorded(tmp_path):
+    """``learner/num_tokens`` counts response (policy) tokens only: the prompt length derived as
+    tokens / batch - response length came out 0, floored to 1, whatever the prompts were. The
+    learner records the batch's mean prompt length; the profile takes it, and fits the update's
+    cost against prompt + response tokens, the tokens its cost model charges."""
+    import json
+    import shutil
+
+    from rlhf_core import metric_names as M
+    from rlhf_run.plan.fromrun import profile_from_run
+
+    run = Path(__file__).parents[1] / "integration" / "data" / "plan_run"
+    # the stored run predates the metric: its prompt length is unknown, rollout.max_prompt_tokens (64) bounds it
+    assert profile_from_run(run).generation.prompt_tokens.mean() == 64
+    shutil.copytree(run, tmp_path / "run")
+    path = tmp_path / "run" / "metrics.jsonl"
+    # prompts of 20 or 30 tokens (alternating); each update computes 2 ms + 10 us per token trained:
+    # update 1 (num_samples 32, response mean 5.84375, prompts 30): 32 * (30 + 5.84375) = 1147 tokens -> 13.47 ms
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        r[M.PROMPT_LEN_MEAN] = 20.0 if r[M.UPDATES] % 2 == 0 else 30.0
+        r[M.TIME_COMPUTE_S] = 0.002 + 1e-5 * r[M.NUM_SAMPLES] * (r[M.PROMPT_LEN_MEAN] + r["reward/response_len_mean"])
+    assert rows[0][M.TIME_COMPUTE_S] == pytest.approx(0.01347)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    profile = profile_from_run(tmp_path / "run")
+    assert profile.generation.prompt_tokens.mean() == 25  # the mean of 20 and 30 over the rows after the warm-up
+    lc = profile.learner
+    assert (lc.update_base, lc.update_per_token) == pytest.approx((0.002, 1e-5), rel=1e-6)
+    assert lc.update_s(32, 1147.0, 32) == pytest.approx(0.01347)
