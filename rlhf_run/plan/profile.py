@@ -19,7 +19,9 @@ Cost models (``rows``: sequences in a decoding pass, ``ctx``: their summed conte
 * learner: ``update_base + update_per_micro * micro_batches + (update_per_sample * samples +
   update_per_token * tokens) / devices`` (on a GPU the token term is ``flops_per_token /
   (flops_per_s * devices)`` plus the gradient traffic of the ZeRO stage), a read per batch, a
-  fixed ``per_update`` (metrics line, stats), a checkpoint every ``learner.checkpoint_every``.
+  fixed ``per_update`` (metrics line, stats), a checkpoint every ``learner.checkpoint_every``
+  (``checkpoint_s``; on a GPU plus ``checkpoint_bytes`` written by the learner's nodes in
+  parallel, each at ``checkpoint_bytes_per_s``).
 * weight sync: snapshot on the learner's main thread, send on its publish thread, pull in each
   worker, each ``base + per_byte * bytes``; ``server_bytes_per_s`` > 0 shares the weight
   server's egress among the workers pulling the same version.
@@ -112,6 +114,8 @@ class Learner:
     grad_bytes: float = 0.0  # GPU: bytes of one gradient (reduced every step)
     intra_node_bytes_per_s: float = 0.0  # GPU: per-device collective bandwidth inside a node
     inter_node_bytes_per_s: float = 0.0  # GPU: per-device collective bandwidth across nodes
+    checkpoint_bytes: float = 0.0  # GPU: bytes of a checkpoint, shared among the learner's nodes
+    checkpoint_bytes_per_s: float = 0.0  # GPU: what one node writes per second
 
     def update_s(self, samples: int, tokens: float, micro_batch: int, devices: int = 1, zero_stage: int = 0,
                  gpus_per_node: int = 8) -> float:
@@ -121,6 +125,12 @@ class Learner:
         if self.flops_per_s > 0:
             t += self.flops_per_token * tokens / (self.flops_per_s * devices)
             t += self.comm_s(devices, zero_stage, gpus_per_node)
+        return t
+
+    def checkpoint_time(self, devices: int = 1, gpus_per_node: int = 8) -> float:
+        t = self.checkpoint_s
+        if self.checkpoint_bytes_per_s > 0:
+            t += self.checkpoint_bytes / (self.checkpoint_bytes_per_s * math.ceil(devices / gpus_per_node))
         return t
 
     def comm_s(self, devices: int, zero_stage: int, gpus_per_node: int = 8) -> float:

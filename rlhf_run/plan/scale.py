@@ -57,11 +57,11 @@ def published_7b(transport: str = "weight_server") -> Profile:
         max_new_tokens=4096, flops_per_token=2 * p, flops_per_s=0.5 * hw["bf16_flops"])
     worker = Worker(per_iteration=1e-4, claim_call=1e-3, per_prompt=1e-4, emit_call=1e-3, per_sample_emit=2e-4,
                     score_batch=1e-3, score_sample=1e-4)
-    nodes_write = 2e9
     learner = Learner(update_base=0.05, update_per_micro=0.005, update_per_sample=0.0, update_per_token=0.0,
-                      per_update=0.02, read_base=0.0, read_per_sample=5e-4, checkpoint_s=16 * p / nodes_write / 4,
+                      per_update=0.02, read_base=0.0, read_per_sample=5e-4, checkpoint_s=0.0,
                       flops_per_token=6 * p, flops_per_s=0.40 * hw["bf16_flops"], grad_bytes=2 * p,
-                      intra_node_bytes_per_s=hw["nvlink_bytes_per_s"], inter_node_bytes_per_s=hw["nic_bytes_per_s"])
+                      intra_node_bytes_per_s=hw["nvlink_bytes_per_s"], inter_node_bytes_per_s=hw["nic_bytes_per_s"],
+                      checkpoint_bytes=16 * p, checkpoint_bytes_per_s=2e9)
     if transport == "nccl":
         sync = Sync(bytes=weight_bytes, transport="nccl", snapshot_base=0.0, snapshot_per_byte=1 / hw["nvlink_bytes_per_s"],
                     send_base=0.01, send_per_byte=1 / hw["nic_bytes_per_s"], pull_base=0.01,

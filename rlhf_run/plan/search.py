@@ -270,11 +270,11 @@ def learner_bound(plan: Plan, profile: Profile, updates: int, warmup: int) -> fl
     Every job takes at least its work (a device runs it at full speed, a shared core slower), and
     each of the window's ``n`` learner cycles does, in its one thread: ``read_base``, the read and
     the update (``R``), the snapshot (``s``), ``per_update`` (``u``) and, every ``checkpoint_every``
-    updates, a checkpoint (``k`` of them in the window). The send (``d``) runs on the publish thread,
+    updates, a checkpoint (``K``, ``k`` of them in the window). The send (``d``) runs on the publish thread,
     and a snapshot waits for the previous send to end, so consecutive snapshots start at least
     ``C = s + max(d, u + read_base + R)`` apart. From the window's first mark to its first snapshot
     is at least ``read_base + R``, from its last snapshot to its last mark at least ``s + u``:
-    ``window >= L + (n - 1) C + k checkpoint_s`` with ``L = read_base + R + s + u``, and the window
+    ``window >= L + (n - 1) C + k K`` with ``L = read_base + R + s + u``, and the window
     trains ``n`` batches."""
     first, n = window_updates(updates, warmup)
     if n <= 0:
@@ -287,7 +287,8 @@ def learner_bound(plan: Plan, profile: Profile, updates: int, warmup: int) -> fl
     snap = p.sync.snapshot_s()
     cycle = snap + max(p.sync.send_s(), rest)
     checkpoints = sum(1 for u in range(first, first + n) if u % plan.checkpoint_every == 0)
-    window = rest + snap + (n - 1) * cycle + checkpoints * lc.checkpoint_s
+    checkpoint = lc.checkpoint_time(plan.learner_devices, p.machine.gpus_per_node)
+    window = rest + snap + (n - 1) * cycle + checkpoints * checkpoint
     return n * plan.batch_size / window if window > 0 else math.inf
 
 

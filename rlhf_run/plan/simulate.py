@@ -489,7 +489,7 @@ class Simulation:
             if self.updates % plan.checkpoint_every == 0:
                 while self.sending:
                     yield WAIT, self.sent, None
-                yield CPU, lc.checkpoint_s
+                yield CPU, lc.checkpoint_time(plan.learner_devices, p.machine.gpus_per_node)
             self.marks.append((k.now, self.trained, self.generated, self.idle_s, self.depth_area))
 
     def publisher(self):

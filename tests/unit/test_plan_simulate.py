@@ -200,3 +200,16 @@ def test_gpu_plans_use_one_device_per_process():
     assert result.trained_samples_per_s > 0
     more = simulate(profile, replace(plan, workers=16), updates=12, warmup=2)
     assert more.trained_samples_per_s > result.trained_samples_per_s  # generation-bound: more rollout GPUs help
+
+
+def test_the_published_checkpoint_is_written_by_the_learners_nodes_together():
+    """16 bytes/parameter (fp32 master weights and Adam's two moments), each of the learner's
+    nodes writing its share at 2 GB/s. It was 16 p / 2 GB/s / 4 for every plan: four nodes' time
+    for a learner on one node or on eight."""
+    from rlhf_run.plan.scale import published_7b
+
+    lc = published_7b().learner
+    one = 16 * 7.6e9 / 2e9  # 60.8 s: one node writes all of it
+    assert lc.checkpoint_time(1, 8) == lc.checkpoint_time(8, 8) == pytest.approx(one)
+    assert lc.checkpoint_time(9, 8) == pytest.approx(one / 2)  # 9 devices span 2 nodes
+    assert lc.checkpoint_time(64, 8) == pytest.approx(one / 8)  # 7.6 s
