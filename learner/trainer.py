@@ -43,7 +43,8 @@ from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
-from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOPPED_BY, UPDATES
+from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOP_BUDGET,
+                                    STOP_DATA, STOP_REASONS, STOP_SIGNAL, STOP_TIME, STOPPED_BY, UPDATES)
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -71,7 +72,7 @@ class LearnerResult:
     updates: int
     samples: int
     metrics: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))  # the latest updates' (bounded)
-    stopped_by: str = "budget"
+    stopped_by: str = STOP_BUDGET  # one of rlhf_core.metric_names.STOP_REASONS
 
 
 def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
@@ -339,7 +340,7 @@ class Learner:
             t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
             while True:
                 reason = self._stop_reason(max_updates, deadline)
-                if reason == "data" and self.updates != self._checkpointed:
+                if reason == STOP_DATA and self.updates != self._checkpointed:
                     # commit what was trained first: in replay mode the entries drawn since the last
                     # checkpoint may be drawn again only once committed
                     self.checkpoint()
@@ -347,7 +348,7 @@ class Learner:
                     continue
                 if reason:
                     result.stopped_by = reason
-                    if reason == "data":
+                    if reason == STOP_DATA:
                         log.info("every prompt of data.epochs=%d is trained on (what is left makes no batch): "
                                  "stopping after %d updates (learner.max_updates=%d)", self.cfg.data.epochs,
                                  self.updates, max_updates)
@@ -542,7 +543,7 @@ class Learner:
         if self.rank0:  # the final stats, whatever the throttle held back, and why the run stopped (the summary's)
             self.buffer.publish_stats("learner", {**(self._last_metrics or {}), STOPPED_BY: result.stopped_by})
         # Collective: decided from what every rank knows (only rank 0 holds the batch ids).
-        if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == "signal":
+        if self.updates != self._checkpointed or self.updates == 0 or result.stopped_by == STOP_SIGNAL:
             self.checkpoint()  # final checkpoint, then commit
         if self._producer is not None:
             self._producer.join(timeout=10)
@@ -558,11 +559,11 @@ class Learner:
 
     def _stop_reason(self, max_updates: int, deadline: float | None) -> str:
         """Why to stop now ("" to go on), agreed by all ranks (rank 0 may have seen the signal, and
-        only rank 0 reads the buffer: "data", the prompts of every epoch trained on)."""
-        reasons = ("", "budget", "time", "data", "signal")
-        local = 4 if self.stop_event.is_set() else 1 if self.updates >= max_updates else \
-            2 if deadline is not None and time.monotonic() > deadline else 3 if self._used_up else 0
-        agreed = int(all_reduce_max(torch.tensor([float(local)])).item())
+        only rank 0 reads the buffer: STOP_DATA, the prompts of every epoch trained on)."""
+        reasons = ("", *STOP_REASONS)
+        local = STOP_SIGNAL if self.stop_event.is_set() else STOP_BUDGET if self.updates >= max_updates else \
+            STOP_TIME if deadline is not None and time.monotonic() > deadline else STOP_DATA if self._used_up else ""
+        agreed = int(all_reduce_max(torch.tensor([float(reasons.index(local))])).item())
         return reasons[agreed]
 
     def _check_dead_letters(self) -> None:

@@ -46,8 +46,10 @@ STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch
 KL_KEYS = ("loss/kl", "loss/approx_kl")  # KL against the reference when there is one, else vs pi_prox
-# In the learner's last stats record only (`_finish`): why it stopped, budget | time | data | signal
+# In the learner's last stats record only (`_finish`): why it stopped, one of STOP_REASONS
 STOPPED_BY = "learner/stopped_by"
+STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL = "budget", "time", "data", "signal"
+STOP_REASONS = (STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL)  # the learner's ranks agree on the last one any saw
 
 # Fields of a worker's stats record (its heartbeat: `Buffer.metrics()["consumers"][id]["stats"]`).
 WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from rlhf_core.errors import STOPPED_EARLY_EXIT, UserError
+from rlhf_core.metric_names import STOP_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class RoleActor:
             elif kind == "learner":
                 from learner.trainer import run_learner
 
-                if run_learner(cfg).stopped_by == "signal":  # before its budget: not a finished run
+                if run_learner(cfg).stopped_by == STOP_SIGNAL:  # before its budget: not a finished run
                     return {"code": STOPPED_EARLY_EXIT, "error": "stopped by a signal"}
             elif kind == "evaluator":
                 from rollout_workers.evaluator import run_evaluator

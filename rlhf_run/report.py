@@ -395,9 +395,9 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     }
 
 
-#: the learner's stop reasons (``learner.trainer.LearnerResult.stopped_by``) as the summary says them
-STOP_REASONS = {"budget": "learner.max_updates reached", "time": "run.max_seconds reached",
-                "data": "every prompt of data.epochs trained on", "signal": "stopped by a signal"}
+#: the learner's stop reasons (``rlhf_core.metric_names.STOP_REASONS``) as the summary says them
+STOP_REASONS = {M.STOP_BUDGET: "learner.max_updates reached", M.STOP_TIME: "run.max_seconds reached",
+                M.STOP_DATA: "every prompt of data.epochs trained on", M.STOP_SIGNAL: "stopped by a signal"}
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -261,3 +261,28 @@ def test_workers_that_left_do_not_count_in_the_generation_rates():
     rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i)} for i in range(1, 4)]
     s = summarize(Config(), rows, [{"consumers": consumers, "counters": {}}], wall_s=10.0, exit_reason="done")
     assert s["throughput"]["generated_tokens_per_s"] == 1306.0 and s["rewards"]["reward_calls_per_s"] == 20.0
+
+
+def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
+    """The learner's stop reasons and the summary's words for them were two spellings of one list;
+    both take ``rlhf_core.metric_names.STOP_REASONS``, and the learner answers each and only those."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from learner.trainer import Learner
+    from rlhf_core import metric_names as M
+    from rlhf_run.report import STOP_REASONS
+
+    assert set(STOP_REASONS) == set(M.STOP_REASONS) and all(STOP_REASONS.values())
+
+    def stop_reason(signalled=False, updates=0, late=False, used_up=False):
+        event = threading.Event()
+        if signalled:
+            event.set()
+        state = SimpleNamespace(stop_event=event, updates=updates, _used_up=used_up)
+        return Learner._stop_reason(state, 10, time.monotonic() - 1 if late else None)
+
+    assert stop_reason() == ""  # go on
+    said = {stop_reason(signalled=True), stop_reason(updates=10), stop_reason(late=True), stop_reason(used_up=True)}
+    assert said == set(M.STOP_REASONS)
