@@ -73,7 +73,7 @@ from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_lora
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
-from weight_server.shm import free_bytes, reserve_bytes
+from weight_server.shm import free_bytes, private_dir, reserve_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ INSTALL_HINT = (
     "section); on a CUDA machine pip install 'rlhf-service[gpu]'"
 )
 DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
+FOLDER_PREFIX = "rlhf-vllm-"  # an engine's private folder: rlhf-vllm-<worker pid>-<random>
 OWNER_POLL_S = 1.0  # how often vLLM's worker process checks that the rollout worker still lives
 
 
@@ -192,6 +193,14 @@ class WeightLoaderExtension:
         return len(weights)
 
 
+def private_folder() -> tuple[Path, Any]:
+    """An engine's private folder (0700): update files and LoRA versions, in memory when there is a
+    /dev/shm; its lock marks it in use while the returned file stays open. close() removes it, or
+    vLLM's owner watch when the worker alone is killed; one SIGKILLed together with vLLM's processes
+    leaves it, and the next engine on this host removes it here (:func:`weight_server.shm.private_dir`)."""
+    return private_dir("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), FOLDER_PREFIX)
+
+
 class _Track:
     """Host-side record of one request: tokens, log-probs and per-token versions so far.
     ``added_at``: the version at ``add``, no newer than the weights that prefill its prompt.
@@ -262,13 +271,12 @@ class VLLMEngine:
         self.engine = self._vllm.LLMEngine.from_engine_args(args)
         self._closing = threading.Event()
         threading.Thread(target=self._wake_on_core_death, name="vllm-core-watch", daemon=True).start()
-        # This engine's private folder (0700): update files and LoRA versions, in memory when there
-        # is a /dev/shm. Removed by close(), or by vLLM's owner watch when this process is killed.
-        self.folder = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self.folder, self._folder_lock = private_folder()
         try:
             self._call(self.engine.collective_rpc, "rlhf_watch_owner", args=(os.getpid(), str(self.folder)))
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
+            self._folder_lock.close()
             raise
         self._warned_room = False
         if self._adapters is not None:
@@ -434,6 +442,7 @@ class VLLMEngine:
         except Exception as exc:  # a core that already died: nothing left to stop
             log.warning("vllm: engine core shutdown: %s", exc)
         shutil.rmtree(self.folder, ignore_errors=True)
+        self._folder_lock.close()
 
     def _adapter_versions_in_use(self) -> set[int]:
         return {t.adapter for t in self._tracks.values() if t.adapter is not None}

@@ -6,9 +6,10 @@ punica kernels) instead of reloading weights:
 
 * an update writes the adapter as a PEFT adapter directory (``adapter_config.json`` +
   ``adapter_model.safetensors``, files 0600) in the engine's private folder under ``/dev/shm``
-  (mode 0700; removed when the engine closes, or by vLLM's owner watch when the worker is
-  killed), and loads it into vLLM at once (``add_lora``) as ``LoRARequest("v<version>",
-  version + 1, folder)``, so a broken adapter fails the update, not a later request;
+  (mode 0700; removed when the engine closes, by vLLM's owner watch when the worker is killed,
+  or by the next engine to start when vLLM's processes died with it), and loads it into vLLM at
+  once (``add_lora``) as ``LoRARequest("v<version>", version + 1, folder)``, so a broken adapter
+  fails the update, not a later request;
 * every request added afterwards carries that request, and keeps it to its end: vLLM cannot
   switch a running request's adapter, so all tokens of a request carry the version it started
   with (the hf engine switches mid-response; here a response is at most one version behind the

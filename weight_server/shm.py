@@ -11,7 +11,8 @@ The folder is ``<shm_dir>/rlhf-ws-<pid>-<random>/`` (mode 0700) holding
   so a full tmpfs is an error at creation, never a SIGBUS while bytes are written.
 
 The folder is removed on close; a server that starts removes the folders of servers that died
-(SIGKILL leaves them behind). Nothing here reads or writes tensors: :mod:`weight_server.store`
+(SIGKILL leaves them behind). :func:`private_dir` makes such a folder under any prefix (the vllm
+engine's ``rlhf-vllm-`` folders too). Nothing here reads or writes tensors: :mod:`weight_server.store`
 keeps the bytes, :mod:`weight_server.handlers` decides what to offer.
 """
 
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from weight_server import protocol as P
 from weight_server.store import Slab
@@ -39,7 +40,6 @@ log = logging.getLogger("weight_server")
 
 MAX_LEASES = 4096  # outstanding pull leases; beyond this pulls go over TCP
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the pages once, at creation
-_DIR_RE = re.compile(re.escape(P.SHM_DIR_PREFIX) + r"(\d+)-[0-9a-f]+$")
 _LOCK_FILE = "lock"
 
 
@@ -62,12 +62,8 @@ class ShmDir:
     def __init__(self, parent: str, free_space: Callable[[str], int] = free_bytes) -> None:
         self.parent = parent
         self.free_space = free_space
-        remove_stale(parent)
-        self.path = Path(parent) / f"{P.SHM_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        self.path.mkdir(mode=0o700)
+        self.path, self._folder_lock = private_dir(parent, P.SHM_DIR_PREFIX)
         try:
-            self._lock_fd = os.open(self.path / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self.token = secrets.token_bytes(P.SHM_TOKEN_BYTES)
             self.token_path = str(self.path / P.SHM_TOKEN_FILE)
             fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -138,20 +134,38 @@ class ShmDir:
             return
         self._closed = True
         shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._lock_fd)
+        self._folder_lock.close()
 
 
-def remove_stale(parent: str) -> list[str]:
-    """Remove the folders that dead servers left in ``parent``: named rlhf-ws-<pid>-*, owned by
-    this user, whose pid is not running here and whose lock no process holds (a server in another
-    PID namespace that shares this /dev/shm still holds its lock)."""
+def private_dir(parent: str, prefix: str) -> tuple[Path, BinaryIO]:
+    """A new folder ``<parent>/<prefix><pid>-<random>`` (0700) holding its ``lock`` file, locked
+    (``flock``) while the returned file stays open: at most this process's life. The folders of
+    ``prefix`` that dead owners left are removed first (:func:`remove_stale`)."""
+    remove_stale(parent, prefix)
+    path = Path(parent) / f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
+    path.mkdir(mode=0o700)
+    try:
+        lock = os.fdopen(os.open(path / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600), "r+b", buffering=0)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits out a sweeper elsewhere testing it this instant
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, lock
+
+
+def remove_stale(parent: str, prefix: str = P.SHM_DIR_PREFIX) -> list[str]:
+    """Remove the folders that dead owners left in ``parent``: named <prefix><pid>-<hex>, owned by
+    this user, whose pid is not running here and whose lock no process holds (an owner in another
+    PID namespace that shares this /dev/shm, or a new process that took a dead owner's pid, still
+    holds it or is running: such folders are kept)."""
     removed = []
+    name = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]+$")
     try:
         entries = list(os.scandir(parent))
     except OSError:
         return removed
     for entry in entries:
-        m = _DIR_RE.match(entry.name)
+        m = name.match(entry.name)
         if not m or not entry.is_dir(follow_symlinks=False):
             continue
         try:
@@ -163,7 +177,7 @@ def remove_stale(parent: str) -> list[str]:
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
-        log.info("removed %s, left behind by a weight server that is no longer running", entry.path)
+        log.info("removed %s, left behind by a process that is no longer running (pid %s)", entry.path, m.group(1))
     return removed
 
 

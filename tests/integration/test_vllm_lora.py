@@ -115,7 +115,7 @@ def test_adapter_versions_match_the_learner_and_requests_keep_their_adapter(engi
     assert worst(base, results, new) > 0.05 and worst(v1, results, new) > 0.05  # the adapter in use matters
     # v1 is retired (no request runs on it): removed from vLLM and its folder deleted
     assert sorted(engine._adapters.requests) == [2]
-    assert sorted(os.listdir(engine._adapters.root)) == ["v2"]
+    assert sorted(os.listdir(engine._adapters.root)) == ["lock", "v2"]  # lock: the folder in use
     assert set(engine.engine.list_loras()) == {3}  # LoRARequest id = version + 1
 
 

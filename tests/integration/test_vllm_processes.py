@@ -133,7 +133,7 @@ def test_a_sigkilled_vllm_worker_leaves_no_process_and_no_dev_shm_folder(model_c
     try:
         folder = next((Path(line.split(" ", 1)[1].strip()) for line in proc.stdout if line.startswith("FOLDER ")), None)
         assert folder is not None, f"the child exited ({proc.wait()}) before its engine was ready"
-        assert [p.name for p in folder.iterdir()] == ["v1"]
+        assert sorted(p.name for p in folder.iterdir()) == ["lock", "v1"]
         vllm = psutil.Process(proc.pid).children(recursive=True)
         assert vllm
         proc.kill()
