@@ -118,7 +118,7 @@ class WeightSubscriber:
         if signer is not None:
             if len(frames) != 3 or len(frames[2]) != MAC_BYTES or not signer.verify(frames[1:2], frames[2]):
                 raise WeightAuthError(
-                    f"an announcement from the weight server failed the HMAC check: weight_server.secret differs "
+                    "an announcement from the weight server failed the HMAC check: weight_server.secret differs "
                     "from the server's"
                 )
         elif len(frames) != 2:

@@ -287,8 +287,6 @@ def measure_updates(learner: Any, cfg: Any, samples: list[Any], reps: int = 3) -
 
 def measure_sync(cfg: Any, reps: int = 5) -> Sync:
     """Publish and pull through a weight server: the policy, and a 4x larger set (cost per byte)."""
-    import torch
-
     from rlhf_core.models import load_policy
     from weight_server import WeightPublisher, WeightServer, WeightSubscriber
 
