@@ -73,7 +73,7 @@ from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_lora
 from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
                                     make_result)
-from weight_server.shm import free_bytes, private_dir, reserve_bytes
+from weight_server.shm import free_bytes, private_dir, remove_stale, reserve_bytes
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +193,17 @@ class WeightLoaderExtension:
         return len(weights)
 
 
-def private_folder() -> tuple[Path, Any]:
+def private_folder(disk: bool = False) -> tuple[Path, Any]:
     """An engine's private folder (0700): update files and LoRA versions, in memory when there is a
-    /dev/shm; its lock marks it in use while the returned file stays open. close() removes it, or
-    vLLM's owner watch when the worker alone is killed; one SIGKILLed together with vLLM's processes
-    leaves it, and the next engine on this host removes it here (:func:`weight_server.shm.private_dir`)."""
-    return private_dir("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), FOLDER_PREFIX)
+    /dev/shm (``disk``: in the system's temp dir, for the updates /dev/shm has no room for); its lock
+    marks it in use while the returned file stays open. close() removes it, or vLLM's owner watch
+    when the worker alone is killed; one SIGKILLed together with vLLM's processes leaves it, and
+    the next engine on this host removes it here, in both places (:func:`weight_server.shm.private_dir`)."""
+    temp = tempfile.gettempdir()
+    if disk or not os.path.isdir("/dev/shm"):
+        return private_dir(temp, FOLDER_PREFIX)
+    remove_stale(temp, FOLDER_PREFIX)
+    return private_dir("/dev/shm", FOLDER_PREFIX)
 
 
 class _Track:
@@ -279,6 +284,7 @@ class VLLMEngine:
             self._folder_lock.close()
             raise
         self._warned_room = False
+        self._disk: tuple[Path, Any] | None = None  # private_folder(disk=True), made at the first update that needs it
         if self._adapters is not None:
             self._adapters.bind(self.engine, self._call, self.folder)
         self.tokenizer = tokenizer
@@ -441,18 +447,20 @@ class VLLMEngine:
             self.engine.engine_core.shutdown()
         except Exception as exc:  # a core that already died: nothing left to stop
             log.warning("vllm: engine core shutdown: %s", exc)
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self._folder_lock.close()
+        for folder, lock in [(self.folder, self._folder_lock), *([self._disk] if self._disk else [])]:
+            shutil.rmtree(folder, ignore_errors=True)
+            lock.close()
 
     def _adapter_versions_in_use(self) -> set[int]:
         return {t.adapter for t in self._tracks.values() if t.adapter is not None}
 
     # ----------------------------------------------------------------------------- internals
 
-    def _update_dir(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    def _update_dir(self, tensors: Mapping[str, torch.Tensor]) -> str:
         """Where an update file goes: this engine's folder when its filesystem has room for it
-        (keeping the weight server's reserve for others, as its slabs do), else the system's temp
-        dir (disk, slower: Docker's default 64 MB /dev/shm holds no 0.5B-parameter version)."""
+        (keeping the weight server's reserve for others, as its slabs do), else its private folder
+        in the system's temp dir (disk, slower: Docker's default 64 MB /dev/shm holds no
+        0.5B-parameter version)."""
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)  # + the header's room
         try:
             room = free_bytes(str(self.folder)) - reserve_bytes(str(self.folder))
@@ -465,7 +473,9 @@ class VLLMEngine:
             log.warning("vllm: %s has %.1f MB usable, a weight update needs %.1f MB: update files go to %s instead. "
                         "Give the container a larger /dev/shm (docker run --shm-size=...)",
                         self.folder.parent, max(room, 0) / 1e6, need / 1e6, tempfile.gettempdir())
-        return None
+        if self._disk is None:
+            self._disk = private_folder(disk=True)
+        return str(self._disk[0])
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """A blocking call into vLLM's engine core that cannot outlive the core.

@@ -10,6 +10,7 @@ attention has no kernel for the default tiny model's head_dim 16).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,6 +351,9 @@ def test_an_update_that_dev_shm_has_no_room_for_goes_through_the_temp_dir(idle, 
         idle.update_weights(tensors, version=version + 1)
     assert idle.version == version + 1 and [p.name for p in idle.folder.iterdir()] == ["lock"]
     assert f"update files go to {tempfile.gettempdir()} instead" in caplog.text and leftovers() <= before
+    # in the engine's own folder there (removed at close, or by the next engine when SIGKILLed), now empty
+    disk = idle._disk[0]
+    assert disk.parent == Path(tempfile.gettempdir()) and [p.name for p in disk.iterdir()] == ["lock"]
 
 
 def test_update_with_unknown_tensors_is_refused(idle):

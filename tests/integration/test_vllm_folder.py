@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,15 @@ REPO = Path(__file__).resolve().parents[2]
 OWNER = """
 import sys, time
 from rollout_workers.vllm_engine import private_folder
-folder, lock = private_folder()
+folder, lock = private_folder(disk="disk" in sys.argv)
 (folder / "update-1.safetensors").write_bytes(b"weights")
 print(folder, flush=True)
 time.sleep(600)
 """
 
 
-def _owner() -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen([sys.executable, "-c", OWNER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def _owner(*args: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().strip()
     assert line, f"the owner exited ({proc.wait()}) before making its folder"
     return proc, Path(line)
@@ -62,5 +63,26 @@ def test_a_new_engine_folder_removes_the_folders_of_dead_owners_and_keeps_the_ot
         for proc in (dead, live):
             proc.kill()
             proc.wait(10)
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_folder_a_dead_engine_made_in_the_temp_dir_is_removed_too():
+    # the folder of update files /dev/shm had no room for (disk, GBs of a real model's version)
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("without /dev/shm the engine's one folder is in the temp dir: the test above")
+    dead, dead_folder = _owner("disk")
+    made = [dead_folder]
+    try:
+        assert dead_folder.parent == Path(tempfile.gettempdir())
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        folder, lock = private_folder()
+        made.append(folder)
+        lock.close()
+        assert folder.parent == Path("/dev/shm") and not dead_folder.exists()
+    finally:
+        dead.kill()
+        dead.wait(10)
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
