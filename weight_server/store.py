@@ -314,7 +314,12 @@ class VersionStore:
             for i, (t, b) in enumerate(zip(layout.tensors, base.layout.tensors)):
                 if i not in changed and t.hash != b.hash:
                     raise Refused(P.E_BAD_DELTA, f"tensor {t.name!r} is marked unchanged but its hash differs from v{delta_base}")
-        slab = self.pool.take(layout.total_bytes)
+        try:
+            slab = self.pool.take(layout.total_bytes)
+        except MemoryError:  # raised in the server's loop it stopped the server
+            raise Refused(P.E_TOO_LARGE, f"the server cannot allocate the {layout.total_bytes / 2**30:.1f} GiB of {name} "
+                                         f"v{version}: its host lacks the memory; run it on a larger one, or lower "
+                                         "weight_server.max_version_bytes to refuse such versions at once") from None
         if base is not None:
             unchanged = set(range(len(layout.tensors))) - set(changed or [])
             for i in sorted(unchanged):  # copy from the base slab: a memcpy, no network bytes

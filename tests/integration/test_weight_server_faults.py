@@ -370,3 +370,24 @@ def test_upload_bytes_cap(zmq_ctx):
     finally:
         ch.close()
         srv.stop()
+
+
+def test_an_upload_the_host_cannot_hold_is_refused_and_the_server_goes_on(zmq_ctx):
+    # Once: a PUB_BEGIN of 40 GiB (under max_version_bytes=64 GiB) on a 23 GiB host raised
+    # MemoryError in the server's loop: its thread died and no request was answered again.
+    # 4 PiB is more than any host's address space, whatever its overcommit setting.
+    cfg = _cfg(max_version_bytes=2**60)
+    srv = WeightServer(cfg).start()
+    ch = Channel(srv.address, cfg, zmq_ctx)
+    try:
+        lay = P.make_layout([("w", "uint8", [2**26, 2**26])], [bytes(16)])
+        rep = ch.request(P.PUB_BEGIN, name="policy", version=1, tensors=[t.to_wire() for t in lay.tensors],
+                         content_hash=lay.content_hash(), delta_base=None, changed=None)
+        assert (rep["kind"], P.error_code(rep)) == (P.ERROR, P.E_TOO_LARGE), rep
+        assert "4194304.0 GiB" in rep["message"] and "weight_server.max_version_bytes" in rep["message"]
+        assert srv.metrics()["uploads"]["in_progress"] == 0
+        WeightPublisher(srv.address, cfg, ctx=zmq_ctx).publish(1, _tensors(1))  # the server goes on
+        assert ch.request(P.LATEST, name="policy")["version"] == 1
+    finally:
+        ch.close()
+        srv.stop()
