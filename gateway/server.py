@@ -893,6 +893,45 @@ def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
     return app
 
 
+#: the most bytes of a request's line and headers (uvicorn's h11 allows 16 KiB)
+MAX_HEAD_BYTES = 64 * 1024
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol with the request head bounded: httptools buffers the request
+    line and headers without a limit, before any key is checked (one connection sending a 200 MB
+    header took 246 MB). A head over :data:`MAX_HEAD_BYTES` is answered 431 and its connection
+    closed. Without httptools uvicorn speaks h11, which bounds the head itself."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "h11"
+
+    class BoundedHead(HttpToolsProtocol):
+        in_head, head_bytes = False, 0  # a request's head is being received, and its bytes so far
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.in_head, self.head_bytes = True, 0
+
+        def on_headers_complete(self) -> None:
+            self.in_head = False
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self.in_head or self.transport.is_closing():
+                return
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                msg = f"the request line and headers are over {MAX_HEAD_BYTES} bytes; send fewer or shorter headers".encode()
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                                     b"charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(msg), msg))
+                self.transport.close()
+
+    return BoundedHead
+
+
 class GatewayServer:
     """The gateway under uvicorn, in this thread (:meth:`run`) or a background one (:meth:`start`)."""
 
@@ -911,7 +950,7 @@ class GatewayServer:
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         config = uvicorn.Config(make_app(self.gateway, self._announce), log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, lifespan="on")
+                                timeout_graceful_shutdown=5, lifespan="on", http=_http_protocol())
         self.server = uvicorn.Server(config)
         self.output_dir = Path(output_dir) if output_dir else None
         self._thread: threading.Thread | None = None

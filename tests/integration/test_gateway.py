@@ -17,6 +17,7 @@ import collections
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -1183,6 +1184,25 @@ def test_bad_requests_get_the_openai_error_shape_and_the_gateway_stays_up(served
     # the gateway goes on, and a refused first call leaves no session behind
     reply = served.chat(f"bad-{case}", max_tokens=1)
     assert reply.usage.completion_tokens == 1
+
+
+def _connect(served: Served) -> socket.socket:
+    url = httpx.URL(served.url)
+    sock = socket.create_connection((url.host, url.port), timeout=10)
+    return sock
+
+
+def test_a_request_head_over_its_cap_is_refused_before_it_is_all_read(served):
+    # Once: httptools buffers a request's headers without a limit, before any key is checked:
+    # one connection sending a 200 MB header took the gateway from 583 to 829 MB
+    with contextlib.closing(_connect(served)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+        with contextlib.suppress(OSError):  # the gateway may close the connection while this is sent
+            for _ in range(16):
+                sock.sendall(b"a" * 64 * 1024)
+        reply = sock.recv(1024)
+    assert reply.startswith(b"HTTP/1.1 431 ") and b"the request line and headers" in reply, reply
+    assert served.chat(max_tokens=1).usage.completion_tokens == 1  # the gateway goes on
 
 
 def test_the_openai_client_raises_its_own_errors_for_refusals(served):
