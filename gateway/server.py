@@ -352,11 +352,14 @@ class Gateway:
         except SessionError as exc:
             raise _session_error(exc) from None
 
-    def _calls(self, sessions: list[Session], contexts: list[list[int]], sampling: Any) -> list[_Choice]:
+    def _calls(self, sessions: list[Session], context: Callable[[Session], list[int]], sampling: Any) -> list[_Choice]:
+        """A call per session, its context ``context(session)``; each context is checked as it is
+        made (rendering and tokenising hold the event loop: a prompt over the context costs one)."""
         assert self.sessions is not None
         default = int(self.cfg.rollout.max_new_tokens)
         choices = []
-        for i, (s, ctx) in enumerate(zip(sessions, contexts)):
+        for i, s in enumerate(sessions):
+            ctx = context(s)
             if len(ctx) >= self.max_context:
                 raise bad(f"the prompt has {len(ctx)} tokens; the model's context is {self.max_context}", "messages",
                           "context_length_exceeded")
@@ -532,7 +535,7 @@ class Gateway:
         sessions = self._open(sid, group, sampling.n)
         snaps = [self.sessions.snapshot(s) for s in sessions]
         try:
-            choices = self._calls(sessions, [context(s) for s in sessions], sampling)
+            choices = self._calls(sessions, context, sampling)
         except Exception:
             for s, snap in zip(sessions, snaps):
                 self.sessions.restore(s, snap)

@@ -238,13 +238,13 @@ def test_a_sessions_next_call_may_reuse_k_v_as_old_as_its_oldest_token(tokenizer
     sampling = SimpleNamespace(max_tokens=4, temperature=1.0, top_p=1.0, stop=[], stream=False)
     s = gw.sessions.open("s", None)
     msgs = [{"role": "user", "content": "a"}]
-    (first,) = gw._calls([s], [gw.sessions.chat_context(s, msgs, None)], sampling)
+    (first,) = gw._calls([s], lambda s: gw.sessions.chat_context(s, msgs, None), sampling)
     assert first.call.min_kv_version is None
     for turn, (text, version) in enumerate((("xy", 3), ("z", 7))):  # the next turn sampled by a newer version
         reply, _ = sampled_turn(gw.sessions, s, ids(tokenizer, text), version=version)
         s.expected = [*msgs, normal_message(reply)]
         msgs = [*s.expected, {"role": "user", "content": f"b{turn}"}]
-        (call,) = gw._calls([s], [gw.sessions.chat_context(s, msgs, None)], sampling)
+        (call,) = gw._calls([s], lambda s: gw.sessions.chat_context(s, msgs, None), sampling)
         assert call.call.min_kv_version == 3
 
 
@@ -774,3 +774,24 @@ def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_
     # in order, all of them; the given-back call is held by nobody now (another worker takes it)
     assert [(c.call_id, c.started and c.worker_id) for _, c in inner.sent] == \
         [*((f"x{i}", False) for i in range(5)), ("late", "w7"), ("late", "")]
+
+
+def test_a_call_of_n_choices_over_the_context_is_refused_after_rendering_one(tokenizer):
+    # Once: every choice's context was rendered and tokenised before any was checked; a 900 kB
+    # chat message with n=8 held the gateway's event loop for 9.4 s (8 times 1.2 s), then got a 400
+    from gateway.server import Gateway
+
+    gw = object.__new__(Gateway)  # _calls needs the caps and the sessions only
+    gw.cfg, gw.max_context = Config(), 64
+    gw.sessions = Sessions(tokenizer, 60.0, 4, 32)
+    sessions = [gw.sessions.open(f"long/{i}", None) for i in range(4)]
+    rendered = []
+
+    def context(s):
+        rendered.append(s.session_id)
+        return gw.sessions.completion_context(s, "x" * 100)
+
+    with pytest.raises(ApiError) as info:
+        gw._calls(sessions, context, parse_sampling({"n": 4}, 32, 4))
+    assert info.value.code == "context_length_exceeded" and "100 tokens" in info.value.message
+    assert rendered == ["long/0"]
