@@ -75,7 +75,7 @@ class CompletionRequest:
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body)
-    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python reads
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or more digits or nesting than Python reads
         raise bad(f"the request body is not valid JSON ({exc}); send a JSON object", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
@@ -214,7 +214,7 @@ def normal_message(m: dict[str, Any]) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or more digits or nesting than Python reads: kept as text
                 pass
         calls.append({"id": c.get("id", ""), "type": "function",
                       "function": {"name": fn.get("name", ""), "arguments": args}})

@@ -1163,6 +1163,10 @@ BAD = {
                                                400, "invalid_value"),
     "integer of more digits than JSON is read with": ("/rl/sessions/nobody/reward", b'{"reward": 1' + b"0" * 5000 + b"}",
                                                       400, "invalid_json"),
+    # (under the cap of 8192 bytes; Python's JSON reader raises RecursionError past ~1000 levels)
+    "JSON nested deeper than Python reads": ("/chat/completions", b"[" * 8000, 400, "invalid_json"),
+    "a reward nested deeper than Python reads": ("/rl/sessions/nobody/reward", b'{"reward": ' + b"[" * 8000, 400,
+                                                 "invalid_json"),
     "temperature too large for a float": ("/chat/completions", _chat_body(temperature=10 ** 400), 400, "invalid_value"),
     "tool_calls not a list": ("/chat/completions", _chat_body(messages=[
         {"role": "assistant", "content": "x", "tool_calls": 5}, {"role": "user", "content": "y"}]), 400, "invalid_value"),

@@ -109,7 +109,8 @@ def test_tools_must_be_a_list_of_objects():
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"null",
-                                  b'{"reward": 1' + b"0" * 5000 + b"}"])  # more digits than Python reads
+                                  b'{"reward": 1' + b"0" * 5000 + b"}",  # more digits than Python reads
+                                  b'{"a": ' * 100_000, b"[" * 100_000])  # nested deeper than Python reads (RecursionError)
 def test_a_body_that_is_not_a_json_object_is_refused(body):
     err = refused(parse_json, body)
     assert (err.status, err.code) == (400, "invalid_json")
@@ -147,6 +148,9 @@ def test_normal_message_makes_what_clients_send_back_compare_equal():
     # arguments that are not JSON stay as they were (the comparison is then textual)
     odd = normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]})
     assert odd["tool_calls"][0]["function"]["arguments"] == "{oops"
+    for text in ("[" * 100_000, "1" * 5000):  # nested deeper, or more digits, than Python reads
+        odd = normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": text}}]})
+        assert odd["tool_calls"][0]["function"]["arguments"] == text
     # an empty argument string is an empty object
     assert normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": ""}}]}) == \
         normal_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]})
