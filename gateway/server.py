@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 GROUP_HEADER = "x-group-id"
 RETRY_AFTER_S = 2
+#: distinct reward component names a gateway takes, and their length: each is a learner metric
+#: ``reward/<name>`` (and a Prometheus gauge) for the rest of the run
+MAX_COMPONENTS = 64
+MAX_COMPONENT_CHARS = 64
 #: what the asyncio Redis client raises when Redis is away (the builtin ConnectionError is an OSError)
 REDIS_DOWN = (OSError, aioredis.RedisError)
 #: what a call's queue gets in place of a chunk when the channel from the workers dropped (Gateway._channel_lost)
@@ -174,6 +178,7 @@ class Gateway:
         self.workers: LiveWorkers | None = None  # set in start(), with the async client
         self.phases = CallPhases()
         self.channel_up = False  # subscribed to the workers' chunks: calls are taken only then
+        self.component_names: set[str] = set()  # of the rewards taken (MAX_COMPONENTS)
         self.cancels_owed: set[str] = set()  # cancellations Redis did not take (down): sent again each second
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Task] = set()  # cancellations on their way to Redis
@@ -743,6 +748,12 @@ class Gateway:
         if not all(finite(v) for v in parts.values()) or not finite(total := sum(float(v) for v in parts.values())):
             raise bad("'reward' must be a finite number, or an object of named finite numbers (summed)", "reward")
         components = {str(k): float(v) for k, v in parts.items()} if parts is value else {}
+        if not all(0 < len(k) <= MAX_COMPONENT_CHARS for k in components):
+            raise bad(f"reward component names must be 1-{MAX_COMPONENT_CHARS} characters", "reward")
+        if len(names := self.component_names | set(components)) > MAX_COMPONENTS:
+            raise bad(f"'reward' names {len(names) - len(self.component_names)} component(s) this gateway has not seen, "
+                      f"past the {MAX_COMPONENTS} distinct component names it takes: a run's reward components are a "
+                      "fixed set of names (each is a learner metric reward/<name>)", "reward")
         group = obj.get("group")
         if group is not None and not (isinstance(group, str) and 0 < len(group) <= 200):
             raise bad("'group' must be a string of 1-200 characters", "group")
@@ -750,6 +761,7 @@ class Gateway:
             rewarded = self.sessions.end(sid, total, components, group)
         except SessionError as exc:
             raise _session_error(exc) from None
+        self.component_names = names
         # kept before it is acknowledged: a gateway that dies now loses no accepted reward
         keep = asyncio.ensure_future(asyncio.to_thread(self.buffer.keep_rewarded, rewarded.key, rewarded.sample))
         try:

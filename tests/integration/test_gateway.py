@@ -1225,6 +1225,22 @@ def test_the_openai_client_raises_its_own_errors_for_refusals(served):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_reward_components_are_a_bounded_set_of_names(served):
+    # Once: one reward of 1 MB could carry 60,000 components, each a learner metric reward/<name>
+    # (and a Prometheus gauge for the rest of the run), and every reward could bring new ones
+    served.chat("parts", "g-parts", max_tokens=1)
+    many = served.reward("parts", {f"c{i}": 0.0 for i in range(65)})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "reward", many.text
+    assert "64 distinct component names" in many.json()["error"]["message"]
+    long = served.reward("parts", {"x" * 65: 1.0})
+    assert long.status_code == 400 and "1-64 characters" in long.json()["error"]["message"], long.text
+    ok = served.reward("parts", {"correct": 1.0, "format": -0.25})
+    assert ok.status_code == 200 and ok.json()["reward"] == 0.75, ok.text
+    served.chat("parts-2", "g-parts", max_tokens=1)
+    assert served.reward("parts-2", {"correct": 0.0}).status_code == 200
+    assert [s.reward_components for s in served.group("g-parts")] == [{"correct": 1.0, "format": -0.25}, {"correct": 0.0}]
+
+
 def test_a_session_is_rewarded_once(served):
     served.chat("once", "g-once", max_tokens=1)
     assert served.reward("once", 1.0).status_code == 200
