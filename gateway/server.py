@@ -342,9 +342,12 @@ class Gateway:
 
     def session_of(self, request: Request, user: str | None) -> tuple[str, str | None]:
         sid = request.headers.get(SESSION_HEADER) or user or f"s-{uuid.uuid4().hex}"
+        group = request.headers.get(GROUP_HEADER) or None
         if len(sid) > 200:
             raise bad("a session id is at most 200 characters", "X-Session-Id")
-        return sid, request.headers.get(GROUP_HEADER) or None
+        if group is not None and len(group) > 200:
+            raise bad("a group id is at most 200 characters", "X-Group-Id")
+        return sid, group
 
     # ------------------------------------------------------------------ calls
 

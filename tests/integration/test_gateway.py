@@ -1241,6 +1241,13 @@ def test_reward_components_are_a_bounded_set_of_names(served):
     assert [s.reward_components for s in served.group("g-parts")] == [{"correct": 1.0, "format": -0.25}, {"correct": 0.0}]
 
 
+def test_a_group_id_is_at_most_200_characters_in_the_header_as_in_the_reward(served):
+    # Once: the header's was not checked (60,000 characters went into the group's sample ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        served.chat("long-group", "g" * 201, max_tokens=1)
+    assert info.value.param == "X-Group-Id" and "at most 200 characters" in info.value.message
+
+
 def test_a_session_is_rewarded_once(served):
     served.chat("once", "g-once", max_tokens=1)
     assert served.reward("once", 1.0).status_code == 200
