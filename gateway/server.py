@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -98,8 +98,9 @@ def redis_down(exc: BaseException) -> ApiError:
 
 
 class ClientGone(Exception):
-    """The client of a plain (not streamed) call went away: its calls are cancelled, nobody is
-    left to answer (not a server error: no traceback in the log)."""
+    """The client went away while sending its request, or before its plain (not streamed) call
+    returned (its calls are cancelled): nobody is left to answer (not a server error: no
+    traceback in the log)."""
 
 
 @dataclass
@@ -315,10 +316,13 @@ class Gateway:
         if size is not None and size.isdigit() and int(size) > cap:
             raise ApiError(413, f"the request has {size} bytes, over gateway.max_request_bytes={cap}", code="request_too_large")
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > cap:
-                raise ApiError(413, f"the request is over gateway.max_request_bytes={cap}", code="request_too_large")
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > cap:
+                    raise ApiError(413, f"the request is over gateway.max_request_bytes={cap}", code="request_too_large")
+        except ClientDisconnect:
+            raise ClientGone() from None
         return bytes(data)
 
     def authorize(self, request: Request) -> None:

@@ -1209,6 +1209,19 @@ def test_a_request_head_over_its_cap_is_refused_before_it_is_all_read(served):
     assert served.chat(max_tokens=1).usage.completion_tokens == 1  # the gateway goes on
 
 
+def test_a_client_that_goes_away_while_sending_its_body_is_counted_not_a_server_error(served, caplog):
+    # Once: starlette's ClientDisconnect went up through the gateway: a traceback in its log
+    before = served.stats().get("errors_client_gone", 0)
+    with caplog.at_level(logging.ERROR), contextlib.closing(_connect(served)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.2)
+    wait = time.monotonic() + 10
+    while served.stats().get("errors_client_gone", 0) == before:
+        assert time.monotonic() < wait, f"not counted; the log says: {caplog.text}"
+        time.sleep(0.05)
+    assert "Exception in ASGI application" not in caplog.text
+
+
 def test_the_openai_client_raises_its_own_errors_for_refusals(served):
     with pytest.raises(openai.BadRequestError) as info:
         served.chat(model="gpt-4o")
