@@ -35,6 +35,7 @@ COUNTERS = (
     "uploads_aborted",    # uploads superseded, timed out or refused mid-way
     "uploads_refused",    # upload starts refused: weight_server.max_uploads / max_upload_bytes in progress
     "malformed",          # frames that failed to decode or validate
+    "internal_errors",    # requests the server failed on (logged with their traceback; the loop goes on)
     "auth_refused",       # messages or peers refused by HMAC or CURVE
     "pulls",              # manifests served (a pull starts with one)
     "pulls_tcp",          # pulls whose bytes went over TCP (no shm offered, or the client could not use it)

@@ -126,6 +126,7 @@ E_HASH = "hash_mismatch"
 E_INCOMPLETE = "incomplete"
 E_ABORTED = "aborted"
 E_UNKNOWN_LEASE = "unknown_lease"
+E_INTERNAL = "internal"  # the server failed on the request (a bug, or the host out of something): see its log
 E_BUSY = "busy"  # too many uploads (or bytes of them) in progress: retry after the others finish or expire
 
 ALIGN = 64

@@ -278,16 +278,27 @@ class WeightServer:
             log.warning("malformed message from %s: %s", _peer(head), exc)
             self.error(ident, _loose_rid(head.bytes), code, f"malformed message: {exc}")
             return True
+        try:
+            self._dispatch(ident, obj, head)
+        except Exception as exc:  # one request's failure must not end the loop that serves every other
+            self._drain()
+            self._metrics.count("internal_errors")
+            log.exception("the weight server failed on a %s from %s", obj["kind"], _peer(head))
+            self.error(ident, obj.get("rid"), P.E_INTERNAL,
+                       f"the weight server failed on this {obj['kind']}: {type(exc).__name__}: {exc} (see its log)")
+        return True
+
+    def _dispatch(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
         if obj["kind"] == P.PUB_CHUNK:
             self._on_pub_chunk(ident, obj, head)
-            return True
+            return
         extra = self._recv_rest()
         if extra is None:
             self._metrics.count("malformed")
             self.error(ident, obj.get("rid"), P.E_MALFORMED, f"a {obj['kind']} message has too many frames")
-            return True
+            return
         if not self._authentic(ident, obj, head, [head.buffer], extra):
-            return True
+            return
         try:
             self.handlers.table[obj["kind"]](ident, obj)
         except WireError as exc:
@@ -296,7 +307,6 @@ class WeightServer:
             self.error(ident, obj.get("rid"), P.E_MALFORMED, f"invalid {obj['kind']}: {exc}")
         except Refused as exc:
             self.handlers.refused(ident, obj, exc)
-        return True
 
     def _recv_rest(self) -> list[bytes] | None:
         frames = []

@@ -391,3 +391,29 @@ def test_an_upload_the_host_cannot_hold_is_refused_and_the_server_goes_on(zmq_ct
     finally:
         ch.close()
         srv.stop()
+
+
+def test_a_request_the_server_fails_on_is_answered_and_the_server_goes_on(zmq_ctx, caplog):
+    # Any exception but WireError/Refused out of a handler ended the loop's thread: every later
+    # request went unanswered, with the process alive. A handler that raises (a bug's stand-in,
+    # in the real server's dispatch table) now gets its client an ERROR and the next request served.
+    srv = WeightServer(_cfg()).start()
+    ch = Channel(srv.address, _cfg(), zmq_ctx)
+    latest = srv.handlers.table[P.LATEST]
+
+    def broken(ident, obj):
+        raise RuntimeError("a bug")
+
+    try:
+        srv.handlers.table[P.LATEST] = broken
+        rep = ch.request(P.LATEST, name="policy")
+        assert (rep["kind"], P.error_code(rep)) == (P.ERROR, P.E_INTERNAL), rep
+        assert "RuntimeError: a bug" in rep["message"] and "ws.latest" in rep["message"]
+        assert srv.metrics()["counters"]["internal_errors"] == 1
+        assert "the weight server failed on a ws.latest" in caplog.text
+        srv.handlers.table[P.LATEST] = latest
+        WeightPublisher(srv.address, _cfg(), ctx=zmq_ctx).publish(1, _tensors(1))
+        assert ch.request(P.LATEST, name="policy")["version"] == 1
+    finally:
+        ch.close()
+        srv.stop()
