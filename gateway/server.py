@@ -757,6 +757,9 @@ class Gateway:
         components = {str(k): float(v) for k, v in parts.items()} if parts is value else {}
         if not all(0 < len(k) <= MAX_COMPONENT_CHARS for k in components):
             raise bad(f"reward component names must be 1-{MAX_COMPONENT_CHARS} characters", "reward")
+        if taken := sorted(set(components) & M.REWARD_STATS):
+            raise bad(f"reward component name(s) {', '.join(map(repr, taken))} are the learner's own reward/<stat> "
+                      "metrics (a component is the metric reward/<its name>); rename them", "reward")
         if len(names := self.component_names | set(components)) > MAX_COMPONENTS:
             raise bad(f"'reward' names {len(names) - len(self.component_names)} component(s) this gateway has not seen, "
                       f"past the {MAX_COMPONENTS} distinct component names it takes: a run's reward components are a "

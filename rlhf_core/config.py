@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rlhf_core.errors import UserError
+from rlhf_core.metric_names import REWARD_STATS
 
 
 class ConfigError(UserError, ValueError):
@@ -937,6 +938,10 @@ def validate_reward(reward: RewardConfig, rollout: RolloutConfig) -> None:
     if both:
         raise ConfigError(f"reward.functions and reward.models both name {', '.join(map(repr, both))}: a sample keeps "
                           "each reward's value under its name (reward_components), so one would hide the other; rename one")
+    taken = sorted((models | functions) & REWARD_STATS)
+    if taken:
+        raise ConfigError(f"a reward is named {', '.join(map(repr, taken))}, which the learner's own reward/<stat> "
+                          "metrics use (each reward's value is the metric reward/<its name>); rename the reward")
     if env_target(rollout) is not None and ENV_COMPONENT in models | functions:
         raise ConfigError(f"a reward is named {ENV_COMPONENT!r}, the component an episode's environment rewards are kept "
                           f"under (rollout.env): one would hide the other in reward_components; rename the reward")

@@ -42,6 +42,13 @@ TIME_COMPUTE_S = "learner/time_compute_s"
 TIME_PUBLISH_S = "learner/time_publish_s"
 TIME = "time"  # wall clock (time.time()) when the row was written
 REWARD_MEAN = "reward/mean"
+#: the learner's own ``reward/<stat>`` metrics of a batch; a reward component (kept as ``reward/<its
+#: name>``) may not take one of these names, or the two would write one metric
+REWARD_STATS = frozenset({
+    "mean", "std", "min", "max", "prompt_len_mean", "response_len_mean", "truncated_frac", "policy_len_mean",
+    "turns_mean", "overlong_penalty_mean", "overlong_penalized_frac", "shaped_mean", "normalized_mean",
+    "running_mean", "running_std",
+})
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch

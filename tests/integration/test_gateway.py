@@ -1247,6 +1247,9 @@ def test_reward_components_are_a_bounded_set_of_names(served):
     assert "64 distinct component names" in many.json()["error"]["message"]
     long = served.reward("parts", {"x" * 65: 1.0})
     assert long.status_code == 400 and "1-64 characters" in long.json()["error"]["message"], long.text
+    # a component "mean" was written over the learner's own reward/mean (the batch's reward)
+    taken = served.reward("parts", {"mean": 1.0, "correct": 1.0})
+    assert taken.status_code == 400 and "'mean' are the learner's own reward/<stat>" in taken.json()["error"]["message"]
     ok = served.reward("parts", {"correct": 1.0, "format": -0.25})
     assert ok.status_code == 200 and ok.json()["reward"] == 0.75, ok.text
     served.chat("parts-2", "g-parts", max_tokens=1)

@@ -175,6 +175,23 @@ def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
     assert m["learner/version"] == 6.0 and m["learner/lr"] == pytest.approx(1e-3)
 
 
+def test_the_learners_reward_stats_are_the_names_a_reward_may_not_take(base, tiny_model_cfg):
+    # A reward component is the metric reward/<its name>; one named like a stat (mean, max, ...) was
+    # written over it. metric_names.REWARD_STATS, which config validation and the gateway refuse as
+    # component names, must be exactly the reward/* stats the learner writes (every option on here).
+    from rlhf_core import metric_names as M
+
+    cfg = tiny_config(tiny_model_cfg, **{"algo.normalize_rewards": True, "algo.overlong": "shaping",
+                                         "algo.overlong_buffer": 2})
+    turn = sample(prompt_ids=[20], response_ids=[21, 22, 23], reward=1.0, group_id="a", group_size=2, index=0,
+                  reward_components={"count": 1.0}, loss_mask=[1, 0, 1], metadata={"turns": 2})
+    other = sample(prompt_ids=[20], response_ids=[24], reward=0.0, group_id="a", group_size=2, index=1,
+                   reward_components={"count": 0.0})
+    m = make(base, cfg).update([turn, other], 0)
+    stats = {k.removeprefix("reward/") for k in m if k.startswith("reward/")} - {"count"}
+    assert stats == M.REWARD_STATS
+
+
 def test_reward_normalisation_keeps_running_statistics(base, samples, tiny_model_cfg):
     cfg = tiny_config(tiny_model_cfg, **{"algo.normalize_rewards": True})
     up = make(base, cfg)

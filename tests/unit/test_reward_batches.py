@@ -318,6 +318,9 @@ def test_rewards_of_one_name_are_refused_at_start_up():
     validate_reward(env, RolloutConfig())  # no environment: no clash
     with pytest.raises(ConfigError, match=r"a reward is named 'env', the component an episode's environment rewards"):
         validate_reward(env, RolloutConfig(env={"_target_": "my_envs.Guess"}))
+    # nor one of the learner's own reward/<stat> metrics: a reward 'max' was written over reward/max
+    with pytest.raises(ConfigError, match=r"a reward is named 'max', which the learner's own reward/<stat> metrics use"):
+        validate_reward(RewardConfig(functions={"max": fn("reward_fns.constant")}), RolloutConfig())
 
 
 # ---------------------------------------------------------------------------- reward models
