@@ -920,13 +920,18 @@ def make_app(gw: Gateway, on_ready: Any = None) -> Starlette:
 
 #: the most bytes of a request's line and headers (uvicorn's h11 allows 16 KiB)
 MAX_HEAD_BYTES = 64 * 1024
+#: the most seconds from a connection's start, or a later request's first byte, to the end of its
+#: request's headers (a client sends them at once; uvicorn sets no limit)
+HEAD_TIMEOUT_S = 20.0
 
 
 def _http_protocol() -> Any:
-    """uvicorn's httptools protocol with the request head bounded: httptools buffers the request
-    line and headers without a limit, before any key is checked (one connection sending a 200 MB
-    header took 246 MB). A head over :data:`MAX_HEAD_BYTES` is answered 431 and its connection
-    closed. Without httptools uvicorn speaks h11, which bounds the head itself."""
+    """uvicorn's httptools protocol with the request head bounded, in size and time: httptools
+    buffers the request line and headers without a limit, before any key is checked (one
+    connection sending a 200 MB header took 246 MB), and a connection that sends them a byte at
+    a time, or nothing, was held for good. A head over :data:`MAX_HEAD_BYTES` is answered 431, one
+    not in within :data:`HEAD_TIMEOUT_S` 408, and its connection closed. Without httptools uvicorn
+    speaks h11, which bounds the head's size itself."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
@@ -934,13 +939,25 @@ def _http_protocol() -> Any:
 
     class BoundedHead(HttpToolsProtocol):
         in_head, head_bytes = False, 0  # a request's head is being received, and its bytes so far
+        head_timer: asyncio.TimerHandle | None = None  # until the head is in
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_in()
+            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.in_head, self.head_bytes = True, 0
+            if self.head_timer is None:  # a later request of the connection
+                self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
 
         def on_headers_complete(self) -> None:
             self.in_head = False
+            self._head_in()
             super().on_headers_complete()
 
         def data_received(self, data: bytes) -> None:
@@ -949,10 +966,24 @@ def _http_protocol() -> Any:
                 return
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD_BYTES:
-                msg = f"the request line and headers are over {MAX_HEAD_BYTES} bytes; send fewer or shorter headers".encode()
-                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
-                                     b"charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(msg), msg))
-                self.transport.close()
+                self._refuse(b"431 Request Header Fields Too Large",
+                             f"the request line and headers are over {MAX_HEAD_BYTES} bytes; send fewer or shorter headers")
+
+        def _head_in(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _head_late(self) -> None:
+            self.head_timer = None
+            if not self.transport.is_closing():
+                self._refuse(b"408 Request Timeout", f"the request line and headers took over {HEAD_TIMEOUT_S:g} s")
+
+        def _refuse(self, status: bytes, message: str) -> None:
+            msg = message.encode()
+            self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                                 b"connection: close\r\n\r\n%s" % (status, len(msg), msg))
+            self.transport.close()
 
     return BoundedHead
 

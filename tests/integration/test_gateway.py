@@ -1209,6 +1209,29 @@ def test_a_request_head_over_its_cap_is_refused_before_it_is_all_read(served):
     assert served.chat(max_tokens=1).usage.completion_tokens == 1  # the gateway goes on
 
 
+def test_a_request_head_that_does_not_arrive_in_time_is_answered_408(served, monkeypatch):
+    # Once: a connection that sent its headers a byte at a time, or nothing, was held for good
+    # (uvicorn sets no limit; the key is checked after the headers): enough of them use up the
+    # gateway's file descriptors
+    from gateway import server
+
+    monkeypatch.setattr(server, "HEAD_TIMEOUT_S", 0.5)
+    with contextlib.closing(_connect(served)) as silent, contextlib.closing(_connect(served)) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        for sock in (silent, slow):
+            reply = sock.recv(1024)
+            assert reply.startswith(b"HTTP/1.1 408 ") and b"took over 0.5 s" in reply, reply
+            assert sock.recv(1024) == b""  # closed
+        assert time.monotonic() - t0 < 5
+    # a client that sends its request at once is served on the same settings, twice on one connection
+    with contextlib.closing(_connect(served)) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.7)  # longer than the head's limit, between requests: only a head is timed
+
+
 def test_a_client_that_goes_away_while_sending_its_body_is_counted_not_a_server_error(served, caplog):
     # Once: starlette's ClientDisconnect went up through the gateway: a traceback in its log
     before = served.stats().get("errors_client_gone", 0)
