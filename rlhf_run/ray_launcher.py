@@ -143,6 +143,7 @@ class RayLauncher(Launcher):
             raise ConfigError("launcher=ray needs Ray, which is not installed: pip install -e '.[ray]' "
                               "(./quickstart.sh installs it), or use launcher=local") from None
         self.ray = ray
+        sigterm = signal.getsignal(signal.SIGTERM)  # ray.init puts its own (sys.exit) there
         if address is None:
             want = sum(d.resources.get("CPU", 0.0) for d in plan.demands(self.cfg))
             cpus = self.cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(want))
@@ -155,6 +156,7 @@ class RayLauncher(Launcher):
                 probe(address, self.cfg.ray.connect_timeout_s)
             ray.init(address=address, log_to_driver=False)
             log.info("connected to the Ray cluster at %s", address)
+        signal.signal(signal.SIGTERM, sigterm)  # the run's: it stops the roles and writes the summary
         self.driver_node = ray.get_runtime_context().get_node_id()
 
     def start_infrastructure(self) -> None:

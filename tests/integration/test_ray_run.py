@@ -245,3 +245,23 @@ def test_a_placement_a_local_ray_instance_cannot_hold_is_refused_naming_the_reso
             "instance) has 0 GPU on 1 alive node(s)" in proc.stderr), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "started a local Ray instance" in proc.stdout + proc.stderr
     assert not (out / "children.json").exists() and not (out / "logs").exists()  # nothing started
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stays_the_launchers_once_ray_is_up(tmp_path):
+    """``Launcher.run`` catches SIGTERM to stop the run cleanly (final checkpoint, summary, exit
+    130); ``ray.init`` installs a handler of its own (``sys.exit``) over it, which ended a
+    SIGTERMed run without its summary, its roles given 5 s instead of their grace."""
+    from rlhf_core.config import Config
+    from rlhf_run.ray_launcher import RayLauncher
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    launcher = RayLauncher(Config(launcher="ray"), tmp_path)
+    try:
+        launcher.connect()  # a local Ray instance of its own
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: got, 5, "SIGTERM to reach the launcher's handler", interval=0.05)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        launcher.ray.shutdown()
