@@ -101,7 +101,16 @@ def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], add
 def _holds(node: Mapping[str, Any], d: Demand) -> bool:
     res, labels = node.get("Resources", {}), node.get("Labels", {}) or {}
     return all(float(res.get(k, 0.0)) + 1e-9 >= v for k, v in d.resources.items()) and \
-        all(labels.get(k) == v for k, v in d.labels.items())
+        all(_label_matches(labels.get(k), v) for k, v in d.labels.items())
+
+
+def _label_matches(label: str | None, selector: str) -> bool:
+    """Ray's label selector values: ``v``, ``in(a, b)`` and their negations ``!v``, ``!in(a, b)``,
+    which a node without the label matches."""
+    body = selector.removeprefix("!")
+    group = body.removeprefix("in")
+    values = {v.strip() for v in group[1:-1].split(",")} if group.startswith("(") and group.endswith(")") else {body}
+    return (label in values) != selector.startswith("!")
 
 
 def _largest(nodes: Sequence[Mapping[str, Any]], d: Demand) -> str:

@@ -70,6 +70,23 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_naming_the_resource(sett
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("selector, fits", [
+    ("a10", True), ("in(a10, h100)", True), ("!spot", True), ("!in(spot,preemptible)", True),
+    ("h100", False), ("in(h100,b200)", False), ("!a10", False), ("!in(a10)", False),
+])
+def test_label_selectors_match_as_ray_matches_them(selector, fits):
+    # Ray's label selector values: a value, !value, in(a, b), !in(a, b) (checked against Ray 2.60:
+    # a node without the label matches !value and !in(...)); a selector Ray would place must not
+    # be refused before the run starts
+    cfg = config(ray__worker__label_selector={"gpu": selector, "region": "!eu"})
+    nodes = [node(8, labels={"gpu": "a10"})]
+    if fits:
+        plan.check_fits(plan.demands(cfg), nodes, "head:6379")
+    else:
+        with pytest.raises(ConfigError, match="no node of the Ray cluster at head:6379 can hold worker-0"):
+            plan.check_fits(plan.demands(cfg), nodes, "head:6379")
+
+
 def test_strict_spread_ranks_need_as_many_nodes():
     cfg = config(ray__learner__ranks=3, learner__engine="deepspeed", ray__learner__strategy="STRICT_SPREAD",
                  rollout__num_workers=0)
