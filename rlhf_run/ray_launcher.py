@@ -165,9 +165,8 @@ class RayLauncher(Launcher):
         ray = self.ray
         from ray.util.placement_group import placement_group
 
+        self.check_fits()
         ranks = cfg.ray.learner.ranks
-        plan.check_fits(plan.demands(cfg), ray.nodes(), cfg.ray.address or "this machine (a local instance)",
-                        spread_ranks=ranks if cfg.ray.learner.strategy == "STRICT_SPREAD" else 0)
         bundles, selectors = plan.learner_bundles(cfg, self.driver_node)
         self.pg = placement_group(bundles, strategy=cfg.ray.learner.strategy, bundle_label_selector=selectors)
         self.wait_placement_group(f"{ranks} bundle(s) of {bundles[0]}")
@@ -194,6 +193,12 @@ class RayLauncher(Launcher):
             log.info("weight server at %s (announcements %s), auth %s", info["address"], info["pub_address"],
                      cfg.weight_server.auth)
         cfg.run.output_dir = str(self.output_dir)
+
+    def check_fits(self, workers: int | None = None) -> None:
+        """The cluster can hold the run's actors (with ``workers`` workers), or a ConfigError naming the resource."""
+        cfg = self.cfg
+        plan.check_fits(plan.demands(cfg, workers), self.ray.nodes(), cfg.ray.address or "this machine (a local instance)",
+                        spread_ranks=cfg.ray.learner.ranks if cfg.ray.learner.strategy == "STRICT_SPREAD" else 0)
 
     def infra_options(self, role: Any, node_id: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -515,6 +520,11 @@ class RayLauncher(Launcher):
         log.info("scaling the workers from %d to %d (the run's worker target changed)", len(active), target)
         self.worker_target = target
         if target > len(active):
+            try:
+                self.check_fits(target)
+            except ConfigError as exc:
+                log.error("rlhf-monitor workers=%d is refused, the run keeps its %d: %s", target, len(active), exc)
+                return
             used = {_index(p) for p in self.actors if p.kind == "worker"}
             for _ in range(target - len(active)):
                 i = next(i for i in range(len(used) + 1) if i not in used)

@@ -83,7 +83,8 @@ def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], add
             total[k] = total.get(k, 0.0) + v
     for k, v in total.items():
         if v > have.get(k, 0.0) + 1e-9:
-            askers = ", ".join(f"{d.name} {_num(d.resources[k])}" for d in wanted if d.resources.get(k))
+            askers = [f"{d.name} {_num(d.resources[k])}" for d in wanted if d.resources.get(k)]
+            askers = ", ".join(askers if len(askers) <= 6 else [*askers[:5], f"... {len(askers) - 5} more"])
             raise ConfigError(
                 f"the run asks for {_num(v)} {k} in all ({askers}) but the Ray cluster at {address} has "
                 f"{_num(have.get(k, 0.0))} {k} on {len(alive)} alive node(s); lower ray.<role>.num_cpus / num_gpus / "

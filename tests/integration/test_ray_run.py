@@ -265,3 +265,25 @@ def test_sigterm_stays_the_launchers_once_ray_is_up(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, before)
         launcher.ray.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_target_the_cluster_cannot_hold_is_refused_naming_the_resource(tmp_path, caplog):
+    """``rlhf-monitor workers=N`` with N past what the cluster holds: refused as the same run
+    would be at its start, the workers it has kept, not N actors queued that no node can take
+    (with a typo such as workers=1000, a thousand actors and their processes as nodes join)."""
+    from rlhf_core.config import Config
+    from rlhf_run.ray_launcher import RayLauncher
+
+    cfg = Config(launcher="ray")
+    cfg.ray.num_cpus = 2  # the local instance: room for the learner and one worker
+    launcher = RayLauncher(cfg, tmp_path)
+    try:
+        launcher.connect()
+        launcher.scale_to(1000)
+        assert launcher.actors == [] and launcher.worker_target == 1000  # asked once, said once
+        assert "workers=1000 is refused" in caplog.text
+        assert "the run asks for 1001 CPU in all (learner rank 0 1, worker-0 1, worker-1 1, worker-2 1, worker-3 1, " \
+               "... 996 more) but the Ray cluster at this machine (a local instance) has 2 CPU" in caplog.text
+    finally:
+        launcher.ray.shutdown()
