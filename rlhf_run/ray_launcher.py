@@ -198,7 +198,8 @@ class RayLauncher(Launcher):
         """The cluster can hold the run's actors (with ``workers`` workers), or a ConfigError naming the resource."""
         cfg = self.cfg
         plan.check_fits(plan.demands(cfg, workers), self.ray.nodes(), cfg.ray.address or "this machine (a local instance)",
-                        spread_ranks=cfg.ray.learner.ranks if cfg.ray.learner.strategy == "STRICT_SPREAD" else 0)
+                        spread_ranks=cfg.ray.learner.ranks if cfg.ray.learner.strategy == "STRICT_SPREAD" else 0,
+                        driver_node=self.driver_node)
 
     def infra_options(self, role: Any, node_id: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

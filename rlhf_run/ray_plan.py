@@ -30,11 +30,13 @@ NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 @dataclass(frozen=True)
 class Demand:
-    """One actor's ask: logical CPUs, GPUs and custom resources, on a node with these labels."""
+    """One actor's ask: logical CPUs, GPUs and custom resources, on a node with these labels
+    (``on_driver``: on the node running rlhf-run)."""
 
     name: str
     resources: dict[str, float]
     labels: dict[str, str] = field(default_factory=dict)
+    on_driver: bool = False
 
     def text(self) -> str:
         ask = ", ".join(f"{k} {_num(v)}" for k, v in self.resources.items() if v)
@@ -54,10 +56,10 @@ def demands(cfg: Config, workers: int | None = None) -> list[Demand]:
     r = cfg.ray
     out = []
     if cfg.buffer.url is None:
-        out.append(Demand("redis", role_resources(r.redis), dict(r.redis.label_selector)))
-    out.append(Demand("weight_server", role_resources(r.weight_server), dict(r.weight_server.label_selector)))
-    out += [Demand(f"learner rank {i}", role_resources(r.learner), dict(r.learner.label_selector))
-            for i in range(r.learner.ranks)]
+        out.append(Demand("redis", role_resources(r.redis), on_driver=True))
+    out.append(Demand("weight_server", role_resources(r.weight_server), on_driver=True))
+    out += [Demand(f"learner rank {i}", role_resources(r.learner), dict(r.learner.label_selector),
+                   on_driver=i == 0 and r.learner.on_driver_node) for i in range(r.learner.ranks)]
     n = cfg.rollout.num_workers if workers is None else workers
     out += [Demand(f"worker-{i}", role_resources(r.worker), dict(r.worker.label_selector)) for i in range(n)]
     if cfg.eval.every:
@@ -66,21 +68,16 @@ def demands(cfg: Config, workers: int | None = None) -> list[Demand]:
 
 
 def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], address: str,
-               spread_ranks: int = 0) -> None:
+               spread_ranks: int = 0, driver_node: str | None = None) -> None:
     """Refuse, naming the resource, a placement the cluster cannot hold: more of a resource in
     all than its alive nodes have, one actor no single node can hold (GPUs, custom resources,
-    labels), or ``spread_ranks`` ranks that must each be on another node (STRICT_SPREAD) with
+    labels), the actors pinned to the node running rlhf-run (``driver_node``, its id) more than
+    it holds, or ``spread_ranks`` ranks that must each be on another node (STRICT_SPREAD) with
     fewer nodes. Not a full bin packing: what it lets through Ray may still leave pending,
     which the launcher reports after ``ray.placement_timeout_s``."""
     alive = [n for n in nodes if n.get("Alive", True)]
-    have: dict[str, float] = {}
-    for node in alive:
-        for k, v in node.get("Resources", {}).items():
-            have[k] = have.get(k, 0.0) + float(v)
-    total: dict[str, float] = {}
-    for d in wanted:
-        for k, v in d.resources.items():
-            total[k] = total.get(k, 0.0) + v
+    have = _sum(n.get("Resources", {}) for n in alive)
+    total = _sum(d.resources for d in wanted)
     for k, v in total.items():
         if v > have.get(k, 0.0) + 1e-9:
             askers = [f"{d.name} {_num(d.resources[k])}" for d in wanted if d.resources.get(k)]
@@ -94,9 +91,31 @@ def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], add
             raise ConfigError(
                 f"no node of the Ray cluster at {address} can hold {d.text()}: the largest node has "
                 f"{_largest(alive, d)}; change ray.<role> settings or start a node that has them")
+    pinned = [d for d in wanted if d.on_driver]
+    here = next((n for n in alive if n.get("NodeID") == driver_node), None)
+    together = Demand(", ".join(d.name for d in pinned), _sum(d.resources for d in pinned),
+                      {k: v for d in pinned for k, v in d.labels.items()})
+    if here is not None and not _holds(here, together):
+        res, labels = here.get("Resources", {}), here.get("Labels") or {}
+        has = [", ".join(f"{k} {_num(float(res.get(k, 0.0)))}" for k in together.resources)] if together.resources else []
+        has += [f"{k}={labels.get(k, '(unset)')}" for k in together.labels]
+        rank0 = any(d.name.startswith("learner") for d in pinned)
+        raise ConfigError(
+            f"{together.text()} runs on the node running rlhf-run{' (ray.learner.on_driver_node)' if rank0 else ''}, "
+            f"which has {' and '.join(has)}: run rlhf-run on a node with that room"
+            + (", or ray.learner.on_driver_node=false (rank 0 anywhere; its output folder then on a filesystem every "
+               "node mounts)" if rank0 else ""))
     if spread_ranks > len(alive):
         raise ConfigError(f"ray.learner.strategy=STRICT_SPREAD puts each of the {spread_ranks} learner ranks on its own "
                           f"node, but the Ray cluster at {address} has {len(alive)} alive node(s)")
+
+
+def _sum(resources: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in resources:
+        for k, v in r.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 def _holds(node: Mapping[str, Any], d: Demand) -> bool:

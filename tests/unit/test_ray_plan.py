@@ -87,6 +87,34 @@ def test_label_selectors_match_as_ray_matches_them(selector, fits):
             plan.check_fits(plan.demands(cfg), nodes, "head:6379")
 
 
+@pytest.mark.parametrize("settings, head, message", [
+    # the README's "a GPU learner on the head", run from a head without a GPU (a GPU elsewhere)
+    (dict(ray__learner__num_gpus=1.0), node(4), "learner rank 0 (CPU 1, GPU 1) runs on the node running rlhf-run "
+     "(ray.learner.on_driver_node), which has CPU 4, GPU 0"),
+    # a head started with --num-cpus=0 (Ray's advice for a head that only coordinates)
+    (dict(), node(0), "learner rank 0 (CPU 1) runs on the node running rlhf-run (ray.learner.on_driver_node), which "
+     "has CPU 0"),
+    # what runs there together: rank 0 and the weight server
+    (dict(ray__weight_server__num_cpus=2.0), node(2),
+     "weight_server, learner rank 0 (CPU 3) runs on the node running rlhf-run (ray.learner.on_driver_node), which has CPU 2"),
+    # rank 0's labels are asked of that node too
+    (dict(ray__learner__label_selector={"disk": "nvme"}), node(4),
+     "learner rank 0 (CPU 1 on a node labelled {'disk': 'nvme'}) runs on the node running rlhf-run "
+     "(ray.learner.on_driver_node), which has CPU 4 and disk=(unset)"),
+])
+def test_what_runs_on_the_driver_node_must_fit_there(settings, head, message):
+    # rank 0 (by default), the weight server and a private Redis are pinned to the node running
+    # rlhf-run: another node having the room does not help (the placement group waited
+    # ray.placement_timeout_s, then blamed "other jobs")
+    cfg = config(**settings)
+    nodes = [dict(head, NodeID="head"), dict(node(8, gpus=2, labels={"disk": "nvme"}), NodeID="other")]
+    with pytest.raises(ConfigError) as err:
+        plan.check_fits(plan.demands(cfg), nodes, "head:6379", driver_node="head")
+    assert message in str(err.value) and "or ray.learner.on_driver_node=false" in str(err.value)
+    cfg.ray.learner.on_driver_node = False  # rank 0 goes where it fits
+    plan.check_fits(plan.demands(cfg), nodes, "head:6379", driver_node="head")
+
+
 def test_strict_spread_ranks_need_as_many_nodes():
     cfg = config(ray__learner__ranks=3, learner__engine="deepspeed", ray__learner__strategy="STRICT_SPREAD",
                  rollout__num_workers=0)
