@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from buffer.connection import redact
 from rlhf_core.config import ConfigError
@@ -93,7 +94,10 @@ class ActorHandle:
         return self.info["url"]
 
     def restart_command(self) -> str:
-        return self.info["restart_command"]
+        """Redis's, for the hint the launcher logs: its password stays where the run keeps it."""
+        password = urlsplit(self.url).password
+        command = self.info["restart_command"]
+        return command.replace(password, "PASSWORD (buffer.url in run_config.yaml)") if password else command
 
     def metrics(self) -> dict[str, Any]:
         try:

@@ -226,3 +226,20 @@ def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
     launcher.restart_learner = restart_learner
     assert launcher.supervise_once() is True
     assert restarts == [1] and launcher.learner_restarts == 1
+
+
+def test_the_redis_restart_hint_keeps_the_password_out_of_the_log(tmp_path, caplog):
+    # Redis of a launcher=ray run has a password, which the run prints redacted (it is in
+    # run_config.yaml, readable by its owner only); the hint for a Redis unreachable 10 s
+    # logged it whole, to the console and the run's log, inside the restart command
+    import time
+    from types import SimpleNamespace
+
+    from rlhf_run.ray_launcher import ActorHandle, RayLauncher
+
+    launcher = RayLauncher(Config(launcher="ray"), tmp_path)
+    launcher.redis = ActorHandle(None, None, {"url": "redis://:pw-Secret_123@10.0.0.5:6379/0", "restart_command":
+                                              "redis-server --port 6379 --dir /out/redis --requirepass pw-Secret_123"})
+    launcher.check_progress(SimpleNamespace(error=None, unreachable_since=time.time() - 60, latest=None))
+    assert "restart it on the same data with:\n  redis-server --port 6379 --dir /out/redis --requirepass " in caplog.text
+    assert "pw-Secret_123" not in caplog.text and "buffer.url in run_config.yaml" in caplog.text
