@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from rlhf_core.config import Config
+from buffer.connection import redact
+from rlhf_core.config import SECRET_FIELDS, Config
 from rlhf_core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class TrackerStartError(UserError):
 
 
 def _flat_config(cfg: Config) -> dict[str, Any]:
+    """The resolved config as dotted keys, for a tracker: secrets as "***", URLs without their
+    password (under Ray the run makes a weight-server secret and a Redis password of its own)."""
     from omegaconf import OmegaConf
 
     def walk(node: Any, prefix: str) -> dict[str, Any]:
@@ -148,7 +151,10 @@ def _flat_config(cfg: Config) -> dict[str, Any]:
             for k, v in node.items():
                 out.update(walk(v, f"{prefix}{k}."))
             return out
-        return {prefix[:-1]: node}
+        key = prefix[:-1]
+        if key in SECRET_FIELDS and node:
+            return {key: "***"}
+        return {key: redact(node) if isinstance(node, str) and "://" in node else node}
 
     return walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
 

@@ -547,6 +547,12 @@ def validate_shm(ws: WeightServerConfig) -> None:
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
+#: the settings that hold a secret (a URL's password aside): what leaves the run, as the config an
+#: experiment tracker is given, shows them as "***"
+SECRET_FIELDS = frozenset({"weight_server.secret", "weight_server.curve_server_secret",
+                           "weight_server.curve_client_secret", "gateway.api_keys"})
+
+
 def validate(cfg: Any) -> None:
     """Check derived settings once at start-up. Raises ConfigError naming the numbers."""
     if isinstance(cfg, DictConfig):

@@ -106,6 +106,25 @@ def test_mlflow_logs_to_a_file_store_and_a_restored_learner_continues_the_same_r
     assert artifacts == ["samples/step_00000002.json"]
 
 
+def test_a_trackers_config_holds_no_secret(tmp_path):
+    # Once: the whole resolved config went to the tracker's server, with the weight server's secret
+    # (under Ray, one the run makes) and the Redis URL's password
+    from mlflow.tracking import MlflowClient
+
+    cfg = cfg_with(tmp_path, "mlflow")
+    cfg.buffer.url = "redis://rlhf:hunter2-password@10.0.0.5:6379/0"
+    cfg.weight_server.secret = "s3cret-hmac-key-of-the-run"
+    cfg.gateway.api_keys = ["k-0123456789abcdef"]
+    Trackers(cfg, tmp_path).close()
+    client = MlflowClient(cfg.run.mlflow_tracking_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rlhf-service").experiment_id])
+    params = run.data.params
+    assert params["buffer.url"] == "redis://rlhf:***@10.0.0.5:6379/0"
+    assert params["weight_server.secret"] == "***" and params["gateway.api_keys"] == "***"
+    assert params["weight_server.curve_client_secret"] == "None"  # unset: shown as unset
+    assert not any(word in value for value in params.values() for word in ("hunter2", "s3cret", "k-0123"))
+
+
 def test_wandb_offline_keeps_its_run_id_across_a_restart(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     state = log_then_restart(cfg_with(tmp_path, "wandb"), tmp_path, step=3)
