@@ -265,8 +265,6 @@ class PolicyUpdater:
             steps, trained = self._ppo_update(batch, rewards, learner_version, m)
         m.reduce(all_reduce_sum, all_reduce_max)
         out = m.result()
-        if self.device.type == "cuda":  # the metrics' copy waits for the gradient norm, not the optimizer step after it
-            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t_start
         out.update({
             "learner/version": float(learner_version),
