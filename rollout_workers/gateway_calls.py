@@ -59,8 +59,8 @@ class BackgroundChannel:
     """What :class:`GatewayCalls` asks of Redis (``take``, ``send``, ``exchange``), served by two
     threads over a :class:`~buffer.gateway.WorkerChannel` so that no call waits on Redis (see the
     module docstring). ``take`` and ``exchange`` return what the threads have already fetched; chunks are sent in
-    order, as soon as the sender thread gets to them. :meth:`close` gives calls taken and never
-    started back to the list (another worker serves them) and sends what is left."""
+    order, as soon as the sender thread gets to them. :meth:`close` sends what is left, then gives calls
+    taken and never started back to the list (another worker serves them)."""
 
     BLOCK_S = 0.1  # a taker's BRPOP waits this long before it looks at the demand again
 
@@ -170,14 +170,16 @@ class BackgroundChannel:
         self._want.set()
         self._threads[0].join(timeout=2 * self.BLOCK_S + 5)
         left = self._pop(len(self.inbox))
+        # held by nobody, said before they are back on the list: another worker may take one at
+        # once, and what it says must come last
+        self.send(self._held(left, "", None))
+        self.outbox.put(None)
+        self._threads[1].join(timeout=10)
         if left:
             try:
                 self.channel.give_back([raw for raw, _ in left])
-                self.send(self._held(left, "", None))  # held by nobody: another worker takes them
             except Exception as exc:  # noqa: BLE001
                 log.warning("gateway calls: %d call(s) taken and not started could not be given back: %s", len(left), exc)
-        self.outbox.put(None)
-        self._threads[1].join(timeout=10)
 
     @staticmethod
     def _held(taken: list[Taken], worker_id: str, at: float | None) -> list[tuple[str, CallChunk]]:

@@ -799,3 +799,41 @@ def test_a_call_of_n_choices_over_the_context_is_refused_after_rendering_one(tok
         gw._calls(sessions, context, parse_sampling({"n": 4}, 32, 4))
     assert info.value.code == "context_length_exceeded" and "100 tokens" in info.value.message
     assert rendered == ["long/0"]
+
+
+def test_a_stopping_worker_says_it_holds_a_call_no_more_before_it_gives_the_call_back():
+    """Another worker may take a given-back call at once and say it holds it: had this worker's
+    "held by nobody" come after that, the gateway would think nobody holds the call and, that
+    worker dying, wait out gateway.call_timeout_s instead of failing it at once."""
+    import threading
+
+    from rollout_workers.gateway_calls import BackgroundChannel
+
+    call = GatewayCall("c", "gw-a", [1], 4).encode()
+
+    class Channel:
+        def __init__(self):
+            self.log, self.queued, self.stop = [], [call], threading.Event()
+
+        def wait_take(self, n, block_s):
+            if self.queued:
+                got, self.queued = self.queued, []
+                return got
+            self.stop.wait(block_s)
+            return []
+
+        def send(self, chunks, running):
+            self.log += [("held by", c.worker_id) for _, c in chunks]
+            return []
+
+        def give_back(self, raws):
+            self.log.append(("given back", raws))
+
+    inner = Channel()
+    ch = BackgroundChannel(inner, "w1")
+    ch._ask(1)  # the worker has a free slot: the taker takes the call; the worker stops before it starts it
+    with ch._got:
+        assert ch._got.wait_for(lambda: ch.inbox, timeout=10)
+    ch.close()
+    inner.stop.set()
+    assert inner.log == [("held by", "w1"), ("held by", ""), ("given back", [call])]
