@@ -357,7 +357,8 @@ class VersionStore:
         return max(2 * max(held), DEFAULT_UPLOAD_FLOOR) if held else None
 
     def upload_bytes(self) -> int:
-        return sum(up.layout.total_bytes for up in self.uploads.values())
+        # a copy first (one step under the GIL): metrics() sums them on another thread than the loop's
+        return sum(up.layout.total_bytes for up in list(self.uploads.values()))
 
     def pending(self, name: str) -> Upload | None:
         """The upload of ``name`` newer than the newest held version, if any (a follower's chunks

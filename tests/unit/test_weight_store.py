@@ -204,3 +204,23 @@ def test_persist_roundtrip_readable_by_safetensors(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="content hash does not match"):
         read_version(path, max_tensors=10, max_version_bytes=1 << 20)
+
+
+def test_upload_bytes_may_be_read_while_the_server_thread_starts_an_upload():
+    """WeightServer.metrics() runs on the caller's thread (the launcher's progress thread) and sums
+    the uploads in progress while the server's loop thread begins and ends them. Here the loop's
+    begin() lands exactly while the sum is under way (the first upload's layout starts it)."""
+    store = VersionStore(keep=2)
+    up, lay = _upload(store, 1, _data(1), skip=0)  # in progress
+    started = []
+
+    class Interleaved:  # the first upload's layout, whose size read lets the other thread run
+        def __getattr__(self, name):
+            if name == "total_bytes" and not started:
+                started.append(None)  # once (begin() sums the uploads too)
+                started[0] = _upload(store, 1, _data(2), name="reference", skip=0)[0]
+            return getattr(lay, name)
+
+    up.layout = Interleaved()
+    assert store.upload_bytes() in (lay.total_bytes, lay.total_bytes + started[0].layout.total_bytes)
+    assert len(store.uploads) == 2
