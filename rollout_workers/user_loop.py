@@ -45,6 +45,15 @@ class UserLoop:
         return out
 
     def stop(self) -> None:
+        """Cancel what runs on the loop, then stop it: a thread waiting on a future of
+        :meth:`submit` (an environment's pool thread) gets ``CancelledError``; with the loop
+        merely stopped it would wait for ever, and the process's exit, which joins such threads, with it."""
         with self._lock:
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop.call_soon_threadsafe(_cancel_and_stop, self._loop)
+
+
+def _cancel_and_stop(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon(loop.stop)  # after the cancelled tasks' next step: their futures are cancelled then

@@ -338,3 +338,23 @@ def test_async_environments_run_on_the_event_loop(tokenizer):
 def test_environment_constructor_arguments_are_checked_at_start_up():
     with pytest.raises(ConfigError, match=r"test_episodes.Echo\(colour=...\) does not fit its constructor"):
         EnvFactory(RolloutConfig(env={"_target_": "test_episodes.Echo", "colour": "red"}))
+
+
+def test_closing_the_calls_ends_a_thread_waiting_on_the_event_loop():
+    # a plain method that returned a coroutine waits for it on its pool thread: stopping the event
+    # loop under it left that thread waiting for ever, and the worker's exit, which joins the
+    # pool's threads, with it
+    from rollout_workers.episodes import EnvCalls
+
+    calls = EnvCalls(threads=1, timeout_s=None)
+    running = threading.Event()
+
+    async def step():
+        running.set()
+        await asyncio.Event().wait()  # it would answer, later, on a loop still running
+
+    calls.submit("e", lambda: step())
+    assert running.wait(10)
+    calls.close()
+    ((key, _, exc),) = next_answers(calls)
+    assert key == "e" and exc is not None
