@@ -706,15 +706,18 @@ class Gateway:
         try:
             for event in opening:
                 yield event
-            async for c, got in self._run(choices, None):
-                if not got.final:
-                    if (event := part(c, got.token_ids)) is not None:
-                        yield event
-                    continue
-                if (err := self._failed([c])) is not None:
-                    yield self._error_event(err)
-                    return
-                yield final(c)
+            # closed on the way out, before the sessions are settled (left to the garbage collector,
+            # its drift check would still run on a conversation put back)
+            async with contextlib.aclosing(self._run(choices, None)) as chunks:
+                async for c, got in chunks:
+                    if not got.final:
+                        if (event := part(c, got.token_ids)) is not None:
+                            yield event
+                        continue
+                    if (err := self._failed([c])) is not None:
+                        yield self._error_event(err)
+                        return
+                    yield final(c)
             ok = True
             if sampling.include_usage:
                 yield self._usage_chunk(cid, created, kind, choices)

@@ -837,3 +837,42 @@ def test_a_stopping_worker_says_it_holds_a_call_no_more_before_it_gives_the_call
     ch.close()
     inner.stop.set()
     assert inner.log == [("held by", "w1"), ("held by", ""), ("given back", [call])]
+
+
+def test_a_streamed_call_that_fails_winds_its_calls_up_before_it_puts_its_sessions_back():
+    """A choice answered with an error ends the stream early; the calls' own ending (the drift
+    check awaited, unfinished calls cancelled) must come before the sessions are put back and
+    freed. Left to the garbage collector, it came after: the drift check thread still ran on a
+    conversation already put back (or taken by the session's next call), and its late count
+    landed in the restored session."""
+    import asyncio
+    import types
+
+    from gateway.server import Gateway
+
+    log = []
+
+    class Stub:
+        async def _run(self, choices, request):
+            try:
+                for c in choices:
+                    yield c, types.SimpleNamespace(final=True, token_ids=[])
+            finally:
+                log.append("calls wound up")
+
+        def _failed(self, choices):
+            return "refused"
+
+        def _error_event(self, err):
+            return b"error"
+
+        def _settle(self, choices, ok):
+            log.append(("settled", ok))
+
+    async def stream():
+        events = Gateway._sse(Stub(), ["a", "b"], types.SimpleNamespace(include_usage=False), "id", 0, "kind", [],
+                              lambda c: b"final", lambda c, tokens: None)
+        return [e async for e in events]
+
+    assert asyncio.run(stream()) == [b"error"]
+    assert log == ["calls wound up", ("settled", False)]
