@@ -199,6 +199,7 @@ class RolloutWorker:
         self.groups: dict[str, _Group] = {}  # by lease id
         self.stats = WorkerStats()
         self._lost: set[str] = set()  # lease ids the heartbeat found taken over; guarded by _buf_lock
+        self._last_stats: dict[str, Any] = {"version": None}  # the heartbeat's last stats that built
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._next_claim_at = 0.0
@@ -676,6 +677,24 @@ class RolloutWorker:
             self.heartbeat()
 
     def heartbeat(self) -> None:
+        """Renew this worker's leases, with its stats for the monitor. Stats that fail to build (read
+        here while the main thread changes what they count) go out as the last ones that built: a
+        heartbeat thread that died on them left the leases to expire under a working worker."""
+        try:
+            stats = self._stats_record()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("worker %s: its stats failed (%s: %s); heartbeating with the last ones", self.worker_id,
+                        type(exc).__name__, exc)
+            stats = self._last_stats
+        self._last_stats = stats
+        try:
+            with self._buf_lock:
+                lost = self.buffer.heartbeat(self.worker_id, stats["version"], stats)
+                self._lost.update(lost)
+        except Exception as exc:  # Redis away for longer than the client's retries: the main loop will notice
+            log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    def _stats_record(self) -> dict[str, Any]:
         extra = dict(self.renderer.counters.as_dict())
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=self.weights.stats["pulls"], weight_timeouts=self.weights.stats["timeouts"],
@@ -691,12 +710,7 @@ class RolloutWorker:
         stats = self.stats.as_dict(self.engine.version if self.has_weights else None, extra)
         if self.exporter is not None:
             self.exporter.update(stats)
-        try:
-            with self._buf_lock:
-                lost = self.buffer.heartbeat(self.worker_id, stats["version"], stats)
-                self._lost.update(lost)
-        except Exception as exc:  # Redis away for longer than the client's retries: the main loop will notice
-            log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+        return stats
 
     def score_share(self) -> float:
         """The share of the scoring threads' time spent scoring since the worker started (near 1:

@@ -328,6 +328,26 @@ def test_weight_server_down_generation_goes_on_with_the_current_weights(run, wei
     assert (wt.stats.weight_updates, wt.worker.engine.version) == (1, 0)
 
 
+def test_a_heartbeat_whose_stats_fail_still_renews_the_leases(run, caplog):
+    # Once: the heartbeat thread builds the stats while the main thread changes what they count, and
+    # an exception there (outside the heartbeat's try) ended the thread for good: the worker went on
+    # working while its leases expired under it. Now the last stats that built go out.
+    cfg, learner = run()
+    worker = RolloutWorker(cfg, "w-beat")
+    try:
+        worker.heartbeat()
+        before = worker.buffer.metrics()["consumers"]["w-beat"]
+        worker.score_share = lambda: 1 / 0  # what a stats read racing the main thread would raise
+        with caplog.at_level("WARNING", logger="rollout_workers.worker"):
+            worker.heartbeat()
+        after = worker.buffer.metrics()["consumers"]["w-beat"]
+        assert after["last_seen"] > before["last_seen"] and after["stats"] == before["stats"]
+        assert "its stats failed (ZeroDivisionError: division by zero); heartbeating with the last ones" in caplog.text
+    finally:
+        for part in (worker.scoring, worker.engine, worker.weights, worker.buffer):
+            part.close()
+
+
 def test_reference_logprobs_computed_on_the_worker(run):
     cfg, learner = run(rollout__ref_logprobs_on="worker", rollout__temperature=0.9)
     learner.publish(0, seed=1)  # the policy moved away from the reference (the on-disk weights)
