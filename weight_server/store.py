@@ -19,6 +19,7 @@ it) is *tainted*: never recycled, its file removed once nothing sends from it.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import secrets
 import threading
@@ -30,6 +31,8 @@ import numpy as np
 
 from weight_server import protocol as P
 from weight_server.protocol import Layout
+
+log = logging.getLogger("weight_server")
 
 
 #: the least the default upload byte cap allows (the cap is twice the largest version held)
@@ -119,11 +122,16 @@ class SlabPool:
         threading.Thread(target=self._make, args=(nbytes,), name="weight-slab", daemon=True).start()
 
     def _make(self, nbytes: int) -> None:
-        slab = self.factory(nbytes)
-        with self._lock:
-            if slab is not None:
-                self._made.append(slab)
-            self._making = False
+        slab = None
+        try:
+            slab = self.factory(nbytes)
+        except Exception:  # noqa: BLE001  # the upload that wants it makes its own; later ones try again
+            log.exception("weight server: a spare slab of %d bytes could not be made", nbytes)
+        finally:
+            with self._lock:
+                if slab is not None:
+                    self._made.append(slab)
+                self._making = False
 
     @staticmethod
     def _fits(slab: Slab, nbytes: int) -> bool:
