@@ -270,6 +270,23 @@ async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
     await client.hdel(keys.gw_cancel, call_id)
 
 
+async def forget_old_cancels(client: Any, keys: RunKeys, older_than_s: float) -> None:
+    """Drop the marks older than ``older_than_s`` (a call's timeout): nobody waits for their calls
+    any more, and some calls never end where a mark is taken out (a worker died holding them, or
+    the mark landed after the call's final chunk)."""
+    cutoff = time.time() - older_than_s
+    old = [call_id for call_id, at in (await client.hgetall(keys.gw_cancel)).items() if not _time(at) >= cutoff]
+    if old:
+        await client.hdel(keys.gw_cancel, *old)
+
+
+def _time(value: bytes) -> float:
+    try:
+        return float(value)
+    except ValueError:  # not the gateway's: as old as can be
+        return -math.inf
+
+
 async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str, float]:
     """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds, each
     with when its process started (wall clock: its last heartbeat less its uptime; 0 when its

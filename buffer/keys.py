@@ -27,7 +27,7 @@ Layout (``P = rlhf:{run_id}:``)::
     P control         hash    settings changed from outside while the run goes on: ``workers`` (the
                               number of worker actors a ``launcher=ray`` run keeps; ``rlhf-monitor workers=N``)
     P gw:calls        list    generation calls of rlhf-gateway, oldest at the tail (``buffer.gateway``)
-    P gw:cancel       hash    call id -> time: calls whose client went away (the worker aborts them)
+    P gw:cancel       hash    call id -> time: calls whose client went away (the worker aborts them; kept gateway.call_timeout_s at most)
     P gw:out:<id>     channel pub/sub, not a key: the tokens of one gateway's calls (``RunKeys.gw_out``)
 
 The fields of the stream entries are defined at the end of this module; the Lua scripts get

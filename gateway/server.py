@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from buffer import Buffer
 from buffer.connection import client_kwargs
-from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel
+from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel, forget_old_cancels
 from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response,
                                 completion_response, finite, logprobs_content, normal_message, parse_chat,
                                 parse_completion, parse_json, sse, usage)
@@ -294,7 +294,7 @@ class Gateway:
         await self._append_due()
 
     async def _housekeeping(self) -> None:
-        """Expire idle sessions, append groups that are due, publish the gateway's stats."""
+        """Expire idle sessions, append groups that are due, drop old cancellation marks, publish the gateway's stats."""
         assert self.sessions is not None
         every = min(1.0, self.cfg.gateway.session_ttl_s / 4)
         while True:
@@ -303,6 +303,7 @@ class Gateway:
                 await self._send_cancels()
                 self.sessions.expire()
                 await self._append_due()
+                await forget_old_cancels(self.redis, self.keys, self.cfg.gateway.call_timeout_s)
                 await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, self.counts())
             except Exception:  # noqa: BLE001  # Redis away for a moment: the next round retries
                 log.exception("gateway: housekeeping failed")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -743,6 +744,34 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
         finally:
             if successor is not None:
                 successor.stop()
+
+
+def test_the_cancellation_marks_of_calls_no_worker_will_end_do_not_pile_up(infra, tiny_model_cfg):
+    # A worker that dies holding calls never ends them, so nothing takes their marks out of
+    # P gw:cancel (nor of a call whose cancellation lands after its final chunk): the hash grew
+    # by one field per such call for the whole run. A mark older than gateway.call_timeout_s is
+    # for a call nobody waits for any more, and goes.
+    from gateway.server import GatewayServer
+    from servers import wait_for
+    from worker_helpers import FakeLearner
+
+    cfg = _cfg(infra, tiny_model_cfg, "gw-cancel-marks", "gateway.call_timeout_s=2")
+    learner = FakeLearner(cfg)
+    server = GatewayServer(cfg)
+    url = server.start()
+    redis, keys, n = learner.buffer.redis, learner.buffer.keys, 4
+    try:
+        learner.buffer.heartbeat("w-ghost")  # a worker that takes the calls and dies with them
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            codes = list(pool.map(lambda i: httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=30,
+                                                       headers={"X-Session-Id": f"ghost-{i}"}).status_code, range(n)))
+        redis.delete(keys.gw_calls)  # ... taken by the worker that died
+        assert codes == [503] * n
+        wait_for(lambda: redis.hlen(keys.gw_cancel) == n, 5, "the cancellations of the timed-out calls", 0.02)
+        wait_for(lambda: redis.hlen(keys.gw_cancel) == 0, 10, "the marks of calls nobody waits for to go", 0.1)
+    finally:
+        server.stop()
+        learner.close()
 
 
 class Stuck:
