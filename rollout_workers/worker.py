@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken early by new prompts/budget)
 BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
+MAX_LOGGED_REASONS = 1024  # dead-letter reasons counted for rate-limited logging
 #: heartbeat stats key -> engine attribute, for engines that count their forward passes (hf)
 ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills",
                    M.WORKER_ENGINE_REUSED: "num_reused_tokens", M.WORKER_ENGINE_PROMPT: "num_prompt_tokens"}
@@ -361,7 +362,7 @@ class RolloutWorker:
             raise
 
     def _reject_prompt(self, lease: Lease, reason: str) -> None:
-        seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1
+        seen = self._seen(reason)
         if seen == 1 or seen % 100 == 0:
             log.warning("worker %s: prompt %s dead-lettered (%d time(s) for this reason): %s", self.worker_id,
                         lease.prompt.prompt_id, seen, reason)
@@ -647,11 +648,18 @@ class RolloutWorker:
     def _log_dead_letter(self, group: _Group, reason: str) -> None:
         """The first occurrence of each reason, then every 100th (a reward failing on every sample
         once wrote 126 MB of log in two minutes)."""
-        key = reason[:200]
-        seen = self._logged_reasons[key] = self._logged_reasons.get(key, 0) + 1
+        seen = self._seen(reason)
         if seen == 1 or seen % 100 == 0:
             log.warning("worker %s: a sample of prompt %s dead-lettered (%d time(s) for this reason): %s",
                         self.worker_id, group.lease.prompt.prompt_id, seen, reason)
+
+    def _seen(self, reason: str) -> int:
+        """Times ``reason`` was seen. Most reasons name their prompt, so the counts start again at
+        MAX_LOGGED_REASONS of them (a reason seen that often is logged once more)."""
+        if len(self._logged_reasons) >= MAX_LOGGED_REASONS:
+            self._logged_reasons.clear()
+        seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1
+        return seen
 
     def _abandon_lost_leases(self) -> None:
         """Stop generating for prompts another worker reclaimed (this one was silent too long)."""

@@ -425,6 +425,25 @@ def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
     assert learner.counters()["prompts_dead_lettered"] == 16
 
 
+def test_the_counts_behind_rate_limited_dead_letter_logging_stay_bounded(run):
+    # Dead letters are logged the first time and every 100th time for each reason, counted in a
+    # dict by reason; the prompt's reasons name the prompt (and the engine's its request), so
+    # the dict grew by one entry per dead-lettered prompt for the whole run.
+    from types import SimpleNamespace
+
+    cfg, learner = run()
+    learner.publish(0)
+    worker = RolloutWorker(cfg, "w-reasons")
+    try:
+        n = 5000
+        for i in range(n):
+            group = SimpleNamespace(lease=SimpleNamespace(prompt=SimpleNamespace(prompt_id=f"p-{i}")))
+            worker._log_dead_letter(group, f"prompt 'p-{i}' has 20 tokens, more than rollout.max_prompt_tokens=8")
+        assert len(worker._logged_reasons) < n // 4
+    finally:
+        worker.run(max_prompts=0)  # what it opened, closed
+
+
 # What Llama-2/Mistral/Gemma chat templates do with a system turn or roles that do not alternate.
 ALTERNATING_TEMPLATE = (
     "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
