@@ -162,6 +162,10 @@ def configure_client_socket(sock: zmq.Socket, cfg: WeightServerConfig) -> None:
     sock.curve_secretkey = load_key(cfg.curve_client_secret, "curve_client_secret", want_secret=True)
 
 
+#: a refused client (address, key) is logged at most once in this many seconds
+REFUSAL_LOG_S = 10.0
+
+
 class ZapHandler:
     """ZeroMQ's authentication hook (ZAP, RFC 27) served from the server's own poll loop.
 
@@ -175,7 +179,7 @@ class ZapHandler:
         self.sock.linger = 0
         self.sock.bind(ZAP_ENDPOINT)
         self.refused = 0
-        self._last_log: dict[tuple[bytes, bytes], float] = {}
+        self._last_log: dict[tuple[bytes, bytes], float] = {}  # (address, key) -> logged at, the oldest first
 
     def handle(self) -> None:
         """Answer one pending ZAP request (call when the socket is readable)."""
@@ -190,9 +194,11 @@ class ZapHandler:
             return
         self.refused += 1
         key = creds[0] if creds else b""
-        now = time.monotonic()
-        if now - self._last_log.get((address, key), -1e9) > 10.0:
-            self._last_log[(address, key)] = now
+        now, logged = time.monotonic(), self._last_log
+        while logged and now - next(iter(logged.values())) > REFUSAL_LOG_S:  # oldest first: those that hold nothing back
+            del logged[next(iter(logged))]
+        if (address, key) not in logged:
+            logged[(address, key)] = now
             from zmq.utils import z85
 
             shown = z85.encode(key).decode() if len(key) == 32 else "-"

@@ -74,6 +74,37 @@ def test_curve_unauthorised_client_key_is_refused_and_logged(keys, caplog):
         server.stop()
 
 
+def test_the_refusals_remembered_for_rate_limited_logging_are_only_the_recent_ones(keys, zmq_ctx, monkeypatch):
+    # A refused handshake is logged at most once per REFUSAL_LOG_S for its (address, key); what
+    # was logged when was kept for good, one entry per key any client ever tried (anyone who can
+    # reach the port picks them). An entry older than REFUSAL_LOG_S holds nothing back: it goes.
+    import zmq
+
+    from weight_server import auth
+
+    monkeypatch.setattr(auth, "REFUSAL_LOG_S", 0.0, raising=False)  # every refusal's entry is at once old
+    good, _ = keys
+    server = WeightServer(_curve_server_cfg(good)).start()
+    socks, n = [], 20
+    try:
+        for _ in range(n):  # n clients, each with a key of its own
+            sock = zmq_ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.curve_serverkey = auth.load_key(good["curve_server_public"], "curve_server_public")
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.connect(server.address)
+            socks.append(sock)
+        deadline = time.monotonic() + 20
+        while server.metrics()["counters"]["auth_refused"] < n:
+            assert time.monotonic() < deadline, "the handshakes were not all refused"
+            time.sleep(0.02)
+        assert len(server.zap._last_log) <= 2
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        server.stop()
+
+
 def test_curve_wrong_server_key_is_a_clear_error(keys):
     good, other = keys
     server = WeightServer(_curve_server_cfg(good)).start()
