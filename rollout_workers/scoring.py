@@ -30,6 +30,8 @@ from rollout_workers.rewards import CallWatch, RewardFailing
 K = TypeVar("K", bound=Hashable)
 
 MAX_ABANDONED = 16
+#: batch durations kept for take_durations() (the worker's exporter takes them every loop; without one nobody does)
+MAX_DURATIONS = 1024
 
 Job = Callable[[list[Any], CallWatch], list[Any]]
 
@@ -65,7 +67,7 @@ class ScoringPool(Generic[K]):
         self.calls = 0  # reward calls made (each function or model, per sample or per batch)
         self.batches = 0
         self.timeouts = 0  # reward calls abandoned
-        self._durations: list[float] = []  # per batch, until take_durations()
+        self._durations: deque[float] = deque(maxlen=MAX_DURATIONS)  # per batch, until take_durations()
         for _ in range(int(num_threads)):
             self._start_thread()
 
@@ -113,7 +115,7 @@ class ScoringPool(Generic[K]):
     def take_durations(self) -> list[float]:
         """Seconds of each batch finished or abandoned since the last call (for a histogram)."""
         with self._cond:
-            out, self._durations = self._durations, []
+            out, self._durations = list(self._durations), deque(maxlen=MAX_DURATIONS)
         return out
 
     def close(self, wait_s: float = 10.0) -> None:

@@ -172,3 +172,15 @@ def test_samples_left_after_a_thread_took_a_batch_go_to_the_free_thread(submitte
     finally:
         job.hold.set()
     assert len(collect(p, submitted)) == submitted
+
+
+def test_the_durations_nobody_takes_are_not_kept_for_ever():
+    # Each batch's duration waits for take_durations(), which only a worker with a Prometheus
+    # exporter calls (rollout.prometheus_port; off by default, and the evaluator never): one float
+    # per batch for the whole run.
+    p = pool(lambda items, watch: [f"scored {x}" for x in items], batch_size=1, max_wait_s=0.0)
+    n = 5000
+    p.submit([(f"s{i}", f"s{i}") for i in range(n)])
+    collect(p, n, flush=True)
+    assert p.batches == n and len(p._durations) <= n // 3
+    p.close()
