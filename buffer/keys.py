@@ -29,6 +29,7 @@ Layout (``P = rlhf:{run_id}:``)::
     P gw:calls        list    generation calls of rlhf-gateway, oldest at the tail (``buffer.gateway``)
     P gw:cancel       hash    call id -> time: calls whose client went away (the worker aborts them; kept gateway.call_timeout_s at most)
     P gw:out:<id>     channel pub/sub, not a key: the tokens of one gateway's calls (``RunKeys.gw_out``)
+    P gw:rewarded     hash    key -> msgpack Sample: rewarded sessions kept until their group is appended (``gateway.sessions``)
 
 The fields of the stream entries are defined at the end of this module; the Lua scripts get
 all of these names through the preamble built in :mod:`buffer.scripts`.
