@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -83,6 +84,7 @@ IDLE_CLAIM_BLOCK_S = 0.25  # an idle worker waits this long per claim (woken ear
 BUSY_CLAIM_BACKOFF_S = 0.05  # a busy worker whose claim got nothing retries after this (not every step)
 WEIGHT_RETRY_S = 5.0  # pause after a failed pull of an announced version
 MAX_LOGGED_REASONS = 1024  # dead-letter reasons counted for rate-limited logging
+_REASON_DETAILS = re.compile(r"'[^']*'|\d+")  # what differs between two reasons of one kind
 #: heartbeat stats key -> engine attribute, for engines that count their forward passes (hf)
 ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS: "num_prefills",
                    M.WORKER_ENGINE_REUSED: "num_reused_tokens", M.WORKER_ENGINE_PROMPT: "num_prompt_tokens"}
@@ -654,11 +656,13 @@ class RolloutWorker:
                         self.worker_id, group.lease.prompt.prompt_id, seen, reason)
 
     def _seen(self, reason: str) -> int:
-        """Times ``reason`` was seen. Most reasons name their prompt, so the counts start again at
-        MAX_LOGGED_REASONS of them (a reason seen that often is logged once more)."""
+        """Times a reason of this kind was seen: ``reason`` with its quoted names and numbers left out
+        (most reasons name their prompt, or the request, and count its tokens). The counts start again
+        at MAX_LOGGED_REASONS kinds (a kind seen that often is logged once more)."""
+        kind = _REASON_DETAILS.sub("#", reason[:200])
         if len(self._logged_reasons) >= MAX_LOGGED_REASONS:
             self._logged_reasons.clear()
-        seen = self._logged_reasons[reason[:200]] = self._logged_reasons.get(reason[:200], 0) + 1
+        seen = self._logged_reasons[kind] = self._logged_reasons.get(kind, 0) + 1
         return seen
 
     def _abandon_lost_leases(self) -> None:

@@ -425,10 +425,11 @@ def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
     assert learner.counters()["prompts_dead_lettered"] == 16
 
 
-def test_the_counts_behind_rate_limited_dead_letter_logging_stay_bounded(run):
+def test_the_counts_behind_rate_limited_dead_letter_logging_stay_bounded(run, caplog):
     # Dead letters are logged the first time and every 100th time for each reason, counted in a
     # dict by reason; the prompt's reasons name the prompt (and the engine's its request), so
-    # the dict grew by one entry per dead-lettered prompt for the whole run.
+    # the dict grew by one entry per dead-lettered prompt for the whole run, and every one was
+    # logged. They are counted by kind now: the reason without its quoted names and numbers.
     from types import SimpleNamespace
 
     cfg, learner = run()
@@ -436,10 +437,15 @@ def test_the_counts_behind_rate_limited_dead_letter_logging_stay_bounded(run):
     worker = RolloutWorker(cfg, "w-reasons")
     try:
         n = 5000
-        for i in range(n):
-            group = SimpleNamespace(lease=SimpleNamespace(prompt=SimpleNamespace(prompt_id=f"p-{i}")))
-            worker._log_dead_letter(group, f"prompt 'p-{i}' has 20 tokens, more than rollout.max_prompt_tokens=8")
-        assert len(worker._logged_reasons) < n // 4
+        with caplog.at_level("WARNING", logger="rollout_workers.worker"):
+            for i in range(n):
+                group = SimpleNamespace(lease=SimpleNamespace(prompt=SimpleNamespace(prompt_id=f"p-{i}")))
+                worker._log_dead_letter(group, f"prompt 'p-{i}' has {20 + i % 7} tokens, more than "
+                                               "rollout.max_prompt_tokens=8")
+        assert len(worker._logged_reasons) == 1
+        lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+        assert len(lines) == 51  # the 1st, then every 100th of the kind: 100, 200, ..., 5000
+        assert "prompt p-0 dead-lettered (1 time(s) for this reason): prompt 'p-0' has 20 tokens" in lines[0]
     finally:
         worker.run(max_prompts=0)  # what it opened, closed
 
