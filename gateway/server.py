@@ -60,6 +60,8 @@ RETRY_AFTER_S = 2
 #: ``reward/<name>`` (and a Prometheus gauge) for the rest of the run
 MAX_COMPONENTS = 64
 MAX_COMPONENT_CHARS = 64
+#: the longest session or group id (a header's, or the reward body's group): it goes into sample ids
+MAX_ID_CHARS = 200
 #: what the asyncio Redis client raises when Redis is away (the builtin ConnectionError is an OSError)
 REDIS_DOWN = (OSError, aioredis.RedisError)
 #: what a call's queue gets in place of a chunk when the channel from the workers dropped (Gateway._channel_lost)
@@ -348,10 +350,10 @@ class Gateway:
     def session_of(self, request: Request, user: str | None) -> tuple[str, str | None]:
         sid = request.headers.get(SESSION_HEADER) or user or f"s-{uuid.uuid4().hex}"
         group = request.headers.get(GROUP_HEADER) or None
-        if len(sid) > 200:
-            raise bad("a session id is at most 200 characters", "X-Session-Id")
-        if group is not None and len(group) > 200:
-            raise bad("a group id is at most 200 characters", "X-Group-Id")
+        if len(sid) > MAX_ID_CHARS:
+            raise bad(f"a session id is at most {MAX_ID_CHARS} characters", "X-Session-Id")
+        if group is not None and len(group) > MAX_ID_CHARS:
+            raise bad(f"a group id is at most {MAX_ID_CHARS} characters", "X-Group-Id")
         return sid, group
 
     # ------------------------------------------------------------------ calls
@@ -769,8 +771,8 @@ class Gateway:
                       f"past the {MAX_COMPONENTS} distinct component names it takes: a run's reward components are a "
                       "fixed set of names (each is a learner metric reward/<name>)", "reward")
         group = obj.get("group")
-        if group is not None and not (isinstance(group, str) and 0 < len(group) <= 200):
-            raise bad("'group' must be a string of 1-200 characters", "group")
+        if group is not None and not (isinstance(group, str) and 0 < len(group) <= MAX_ID_CHARS):
+            raise bad(f"'group' must be a string of 1-{MAX_ID_CHARS} characters", "group")
         try:
             rewarded = self.sessions.end(sid, total, components, group)
         except SessionError as exc:
