@@ -280,7 +280,7 @@ class WeightServerConfig:
     max_frame_bytes: int = 64 * 1024 * 1024  # ZMQ_MAXMSGSIZE: a peer sending a larger frame is dropped
     max_version_bytes: int = 64 * 1024**3
     max_uploads: int = 4  # uploads in progress at once (a newer version of a name supersedes its older upload)
-    # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: no cap)
+    # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: max_version_bytes)
     max_upload_bytes: Optional[int] = None
     request_timeout_s: float = 5.0  # clients: wait this long for each reply before calling the server down
     retry_timeout_s: float = 60.0  # publisher: keep retrying (exponential backoff) this long
