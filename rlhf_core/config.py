@@ -280,7 +280,7 @@ class WeightServerConfig:
     max_frame_bytes: int = 64 * 1024 * 1024  # ZMQ_MAXMSGSIZE: a peer sending a larger frame is dropped
     max_version_bytes: int = 64 * 1024**3
     max_uploads: int = 4  # uploads in progress at once (a newer version of a name supersedes its older upload)
-    # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: no cap)
+    # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: max_version_bytes)
     max_upload_bytes: Optional[int] = None
     request_timeout_s: float = 5.0  # clients: wait this long for each reply before calling the server down
     retry_timeout_s: float = 60.0  # publisher: keep retrying (exponential backoff) this long
@@ -424,10 +424,10 @@ class RayLearnerConfig(RayRoleConfig):
 class RayConfig:
     """``rlhf-run launcher=ray``: the roles as Ray actors (docs: README, "Running on a cluster")."""
 
-    # host:port of the cluster's GCS (what `ray start --head` prints); "auto": the cluster this node
-    # joined; null: start a local Ray instance for this run
+    # host:port of the cluster's GCS (what `ray start --head` prints); "auto": RAY_ADDRESS, else the
+    # cluster this node joined with `ray start`; null: start a local Ray instance for this run
     address: Optional[str] = None
-    connect_timeout_s: float = 15.0  # no answer at ray.address within this: a clear error
+    connect_timeout_s: float = 15.0  # no Ray cluster answers at ray.address within about this: a clear error
     placement_timeout_s: float = 120.0  # the learner's placement group / an actor not placed within this: an error
     # a local instance only: logical CPUs (null: the machine's cores, at least what the run asks for) and the
     # object store (the run moves weights over ZeroMQ and shared memory, not through Ray's store)

@@ -4,7 +4,8 @@ The flow is the one-machine launcher's (:meth:`rlhf_run.local_launcher.Launcher.
 paths, the saved config, the live line, the report, ``resume=``); what differs is where the
 roles run and how they are watched:
 
-* **Connect** to ``ray.address`` (probed first, so a missing cluster is an error within
+* **Connect** to ``ray.address`` (probed first, and Ray's own connect settings bounded, so a missing
+  cluster, or a server there that is no Ray cluster, is an error within about
   ``ray.connect_timeout_s``) or start a local Ray instance (loopback only), then check that
   the cluster can hold every actor (:func:`rlhf_run.ray_plan.check_fits`) before any starts.
 * **Place**: the learner's ranks in a placement group, one bundle per rank (rank 0 on this node
@@ -34,9 +35,10 @@ import secrets
 import signal
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from buffer.connection import redact
@@ -148,19 +150,19 @@ class RayLauncher(Launcher):
                               "(./quickstart.sh installs it), or use launcher=local") from None
         self.ray = ray
         sigterm = signal.getsignal(signal.SIGTERM)  # ray.init puts its own (sys.exit) there
-        if address is None:
-            want = sum(d.resources.get("CPU", 0.0) for d in plan.demands(self.cfg))
-            cpus = self.cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(want))
-            # "local": a new instance even where RAY_ADDRESS or a `ray start` on this machine would be joined
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=self.cfg.ray.object_store_mb * 2**20)
-            log.info("started a local Ray instance (%g logical CPUs)", cpus)
-        else:
-            if address != "auto":
-                probe(address, self.cfg.ray.connect_timeout_s)
-            ray.init(address=address, log_to_driver=False)
-            log.info("connected to the Ray cluster at %s", address)
-        signal.signal(signal.SIGTERM, sigterm)  # the run's: it stops the roles and writes the summary
+        try:
+            if address is None:
+                want = sum(d.resources.get("CPU", 0.0) for d in plan.demands(self.cfg))
+                cpus = self.cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(want))
+                # "local": a new instance even where RAY_ADDRESS or a `ray start` on this machine would be joined
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                         object_store_memory=self.cfg.ray.object_store_mb * 2**20)
+                log.info("started a local Ray instance (%g logical CPUs)", cpus)
+            else:
+                join(ray, address, self.cfg.ray.connect_timeout_s)
+                log.info("connected to the Ray cluster at %s", address)
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)  # the run's: it stops the roles and writes the summary
         self.driver_node = ray.get_runtime_context().get_node_id()
 
     def start_infrastructure(self) -> None:
@@ -616,19 +618,74 @@ class RayLauncher(Launcher):
         self.ray = None
 
 
-def probe(address: str, timeout: float) -> None:
-    """A clear error, within ``timeout`` seconds, when nothing listens at ``ray.address``."""
+def join(ray: Any, address: str, timeout: float) -> None:
+    """``ray.init`` at ``ray.address``, or a ConfigError within about ``timeout`` s (plus a second)
+    that names the address and says what to do."""
+    found = resolve(address)
+    probe(found, timeout, address)
+    try:
+        with gcs_connect_within(timeout):
+            ray.init(address=address, log_to_driver=False)
+    except ConnectionError as exc:  # it accepts connections, yet no Ray GCS answered there
+        name = f"{address} ({found})" if found != address else address
+        raise ConfigError(f"ray.address={name}: something accepts connections there but no Ray cluster answered "
+                          f"within ~{timeout:g} s (ray.connect_timeout_s; {_first_line(exc)}). Pass the address "
+                          "`ray start --head` prints (HOST:6379 by default), start a cluster there with `ray start "
+                          "--head --port=6379`, or leave ray.address unset for a local Ray instance") from None
+
+
+def resolve(address: str) -> str:
+    """``ray.address`` as HOST:PORT: ``auto`` is RAY_ADDRESS, else the cluster that `ray start` last
+    recorded on this node (never, as Ray's own ``auto`` may, any Ray instance that runs here)."""
+    if address != "auto":
+        return address
+    from ray._private.utils import read_ray_address  # Ray's own lookup: <RAY_TMPDIR or /tmp>/ray/ray_current_cluster
+
+    found = os.environ.get("RAY_ADDRESS") or read_ray_address()
+    if not found:
+        raise ConfigError("ray.address=auto: no Ray cluster was started on this node (RAY_ADDRESS is unset and no "
+                          "`ray start` is recorded). Start one with `ray start --head --port=6379` (or join one with "
+                          "`ray start --address=HEAD_IP:6379`), pass ray.address=HOST:PORT, or leave ray.address "
+                          "unset for a local Ray instance")
+    return found
+
+
+@contextmanager
+def gcs_connect_within(timeout: float) -> Iterator[None]:
+    """Make ``ray.init`` give up on an address that accepts connections but is no Ray GCS (a Redis,
+    any other server) after about ``timeout`` s, with Ray's own settings: one connect attempt
+    instead of 20 of ~40 s each, its gRPC connect, pubsub connect and cluster id request each
+    bounded by a third of ``timeout``. An operator's own RAY_* setting of these wins."""
+    step = str(max(1, round(timeout / 3)))
+    settings = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_gcs_rpc_server_connect_timeout_s": step,
+                "RAY_py_gcs_connect_timeout_s": step}
+    ours = [k for k in settings if k not in os.environ]
+    os.environ.update({k: settings[k] for k in ours})
+    from ray._raylet import Config
+
+    Config.initialize("")  # Ray read its settings from the environment when imported: read them again
+    try:
+        yield
+    finally:
+        for k in ours:  # a local Ray instance started later in this process waits as long as Ray likes
+            os.environ.pop(k, None)
+
+
+def probe(address: str, timeout: float, setting: str | None = None) -> None:
+    """A clear error, within ``timeout`` seconds, when nothing listens at ``address`` (``setting``:
+    the ``ray.address`` it came from, when that was ``auto``)."""
+    name = f"{setting} ({address})" if setting not in (None, address) else address
     host, _, port = address.rpartition(":")
     if address.startswith("ray://"):
-        raise ConfigError(f"ray.address={address}: Ray Client addresses are not supported; run rlhf-run on a node of "
+        raise ConfigError(f"ray.address={name}: Ray Client addresses are not supported; run rlhf-run on a node of "
                           "the cluster (the head node) with ray.address=HEAD_IP:6379")
     if not host or not port.isdigit():
-        raise ConfigError(f"ray.address={address} must be HOST:PORT of the cluster's head (what `ray start --head` "
+        raise ConfigError(f"ray.address={name} must be HOST:PORT of the cluster's head (what `ray start --head` "
                           "prints), or auto")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise ConfigError(f"ray.address={address}: no Ray cluster answers there ({exc}; waited at most {timeout:g} s, "
+        raise ConfigError(f"ray.address={name}: no Ray cluster answers there ({exc}; waited at most {timeout:g} s, "
                           "ray.connect_timeout_s). Start one on the head node with `ray start --head --port=6379` and "
                           "pass the address it prints, or leave ray.address unset for a local Ray instance") from None
 

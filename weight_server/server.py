@@ -79,7 +79,8 @@ class WeightServer:
         host = self._bind()
         self._open_shm(shm_free_space)
         self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None,
-                                  max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes)
+                                  max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes,
+                                  max_version_bytes=cfg.max_version_bytes)
         self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
         self._metrics = ServerMetrics()
         self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None

@@ -250,13 +250,15 @@ class VersionStore:
     """Holds the newest ``keep`` versions of each named parameter set and the uploads in progress."""
 
     def __init__(self, keep: int, max_names: int = 16, slab_factory: SlabFactory | None = None,
-                 max_uploads: int = 4, max_upload_bytes: int | None = None) -> None:
+                 max_uploads: int = 4, max_upload_bytes: int | None = None,
+                 max_version_bytes: int = 64 * 1024**3) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self.max_names = max_names
         self.max_uploads = max_uploads  # uploads in progress at once, over all names
-        self.max_upload_bytes = max_upload_bytes  # their total bytes (None: no cap)
+        self.max_upload_bytes = max_upload_bytes  # their total bytes (None: see upload_byte_cap)
+        self.max_version_bytes = max_version_bytes
         self.pool = SlabPool(factory=slab_factory)
         self.versions: dict[str, dict[int, Version]] = {}
         self.uploads: dict[int, Upload] = {}
@@ -353,16 +355,21 @@ class VersionStore:
             raise Refused(P.E_BUSY, f"{len(self.uploads)} uploads are in progress (weight_server.max_uploads="
                                     f"{self.max_uploads}); retry when one finishes or expires")
         cap = self.upload_byte_cap()
-        if cap is not None and busy + nbytes > cap:
+        if busy + nbytes > cap:
             raise Refused(P.E_BUSY, f"uploads in progress hold {busy} bytes; {nbytes} more would pass the cap of {cap} "
                                     "(weight_server.max_upload_bytes; by default twice the largest version held, "
-                                    "at least 1 GiB)")
+                                    "at least 1 GiB, or while nothing is held yet, weight_server.max_version_bytes); "
+                                    "retry when one finishes or expires, or raise weight_server.max_upload_bytes")
 
-    def upload_byte_cap(self) -> int | None:
+    def upload_byte_cap(self) -> int:
+        """The most bytes the uploads in progress may hold together: ``max_upload_bytes`` when set,
+        else twice the largest version held (at least 1 GiB), or while nothing is held yet one
+        version's worth (``max_version_bytes``): the first publish fits, also retried or
+        superseded by a newer version (both end the unfinished upload of their name first)."""
         if self.max_upload_bytes is not None:
             return self.max_upload_bytes
         held = [v.layout.total_bytes for vs in self.versions.values() for v in vs.values()]
-        return max(2 * max(held), DEFAULT_UPLOAD_FLOOR) if held else None
+        return max(2 * max(held), DEFAULT_UPLOAD_FLOOR) if held else self.max_version_bytes
 
     def upload_bytes(self) -> int:
         # a copy first (one step under the GIL): metrics() sums them on another thread than the loop's

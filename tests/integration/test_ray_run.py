@@ -287,3 +287,73 @@ def test_a_worker_target_the_cluster_cannot_hold_is_refused_naming_the_resource(
                "... 996 more) but the Ray cluster at this machine (a local instance) has 2 CPU" in caplog.text
     finally:
         launcher.ray.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_ray_address_auto_with_no_cluster_on_this_node_is_a_clear_error(tmp_path, monkeypatch):
+    """``auto`` is RAY_ADDRESS, else the cluster `ray start` recorded on this node (in Ray's temp
+    folder, here an empty one): with neither, a ConfigError saying what to do, not Ray's
+    ConnectionError, and never a Ray instance some other program started on this machine."""
+    from rlhf_core.config import Config, ConfigError
+    from rlhf_run.ray_launcher import RayLauncher
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    cfg = Config(launcher="ray")
+    cfg.ray.address = "auto"
+    launcher = RayLauncher(cfg, tmp_path)
+    try:
+        with pytest.raises(ConfigError) as err:
+            launcher.connect()
+        assert str(err.value).startswith("ray.address=auto: no Ray cluster was started on this node"), err.value
+        assert "ray start --head" in str(err.value) and "leave ray.address unset" in str(err.value)
+    finally:
+        if ray.is_initialized():  # before the fix: joined whatever Ray instance runs on this machine
+            ray.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_accepts_connections_but_is_no_ray_cluster_is_refused_within_the_timeout(tmp_path,
+                                                                                               monkeypatch):
+    """A port that accepts TCP connections and never answers (here a listener that says nothing;
+    a Redis or any other server is alike to Ray): ray.init kept retrying for ~14 minutes."""
+    import socket
+    import threading
+    import time
+
+    from ray._private import ray_constants
+    from rlhf_core.config import Config, ConfigError
+    from rlhf_run.ray_launcher import RayLauncher
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # Ray connects to 127.0.0.1 as given
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                accepted.append(listener.accept()[0])
+        except OSError:  # the listener was closed
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    cfg = Config(launcher="ray")
+    cfg.ray.address, cfg.ray.connect_timeout_s = address, 3.0
+    launcher = RayLauncher(cfg, tmp_path)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConfigError) as err:
+            launcher.connect()
+        took = time.monotonic() - t0
+        assert str(err.value).startswith(f"ray.address={address}: something accepts connections there but no Ray "
+                                         "cluster answered"), err.value
+        assert "ray start --head" in str(err.value) and "leave ray.address unset" in str(err.value)
+        assert len(accepted) >= 2, "Ray never reached the listener (only the launcher's own probe did)"
+        assert took < 3.0 + 5.0, f"took {took:.1f} s with ray.connect_timeout_s=3"
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        if ray.is_initialized():
+            ray.shutdown()

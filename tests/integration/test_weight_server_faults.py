@@ -372,6 +372,25 @@ def test_upload_bytes_cap(zmq_ctx):
         srv.stop()
 
 
+def test_before_the_first_publish_uploads_together_hold_at_most_max_version_bytes(zmq_ctx):
+    # Once: with no version held the byte cap was off, so 4 starts of 64 GiB each were accepted.
+    cfg = _cfg(max_version_bytes=400_000, upload_timeout_s=2.0, retry_timeout_s=20.0)
+    srv = WeightServer(cfg).start()
+    ch = Channel(srv.address, cfg, zmq_ctx)
+    pub = WeightPublisher(srv.address, cfg, ctx=zmq_ctx)
+    try:
+        assert _begin(ch, "junk", _tensors(1))["kind"] == P.PUB_READY  # 280 KB, never finished
+        refused = _begin(ch, "policy", _tensors(2))
+        assert P.error_code(refused) == P.E_BUSY and "weight_server.max_version_bytes" in refused["message"]
+        # the learner's first publish retries until the junk upload expires, then gets through
+        pub.publish(1, _tensors(2))
+        assert ch.request(P.LATEST, name="policy")["version"] == 1
+    finally:
+        pub.close()
+        ch.close()
+        srv.stop()
+
+
 def test_an_upload_the_host_cannot_hold_is_refused_and_the_server_goes_on(zmq_ctx):
     # Once: a PUB_BEGIN of 40 GiB (under max_version_bytes=64 GiB) on a 23 GiB host raised
     # MemoryError in the server's loop: its thread died and no request was answered again.

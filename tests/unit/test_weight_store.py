@@ -175,6 +175,24 @@ def test_expire_drops_idle_uploads():
     assert store.uploads == {}
 
 
+def test_before_any_version_is_held_uploads_together_hold_at_most_one_version_of_bytes():
+    # Once: with nothing held there was no byte cap, so before the learner's first publish anyone
+    # could start max_uploads uploads of max_version_bytes each and pin their memory.
+    store = VersionStore(keep=1, max_version_bytes=5000)
+    up1, _ = _upload(store, 1, _data(1), skip=0)  # 3.2 KB, unfinished
+    with pytest.raises(Refused, match="nothing is held yet, weight_server.max_version_bytes") as exc:
+        _upload(store, 1, _data(2), name="critic")
+    assert exc.value.code == P.E_BUSY and store.upload_byte_cap() == 5000
+    # a retry and a newer version supersede the unfinished upload of their name: they fit
+    up1, _ = _upload(store, 1, _data(1), skip=0)
+    up2, _ = _upload(store, 2, _data(2))
+    assert list(store.uploads) == [up2.id]
+    store.commit(up2.id)
+    # once a version is held the cap is twice the largest held (at least 1 GiB): the other name fits
+    assert store.upload_byte_cap() == 1 << 30
+    _upload(store, 1, _data(3), name="critic")
+
+
 def test_persist_roundtrip_readable_by_safetensors(tmp_path):
     import torch
     from safetensors.torch import load_file
