@@ -317,10 +317,19 @@ def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
 
 def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
     """The stats of the consumers that heartbeated within ``timeout_s`` (``buffer.lease_timeout_s``):
-    a worker's record stays in the buffer after it left (a resumed run's workers of the launch
-    before, one scaled down), and its rate over its uptime is not generation now."""
+    a worker's record stays in the buffer for a while after it left (a resumed run's workers of
+    the launch before, one scaled down), and its rate over its uptime is not generation now."""
     return {n: w.get("stats", {}) for n, w in snap.get("consumers", {}).items()
             if isinstance(w, dict) and float(w.get("age_s", 0.0)) <= timeout_s}
+
+
+def every_worker(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stats of every worker of the run, to sum running totals over (tokens generated, time
+    busy): each consumer's record, and the workers the buffer retired (long dead) as one record of
+    their summed totals (``M.WORKER_SUMMED``; ``Buffer.retire_consumers``)."""
+    out = [w.get("stats") or {} for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
+    retired = (snap.get("retired") or {}).get("stats")
+    return out + [retired] if retired else out
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -505,8 +514,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         ts, gen = [], []
         for a, b in zip(timeline, timeline[1:]):
             dt = max(b["time"] - a["time"], 1e-9)
-            tok = lambda s: sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in s.get("consumers", {}).values()  # noqa: E731
-                                if isinstance(w, dict))
+            tok = lambda s: sum(int(w.get(M.WORKER_TOKENS, 0)) for w in every_worker(s))  # noqa: E731
             ts.append(b["time"] - tt0)
             gen.append(max(0, tok(b) - tok(a)) / dt)
         ax.plot(ts, gen, label="generated (workers)")
