@@ -11,7 +11,7 @@ workers, the learner and the monitor use this API::
     buf.fill_prompts(lambda epoch: iter_prompts(data_cfg, epoch), epochs, low_watermark) -> int
     # worker
     leases = buf.claim(consumer, max_prompts, block_s)      # within the admission budget
-    buf.heartbeat(consumer, version, stats) -> lost lease ids
+    buf.heartbeat(consumer, version, stats) -> lost lease ids   # and, every lease timeout, retire_consumers()
     buf.complete(lease, samples) -> "appended" | "empty" | "duplicate"   (atomic append + ack)
     buf.complete_many([(lease, samples) or buf.prepare(lease, samples), ...])   # one round trip
     buf.release(lease)                                       # give back un-done

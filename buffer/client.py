@@ -77,6 +77,7 @@ class Buffer:
         self._leases: dict[str, dict[str, Lease]] = {}
         self._learners: dict[str, samples.LearnerState] = {}
         self._filler = prompts.Filler()
+        self._next_retire = 0.0  # time.monotonic() of this process's next sweep of dead consumers
 
     @classmethod
     def connect(cls, url: str | None = None, run_id: str | None = None, cfg: BufferConfig | None = None) -> "Buffer":
@@ -223,18 +224,39 @@ class Buffer:
         higher ``delivery_count``. Generate with weights of version >= ``lease.learner_version``
         to keep pacing's staleness bound.
         """
-        # the run's lease timeout (same for every worker); this process's setting until init_run ran
-        lease_s = self._params["lease_timeout_s"] if self._params else self.cfg.lease_timeout_s
         held = self._leases.setdefault(consumer, {})
-        return prompts.claim(self._store, held, consumer, max_prompts, block_s, lease_s, self.run_params, interrupt)
+        return prompts.claim(self._store, held, consumer, max_prompts, block_s, self._lease_s(), self.run_params, interrupt)
+
+    def _lease_s(self) -> float:
+        """The run's lease timeout (same for every worker); this process's setting until init_run ran."""
+        return self._params["lease_timeout_s"] if self._params else self.cfg.lease_timeout_s
 
     def heartbeat(self, consumer: str, version: int | None = None, stats: dict | None = None) -> list[str]:
-        """Renew this process's leases of ``consumer`` and record it for the monitor.
+        """Renew this process's leases of ``consumer`` and record it for the monitor; once every
+        lease timeout, also retire the run's long-dead consumers (:meth:`retire_consumers`).
 
         Call every ``heartbeat_interval_s``. Returns the lease ids lost to other workers (this
         one was silent for longer than ``lease_timeout_s``): stop working on those.
         """
-        return prompts.heartbeat(self._store, self._leases.get(consumer, {}), consumer, version, stats)
+        lost = prompts.heartbeat(self._store, self._leases.get(consumer, {}), consumer, version, stats)
+        if time.monotonic() >= self._next_retire:
+            self.retire_consumers()
+        return lost
+
+    def retire_consumers(self, before: float | None = None) -> list[str]:
+        """Retire the consumers silent since ``before`` (seconds since the epoch; default
+        ``prompts.RETIRE_AFTER_LEASES`` lease timeouts ago) that own no lease: their stats' running
+        totals join ``metrics()["retired"]``, their records go (:func:`buffer.prompts.retire`).
+        Returns their names."""
+        lease_s = self._lease_s()
+        self._next_retire = time.monotonic() + lease_s
+        if before is None:
+            before = time.time() - prompts.RETIRE_AFTER_LEASES * lease_s
+        gone = prompts.retire(self._store, before)
+        if gone:
+            log.info("retired %d consumer(s) of run %s silent since %s: %s", len(gone), self.keys.run_id,
+                     time.strftime("%H:%M:%S", time.localtime(before)), ", ".join(gone[:10]) + (" ..." if len(gone) > 10 else ""))
+        return gone
 
     def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = (),
                  filtered: str | None = None) -> str:

@@ -18,6 +18,8 @@ Layout (``P = rlhf:{run_id}:``)::
     P hist:consumed   hash    staleness lag -> samples consumed
     P hist:dropped    hash    staleness lag -> samples dropped as too stale
     P consumers       hash    consumer name -> msgpack {last_seen, version, stats, leases}
+    P retired         hash    consumers retired from ``consumers`` (long silent, no lease left): their
+                              stats' running totals summed (stat -> sum) and ``consumers`` -> how many
     P stats           hash    component (learner, weight_server, ...) -> msgpack of its latest stats
     P fill            hash    prompt producer cursor {epoch, index, done}
     P replay:index    zset    replay table: sample-entry id -> version * 2**32 + insertion seq
@@ -49,6 +51,8 @@ WORKERS_GROUP = "workers"
 LEARNER_GROUP = "learner"
 #: Pseudo-consumer that owns prompts given back with ``release``; claimers take them first.
 RELEASED_CONSUMER = "__released__"
+#: The field of the ``retired`` hash counting the consumers retired (its other fields are stats).
+RETIRED_COUNT = "consumers"
 
 # A run id is part of every key and of a SCAN pattern: no glob characters, no braces (hash tag),
 # no whitespace. Hydra multirun names such as ``sweep/algo.max_staleness=2`` are fine.
@@ -95,6 +99,7 @@ class RunKeys:
     hist_consumed: str
     hist_dropped: str
     consumers: str
+    retired: str
     stats: str
     fill: str
     replay_index: str
@@ -124,6 +129,7 @@ class RunKeys:
             hist_consumed=p + "hist:consumed",
             hist_dropped=p + "hist:dropped",
             consumers=p + "consumers",
+            retired=p + "retired",
             stats=p + "stats",
             fill=p + "fill",
             replay_index=p + "replay:index",

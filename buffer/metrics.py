@@ -41,7 +41,7 @@ import redis
 
 from buffer import pacing
 from buffer.connection import Retrying, control_int, corrupt_state
-from buffer.keys import CONTROL_WORKERS, WORKERS_GROUP, RunKeys
+from buffer.keys import CONTROL_WORKERS, RETIRED_COUNT, WORKERS_GROUP, RunKeys
 from rlhf_core.dapo import FILTER_REASONS
 
 COUNTERS = (
@@ -138,12 +138,27 @@ def unpack_record(raw: bytes) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {"error": "unreadable record"}
 
 
+def read_retired(raw: dict[bytes, bytes], key: str = "retired") -> dict[str, Any]:
+    """The retired consumers' hash as ``{"consumers": how many, "stats": {stat: sum}}`` (integral
+    sums as ints); a value that is not a number raises :class:`~buffer.connection.CorruptStateError`."""
+    stats: dict[str, int | float] = {}
+    for k, v in raw.items():
+        name = k.decode("utf-8", "replace")
+        try:
+            x = float(v)
+        except ValueError:
+            raise corrupt_state(f"{key} {name} holds {v[:40]!r}, not a number") from None
+        stats[name] = int(x) if x.is_integer() else x
+    return {"consumers": int(stats.pop(RETIRED_COUNT, 0)), "stats": stats}
+
+
 def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping[str, Any] | None) -> dict[str, Any]:
     """One snapshot for the monitor (``params``: the run parameters, None before ``init_run``). Shapes::
 
         {"run_id": str, "learner_version": int, "admission_budget": int, "mode": "fifo"|"replay",
          "counters": {name: number}, "depth": {...}, "staleness_hist": {lag: samples},
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
+         "retired": {"consumers": int, "stats": {stat: sum}},   # consumers retired (buffer.prompts.retire)
          "stats": {component: {...}},   # what publish_stats stored
          "control": {"workers": int | None}}   # the worker actors asked for (Buffer.set_worker_target)
     """
@@ -154,10 +169,11 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
     pipe.hgetall(k.hist_consumed)
     pipe.hgetall(k.hist_dropped)
     pipe.hgetall(k.consumers)
+    pipe.hgetall(k.retired)
     pipe.xlen(k.dead)
     pipe.hgetall(k.stats)
     pipe.hget(k.control, CONTROL_WORKERS)
-    counters_raw, version, hist_c, hist_d, consumers_raw, dead_len, stats_raw, workers_raw = retry(pipe.execute)
+    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw = retry(pipe.execute)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw, k.counters)
     learner_version = control_int(version, k.version, "")
@@ -187,6 +203,7 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         "staleness_hist": read_hist(hist_c, k.hist_consumed),
         "dropped_stale_hist": read_hist(hist_d, k.hist_dropped),
         "consumers": consumers,
+        "retired": read_retired(retired_raw, k.retired),
         "stats": {name.decode(): unpack_record(raw) for name, raw in stats_raw.items()},
         # what was asked of the launcher from outside (rlhf-monitor workers=N); None: never
         "control": {"workers": None if workers_raw is None else control_int(workers_raw, k.control, CONTROL_WORKERS)},

@@ -11,6 +11,12 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
   delivered more than ``max_deliveries`` times goes to the dead-letter stream instead.
 * Pacing: a claim admits new prompts only within the admission budget (the rule is in
   :mod:`buffer.pacing`); re-delivered prompts were admitted once and need none.
+* Retiring: a consumer silent for :data:`RETIRE_AFTER_LEASES` lease timeouts that owns no lease
+  any more is retired (:func:`retire`, which each worker's heartbeats run every lease timeout):
+  the running totals of its stats join the run's ``retired`` totals and its record and group
+  consumer are deleted, so a run whose workers come and go (a hand-started ``rlhf-worker`` gets
+  a new name per process) keeps the live ones and the recently dead, and sums over its workers
+  stay exact.
 * Blocking: when nothing can be claimed, :func:`claim` waits on the ``wake:prompts`` stream
   with ``XREAD BLOCK`` from the id the claim script returned, so an enqueue, a returned budget
   or a new learner version wakes it at once and no wake-up is lost between the check and the
@@ -28,6 +34,7 @@ leases this process holds, the producer's open iterator), never the facade.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -42,6 +49,7 @@ from buffer import metrics
 from buffer.connection import control_int
 from buffer.scripts import claim_keys, complete_keys
 from buffer.store import Store
+from rlhf_core import metric_names as M
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt
 from rlhf_core.wire import WireError
@@ -57,6 +65,14 @@ ENQUEUE_CHUNK = 512
 #: turn one claim into a huge rate).
 RATE_HALF_LIFE_S = 5.0
 RATE_MIN_WINDOW_S = 0.05
+#: A consumer is retired once it has not heartbeated for this many lease timeouts (and owns no
+#: lease): long after a claimer could take its leases over. A worker cut off from Redis exits
+#: after ``buffer.max_retry_s``; one paused that long (SIGSTOP) and resumed heartbeats a new
+#: record, and its totals up to the pause count twice in sums over the run.
+RETIRE_AFTER_LEASES = 10
+#: Consumers retired by one script call at most (a run resumed with many stale records: the rest
+#: go at the next sweeps, without one long script blocking Redis).
+RETIRE_BATCH = 500
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,6 +196,35 @@ def heartbeat(store: Store, held: dict[str, Lease], consumer: str, version: int 
     for lease_id in lost_ids:
         held.pop(lease_id, None)
     return lost_ids
+
+
+def retire(store: Store, before: float) -> list[str]:
+    """Retire the consumers last seen before ``before`` (seconds since the epoch) that own no
+    lease (``retire.lua``: their stats' running totals, :data:`M.WORKER_SUMMED`, join the run's
+    ``retired`` hash; their record and group consumer are deleted, atomically). Returns their names."""
+    k = store.keys
+    args: list[Any] = []
+    picked = 0
+    for name, raw in store.retry(store.redis.hgetall, k.consumers).items():
+        rec = metrics.unpack_record(raw)
+        seen = rec.get("last_seen")
+        if not isinstance(seen, (int, float)) or seen >= before:
+            continue
+        picked += 1
+        if picked > RETIRE_BATCH:
+            break
+        stats = rec.get("stats") if isinstance(rec.get("stats"), dict) else {}
+        totals = [(stat, v) for stat in M.WORKER_SUMMED if _addable(v := stats.get(stat))]
+        args += [name, hashlib.sha1(raw).hexdigest(), len(totals)]
+        for stat, value in totals:
+            args += [stat, repr(value)]
+    gone = store.retry(store.scripts.retire, keys=[k.prompts, k.consumers, k.retired], args=args)
+    return [name.decode() for name in gone]
+
+
+def _addable(x: Any) -> bool:
+    """A number HINCRBYFLOAT can add (not a bool, not NaN or infinite), other than 0."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x != 0
 
 
 def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Lease]) -> int:

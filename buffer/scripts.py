@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "init_run",
     "claim",
     "heartbeat",
+    "retire",
     "release",
     "complete",
     "append",
@@ -57,6 +58,7 @@ def preamble() -> str:
         "WORKERS": K.WORKERS_GROUP,
         "LEARNER": K.LEARNER_GROUP,
         "RELEASED": K.RELEASED_CONSUMER,
+        "RETIRED_COUNT": K.RETIRED_COUNT,
         "F_PROMPT": K.PROMPT_FIELD,
         "F_GROUP": K.F_GROUP,
         "F_PROMPT_ID": K.F_PROMPT_ID,
@@ -264,6 +266,10 @@ class Scripts:
     @cached_property
     def heartbeat(self):
         return self._get("heartbeat")
+
+    @cached_property
+    def retire(self):
+        return self._get("retire")
 
     @cached_property
     def release(self):

@@ -69,6 +69,7 @@ WORKER_ENGINE_STEPS = "engine_steps"  # decoding passes of the worker's engine (
 WORKER_ENGINE_PREFILLS = "engine_prefills"  # its prefill passes (over engine_steps: how often a step carries one)
 WORKER_ENGINE_REUSED = "engine_reused_tokens"  # prompt tokens not prefilled: K/V kept from a finished turn (hf) or cached (vllm)
 WORKER_ENGINE_PROMPT = "engine_prompt_tokens"  # prompt tokens of its requests, reused or prefilled
+WORKER_UPTIME = "uptime_s"  # seconds since the worker process started
 
 # Running totals (Prometheus counters); every other number of these records is a level (a gauge).
 LEARNER_TOTALS = (UPDATES, SAMPLES_TRAINED)
@@ -83,6 +84,9 @@ WORKER_TOTALS = (
     "prompts_rendered", "prompts_truncated", "prompts_rejected", "prompts_empty_text", "prompt_tokens_cut",
     WORKER_ENGINE_STEPS, WORKER_ENGINE_PREFILLS, WORKER_ENGINE_REUSED, WORKER_ENGINE_PROMPT,
 )
+# What adds up over a run's workers, dead ones included (the report's tokens generated, rlhf-plan
+# --from-run's busy time): the buffer keeps these of the workers it retires, summed.
+WORKER_SUMMED = (*WORKER_TOTALS, WORKER_UPTIME)
 
 
 def gateway_errors(stats: dict) -> dict[str, int]:

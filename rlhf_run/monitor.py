@@ -135,6 +135,10 @@ def render(snap: dict[str, Any]):
         workers.add_row(name, str(rec.get("version")), str(rec.get("age_s")), str(rec.get("leases")),
                         _fmt(stats.get(M.WORKER_TOKENS_PER_S)), str(stats.get(M.WORKER_SAMPLES, "")),
                         "-" if share is None else f"{share:.0%}", _fmt(stats.get(M.WORKER_REWARD_CALLS_PER_S)))
+    retired = snap.get("retired") or {}
+    if retired.get("consumers"):  # long-dead workers the buffer retired: their totals, summed
+        workers.add_row(f"({retired['consumers']} retired)", "-", "-", "-", "-",
+                        str(retired.get("stats", {}).get(M.WORKER_SAMPLES, "")), "-", "-")
     hist = Table(title="staleness of consumed samples")
     hist.add_column("versions behind")
     hist.add_column("samples")

@@ -1,8 +1,9 @@
 """What a run shows: a live progress line, and at the end a summary, summary.json and plots.
 
 Sources: the learner's ``metrics.jsonl`` (one line per update, written by ``learner.trainer``)
-and the buffer's counters in Redis (sampled here once a second into ``timeline.jsonl``). The
-keys both sides use are named in :mod:`rlhf_core.metric_names`.
+and the buffer's counters in Redis (sampled here once a second, and written to ``timeline.jsonl``
+ever more sparsely as the run goes on: :class:`Timeline`). The keys both sides use are named in
+:mod:`rlhf_core.metric_names`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
 SAMPLE_INTERVAL_S = 1.0
 PROBE_RETRY_S = 2.0
+#: timeline.jsonl gets a snapshot once max(SAMPLE_INTERVAL_S, elapsed / TIMELINE_SPAN) passed
+#: since the one written before: about 1,000 (1 + ln(T / 1,000 s)) lines for a run of T seconds
+#: (5,500 for a day) instead of one a second
+TIMELINE_SPAN = 1000
+#: snapshots the end-of-run report reads back from timeline.jsonl at most (evenly thinned)
+TIMELINE_MAX_POINTS = 1000
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
@@ -99,11 +106,79 @@ class Eta:
         return f"eta {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
 
 
+class Timeline:
+    """``timeline.jsonl``, thinned as the run goes on: a snapshot (its ``time``, seconds since the
+    epoch) is written when at least max(SAMPLE_INTERVAL_S, elapsed / TIMELINE_SPAN) passed since
+    the one written before (within half a sampling interval; elapsed: since ``started``), and the
+    newest one held back is written at :meth:`close`. The buffer's counters and the workers'
+    totals only grow, so a rate between any two lines is right; sparser lines are rates over
+    longer windows."""
+
+    def __init__(self, path: Path, started: float) -> None:
+        self.started = started
+        self.written: float | None = None  # time of the last snapshot written
+        self.held: dict[str, Any] | None = None  # the newest snapshot not written
+        self._file = path.open("a")  # a resumed run appends
+
+    def add(self, snap: dict[str, Any]) -> bool:
+        """Write ``snap`` if it is due (returns whether it was), else hold it until the next."""
+        now = float(snap["time"])
+        gap = max(SAMPLE_INTERVAL_S, (now - self.started) / TIMELINE_SPAN)
+        if self.written is not None and now - self.written < gap - SAMPLE_INTERVAL_S / 2:
+            self.held = snap
+            return False
+        self._write(snap)
+        return True
+
+    def _write(self, snap: dict[str, Any]) -> None:
+        self._file.write(json.dumps(snap, default=str) + "\n")
+        self._file.flush()
+        self.written, self.held = float(snap["time"]), None
+
+    def close(self) -> None:
+        if self.held is not None:
+            self._write(self.held)
+        self._file.close()
+
+
+def read_timeline(path: Path, max_points: int = TIMELINE_MAX_POINTS) -> list[dict[str, Any]]:
+    """The snapshots of ``timeline.jsonl`` (a run's, or several launches' of a resumed run), read
+    line by line: at most ``max_points`` of them plus the last one, evenly thinned (every k-th
+    line, k doubling whenever they would be more), so a long run's file never sits in memory whole."""
+    if not path.exists():
+        return []
+    kept: list[str] = []
+    tail: list[str] = []  # the last two lines: the very last may be cut by a crash
+    stride = 1
+    with path.open() as f:
+        for i, line in enumerate(line for line in f if line.strip()):
+            if i % stride == 0:
+                kept.append(line)
+                if len(kept) > max_points:
+                    kept, stride = kept[::2], stride * 2
+            tail = [*tail[-1:], line]
+    rows = [row for row in map(_json_or_none, kept) if row is not None]
+    for line in reversed(tail):
+        row = _json_or_none(line)
+        if row is not None:
+            if all(line is not k for k in kept[-2:]):  # not read above already
+                rows.append(row)
+            break
+    return rows
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 class Progress:
     """Samples the buffer once a second on its own thread (so the launcher's supervision never
-    waits on Redis), streams the snapshots to ``timeline.jsonl`` and shows a live line (rich,
-    when stdout is a terminal; a plain line every 10 s otherwise). Memory stays bounded: the
-    first and the latest snapshots are kept, the rest is on disk.
+    waits on Redis), writes the snapshots to ``timeline.jsonl`` (ever more sparsely: :class:`Timeline`)
+    and shows a live line (rich, when stdout is a terminal; a plain line every 10 s otherwise).
+    Memory stays bounded: the first and the latest snapshots are kept, the rest is on disk.
 
     ``error``: a :class:`~rlhf_core.errors.UserError` the sampling met other than Redis being
     unreachable (corrupt control state): the launcher ends the run with it.
@@ -121,7 +196,7 @@ class Progress:
         self._tail = MetricsTail(output_dir / M.METRICS_FILE)
         self._eta = Eta(cfg.learner.max_updates, self.started, cfg.run.max_seconds)
         self._filter_stall = FilterStall() if cfg.algo.filter_groups else None  # every group filtered: say so
-        self._timeline = (output_dir / TIMELINE_FILE).open("a")  # a resumed run appends
+        self._timeline = Timeline(output_dir / TIMELINE_FILE, self.started)
         self._last_print = 0.0
         self._buffer = None
         self._live = None
@@ -192,8 +267,7 @@ class Progress:
             stall = self._filter_stall and self._filter_stall.observe(now, snap.get("counters", {}))
             if stall:
                 log.warning(stall)
-            self._timeline.write(json.dumps(snap, default=str) + "\n")
-            self._timeline.flush()
+            self._timeline.add(snap)
             if self.prometheus is not None:
                 self.prometheus.update(snap)
             line = self.line(snap)
@@ -222,11 +296,12 @@ class Progress:
         )
 
     def timeline(self) -> list[dict[str, Any]]:
-        """Every snapshot of the run, from ``timeline.jsonl`` (for the report at the end)."""
-        return read_jsonl(self.output_dir / TIMELINE_FILE)
+        """The run's snapshots from ``timeline.jsonl``, evenly thinned (for the report at the end)."""
+        return read_timeline(self.output_dir / TIMELINE_FILE)
 
     def close(self) -> None:
-        """Stop sampling, take one last sample (the workers' final heartbeats), release everything."""
+        """Stop sampling, take one last sample (the workers' final heartbeats) and write it,
+        release everything."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=35)  # one sample may wait on Redis's retry budget
@@ -289,38 +364,57 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
 def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -> float | None:
     """Samples appended to the buffer per second (by workers and by the gateway), from the first
     snapshot (after ``since``) that counts more than the first one did (start-up left out, also
-    on a resume whose Redis data counts the launch before) to the first that counts the final
-    total (the end of the run left out: the final checkpoint and the workers' drain append
-    nothing); None without two such."""
+    on a resume whose Redis data counts the launch before) to the last that counts less than the
+    final total (the end of the run left out: the final checkpoint and the workers' drain append
+    nothing), or the first that counts it when that leaves one snapshot. Neither end's interval,
+    in which appends began or ended, is counted: snapshots far apart (timeline.jsonl is thinned
+    as a run goes on) would stretch the window over idle time. None without two snapshots."""
     points = [(float(snap["time"]), int(snap["counters"]["samples_appended"])) for snap in timeline
               if "samples_appended" in snap.get("counters", {}) and "time" in snap
               and (since is None or snap["time"] >= since)]
     points = [p for p in points if p[1] > points[0][1]] if points else []
-    points = points[:next((i + 1 for i, p in enumerate(points) if p[1] == points[-1][1]), 0)]
+    below = [p for p in points if p[1] < points[-1][1]]
+    points = below if len(below) >= 2 else points[:next((i + 1 for i, p in enumerate(points) if p[1] == points[-1][1]), 0)]
     if len(points) < 2 or points[-1][0] <= points[0][0]:
         return None
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
 
 
 def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
-    """Publish -> applied, averaged over the versions the snapshots saw applied, each version's
-    (its mean over workers) from the last snapshot that names it, when most workers had it. The
-    newest version's alone, at the end of a run, is one version's and may have reached few
-    workers or none (None)."""
-    by_version: dict[Any, float] = {}
+    """Publish -> applied, averaged over the run's versions: each version the snapshots saw
+    applied (its mean over workers, from the last snapshot that names it, when most workers had
+    it) stands for itself and the versions since the one seen before it, which fell between
+    snapshots (a second apart, and sparser as timeline.jsonl is thinned: counted once each, the
+    run's first versions, seen densely, would outweigh the rest). The newest version's alone, at
+    the end of a run, is one version's and may have reached few workers or none (None)."""
+    by_version: dict[int, float] = {}
     for snap in timeline:
         ws = (snap.get("stats") or {}).get(M.WEIGHT_SERVER_STATS) or {}
-        if ws.get("sync_latency_s") is not None:
-            by_version[ws.get("version")] = float(ws["sync_latency_s"])
-    return _mean(list(by_version.values()))
+        if ws.get("sync_latency_s") is not None and isinstance(ws.get("version"), int):
+            by_version[ws["version"]] = float(ws["sync_latency_s"])
+    total = weight = 0.0
+    before = None
+    for version, latency in sorted(by_version.items()):
+        w = 1 if before is None else version - before
+        total, weight, before = total + w * latency, weight + w, version
+    return total / weight if weight else None
 
 
 def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
     """The stats of the consumers that heartbeated within ``timeout_s`` (``buffer.lease_timeout_s``):
-    a worker's record stays in the buffer after it left (a resumed run's workers of the launch
-    before, one scaled down), and its rate over its uptime is not generation now."""
+    a worker's record stays in the buffer for a while after it left (a resumed run's workers of
+    the launch before, one scaled down), and its rate over its uptime is not generation now."""
     return {n: w.get("stats", {}) for n, w in snap.get("consumers", {}).items()
             if isinstance(w, dict) and float(w.get("age_s", 0.0)) <= timeout_s}
+
+
+def every_worker(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stats of every worker of the run, to sum running totals over (tokens generated, time
+    busy): each consumer's record, and the workers the buffer retired (long dead) as one record of
+    their summed totals (``M.WORKER_SUMMED``; ``Buffer.retire_consumers``)."""
+    out = [w.get("stats") or {} for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
+    retired = (snap.get("retired") or {}).get("stats")
+    return out + [retired] if retired else out
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -505,8 +599,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         ts, gen = [], []
         for a, b in zip(timeline, timeline[1:]):
             dt = max(b["time"] - a["time"], 1e-9)
-            tok = lambda s: sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in s.get("consumers", {}).values()  # noqa: E731
-                                if isinstance(w, dict))
+            tok = lambda s: sum(int(w.get(M.WORKER_TOKENS, 0)) for w in every_worker(s))  # noqa: E731
             ts.append(b["time"] - tt0)
             gen.append(max(0, tok(b) - tok(a)) / dt)
         ax.plot(ts, gen, label="generated (workers)")
@@ -532,7 +625,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_reason: str) -> str:
     rows = read_metrics(output_dir)
-    timeline = progress.timeline() if progress else read_jsonl(output_dir / TIMELINE_FILE)
+    timeline = progress.timeline() if progress else read_timeline(output_dir / TIMELINE_FILE)
     wall = time.time() - (progress.started if progress else time.time())
     summary = summarize(cfg, rows, timeline, wall, exit_reason, since=progress.started if progress else None)
     evals = read_jsonl(output_dir / M.EVAL_FILE)

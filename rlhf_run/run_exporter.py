@@ -11,7 +11,8 @@ series has the label ``run``:
 * ``rlhf_run_staleness_versions`` / ``rlhf_run_dropped_staleness_versions``: histograms of the
   samples the learner consumed / the buffer dropped as too stale, by lag, read whole from Redis;
 * per worker (label ``worker``): ``rlhf_run_worker_{version,leases,heartbeat_age_seconds}`` and
-  its heartbeat stats as ``rlhf_run_worker_<key>`` (``rlhf_run_worker_tokens_total`` ...);
+  its heartbeat stats as ``rlhf_run_worker_<key>`` (``rlhf_run_worker_tokens_total`` ...), until
+  the buffer retires the worker (long dead); ``rlhf_run_workers_retired`` counts those;
 * the stats the learner, the weight server and the gateway publish: ``rlhf_run_learner_<key>``
   (the key without its ``learner/``: ``rlhf_run_learner_samples_trained_total``,
   ``rlhf_run_learner_reward_mean``), ``rlhf_run_weight_server_<key>`` and
@@ -115,6 +116,9 @@ class RunExporter:
                         snap.get("dropped_stale_hist", {}))
         for worker, rec in snap.get("consumers", {}).items():
             self._worker(f, worker, rec)
+        # a retired worker's series end (the buffer keeps its totals summed, not per worker)
+        f.add("gauge", f"{PREFIX}_workers_retired", "long-dead workers the buffer retired",
+              (snap.get("retired") or {}).get("consumers"))
         for component, stats in snap.get("stats", {}).items():
             self._published(f, component, stats)
         with self._lock:
