@@ -69,6 +69,8 @@ RATE_MIN_WINDOW_S = 0.05
 #: lease): long after a claimer could take its leases over. A worker cut off from Redis exits
 #: after ``buffer.max_retry_s``; one paused that long (SIGSTOP) and resumed heartbeats a new
 #: record, and its totals up to the pause count twice in sums over the run.
+#: ``last_seen`` is the worker's clock against the sweeper's: hosts whose clocks are minutes apart
+#: (no NTP) may retire an idle live worker early, with the same double count.
 RETIRE_AFTER_LEASES = 10
 #: Consumers retired by one script call at most (a run resumed with many stale records: the rest
 #: go at the next sweeps, without one long script blocking Redis).
