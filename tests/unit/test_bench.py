@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +34,24 @@ def test_vs_trl_ratios_are_taken_per_seed_side_by_side():
     assert s["sync_over_trl_per_seed"] == pytest.approx([1.2, 0.9, 1.1])
     assert s["sync_over_trl"] == pytest.approx(1.1)
     assert s["trl"]["trained_samples_per_s"] == 200  # each system's own median stays
+
+
+def test_vs_trl_reward_is_compared_with_twice_the_standard_error_over_seeds():
+    # last-quarter reward per seed:  seed 0   seed 1   seed 2   mean   sample variance
+    #   trl                           0.20     0.24     0.22    0.22   (0.02^2 + 0.02^2 + 0) / 2 = 0.0004
+    #   async                         0.18     0.20     0.19    0.19   (0.01^2 + 0.01^2 + 0) / 2 = 0.0001
+    #   sync                          0.21     0.23     0.22    0.22   0.0001
+    # SE of a difference: sqrt(0.0004 / 3 + 0.0001 / 3) = 0.0129099, twice that 0.0258199.
+    # async - trl = -0.03 < -0.0258: lower; sync - trl = 0 >= -0.0258: equal or better.
+    rewards = {"trl": (0.20, 0.24, 0.22), "async": (0.18, 0.20, 0.19), "sync": (0.21, 0.23, 0.22)}
+    rows = [dict(_row(system, seed, 100.0), reward_last_quarter=r[seed]) for seed in range(3) for system, r in rewards.items()]
+    s = vs_trl.summarise(rows)
+    margin = 2 * math.sqrt(0.0005 / 3)
+    assert s["async_reward_vs_trl"] == pytest.approx({"diff": -0.03, "margin_2se": margin, "equal_or_better": False})
+    assert s["sync_reward_vs_trl"] == pytest.approx({"diff": 0.0, "margin_2se": margin, "equal_or_better": True}, abs=1e-12)
+    # one seed: a difference, but no standard error and so no verdict
+    one = vs_trl.summarise([r for r in rows if r["seed"] == 0])
+    assert one["async_reward_vs_trl"] == pytest.approx({"diff": -0.02, "margin_2se": None, "equal_or_better": None})
 
 
 def test_vs_trl_speed_window_leaves_out_the_first_updates():
