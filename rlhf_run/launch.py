@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import Config, ConfigError, to_object, validate
@@ -61,7 +62,11 @@ def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, P
             raise ConfigError(f"resume continues the run's saved config, which {item!r} cannot change: only settings "
                               "such as learner.max_updates=2000 can, not a config group, a deletion or the run id")
         changes.append(item.lstrip("+"))
-    node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved), OmegaConf.from_dotlist(changes))
+    base = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
+    try:
+        node = OmegaConf.merge(base, OmegaConf.from_dotlist(changes))
+    except (ConfigKeyError, ValidationError) as exc:  # Hydra lets `+learner.max_update=...` through
+        raise ConfigError(f"resume: {exc.full_key}: {str(exc).splitlines()[0]}; `rlhf-run --help` lists every setting") from None
     cfg = to_object(node)
     cfg.resume = None
     _refuse_if_running(out)
