@@ -97,6 +97,10 @@ def _refuse_if_running(out: Path) -> None:
 
 def run_launcher(cfg: Config, output_dir: str | Path | None = None) -> int:
     validate(cfg)
+    if cfg.buffer.url is not None:  # a Redis of the user's: every child would retry it, then fail, one by one
+        from buffer.connection import connect
+
+        connect(cfg.buffer.url, cfg.buffer).close()
     if cfg.rollout.num_workers == 0 and cfg.buffer.url is None:
         log.warning("rollout.num_workers=0 with a private Redis: only workers you start yourself can join "
                     "(they need buffer.url, printed below)")

@@ -518,6 +518,20 @@ def test_a_required_path_left_out_stops_the_run_before_anything_starts(group, me
     assert not (out / "children.json").exists()
 
 
+@pytest.mark.timeout(120)
+def test_a_redis_nothing_answers_at_stops_the_run_before_anything_starts(tmp_path, model_cache):
+    # once: the learner and each worker retried for buffer.connect_timeout_s, were restarted, and
+    # the run failed after some 90 s of retry lines
+    from servers import free_port
+
+    out, port = tmp_path / "out", free_port()
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache),
+                    f"buffer.url=redis://127.0.0.1:{port}", "buffer.connect_timeout_s=1"], tmp_path, timeout=60)
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: cannot reach Redis at 127.0.0.1:{port}" in proc.stderr and "fix buffer.url" in proc.stderr
+    assert not (out / "children.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_corrupt_control_state_stops_the_run_naming_the_key(tmp_path, redis_server, model_cache):
