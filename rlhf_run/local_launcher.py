@@ -257,7 +257,7 @@ class Launcher:
                 if code == 0:
                     self.exit_reason = "learner finished"
                 else:
-                    self.exit_reason = f"learner exited with code {code}: {child.last_error()}"
+                    self.failure = self.exit_reason = f"learner exited with code {code}: {child.last_error()}"
                     log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
                 return False
             if self.stopping:
@@ -311,8 +311,9 @@ class Launcher:
             self.redis.stop()
             if clean:
                 shutil.rmtree(self.redis.workdir, ignore_errors=True)
-            else:
-                print(f"the run's Redis data is kept in {self.redis.workdir}; continue the run with:\n"
+            else:  # after `run failed: ...`, if it failed
+                what = "fix what the error above says, then continue" if self.failure else "continue"
+                print(f"the run's Redis data is kept in {self.redis.workdir}; {what} the run with:\n"
                       f"  rlhf-run resume={self.output_dir}", file=sys.stderr, flush=True)
             self.redis = None
 

@@ -746,6 +746,20 @@ def test_a_run_with_no_worker_left_fails_with_the_last_workers_exit(tmp_path, mo
     assert "run failed: no worker left: worker-0 exited with code 3" in proc.stderr
 
 
+@pytest.mark.timeout(180)
+def test_a_learner_stopped_by_an_error_a_user_must_fix_fails_the_run_and_says_so_last(tmp_path, model_cache):
+    # once: the error scrolled by mid-output, then a summary of n/a and "continue the run with:
+    # rlhf-run resume=...", which would only repeat the error
+    out, prompts = tmp_path / "out", tmp_path / "prompts.jsonl"
+    prompts.write_text("")
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), "rollout.num_workers=1",
+                    "data=jsonl", f"data.path={prompts}"], tmp_path, timeout=150)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("run failed: ")]
+    assert failed == [f"run failed: learner exited with code 2: error: data set '{prompts}' has no rows"], proc.stderr
+    assert f"fix what the error above says, then continue the run with:\n  rlhf-run resume={out}" in proc.stderr
+
+
 def test_monitor_says_what_is_wrong_and_keeps_its_json_clean(tmp_path, redis_server):
     # once: a raw OmegaConf error without url, a page of zeros for a wrong run_id, a cli.log left
     # in the current folder, and --help listing the trainer's config groups
