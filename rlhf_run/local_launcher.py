@@ -32,6 +32,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from buffer.connection import redact
+from buffer.datasets import data_path
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
 from rlhf_core.errors import STOPPED_EARLY_EXIT
@@ -354,6 +355,9 @@ class Launcher:
         try:
             check_reward_targets(self.cfg.reward)  # before anything starts
             import_env_target(self.cfg.rollout)  # an environment that does not import stops the run here too
+            for name, data in (("data", self.cfg.data), ("eval.data", self.cfg.eval.data if self.cfg.eval.every else None)):
+                if data is not None and data.source not in ("builtin", "none"):
+                    data_path(data, name)  # a missing file: here, not in the learner's log once it has started
             # Hub ids become their cached snapshot folders: one download at most, the same files everywhere
             self.cfg.model = pin_model_paths(self.cfg.model)
             pin_reward_model_paths(self.cfg.reward.models)

@@ -505,14 +505,19 @@ def test_an_unimportable_reward_stops_the_run_before_anything_starts(tmp_path, m
     assert not (out / "children.json").exists()
 
 
-@pytest.mark.parametrize("group, message", [
+@pytest.mark.parametrize("overrides, message", [
     ("model=hf", "model=hf needs model.path=/local/hf/dir"),
     ("data=jsonl", "data.source=jsonl needs data.path="),
+    ("data=jsonl data.path=typo.jsonl", "data.path 'typo.jsonl' does not exist (data.source=jsonl; a relative path is "
+                                        "read from the current folder, "),
+    ("eval.every=5 eval.data.source=jsonl eval.data.path=/no/held_out.jsonl",
+     "eval.data.path '/no/held_out.jsonl' does not exist (eval.data.source=jsonl)"),
 ])
-def test_a_required_path_left_out_stops_the_run_before_anything_starts(group, message, tmp_path, model_cache):
+def test_a_required_path_left_out_stops_the_run_before_anything_starts(overrides, message, tmp_path, model_cache):
     # once: Redis, the weight server and three children started, and a child log said why ~10 s later
     out = tmp_path / "out"
-    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), group], tmp_path, timeout=60)
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), *overrides.split()],
+                   tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (out / "children.json").exists()
