@@ -523,6 +523,19 @@ def test_a_required_path_left_out_stops_the_run_before_anything_starts(overrides
     assert not (out / "children.json").exists()
 
 
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_an_output_folder_that_cannot_be_made_stops_the_run_with_one_line(mode, tmp_path, model_cache):
+    # once: Hydra's traceback of the mkdir (PermissionError, NotADirectoryError), exit 1
+    (tmp_path / "a_file").write_text("")
+    folder = tmp_path / "a_file" / "out"
+    proc = run_cmd([script("rlhf-run"), *(["-m"] if mode == "sweep" else []), f"hydra.{mode}.dir={folder}",
+                    *base_overrides(model_cache)], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot write the output folder {folder}: {tmp_path / 'a_file'} is not a folder; start it in a "
+        f"folder you can write to, or give hydra.{mode}.dir=/a/folder/you/can/write"], proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_a_redis_nothing_answers_at_stops_the_run_before_anything_starts(tmp_path, model_cache):
     # once: the learner and each worker retried for buffer.connect_timeout_s, were restarted, and
