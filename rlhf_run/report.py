@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -445,6 +446,50 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: the span the plotted generation rate is measured over: workers report their tokens at their
+#: heartbeats (every buffer.heartbeat_interval_s, 2 s), so between snapshots a second apart the
+#: count moves by a heartbeat's worth or not at all
+RATE_WINDOW_S = 10.0
+
+
+def time_origin(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> float:
+    """The plots' 0 s: the first snapshot of the run, or the start of the learner's first update
+    when that is earlier (a resumed run's rows are older than this launch's snapshots)."""
+    first_update = rows[0].get(M.TIME, 0.0) - rows[0].get(M.TIME_COMPUTE_S, 0.0) if rows else math.inf
+    return min(first_update, timeline[0]["time"] if timeline else math.inf)
+
+
+def throughput_series(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
+    """The curves of ``throughput.png``, label -> (seconds since :func:`time_origin`, tokens/s): the
+    tokens the workers generated and the learner trained over the last :data:`RATE_WINDOW_S`, at
+    each snapshot and each update (not the learner's tokens per second of compute, which is
+    no rate the workers could keep up with)."""
+    t0 = time_origin(rows, timeline)
+    series: dict[str, tuple[list, list]] = {}
+
+    def tokens(snap: dict[str, Any]) -> int:
+        return sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in snap.get("consumers", {}).values()
+                   if isinstance(w, dict))
+
+    def windowed(times: list[float], totals: list[float]) -> tuple[list, list]:
+        ts, rates, j = [], [], 0
+        for i in range(1, len(times)):
+            while times[j + 1] <= times[i] - RATE_WINDOW_S:
+                j += 1
+            ts.append(times[i] - t0)
+            rates.append(max(0.0, totals[i] - totals[j]) / max(times[i] - times[j], 1e-9))
+        return ts, rates
+
+    if len(timeline) > 1:
+        series["generated (workers)"] = windowed([s["time"] for s in timeline], [tokens(s) for s in timeline])
+    if len(rows) > 1:  # the tokens the updates trained, per second of the clock as generation is
+        totals = [0.0]
+        for r in rows[1:]:
+            totals.append(totals[-1] + float(r.get(M.NUM_TOKENS, 0)))
+        series["trained (learner)"] = windowed([r.get(M.TIME, 0.0) for r in rows], totals)
+    return series
+
+
 def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[Path]:
     """PNG plots with labelled axes. Returns the files written."""
     import matplotlib
@@ -455,8 +500,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     written: list[Path] = []
     if not rows:
         return written
-    t0 = rows[0].get(M.TIME, 0.0) - rows[0].get(M.TIME_COMPUTE_S, 0.0)
-    wall = [r.get(M.TIME, 0.0) - t0 for r in rows]
+    wall = [r.get(M.TIME, 0.0) - time_origin(rows, timeline) for r in rows]
     samples = [r.get(M.SAMPLES_TRAINED, 0) for r in rows]
     reward = [r.get(M.REWARD_MEAN, float("nan")) for r in rows]
 
@@ -500,19 +544,8 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         written.append(_save(fig, output_dir / "staleness.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    if len(timeline) > 1:
-        tt0 = timeline[0]["time"]
-        ts, gen = [], []
-        for a, b in zip(timeline, timeline[1:]):
-            dt = max(b["time"] - a["time"], 1e-9)
-            tok = lambda s: sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in s.get("consumers", {}).values()  # noqa: E731
-                                if isinstance(w, dict))
-            ts.append(b["time"] - tt0)
-            gen.append(max(0, tok(b) - tok(a)) / dt)
-        ax.plot(ts, gen, label="generated (workers)")
-    trained_tps = [r.get(M.TOKENS_PER_S) for r in rows]
-    if any(v is not None for v in trained_tps):
-        ax.plot(wall, [v or 0 for v in trained_tps], label="trained (learner)")
+    for label, (ts, values) in throughput_series(rows, timeline).items():
+        ax.plot(ts, values, label=label)
     ax.set_xlabel("wall-clock time (s)")
     ax.set_ylabel("tokens/s")
     ax.set_title("Throughput per stage")

@@ -286,3 +286,27 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
     assert stop_reason() == ""  # go on
     said = {stop_reason(signalled=True), stop_reason(updates=10), stop_reason(late=True), stop_reason(used_up=True)}
     assert said == set(M.STOP_REASONS)
+
+
+def test_throughput_plot_has_one_time_origin_and_a_generation_rate_without_heartbeat_gaps():
+    from rlhf_run.report import throughput_series
+
+    # snapshots every second from t=100; two workers, each making 100 tok/s, report at their
+    # heartbeats, both every 2 s (on even seconds); the learner's first update ends at t=112 after
+    # 0.5 s of compute, then one a second, 200 tokens each in 0.5 s. Once: the generated curve went
+    # 0, 400, 0, 400 (one heartbeat's tokens or none between snapshots) and started at 0 s on the
+    # run's clock, the trained one at 0 s on the learner's (its first update), 12 s apart on one
+    # axis, and at 400 tok/s: its tokens per second of compute, twice what it kept up with
+    def snap(t: float) -> dict:
+        tokens = 100 * (int(t - 100) // 2 * 2)
+        return {"time": t, "consumers": {w: {"stats": {"tokens": tokens}} for w in ("worker-0", "worker-1")}}
+
+    timeline = [snap(100.0 + i) for i in range(31)]
+    rows = [{"time": 112.0 + i, "learner/time_compute_s": 0.5, "learner/tokens_per_s": 400.0, "learner/num_tokens": 200}
+            for i in range(19)]
+    series = throughput_series(rows, timeline)
+    gen_t, gen = series["generated (workers)"]
+    trained_t, trained = series["trained (learner)"]
+    assert gen_t[0] == 1.0 and gen_t[-1] == 30.0 and trained_t[0] == 13.0 and trained == [200.0] * 18
+    # over the last 10 s (8 or 10 s of heartbeats): 160-200 tok/s, never 0 or 400
+    assert all(160.0 <= r <= 200.0 for r in gen[10:]), gen
