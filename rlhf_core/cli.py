@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rlhf_core.config import register_configs
@@ -133,35 +132,6 @@ def hydra_entry(config_name: str = "config", hub_offline: bool = True
         return main
 
     return decorate
-
-
-def check_output_folder(folder: str, key: str) -> None:
-    """Exit 2 with one line when ``folder`` (the setting ``key``) cannot be made or written: Hydra
-    makes it before the app runs, and its error is a traceback."""
-    import tempfile
-
-    path = Path(folder).expanduser().absolute()
-    there = next(p for p in (path, *path.parents) if p.exists())  # the part of it that exists
-    try:
-        if not there.is_dir():
-            raise NotADirectoryError(f"{there} is not a folder")
-        os.rmdir(tempfile.mkdtemp(dir=there))
-    except OSError as exc:
-        why = exc.args[0] if isinstance(exc, NotADirectoryError) else f"{exc.strerror} ({there})"
-        print(f"error: cannot write the output folder {path}: {why}; start it in a folder you can write to, or give "
-              f"{key}=/a/folder/you/can/write", file=sys.stderr)
-        sys.exit(2)
-
-
-class OutputFolderCheck(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): the output folder is checked
-    before Hydra makes it."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_output_folder(config.hydra.run.dir, "hydra.run.dir")
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_output_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
 
 
 def write_json(path: Path, obj: Any, indent: int | None = None) -> None:

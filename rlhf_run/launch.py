@@ -19,6 +19,8 @@ This module is the command: it picks the launcher, resumes runs and sums up swee
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,11 +50,8 @@ def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, P
     overrides given with ``resume=`` (``learner.max_updates=2000`` to train on). The learner
     restores its checkpoint, the private Redis its data (or, where that is gone, the learner the
     prompt cursor), the trackers their runs."""
-    out = Path(resume).expanduser().resolve()
+    out = resume_folder(resume)
     saved = out / LAUNCH_CONFIG
-    if not saved.is_file():
-        raise ConfigError(f"resume={resume}: {saved} does not exist, so this is not the output folder of an rlhf-run "
-                          "run; give the folder the run printed at its start ('output in ...')")
     changes = []
     for item in overrides:
         key = item.lstrip("+").split("=", 1)[0]
@@ -71,6 +70,29 @@ def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, P
     cfg.resume = None
     _refuse_if_running(out)
     return cfg, out
+
+
+def resume_folder(resume: str) -> Path:
+    """The output folder of the run ``resume=`` names; a ConfigError when it is not one."""
+    out = Path(resume).expanduser().resolve()
+    if not (out / LAUNCH_CONFIG).is_file():
+        raise ConfigError(f"resume={resume}: {out / LAUNCH_CONFIG} does not exist, so this is not the output folder of "
+                          "an rlhf-run run; give the folder the run printed at its start ('output in ...')")
+    return out
+
+
+def check_output_folder(folder: str, key: str) -> None:
+    """A ConfigError when ``folder`` (the setting ``key``) cannot be made or written to."""
+    path = Path(folder).expanduser().absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())  # the part of it that exists
+    try:
+        if not there.is_dir():
+            raise NotADirectoryError(f"{there} is not a folder")
+        os.rmdir(tempfile.mkdtemp(dir=there))
+    except OSError as exc:
+        why = exc.args[0] if isinstance(exc, NotADirectoryError) else f"{exc.strerror} ({there})"
+        raise ConfigError(f"cannot write the output folder {path}: {why}; start it in a folder you can write to, or "
+                          f"give {key}=/a/folder/you/can/write") from None
 
 
 def _refuse_if_running(out: Path) -> None:
@@ -131,6 +153,29 @@ if __name__ == "__main__":
 
 
 from hydra.experimental.callback import Callback  # noqa: E402
+
+
+class StartChecks(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): what must hold before Hydra
+    makes the output folder and writes its ``.hydra/`` and log there, said in one line (exit 2),
+    not as Hydra's traceback of the ``mkdir`` or after writing into a folder that is no run: a
+    ``resume=`` folder that is not a run's, an output folder that cannot be made."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            if config.get("resume"):
+                resume_folder(config.resume)
+            check_output_folder(config.hydra.run.dir, "hydra.run.dir")
+        except ConfigError as exc:  # Hydra turns a callback's exception into a warning: exit instead
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            check_output_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
 
 
 class SweepSummary(Callback):

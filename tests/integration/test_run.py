@@ -536,6 +536,17 @@ def test_an_output_folder_that_cannot_be_made_stops_the_run_with_one_line(mode, 
         f"folder you can write to, or give hydra.{mode}.dir=/a/folder/you/can/write"], proc.stderr
 
 
+def test_resuming_a_folder_that_is_not_a_run_writes_nothing_there(tmp_path, model_cache):
+    # once: Hydra made the folder (a typo's too) and wrote .hydra/ and cli.log into it before the
+    # run said it was not a run: `resume=.` littered the current folder
+    (tmp_path / "mine").mkdir()
+    for folder in (tmp_path / "mine", tmp_path / "typo"):
+        proc = run_cmd([script("rlhf-run"), f"resume={folder}", *base_overrides(model_cache)], tmp_path, timeout=60)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"error: resume={folder}: {folder}/launch_config.yaml does not exist" in proc.stderr
+    assert not (tmp_path / "typo").exists() and list((tmp_path / "mine").iterdir()) == []
+
+
 @pytest.mark.timeout(120)
 def test_a_redis_nothing_answers_at_stops_the_run_before_anything_starts(tmp_path, model_cache):
     # once: the learner and each worker retried for buffer.connect_timeout_s, were restarted, and
