@@ -343,6 +343,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     counters = last_snap.get("counters", {})
     gen_samples = counters.get("samples_appended", sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values()))
     gen_rate = appended_per_s(timeline, since)
+    # a resumed run whose Redis data was removed at its clean finish: the buffer counts from 0 again
+    launch = [snap for snap in timeline if since is not None and snap.get("time", 0.0) >= since]
+    counts_restarted = bool(launch) and any(r.get(M.TIME, 0.0) < since for r in rows) \
+        and not int(launch[0].get("counters", {}).get("samples_appended", 0))
     staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
@@ -362,6 +366,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "steps": len(rows),
         "samples_trained": samples,
         "samples_generated": gen_samples,
+        "generated_this_launch": counts_restarted,  # samples_generated counts this launch's alone
         "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),  # never trained on
         "samples_aged_out": int(counters.get("samples_aged_out", 0)),  # replay mode: trained, then too stale
         "reward_start": _mean(rewards[:k]),
@@ -410,6 +415,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_id']} ({s['exit_reason'] or 'done'}{f': {why}' if why else ''}) in {s['wall_s']:.0f} s",
         f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}"
+        + (" (this launch: the buffer's counts restarted with the run's Redis)" if s.get("generated_this_launch") else "")
         + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else "")
         + (f", trained and then aged out {s['samples_aged_out']}" if s.get("samples_aged_out") else ""),
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",

@@ -310,3 +310,23 @@ def test_throughput_plot_has_one_time_origin_and_a_generation_rate_without_heart
     assert gen_t[0] == 1.0 and gen_t[-1] == 30.0 and trained_t[0] == 13.0 and trained == [200.0] * 18
     # over the last 10 s (8 or 10 s of heartbeats): 160-200 tok/s, never 0 or 400
     assert all(160.0 <= r <= 200.0 for r in gen[10:]), gen
+
+
+def test_a_resume_on_a_new_redis_says_its_generated_count_is_this_launchs():
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    # a finished run (10 updates of 32, its Redis data removed at the clean finish) resumed at
+    # t=100 for 3 more: the learner's count goes on (416), the new Redis's starts at 0 (96 appended).
+    # Once: "samples trained 416, generated 96", as if the learner trained what was never generated
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i)} for i in range(1, 11)]
+    rows += [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": 90.0 + i} for i in range(11, 14)]
+    timeline = [{"time": 5.0, "counters": {"samples_appended": 200}},  # the first launch's snapshot
+                {"time": 100.0, "counters": {}}, {"time": 105.0, "counters": {"samples_appended": 96}}]
+    s = summarize(Config(), rows, timeline, wall_s=10.0, exit_reason="done", since=99.0)
+    assert format_summary(s).splitlines()[1] == ("  steps 13, samples trained 416, generated 96 (this launch: the "
+                                                 "buffer's counts restarted with the run's Redis)")
+    # a resume on the Redis data the launch before kept: the buffer's counts go on, nothing to say
+    kept = [{"time": 100.0, "counters": {"samples_appended": 200}}, {"time": 105.0, "counters": {"samples_appended": 296}}]
+    s = summarize(Config(), rows, kept, wall_s=10.0, exit_reason="done", since=99.0)
+    assert format_summary(s).splitlines()[1] == "  steps 13, samples trained 416, generated 296"
