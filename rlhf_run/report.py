@@ -452,9 +452,8 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-#: the span the plotted generation rate is measured over: workers report their tokens at their
-#: heartbeats (every buffer.heartbeat_interval_s, 2 s), so between snapshots a second apart the
-#: count moves by a heartbeat's worth or not at all
+#: the span the live view's (``rlhf-monitor``) and ``throughput.png``'s rates are measured over
+#: (the gateway appends a group at once: over one refresh the rate jumps with every group)
 RATE_WINDOW_S = 10.0
 
 
@@ -466,33 +465,24 @@ def time_origin(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> f
 
 
 def throughput_series(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
-    """The curves of ``throughput.png``, label -> (seconds since :func:`time_origin`, tokens/s): the
-    tokens the workers generated and the learner trained over the last :data:`RATE_WINDOW_S`, at
-    each snapshot and each update (not the learner's tokens per second of compute, which is
-    no rate the workers could keep up with)."""
+    """The curves of ``throughput.png``, label -> (seconds since :func:`time_origin`, samples/s):
+    the buffer's appends and the learner's trained samples over the last :data:`RATE_WINDOW_S` of
+    snapshots, both counted as they happen (the workers' token counts move only at their
+    heartbeats, and the learner's per-update rate is per second of compute)."""
     t0 = time_origin(rows, timeline)
+    snaps = [s for s in timeline if "time" in s]
+    counts = {"generated (workers)": [int(s.get("counters", {}).get("samples_appended", 0)) for s in snaps],
+              "trained (learner)": [int((s.get("stats") or {}).get(M.LEARNER_STATS, {}).get(M.SAMPLES_TRAINED) or 0)
+                                    for s in snaps]}
     series: dict[str, tuple[list, list]] = {}
-
-    def tokens(snap: dict[str, Any]) -> int:
-        return sum(int(w.get("stats", {}).get(M.WORKER_TOKENS, 0)) for w in snap.get("consumers", {}).values()
-                   if isinstance(w, dict))
-
-    def windowed(times: list[float], totals: list[float]) -> tuple[list, list]:
+    for label, n in counts.items():
         ts, rates, j = [], [], 0
-        for i in range(1, len(times)):
-            while times[j + 1] <= times[i] - RATE_WINDOW_S:
+        for i in range(1, len(snaps)):
+            while snaps[j + 1]["time"] <= snaps[i]["time"] - RATE_WINDOW_S:
                 j += 1
-            ts.append(times[i] - t0)
-            rates.append(max(0.0, totals[i] - totals[j]) / max(times[i] - times[j], 1e-9))
-        return ts, rates
-
-    if len(timeline) > 1:
-        series["generated (workers)"] = windowed([s["time"] for s in timeline], [tokens(s) for s in timeline])
-    if len(rows) > 1:  # the tokens the updates trained, per second of the clock as generation is
-        totals = [0.0]
-        for r in rows[1:]:
-            totals.append(totals[-1] + float(r.get(M.NUM_TOKENS, 0)))
-        series["trained (learner)"] = windowed([r.get(M.TIME, 0.0) for r in rows], totals)
+            ts.append(snaps[i]["time"] - t0)
+            rates.append(max(0, n[i] - n[j]) / max(snaps[i]["time"] - snaps[j]["time"], 1e-9))
+        series[label] = (ts, rates)
     return series
 
 
@@ -553,7 +543,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     for label, (ts, values) in throughput_series(rows, timeline).items():
         ax.plot(ts, values, label=label)
     ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(f"samples/s (over the last {RATE_WINDOW_S:.0f} s)")
     ax.set_title("Throughput per stage")
     ax.legend()
     fig.tight_layout()

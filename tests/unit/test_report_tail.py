@@ -288,28 +288,25 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
     assert said == set(M.STOP_REASONS)
 
 
-def test_throughput_plot_has_one_time_origin_and_a_generation_rate_without_heartbeat_gaps():
+def test_throughput_plot_has_one_clock_and_rates_as_they_happen():
     from rlhf_run.report import throughput_series
 
-    # snapshots every second from t=100; two workers, each making 100 tok/s, report at their
-    # heartbeats, both every 2 s (on even seconds); the learner's first update ends at t=112 after
-    # 0.5 s of compute, then one a second, 200 tokens each in 0.5 s. Once: the generated curve went
-    # 0, 400, 0, 400 (one heartbeat's tokens or none between snapshots) and started at 0 s on the
-    # run's clock, the trained one at 0 s on the learner's (its first update), 12 s apart on one
-    # axis, and at 400 tok/s: its tokens per second of compute, twice what it kept up with
-    def snap(t: float) -> dict:
-        tokens = 100 * (int(t - 100) // 2 * 2)
-        return {"time": t, "consumers": {w: {"stats": {"tokens": tokens}} for w in ("worker-0", "worker-1")}}
-
-    timeline = [snap(100.0 + i) for i in range(31)]
-    rows = [{"time": 112.0 + i, "learner/time_compute_s": 0.5, "learner/tokens_per_s": 400.0, "learner/num_tokens": 200}
-            for i in range(19)]
+    # snapshots every second from t=100: the buffer counts 32 appended samples a second from
+    # t=105, the learner 32 trained a second from t=107. Once: the generated curve counted from the
+    # first snapshot and the trained one from the learner's first update (13 s apart on one axis
+    # in the default run), the generated one moved only at the workers' 2 s heartbeats (0, 2x, 0,
+    # 2x between 1 s snapshots), and the trained one was per second of compute (twice what the
+    # learner kept up with)
+    timeline = [{"time": 100.0 + i, "counters": {"samples_appended": 32 * max(0, i - 5)},
+                 "stats": {"learner": {"learner/samples_trained": 32 * (i - 7)}} if i >= 7 else {}} for i in range(31)]
+    rows = [{"time": 107.0 + i, "learner/time_compute_s": 0.5, "learner/samples_per_s": 64.0} for i in range(24)]
     series = throughput_series(rows, timeline)
     gen_t, gen = series["generated (workers)"]
     trained_t, trained = series["trained (learner)"]
-    assert gen_t[0] == 1.0 and gen_t[-1] == 30.0 and trained_t[0] == 13.0 and trained == [200.0] * 18
-    # over the last 10 s (8 or 10 s of heartbeats): 160-200 tok/s, never 0 or 400
-    assert all(160.0 <= r <= 200.0 for r in gen[10:]), gen
+    assert gen_t == trained_t == [float(i) for i in range(1, 31)]
+    # over the last 10 s: 32 a second once both have gone on for 10 s
+    assert gen[14:] == [32.0] * 16 and trained[16:] == [32.0] * 14
+    assert gen[:5] == [0.0] * 5 and trained[:7] == [0.0] * 7
 
 
 def test_a_resume_on_a_new_redis_says_its_generated_count_is_this_launchs():
