@@ -65,11 +65,7 @@ def _order(n: int, seed: int, epoch: int) -> np.ndarray:
 def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
     """Every row of ``data.path`` as a prompt, in file order (cached); :class:`DataError` if any
     row cannot be one, naming the first :data:`BAD_ROWS_SHOWN` and counting them all."""
-    if not data_cfg.path:
-        raise DataError(f"data.source={data_cfg.source} needs data.path (a local file or directory)")
-    path = Path(os.path.expanduser(data_cfg.path))
-    if not path.exists():
-        raise DataError(f"data.path {str(path)!r} does not exist (data.source={data_cfg.source})")
+    path = data_path(data_cfg)
     st = path.stat()
     key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns, data_cfg.text_field, data_cfg.messages_field)
     if key not in _cache:
@@ -91,6 +87,18 @@ def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
         _cache.clear()  # one data set per process is the normal case; do not hold several
         _cache[key] = prompts
     return _cache[key]
+
+
+def data_path(data_cfg: DataConfig, name: str = "data") -> Path:
+    """``data_cfg.path`` as a path that exists; a :class:`DataError` naming ``name`` (``data``,
+    ``eval.data``) otherwise. ``rlhf-run`` checks it before anything starts."""
+    if not data_cfg.path:
+        raise DataError(f"{name}.source={data_cfg.source} needs {name}.path (a local file or directory)")
+    path = Path(os.path.expanduser(data_cfg.path))
+    if not path.exists():
+        where = "" if path.is_absolute() else f"; a relative path is read from the current folder, {os.getcwd()}"
+        raise DataError(f"{name}.path {str(path)!r} does not exist ({name}.source={data_cfg.source}{where})")
+    return path
 
 
 def _jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:

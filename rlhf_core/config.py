@@ -518,14 +518,39 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def to_object(cfg: DictConfig) -> Any:
-    """Resolve a composed config into the dataclasses; a required value left as ??? is a ConfigError."""
+    """Resolve a composed config into the dataclasses; a required value left as ??? and a key that
+    is no setting (added with ``+``, which Hydra suggests for a misspelt one) are ConfigErrors."""
     from omegaconf.errors import MissingMandatoryValue
 
     try:
-        return OmegaConf.to_object(cfg)
+        obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as exc:
         key = getattr(exc, "full_key", "") or str(exc)
         raise ConfigError(f"required setting {key} has no value: pass {key}=... on the command line") from None
+    unknown = unknown_settings(obj)
+    if unknown:
+        raise ConfigError(f"{'; '.join(unknown)}; `--help` lists every setting")
+    return obj
+
+
+def unknown_settings(obj: Any, prefix: str = "") -> list[str]:
+    """The keys of ``obj``'s dataclasses that are not their fields (OmegaConf keeps a key added with
+    ``+`` as an attribute, and nothing reads it), each with the nearest field's name. The free-form
+    dicts (``reward.functions``, ``rollout.env``, ...) take any key."""
+    import dataclasses
+    import difflib
+
+    if not dataclasses.is_dataclass(obj):
+        return []
+    names = [f.name for f in dataclasses.fields(obj)]
+    found = []
+    for key in vars(obj):
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            found.append(f"{prefix}{key} is not a setting" + (f" (did you mean {prefix}{near[0]}?)" if near else ""))
+    for name in names:
+        found += unknown_settings(getattr(obj, name), f"{prefix}{name}.")
+    return found
 
 
 SHM_MODES = ("auto", "off")

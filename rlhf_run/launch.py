@@ -19,11 +19,14 @@ This module is the command: it picks the launcher, resumes runs and sums up swee
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import Config, ConfigError, to_object, validate
@@ -47,11 +50,8 @@ def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, P
     overrides given with ``resume=`` (``learner.max_updates=2000`` to train on). The learner
     restores its checkpoint, the private Redis its data (or, where that is gone, the learner the
     prompt cursor), the trackers their runs."""
-    out = Path(resume).expanduser().resolve()
+    out = resume_folder(resume)
     saved = out / LAUNCH_CONFIG
-    if not saved.is_file():
-        raise ConfigError(f"resume={resume}: {saved} does not exist, so this is not the output folder of an rlhf-run "
-                          "run; give the folder the run printed at its start ('output in ...')")
     changes = []
     for item in overrides:
         key = item.lstrip("+").split("=", 1)[0]
@@ -61,11 +61,38 @@ def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, P
             raise ConfigError(f"resume continues the run's saved config, which {item!r} cannot change: only settings "
                               "such as learner.max_updates=2000 can, not a config group, a deletion or the run id")
         changes.append(item.lstrip("+"))
-    node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved), OmegaConf.from_dotlist(changes))
+    base = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
+    try:
+        node = OmegaConf.merge(base, OmegaConf.from_dotlist(changes))
+    except (ConfigKeyError, ValidationError) as exc:  # Hydra lets `+learner.max_update=...` through
+        raise ConfigError(f"resume: {exc.full_key}: {str(exc).splitlines()[0]}; `rlhf-run --help` lists every setting") from None
     cfg = to_object(node)
     cfg.resume = None
     _refuse_if_running(out)
     return cfg, out
+
+
+def resume_folder(resume: str) -> Path:
+    """The output folder of the run ``resume=`` names; a ConfigError when it is not one."""
+    out = Path(resume).expanduser().resolve()
+    if not (out / LAUNCH_CONFIG).is_file():
+        raise ConfigError(f"resume={resume}: {out / LAUNCH_CONFIG} does not exist, so this is not the output folder of "
+                          "an rlhf-run run; give the folder the run printed at its start ('output in ...')")
+    return out
+
+
+def check_output_folder(folder: str, key: str) -> None:
+    """A ConfigError when ``folder`` (the setting ``key``) cannot be made or written to."""
+    path = Path(folder).expanduser().absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())  # the part of it that exists
+    try:
+        if not there.is_dir():
+            raise NotADirectoryError(f"{there} is not a folder")
+        os.rmdir(tempfile.mkdtemp(dir=there))
+    except OSError as exc:
+        why = exc.args[0] if isinstance(exc, NotADirectoryError) else f"{exc.strerror} ({there})"
+        raise ConfigError(f"cannot write the output folder {path}: {why}; start it in a folder you can write to, or "
+                          f"give {key}=/a/folder/you/can/write") from None
 
 
 def _refuse_if_running(out: Path) -> None:
@@ -92,6 +119,10 @@ def _refuse_if_running(out: Path) -> None:
 
 def run_launcher(cfg: Config, output_dir: str | Path | None = None) -> int:
     validate(cfg)
+    if cfg.buffer.url is not None:  # a Redis of the user's: every child would retry it, then fail, one by one
+        from buffer.connection import connect
+
+        connect(cfg.buffer.url, cfg.buffer).close()
     if cfg.rollout.num_workers == 0 and cfg.buffer.url is None:
         log.warning("rollout.num_workers=0 with a private Redis: only workers you start yourself can join "
                     "(they need buffer.url, printed below)")
@@ -122,6 +153,29 @@ if __name__ == "__main__":
 
 
 from hydra.experimental.callback import Callback  # noqa: E402
+
+
+class StartChecks(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): what must hold before Hydra
+    makes the output folder and writes its ``.hydra/`` and log there, said in one line (exit 2),
+    not as Hydra's traceback of the ``mkdir`` or after writing into a folder that is no run: a
+    ``resume=`` folder that is not a run's, an output folder that cannot be made."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            if config.get("resume"):
+                resume_folder(config.resume)
+            check_output_folder(config.hydra.run.dir, "hydra.run.dir")
+        except ConfigError as exc:  # Hydra turns a callback's exception into a warning: exit instead
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            check_output_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
 
 
 class SweepSummary(Callback):

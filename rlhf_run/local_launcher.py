@@ -32,6 +32,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from buffer.connection import redact
+from buffer.datasets import data_path
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
 from rlhf_core.errors import STOPPED_EARLY_EXIT
@@ -257,7 +258,7 @@ class Launcher:
                 if code == 0:
                     self.exit_reason = "learner finished"
                 else:
-                    self.exit_reason = f"learner exited with code {code}: {child.last_error()}"
+                    self.failure = self.exit_reason = f"learner exited with code {code}: {child.last_error()}"
                     log.error("learner crashed (exit %d); last lines of %s:\n%s", code, child.log_path, child.tail())
                 return False
             if self.stopping:
@@ -311,8 +312,9 @@ class Launcher:
             self.redis.stop()
             if clean:
                 shutil.rmtree(self.redis.workdir, ignore_errors=True)
-            else:
-                print(f"the run's Redis data is kept in {self.redis.workdir}; continue the run with:\n"
+            else:  # after `run failed: ...`, if it failed
+                what = "fix what the error above says, then continue" if self.failure else "continue"
+                print(f"the run's Redis data is kept in {self.redis.workdir}; {what} the run with:\n"
                       f"  rlhf-run resume={self.output_dir}", file=sys.stderr, flush=True)
             self.redis = None
 
@@ -353,6 +355,9 @@ class Launcher:
         try:
             check_reward_targets(self.cfg.reward)  # before anything starts
             import_env_target(self.cfg.rollout)  # an environment that does not import stops the run here too
+            for name, data in (("data", self.cfg.data), ("eval.data", self.cfg.eval.data if self.cfg.eval.every else None)):
+                if data is not None and data.source not in ("builtin", "none"):
+                    data_path(data, name)  # a missing file: here, not in the learner's log once it has started
             # Hub ids become their cached snapshot folders: one download at most, the same files everywhere
             self.cfg.model = pin_model_paths(self.cfg.model)
             pin_reward_model_paths(self.cfg.reward.models)

@@ -24,16 +24,11 @@ from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig, ConfigError
 from rlhf_core.dapo import FILTER_REASONS
-from rlhf_run.report import PROBE_RETRY_S, worker_stats
+from rlhf_run.report import PROBE_RETRY_S, RATE_WINDOW_S, worker_stats
 
 log = logging.getLogger(__name__)
 
 _FLAGS = {"--once": "once=true", "--json": "json=true"}
-
-
-#: the live view's generated samples/s is the buffer's appends over this many seconds of snapshots
-#: (the gateway appends a group at once: over one refresh the rate jumps with every group)
-RATE_WINDOW_S = 10.0
 
 
 def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -436,6 +437,10 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
     counters = last_snap.get("counters", {})
     gen_samples = counters.get("samples_appended", sum(int(s.get(M.WORKER_SAMPLES, 0)) for s in workers.values()))
     gen_rate = appended_per_s(timeline, since)
+    # a resumed run whose Redis data was removed at its clean finish: the buffer counts from 0 again
+    launch = [snap for snap in timeline if since is not None and snap.get("time", 0.0) >= since]
+    counts_restarted = bool(launch) and any(r.get(M.TIME, 0.0) < since for r in rows) \
+        and not int(launch[0].get("counters", {}).get("samples_appended", 0))
     staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
@@ -455,6 +460,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "steps": len(rows),
         "samples_trained": samples,
         "samples_generated": gen_samples,
+        "generated_this_launch": counts_restarted,  # samples_generated counts this launch's alone
         "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),  # never trained on
         "samples_aged_out": int(counters.get("samples_aged_out", 0)),  # replay mode: trained, then too stale
         "reward_start": _mean(rewards[:k]),
@@ -503,6 +509,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_id']} ({s['exit_reason'] or 'done'}{f': {why}' if why else ''}) in {s['wall_s']:.0f} s",
         f"  steps {s['steps']}, samples trained {s['samples_trained']}, generated {s['samples_generated']}"
+        + (" (this launch: the buffer's counts restarted with the run's Redis)" if s.get("generated_this_launch") else "")
         + (f", dropped as too stale {s['samples_dropped_stale']}" if s.get("samples_dropped_stale") else "")
         + (f", trained and then aged out {s['samples_aged_out']}" if s.get("samples_aged_out") else ""),
         f"  reward {f(s['reward_start'])} -> {f(s['reward_end'])} (max {f(s['reward_max'])})",
@@ -539,6 +546,40 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: the span the live view's (``rlhf-monitor``) and ``throughput.png``'s rates are measured over
+#: (the gateway appends a group at once: over one refresh the rate jumps with every group)
+RATE_WINDOW_S = 10.0
+
+
+def time_origin(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> float:
+    """The plots' 0 s: the first snapshot of the run, or the start of the learner's first update
+    when that is earlier (a resumed run's rows are older than this launch's snapshots)."""
+    first_update = rows[0].get(M.TIME, 0.0) - rows[0].get(M.TIME_COMPUTE_S, 0.0) if rows else math.inf
+    return min(first_update, timeline[0]["time"] if timeline else math.inf)
+
+
+def throughput_series(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
+    """The curves of ``throughput.png``, label -> (seconds since :func:`time_origin`, samples/s):
+    the buffer's appends and the learner's trained samples over the last :data:`RATE_WINDOW_S` of
+    snapshots, both counted as they happen (the workers' token counts move only at their
+    heartbeats, and the learner's per-update rate is per second of compute)."""
+    t0 = time_origin(rows, timeline)
+    snaps = [s for s in timeline if "time" in s]
+    counts = {"generated (workers)": [int(s.get("counters", {}).get("samples_appended", 0)) for s in snaps],
+              "trained (learner)": [int((s.get("stats") or {}).get(M.LEARNER_STATS, {}).get(M.SAMPLES_TRAINED) or 0)
+                                    for s in snaps]}
+    series: dict[str, tuple[list, list]] = {}
+    for label, n in counts.items():
+        ts, rates, j = [], [], 0
+        for i in range(1, len(snaps)):
+            while snaps[j + 1]["time"] <= snaps[i]["time"] - RATE_WINDOW_S:
+                j += 1
+            ts.append(snaps[i]["time"] - t0)
+            rates.append(max(0, n[i] - n[j]) / max(snaps[i]["time"] - snaps[j]["time"], 1e-9))
+        series[label] = (ts, rates)
+    return series
+
+
 def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[Path]:
     """PNG plots with labelled axes. Returns the files written."""
     import matplotlib
@@ -549,8 +590,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     written: list[Path] = []
     if not rows:
         return written
-    t0 = rows[0].get(M.TIME, 0.0) - rows[0].get(M.TIME_COMPUTE_S, 0.0)
-    wall = [r.get(M.TIME, 0.0) - t0 for r in rows]
+    wall = [r.get(M.TIME, 0.0) - time_origin(rows, timeline) for r in rows]
     samples = [r.get(M.SAMPLES_TRAINED, 0) for r in rows]
     reward = [r.get(M.REWARD_MEAN, float("nan")) for r in rows]
 
@@ -594,20 +634,10 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         written.append(_save(fig, output_dir / "staleness.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    if len(timeline) > 1:
-        tt0 = timeline[0]["time"]
-        ts, gen = [], []
-        for a, b in zip(timeline, timeline[1:]):
-            dt = max(b["time"] - a["time"], 1e-9)
-            tok = lambda s: sum(int(w.get(M.WORKER_TOKENS, 0)) for w in every_worker(s))  # noqa: E731
-            ts.append(b["time"] - tt0)
-            gen.append(max(0, tok(b) - tok(a)) / dt)
-        ax.plot(ts, gen, label="generated (workers)")
-    trained_tps = [r.get(M.TOKENS_PER_S) for r in rows]
-    if any(v is not None for v in trained_tps):
-        ax.plot(wall, [v or 0 for v in trained_tps], label="trained (learner)")
+    for label, (ts, values) in throughput_series(rows, timeline).items():
+        ax.plot(ts, values, label=label)
     ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(f"samples/s (over the last {RATE_WINDOW_S:.0f} s)")
     ax.set_title("Throughput per stage")
     ax.legend()
     fig.tight_layout()

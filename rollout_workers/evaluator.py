@@ -1,5 +1,6 @@
-"""Periodic evaluation: the policy of version 0 and of every ``eval.every``-th version after it,
-sampled ``eval.n`` times on held-out prompts, scored by the run's own rewards.
+"""Periodic evaluation: the policy of the newest version once loaded (version 0 if the learner
+has published no other by then) and of every ``eval.every``-th version after it, sampled
+``eval.n`` times on held-out prompts, scored by the run's own rewards.
 
 The evaluator is a rollout worker without the buffer's prompt queue: the same engine (hf or
 vllm), prompt renderer and :class:`~rollout_workers.rewards.Scorer`, weights from the weight

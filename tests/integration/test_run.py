@@ -505,16 +505,59 @@ def test_an_unimportable_reward_stops_the_run_before_anything_starts(tmp_path, m
     assert not (out / "children.json").exists()
 
 
-@pytest.mark.parametrize("group, message", [
+@pytest.mark.parametrize("overrides, message", [
     ("model=hf", "model=hf needs model.path=/local/hf/dir"),
     ("data=jsonl", "data.source=jsonl needs data.path="),
+    ("data=jsonl data.path=typo.jsonl", "data.path 'typo.jsonl' does not exist (data.source=jsonl; a relative path is "
+                                        "read from the current folder, "),
+    ("eval.every=5 eval.data.source=jsonl eval.data.path=/no/held_out.jsonl",
+     "eval.data.path '/no/held_out.jsonl' does not exist (eval.data.source=jsonl)"),
 ])
-def test_a_required_path_left_out_stops_the_run_before_anything_starts(group, message, tmp_path, model_cache):
+def test_a_required_path_left_out_stops_the_run_before_anything_starts(overrides, message, tmp_path, model_cache):
     # once: Redis, the weight server and three children started, and a child log said why ~10 s later
     out = tmp_path / "out"
-    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), group], tmp_path, timeout=60)
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), *overrides.split()],
+                   tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
+    assert not (out / "children.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_an_output_folder_that_cannot_be_made_stops_the_run_with_one_line(mode, tmp_path, model_cache):
+    # once: Hydra's traceback of the mkdir (PermissionError, NotADirectoryError), exit 1
+    (tmp_path / "a_file").write_text("")
+    folder = tmp_path / "a_file" / "out"
+    proc = run_cmd([script("rlhf-run"), *(["-m"] if mode == "sweep" else []), f"hydra.{mode}.dir={folder}",
+                    *base_overrides(model_cache)], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot write the output folder {folder}: {tmp_path / 'a_file'} is not a folder; start it in a "
+        f"folder you can write to, or give hydra.{mode}.dir=/a/folder/you/can/write"], proc.stderr
+
+
+def test_resuming_a_folder_that_is_not_a_run_writes_nothing_there(tmp_path, model_cache):
+    # once: Hydra made the folder (a typo's too) and wrote .hydra/ and cli.log into it before the
+    # run said it was not a run: `resume=.` littered the current folder
+    (tmp_path / "mine").mkdir()
+    for folder in (tmp_path / "mine", tmp_path / "typo"):
+        proc = run_cmd([script("rlhf-run"), f"resume={folder}", *base_overrides(model_cache)], tmp_path, timeout=60)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"error: resume={folder}: {folder}/launch_config.yaml does not exist" in proc.stderr
+    assert not (tmp_path / "typo").exists() and list((tmp_path / "mine").iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_redis_nothing_answers_at_stops_the_run_before_anything_starts(tmp_path, model_cache):
+    # once: the learner and each worker retried for buffer.connect_timeout_s, were restarted, and
+    # the run failed after some 90 s of retry lines
+    from servers import free_port
+
+    out, port = tmp_path / "out", free_port()
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache),
+                    f"buffer.url=redis://127.0.0.1:{port}", "buffer.connect_timeout_s=1"], tmp_path, timeout=60)
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: cannot reach Redis at 127.0.0.1:{port}" in proc.stderr and "fix buffer.url" in proc.stderr
     assert not (out / "children.json").exists()
 
 
@@ -730,6 +773,20 @@ def test_a_run_with_no_worker_left_fails_with_the_last_workers_exit(tmp_path, mo
                           cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "run failed: no worker left: worker-0 exited with code 3" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_learner_stopped_by_an_error_a_user_must_fix_fails_the_run_and_says_so_last(tmp_path, model_cache):
+    # once: the error scrolled by mid-output, then a summary of n/a and "continue the run with:
+    # rlhf-run resume=...", which would only repeat the error
+    out, prompts = tmp_path / "out", tmp_path / "prompts.jsonl"
+    prompts.write_text("")
+    proc = run_cmd([script("rlhf-run"), f"hydra.run.dir={out}", *base_overrides(model_cache), "rollout.num_workers=1",
+                    "data=jsonl", f"data.path={prompts}"], tmp_path, timeout=150)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("run failed: ")]
+    assert failed == [f"run failed: learner exited with code 2: error: data set '{prompts}' has no rows"], proc.stderr
+    assert f"fix what the error above says, then continue the run with:\n  rlhf-run resume={out}" in proc.stderr
 
 
 def test_monitor_says_what_is_wrong_and_keeps_its_json_clean(tmp_path, redis_server):

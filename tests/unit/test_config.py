@@ -123,6 +123,23 @@ def test_unknown_key_is_refused_at_composition(key):
         compose_cfg("config", ["algo=ppo", f"algo.{key}=1"])
 
 
+# Hydra answers `learner.max_update=5` with "To append to your config use +learner.max_update=5",
+# which it then accepts: the run trained its 1,200 default updates and ignored the setting
+@pytest.mark.parametrize("override, message", [
+    ("+learner.max_update=5", r"learner.max_update is not a setting \(did you mean learner.max_updates\?\)"),
+    ("+nonsense=1", r"nonsense is not a setting; .*--help"),
+])
+def test_a_key_added_with_plus_outside_a_free_form_dict_is_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        to_object(compose_cfg("config", [override]))
+
+
+def test_keys_added_with_plus_to_free_form_dicts_still_work():
+    cfg = to_object(compose_cfg("config", ["+reward.functions.mine._target_=my_pkg.score", "+rollout.env.tries=6",
+                                           "+ray.worker.resources.rollout=1"]))
+    assert cfg.reward.functions["mine"]["_target_"] == "my_pkg.score" and cfg.rollout.env["tries"] == 6
+
+
 def test_wrong_type_is_refused_at_composition():
     with pytest.raises(Exception, match="group_size"):
         compose_cfg("config", ["algo.group_size=four"])

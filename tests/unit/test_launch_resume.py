@@ -59,6 +59,16 @@ def test_key_value_overrides_change_the_saved_config(tmp_path):
     assert resumed.learner.max_updates == 90 and resumed.run.progress is False
 
 
+# Hydra accepts `+learner.max_update=10` (it suggests the `+` for a misspelt key); the merge into the
+# saved config then raised omegaconf's error with a traceback
+@pytest.mark.parametrize("override, message", [("+learner.max_update=10", "learner.max_update"),
+                                               ("learner.lr=abc", "learner.lr")])
+def test_a_setting_that_is_not_one_or_of_the_wrong_type_is_refused_naming_it(tmp_path, override, message):
+    saved_run(tmp_path)
+    with pytest.raises(ConfigError, match=f"{message}.*--help"):
+        resume_config(str(tmp_path), [override])
+
+
 @pytest.mark.parametrize("override", ["learner=deepspeed", "~learner.lr", "buffer.run_id=other"])
 def test_a_group_a_deletion_or_another_run_id_is_refused(tmp_path, override):
     saved_run(tmp_path)

@@ -286,3 +286,44 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
     assert stop_reason() == ""  # go on
     said = {stop_reason(signalled=True), stop_reason(updates=10), stop_reason(late=True), stop_reason(used_up=True)}
     assert said == set(M.STOP_REASONS)
+
+
+def test_throughput_plot_has_one_clock_and_rates_as_they_happen():
+    from rlhf_run.report import throughput_series
+
+    # snapshots every second from t=100: the buffer counts 32 appended samples a second from
+    # t=105, the learner 32 trained a second from t=107. Once: the generated curve counted from the
+    # first snapshot and the trained one from the learner's first update (13 s apart on one axis
+    # in the default run), the generated one moved only at the workers' 2 s heartbeats (0, 2x, 0,
+    # 2x between 1 s snapshots), and the trained one was per second of compute (twice what the
+    # learner kept up with)
+    timeline = [{"time": 100.0 + i, "counters": {"samples_appended": 32 * max(0, i - 5)},
+                 "stats": {"learner": {"learner/samples_trained": 32 * (i - 7)}} if i >= 7 else {}} for i in range(31)]
+    rows = [{"time": 107.0 + i, "learner/time_compute_s": 0.5, "learner/samples_per_s": 64.0} for i in range(24)]
+    series = throughput_series(rows, timeline)
+    gen_t, gen = series["generated (workers)"]
+    trained_t, trained = series["trained (learner)"]
+    assert gen_t == trained_t == [float(i) for i in range(1, 31)]
+    # over the last 10 s: 32 a second once both have gone on for 10 s
+    assert gen[14:] == [32.0] * 16 and trained[16:] == [32.0] * 14
+    assert gen[:5] == [0.0] * 5 and trained[:7] == [0.0] * 7
+
+
+def test_a_resume_on_a_new_redis_says_its_generated_count_is_this_launchs():
+    from rlhf_core.config import Config
+    from rlhf_run.report import format_summary, summarize
+
+    # a finished run (10 updates of 32, its Redis data removed at the clean finish) resumed at
+    # t=100 for 3 more: the learner's count goes on (416), the new Redis's starts at 0 (96 appended).
+    # Once: "samples trained 416, generated 96", as if the learner trained what was never generated
+    rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i)} for i in range(1, 11)]
+    rows += [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": 90.0 + i} for i in range(11, 14)]
+    timeline = [{"time": 5.0, "counters": {"samples_appended": 200}},  # the first launch's snapshot
+                {"time": 100.0, "counters": {}}, {"time": 105.0, "counters": {"samples_appended": 96}}]
+    s = summarize(Config(), rows, timeline, wall_s=10.0, exit_reason="done", since=99.0)
+    assert format_summary(s).splitlines()[1] == ("  steps 13, samples trained 416, generated 96 (this launch: the "
+                                                 "buffer's counts restarted with the run's Redis)")
+    # a resume on the Redis data the launch before kept: the buffer's counts go on, nothing to say
+    kept = [{"time": 100.0, "counters": {"samples_appended": 200}}, {"time": 105.0, "counters": {"samples_appended": 296}}]
+    s = summarize(Config(), rows, kept, wall_s=10.0, exit_reason="done", since=99.0)
+    assert format_summary(s).splitlines()[1] == "  steps 13, samples trained 416, generated 296"
