@@ -10,7 +10,14 @@
 #   bash bench/gpu.sh gateway                     # ~2 min (the gateway against the engine on CUDA, best of 3 rounds)
 #   bash bench/gpu.sh tests learner gateway       # ~8 min: the GPU tests, the learner's MFU rows and the gateway in one call
 #
-# A step's time limit can be set as name:seconds (learner:240); LEARNER_ARGS go to bench/learner.py
+# With 15 minutes of device time in all (start-up, a few minutes, included), the figures the open
+# targets still lack (the learner's MFU on an H100, the gateway at 16 tokens, vs_trl in steady
+# state) take two calls on one warm machine, the second right after the first:
+#   LEARNER_ARGS=--no-deepspeed bash bench/gpu.sh learner:250 gateway:160    # limit 420 s
+#   VS_TRL_ARGS=--no-sync bash bench/gpu.sh vs_trl:300                        # ~230 s by arithmetic
+#
+# A step's time limit can be set as name:seconds (learner:240); VS_TRL_ARGS go to bench/vs_trl.py
+# (--no-sync leaves the sync run out: about 105 of the 333 s); LEARNER_ARGS go to bench/learner.py
 # (--no-deepspeed leaves its DeepSpeed rows out; --variant NAME=KEY=VALUE adds a row under those
 # config overrides), GATEWAY_ARGS to bench/gateway.py (--clients 1: one
 # client process).
@@ -45,7 +52,7 @@ for arg in "$@"; do
   case "$what" in
     generation) step generation "${limit:-200}" python3 bench/generation.py --gpu ;;
     learner) step learner "${limit:-300}" python3 bench/learner.py --gpu ${LEARNER_ARGS:-} ;;  # its compiled row compiles first
-    vs_trl) step vs_trl "${limit:-480}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ;;
+    vs_trl) step vs_trl "${limit:-480}" python3 bench/vs_trl.py --gpu --updates "$VS_TRL_UPDATES" ${VS_TRL_ARGS:-} ;;
     gateway) step gateway "${limit:-200}" python3 bench/gateway.py --gpu ${GATEWAY_ARGS:-} ;;
     # in one process: pyproject's addopts ask for pytest-xdist, which the GPU image lacks
     tests) step tests "${limit:-180}" python3 -m pytest -q -p no:cacheprovider -o addopts="--strict-markers -ra --timeout=300" tests/integration/test_hf_engine_gpu.py tests/integration/test_weight_server_gpu.py tests/integration/test_learner_gpu.py ;;

@@ -56,7 +56,7 @@ the first K updates; TRL's one process; this service's learner, workers, launche
 weight server, and redis-server), which says where the time goes and, unlike wall time, barely
 moves with the machine's other load.
 
-    .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N] [--trl-threads N]
+    .venv/bin/python bench/vs_trl.py [--quick|--full|--gpu|--gpu-check] [--updates N] [--seeds N] [--trl-threads N] [--no-sync]
 
 Needs TRL (the ``baseline`` extra: ``pip install -c constraints-cpu.txt -e .[baseline]``).
 """
@@ -353,7 +353,8 @@ def reward_vs_trl(rows: list[dict[str, Any]], system: str) -> dict[str, Any]:
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for system in ("trl", "async", "sync"):
+    systems = [s for s in ("trl", "async", "sync") if any(r["system"] == s for r in rows)]
+    for system in systems:
         mine = [r for r in rows if r["system"] == system]
         rewards = [r["reward_last_quarter"] for r in mine if r["reward_last_quarter"] is not None]
         out[system] = {
@@ -364,12 +365,12 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # CPU of every process of the system per update (see bench/_common.CpuPerUpdate)
             "cpu_ms_per_update": statistics.median(r["cpu_ms_per_update"].get("total", math.nan) for r in mine),
         }
-    for system in ("async", "sync"):
+    for system in systems[1:]:
         out[f"{system}_reward_vs_trl"] = reward_vs_trl(rows, system)
     # side by side: each seed's runs against its own TRL run (back to back), then the median over seeds
     rate = {(r["system"], r["seed"]): r["trained_samples_per_s"] for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-    for system in ("async", "sync"):
+    for system in systems[1:]:
         per_seed = [rate[system, seed] / (rate["trl", seed] or 1e-9) for seed in seeds]
         out[f"{system}_over_trl_per_seed"] = per_seed
         out[f"{system}_over_trl"] = statistics.median(per_seed)
@@ -385,6 +386,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--trl-threads", type=int, default=None,
                     help="torch threads of TRL's process (default: torch's own, one per core, as a user runs it)")
+    ap.add_argument("--no-sync", action="store_true",
+                    help="leave the sync run out (no target needs it; on a GPU it saves a third of the bench's time)")
     ap.add_argument("--cache-dir", default=os.environ.get("RLHF_TEST_CACHE") or "~/.cache/rlhf-service",
                     help="where the models are built (the tiny one as rlhf-run builds it)")
     ap.add_argument("--trl-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -416,24 +419,26 @@ def main() -> None:
             # the three back to back per seed: a change in the machine's load hits all of them
             rows.append(run_trl(spec, path, seed, workdir))
             rows.append(run_service("async", spec, path, seed, 2, workdir, data_file, cache))
-            rows.append(run_service("sync", spec, path, seed, 0, workdir, data_file, cache))
+            if not args.no_sync:
+                rows.append(run_service("sync", spec, path, seed, 0, workdir, data_file, cache))
     s = summarise(rows)
     print_table(rows, f"{mode}: TRL GRPOTrainer vs this service (same model, task, samples, lr, updates)")
     print(f"\nasync / TRL trained samples/s after the first {spec['warmup_updates']} updates: "
           f"{s['async_over_trl']:.2f}x (median over {seeds} seed(s) of each seed's "
-          f"ratio; target >= 2x on CPU, 5x on an H100); sync / TRL: {s['sync_over_trl']:.2f}x")
-    print("CPU per update, all processes: " + ", ".join(f"{k} {s[k]['cpu_ms_per_update']:.0f} ms" for k in ("trl", "async", "sync")))
+          f"ratio; target >= 2x on CPU, 5x on an H100)" + (f"; sync / TRL: {s['sync_over_trl']:.2f}x" if "sync" in s else ""))
+    systems = [k for k in ("trl", "async", "sync") if k in s]
+    print("CPU per update, all processes: " + ", ".join(f"{k} {s[k]['cpu_ms_per_update']:.0f} ms" for k in systems))
     print("reward over the last quarter: " + ", ".join(
-        f"{k} {s[k]['reward_last_quarter']:.3f}" for k in ("trl", "async", "sync") if s[k]['reward_last_quarter'] is not None))
-    for k in ("async", "sync"):
+        f"{k} {s[k]['reward_last_quarter']:.3f}" for k in systems if s[k]['reward_last_quarter'] is not None))
+    for k in systems[1:]:
         g = s[f"{k}_reward_vs_trl"]
         if g["margin_2se"] is not None:
             print(f"{k} - TRL: {g['diff']:+.3f} +- {g['margin_2se']:.3f} (2 SE over {seeds} seeds): "
                   + ("equal or better" if g["equal_or_better"] else "lower"))
     write_results("vs_trl" if mode == "quick" else f"vs_trl_{mode.replace('-', '_')}", {
         "mode": mode, "config": {**spec, "seeds": seeds}, "runs": rows, "summary": s,
-        "async_over_trl": s["async_over_trl"], "sync_over_trl": s["sync_over_trl"],
-        "async_over_trl_per_seed": s["async_over_trl_per_seed"], "sync_over_trl_per_seed": s["sync_over_trl_per_seed"],
+        "async_over_trl": s["async_over_trl"], "sync_over_trl": s.get("sync_over_trl"),
+        "async_over_trl_per_seed": s["async_over_trl_per_seed"], "sync_over_trl_per_seed": s.get("sync_over_trl_per_seed"),
         "target": {"async_over_trl_cpu": 2.0, "async_over_trl_h100": 5.0},
         "notes": "trained samples/s in steady state: over the training window from the end of update "
                  "config.warmup_updates (K) to the end of the last, (updates - K) x batch samples, on both sides "

@@ -36,6 +36,15 @@ def test_vs_trl_ratios_are_taken_per_seed_side_by_side():
     assert s["trl"]["trained_samples_per_s"] == 200  # each system's own median stays
 
 
+def test_vs_trl_summary_without_the_sync_run():
+    # --no-sync: rows of TRL and async only. async / trl per seed = 250 / 100, 300 / 200 = 2.5, 1.5 -> median 2.0;
+    # no sync figure is made up (the summary has no sync keys at all).
+    rows = [_row("trl", 0, 100), _row("async", 0, 250), _row("trl", 1, 200), _row("async", 1, 300)]
+    s = vs_trl.summarise(rows)
+    assert s["async_over_trl"] == pytest.approx(2.0)
+    assert not any(k.startswith("sync") for k in s)
+
+
 def test_vs_trl_reward_is_compared_with_twice_the_standard_error_over_seeds():
     # last-quarter reward per seed:  seed 0   seed 1   seed 2   mean   sample variance
     #   trl                           0.20     0.24     0.22    0.22   (0.02^2 + 0.02^2 + 0) / 2 = 0.0004
