@@ -164,7 +164,10 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
         log.warning("run %r has not started at %s (no run parameters there): check run_id; rlhf-run prints it "
                     "at start as 'monitor: rlhf-monitor url=... run_id=...'", run_id, url)
     if once:
+        # two snapshots one refresh apart: the rates (trained samples/s) need two, as in the live view
         snap = snapshot(buf)
+        time.sleep(refresh_s)
+        snap = snapshot(buf, snap)
         if as_json:
             out.write(json.dumps(snap, default=str, sort_keys=True) + "\n")
         else:

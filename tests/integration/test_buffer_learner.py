@@ -231,6 +231,43 @@ def test_the_monitor_leaves_out_workers_gone_longer_than_the_lease_timeout(redis
     buf.close()
 
 
+def _learner_trains_while_the_monitor_waits(buf: Buffer, monkeypatch) -> list[float]:
+    """The learner has trained 32 samples; during the monitor's wait between two snapshots it
+    trains 32 more (the wait's length is recorded; no real wait)."""
+    from rlhf_run import monitor
+
+    buf.publish_stats("learner", {"learner/samples_trained": 32, "learner/samples_per_s": 320.0})
+    waits: list[float] = []
+
+    def an_update_meanwhile(seconds: float) -> None:
+        waits.append(seconds)
+        buf.publish_stats("learner", {"learner/samples_trained": 64, "learner/samples_per_s": 320.0})
+
+    monkeypatch.setattr(monitor.time, "sleep", an_update_meanwhile)
+    return waits
+
+
+def test_monitor_once_gives_the_trained_rate_over_one_refresh_in_its_json(redis_url, monkeypatch):
+    # --once took one snapshot, so 'trained samples/s' (which needs two) was always '-' / null
+    import io
+    import json
+
+    from rlhf_run import monitor
+
+    buf = _connect(redis_url, "once")
+    buf.init_run(batch_size=8, group_size=4, max_staleness=1)
+    waits = _learner_trains_while_the_monitor_waits(buf, monkeypatch)
+    out = io.StringIO()
+    monitor.run_monitor(redis_url, "once", once=True, as_json=True, refresh_s=1.0, out=out)
+    snap = json.loads(out.getvalue())
+    assert waits == [1.0]  # two snapshots, one refresh apart
+    (t0, n0), (t1, n1) = snap["trained_window"]
+    assert (n0, n1) == (32, 64)
+    # 32 samples trained between the two snapshots, not the learner's 320 a second of compute
+    assert snap["trained_samples_per_s"] == pytest.approx(32 / (t1 - t0))
+    buf.close()
+
+
 @pytest.mark.parametrize("mode", ["fifo", "replay"])
 def test_a_discarded_batch_leaves_the_buffer_and_gives_its_admission_back(redis_url, mode):
     # The learner dead-lettered every sample of a batch (their stop tokens contradict its
