@@ -29,6 +29,7 @@ from rlhf_run.report import PROBE_RETRY_S, RATE_WINDOW_S, worker_stats
 log = logging.getLogger(__name__)
 
 _FLAGS = {"--once": "once=true", "--json": "json=true"}
+_UNCUT = 10_000  # columns: wider than any snapshot's table
 
 
 def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -173,7 +174,10 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
         else:
             from rich.console import Console
 
-            Console(file=out).print(render(snap))
+            console, view = Console(file=out), render(snap)
+            if not console.is_terminal:  # a pipe or a file: rich's 80 columns would cut names; fit the content
+                console.width = console.measure(view, options=console.options.update_width(_UNCUT)).maximum
+            console.print(view)
         return snap
     from rich.console import Group
     from rich.live import Live

@@ -268,6 +268,26 @@ def test_monitor_once_gives_the_trained_rate_over_one_refresh_in_its_json(redis_
     buf.close()
 
 
+def test_monitor_once_piped_shows_names_whole(redis_url, monkeypatch):
+    # piped to a file, rich laid the table out in 80 columns: "run-20261206-10…", "worker…"
+    import io
+
+    from rlhf_run import monitor
+
+    run_id, worker = "run-20261206-101500-ab12cd34ef", "worker-3-on-host-gpu-node-17.cluster.example.org"
+    buf = _connect(redis_url, run_id)
+    buf.init_run(batch_size=8, group_size=4, max_staleness=1)
+    buf.heartbeat(worker, 0, {"tokens_per_s": 1306.0, "samples_per_s": 40.0})
+    _learner_trains_while_the_monitor_waits(buf, monkeypatch)
+    out = io.StringIO()  # not a terminal, as a pipe or a file
+    monitor.run_monitor(redis_url, run_id, once=True, out=out)
+    text = out.getvalue()
+    assert run_id in text and worker in text and "…" not in text, text
+    row = next(line for line in text.splitlines() if "trained samples/s" in line)
+    assert row.split("trained samples/s")[1].split()[0] != "-", row
+    buf.close()
+
+
 @pytest.mark.parametrize("mode", ["fifo", "replay"])
 def test_a_discarded_batch_leaves_the_buffer_and_gives_its_admission_back(redis_url, mode):
     # The learner dead-lettered every sample of a batch (their stop tokens contradict its
