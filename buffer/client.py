@@ -80,13 +80,15 @@ class Buffer:
         self._next_retire = 0.0  # time.monotonic() of this process's next sweep of dead consumers
 
     @classmethod
-    def connect(cls, url: str | None = None, run_id: str | None = None, cfg: BufferConfig | None = None) -> "Buffer":
-        """Open a connection (``url`` or ``cfg.url``) and check Redis answers (see :func:`buffer.connection.connect`)."""
+    def connect(cls, url: str | None = None, run_id: str | None = None, cfg: BufferConfig | None = None,
+                setting: str = "buffer.url") -> "Buffer":
+        """Open a connection (``url`` or ``cfg.url``) and check Redis answers (see :func:`buffer.connection.connect`;
+        its errors name ``setting``, where the URL came from)."""
         cfg = cfg or BufferConfig()
         url = url or cfg.url
         if not url:
             raise UserError("no Redis URL: set buffer.url=redis://host:port/0 (rlhf-run starts a private Redis when it is null)")
-        client = connect(url, cfg)
+        client = connect(url, cfg, setting)
         log.info("buffer: run %s on %s", run_id or cfg.run_id, redact(url))
         return cls(client, run_id, cfg, url=url)
 

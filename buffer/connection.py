@@ -133,11 +133,12 @@ def address(url: str) -> tuple[str, str]:
     return f"{host}:{port}", start
 
 
-def client_kwargs(url: str, cfg: BufferConfig) -> dict[str, Any]:
-    """Keyword arguments for ``redis.Redis.from_url`` (TLS options only for rediss://)."""
+def client_kwargs(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> dict[str, Any]:
+    """Keyword arguments for ``redis.Redis.from_url`` (TLS options only for rediss://); ``setting``:
+    the setting ``url`` came from, named in the errors."""
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
-        raise BufferUnavailable(f"buffer.url {redact(url)!r} must start with redis://, rediss:// or unix://")
+        raise BufferUnavailable(f"{setting} {redact(url)!r} must start with redis://, rediss:// or unix://")
     kwargs: dict[str, Any] = {
         "socket_connect_timeout": max(0.1, min(cfg.connect_timeout_s, 10.0)),
         "socket_timeout": SOCKET_TIMEOUT_S,
@@ -157,13 +158,13 @@ def client_kwargs(url: str, cfg: BufferConfig) -> dict[str, Any]:
     return kwargs
 
 
-def auth_error(url: str, exc: Exception) -> BufferAuthError:
+def auth_error(url: str, exc: Exception, setting: str = "buffer.url") -> BufferAuthError:
     where, _ = address(url)
     user = urlsplit(url).username
     who = f"user {unquote(user)!r}" if user else "the default user"
     return BufferAuthError(
         f"Redis at {where} refused the credentials of {who} ({exc}): check the user and password in "
-        f"buffer.url (redis://USER:PASSWORD@host:port/db; now {redact(url)}); the password must match "
+        f"{setting} (redis://USER:PASSWORD@host:port/db; now {redact(url)}); the password must match "
         "the server's requirepass or an ACL user"
     )
 
@@ -217,13 +218,14 @@ class Retrying:
                 time.sleep(delay)
 
 
-def connect(url: str, cfg: BufferConfig) -> redis.Redis:
+def connect(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> redis.Redis:
     """Open a client and check Redis answers, within ``cfg.connect_timeout_s``.
 
     Raises :class:`BufferUnavailable` (with the command to start a server) when nothing
-    answers, and :class:`BufferAuthError` when the credentials are refused.
+    answers, and :class:`BufferAuthError` when the credentials are refused; both name
+    ``setting``, the setting ``url`` came from (``rlhf-monitor``'s is ``url``).
     """
-    client = redis.Redis.from_url(url, **client_kwargs(url, cfg))
+    client = redis.Redis.from_url(url, **client_kwargs(url, cfg, setting))
     where, cmd = address(url)
     backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S, cfg.connect_timeout_s)
     while True:
@@ -232,7 +234,7 @@ def connect(url: str, cfg: BufferConfig) -> redis.Redis:
             return client
         except _AUTH as exc:
             client.close()
-            raise auth_error(url, exc) from None
+            raise auth_error(url, exc, setting) from None
         except _TRANSIENT as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if "SSL" in str(exc) or "certificate" in str(exc).lower():
@@ -246,7 +248,7 @@ def connect(url: str, cfg: BufferConfig) -> redis.Redis:
                 client.close()
                 raise BufferUnavailable(
                     f"cannot reach Redis at {where} ({reason}) within {cfg.connect_timeout_s:g} s: is "
-                    f"redis-server running? start one with `{cmd}`, or fix buffer.url (now {redact(url)})"
+                    f"redis-server running? start one with `{cmd}`, or fix {setting} (now {redact(url)})"
                 ) from None
             log.info("waiting for Redis at %s (%s); retrying in %.2f s", where, reason, delay)
             time.sleep(delay)

@@ -158,7 +158,8 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     # the live view rides a Redis outage out (the run does): a short retry budget per refresh, so
     # the view says so within seconds, then it tries again; --once fails after the full budget
     cfg = BufferConfig(url=url, run_id=run_id)
-    buf = Buffer.connect(url, run_id, cfg if once else dataclasses.replace(cfg, max_retry_s=PROBE_RETRY_S))
+    buf = Buffer.connect(url, run_id, cfg if once else dataclasses.replace(cfg, max_retry_s=PROBE_RETRY_S),
+                         setting="url")  # its errors name rlhf-monitor's url=, not the trainer's buffer.url
     try:
         buf.run_params()
     except RunNotInitialised:  # a wrong run_id would otherwise show a page of zeros
@@ -237,7 +238,7 @@ def set_workers(url: str, run_id: str, workers: int) -> int | None:
     run adds or retires workers within seconds); returns the target before."""
     from buffer import Buffer, RunNotInitialised
 
-    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id))
+    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id), setting="url")
     try:
         try:
             buf.run_params()

@@ -801,6 +801,15 @@ def test_monitor_says_what_is_wrong_and_keeps_its_json_clean(tmp_path, redis_ser
     assert "run 'no-such-run' has not started" in wrong.stderr
     help_text = run_cmd([monitor, "--help"], tmp_path, timeout=60).stdout
     assert "--once --json" in help_text and "algo:" not in help_text
+    # a URL nothing answers, or not a Redis one: the fix named the trainer's buffer.url, not url=
+    from servers import free_port
+
+    port = free_port()
+    gone = run_cmd([monitor, f"url=redis://127.0.0.1:{port}/0", "run_id=x", "--once"], tmp_path, timeout=60)
+    assert gone.returncode == 75 and f"or fix url (now redis://127.0.0.1:{port}/0)" in gone.stderr, gone.stderr
+    bad = run_cmd([monitor, "url=http://127.0.0.1:6379", "run_id=x", "--once"], tmp_path, timeout=60)
+    assert "error: url 'http://127.0.0.1:6379' must start with redis://" in bad.stderr, bad.stderr
+    assert "buffer." not in gone.stderr + bad.stderr
     assert not list(tmp_path.glob("*.log")), list(tmp_path.iterdir())
 
 
