@@ -33,7 +33,7 @@ under this facade in :mod:`buffer.store`.
 """
 
 from buffer.client import Buffer, Completion, RunNotInitialised, RunParamsMismatch
-from buffer.connection import BufferAuthError, BufferUnavailable, CorruptStateError, redact
+from buffer.connection import BufferAuthError, BufferOutOfMemory, BufferUnavailable, CorruptStateError, redact
 from buffer.datasets import DataError, iter_prompts
 from buffer.keys import BadName, RunKeys
 from buffer.prompts import Lease, PromptsExhausted
@@ -44,6 +44,7 @@ __all__ = [
     "BadName",
     "Buffer",
     "BufferAuthError",
+    "BufferOutOfMemory",
     "BufferUnavailable",
     "Completion",
     "CorruptStateError",

@@ -378,10 +378,14 @@ class Buffer:
     def admission_budget(self) -> int:
         """Samples that may be admitted for generation now (pacing and, if on, the rate limiter)."""
         params = self.run_params()
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.get(self.keys.version)
-        pipe.hgetall(self.keys.counters)
-        version, counters = self.retry(pipe.execute)
+
+        def read() -> list[Any]:  # built per attempt: a failed execute empties the pipeline
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.get(self.keys.version)
+            pipe.hgetall(self.keys.counters)
+            return pipe.execute()
+
+        version, counters = self.retry(read)
         return pacing.admission_budget(params, control_int(version, self.keys.version, ""),
                                        metrics.read_counters(counters, self.keys.counters))
 

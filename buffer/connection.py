@@ -1,10 +1,14 @@
 """Connecting to Redis: URLs (redis://, rediss://, unix://, ACL user:password), TLS, retries.
 
-Two kinds of failure a user can fix get their own errors, with a message that says what to do:
+Three kinds of failure a user can fix get their own errors, with a message that says what to do:
 
 * :class:`BufferUnavailable`: Redis cannot be reached (not started, wrong host/port, TLS
   misconfigured, or it stayed down longer than ``buffer.max_retry_s`` during a run).
 * :class:`BufferAuthError`: Redis answered but refused the credentials.
+* :class:`BufferOutOfMemory`: Redis stayed out of memory (``maxmemory``) past ``buffer.max_retry_s``.
+  Its refusals are retried like a lost connection until then (nothing ran, so a retry is safe).
+
+A Redis whose ``maxmemory-policy`` may evict the run's keys is refused at :func:`connect`.
 
 Transient connection errors during a run (a Redis restart, a network blip, Redis still loading
 its AOF) are retried with capped exponential backoff and one log line per attempt, so workers
@@ -49,6 +53,11 @@ class BufferUnavailable(Unavailable, ConnectionError):
 
 class BufferAuthError(UserError, PermissionError):
     """Redis refused the user name / password (or the ACL user lacks a permission)."""
+
+
+class BufferOutOfMemory(UserError):
+    """Redis stayed out of memory (``maxmemory`` reached under ``noeviction``) past
+    ``buffer.max_retry_s``: it refused every write meanwhile, so nothing was half done."""
 
 
 class CorruptStateError(UserError):
@@ -169,6 +178,37 @@ def auth_error(url: str, exc: Exception, setting: str = "buffer.url") -> BufferA
     )
 
 
+def out_of_memory(url: str, max_retry_s: float) -> BufferOutOfMemory:
+    return BufferOutOfMemory(
+        f"Redis at {address(url)[0]} is out of memory (used memory > maxmemory) and refused writes for "
+        f"buffer.max_retry_s={max_retry_s:g} s: raise its maxmemory (redis-cli CONFIG SET maxmemory <bytes>, 0 for no limit), free memory in "
+        "it, or give the run a Redis of its own; nothing was half written, so resume the run (rlhf-run resume=...) "
+        "or restart this process once it has room"
+    )
+
+
+#: Policies that evict any key when maxmemory is reached: the run's keys (none has a TTL, so the
+#: volatile-* policies never pick them) would vanish without an error, samples with them.
+_EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+
+def check_no_eviction(client: redis.Redis, url: str) -> None:
+    """Refuse a Redis that would evict the run's keys when full. A user who may not run INFO
+    (an ACL without @dangerous, docs/operations.md) is not checked."""
+    try:
+        info = client.info("memory")
+    except redis.exceptions.NoPermissionError:
+        return
+    policy = str(info.get("maxmemory_policy", "noeviction"))
+    if int(info.get("maxmemory", 0) or 0) > 0 and policy in _EVICTING:
+        raise UserError(
+            f"Redis at {address(url)[0]} has maxmemory-policy {policy} with maxmemory {info['maxmemory']}: when "
+            "full it deletes keys of the run (samples, leases, counters) without an error; give the run a Redis "
+            "with maxmemory-policy noeviction (redis-cli CONFIG SET maxmemory-policy noeviction) or a volatile-* "
+            "policy, or no maxmemory (docs/operations.md)"
+        )
+
+
 class Retrying:
     """Runs Redis calls, retrying transient connection errors with capped exponential backoff.
 
@@ -196,6 +236,17 @@ class Retrying:
                     f"Redis at {address(self.url)[0]} denied a command to this ACL user ({exc}): grant it "
                     "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
                 ) from None
+            except redis.exceptions.OutOfMemoryError as exc:
+                # refused before anything ran (our scripts are flagged, a MULTI is refused whole):
+                # sending it again is safe, and the learner or an operator may free memory meanwhile
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise out_of_memory(self.url, self.max_retry_s) from None
+                log.warning("redis at %s is out of memory (used memory > maxmemory) and refused %s; retrying in %.2f s "
+                            "(attempt %d, giving up after %g s): raise its maxmemory or free memory in it",
+                            address(self.url)[0], _keys_of(fn, args, kwargs) or "a command", delay, backoff.attempts,
+                            self.max_retry_s)
+                time.sleep(delay)
             except redis.exceptions.ResponseError as exc:
                 corrupt = _corrupt_reply(exc, keys)
                 if corrupt is None:
@@ -231,7 +282,7 @@ def connect(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> redis.R
     while True:
         try:
             client.ping()
-            return client
+            break
         except _AUTH as exc:
             client.close()
             raise auth_error(url, exc, setting) from None
@@ -252,3 +303,9 @@ def connect(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> redis.R
                 ) from None
             log.info("waiting for Redis at %s (%s); retrying in %.2f s", where, reason, delay)
             time.sleep(delay)
+    try:
+        check_no_eviction(client, url)
+    except UserError:
+        client.close()
+        raise
+    return client

@@ -163,17 +163,21 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
          "control": {"workers": int | None}}   # the worker actors asked for (Buffer.set_worker_target)
     """
     k = keys
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(k.counters)
-    pipe.get(k.version)
-    pipe.hgetall(k.hist_consumed)
-    pipe.hgetall(k.hist_dropped)
-    pipe.hgetall(k.consumers)
-    pipe.hgetall(k.retired)
-    pipe.xlen(k.dead)
-    pipe.hgetall(k.stats)
-    pipe.hget(k.control, CONTROL_WORKERS)
-    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw = retry(pipe.execute)
+
+    def read() -> list[Any]:  # built per attempt: a failed execute empties the pipeline
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(k.counters)
+        pipe.get(k.version)
+        pipe.hgetall(k.hist_consumed)
+        pipe.hgetall(k.hist_dropped)
+        pipe.hgetall(k.consumers)
+        pipe.hgetall(k.retired)
+        pipe.xlen(k.dead)
+        pipe.hgetall(k.stats)
+        pipe.hget(k.control, CONTROL_WORKERS)
+        return pipe.execute()
+
+    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw = retry(read)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw, k.counters)
     learner_version = control_int(version, k.version, "")

@@ -14,7 +14,9 @@ Layout under ``root_dir``::
 
 A checkpoint is written into ``.tmp-<name>`` and renamed into place only when complete, and
 ``latest`` is replaced with ``os.replace``: a crash at any moment leaves the previous checkpoint
-intact and ``latest`` pointing at a complete one. The newest ``keep`` checkpoints are kept.
+intact and ``latest`` pointing at a complete one. The newest ``keep`` checkpoints are kept; older
+ones are pruned only after the new one is in place. A save that fails (a full disk) removes its
+incomplete ``.tmp-<name>`` and raises :class:`CheckpointError` naming the folder and the free space.
 
 Nothing is unpickled: JSON for our own state, ``torch.load(weights_only=True)`` for tensors.
 (DeepSpeed's engine state is read by DeepSpeed's own loader; those files are ours too.)
@@ -145,6 +147,34 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash mid-save
         (tmp / "rng").mkdir(parents=True)
     barrier()
+    try:
+        _write(root, tmp, final, step_name, engine, critic_engine, extra_text, keep, rank, world)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        if rank == 0 and _meta(tmp) is None:  # incomplete: its space back (a complete one may be the newest state)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(root, final, exc) from exc
+    barrier()
+    return final
+
+
+def _write_failed(root: Path, final: Path, exc: BaseException) -> CheckpointError:
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free on its disk"
+    except OSError:
+        free = "its disk unreadable"
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    return CheckpointError(
+        f"cannot write checkpoint {final} ({reason}); {free} (learner.checkpoint_dir={root}): make room there "
+        "or point learner.checkpoint_dir at a larger disk (each checkpoint needs the room of one more while it is "
+        "written), then resume the run (rlhf-run resume=<output folder>): the previous checkpoint is intact and "
+        "the batches trained since it were not acked, so they are trained again"
+    )
+
+
+def _write(root: Path, tmp: Path, final: Path, step_name: str, engine: TrainEngine, critic_engine: TrainEngine | None,
+           extra_text: str, keep: int, rank: int, world: int) -> None:
+    """Write every rank's part into ``tmp``, then (rank 0) move it into place, point ``latest`` at
+    it and prune: the steps of :func:`save_checkpoint` that write to disk."""
     engine.save_state(tmp / "policy")
     if critic_engine is not None:
         critic_engine.save_state(tmp / "critic")
@@ -172,8 +202,6 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
         for stale in list_checkpoints(root)[: -max(1, keep)]:
             shutil.rmtree(stale, ignore_errors=True)
-    barrier()
-    return final
 
 
 def latest_checkpoint(root_dir: str | Path) -> Path | None:

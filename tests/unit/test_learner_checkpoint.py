@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import json
 import math
 import random
+import resource
+import signal
 
 import numpy as np
 import pytest
@@ -183,3 +186,31 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(base, batch
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(got, initial)
     assert len(tok) == 99 and tok.decode(ids[0]) == "3:4567"
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes of a file fail (EFBIG) in this process, as on a full disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+def test_a_save_the_disk_cannot_hold_stops_with_one_line_and_keeps_the_previous_checkpoint(base, tiny_model_cfg, tmp_path):
+    eng = make_engine(tiny_config(tiny_model_cfg), copy.deepcopy(base))
+    save_checkpoint(tmp_path, "v1", eng, None, {"version": 1}, keep=1)
+    with file_size_limit(16 * 1024), pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, "v2", eng, None, {"version": 2}, keep=1)
+    msg = str(err.value)
+    assert f"cannot write checkpoint {tmp_path / 'v2'} (RuntimeError: " in msg, msg  # torch's words for EFBIG
+    assert "free on its disk" in msg and "learner.checkpoint_dir" in msg and "resume" in msg and "\n" not in msg
+    # the partial one is gone (its space back), the previous one kept (keep=1 prunes only after a save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v1"]
+    assert load_latest(tmp_path, eng) == {"version": 1}
+    save_checkpoint(tmp_path, "v2", eng, None, {"version": 2}, keep=1)  # room again: the next save goes through
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v2"]

@@ -1,0 +1,134 @@
+"""A Redis out of memory (maxmemory reached under noeviction) and a Redis that evicts keys.
+
+Under ``maxmemory-policy noeviction`` Redis refuses writes (and every command queued in a
+MULTI) with ``OOM command not allowed when used memory > 'maxmemory'``. The buffer's scripts
+are flagged (``#!lua``), so Redis refuses them before their first write: nothing is half done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import redis
+
+from buffer import Buffer
+from buffer import keys as K
+from buffer import BufferOutOfMemory
+import factories as T
+from rlhf_core.config import BufferConfig
+from rlhf_core.errors import UserError
+
+pytestmark = pytest.mark.integration
+
+
+def _buffer(url: str, max_retry_s: float) -> Buffer:
+    buf = Buffer.connect(url, "oom", BufferConfig(lease_timeout_s=30.0, max_retry_s=max_retry_s, lookahead=None))
+    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
+    return buf
+
+
+def _fill_up(admin: redis.Redis) -> None:
+    """maxmemory far under what Redis uses: every write from here on is refused (a limit just under
+    the usage shown may not be: Redis does not count its AOF buffer)."""
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+
+
+def _state(buf: Buffer) -> tuple[int, int, int]:
+    """(groups in the sample stream, prompts still leased, prompts acked), straight from Redis."""
+    leased = buf.redis.xpending(buf.keys.prompts, K.WORKERS_GROUP)["pending"]
+    return buf.redis.xlen(buf.keys.samples), leased, buf.metrics()["counters"]["prompts_acked"]
+
+
+class _Seen(logging.Handler):
+    """Sets ``event`` when a log record containing ``text`` is emitted (from any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_redis_out_of_memory_is_ridden_out_and_logged(redis_url):
+    buf = _buffer(redis_url, max_retry_s=60.0)
+    buf.enqueue_prompts(T.prompts(1))
+    (lease,) = buf.claim("w1", 1)
+    admin = redis.Redis.from_url(redis_url)
+    _fill_up(admin)
+    seen = _Seen("out of memory")
+    logging.getLogger("buffer").addHandler(seen)
+    result: list = []
+    done = threading.Thread(target=lambda: result.append(buf.complete(lease, T.group(lease.prompt))))
+    try:
+        done.start()
+        assert seen.event.wait(30), "no log line says Redis is out of memory"
+        assert buf.redis.xlen(buf.keys.samples) == 0  # refused whole: nothing appended, the prompt still leased
+        assert buf.redis.xpending(buf.keys.prompts, K.WORKERS_GROUP)["pending"] == 1
+        admin.config_set("maxmemory", 0)  # the operator raises the limit
+        done.join(30)
+    finally:
+        logging.getLogger("buffer").removeHandler(seen)
+        admin.config_set("maxmemory", 0)
+    assert result == ["appended"]
+    assert _state(buf) == (1, 0, 1)  # exactly one group, acked once
+
+
+def test_redis_out_of_memory_past_max_retry_s_stops_with_one_line_and_writes_nothing(redis_url):
+    buf = _buffer(redis_url, max_retry_s=0.3)
+    buf.enqueue_prompts(T.prompts(2))
+    leases = buf.claim("w1", 2)
+    buf.complete(leases[1], T.group(leases[1].prompt))
+    batch = buf.read_batch("learner", 0, 4, timeout_s=5.0)
+    assert batch is not None
+    admin = redis.Redis.from_url(redis_url)
+    _fill_up(admin)
+    calls = {
+        "complete": lambda: buf.complete(leases[0], T.group(leases[0].prompt)),
+        "heartbeat": lambda: buf.heartbeat("w1", 0, {"version": 0}),
+        "enqueue": lambda: buf.enqueue_prompts(T.prompts(1, start=5)),
+        "set_learner_version": lambda: buf.set_learner_version(1),
+        "commit": lambda: buf.commit(batch),
+        "metrics": buf.metrics,
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(BufferOutOfMemory) as err:
+                call()
+            assert isinstance(err.value, UserError), name  # one line and exit 2, not a traceback
+            msg = str(err.value)
+            assert "out of memory" in msg and "maxmemory" in msg and "buffer.max_retry_s=0.3" in msg, (name, msg)
+            assert "\n" not in msg
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert _state(buf) == (1, 1, 1)  # nothing changed: the group uncommitted, the other prompt leased
+    assert buf.learner_version() == 0
+    # memory back: each call goes through, once
+    assert buf.complete(leases[0], T.group(leases[0].prompt)) == "appended"
+    assert buf.commit(batch) == 1
+    assert _state(buf) == (1, 0, 2)
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
+def test_a_redis_that_evicts_any_key_is_refused(redis_url, policy):
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("maxmemory", 512 * 1024 * 1024)
+    admin.config_set("maxmemory-policy", policy)
+    with pytest.raises(UserError) as err:
+        Buffer.connect(redis_url, "evict", BufferConfig())
+    msg = str(err.value)
+    assert f"maxmemory-policy {policy}" in msg and "noeviction" in msg
+
+
+def test_a_redis_that_evicts_only_keys_with_a_ttl_or_has_no_limit_is_accepted(redis_url):
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("maxmemory", 512 * 1024 * 1024)
+    admin.config_set("maxmemory-policy", "volatile-lru")  # the run's keys have no TTL: never evicted
+    Buffer.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
+    admin.config_set("maxmemory", 0)
+    admin.config_set("maxmemory-policy", "allkeys-lru")  # no limit: nothing is evicted
+    Buffer.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
