@@ -104,6 +104,23 @@ def freeze_startup_heap() -> None:
         _GC_THRESHOLDS = None
 
 
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit (its children inherit it).
+    Every ZeroMQ peer and Redis connection holds descriptors: a weight server at the usual soft
+    limit of 1,024 stops accepting subscribers past a few hundred without a word, and its workers
+    then keep old weights."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)  # Linux refuses infinity here
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as exc:  # a hard limit above the kernel's nr_open
+        logging.getLogger(__name__).debug("open files limit stays at %d (%s)", soft, exc)
+
+
 def hydra_entry(config_name: str = "config", hub_offline: bool = True
                 ) -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
     """Turn ``fn(cfg) -> exit code`` into a console-script ``main()`` backed by Hydra
@@ -126,6 +143,7 @@ def hydra_entry(config_name: str = "config", hub_offline: bool = True
         def main() -> None:
             register_configs()
             quiet_libraries(hub_offline)
+            raise_open_files_limit()
             _app()
 
         main.config_name = config_name  # type: ignore[attr-defined]  # read by the config tests

@@ -60,3 +60,17 @@ def test_a_freeze_without_a_quiet_start_leaves_the_thresholds_alone():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
+
+
+def test_a_service_raises_its_open_files_limit_to_the_hard_limit():
+    # started with a soft limit of 64 under a hard one of 4,096 (a weight server at a low soft limit
+    # stops accepting subscribers without a word): after raise_open_files_limit() the soft limit is 4,096
+    import resource
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 4096))
+
+    code = ("import resource; from rlhf_core.cli import raise_open_files_limit; raise_open_files_limit(); "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code], preexec_fn=low, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["4096", "4096"]
