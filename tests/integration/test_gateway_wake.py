@@ -121,14 +121,18 @@ def test_calls_arriving_together_count_the_live_workers_once(buf, redis_url):
             assert await asyncio.gather(*(workers.count() for _ in range(64))) == [0] * 64
             none_yet = hgetalls(buf) - before  # nobody heartbeated yet: counted once for the 64
             assert await workers.count() == 0  # 0 is counted again
-            buf.heartbeat("w0")
+            zero_again = hgetalls(buf) - before - none_yet
+            buf.heartbeat("w0")  # (its first heartbeat also sweeps dead consumers: an HGETALL of its own)
+            before = hgetalls(buf)
             first = await asyncio.gather(*(workers.count() for _ in range(64)))
+            counted = hgetalls(buf) - before
             again = await asyncio.gather(*(workers.count() for _ in range(64)))
-            return [none_yet, hgetalls(buf) - before, *set(first), *set(again)]
+            reused = hgetalls(buf) - before - counted
+            return [none_yet, zero_again, counted, reused, *set(first), *set(again)]
         finally:
             await client.aclose()
 
-    assert asyncio.run(go()) == [1, 3, 1, 1]
+    assert asyncio.run(go()) == [1, 1, 1, 0, 1, 1]
 
 
 def test_a_worker_aborts_the_calls_cancelled_or_left_by_their_gateway_and_clears_their_marks(buf):
