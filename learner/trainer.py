@@ -654,7 +654,7 @@ def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
     return frozenset(eos)
 
 
-def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> LearnerResult:
+def run_learner(cfg: Config, **budget: Any) -> LearnerResult:
     """Entry-point body: validate once, build, train until the budget or a signal."""
     validate(cfg)
     if cfg.buffer.url is None or cfg.weight_server.address is None:
@@ -665,17 +665,15 @@ def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> Lea
     if cfg.buffer.run_id == "auto":
         raise ConfigError("rlhf-learner needs buffer.run_id=<name>: the key namespace its workers use too")
     learner = Learner(cfg)
-    if install_signals:  # this call owns the process
-        freeze_startup_heap()
-        signal.signal(signal.SIGTERM, learner.request_stop)
-        signal.signal(signal.SIGINT, learner.request_stop)
+    freeze_startup_heap()  # this call owns the process
+    signal.signal(signal.SIGTERM, learner.request_stop)
+    signal.signal(signal.SIGINT, learner.request_stop)
     try:
         result = learner.run(**budget)
         if cfg.learner.export_dir:
             learner.export(cfg.learner.export_dir)  # collective under ZeRO-3: every rank calls it
     finally:
         learner.close()
-    if install_signals:  # a rank that failed above leaves the others to torchrun, which stops them
-        shutdown_distributed()
+    shutdown_distributed()  # a rank that failed above leaves the others to torchrun, which stops them
     log.info("learner done at version %d after %d updates (%d samples)", result.version, result.updates, result.samples)
     return result

@@ -152,13 +152,12 @@ def _fmt(x: Any) -> str:
 
 
 def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False, refresh_s: float = 1.0,
-                out: Any = None, prometheus_port: int | None = None) -> dict[str, Any]:
+                prometheus_port: int | None = None) -> dict[str, Any]:
     """Show the run (``once``: one snapshot). ``prometheus_port``: also serve the run's Prometheus
     target (:mod:`rlhf_run.run_exporter`) from the live view's snapshots, for a run whose
     ``rlhf-run`` does not (``run.prometheus_port``) or that was started by hand."""
     from buffer import Buffer, BufferUnavailable, RunNotInitialised
 
-    out = out or sys.stdout
     # the live view rides a Redis outage out (the run does): a short retry budget per refresh, so
     # the view says so within seconds, then it tries again; --once fails after the full budget
     cfg = BufferConfig(url=url, run_id=run_id)
@@ -171,11 +170,11 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     if once:
         snap = snapshot(buf)
         if as_json:
-            out.write(json.dumps(snap, default=str, sort_keys=True) + "\n")
+            sys.stdout.write(json.dumps(snap, default=str, sort_keys=True) + "\n")
         else:
             from rich.console import Console
 
-            Console(file=out).print(render(snap))
+            Console().print(render(snap))
         return snap
     from rich.console import Group
     from rich.live import Live

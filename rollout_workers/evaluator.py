@@ -223,7 +223,7 @@ class Evaluator:
         self.stop_event.set()
 
 
-def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> list[dict[str, Any]]:
+def run_evaluator(cfg: Config, **budget: Any) -> list[dict[str, Any]]:
     """Entry-point body (``python -m rollout_workers.evaluator``, started by ``rlhf-run`` when
     ``eval.every`` > 0)."""
     validate(cfg)
@@ -237,10 +237,9 @@ def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> l
 
     _set_threads()
     evaluator = Evaluator(cfg)
-    if install_signals:  # this call owns the process
-        freeze_startup_heap()
-        signal.signal(signal.SIGTERM, evaluator.request_stop)
-        signal.signal(signal.SIGINT, evaluator.request_stop)
+    freeze_startup_heap()  # this call owns the process
+    signal.signal(signal.SIGTERM, evaluator.request_stop)
+    signal.signal(signal.SIGINT, evaluator.request_stop)
     return evaluator.run(**budget)
 
 
