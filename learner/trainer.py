@@ -43,8 +43,9 @@ from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
-from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOP_BUDGET,
-                                    STOP_DATA, STOP_REASONS, STOP_SIGNAL, STOP_TIME, STOPPED_BY, UPDATES)
+from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STALENESS_HIST,
+                                    STOP_BUDGET, STOP_DATA, STOP_REASONS, STOP_SIGNAL, STOP_TIME, STOPPED_BY, TIME,
+                                    TIME_COMPUTE_S, TIME_PUBLISH_S, TIME_READ_S, TIME_WAIT_S, UPDATES, VERSION)
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -445,15 +446,15 @@ class Learner:
             self.uncommitted.append(list(batch.ids))
         self.publish(background=True)
         metrics.update({
-            "learner/version": self.version,
-            "learner/updates": self.updates,
-            "learner/samples_trained": self.samples_trained,
-            "learner/time_wait_s": wait_s,
-            "learner/time_read_s": read_s,
-            "learner/time_compute_s": compute_s,
-            "learner/time_publish_s": self._last_publish_s,
-            "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
-            "time": time.time(),
+            VERSION: self.version,
+            UPDATES: self.updates,
+            SAMPLES_TRAINED: self.samples_trained,
+            TIME_WAIT_S: wait_s,
+            TIME_READ_S: read_s,
+            TIME_COMPUTE_S: compute_s,
+            TIME_PUBLISH_S: self._last_publish_s,
+            STALENESS_HIST: [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
+            TIME: time.time(),
         })
         return metrics
 
