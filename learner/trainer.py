@@ -78,12 +78,7 @@ class LearnerResult:
 
 def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
     """Prompts of one epoch, from the built-in task or a local dataset."""
-    data = cfg.data
-
-    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
-        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
-
-    return lambda epoch: iter_prompts(data, epoch, builtin=builtin)
+    return lambda epoch: iter_prompts(cfg.data, epoch, builtin=builtin_prompts)
 
 
 def produce_prompts(buffer: Buffer, cfg: Config, stop: threading.Event,

@@ -82,12 +82,8 @@ def eval_metrics(rewards: Sequence[Sequence[float]], ks: Iterable[int], threshol
 def eval_prompts(cfg: Config) -> list[Prompt]:
     """The first ``eval.num_prompts`` prompts of ``eval.data`` (its epoch 0 order)."""
     data = cfg.eval.data
-
-    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
-        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
-
     prompts = []
-    for p in iter_prompts(data, 0, builtin=builtin):
+    for p in iter_prompts(data, 0, builtin=builtin_prompts):
         if cfg.eval.num_prompts is not None and len(prompts) >= cfg.eval.num_prompts:
             break
         prompts.append(p)
