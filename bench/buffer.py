@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, write_results  # noqa: E402
 
 from buffer import Buffer  # noqa: E402
+from buffer.local_server import RedisServer  # noqa: E402
 from rlhf_core.config import BufferConfig  # noqa: E402
 from tests import factories as T  # noqa: E402
 
@@ -57,28 +54,6 @@ BATCH = 256
 #: samples) and a max_staleness far above the samples claimed. Leases never expire meanwhile.
 BENCH_CFG = BufferConfig(lease_timeout_s=600, lookahead=None)
 BENCH_MAX_STALENESS = 10**6
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", str(workdir / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def make_groups(n_groups: int, group_size: int, size: int, tag: str) -> list:
@@ -256,12 +231,11 @@ def main() -> None:
     conf = MODES[mode]
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_redis(Path(tmp))
+        server = RedisServer(tmp, fsync="everysec").start()
         try:
-            rows = [bench_size(f"redis://127.0.0.1:{port}/0", conf, size) for size in conf["sizes"]]
+            rows = [bench_size(server.url, conf, size) for size in conf["sizes"]]
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=10)
+            server.stop()
     print_table(rows, f"buffer bench ({mode}): samples/s, best of {conf['repeats']}; latency per group of {conf['group_size']}")
     targets = targets_of(rows)
     write_results("buffer", {

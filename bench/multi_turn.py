@@ -159,8 +159,8 @@ def learning_run(out: Path, hints: bool, m: dict) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
         raise SystemExit(f"rlhf-run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rewards = [r["reward/mean"] for r in rows]
+    rows = [json.loads(line) for line in (out / M.METRICS_FILE).read_text().splitlines() if line.strip()]
+    rewards = [r[M.REWARD_MEAN] for r in rows]
     tail = rewards[-m["tail"]:]
     # the worker's engine at its last heartbeat: prompt tokens whose K/V a finished turn left behind
     last = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])

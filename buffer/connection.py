@@ -80,11 +80,11 @@ def corrupt_state(detail: str) -> CorruptStateError:
     )
 
 
-def control_int(raw: bytes | str | None, key: str, name: str, default: int = 0) -> int:
+def control_int(raw: bytes | str | None, key: str, name: str) -> int:
     """An integer the service stored under ``key`` (a hash field ``name``, or the value itself);
-    :class:`CorruptStateError` naming both when it is not one."""
+    :class:`CorruptStateError` naming both when it is not one; 0 when unset."""
     if raw is None or raw == b"" or raw == "":
-        return default
+        return 0
     text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
     try:
         return int(text)

@@ -39,7 +39,7 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import redis
@@ -87,7 +87,6 @@ class Lease:
     delivery_count: int
     how: str = "new"
     learner_version: int = 0  # learner version when the lease was granted (generate with >= this)
-    claimed_at: float = field(default_factory=time.time, compare=False)
 
     # identity is the stream entry and its holder (Prompt holds a dict, so it is not hashable)
     def __hash__(self) -> int:

@@ -21,24 +21,18 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from buffer.local_server import free_port
 from learner.engines import apply_config_hyperparameters, lr_lambda, make_optimizer, persistent_buffers
 from rlhf_core.config import ConfigError, LearnerConfig
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "ds"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> None:
@@ -48,7 +42,7 @@ def init_distributed() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:  # a plain single process: be a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

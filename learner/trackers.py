@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from buffer.connection import redact
 from rlhf_core.config import SECRET_FIELDS, Config
 from rlhf_core.errors import UserError
+from rlhf_core.metric_names import STALENESS_HIST
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class Trackers:
 
     def log_update(self, metrics: Mapping[str, Any], step: int) -> None:
         values = scalars(metrics)
-        hist = metrics.get("staleness/hist") or []
+        hist = metrics.get(STALENESS_HIST) or []
         for tracker in self.trackers.values():
             tracker.log(values, step)
             tracker.histogram("staleness/trained", list(hist), step)

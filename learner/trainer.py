@@ -43,8 +43,9 @@ from rlhf_core.cli import freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
-from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOP_BUDGET,
-                                    STOP_DATA, STOP_REASONS, STOP_SIGNAL, STOP_TIME, STOPPED_BY, UPDATES)
+from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STALENESS_HIST,
+                                    STOP_BUDGET, STOP_DATA, STOP_REASONS, STOP_SIGNAL, STOP_TIME, STOPPED_BY, TIME,
+                                    TIME_COMPUTE_S, TIME_PUBLISH_S, TIME_READ_S, TIME_WAIT_S, UPDATES, VERSION)
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
@@ -77,12 +78,7 @@ class LearnerResult:
 
 def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
     """Prompts of one epoch, from the built-in task or a local dataset."""
-    data = cfg.data
-
-    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
-        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
-
-    return lambda epoch: iter_prompts(data, epoch, builtin=builtin)
+    return lambda epoch: iter_prompts(cfg.data, epoch, builtin=builtin_prompts)
 
 
 def produce_prompts(buffer: Buffer, cfg: Config, stop: threading.Event,
@@ -445,15 +441,15 @@ class Learner:
             self.uncommitted.append(list(batch.ids))
         self.publish(background=True)
         metrics.update({
-            "learner/version": self.version,
-            "learner/updates": self.updates,
-            "learner/samples_trained": self.samples_trained,
-            "learner/time_wait_s": wait_s,
-            "learner/time_read_s": read_s,
-            "learner/time_compute_s": compute_s,
-            "learner/time_publish_s": self._last_publish_s,
-            "staleness/hist": [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
-            "time": time.time(),
+            VERSION: self.version,
+            UPDATES: self.updates,
+            SAMPLES_TRAINED: self.samples_trained,
+            TIME_WAIT_S: wait_s,
+            TIME_READ_S: read_s,
+            TIME_COMPUTE_S: compute_s,
+            TIME_PUBLISH_S: self._last_publish_s,
+            STALENESS_HIST: [lags.count(k) for k in range(max(lags) + 1)] if lags else [],
+            TIME: time.time(),
         })
         return metrics
 
@@ -654,7 +650,7 @@ def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
     return frozenset(eos)
 
 
-def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> LearnerResult:
+def run_learner(cfg: Config, **budget: Any) -> LearnerResult:
     """Entry-point body: validate once, build, train until the budget or a signal."""
     validate(cfg)
     if cfg.buffer.url is None or cfg.weight_server.address is None:
@@ -665,17 +661,15 @@ def run_learner(cfg: Config, install_signals: bool = True, **budget: Any) -> Lea
     if cfg.buffer.run_id == "auto":
         raise ConfigError("rlhf-learner needs buffer.run_id=<name>: the key namespace its workers use too")
     learner = Learner(cfg)
-    if install_signals:  # this call owns the process
-        freeze_startup_heap()
-        signal.signal(signal.SIGTERM, learner.request_stop)
-        signal.signal(signal.SIGINT, learner.request_stop)
+    freeze_startup_heap()  # this call owns the process
+    signal.signal(signal.SIGTERM, learner.request_stop)
+    signal.signal(signal.SIGINT, learner.request_stop)
     try:
         result = learner.run(**budget)
         if cfg.learner.export_dir:
             learner.export(cfg.learner.export_dir)  # collective under ZeRO-3: every rank calls it
     finally:
         learner.close()
-    if install_signals:  # a rank that failed above leaves the others to torchrun, which stops them
-        shutdown_distributed()
+    shutdown_distributed()  # a rank that failed above leaves the others to torchrun, which stops them
     log.info("learner done at version %d after %d updates (%d samples)", result.version, result.updates, result.samples)
     return result

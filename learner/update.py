@@ -267,12 +267,12 @@ class PolicyUpdater:
         out = m.result()
         elapsed = time.perf_counter() - t_start
         out.update({
-            "learner/version": float(learner_version),
+            M.VERSION: float(learner_version),
             "learner/lr": lr,
             "learner/optimizer_steps": float(steps),
-            "learner/time_compute_s": elapsed,
-            "learner/samples_per_s": batch.num_rows / elapsed,
-            "learner/tokens_per_s": float(batch.policy_mask.sum()) / elapsed,
+            M.TIME_COMPUTE_S: elapsed,
+            M.SAMPLES_PER_S: batch.num_rows / elapsed,
+            M.TOKENS_PER_S: float(batch.policy_mask.sum()) / elapsed,
         })
         # per device: each rank trains its share of the batch's tokens in this time, on its own peak
         out.update(flops_metrics(self.total_params, trained / self.engine.world_size, elapsed, self.peak_flops,
@@ -497,7 +497,7 @@ class PolicyUpdater:
     def _batch_metrics(self, batch: TrainBatch, samples: Sequence[Sample], version: int, m: MetricSums) -> None:
         """Statistics of the whole batch; every rank computes them identically."""
         r = batch.rewards.double()
-        m.set("reward/mean", r.mean())
+        m.set(M.REWARD_MEAN, r.mean())
         m.set("reward/std", r.std(unbiased=False))
         m.set("reward/min", r.min())
         m.set("reward/max", r.max())
@@ -516,8 +516,8 @@ class PolicyUpdater:
             m.set("reward/turns_mean", sum(float(s.metadata.get("turns", 0)) for s in samples) / len(samples))
         stale = torch.tensor([version - s.oldest_version for s in samples], dtype=torch.float64)
         m.set("staleness/min", stale.min())
-        m.set("staleness/mean", stale.mean())
-        m.set("staleness/max", stale.max())
+        m.set(M.STALENESS_MEAN, stale.mean())
+        m.set(M.STALENESS_MAX, stale.max())
         tok = (version - batch.token_versions).double()
         m.set("staleness/token_mean", masked_mean(tok, batch.policy_mask))
         m.set(M.NUM_SAMPLES, batch.num_rows)

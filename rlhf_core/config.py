@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from rlhf_core.errors import UserError
 from rlhf_core.metric_names import REWARD_STATS
@@ -553,6 +553,13 @@ def unknown_settings(obj: Any, prefix: str = "") -> list[str]:
     return found
 
 
+def to_plain(node: Any) -> Any:
+    """A Hydra DictConfig/ListConfig as plain containers (kwargs reach user code as dict/list)."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
 SHM_MODES = ("auto", "off")
 
 
@@ -1050,11 +1057,8 @@ def active_reward_functions(reward: Any, drop_defaults: bool = False) -> dict[st
     switches a function off. ``drop_defaults``: they step aside anyway (a run with an environment,
     whose episodes the built-in task's reward does not score).
     """
-    def plain(x: Any) -> Any:
-        return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
-
-    functions = {n: s for n, s in (plain(reward.functions) or {}).items() if s is not None}
-    models = {n: s for n, s in (plain(reward.models) or {}).items() if s is not None}
+    functions = {n: s for n, s in (to_plain(reward.functions) or {}).items() if s is not None}
+    models = {n: s for n, s in (to_plain(reward.models) or {}).items() if s is not None}
     is_default = {n: isinstance(s, Mapping) and s.get("default") is True for n, s in functions.items()}
     if drop_defaults or models or not all(is_default.values()):
         functions = {n: s for n, s in functions.items() if not is_default[n]}

@@ -57,11 +57,12 @@ def count_up_reward(prompt: str, response_text: str, response_ids: Sequence[int]
     return correct / target_len
 
 
-def builtin_prompts(task: str, num_prompts: int, seed: int, epoch: int) -> Iterator[Prompt]:
+def builtin_prompts(data: Any, epoch: int) -> Iterator[Prompt]:
+    """The prompts of epoch ``epoch`` of the built-in task that ``data`` (a DataConfig) names."""
     try:
-        fn = TASKS[task]
+        fn = TASKS[data.task]
     except KeyError:
         from rlhf_core.config import ConfigError
 
-        raise ConfigError(f"data.task={task!r} is not a built-in task; choose one of {sorted(TASKS)}") from None
-    return fn(num_prompts=num_prompts, seed=seed, epoch=epoch)
+        raise ConfigError(f"data.task={data.task!r} is not a built-in task; choose one of {sorted(TASKS)}") from None
+    return fn(num_prompts=data.num_prompts, seed=data.seed, epoch=epoch)

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Protocol, Union
 
-from rlhf_core.config import ConfigError, env_target, import_env_target
+from rlhf_core.config import ConfigError, env_target, import_env_target, to_plain
 from rlhf_core.records import Prompt
 
 Message = Mapping[str, Any]
@@ -155,7 +155,7 @@ class EnvFactory:
         self.cls, self.path = cls, env_target(rollout)
         env = rollout.env
         items = env.items() if isinstance(env, Mapping) else ()
-        self.kwargs = {str(k): _plain(v) for k, v in items if k != "_target_"}
+        self.kwargs = {str(k): to_plain(v) for k, v in items if k != "_target_"}
         try:
             inspect.signature(cls).bind(**self.kwargs)
         except TypeError as exc:
@@ -166,11 +166,3 @@ class EnvFactory:
 
     def make(self) -> Any:
         return self.cls(**self.kwargs)
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value

@@ -83,12 +83,8 @@ def eval_metrics(rewards: Sequence[Sequence[float]], ks: Iterable[int], threshol
 def eval_prompts(cfg: Config) -> list[Prompt]:
     """The first ``eval.num_prompts`` prompts of ``eval.data`` (its epoch 0 order)."""
     data = cfg.eval.data
-
-    def builtin(d: Any, epoch: int) -> Iterable[Prompt]:
-        return builtin_prompts(d.task, d.num_prompts, d.seed, epoch)
-
     prompts = []
-    for p in iter_prompts(data, 0, builtin=builtin):
+    for p in iter_prompts(data, 0, builtin=builtin_prompts):
         if cfg.eval.num_prompts is not None and len(prompts) >= cfg.eval.num_prompts:
             break
         prompts.append(p)
@@ -224,7 +220,7 @@ class Evaluator:
         self.stop_event.set()
 
 
-def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> list[dict[str, Any]]:
+def run_evaluator(cfg: Config, **budget: Any) -> list[dict[str, Any]]:
     """Entry-point body (``python -m rollout_workers.evaluator``, started by ``rlhf-run`` when
     ``eval.every`` > 0)."""
     validate(cfg)
@@ -238,10 +234,9 @@ def run_evaluator(cfg: Config, install_signals: bool = True, **budget: Any) -> l
 
     _set_threads()
     evaluator = Evaluator(cfg)
-    if install_signals:  # this call owns the process
-        freeze_startup_heap()
-        signal.signal(signal.SIGTERM, evaluator.request_stop)
-        signal.signal(signal.SIGINT, evaluator.request_stop)
+    freeze_startup_heap()  # this call owns the process
+    signal.signal(signal.SIGTERM, evaluator.request_stop)
+    signal.signal(signal.SIGINT, evaluator.request_stop)
     return evaluator.run(**budget)
 
 

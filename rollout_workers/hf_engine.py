@@ -171,7 +171,6 @@ class HFEngine:
         self.num_prefills = 0  # prefill forward passes run
         self.num_reused_tokens = 0  # prompt tokens not prefilled: their K/V was in a parked slot
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, reused or prefilled
-        self.tokens_generated = 0
         self._waiting: deque[GenRequest] = deque()
         self._known: dict[str, GenRequest | _Seq] = {}  # waiting or running, by request id
         self._running: list[_Seq] = []  # in admission order
@@ -398,7 +397,6 @@ class HFEngine:
             use_top_k=any(t == 0 or 0 < k < self.vocab_size for t, k, _ in keys), use_top_p=any(p < 1 for *_, p in keys))
         tokens = sample_tokens(processed, self.generator)
         logprobs = token_logprobs(processed, tokens)
-        self.tokens_generated += len(seqs)
         return self._record(seqs, tokens.tolist(), logprobs.tolist())
 
     def _forward(self, ids: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor | int, seen: int) -> torch.Tensor:
@@ -448,7 +446,6 @@ class HFEngine:
         token_list = tokens.tolist()  # the one device sync of the step
         logprob_list = logprobs.tolist()
         self.num_steps += 1
-        self.tokens_generated += len(decoding)
         for seq in decoding:  # its input went into column n_cached
             seq.n_cached += 1
         return self._record(decoding, [token_list[i] for i in row_of], [logprob_list[i] for i in row_of])

@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target
+from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target, to_plain
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 from rlhf_core.records import Prompt
@@ -355,15 +355,6 @@ class _RewardModel:
                 else [(self.name, s)] for s in scores]
 
 
-def _plain(node: Any) -> Any:
-    """A Hydra DictConfig/ListConfig as plain containers (kwargs reach user code as dict/list)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
-
-
 def _weight(section: str, name: str, spec: Mapping[str, Any]) -> float:
     value = spec.get("weight", 1.0)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -424,7 +415,7 @@ class Scorer:
                 kwargs = {}
             kind = _BatchedFn if is_batched(name, obj, spec.get("batched")) else _PerSampleFn
             self.functions.append(kind(name, obj, _weight("functions", name, spec), kwargs))
-        for name, spec in (_plain(cfg.models) or {}).items():
+        for name, spec in (to_plain(cfg.models) or {}).items():
             if spec is None:
                 continue
             if not isinstance(spec, Mapping) or not spec.get("path"):

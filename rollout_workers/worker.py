@@ -268,9 +268,8 @@ class RolloutWorker:
         log.debug("worker %s applied weights version %d", self.worker_id, version)
         return True
 
-    def wait_for_weights(self, timeout_s: float | None = None) -> bool:
+    def wait_for_weights(self) -> bool:
         """Block until a first version is applied (the learner publishes one at start); False if stopped."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         retry_at = 0.0
         tried: int | None = None
         logged = False
@@ -283,8 +282,6 @@ class RolloutWorker:
                 tried, retry_at = announced, time.monotonic() + WEIGHT_RETRY_S
                 if self.pull_newest():
                     return True
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"no weights from the weight server at {self.cfg.weight_server.address} within {timeout_s} s")
             if not logged:
                 log.info("worker %s: waiting for a first weight version at %s", self.worker_id, self.cfg.weight_server.address)
                 logged = True

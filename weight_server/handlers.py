@@ -172,13 +172,7 @@ class Handlers:
             up = self.store.pending(name)
             if up is not None and version in (None, up.version):
                 up.followers += 1
-                offer = self._lease(up.slab, name, up.version, up.layout.total_bytes, pending=True) if want_shm else None
-                if offer is None:
-                    self.metrics.pull_path(name, up.version, shm=False)
-                self.out.send(ident, P.encode(
-                    P.MANIFEST, rid=obj.get("rid"), name=name, version=up.version, chunk_bytes=self.cfg.chunk_bytes,
-                    pending=True, shm=offer, **P.manifest_fields(up.layout),
-                ))
+                self._send_manifest(ident, obj.get("rid"), name, up.version, up.slab, up.layout, want_shm, pending=True)
                 return
         ver = self.store.get(name, version)
         if ver is None:
@@ -186,12 +180,16 @@ class Handlers:
             what = f"version {version} of {name!r} is not held (held: {held})" if version is not None else f"no version of {name!r} is held yet"
             raise Refused(P.E_NOT_FOUND, what)
         self.metrics.pulled(name, ver.version)
-        offer = self._lease(ver.slab, name, ver.version, ver.layout.total_bytes, pending=False) if want_shm else None
+        self._send_manifest(ident, obj.get("rid"), name, ver.version, ver.slab, ver.layout, want_shm, pending=False)
+
+    def _send_manifest(self, ident: bytes, rid: Any, name: str, version: int, slab: Slab, layout: P.Layout, want_shm: bool,
+                       pending: bool) -> None:
+        offer = self._lease(slab, name, version, layout.total_bytes, pending) if want_shm else None
         if offer is None:
-            self.metrics.pull_path(name, ver.version, shm=False)
+            self.metrics.pull_path(name, version, shm=False)
         self.out.send(ident, P.encode(
-            P.MANIFEST, rid=obj.get("rid"), name=name, version=ver.version, chunk_bytes=self.cfg.chunk_bytes,
-            pending=False, shm=offer, **P.manifest_fields(ver.layout),
+            P.MANIFEST, rid=rid, name=name, version=version, chunk_bytes=self.cfg.chunk_bytes,
+            pending=pending, shm=offer, **P.manifest_fields(layout),
         ))
 
     def _lease(self, slab: Slab, name: str, version: int, total: int, pending: bool) -> dict[str, Any] | None:

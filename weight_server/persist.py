@@ -115,7 +115,7 @@ def read_version(
     import time
 
     now = time.monotonic()
-    return Version(str(meta["name"]), int(meta["version"]), layout, slab, digest, time.time(), now, now)
+    return Version(str(meta["name"]), int(meta["version"]), layout, slab, digest, now, now)
 
 
 def _read_tensors(f: Any, layout: P.Layout, ranges: list[tuple[int, ...]], data_start: int, slab: Slab) -> list[bytes]:

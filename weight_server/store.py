@@ -183,7 +183,6 @@ class Version:
     layout: Layout
     slab: Slab
     content_hash: bytes
-    published_at: float  # wall clock, for humans
     begin_mono: float  # server monotonic clock at PUB_BEGIN: the start of weight-sync latency
     visible_mono: float
 
@@ -459,7 +458,7 @@ class VersionStore:
         except Refused:
             self._retire(up)
             raise
-        ver = Version(up.name, up.version, up.layout, up.slab, up.content_hash, time.time(), up.begin_mono, now)
+        ver = Version(up.name, up.version, up.layout, up.slab, up.content_hash, up.begin_mono, now)
         return ver, self.add(ver)
 
     def add(self, ver: Version) -> list[Version]:

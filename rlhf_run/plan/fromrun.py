@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from rlhf_run.report import every_worker, read_jsonl, read_timeline
+from rlhf_run.report import TIMELINE_FILE, every_worker, read_jsonl, read_timeline
 from rlhf_run.plan.profile import Generation, Learner, Lengths, Machine, Profile, ProfileError, Sync, Worker, identity_of
 
 
@@ -55,7 +55,7 @@ def profile_from_run(folder: str | Path, warmup: int = 20) -> Profile:
     if len(rows) < warmup + 10:
         raise ProfileError(f"{folder} has {len(rows)} updates; at least {warmup + 10} are needed to fit the costs")
     rows = rows[warmup:]
-    timeline = read_timeline(folder / "timeline.jsonl")
+    timeline = read_timeline(folder / TIMELINE_FILE)
     batch = float(statistics.median(r.get(M.NUM_SAMPLES, cfg.learner.batch_size) for r in rows))
     cap = int(cfg.rollout.max_new_tokens)
     prompts = [float(r.get(M.PROMPT_LEN_MEAN, cfg.rollout.max_prompt_tokens)) for r in rows]
