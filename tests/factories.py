@@ -8,6 +8,8 @@ learner test checks collated tensors against them).
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -105,3 +107,16 @@ def fake_decode_clock(monkeypatch: Any, module: Any) -> None:
     names = {n: getattr(time, n) for n in dir(time) if not n.startswith("_")}
     monkeypatch.setattr(module, "time", types.SimpleNamespace(**{**names, "perf_counter": lambda: clock[0]}))
     monkeypatch.setattr(module, "decode_entry", decode)
+
+
+class LogSeen(logging.Handler):
+    """Sets ``event`` when a record whose message contains ``text`` is logged (from any thread):
+    a test waits on it instead of sleeping."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()

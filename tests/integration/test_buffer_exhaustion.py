@@ -42,25 +42,13 @@ def _state(buf: Buffer) -> tuple[int, int, int]:
     return buf.redis.xlen(buf.keys.samples), leased, buf.metrics()["counters"]["prompts_acked"]
 
 
-class _Seen(logging.Handler):
-    """Sets ``event`` when a log record containing ``text`` is emitted (from any thread)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text, self.event = text, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
 def test_redis_out_of_memory_is_ridden_out_and_logged(redis_url):
     buf = _buffer(redis_url, max_retry_s=60.0)
     buf.enqueue_prompts(T.prompts(1))
     (lease,) = buf.claim("w1", 1)
     admin = redis.Redis.from_url(redis_url)
     _fill_up(admin)
-    seen = _Seen("out of memory")
+    seen = T.LogSeen("out of memory")
     logging.getLogger("buffer").addHandler(seen)
     result: list = []
     done = threading.Thread(target=lambda: result.append(buf.complete(lease, T.group(lease.prompt))))

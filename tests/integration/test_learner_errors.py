@@ -24,6 +24,7 @@ from buffer import Buffer
 from rlhf_core.config import ModelConfig, WeightServerConfig
 from rlhf_core.errors import STOPPED_EARLY_EXIT
 from rlhf_core.records import Sample, rle_encode
+from factories import LogSeen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -213,18 +214,6 @@ def test_a_learner_whose_data_is_used_up_stops_and_says_so(tmp_path, servers, mo
         buf.close()
 
 
-class Signal(logging.Handler):
-    """Sets ``event`` when a record whose message contains ``text`` is logged."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text, self.event = text, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
 def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_is_unreachable(redis_server):
     """A prompt that cannot be produced (here a source with a bug; once a row msgpack could not
     encode or a file that was not UTF-8) was logged and tried again every 100 ms for ever: the
@@ -260,7 +249,7 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
     stop.set()
     assert raised and calls == [0], f"the producer tried the broken source {len(calls)} times and went on"
 
-    retried = Signal("trying again")
+    retried = LogSeen("trying again")
     logging.getLogger("learner.trainer").addHandler(retried)
     try:
         redis_server.stop()  # SIGTERM: Redis writes its data, and comes back with it on the same port
