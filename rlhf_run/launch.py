@@ -22,8 +22,9 @@ import logging
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -162,20 +163,24 @@ class StartChecks(Callback):
     ``resume=`` folder that is not a run's, an output folder that cannot be made."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        try:
+        with _exit_on_config_error():
             if config.get("resume"):
                 resume_folder(config.resume)
             check_output_folder(config.hydra.run.dir, "hydra.run.dir")
-        except ConfigError as exc:  # Hydra turns a callback's exception into a warning: exit instead
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(exc.exit_code)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        try:
+        with _exit_on_config_error():
             check_output_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(exc.exit_code)
+
+
+@contextmanager
+def _exit_on_config_error() -> Iterator[None]:
+    """Hydra turns a callback's exception into a warning: say the error in one line and exit instead."""
+    try:
+        yield
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
 
 
 class SweepSummary(Callback):
