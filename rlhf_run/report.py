@@ -590,7 +590,8 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     written: list[Path] = []
     if not rows:
         return written
-    wall = [r.get(M.TIME, 0.0) - time_origin(rows, timeline) for r in rows]
+    t0 = time_origin(rows, timeline)
+    wall = [r.get(M.TIME, 0.0) - t0 for r in rows]
     samples = [r.get(M.SAMPLES_TRAINED, 0) for r in rows]
     reward = [r.get(M.REWARD_MEAN, float("nan")) for r in rows]
 
