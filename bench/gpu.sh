@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of the README's bench table, on one CUDA machine: the project importable with
+# Every GPU figure of docs/benchmarks.md's table, on one CUDA machine: the project importable with
 # its train and baseline extras (DeepSpeed, TRL) and redis-server on the PATH. Each step runs
 # under its own time limit and a failing step does not stop the next; JSON and a log per step
 # go to $OUT (default bench/results). On a machine without a registry, bench/gpu_wheels.sh fetches

@@ -7,7 +7,7 @@ micro-batches of ``micro_batch``):
 
 - ``plain torch``: what a user writes first: bf16 weights, full-vocabulary logits, fp32
   cross-entropy on every position, backward, torch's fused AdamW stepping the bf16 weights
-  directly (which loses updates below bf16 precision, see the README: the reference for speed,
+  directly (which loses updates below bf16 precision: the reference for speed,
   not for learning);
 - ``learner torch``: :meth:`learner.update.PolicyUpdater.update` with the torch engine (fp32
   master weights, decoupled PPO loss on the response tokens, log-probs chunked over the LM head,

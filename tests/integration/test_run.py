@@ -178,7 +178,7 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_run_learns_and_reports(tmp_path, model_cache):
-    """A smaller version of the README's main command: reward rises, summary and plots exist;
+    """A smaller version of the default run: reward rises, summary and plots exist;
     the held-out evaluation every 50 versions reaches eval.jsonl, metrics.jsonl, TensorBoard and
     the summary."""
     out = tmp_path / "out"
@@ -332,10 +332,10 @@ def test_multirun_jobs_get_separate_namespaces(tmp_path, redis_server, model_cac
 
 
 def readme_block(after: str) -> list[list[str]]:
-    """The commands of the README's first bash block after ``after`` (continuations joined, comments dropped)."""
+    """The commands of docs/cluster.md's first bash block after ``after`` (continuations joined, comments dropped)."""
     import shlex
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
     block = text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = block.replace("\\\n", " ").splitlines()
     return [shlex.split(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
@@ -344,7 +344,7 @@ def readme_block(after: str) -> list[list[str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_standalone_workers_join_and_leave_as_the_readme_says(tmp_path, model_cache):
-    """The README's standalone-workers commands, run as written (loopback for 10.0.0.5, free ports):
+    """docs/cluster.md's standalone-workers commands, run as written (loopback for 10.0.0.5, free ports):
     Redis with a password, CURVE keys, rlhf-run with no workers; rlhf-worker processes join, one leaves."""
     import re
 
@@ -362,7 +362,7 @@ def test_standalone_workers_join_and_leave_as_the_readme_says(tmp_path, model_ca
         cmd = [swapped.sub(lambda m: swap[m.group(0)], arg) for arg in cmd]
         return [script(cmd[0]) if cmd[0].startswith("rlhf-") else cmd[0], *cmd[1:]]
 
-    mkdir_cmd, redis_cmd, keys_cmd, run_cmd_, worker_cmd = [as_here(c) for c in readme_block("**Standalone workers.**")]
+    mkdir_cmd, redis_cmd, keys_cmd, run_cmd_, worker_cmd = [as_here(c) for c in readme_block("## Standalone workers")]
     assert mkdir_cmd[0] == "mkdir" and redis_cmd[0] == "redis-server" and keys_cmd[1:] == ["--gen-keys", "keys/"]
     assert run_cmd(mkdir_cmd, tmp_path, timeout=10).returncode == 0
     out, run_id = tmp_path / "out", "exp1"
@@ -373,8 +373,8 @@ def test_standalone_workers_join_and_leave_as_the_readme_says(tmp_path, model_ca
     procs: list[subprocess.Popen] = [redis_proc]
     try:
         r = redis.Redis(port=redis_port, password="SECRET")
-        wait_for(lambda: _ping(r) or redis_proc.poll() is not None, 30, "the README's Redis")
-        assert redis_proc.poll() is None, f"the README's redis-server exited: {redis_log.read_text()[-2000:]}"
+        wait_for(lambda: _ping(r) or redis_proc.poll() is not None, 30, "the documented Redis")
+        assert redis_proc.poll() is None, f"the documented redis-server exited: {redis_log.read_text()[-2000:]}"
         assert run_cmd(keys_cmd, tmp_path, timeout=60).returncode == 0
         run = subprocess.Popen([*run_cmd_, f"hydra.run.dir={out}", *base_overrides(model_cache), "learner.max_updates=6"],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())

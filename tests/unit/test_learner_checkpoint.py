@@ -89,7 +89,7 @@ def test_resume_continues_bit_for_bit(estimator, base, batches, tiny_model_cfg, 
 
 
 def test_resume_trains_with_the_configs_optimizer_settings(base, batches, tiny_model_cfg, tmp_path, caplog):
-    # `rlhf-run resume=<folder> learner.lr=...` changes the run's settings (README), but the
+    # `rlhf-run resume=<folder> learner.lr=...` changes the run's settings (docs/usage.md), but the
     # optimizer's param groups and LambdaLR's base_lrs in the checkpoint carried the old lr, betas,
     # eps and weight decay, and the resumed run trained on with them (the critic's too)
     cfg = resume_cfg(tiny_model_cfg, **{"algo.estimator": "gae"})

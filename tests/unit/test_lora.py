@@ -24,7 +24,7 @@ from rollout_workers.engine import GenRequest, SamplingParams
 from rollout_workers.hf_engine import HFEngine
 
 
-# the head too: the random tiny model's frozen head caps its logits (see the README's LoRA paragraph)
+# the head too: the random tiny model's frozen head caps its logits (see docs/real_models.md, LoRA)
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["all-linear", "lm_head"])
 LINEAR = ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
 

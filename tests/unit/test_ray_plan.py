@@ -88,7 +88,7 @@ def test_label_selectors_match_as_ray_matches_them(selector, fits):
 
 
 @pytest.mark.parametrize("settings, head, message", [
-    # the README's "a GPU learner on the head", run from a head without a GPU (a GPU elsewhere)
+    # docs/cluster.md's "a GPU learner on the head", run from a head without a GPU (a GPU elsewhere)
     (dict(ray__learner__num_gpus=1.0), node(4), "learner rank 0 (CPU 1, GPU 1) runs on the node running rlhf-run "
      "(ray.learner.on_driver_node), which has CPU 4, GPU 0"),
     # a head started with --num-cpus=0 (Ray's advice for a head that only coordinates)

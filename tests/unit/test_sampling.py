@@ -82,7 +82,7 @@ def test_top_p_cuts_where_vllm_does_and_keeps_every_token_it_may_sample():
     """The vllm engine samples through vLLM's top-k/top-p and the learner recomputes through this
     module. Float32 logits: the same tokens and the same log-probs, bit for bit. Logits of a
     bfloat16 model tie often at the cut, where vLLM keeps some of a tie: each one it keeps is kept
-    here too (with the rest of the tie, so the log-probs differ there: README, vLLM)."""
+    here too (with the rest of the tie, so the log-probs differ there: docs/vllm.md)."""
     ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
     torch.manual_seed(0)
     rows, vocab = 16, 32000
