@@ -11,11 +11,17 @@ the component's flat metrics dict (``learner/version``, ``reward/mean``, ``token
   first update). A total that goes down (its process restarted) raises nothing until it grows
   again from there, so a counter never goes down, and a new process's counter starts at 0, which
   Prometheus reads as a reset, not as the restored totals trained again;
+* a key of ``sums`` (the learner's ``learner/num_tokens``) also feeds a counter that adds up its values;
 * the key of a :class:`Hist` feeds a histogram: a number is one observation, a list counts the
   observations of 0, 1, 2 ... (the learner's ``staleness/hist``); :meth:`Exporter.observe`
   feeds a histogram directly (the workers' latencies);
 * every other finite number becomes a gauge with the conventional name (``reward/mean`` ->
-  ``rlhf_reward_mean``), so every key of the dict is exported.
+  ``rlhf_reward_mean``).
+
+Names follow Prometheus's rules (``promtool check metrics``), which the records' keys, read under
+their own names by the monitor, the report, ``metrics.jsonl`` and the trackers, do not: see
+:func:`prometheus_key` (``time_compute_s`` -> ``time_compute_seconds``; a rate such as
+``tokens_per_s`` is not exported, Prometheus's ``rate()`` of its counter is that rate).
 
 Off unless a port is configured (``learner.prometheus_port`` / ``rollout.prometheus_port``,
 worker i on port + i); the run's own target (``run.prometheus_port``) is ``rlhf_run.run_exporter``.
@@ -44,9 +50,31 @@ SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def metric_name(prefix: str, key: str) -> str:
-    """``("rlhf_worker", "tokens_per_s")`` -> ``rlhf_worker_tokens_per_s``; ``loss/clip_frac`` -> ``..._loss_clip_frac``."""
+    """``("rlhf_worker", "weight_updates")`` -> ``rlhf_worker_weight_updates``; ``loss/clip_frac`` -> ``..._loss_clip_frac``."""
     name = _BAD.sub("_", f"{prefix}_{key}").strip("_")
     return re.sub(r"_+", "_", name)
+
+
+#: (pattern, replacement) applied in turn to a record's key to name it in Prometheus; None: not
+#: exported. Prometheus asks for base units, and computes a rate itself from the counter it is the rate of.
+_PROMETHEUS_KEYS = (
+    (re.compile(r"_per_s$"), None),  # tokens_per_s: rate(..._tokens_total)
+    (re.compile(r"_s$"), "_seconds"),
+    (re.compile(r"^t_(\w+)$"), r"\1_seconds"),  # a worker's time totals (t_generate, t_wait ...)
+    (re.compile(r"/total$"), ""),  # loss/total is a level, and only a counter's name ends in _total
+    (re.compile(rf"^{M.TIME}$"), "learner/last_update_timestamp_seconds"),  # the learner row's wall clock
+)
+
+
+def prometheus_key(key: str) -> str | None:
+    """The key a record's ``key`` has in Prometheus (``learner/time_compute_s`` ->
+    ``learner/time_compute_seconds``), None for a rate, which Prometheus computes with ``rate()``."""
+    for pattern, replacement in _PROMETHEUS_KEYS:
+        if pattern.search(key):
+            if replacement is None:
+                return None
+            key = pattern.sub(replacement, key)
+    return key
 
 
 def number(value: Any) -> float | None:
@@ -88,11 +116,12 @@ class Totals:
 
 class Exporter:
     def __init__(self, prefix: str, labels: Mapping[str, str] | None = None, totals: tuple[str, ...] = (),
-                 histograms: tuple[Hist, ...] = ()) -> None:
+                 histograms: tuple[Hist, ...] = (), sums: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
         self.labels = dict(labels or {})
         self.registry = CollectorRegistry()
         self._totals = frozenset(totals)
+        self._sums = dict(sums or {})  # key -> the key of the counter its values add up to
         self._growth = Totals()
         self._metrics: dict[str, Any] = {}  # name -> the labelled series
         self._skipped: set[str] = set()
@@ -135,7 +164,13 @@ class Exporter:
         x = number(value)
         if x is None:
             return
-        name = metric_name(self.prefix, key)
+        if key in self._sums:
+            total = self._series(Counter, metric_name(self.prefix, self._sums[key]), f"the sum of every {key!r}")
+            total.inc(max(0.0, x))
+        exported = prometheus_key(key)
+        if exported is None:
+            return
+        name = metric_name(self.prefix, exported)
         if key in self._totals:
             self._series(Counter, name, f"running total {key!r}").inc(self._growth.growth(key, x))
         else:
@@ -168,13 +203,15 @@ class Exporter:
 
 
 def learner_exporter(run_id: str) -> Exporter:
-    """The learner's metrics row: ``rlhf_learner_*``, ``rlhf_reward_*``, ``rlhf_loss_*`` ..."""
+    """The learner's metrics row: ``rlhf_learner_*``, ``rlhf_reward_*``, ``rlhf_loss_*`` ..., and
+    ``rlhf_learner_tokens_trained_total``: the policy tokens of every update's batch, whose ``rate()``
+    over that of ``rlhf_learner_step_seconds_sum`` is the row's ``learner/tokens_per_s``."""
     return Exporter("rlhf", {"run": run_id}, totals=M.LEARNER_TOTALS, histograms=(
         Hist("learner_staleness_versions", "versions between a trained sample's oldest token and the policy it "
              "trains", LAG_BUCKETS, key=M.STALENESS_HIST),
         Hist("learner_step_seconds", "compute time of one update (forward, backward, optimizer)", SECONDS_BUCKETS,
              key=M.TIME_COMPUTE_S),
-    ))
+    ), sums={M.NUM_TOKENS: "learner/tokens_trained"})
 
 
 WEIGHT_SYNC = "weight_sync_seconds"

@@ -19,6 +19,11 @@ series has the label ``run``:
   ``rlhf_run_gateway_<key>`` (``rlhf_run_gateway_calls_total``; its errors answered as
   ``rlhf_run_gateway_errors_total`` with the label ``code``).
 
+A record's key is named as the learner's and the workers' own targets name it
+(:func:`~rlhf_core.prometheus.prometheus_key`: ``sync_latency_s`` ->
+``rlhf_run_weight_server_sync_latency_seconds``; no ``*_per_s`` rate, which ``rate()`` of its
+counter is).
+
 Totals go through :class:`~rlhf_core.prometheus.Totals`, as the learner's and the workers' own:
 the first snapshot this process takes is the base (a resumed run's Redis counts the launch before,
 a monitor attaches mid-run), and a record that restarts (a worker's, the learner's after a resume)
@@ -37,7 +42,7 @@ from prometheus_client.utils import floatToGoString
 
 from buffer.metrics import LEVELS
 from rlhf_core import metric_names as M
-from rlhf_core.prometheus import LAG_BUCKETS, Exporter, Totals, metric_name, number
+from rlhf_core.prometheus import LAG_BUCKETS, Exporter, Totals, metric_name, number, prometheus_key
 
 PREFIX = "rlhf_run"
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
@@ -131,8 +136,10 @@ class RunExporter:
         f.add("gauge", f"{p}_leases", "prompts the worker holds", rec.get("leases"), worker=worker)
         f.add("gauge", f"{p}_heartbeat_age_seconds", "since the last heartbeat", rec.get("age_s"), worker=worker)
         for key, value in (rec.get("stats") or {}).items():
-            total = key in M.WORKER_TOTALS
-            f.add("counter" if total else "gauge", metric_name(p, key), f"worker stats {key!r}", value, worker=worker)
+            exported = prometheus_key(key)
+            if exported is not None:
+                kind = "counter" if key in M.WORKER_TOTALS else "gauge"
+                f.add(kind, metric_name(p, exported), f"worker stats {key!r}", value, worker=worker)
 
     @staticmethod
     def _published(f: _Families, component: str, stats: dict[str, Any]) -> None:
@@ -143,7 +150,10 @@ class RunExporter:
                 f.add("counter", f"{prefix}_errors", "gateway requests answered with an error, by code", value,
                       code=key.removeprefix(M.GATEWAY_ERRORS))
                 continue
+            exported = prometheus_key(key)
+            if exported is None:
+                continue
             # the weight server's counters arrive as ws/<name> (rlhf_run.report.weight_server_stats)
             total = key in M.LEARNER_TOTALS or key.startswith("ws/") or (gateway and key not in M.GATEWAY_LEVELS)
-            short = key.removeprefix(f"{component}/")
+            short = exported.removeprefix(f"{component}/")
             f.add("counter" if total else "gauge", metric_name(prefix, short), f"{component} stats {key!r}", value)

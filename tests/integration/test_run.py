@@ -96,14 +96,17 @@ def leases_taken_over(r: redis.Redis, run_id: str, consumer: str, pid: int) -> C
     return taken_over
 
 
-def scrape(port: int) -> dict:
-    """The target's families by name, parsed with prometheus_client's own parser."""
+def exposition(port: int) -> str:
     import urllib.request
 
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def scrape(port: int) -> dict:
+    """The target's families by name, parsed with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {f.name: f for f in text_string_to_metric_families(text)}
+    return {f.name: f for f in text_string_to_metric_families(exposition(port))}
 
 
 def sample(families: dict, family: str, kind: str, name: str, **labels: str) -> float:
@@ -131,7 +134,7 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
         labels = {"worker": f"worker-{i}", "run": run_id}
         assert sample(worker, "rlhf_worker_tokens", "counter", "rlhf_worker_tokens_total", **labels) > 0
         assert sample(worker, "rlhf_worker_weight_sync_seconds", "histogram", "rlhf_worker_weight_sync_seconds_count") >= 1
-        assert sample(worker, "rlhf_worker_tokens_per_s", "gauge", "rlhf_worker_tokens_per_s", **labels) > 0
+        assert sample(worker, "rlhf_worker_uptime_seconds", "gauge", "rlhf_worker_uptime_seconds", **labels) > 0
 
     def run_target(port: int) -> dict | None:
         """The run's target once its snapshot has two updates' samples consumed and both workers'
@@ -148,6 +151,12 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
     run = wait_for(lambda: run_target(run_port), 30, "the run's target")
     assert sample(run, "rlhf_run_staleness_versions", "histogram", "rlhf_run_staleness_versions_count") >= 32
     assert "rlhf_run_depth_samples_in_buffer" in run and run["rlhf_run_depth_samples_in_buffer"].type == "gauge"
+    # every live target follows Prometheus's naming rules (and promtool agrees, where it is installed)
+    from promlint import lint, promtool
+
+    for port in (learner_port, worker_port, worker_port + 1, run_port):
+        text = exposition(port)
+        assert lint(text) == [] and promtool(text) in (None, []), (port, lint(text), promtool(text))
     # rlhf-monitor serves the same target for a run it watches
     from servers import free_port
 

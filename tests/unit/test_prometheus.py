@@ -16,8 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlhf_core import metric_names as M
 from rlhf_core.errors import UserError
-from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC, learner_exporter, metric_name, worker_exporter
+from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC, learner_exporter, metric_name, prometheus_key, worker_exporter
 from rlhf_run.run_exporter import RunExporter
+
+from promlint import lint, promtool
 
 ROOT = Path(__file__).resolve().parents[2]
 INPUTS = json.loads((Path(__file__).parent / "data" / "prometheus_inputs.json").read_text())
@@ -43,15 +45,26 @@ def test_names_are_conventional():
     assert metric_name("rlhf_worker", "tokens-per.s") == "rlhf_worker_tokens_per_s"
 
 
+def test_record_keys_take_base_units_and_leave_rates_to_prometheus():
+    assert prometheus_key(M.TIME_COMPUTE_S) == "learner/time_compute_seconds"
+    assert prometheus_key("uptime_s") == "uptime_seconds"
+    assert prometheus_key("t_generate") == "generate_seconds"  # a worker's seconds generating, a running total
+    assert prometheus_key(M.TIME) == "learner/last_update_timestamp_seconds"
+    assert prometheus_key("loss/total") == "loss"
+    assert prometheus_key(M.WORKER_TOKENS_PER_S) is None and prometheus_key(M.SAMPLES_PER_S) is None
+    assert prometheus_key(M.WORKER_TOKENS) == "tokens" and prometheus_key("score_share") == "score_share"
+
+
 def test_learner_target_over_http_counters_gauges_histograms():
     ex = learner_exporter("run-a")
     port = ex.serve(0)
     try:
         ex.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})  # the totals a fresh learner starts from (Learner._start)
-        ex.update({M.VERSION: 1, M.UPDATES: 1, M.SAMPLES_TRAINED: 32, M.TIME_COMPUTE_S: 0.3,
-                   M.STALENESS_HIST: [20, 10, 2], M.REWARD_MEAN: 0.25, "note": "text", "bad": math.nan})
-        ex.update({M.VERSION: 2, M.UPDATES: 2, M.SAMPLES_TRAINED: 64, M.TIME_COMPUTE_S: 0.7,
-                   M.STALENESS_HIST: [16, 12, 3, 1], M.REWARD_MEAN: 0.5})
+        ex.update({M.VERSION: 1, M.UPDATES: 1, M.SAMPLES_TRAINED: 32, M.TIME_COMPUTE_S: 0.3, M.NUM_TOKENS: 190,
+                   M.TOKENS_PER_S: 633.3, M.STALENESS_HIST: [20, 10, 2], M.REWARD_MEAN: 0.25, "note": "text",
+                   "bad": math.nan})
+        ex.update({M.VERSION: 2, M.UPDATES: 2, M.SAMPLES_TRAINED: 64, M.TIME_COMPUTE_S: 0.7, M.NUM_TOKENS: 210,
+                   M.TOKENS_PER_S: 300.0, M.STALENESS_HIST: [16, 12, 3, 1], M.REWARD_MEAN: 0.5})
         fams = families(scrape(port))
     finally:
         ex.close()
@@ -72,7 +85,11 @@ def test_learner_target_over_http_counters_gauges_histograms():
     # step time: 0.3 s falls in le=0.5, 0.7 s in le=1.0
     step = {s.labels["le"]: s.value for s in fams["rlhf_learner_step_seconds"].samples if s.name.endswith("_bucket")}
     assert (step["0.25"], step["0.5"], step["1.0"], step["+Inf"]) == (0, 1, 2, 2)
-    assert value(fams, "rlhf_learner_time_compute_s", "rlhf_learner_time_compute_s") == 0.7  # the gauge stays
+    assert value(fams, "rlhf_learner_time_compute_seconds", "rlhf_learner_time_compute_seconds") == 0.7  # the gauge stays
+    # the row's tokens/s is Prometheus's rate of tokens trained over compute seconds: (190 + 210) / (0.3 + 0.7)
+    assert value(fams, "rlhf_learner_tokens_trained", "rlhf_learner_tokens_trained_total") == 190 + 210
+    assert value(fams, "rlhf_learner_step_seconds", "rlhf_learner_step_seconds_sum") == pytest.approx(0.3 + 0.7)
+    assert not any(name.endswith("_per_s") for name in fams)
 
 
 def _trained(ex) -> float:
@@ -118,7 +135,8 @@ def test_worker_target_labels_and_latency_histograms():
     ex = worker_exporter('w"0', "run-a")
     port = ex.serve(0)
     try:
-        ex.update({M.WORKER_TOKENS: 120, M.WORKER_TOKENS_PER_S: 40.5, "version": None, "active": 3})
+        ex.update({M.WORKER_TOKENS: 120, M.WORKER_TOKENS_PER_S: 40.5, M.WORKER_UPTIME: 3.0, "t_generate": 2.5,
+                   "version": None, "active": 3})
         for seconds in (0.02, 0.2, 3.0):
             ex.observe(GENERATION, seconds)
         ex.observe(WEIGHT_SYNC, 0.04)
@@ -128,7 +146,9 @@ def test_worker_target_labels_and_latency_histograms():
     tokens = fams["rlhf_worker_tokens"]
     assert tokens.type == "counter"
     assert tokens.samples[0].labels == {"worker": 'w"0', "run": "run-a"}  # escaped and parsed back
-    assert value(fams, "rlhf_worker_tokens_per_s", "rlhf_worker_tokens_per_s") == 40.5
+    assert "rlhf_worker_tokens_per_s" not in fams  # rate(rlhf_worker_tokens_total) is
+    assert value(fams, "rlhf_worker_uptime_seconds", "rlhf_worker_uptime_seconds") == 3.0
+    assert value(fams, "rlhf_worker_generate_seconds", "rlhf_worker_generate_seconds_total") == 0  # its first total: the base
     assert "rlhf_worker_version" not in fams  # None before the first weights
     gen = {s.labels["le"]: s.value for s in fams["rlhf_worker_generation_seconds"].samples if s.name.endswith("_bucket")}
     # 0.02 s <= 0.025, 0.2 s <= 0.25, 3.0 s <= 5.0
@@ -186,6 +206,11 @@ def test_run_target_from_a_snapshot():
         assert value(fams, "rlhf_run_worker_tokens", "rlhf_run_worker_tokens_total", worker="worker-1") == 14149
         assert value(fams, "rlhf_run_learner_samples_trained", "rlhf_run_learner_samples_trained_total") == 14400
         assert value(fams, "rlhf_run_weight_server_ws_pulls", "rlhf_run_weight_server_ws_pulls_total") == 83
+        # in base units, and no rates (rate() of the counters is): the records' own names are the monitor's
+        latency = snap["stats"][M.WEIGHT_SERVER_STATS]["sync_latency_s"]
+        assert value(fams, "rlhf_run_weight_server_sync_latency_seconds", "rlhf_run_weight_server_sync_latency_seconds") == latency
+        assert value(fams, "rlhf_run_learner_loss", "rlhf_run_learner_loss") == snap["stats"][M.LEARNER_STATS]["loss/total"]
+        assert not any(name.endswith("_per_s") for name in fams)
         # the gateway's running totals are counters, its levels gauges, its errors one counter by code
         assert value(fams, "rlhf_run_gateway_calls", "rlhf_run_gateway_calls_total") == 512
         assert fams["rlhf_run_gateway_sessions_open"].type == "gauge"
@@ -238,8 +263,9 @@ def test_promql_names_are_extracted():
     assert promql_metric_names(expr) == {"a_bucket", "b_total"}
 
 
-def exposed_samples() -> dict[str, str]:
-    """{sample name: its family's type} of the three targets fed a real run's records."""
+def targets() -> dict[str, str]:
+    """The expositions of the learner's, a worker's and the run's target (the weight server's and the
+    gateway's stats are the run target's) fed a real run's records."""
     learner = learner_exporter("r1")
     learner.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})
     learner.update(INPUTS["learner_row"])
@@ -249,11 +275,61 @@ def exposed_samples() -> dict[str, str]:
     worker.observe(WEIGHT_SYNC, 0.01)
     run = RunExporter("r1")
     run.update(INPUTS["snapshot"])
+    return {"learner": learner.render(), "worker": worker.render(), "run": run.render()}
+
+
+def exposed_samples() -> dict[str, str]:
+    """{sample name: its family's type} of the three targets."""
     out = {}
-    for text in (learner.render(), worker.render(), run.render()):
+    for text in targets().values():
         for fam in text_string_to_metric_families(text):
             out.update({s.name: fam.type for s in fam.samples})
     return out
+
+
+BAD = """# HELP a_time_s seconds, abbreviated
+# TYPE a_time_s gauge
+a_time_s 1.0
+# HELP a_tokens_per_s a rate as a gauge
+# TYPE a_tokens_per_s gauge
+a_tokens_per_s 2.0
+# HELP a_loss_total a level named as a counter
+# TYPE a_loss_total gauge
+a_loss_total 3.0
+# HELP a_calls a counter without _total
+# TYPE a_calls counter
+a_calls 4.0
+# HELP a_wait_milliseconds_total not the base unit
+# TYPE a_wait_milliseconds_total counter
+a_wait_milliseconds_total 5.0
+# TYPE a_undocumented gauge
+a_undocumented 6.0
+"""
+
+
+def test_the_naming_rules_catch_each_fault():
+    assert lint(BAD) == [
+        "a_time_s (gauge): abbreviated unit 's'",
+        "a_tokens_per_s (gauge): abbreviated unit 's'",
+        "a_loss_total (gauge): only a counter's name ends in _total",
+        "a_calls (counter): a counter's name ends in _total",
+        "a_wait_milliseconds_total (counter): 'milliseconds': use the base unit 'seconds'",
+        "a_undocumented (gauge): no HELP text",
+    ]
+
+
+@pytest.mark.parametrize("target", ["learner", "worker", "run"])
+def test_each_target_follows_prometheus_naming_rules(target):
+    text = targets()[target]
+    assert len(list(text_string_to_metric_families(text))) > 10  # a target fed something
+    assert lint(text) == []
+
+
+def test_promtool_finds_every_target_clean():
+    if promtool(BAD) is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    assert len(promtool(BAD)) == 6  # it runs, and reads what it is given
+    assert {name: promtool(text) for name, text in targets().items()} == {"learner": [], "worker": [], "run": []}
 
 
 def test_grafana_dashboard_queries_name_exported_metrics():
