@@ -27,9 +27,16 @@ Per-token versions: vLLM's engine core runs in its own process and keeps decodin
 process is busy elsewhere, queueing its outputs; ``step()`` only takes the next queued batch. So
 the version current when ``step()`` returns a token says nothing about the weights that computed
 it. The engine core labels its outputs instead (``set_weight_version``: ``"0"`` at start, the new
-version right after each reload), and a finished request's ``CompletionOutput.weight_versions``
-spans give each token the label its step ran under; those replace the per-step stamps. vLLM
-without ``set_weight_version`` keeps the per-step stamps, which may be newer than the weights.
+version with each reload), and a finished request's ``CompletionOutput.weight_versions``
+spans give each token the label its step ran under; those replace the per-step stamps. The label
+must change with the weights, not one step later: the core steps whenever its input queue is
+empty, so between the reload's answer and a label sent after it, it would run a step with the
+new weights under the old label (one token per running request, its staleness over-counted).
+So the update pauses the core's scheduler (``pause_scheduler`` in mode ``keep``: requests keep
+their KV cache; it answers once the batches in flight are out, labelled with the old version),
+reloads, labels, and resumes: no step runs between the reload and the label. vLLM without that
+pause labels after the reload (one step late); without ``set_weight_version`` it keeps the
+per-step stamps, which may be newer than the weights.
 The labels say nothing of the prompt: the core prefills a long prompt (or one sharing a step's
 token budget) in chunks over several steps, and a reload may land between them, so the first
 label a request gets may be newer than its first columns. A response's first token therefore
@@ -57,6 +64,7 @@ this maps to the convention of :mod:`rlhf_core.sampling` (the chosen token has l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,7 +72,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, get_args
 
 import torch
 
@@ -294,6 +302,7 @@ class VLLMEngine:
         self.version = 0
         # Label the engine core's outputs with the version of its weights (see the module docstring).
         self._labels = hasattr(self.engine, "set_weight_version")
+        self._can_pause = _can_pause_keeping_requests()
         if self._labels:
             self._call(self.engine.set_weight_version, "0")
         elif self._adapters is None:  # with LoRA a request's tokens carry its adapter's version, exact anyway
@@ -427,16 +436,12 @@ class VLLMEngine:
         path = Path(file_name)
         try:
             save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
-            loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
+            with self._paused():  # the label changes with the weights (see the module docstring)
+                loaded = self._call(self.engine.collective_rpc, "rlhf_reload_weights", args=(str(path),))
+                if self._labels:
+                    self._call(self.engine.set_weight_version, str(int(version)))
         finally:
             path.unlink(missing_ok=True)
-        if self._labels:
-            # The core may run steps with the new weights between the reload and this label; their
-            # tokens get the previous version, older than their weights: staleness over-counted,
-            # never under-counted. The label cannot come early: it is sent once the reload has
-            # answered, and a batch in flight at the reload (async scheduling) ran the old weights
-            # and is taken out by the core's very next step, well before the label's round trip.
-            self._call(self.engine.set_weight_version, str(int(version)))
         self.version = int(version)
         log.info("vllm: reloaded %s tensors as version %d", loaded, version)
 
@@ -450,6 +455,20 @@ class VLLMEngine:
         for folder, lock in [(self.folder, self._folder_lock), *([self._disk] if self._disk else [])]:
             shutil.rmtree(folder, ignore_errors=True)
             lock.close()
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """No engine-core step runs inside. An in-process core steps only in step(), on this thread;
+        a core in its own process is paused (mode ``keep``, caches kept) where vLLM can."""
+        core = self.engine.engine_core
+        if not (self._can_pause and hasattr(core, "call_utility")):
+            yield
+            return
+        self._call(core.call_utility, "pause_scheduler", "keep", False)
+        try:
+            yield
+        finally:
+            self._call(core.call_utility, "resume_scheduler")
 
     def _adapter_versions_in_use(self) -> set[int]:
         return {t.adapter for t in self._tracks.values() if t.adapter is not None}
@@ -551,6 +570,16 @@ class VLLMEngine:
             versions = [min(versions[0], track.added_at), *versions[1:]]
         return make_result(track.request.request_id, track.request.prompt_ids, track.tokens, track.logprobs,
                            versions, reason, text)
+
+
+def _can_pause_keeping_requests() -> bool:
+    """Whether vLLM's engine core pauses its scheduler while keeping the running requests (mode
+    ``keep``; older vLLM has none)."""
+    try:
+        from vllm.v1.engine import PauseMode
+    except ImportError:
+        return False
+    return "keep" in get_args(PauseMode)
 
 
 def _span_versions(spans: Any, num_tokens: int) -> list[int] | None:

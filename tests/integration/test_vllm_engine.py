@@ -253,10 +253,12 @@ def test_an_update_mid_generation_tags_tokens_and_old_prefix_blocks_serve_only_c
     assert idle.num_reused_tokens - before >= 128
 
 
-def test_tokens_the_core_decoded_before_an_update_keep_the_old_version(idle, tokenizer, tiny_vllm_cfg):
+def test_in_flight_requests_carry_the_version_of_the_weights_that_computed_each_token(idle, tokenizer, tiny_vllm_cfg):
     # vLLM's engine core decodes on while the worker's thread is elsewhere and queues its outputs;
     # step() reads them later. A token computed by the old weights must keep the old version even
-    # when it is read after the update, and a token labelled new must come from the new weights.
+    # when it is read after the update, and the first token the new weights computed must carry
+    # the new one: the log-probs of the requests the update met match, token by token, an exact
+    # reference (the old weights' K/V up to the switch, the new weights after it).
     queue = getattr(idle.engine.engine_core, "outputs_queue", None)
     if queue is None:
         pytest.skip("in-process engine core: nothing decodes while the client is idle")
@@ -271,28 +273,31 @@ def test_tokens_the_core_decoded_before_an_update_keep_the_old_version(idle, tok
     params = SamplingParams(temperature=1.0, max_new_tokens=150, ignore_eos=True)
     old = idle.version + 1
     idle.update_weights({n: p.detach().clone() for n, p in old_model.named_parameters()}, version=old)  # known weights
-    idle.add(GenRequest("ahead", ids(tokenizer, "abc"), params))
-    idle.step()
-    ahead = 8  # queued outputs of one request, one token each: tokens decoded but not yet read
+    for i in range(4):
+        idle.add(GenRequest(f"flight{i}", ids(tokenizer, f"in flight {i}"), params))
+    while not all(idle.sampled(f"flight{i}") for i in range(4)):  # past any earlier test's queued outputs
+        idle.step()
+    ahead = 8  # queued outputs (one per step): tokens decoded but not yet read
     for _ in range(6000):
         if queue.qsize() >= ahead:
             break
         time.sleep(0.01)
     assert queue.qsize() >= ahead, "vLLM's engine core did not decode ahead of the client"
     idle.update_weights(tensors, version=old + 1)
-    r = run(idle)["ahead"]
-    versions = r.versions.tolist()
-    labelled_old = versions.count(old)
-    assert versions == [old] * labelled_old + [old + 1] * (r.num_tokens - labelled_old)
-    ran_old = np.abs(recompute(old_model, r, params) - r.logprobs) < PARITY_ATOL
-    computed_old = int(ran_old.sum())
-    # The old weights computed a prefix: at least the tokens queued at the update, maybe a few more.
-    assert ran_old[:computed_old].all() and computed_old > ahead
-    # Those all carry the old version (before the fix the queued ones were labelled new), and so may
-    # the tokens of the steps between the reload and the label (computed new, labelled old:
-    # staleness over-counted, never under-counted).
-    assert labelled_old >= computed_old, f"{computed_old - labelled_old} tokens of the old weights labelled new"
-    assert labelled_old < r.num_tokens  # the update landed mid-generation, so the test saw both versions
+    results = run(idle)
+    shifted = []
+    for i in range(4):
+        r = results[f"flight{i}"]
+        versions = r.versions.tolist()
+        a = versions.count(old)  # the first token labelled new
+        assert ahead < a < r.num_tokens and versions == [old] * a + [old + 1] * (r.num_tokens - a)
+        exact = np.abs(recompute(new_model, r, params, update=(old_model, a)) - r.logprobs)
+        assert exact.max() < PARITY_ATOL, (
+            f"{r.request_id}: switch labelled at token {a}, log-probs differ from the reference by "
+            f"{exact.max():.3g} (at token {int(exact.argmax())})")
+        # The reference tells a switch one token later apart: token a then comes from the old weights.
+        shifted.append(abs(recompute(new_model, r, params, update=(old_model, a + 1))[a] - r.logprobs[a]))
+    assert max(shifted) > 100 * PARITY_ATOL
 
 
 def test_a_prompt_waiting_through_an_update_keeps_the_version_it_was_added_at(idle, tokenizer, tiny_vllm_cfg):
