@@ -4,7 +4,8 @@ resources decide which "node" runs what), shared by the tests of this module. On
 default task with a two-rank DeepSpeed learner and workers spread over three nodes; another lives
 through everything a cluster does to a run (a worker actor killed, workers added and retired, a
 hand-started `rlhf-worker` joining, the learner's node and a worker's node lost at once) and its
-buffer's counters show nothing was lost. A run without ray.address starts a Ray instance of its
+buffer's counters show nothing was lost; a third loses one worker's node and measures how long
+generation stalls and the lost worker's leases wait. A run without ray.address starts a Ray instance of its
 own, and a placement it cannot hold is refused, naming the resource, before anything starts.
 
 Skipped when the `ray` extra is missing. Ray is started cheaply (no dashboard, 80 MB object
@@ -275,7 +276,7 @@ def test_a_lost_workers_node_stalls_generation_no_longer_than_ray_takes_to_see_i
         lost = next(n for n in cluster.worker_nodes if n.node_id == placed["worker-0"]["node_id"])
         assert placed["learner"]["node_id"] != lost.node_id, placed
         sampler.start()
-        held = pending(r, run_id, "worker-0")
+        held = until(lines, lambda: pending(r, run_id, "worker-0"), 60, "worker-0 to hold leases")
         killed = time.monotonic()
         cluster.remove_node(lost, allow_graceful=False)
         taken_over = leases_taken_over(r, run_id, "worker-0", placed["worker-0"]["pid"], held)
@@ -306,12 +307,14 @@ def test_a_lost_workers_node_stalls_generation_no_longer_than_ray_takes_to_see_i
     assert stall_s <= detection_s + 5 and taken_s <= detection_s + 5, (stall_s, taken_s, held)
     output = "\n".join(lines.lines)
     assert "worker-0 exited with code -9 (the actor died" in output
+    assert "lease(s) expired: the other workers take them over now" in output, output[-3000:]
     snap = Buffer(r, run_id=run_id).metrics()
     c = snap["counters"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
     assert snap["depth"]["dead_letters"] == 0 and snap["depth"]["prompts_leased"] == 0, snap["depth"]
+    assert c["prompts_reclaimed"] >= 1, c  # taken over, not all finished by worker-0 before it died
 
 
 @pytest.mark.timeout(120)
