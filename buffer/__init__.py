@@ -17,6 +17,7 @@ workers, the learner and the monitor use this API::
     buf.release(lease)                                       # give back un-done
     buf.dead_letter(reason, producer, raw, kind="sample")
     buf.admission_budget() -> int
+    buf.expire_leases(consumer) -> int                       # its process is known dead: reclaimable now
     # learner
     buf.set_learner_version(v)
     batch = buf.read_batch(consumer, learner_version, batch_size, timeout_s)   # Batch | None

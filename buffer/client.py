@@ -334,6 +334,12 @@ class Buffer:
         not counted as a delivery."""
         return prompts.release(self._store, self._leases, [leases] if isinstance(leases, Lease) else leases)
 
+    def expire_leases(self, consumer: str) -> int:
+        """``consumer`` is known dead (its process or its node lost): its leases go to the next
+        claimers now, as they would after ``lease_timeout_s`` without its heartbeat (a delivery
+        counted, nothing returned to the budget). Returns how many it held."""
+        return prompts.expire(self._store, consumer, self._lease_s())
+
     def dead_letter(self, reason: str, producer: str, raw: bytes, kind: str = "sample") -> None:
         """Record a bad record (e.g. a sample whose reward function raised) in the dead-letter stream."""
         counter = {"sample": "samples_dead_lettered", "prompt": "prompts_dead_lettered"}.get(kind, "entries_dead_lettered")

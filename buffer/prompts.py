@@ -1,4 +1,4 @@
-"""The prompt queue: enqueue, fill by epochs, leased claims, heartbeats, release.
+"""The prompt queue: enqueue, fill by epochs, leased claims, heartbeats, release, expiry.
 
 Prompts are entries of the run's ``prompts`` stream, read through the consumer group
 ``workers``. A claim is a lease, not a pop: the entry sits in the group's pending list (PEL)
@@ -8,7 +8,9 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
   without counting a delivery). A lease idle for ``lease_timeout_s`` belongs to a worker that
   died or hung; the next claimer takes it over (``claim.lua``: ``XPENDING IDLE`` + ``XCLAIM``,
   which re-checks the idle time atomically) and gets ``delivery_count`` + 1. A prompt
-  delivered more than ``max_deliveries`` times goes to the dead-letter stream instead.
+  delivered more than ``max_deliveries`` times goes to the dead-letter stream instead. A
+  consumer known dead (a launcher saw its process or node go) has its leases expired at once
+  (:func:`expire`), so they are taken over without waiting for the timeout.
 * Pacing: a claim admits new prompts only within the admission budget (the rule is in
   :mod:`buffer.pacing`); re-delivered prompts were admitted once and need none.
 * Retiring: a consumer silent for :data:`RETIRE_AFTER_LEASES` lease timeouts that owns no lease
@@ -241,6 +243,15 @@ def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Le
         for lease_id in ids:
             mine.pop(lease_id, None)
     return n
+
+
+def expire(store: Store, consumer: str, lease_timeout_s: float) -> int:
+    """Expire ``consumer``'s leases now (``expire.lua``): the next claimers reclaim them as they
+    would after ``lease_timeout_s`` without its heartbeat. Returns how many."""
+    K.check_consumer(consumer)
+    k = store.keys
+    return int(store.retry(store.scripts.expire, keys=[k.prompts, k.wake_prompts],
+                           args=[consumer, max(1, int(lease_timeout_s * 1000))]))
 
 
 class PromptsExhausted(UserError):

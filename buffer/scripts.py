@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "heartbeat",
     "retire",
     "release",
+    "expire",
     "complete",
     "append",
     "commit",
@@ -274,6 +275,10 @@ class Scripts:
     @cached_property
     def release(self):
         return self._get("release")
+
+    @cached_property
+    def expire(self):
+        return self._get("expire")
 
     @cached_property
     def complete(self):

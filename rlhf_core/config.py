@@ -409,6 +409,16 @@ class RayRoleConfig:
 
 
 @dataclass
+class RayWorkerConfig(RayRoleConfig):
+    """Each worker (and the evaluator): one actor, placed by Ray where its demand fits."""
+
+    # SPREAD: the workers over as many nodes as can hold one, so a lost node stops only its own
+    # workers (with one node that fits they all go there: the launcher says so); DEFAULT: Ray's
+    # own placement, which fills a node before using the next
+    strategy: str = "SPREAD"
+
+
+@dataclass
 class RayLearnerConfig(RayRoleConfig):
     """The learner's ranks: one actor per rank, one placement-group bundle per rank."""
 
@@ -433,7 +443,7 @@ class RayConfig:
     # object store (the run moves weights over ZeroMQ and shared memory, not through Ray's store)
     num_cpus: Optional[float] = None
     object_store_mb: int = 200
-    worker: RayRoleConfig = field(default_factory=RayRoleConfig)  # each worker, and the evaluator
+    worker: RayWorkerConfig = field(default_factory=RayWorkerConfig)  # each worker, and the evaluator
     learner: RayLearnerConfig = field(default_factory=RayLearnerConfig)
     weight_server: RayRoleConfig = field(default_factory=lambda: RayRoleConfig(num_cpus=0.0, max_restarts=0))
     redis: RayRoleConfig = field(default_factory=lambda: RayRoleConfig(num_cpus=0.0, max_restarts=0))
@@ -507,6 +517,7 @@ _CHOICES = {
     "eval.data.source": ("builtin", "jsonl", "parquet", "hf_disk"),
     "launcher": ("local", "ray"),
     "ray.learner.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "ray.worker.strategy": ("SPREAD", "DEFAULT"),
 }
 
 

@@ -14,9 +14,11 @@ roles run and how they are watched:
   the loss of any other node), with an HMAC secret made for the run unless
   ``weight_server.auth`` says otherwise; a private redis-server (when no ``buffer.url``) on this
   node, data in ``<output>/redis``, bound to the node's IP with a password; workers and the
-  evaluator wherever their ``ray.worker`` demand fits.
+  evaluator wherever their ``ray.worker`` demand fits, spread over the nodes that can hold one
+  (``ray.worker.strategy``), so a lost node stops only its own workers.
 * **Supervise** on Ray's terms: a worker whose process or node dies is restarted by Ray
-  (``ray.worker.max_restarts``) and runs again, its leases reclaimed by the buffer as always; a
+  (``ray.worker.max_restarts``) and runs again; its leases are expired at once (the other workers
+  take them over without waiting for ``buffer.lease_timeout_s``); a
   worker that crashed is given a fresh process the same way; the learner is restarted from its
   checkpoint (``run.learner_restarts``), all ranks together, in its placement group (which Ray
   re-places when a node is lost). Exit codes mean what they mean for children (2: a user error
@@ -34,6 +36,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,6 +136,8 @@ class RayLauncher(Launcher):
     _infra_pings: dict[str, Any] = field(default_factory=dict)
     _infra_checked: float = 0.0
     _signals: list[Any] = field(default_factory=list)
+    _expiring: list[threading.Thread] = field(default_factory=list)
+    _spread_warned: bool = False
 
     # ------------------------------------------------------------------ start
 
@@ -245,7 +250,7 @@ class RayLauncher(Launcher):
             self.add_worker(i)
         if self.cfg.eval.every:
             self.launch(RoleProc("evaluator", "evaluator", self.output_dir / "logs" / "evaluator.log",
-                                 plan.actor_options(self.cfg.ray.worker), plan.role_env(self.cfg.ray.worker)))
+                                 self.worker_options(), plan.role_env(self.cfg.ray.worker)))
         self.worker_target = self.cfg.rollout.num_workers
         self.publish_worker_target()
         self.write_pids()
@@ -293,7 +298,22 @@ class RayLauncher(Launcher):
     def add_worker(self, i: int) -> None:
         name = f"worker-{i}"
         self.launch(RoleProc(name, "worker", self.output_dir / "logs" / f"{name}.log",
-                             plan.actor_options(self.cfg.ray.worker), plan.role_env(self.cfg.ray.worker, name)))
+                             self.worker_options(), plan.role_env(self.cfg.ray.worker, name)))
+
+    def worker_options(self) -> dict[str, Any]:
+        """A worker's (or the evaluator's) actor options, placed as ``ray.worker.strategy`` says
+        (:func:`rlhf_run.ray_plan.worker_strategy`, on the cluster as it is now); a cluster of
+        several nodes of which one can hold a worker is said once."""
+        nodes = self.ray.nodes()
+        strategy, fit = plan.worker_strategy(self.cfg, nodes)
+        alive = sum(1 for n in nodes if n.get("Alive", True))
+        if self.cfg.ray.worker.strategy == "SPREAD" and fit == 1 and alive > 1 and not self._spread_warned:
+            self._spread_warned = True
+            log.warning("ray.worker.strategy=SPREAD, but 1 of the %d nodes can hold a worker (%s): every worker runs "
+                        "there, and losing that node stops all generation until Ray places them again", alive,
+                        plan.Demand("worker", plan.role_resources(self.cfg.ray.worker),
+                                    dict(self.cfg.ray.worker.label_selector)).text())
+        return {**plan.actor_options(self.cfg.ray.worker), "scheduling_strategy": strategy}
 
     def launch(self, p: RoleProc) -> None:
         from rlhf_run.ray_actors import RoleActor
@@ -468,6 +488,8 @@ class RayLauncher(Launcher):
         if self.stopping:
             p.exit_code = code
             return True
+        if p.kind == "worker" and code == DIED:  # nothing heartbeats its leases now
+            self.expire_leases(p.name)
         log.error("%s exited with code %d (%s); last lines of %s:\n%s", p.name, code, error or "no error line",
                   p.log_path, self.tail(p))
         if code == USER_ERROR_EXIT:  # a config, data or state error: a restart would only repeat it
@@ -480,6 +502,7 @@ class RayLauncher(Launcher):
             if gone:
                 from rlhf_run.ray_actors import RoleActor
 
+                p.options = self.worker_options()  # placed on the cluster as it is now
                 p.handle = RoleActor.options(**p.options, runtime_env={"env_vars": p.env}).remote()
             elif code != DIED:  # the process lives on: Ray starts a fresh one, as a restarted child is
                 self.ray.kill(p.handle, no_restart=False)
@@ -492,6 +515,30 @@ class RayLauncher(Launcher):
             self.failure = self.exit_reason = f"no worker left: {p.name} exited with code {code} ({error})"
             return False
         return True
+
+    def expire_leases(self, name: str) -> None:
+        """``name``'s actor died (its process or its node lost): the other workers take its leases
+        over now (:meth:`buffer.Buffer.expire_leases`) instead of after ``buffer.lease_timeout_s``.
+        On a thread, as supervision never waits on Redis; Ray's restart of the actor runs its role
+        only after a model load, long after this."""
+        from buffer import Buffer
+
+        def expire() -> None:
+            try:
+                buf = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
+                try:
+                    n = buf.expire_leases(name)
+                finally:
+                    buf.close()
+            except Exception as exc:  # then they come back after the lease timeout, as any dead worker's
+                log.warning("%s's leases could not be expired (%s): they come back after buffer.lease_timeout_s",
+                            name, _first_line(exc))
+                return
+            log.info("%s's %d lease(s) expired: the other workers take them over now", name, n)
+
+        self._expiring = [t for t in self._expiring if t.is_alive()]
+        self._expiring.append(threading.Thread(target=expire, name=f"expire-{name}", daemon=True))
+        self._expiring[-1].start()
 
     def tail(self, p: RoleProc, lines: int = 20) -> str:
         """A log's last lines: here when its node is this one (or the folder is shared), else read there."""
@@ -606,6 +653,8 @@ class RayLauncher(Launcher):
     def shutdown_infrastructure(self, clean: bool = False) -> None:
         if self.ray is None:
             return
+        for t in self._expiring:  # before Redis stops; one waiting on an unreachable Redis is left behind
+            t.join(timeout=5)
         for p in self.actors:
             self.ray.kill(p.handle)
         super().shutdown_infrastructure(clean)

@@ -1,6 +1,7 @@
 """What a ``launcher=ray`` run asks of the cluster, worked out without Ray: each actor's demand,
 whether the cluster can hold them (checked before any actor starts), the learner's
-placement-group bundles, the torch.distributed environment of its ranks, and each role's options.
+placement-group bundles, the workers' scheduling strategy, the torch.distributed environment of
+the learner's ranks, and each role's options.
 
 Pure functions of the config and of what ``ray.nodes()`` reports, so they are unit-tested
 without a cluster (``tests/unit/test_ray_plan.py``); :mod:`rlhf_run.ray_launcher` applies them.
@@ -140,6 +141,16 @@ def _largest(nodes: Sequence[Mapping[str, Any]], d: Demand) -> str:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def worker_strategy(cfg: Config, nodes: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
+    """Ray's scheduling strategy for a worker or the evaluator, and how many alive nodes could
+    hold one: SPREAD (``ray.worker.strategy``) where more than one could, else DEFAULT (with a
+    single node that fits there is nothing to spread over, and its loss stops every worker)."""
+    role = cfg.ray.worker
+    one = Demand("worker", role_resources(role), dict(role.label_selector))
+    fit = sum(1 for n in nodes if n.get("Alive", True) and _holds(n, one))
+    return ("SPREAD" if role.strategy == "SPREAD" and fit > 1 else "DEFAULT"), fit
 
 
 def learner_bundles(cfg: Config, driver_node: str) -> tuple[list[dict[str, float]], list[dict[str, str]]]:

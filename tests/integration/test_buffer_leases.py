@@ -206,3 +206,44 @@ def test_expired_leases_behind_many_released_prompts_are_reclaimed(redis_url):
     got = buf.claim("C", 1)
     assert [(l.how, l.lease_id in {d.lease_id for d in dead}) for l in got] == [("reclaimed", True)]
     buf.close()
+
+
+def test_a_dead_consumers_leases_are_taken_over_at_once_and_land_once(redis_url):
+    # a launcher saw the holder's process die: its leases go to the next claimer now, not after
+    # the lease timeout (30 s here); its prompts stay admitted; if the dead one completes anyway
+    # (its last write was on the wire), the first completion lands and the other is a duplicate
+    buf = Buffer.connect(redis_url, "expire", BufferConfig(lease_timeout_s=30.0))
+    buf.init_run(batch_size=16, group_size=4, max_staleness=1)
+    buf.enqueue_prompts(T.prompts(3))
+    dead, (alive,) = buf.claim("dead", 2), buf.claim("alive", 1)
+    budget = buf.admission_budget()
+    assert buf.claim("survivor", 5) == []  # nothing to take before the holder is known dead
+    assert buf.expire_leases("dead") == 2
+    assert buf.admission_budget() == budget  # still admitted: no reservation moves
+    got = buf.claim("survivor", 5)
+    assert [(l.lease_id, l.how, l.delivery_count) for l in got] == [(l.lease_id, "reclaimed", 2) for l in dead]
+    assert buf.expire_leases("dead") == 0 and buf.admission_budget() == budget
+    assert buf.complete(dead[0], T.group(dead[0].prompt)) == "appended"  # the dead one's late write
+    assert buf.heartbeat("survivor") == [dead[0].lease_id]  # the survivor learns it need not finish it
+    assert [buf.complete(l, T.group(l.prompt)) for l in got] == ["duplicate", "appended"]
+    assert buf.complete(dead[1], T.group(dead[1].prompt)) == "duplicate"
+    assert buf.complete(alive, T.group(alive.prompt)) == "appended"  # another consumer's: untouched
+    c = buf.metrics()["counters"]
+    assert (c["groups_appended"], c["completions_duplicate"], c["prompts_reclaimed"], c["prompts_released"]) == (3, 2, 2, 0)
+    assert (c["admitted"], c["inflight"]) == (12, 0)  # each prompt admitted once
+    batch = buf.read_batch("learner", 0, 12, timeout_s=1.0)
+    assert sorted(s.prompt_id for s in batch.samples) == sorted(f"p{i}" for i in range(3) for _ in range(4))
+    buf.close()
+
+
+def test_expired_leases_count_towards_max_deliveries(buf):
+    # a prompt whose every holder dies (it kills them) is dead-lettered, as after lease timeouts
+    buf.enqueue_prompts(T.prompts(1))
+    for attempt in range(1, 4):
+        assert [l.delivery_count for l in buf.claim(f"victim{attempt}", 1)] == [attempt]
+        assert buf.expire_leases(f"victim{attempt}") == 1
+    assert buf.claim("victim4", 1) == []
+    dead = buf.dead_letters()
+    assert len(dead) == 1 and "delivered 4 times" in dead[0]["reason"] and dead[0]["producer"] == "victim3"
+    c = buf.metrics()["counters"]
+    assert (c["prompts_dead_lettered"], c["prompts_reclaimed"], c["inflight"]) == (1, 2, 0)

@@ -4,7 +4,8 @@ resources decide which "node" runs what), shared by the tests of this module. On
 default task with a two-rank DeepSpeed learner and workers spread over three nodes; another lives
 through everything a cluster does to a run (a worker actor killed, workers added and retired, a
 hand-started `rlhf-worker` joining, the learner's node and a worker's node lost at once) and its
-buffer's counters show nothing was lost. A run without ray.address starts a Ray instance of its
+buffer's counters show nothing was lost; a third loses one worker's node and measures how long
+generation stalls and the lost worker's leases wait. A run without ray.address starts a Ray instance of its
 own, and a placement it cannot hold is refused, naming the resource, before anything starts.
 
 Skipped when the `ray` extra is missing. Ray is started cheaply (no dashboard, 80 MB object
@@ -33,7 +34,7 @@ from buffer import Buffer, RunKeys  # noqa: E402
 from buffer.keys import WORKERS_GROUP  # noqa: E402
 from rlhf_core import metric_names as M  # noqa: E402
 from servers import wait_for  # noqa: E402
-from test_run import Lines, base_overrides, child_env, leases_taken_over, pid_alive, script  # noqa: E402
+from test_run import Lines, base_overrides, child_env, leases_taken_over, pending, pid_alive, script  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
 
@@ -234,6 +235,86 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
         (records, snap["retired"])
     local = json.loads((out / "children.json").read_text())
     assert not [n for n, p in local.items() if pid_alive(p)], "processes left running"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_workers_node_stalls_generation_no_longer_than_ray_takes_to_see_it(tmp_path, cluster, redis_server,
+                                                                                   model_cache):
+    """Two workers on the two `rollout` nodes (nothing but ``ray.worker.strategy``, SPREAD by
+    default, keeps them apart: each node has room for four, and Ray's DEFAULT placement packs
+    them on one below half of a node's resources), the learner on the driver's node,
+    the run's lease timeout the default 30 s. One worker's node is lost: the other generates on,
+    and the lost worker's leases are taken over as soon as the launcher sees its actor die, not
+    after ``buffer.lease_timeout_s``. Both waits are measured from the kill, against Ray's own
+    node-death detection (``FAST_NODE_DEATH``: 5 s) + 5 s."""
+    import threading
+    import time
+
+    out, run_id = tmp_path / "out", "ray-node-loss"
+    r = redis.Redis.from_url(redis_server.url)
+    keys = RunKeys.for_run(run_id)
+    proc = subprocess.Popen(rlhf_run(tmp_path, out, model_cache, "launcher=ray", f"ray.address={cluster.address}",
+                                     "ray.worker.num_cpus=0.25", "+ray.worker.resources.rollout=0.5",
+                                     f"buffer.url={redis_server.url}", f"buffer.run_id={run_id}",
+                                     "buffer.lease_timeout_s=30", "learner.max_updates=100000"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env())
+    lines = Lines(proc)
+    appends: list[tuple[float, int]] = []  # (time, samples appended so far), every 0.1 s
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.1):
+            appends.append((time.monotonic(), int(r.hget(keys.counters, "samples_appended") or 0)))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    lost = None
+    try:
+        until(lines, lambda: version_of(r, run_id) >= 2, 240, "two updates")
+        placed = until(lines, lambda: (a := actors(out)).get("worker-1") and a, 60, "both workers placed")
+        assert placed["worker-0"]["node_id"] != placed["worker-1"]["node_id"], placed  # spread
+        lost = next(n for n in cluster.worker_nodes if n.node_id == placed["worker-0"]["node_id"])
+        assert placed["learner"]["node_id"] != lost.node_id, placed
+        sampler.start()
+        held = until(lines, lambda: pending(r, run_id, "worker-0"), 60, "worker-0 to hold leases")
+        killed = time.monotonic()
+        cluster.remove_node(lost, allow_graceful=False)
+        taken_over = leases_taken_over(r, run_id, "worker-0", placed["worker-0"]["pid"], held)
+        until(lines, taken_over, 120, "the lost worker's leases to be taken over")
+        taken_s = time.monotonic() - killed
+        v = version_of(r, run_id)
+        until(lines, lambda: version_of(r, run_id) >= v + 2, 180, "two updates after the leases were taken over")
+        stop.set()
+        sampler.join(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) == 130
+        lines.thread.join(timeout=10)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if lost is not None:
+            cluster.add_node(**LOOPBACK, num_cpus=1, resources={"rollout": 2})  # the fixture's two rollout nodes again
+    # the stall: the longest time without a sample appended, from the last append before the kill on
+    grew = [t for (_, n0), (t, n) in zip(appends, appends[1:]) if n > n0]
+    before = [t for t in grew if t <= killed]
+    times = before[-1:] + [t for t in grew if t > killed]
+    stall_s = max(b - a for a, b in zip(times, times[1:]))
+    detection_s = FAST_NODE_DEATH["health_check_period_ms"] * FAST_NODE_DEATH["health_check_failure_threshold"] / 1000
+    print(f"node loss: {len(held)} lease(s) held, taken over after {taken_s:.1f} s; longest time without an append "
+          f"{stall_s:.1f} s (Ray's node-death detection {detection_s:g} s)")
+    assert stall_s <= detection_s + 5 and taken_s <= detection_s + 5, (stall_s, taken_s, held)
+    output = "\n".join(lines.lines)
+    assert "worker-0 exited with code -9 (the actor died" in output
+    assert "lease(s) expired: the other workers take them over now" in output, output[-3000:]
+    snap = Buffer(r, run_id=run_id).metrics()
+    c = snap["counters"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
+    assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
+    assert snap["depth"]["dead_letters"] == 0 and snap["depth"]["prompts_leased"] == 0, snap["depth"]
+    assert c["prompts_reclaimed"] >= 1, c  # taken over, not all finished by worker-0 before it died
 
 
 @pytest.mark.timeout(120)

@@ -76,15 +76,21 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def leases_taken_over(r: redis.Redis, run_id: str, consumer: str, pid: int) -> Callable[[], bool]:
+def pending(r: redis.Redis, run_id: str, consumer: str) -> dict[str, int]:
+    """The leases ``consumer`` holds: lease id -> deliveries so far."""
+    rows = r.xpending_range(RunKeys.for_run(run_id).prompts, WORKERS_GROUP, "-", "+", 1000, consumername=consumer)
+    return {row["message_id"]: row["times_delivered"] for row in rows}
+
+
+def leases_taken_over(r: redis.Redis, run_id: str, consumer: str, pid: int,
+                      held: dict[str, int] | None = None) -> Callable[[], bool]:
     """Call once ``consumer``'s process ``pid`` was killed: waits until the process is gone (a
     worker whose node was removed under it runs on for a moment, and may claim more), then returns
-    a predicate, true once every lease it held (frozen until buffer.lease_timeout_s expires) is
-    acked or delivered again, to a live worker."""
+    a predicate, true once every lease it held (``held``: seen before the kill, :func:`pending`;
+    and those it holds once gone) is acked or delivered again, to a live worker."""
     wait_for(lambda: not pid_alive(pid), 60, f"{consumer}'s process {pid} to be gone")
     prompts = RunKeys.for_run(run_id).prompts
-    orphans = {row["message_id"]: row["times_delivered"]  # id -> deliveries
-               for row in r.xpending_range(prompts, WORKERS_GROUP, "-", "+", 1000, consumername=consumer)}
+    orphans = {**(held or {}), **pending(r, run_id, consumer)}  # id -> deliveries
 
     def taken_over() -> bool:
         for mid, deliveries in orphans.items():

@@ -243,3 +243,25 @@ def test_the_redis_restart_hint_keeps_the_password_out_of_the_log(tmp_path, capl
     launcher.check_progress(SimpleNamespace(error=None, unreachable_since=time.time() - 60, latest=None))
     assert "restart it on the same data with:\n  redis-server --port 6379 --dir /out/redis --requirepass " in caplog.text
     assert "pw-Secret_123" not in caplog.text and "buffer.url in run_config.yaml" in caplog.text
+
+
+@pytest.mark.parametrize("settings, nodes, expected", [
+    # two nodes a worker fits on: one worker each before a second on either
+    (dict(), [node(4), node(4)], ("SPREAD", 2)),
+    # the head has no `rollout`, and a dead node counts for nothing: one node to place them on
+    (dict(ray__worker__resources={"rollout": 1.0}), [node(8), node(4, rollout=2), node(4, rollout=2, alive=False)],
+     ("DEFAULT", 1)),
+    # a label only one node carries
+    (dict(ray__worker__label_selector={"pool": "gen"}), [node(4, labels={"pool": "gen"}), node(4)], ("DEFAULT", 1)),
+    # a worker wanting a whole GPU fits on the GPU nodes only
+    (dict(ray__worker__num_gpus=1.0), [node(8), node(8, gpus=2), node(8, gpus=1)], ("SPREAD", 2)),
+    # Ray's own placement asked for
+    (dict(ray__worker__strategy="DEFAULT"), [node(4), node(4)], ("DEFAULT", 2)),
+])
+def test_workers_are_spread_over_the_nodes_that_can_hold_one(settings, nodes, expected):
+    assert plan.worker_strategy(config(**settings), nodes) == expected
+
+
+def test_a_worker_strategy_ray_does_not_know_is_refused():
+    with pytest.raises(ConfigError, match="ray.worker.strategy"):
+        config(ray__worker__strategy="PACK")
