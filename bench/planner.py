@@ -161,7 +161,10 @@ def background_demand(profile, plan, used: float, updates: int, warmup: int) -> 
     best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0)
     if used <= 0.01:
         return 0.0, best
-    for _ in range(8):
+    # a loaded machine (other jobs' load average far above the cores) needs more than 6: widen
+    while hi < 256 and simulate(profile, plan, updates=updates, warmup=warmup, background=hi).background_cores_used < used:
+        lo, hi = hi, 2 * hi
+    for _ in range(10):
         mid = (lo + hi) / 2
         sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid)
         if sim.background_cores_used < used:

@@ -396,6 +396,59 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
             "background_cores": round(background, 3), "contention": round(profile.machine.contention, 3)}
 
 
+def _round_trips(client: Any, n: int) -> list[float]:
+    """Wall seconds of ``n`` Redis PINGs less the caller's CPU in each: the time spent waiting
+    for the server to run and for the reply to wake the caller (a pause between them, so each
+    starts from sleep as a pipeline's hand-offs do)."""
+    out = []
+    for _ in range(n):
+        time.sleep(0.002)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        client.ping()
+        out.append(max(0.0, (time.perf_counter() - t0) - (time.thread_time() - c0)))
+    return out
+
+
+def measure_handoff(redis_url: str, cores: float, n: int = 200) -> dict[str, float]:
+    """How long a thread woken by another waits before it runs (``plan.des``'s hand-offs), from
+    round trips to a Redis server: with a core free (the tenth percentile, so other jobs' load
+    leaves it alone), then with ``cores`` spinning processes of ours keeping them all busy (the
+    median), per runnable thread beyond the cores. Other jobs' demand during the busy part is
+    estimated as the simulator's processor sharing would have it: they used ``b`` cores while
+    our ``k`` spinners used ``s``, so ``k * b / s`` runnable threads."""
+    import subprocess
+    import sys
+
+    import psutil
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        client.ping()
+        free = statistics.quantiles(_round_trips(client, n), n=10)[0] / 2
+        k = max(1, round(cores))
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+        try:
+            time.sleep(0.5)  # let them start spinning
+            procs = [psutil.Process(sp.pid) for sp in spinners]
+            spun0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+            meter = BackgroundMeter()
+            t0 = time.monotonic()
+            busy = statistics.median(_round_trips(client, n)) / 2
+            spun = (sum(sum(p.cpu_times()[:2]) for p in procs) - spun0) / (time.monotonic() - t0)
+            other = meter.cores() - spun  # the meter counts the spinners as ours: take them out
+        finally:
+            for sp in spinners:
+                sp.kill()
+                sp.wait()
+    finally:
+        client.close()
+    demand = k * max(0.0, other) / max(spun, 1e-3)
+    beyond = k + demand + 1.0 - cores  # runnable while the woken thread waits, beyond the cores
+    return {"handoff_s": free, "handoff_busy_s": max(0.0, busy - free) / max(beyond, 1.0),
+            "busy_handoff_s": busy, "busy_other_demand": round(demand, 3)}
+
+
 def measure_launcher(buf: Any, reps: int = 5) -> float:
     """Core-seconds per second of the run's small periodic work: the launcher's snapshot of the
     buffer (once a second), the learner's prompt top-up check (10 a second) and stats (4)."""
@@ -453,6 +506,7 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
             coef = measure_updates(learner, icfg, samples, reps=2 if quick else 3)
             launcher = measure_launcher(learner.buffer)
             learner.close()
+            handoff = measure_handoff(redis.url, float(len(os.sched_getaffinity(0))))
         finally:
             ws.stop()
             redis.stop()
@@ -468,9 +522,9 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
                 "host": os.uname().nodename, "cpu_count": os.cpu_count(), "seconds": round(time.monotonic() - t_start, 1),
                 "background_cores": round(background, 3), "loadavg": os.getloadavg(),
                 "torch_threads": torch.get_num_threads(), "samples": len(samples),
-                "learner_update_s_in_run": lstage["update_s"]},
+                "learner_update_s_in_run": lstage["update_s"], "handoff": handoff},
         machine=Machine(cores=float(len(os.sched_getaffinity(0))), contention=1.0, background=0.0,
-                        launcher_per_s=launcher),
+                        launcher_per_s=launcher, handoff_s=handoff["handoff_s"], handoff_busy_s=handoff["handoff_busy_s"]),
         generation=gen, worker=worker, learner=lc, sync=sync,
         notes=["costs are CPU seconds of the thread doing the work, measured alone; machine.contention is fitted "
                "to short runs of the same config (source.contention_fit); machine.background is the load of "
