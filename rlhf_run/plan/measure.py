@@ -354,11 +354,12 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
     from run to run there, so one run's luck would set every prediction) and the profile's
     ``contention`` is set, by bisection, to the value under which the simulator reproduces the
-    runs' median steady trained samples/s, with the cores other jobs used meanwhile (median)
-    given to it as background. Returns what was fitted."""
+    runs' median steady trained samples/s, beside the other jobs' demand under which they get
+    the cores they used meanwhile (median; :func:`~rlhf_run.plan.simulate.background_demand`,
+    which depends on the contention: the two are fitted in turn). Returns what was fitted."""
     from rlhf_run.launch import run_launcher
     from rlhf_run.plan.search import plan_from_config
-    from rlhf_run.plan.simulate import simulate
+    from rlhf_run.plan.simulate import background_demand, simulate
 
     base = dataclasses.replace(
         cfg, launcher="local", resume=None,
@@ -380,20 +381,28 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     measured, background = statistics.median(rates), statistics.median(loads)
     plan = plan_from_config(cfg)
 
-    def rate(c: float) -> float:
-        p = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
-        return simulate(p, plan, updates=updates, warmup=warmup, background=background).trained_samples_per_s
+    def with_contention(c: float) -> Profile:
+        return dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
 
-    lo, hi = 1.0, 4.0
-    if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
-        hi = lo
-    for _ in range(12):  # the simulated rate falls as contention rises
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
-    profile.machine.contention = (lo + hi) / 2
+    demand = 0.0
+    rounds = 1 if background <= 0.01 else 3
+    for round_ in range(rounds):  # contention at the demand, then the demand at that contention, ...
+        lo, hi = 1.0, 4.0
+
+        def rate(c: float) -> float:
+            return simulate(with_contention(c), plan, updates=updates, warmup=warmup, background=demand).trained_samples_per_s
+
+        if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
+            hi = lo
+        for _ in range(12):  # the simulated rate falls as contention rises
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
+        profile.machine.contention = (lo + hi) / 2
+        if round_ < rounds - 1:
+            demand = background_demand(profile, plan, background, updates, warmup)[0]
     return {"updates": updates, "warmup": warmup, "runs_samples_per_s": [round(r, 1) for r in rates],
-            "measured_samples_per_s": round(measured, 1),
-            "background_cores": round(background, 3), "contention": round(profile.machine.contention, 3)}
+            "measured_samples_per_s": round(measured, 1), "background_cores": round(background, 3),
+            "background_demand": round(demand, 3), "contention": round(profile.machine.contention, 3)}
 
 
 def _round_trips(client: Any, n: int) -> list[float]:

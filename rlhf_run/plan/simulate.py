@@ -610,6 +610,28 @@ def same_run(plan: Plan, result: SimResult, other: Plan) -> bool:
             and result.samples_dropped == 0 and result.max_lag_seen <= other.max_staleness)
 
 
+def background_demand(profile: Profile, plan: Plan, used: float, updates: int = 300, warmup: int = 20) -> tuple[float, SimResult]:
+    """Other jobs' demand (runnable threads) under which the simulated run leaves them ``used``
+    cores, as they got during a measured run: the cores they used depend on how busy ours were,
+    so the measured use is matched, not copied (bisection; returns it and the simulation)."""
+    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0)
+    if used <= 0.01:
+        return 0.0, best
+    lo, hi = 0.0, 6.0
+    # a loaded machine (other jobs' load average far above the cores) needs more than 6: widen
+    while hi < 256 and simulate(profile, plan, updates=updates, warmup=warmup, background=hi).background_cores_used < used:
+        lo, hi = hi, 2 * hi
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid)
+        if sim.background_cores_used < used:
+            lo = mid
+        else:
+            hi = mid
+        best = sim
+    return (lo + hi) / 2, best
+
+
 def simulate(profile: Profile, plan: Plan, updates: int = 300, warmup: int = 20, seed: int = 0,
              background: float | None = None) -> SimResult:
     """Simulate ``updates`` learner updates of ``plan`` (rates over those after ``warmup``).
