@@ -315,3 +315,16 @@ def test_the_published_checkpoint_is_written_by_the_learners_nodes_together():
     assert lc.checkpoint_time(1, 8) == lc.checkpoint_time(8, 8) == pytest.approx(one)
     assert lc.checkpoint_time(9, 8) == pytest.approx(one / 2)  # 9 devices span 2 nodes
     assert lc.checkpoint_time(64, 8) == pytest.approx(one / 8)  # 7.6 s
+
+
+def test_other_jobs_demand_is_found_from_the_cores_they_used_even_far_beyond_the_cores(profile):
+    """A loaded machine (load average 20 on 2 cores): other jobs used 1.8 cores during a run of the
+    default plan; the demand under which the simulated run leaves them that much is ~20 runnable
+    threads (processor sharing: 1.8 of 2 cores against our ~2 busy), beyond the bisection's
+    first bracket of 6."""
+    from rlhf_run.plan.simulate import background_demand
+
+    demand, sim = background_demand(profile, Plan(), 1.8, updates=100, warmup=20)
+    assert demand > 6
+    assert sim.background_cores_used == pytest.approx(1.8, abs=0.02)
+    assert background_demand(profile, Plan(), 0.0, updates=100, warmup=20)[0] == 0.0  # a quiet machine
