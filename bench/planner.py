@@ -151,30 +151,9 @@ def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup
     }, cfg
 
 
-def background_demand(profile, plan, used: float, updates: int, warmup: int) -> tuple[float, object]:
-    """The other jobs' demand (runnable threads) under which the simulated run leaves them ``used``
-    cores, as they got during the measured run: the cores they used depend on how busy ours
-    were, so the measured use is matched, not copied (bisection; returns it and the simulation)."""
-    from rlhf_run.plan.simulate import simulate
-
-    lo, hi = 0.0, 6.0
-    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0)
-    if used <= 0.01:
-        return 0.0, best
-    for _ in range(8):
-        mid = (lo + hi) / 2
-        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid)
-        if sim.background_cores_used < used:
-            lo = mid
-        else:
-            hi = mid
-        best = sim
-    return (lo + hi) / 2, best
-
-
 def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, warmup: int) -> list[dict]:
     from rlhf_run.plan.search import plan_from_config
-    from rlhf_run.plan.simulate import simulate
+    from rlhf_run.plan.simulate import background_demand, simulate
 
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     plans = {}

@@ -106,7 +106,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"  decode step {1e3 * g.decode_s(1, 0):.2f} ms + {1e3 * g.decode_per_row:.3f} ms/row; response tokens "
           f"mean {g.response_tokens.mean():.1f}; learner update (batch 32) "
           f"{1e3 * lc.update_s(32, 32 * (g.prompt_tokens.mean() + g.response_tokens.mean()), 32):.1f} ms; "
-          f"publish {1e3 * s.send_s():.1f} ms, pull {1e3 * s.pull_s():.1f} ms; contention {profile.machine.contention:.2f}")
+          f"publish {1e3 * s.send_s():.1f} ms, pull {1e3 * s.pull_s():.1f} ms; contention {profile.machine.contention:.2f}; "
+          f"hand-off {1e3 * profile.machine.handoff_s:.2f} ms, +{1e3 * profile.machine.handoff_busy_s:.2f} ms per thread "
+          "beyond the cores")
     return 0
 
 

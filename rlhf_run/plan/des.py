@@ -9,8 +9,8 @@ Each process is a generator that yields commands and is resumed with their resul
   number of steps done (a worker decodes several steps at once until something it would react
   to between steps happens);
 * ``(SLEEP, seconds)``: wall-clock wait;
-* ``(WAIT, signal, timeout)``: until ``signal`` fires (resumed with True) or ``timeout``
-  seconds pass (False; ``None``: no timeout).
+* ``(WAIT, signal, timeout)``: until ``signal`` fires (resumed with True, a hand-off later:
+  below) or ``timeout`` seconds pass (False; ``None``: no timeout).
 
 Processor sharing. In ``cpu`` mode every busy thread gets an equal share of ``cores`` (as the
 kernel's scheduler gives runnable threads), and a core runs slower while the other one is busy
@@ -21,6 +21,14 @@ more). The equal share lets one global counter of work done per busy thread stan
 job's progress: a job started at counter ``v`` with ``w`` to do ends when the counter reaches
 ``v + w``, so jobs sit in a heap by that number and rate changes cost nothing. In ``device``
 mode each process owns its device (one per GPU) and runs at full speed.
+
+Hand-offs. A thread woken by another (a signal, a reply from Redis or the weight server) runs
+only once the scheduler gives it a core: :meth:`Kernel.handoff_s` is ``handoff`` when a core is
+free, plus ``handoff_busy`` for each thread beyond the cores that is runnable (ours computing,
+the background's demand, and the woken one). Processor sharing says what share a running
+thread gets; the wait for a core is what it leaves out, and with more runnable threads than
+cores every hand-off of the pipeline pays it (a synchronous run hands off a dozen times per
+update, each on its critical path).
 """
 
 from __future__ import annotations
@@ -60,11 +68,13 @@ class Proc:
 
 
 class Kernel:
-    def __init__(self, mode: str = "cpu", cores: float = 2.0, contention: float = 1.0, background: float = 0.0) -> None:
+    def __init__(self, mode: str = "cpu", cores: float = 2.0, contention: float = 1.0, background: float = 0.0,
+                 handoff: float = 0.0, handoff_busy: float = 0.0) -> None:
         if mode not in ("cpu", "device"):
             raise ValueError(f"mode must be cpu or device, got {mode!r}")
         self.device = mode == "device"
         self.cores, self.contention, self.background = float(cores), float(contention), float(background)
+        self.handoff, self.handoff_busy = float(handoff), float(handoff_busy)
         self.now = 0.0
         self.work = 0.0  # work done by each busy thread since the start (the shared counter)
         self.share = 0.0  # core-seconds used by each busy thread since the start
@@ -97,6 +107,14 @@ class Kernel:
         """The share of a core each busy thread (ours or the background's) gets."""
         return 1.0 if self.device else min(1.0, self.cores / max(1e-9, busy + self.background))
 
+    def handoff_s(self, trips: int = 1) -> float:
+        """Wall seconds before ``trips`` hand-offs in a row have each got a core (a round trip to
+        another process is two: the request wakes it, the reply wakes the caller)."""
+        if self.device:
+            return trips * self.handoff
+        queued = max(0.0, self.busy + self.background + 1.0 - self.cores)
+        return trips * (self.handoff + self.handoff_busy * queued)
+
     # ------------------------------------------------------------------ processes
 
     def call_at(self, t: float, fn: Callable[[], None]) -> None:
@@ -110,8 +128,13 @@ class Kernel:
 
     def fire(self, signal: Signal, value: Any = True) -> None:
         waiters, signal.waiters = signal.waiters, []
+        delay = self.handoff_s() if waiters else 0.0
         for proc, token in waiters:
-            if proc.token == token:
+            if proc.token != token:
+                continue
+            if delay > 0.0:  # resumed when it gets a core; its timeout, if sooner, still wins (same token)
+                heapq.heappush(self._timers, (self.now + delay, next(self._seq), proc, token, value))
+            else:
                 self._ready.append((proc, value))
 
     def interrupt(self, proc: Proc) -> None:

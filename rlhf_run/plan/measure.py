@@ -354,11 +354,12 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
     from run to run there, so one run's luck would set every prediction) and the profile's
     ``contention`` is set, by bisection, to the value under which the simulator reproduces the
-    runs' median steady trained samples/s, with the cores other jobs used meanwhile (median)
-    given to it as background. Returns what was fitted."""
+    runs' median steady trained samples/s, beside the other jobs' demand under which they get
+    the cores they used meanwhile (median; :func:`~rlhf_run.plan.simulate.background_demand`,
+    which depends on the contention: the two are fitted in turn). Returns what was fitted."""
     from rlhf_run.launch import run_launcher
     from rlhf_run.plan.search import plan_from_config
-    from rlhf_run.plan.simulate import simulate
+    from rlhf_run.plan.simulate import background_demand, simulate
 
     base = dataclasses.replace(
         cfg, launcher="local", resume=None,
@@ -380,20 +381,81 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     measured, background = statistics.median(rates), statistics.median(loads)
     plan = plan_from_config(cfg)
 
-    def rate(c: float) -> float:
-        p = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
-        return simulate(p, plan, updates=updates, warmup=warmup, background=background).trained_samples_per_s
+    def with_contention(c: float) -> Profile:
+        return dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
 
-    lo, hi = 1.0, 4.0
-    if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
-        hi = lo
-    for _ in range(12):  # the simulated rate falls as contention rises
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
-    profile.machine.contention = (lo + hi) / 2
+    demand = 0.0
+    rounds = 1 if background <= 0.01 else 3
+    for round_ in range(rounds):  # contention at the demand, then the demand at that contention, ...
+        lo, hi = 1.0, 4.0
+
+        def rate(c: float) -> float:
+            return simulate(with_contention(c), plan, updates=updates, warmup=warmup, background=demand).trained_samples_per_s
+
+        if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
+            hi = lo
+        for _ in range(12):  # the simulated rate falls as contention rises
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
+        profile.machine.contention = (lo + hi) / 2
+        if round_ < rounds - 1:
+            demand = background_demand(profile, plan, background, updates, warmup)[0]
     return {"updates": updates, "warmup": warmup, "runs_samples_per_s": [round(r, 1) for r in rates],
-            "measured_samples_per_s": round(measured, 1),
-            "background_cores": round(background, 3), "contention": round(profile.machine.contention, 3)}
+            "measured_samples_per_s": round(measured, 1), "background_cores": round(background, 3),
+            "background_demand": round(demand, 3), "contention": round(profile.machine.contention, 3)}
+
+
+def _round_trips(client: Any, n: int) -> list[float]:
+    """Wall seconds of ``n`` Redis PINGs less the caller's CPU in each: the time spent waiting
+    for the server to run and for the reply to wake the caller (a pause between them, so each
+    starts from sleep as a pipeline's hand-offs do)."""
+    out = []
+    for _ in range(n):
+        time.sleep(0.002)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        client.ping()
+        out.append(max(0.0, (time.perf_counter() - t0) - (time.thread_time() - c0)))
+    return out
+
+
+def measure_handoff(redis_url: str, cores: float, n: int = 200) -> dict[str, float]:
+    """How long a thread woken by another waits before it runs (``plan.des``'s hand-offs), from
+    round trips to a Redis server: with a core free (the tenth percentile, so other jobs' load
+    leaves it alone), then with ``cores`` spinning processes of ours keeping them all busy (the
+    median), per runnable thread beyond the cores. Other jobs' demand during the busy part is
+    estimated as the simulator's processor sharing would have it: they used ``b`` cores while
+    our ``k`` spinners used ``s``, so ``k * b / s`` runnable threads."""
+    import subprocess
+    import sys
+
+    import psutil
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        client.ping()
+        free = statistics.quantiles(_round_trips(client, n), n=10)[0] / 2
+        k = max(1, round(cores))
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+        try:
+            time.sleep(0.5)  # let them start spinning
+            procs = [psutil.Process(sp.pid) for sp in spinners]
+            spun0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+            meter = BackgroundMeter()
+            t0 = time.monotonic()
+            busy = statistics.median(_round_trips(client, n)) / 2
+            spun = (sum(sum(p.cpu_times()[:2]) for p in procs) - spun0) / (time.monotonic() - t0)
+            other = meter.cores() - spun  # the meter counts the spinners as ours: take them out
+        finally:
+            for sp in spinners:
+                sp.kill()
+                sp.wait()
+    finally:
+        client.close()
+    demand = k * max(0.0, other) / max(spun, 1e-3)
+    beyond = k + demand + 1.0 - cores  # runnable while the woken thread waits, beyond the cores
+    return {"handoff_s": free, "handoff_busy_s": max(0.0, busy - free) / max(beyond, 1.0),
+            "busy_handoff_s": busy, "busy_other_demand": round(demand, 3)}
 
 
 def measure_launcher(buf: Any, reps: int = 5) -> float:
@@ -453,6 +515,7 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
             coef = measure_updates(learner, icfg, samples, reps=2 if quick else 3)
             launcher = measure_launcher(learner.buffer)
             learner.close()
+            handoff = measure_handoff(redis.url, float(len(os.sched_getaffinity(0))))
         finally:
             ws.stop()
             redis.stop()
@@ -468,9 +531,9 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
                 "host": os.uname().nodename, "cpu_count": os.cpu_count(), "seconds": round(time.monotonic() - t_start, 1),
                 "background_cores": round(background, 3), "loadavg": os.getloadavg(),
                 "torch_threads": torch.get_num_threads(), "samples": len(samples),
-                "learner_update_s_in_run": lstage["update_s"]},
+                "learner_update_s_in_run": lstage["update_s"], "handoff": handoff},
         machine=Machine(cores=float(len(os.sched_getaffinity(0))), contention=1.0, background=0.0,
-                        launcher_per_s=launcher),
+                        launcher_per_s=launcher, handoff_s=handoff["handoff_s"], handoff_busy_s=handoff["handoff_busy_s"]),
         generation=gen, worker=worker, learner=lc, sync=sync,
         notes=["costs are CPU seconds of the thread doing the work, measured alone; machine.contention is fitted "
                "to short runs of the same config (source.contention_fit); machine.background is the load of "

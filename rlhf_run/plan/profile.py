@@ -177,6 +177,8 @@ class Machine:
     contention: float = 1.0  # cpu: slowdown of each busy thread while two or more are busy (fitted to a run)
     background: float = 0.0  # cpu: cores kept busy by other work during the calibration
     launcher_per_s: float = 0.0  # cpu: core-seconds per second of the launcher's own work
+    handoff_s: float = 0.0  # cpu: wall seconds before a thread woken by another runs, a core free
+    handoff_busy_s: float = 0.0  # cpu: added per runnable thread beyond the cores (see plan.des)
     gpus_per_node: int = 8  # gpu
     device_memory_bytes: float = 0.0  # gpu: memory of one device
 

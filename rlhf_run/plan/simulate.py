@@ -171,7 +171,8 @@ class Simulation:
         m = profile.machine
         mode = "cpu" if profile.kind == "cpu" else "device"
         self.k = Kernel(mode, cores=m.cores, contention=m.contention,
-                        background=m.background if background is None else background)
+                        background=m.background if background is None else background,
+                        handoff=m.handoff_s, handoff_busy=m.handoff_busy_s)
         rng = random.Random(seed)
         self.response_len = _Sampler(profile.generation.response_tokens, rng)
         self.prompt_len = _Sampler(profile.generation.prompt_tokens, rng)
@@ -253,10 +254,17 @@ class Simulation:
 
     # ------------------------------------------------------------------ worker
 
+    def _trip(self):
+        """A round trip to Redis or the weight server: the request wakes it, the reply the caller."""
+        delay = self.k.handoff_s(2)
+        if delay > 0.0:
+            yield SLEEP, delay
+
     def _pull(self, w: _Worker):
         self.pulling += 1
         want = self.server_version
         yield CPU, self.p.sync.pull_s(self.pulling)
+        yield from self._trip()
         self.pulling -= 1
         w.version = max(w.version, want)
 
@@ -273,6 +281,7 @@ class Simulation:
             capacity = max(0, (plan.slots + g - 1 - w.busy()) // g)
             if capacity > 0 and (idle or (w.blocked_at is None and k.now >= w.next_claim_at)):
                 yield CPU, wc.claim_call * (1 + w.owed_claims)
+                yield from self._trip()
                 w.owed_claims, w.blocked_at = 0, None
                 n = self._claim(w, capacity)
                 if not n and idle:
@@ -284,6 +293,7 @@ class Simulation:
                         t0 = k.now
                         yield WAIT, self.budget, None
                         yield CPU, wc.claim_call * (1 + int((k.now - t0) / WAKE_CAP_S))
+                        yield from self._trip()
                         n = self._claim(w, capacity)
                 if not n:
                     w.next_claim_at = k.now + BUSY_CLAIM_BACKOFF_S
@@ -307,7 +317,7 @@ class Simulation:
                 if w.announced > w.version:
                     yield from self._pull(w)
                 if w.open:
-                    yield SLEEP, SCORING_ONLY_SLEEP_S
+                    yield SLEEP, SCORING_ONLY_SLEEP_S + k.handoff_s()  # then it waits for a core
                 yield CPU, wc.per_iteration
             yield from self._emit(w)
 
@@ -392,6 +402,7 @@ class Simulation:
             return
         samples = sum(grp.size for grp in ready)
         yield CPU, wc.emit_call + wc.per_sample_emit * samples
+        yield from self._trip()
         self._track_depth()
         for grp in ready:
             w.open.remove(grp)
@@ -435,6 +446,7 @@ class Simulation:
         tokens_per_sample = p.generation.prompt_tokens.mean() + p.generation.response_tokens.mean()
         while True:
             yield CPU, lc.read_base
+            yield from self._trip()
             t_wait = k.now
             checked = 0  # groups at the head of carry that passed the filter at this version
             while True:
@@ -502,10 +514,12 @@ class Simulation:
                 continue
             version = self.send_queue.popleft()
             yield CPU, self.p.sync.send_s()
+            yield from self._trip()  # to the weight server
             self.server_version = version
             for w in self.workers:
                 w.announced = version
                 self._poke(w)
+            yield from self._trip()  # the buffer's version
             self.buffer_version = version
             self._budget_changed()
             self.sending = False
@@ -594,6 +608,28 @@ def same_run(plan: Plan, result: SimResult, other: Plan) -> bool:
     least the largest lag the filter saw."""
     return (replace(other, max_staleness=plan.max_staleness) == plan and other.ahead == plan.ahead
             and result.samples_dropped == 0 and result.max_lag_seen <= other.max_staleness)
+
+
+def background_demand(profile: Profile, plan: Plan, used: float, updates: int = 300, warmup: int = 20) -> tuple[float, SimResult]:
+    """Other jobs' demand (runnable threads) under which the simulated run leaves them ``used``
+    cores, as they got during a measured run: the cores they used depend on how busy ours were,
+    so the measured use is matched, not copied (bisection; returns it and the simulation)."""
+    best = simulate(profile, plan, updates=updates, warmup=warmup, background=0.0)
+    if used <= 0.01:
+        return 0.0, best
+    lo, hi = 0.0, 6.0
+    # a loaded machine (other jobs' load average far above the cores) needs more than 6: widen
+    while hi < 256 and simulate(profile, plan, updates=updates, warmup=warmup, background=hi).background_cores_used < used:
+        lo, hi = hi, 2 * hi
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        sim = simulate(profile, plan, updates=updates, warmup=warmup, background=mid)
+        if sim.background_cores_used < used:
+            lo = mid
+        else:
+            hi = mid
+        best = sim
+    return (lo + hi) / 2, best
 
 
 def simulate(profile: Profile, plan: Plan, updates: int = 300, warmup: int = 20, seed: int = 0,

@@ -69,6 +69,10 @@ def test_calibration_on_this_machine_feeds_the_simulator(tmp_path):
     assert gen["decode_base"] + gen["decode_per_row"] > 0 and max(gen["response_tokens"]["values"]) <= gen["max_new_tokens"]
     assert learner["update_base"] + learner["update_per_sample"] + learner["update_per_token"] > 0
     assert sync["bytes"] > 0 and profile["worker"]["claim_call"] > 0
+    # a woken thread's wait for a core: some with one free, and no less with every core busy
+    machine = profile["machine"]
+    assert machine["handoff_s"] > 0 and machine["handoff_busy_s"] >= 0
+    assert profile["source"]["handoff"]["busy_handoff_s"] >= machine["handoff_s"]
     sim = plan("simulate", "--profile", "p.json", "--updates", "40", "--warmup", "5", "--json", cwd=tmp_path)
     assert sim.returncode == 0, sim.stderr
     doc = json.loads(sim.stdout)
@@ -79,7 +83,7 @@ def test_calibration_on_this_machine_feeds_the_simulator(tmp_path):
     assert fit["measured_samples_per_s"] > 0 and profile["machine"]["contention"] == pytest.approx(fit["contention"], abs=1e-3)
     if 1.001 < fit["contention"] < 3.99:  # not clamped at either end of the bisection
         same = plan("simulate", "--profile", "p.json", "--updates", str(fit["updates"]), "--warmup", str(fit["warmup"]),
-                    "--background", str(fit["background_cores"]), "--json", cwd=tmp_path)
+                    "--background", str(fit["background_demand"]), "--json", cwd=tmp_path)
         assert json.loads(same.stdout)["result"]["trained_samples_per_s"] == pytest.approx(fit["measured_samples_per_s"], rel=0.03)
 
 

@@ -65,6 +65,71 @@ def test_background_load_takes_its_share():
     assert done["a"] == pytest.approx(1.5)
 
 
+def test_four_busy_threads_on_two_cores_follow_processor_sharing():
+    """More busy threads than cores: each gets cores / threads of a core, and the rates change
+    as jobs end (4 -> 3 -> 2 threads), as the kernel's fair scheduler shares them."""
+    k = Kernel("cpu", cores=2, contention=1.0)
+    done = {}
+    for name, work in (("a", 0.5), ("b", 1.0), ("c", 2.0), ("d", 2.0)):
+        _job(k, work, done, name)
+    k.run(10)
+    # 4 busy at 1/2 a core: a's 0.5 ends at 1.0 (everyone has done 0.5); 3 busy at 2/3: b's
+    # remaining 0.5 takes 0.75 (ends 1.75, c and d at 1.0); 2 busy on 2 cores: 1.0 more, at 2.75
+    assert done == pytest.approx({"a": 1.0, "b": 1.75, "c": 2.75, "d": 2.75})
+
+
+def _woken(k, at, work, out):
+    """A thread that waits for a signal fired at ``at`` (by a timer), then computes ``work``."""
+    sig = Signal()
+
+    def proc():
+        yield WAIT, sig, None
+        out["woke"] = k.now
+        yield CPU, work
+        out["done"] = k.now
+
+    k.spawn(proc(), "woken")
+    k.call_at(at, lambda: k.fire(sig))
+
+
+def test_a_thread_woken_while_the_cores_are_busy_waits_for_one():
+    k = Kernel("cpu", cores=2, contention=1.0, handoff=0.001, handoff_busy=0.002)
+    done, out = {}, {}
+    _job(k, 10.0, done, "a")
+    _job(k, 10.0, done, "b")
+    _woken(k, 1.0, 0.3, out)
+    k.run(20)
+    # fired at 1.0 with both cores busy: it is the one runnable thread beyond the cores, so it
+    # waits 1 ms + 2 ms; then three threads share two cores (2/3 each): 0.3 of work takes 0.45 s
+    assert out["woke"] == pytest.approx(1.003)
+    assert out["done"] == pytest.approx(1.453)
+    # a and b did 1.003 alone, 0.3 beside it, and the rest (8.697) alone again
+    assert done["a"] == pytest.approx(1.453 + 8.697)
+
+
+def test_a_thread_woken_with_a_core_free_waits_the_free_hand_off_only():
+    k = Kernel("cpu", cores=2, contention=1.0, handoff=0.001, handoff_busy=0.002)
+    done, out = {}, {}
+    _job(k, 10.0, done, "a")
+    _woken(k, 1.0, 0.3, out)
+    k.run(20)
+    assert out["woke"] == pytest.approx(1.001)
+    assert out["done"] == pytest.approx(1.301)  # two threads, two cores: full speed
+
+
+def test_other_jobs_demand_counts_in_the_wait_for_a_core():
+    # one of ours busy and 3 other runnable threads on 2 cores: the woken thread is the third
+    # beyond the cores (1 + 3 + 1 - 2), 3 x 2 ms on top of the 1 ms
+    k = Kernel("cpu", cores=2, contention=1.0, background=3.0, handoff=0.001, handoff_busy=0.002)
+    done, out = {}, {}
+    _job(k, 10.0, done, "a")
+    _woken(k, 1.0, 0.1, out)
+    k.run(30)
+    assert out["woke"] == pytest.approx(1.007)
+    # then 2 of ours + 3 others on 2 cores: 0.4 of a core each, 0.1 of work takes 0.25 s
+    assert out["done"] == pytest.approx(1.257)
+
+
 def test_device_mode_runs_every_process_at_full_speed():
     k = Kernel("device")
     done = {}
@@ -169,6 +234,43 @@ def test_sync_trains_fresh_samples_and_waits_for_generation(profile):
     assert 0.9 <= async_.staleness_mean <= 1.0
 
 
+def _with_handoff(profile, free, busy):
+    return replace(profile, machine=replace(profile.machine, handoff_s=free, handoff_busy_s=busy))
+
+
+def test_a_sync_update_pays_every_hand_off_on_its_critical_path(profile):
+    """Staleness 0: learner and worker take turns, so each hand-off of one update's chain is
+    waited for: the learner's publish thread woken, the publish (to the weight server and the
+    buffer's version: 2 round trips), the idle worker woken, its claim and pull (2 round trips),
+    its scoring thread woken, its 2 ms sleep while only scoring is left, the append (a round
+    trip), the learner woken by it (its read request went out before: not on the path):
+    1 + 4 + 1 + 4 + 1 + 1 + 2 + 1 = 15 hand-offs. With 1 ms each and a core free for all of
+    them (one worker: at most two of ours busy at once), an update takes about 15 ms longer."""
+    plan = Plan(workers=1, max_staleness=0, lookahead=0)
+    base = simulate(profile, plan, updates=200)
+    slow = simulate(_with_handoff(profile, 0.001, 0.0), plan, updates=200)
+    per_update = lambda r: plan.batch_size / r.trained_samples_per_s  # noqa: E731
+    assert 0.014 <= per_update(slow) - per_update(base) <= 0.016
+    # asynchronous, the learner's batch is mostly there: far less of it shows
+    aplan = Plan(workers=2, max_staleness=2, lookahead=1)
+    a0, a1 = simulate(profile, aplan, updates=200), simulate(_with_handoff(profile, 0.001, 0.0), aplan, updates=200)
+    assert per_update(a1) - per_update(a0) < 0.5 * (per_update(slow) - per_update(base))
+
+
+def test_the_wait_for_a_core_grows_with_the_threads_beyond_the_cores(profile):
+    """Oversubscribed (3 workers beside the learner on 2 cores, or other jobs' demand): the same
+    plan is slower the more threads wait for a core at each hand-off; the cost per hand-off
+    beyond the cores adds nothing while a core is free (one thread busy, nothing else)."""
+    plan = Plan(workers=3, max_staleness=4, lookahead=1)
+    busy = _with_handoff(profile, 0.0, 0.0005)
+    r0 = simulate(profile, plan, updates=150).trained_samples_per_s
+    r1 = simulate(busy, plan, updates=150).trained_samples_per_s
+    r2 = simulate(busy, plan, updates=150, background=2.0).trained_samples_per_s
+    r2_free = simulate(profile, plan, updates=150, background=2.0).trained_samples_per_s
+    assert r1 < r0 and r2 < r2_free
+    assert r2 / r2_free < r1 / r0  # more runnable beyond the cores: each hand-off waits longer
+
+
 def test_one_worker_gains_from_lookahead_two_with_two_batches_of_slots(profile):
     # docs/architecture.md (Lookahead): with lookahead 1 a single worker waits for every publish
     # and pull; lookahead 2 and 64 slots decode both admitted batches in one wave
@@ -213,3 +315,16 @@ def test_the_published_checkpoint_is_written_by_the_learners_nodes_together():
     assert lc.checkpoint_time(1, 8) == lc.checkpoint_time(8, 8) == pytest.approx(one)
     assert lc.checkpoint_time(9, 8) == pytest.approx(one / 2)  # 9 devices span 2 nodes
     assert lc.checkpoint_time(64, 8) == pytest.approx(one / 8)  # 7.6 s
+
+
+def test_other_jobs_demand_is_found_from_the_cores_they_used_even_far_beyond_the_cores(profile):
+    """A loaded machine (load average 20 on 2 cores): other jobs used 1.8 cores during a run of the
+    default plan; the demand under which the simulated run leaves them that much is ~20 runnable
+    threads (processor sharing: 1.8 of 2 cores against our ~2 busy), beyond the bisection's
+    first bracket of 6."""
+    from rlhf_run.plan.simulate import background_demand
+
+    demand, sim = background_demand(profile, Plan(), 1.8, updates=100, warmup=20)
+    assert demand > 6
+    assert sim.background_cores_used == pytest.approx(1.8, abs=0.02)
+    assert background_demand(profile, Plan(), 0.0, updates=100, warmup=20)[0] == 0.0  # a quiet machine
