@@ -945,6 +945,7 @@ def _http_protocol() -> Any:
 
     class BoundedHead(HttpToolsProtocol):
         in_head, head_bytes = False, 0  # a request's head is being received, and its bytes so far
+        refused = False  # answered 431 or 408: the connection is closing, nothing more of it is served
         head_timer: asyncio.TimerHandle | None = None  # until the head is in
 
         def connection_made(self, transport: Any) -> None:
@@ -964,14 +965,30 @@ def _http_protocol() -> Any:
         def on_headers_complete(self) -> None:
             self.in_head = False
             self._head_in()
+            # the whole head, parsed: the read that completed it (or brought all of it) is not in head_bytes
+            if self.refused or len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > MAX_HEAD_BYTES:
+                self._too_large()
+                return
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:  # what the parser still finds after a refusal is dropped
+            if not self.refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self.refused:
+                super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if not self.in_head or self.transport.is_closing():
                 return
-            self.head_bytes += len(data)
+            self.head_bytes += len(data)  # what httptools holds of a head still incomplete
             if self.head_bytes > MAX_HEAD_BYTES:
+                self._too_large()
+
+        def _too_large(self) -> None:
+            if not self.refused:
                 self._refuse(b"431 Request Header Fields Too Large",
                              f"the request line and headers are over {MAX_HEAD_BYTES} bytes; send fewer or shorter headers")
 
@@ -986,6 +1003,7 @@ def _http_protocol() -> Any:
                 self._refuse(b"408 Request Timeout", f"the request line and headers took over {HEAD_TIMEOUT_S:g} s")
 
         def _refuse(self, status: bytes, message: str) -> None:
+            self.refused = True
             msg = message.encode()
             self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (status, len(msg), msg))

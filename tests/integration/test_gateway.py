@@ -1238,6 +1238,27 @@ def test_a_request_head_over_its_cap_is_refused_before_it_is_all_read(served):
     assert served.chat(max_tokens=1).usage.completion_tokens == 1  # the gateway goes on
 
 
+@pytest.mark.parametrize("pieces", [1, 70])
+def test_a_request_head_over_its_cap_is_refused_in_one_write_as_in_many(served, pieces):
+    # Once: only the reads that left a head incomplete were counted, so a 70 KB header sent in one
+    # write (the read that completes the head) was served, and in 1 KB writes refused
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 70_000 + b"\r\n\r\n"
+    size = -(-len(head) // pieces)
+    with contextlib.closing(_connect(served)) as sock:
+        with contextlib.suppress(OSError):  # the gateway may close the connection while this is sent
+            for i in range(0, len(head), size):
+                sock.sendall(head[i:i + size])
+        reply = sock.recv(1024)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply
+    # a head under the cap is served, and a body sent with it in one write is not counted as head
+    body = json.dumps({"reward": 1.0, "pad": "b" * 6_000}).encode()
+    with contextlib.closing(_connect(served)) as sock:
+        sock.sendall(b"POST /v1/rl/sessions/nobody/reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Pad: " + b"a" * 60_000 + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = sock.recv(1024)
+    assert reply.startswith(b"HTTP/1.1 404 ") and b"no session 'nobody'" in reply, reply
+
+
 def test_a_request_head_that_does_not_arrive_in_time_is_answered_408(served, monkeypatch):
     # Once: a connection that sent its headers a byte at a time, or nothing, was held for good
     # (uvicorn sets no limit; the key is checked after the headers): enough of them use up the
