@@ -39,7 +39,7 @@ from buffer.connection import client_kwargs
 from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel, forget_old_cancels
 from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response,
                                 completion_response, finite, logprobs_content, normal_message, parse_chat,
-                                parse_completion, parse_json, sse, usage)
+                                parse_completion, parse_json, served_name, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config, ConfigError, response_budget, validate
@@ -68,12 +68,6 @@ REDIS_DOWN = (OSError, aioredis.RedisError)
 LOST: Any = None
 RECEIVED = "rlhf.received"  # request.scope key: when the request reached the gateway (time.time())
 _TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
-
-
-def served_name(cfg: Config) -> str:
-    if cfg.gateway.model_name:
-        return cfg.gateway.model_name
-    return Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.name)
 
 
 def api_keys(cfg: Config) -> list[bytes]:
