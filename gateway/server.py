@@ -194,8 +194,12 @@ class Gateway:
         if group_size > int(params["group_size"]):
             raise ConfigError(f"gateway.group_size={group_size} is larger than the run's group_size "
                               f"{params['group_size']}: a group of the buffer holds at most that many samples")
-        self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size,
-                                 int(params["max_response_tokens"]))
+        room = int(params["max_response_tokens"])
+        if room < self.cfg.gateway.max_tokens:
+            log.warning("gateway: a session holds at most %d response tokens in all, every call's reply and what the "
+                        "agent adds between them (rollout.max_episode_tokens; unset: rollout.max_new_tokens): set "
+                        "rollout.max_episode_tokens to the episodes your agents run", room)
+        self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size, room)
         await self._recover()
         kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
         kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default from a URL: no retries either
@@ -365,7 +369,7 @@ class Gateway:
         """A call per session, its context ``context(session)``; each context is checked as it is
         made (rendering and tokenising hold the event loop: a prompt over the context costs one)."""
         assert self.sessions is not None
-        default = int(self.cfg.rollout.max_new_tokens)
+        default = int(self.cfg.gateway.max_tokens)  # as OpenAI: a call that names none may take what is left
         choices = []
         for i, s in enumerate(sessions):
             ctx = context(s)

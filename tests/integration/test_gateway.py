@@ -82,9 +82,12 @@ class Scripted:
         self.tokenizer, self.replies = tokenizer, collections.deque()
         self._add, self._step = engine.add, engine.step
         self._mine: dict[str, str] = {}
+        self.max_new_tokens: list[int] = []  # of every gateway call the engine got, in order
         engine.add, engine.step = self.add, self.step
 
     def add(self, request: Any) -> None:
+        if request.request_id.startswith("gw/"):
+            self.max_new_tokens.append(request.params.max_new_tokens)
         if request.request_id.startswith("gw/") and self.replies:
             self._mine[request.request_id] = self.replies.popleft()
         self._add(request)
@@ -466,6 +469,14 @@ def test_completions_continue_a_session_from_its_sampled_ids(served):
     assert cm.response_ids.tolist()[:len(ids1)] == ids1
     assert cm.loss_mask.tolist() == [1] * len(ids1) + [0] * len(" Q: 2+2 =") + [1] * n2
     assert s["cm-other"].prompt_ids.tolist() == [10, 11, 12]
+
+
+def test_a_call_without_max_tokens_gets_gateway_max_tokens_within_the_context_left(served):
+    # Once: it got rollout.max_new_tokens (6 by default): agents that name no max_tokens saw 6-token replies
+    served.chat("no-max")
+    assert served.script.max_new_tokens[-1] == 32  # gateway.max_tokens (rollout.max_new_tokens is 8)
+    long = served.chat("no-max-long", messages=[{"role": "user", "content": "y" * (CONTEXT - 40)}])
+    assert served.script.max_new_tokens[-1] == CONTEXT - long.usage.prompt_tokens < 32  # what the context holds
 
 
 def test_a_call_without_a_session_id_gets_a_fresh_one(served):
