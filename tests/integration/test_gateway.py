@@ -479,6 +479,15 @@ def test_a_call_without_max_tokens_gets_gateway_max_tokens_within_the_context_le
     assert served.script.max_new_tokens[-1] == CONTEXT - long.usage.prompt_tokens < 32  # what the context holds
 
 
+def test_a_session_without_a_group_is_appended_as_it_is_rewarded(served):
+    # Once: a group of one waited gateway.session_ttl_s for more sessions before it was appended
+    reply = served.chat("lone", max_tokens=3)
+    r = served.reward("lone", 0.25)
+    assert r.status_code == 200 and (r.json()["status"], r.json()["samples"]) == ("appended", 1), r.text
+    (sample,) = served.group("lone")
+    assert (sample.reward, sample.group_size, sample.num_response_tokens) == (0.25, 1, reply.usage.completion_tokens)
+
+
 def test_a_call_without_a_session_id_gets_a_fresh_one(served):
     raw = served.client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)

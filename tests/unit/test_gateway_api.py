@@ -377,6 +377,27 @@ def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
     assert sessions.counters.sessions_rewarded == 5
 
 
+def test_a_session_without_a_group_is_appended_as_it_is_rewarded(tokenizer):
+    # Once: it waited gateway.session_ttl_s (600 s) for a group of one to fill
+    from rlhf_core.records import Sample
+
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    rewarded_session(sessions, tokenizer, "lone")
+    name, samples = reward(sessions, "lone", 1.0)
+    assert name == "lone" and [(s.metadata["session"], s.group_size) for s in samples] == [("lone", 1)]
+    # one that named its group, on its call or with its reward, waits for the group
+    rewarded_session(sessions, tokenizer, "a", group="g")
+    rewarded_session(sessions, tokenizer, "b")
+    assert reward(sessions, "a", 1.0) == ("g", None) and reward(sessions, "b", 1.0, group="g") == ("g", None)
+    # kept by a gateway that died before appending it: due at once in the next one
+    first = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    rewarded_session(first, tokenizer, "kept")
+    r = first.end("kept", 0.5, {}, None)
+    second = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    second.recovered(r.key, Sample.decode(r.sample.encode()))
+    assert second.due() == ["kept"]
+
+
 def test_kept_rewards_found_at_start_go_back_into_their_groups(tokenizer):
     """What one gateway kept and did not append (it died with groups filling), the next one takes
     up: the same samples in the same groups, their sessions ended, their TTL running from their reward."""
