@@ -7,8 +7,9 @@ mask 0. A chat call **extends** its session when its messages start with the ses
 previous call's messages followed by the assistant message the gateway returned (compared as
 :func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
 template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
-retokenisation drift counted). A call that does not extend its session (the agent edited or
-dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
+retokenisation drift counted), with the tools of the session's first call (a call may leave
+them out; other tools restart the session). A call that does not extend its session (the agent
+edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
 A completions call extends its session when its prompt starts with the session's text so far:
 the sampled text, or the text the client got (a stop string cut off).
 
@@ -175,8 +176,12 @@ class Sessions:
     def chat_context(self, s: Session, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The ids the session's next turn is generated from, given the call's messages."""
         prefix = len(s.expected)
-        if s.transcript is not None and s.last_turn is not None and prefix and messages[:prefix] == s.expected \
-                and len(messages) > prefix and s.conversation is not None and s.conversation.tools == (list(tools) if tools else None):
+        extends = s.transcript is not None and s.last_turn is not None and prefix > 0 and s.conversation is not None \
+            and messages[:prefix] == s.expected and len(messages) > prefix
+        # the template renders tools at the start of the prompt: a call may leave them out (its turn is
+        # generated after the tools its session's prompt holds, as with tool_choice "none"), not change them
+        same_tools = s.conversation is not None and (not tools or s.conversation.tools == list(tools))
+        if extends and same_tools:
             turn_ids, turn_text = s.last_turn
             ids, s.drift_check = s.conversation.next_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:],
                                                           "user")
@@ -184,7 +189,12 @@ class Sessions:
         else:
             if s.transcript is not None:
                 self.counters.sessions_restarted += 1
-                log.info("session %s: a call that does not extend the conversation restarted it", s.session_id)
+                if extends:
+                    log.warning("session %s: the call's tools differ from those of its session's prompt, so it restarted "
+                                "the session (its %d earlier turn(s) are not trained): a session's calls keep its tools, "
+                                "or leave them out", s.session_id, s.turns)
+                else:
+                    log.info("session %s: a call that does not extend the conversation restarted it", s.session_id)
             s.conversation = TemplateConversation(self.tokenizer, messages, tools)
             s.transcript = Transcript(s.conversation.initial_ids())
             s.turns = s.drift_turns = 0

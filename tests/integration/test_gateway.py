@@ -427,6 +427,29 @@ def test_a_tool_call_goes_to_the_client_and_its_result_into_the_session(served):
     assert s.loss_mask.tolist() == [1] * len(sampled) + [0] * added + [1] * second.usage.completion_tokens
 
 
+def test_a_last_call_without_tools_goes_on_with_its_session(served):
+    # Once: a call whose tools differed from its session's restarted the session, so the common
+    # agent pattern "tools while working, none for the last answer" trained only the last call
+    tok = served.tokenizer
+    restarted = served.stats()["sessions_restarted"]
+    messages: list[Any] = [{"role": "user", "content": "add 1 and 2"}]
+    served.script.replies.append(CALL)
+    first = served.chat("last-plain", messages=messages, tools=TOOLS)
+    (call,) = first.choices[0].message.tool_calls
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": run_tool(call)},
+                 {"role": "user", "content": "now answer"}]
+    # the model still sees the tools; what it writes comes back as text (the session's 128 tokens hold 14 more)
+    served.script.replies.append("<tool_call>{}")
+    last = served.chat("last-plain", messages=messages)
+    assert served.stats()["sessions_restarted"] == restarted
+    assert (last.choices[0].finish_reason, last.choices[0].message.tool_calls) == ("stop", None)
+    assert last.choices[0].message.content == "<tool_call>{}"
+    assert served.reward("last-plain", 1.0).json()["status"] == "appended"
+    (sample,) = served.group("last-plain")
+    assert sample.metadata["turns"] == 2 and sample.prompt_ids.tolist() == render(tok, messages[:1], TOOLS)
+    assert int(sample.loss_mask.sum()) == first.usage.completion_tokens + last.usage.completion_tokens
+
+
 def test_n_choices_make_sessions_of_one_group(served):
     raw = served.client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "two ways"}], n=2, max_tokens=4, logprobs=True,
