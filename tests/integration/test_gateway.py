@@ -526,6 +526,19 @@ def test_a_session_without_a_group_is_appended_as_it_is_rewarded(served):
     assert (sample.reward, sample.group_size, sample.num_response_tokens) == (0.25, 1, reply.usage.completion_tokens)
 
 
+def test_the_docs_example_agent_runs_twice(served):
+    # Once: its session ids were fixed, so a second run was refused (409: rewarded already)
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    code = doc.split("## A user's existing agent, trained\n\n```python\n", 1)[1].split("```", 1)[0]
+    assert code.count("http://127.0.0.1:8000/v1") == 2
+    before = served.stats()["sessions_rewarded"]
+    for _ in range(2):
+        exec(compile(code.replace("http://127.0.0.1:8000/v1", served.url), "docs/gateway.md", "exec"), {})
+    assert served.stats()["sessions_rewarded"] == before + 8
+
+
 def test_a_call_without_a_session_id_gets_a_fresh_one(served):
     raw = served.client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
