@@ -198,8 +198,8 @@ class Gateway:
                                 f"{self.keys.gw_live}, is refreshed every second): one gateway per run; stop that one "
                                 f"first (one that died frees the run within {LIVE_TTL_S:g} s)")
             if seen is None:
-                log.info("gateway: run %s is held by gateway %s; waiting up to %g s for its record to lapse (a gateway "
-                         "that died)", self.cfg.buffer.run_id, held[0], LIVE_TTL_S)
+                log.info("gateway: run %s is held by gateway %s; waiting up to %g s for its record to be refreshed (it "
+                         "is alive) or to lapse (it died)", self.cfg.buffer.run_id, held[0], LIVE_TTL_S)
             seen = held
             time.sleep(0.2)
         self.holds_run = True
