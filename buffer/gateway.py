@@ -15,6 +15,9 @@ ids, and always one ``final`` chunk with every token id, behaviour log-prob and 
 (or an error). Pushing a call also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
 a worker whose own taker thread fetched calls while its main thread waits there wakes it the same way.
 
+One gateway serves a run at a time: it holds ``P gw:live`` (:func:`hold_run`), and a gateway
+started while another holds it is refused.
+
 Nothing here is pickled or evaluated: records are msgpack maps checked field by field
 (:mod:`rlhf_core.wire`), since anything may write into Redis.
 """
@@ -252,6 +255,31 @@ class CallQueue:
                     queued.set_result(None)
                 else:
                     queued.set_exception(error)
+
+
+#: a gateway refreshes its record of the run (``P gw:live``) every second; it lapses this long after
+#: the last refresh, so a gateway that died frees the run by then
+LIVE_TTL_S = 5.0
+_HOLD = """local v = redis.call('GET', KEYS[1])
+if v == false or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false end
+return {v, redis.call('PTTL', KEYS[1])}"""
+_DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
+
+
+def hold_run(client: Any, keys: RunKeys, gateway_id: str) -> tuple[str, float] | None:
+    """Take the run's gateway record for ``gateway_id``, or refresh it (synchronous client): None
+    when it is this gateway's now, else the gateway that holds it and the seconds its record has
+    left. One gateway per run: each takes up the run's kept rewards when it starts."""
+    held = client.eval(_HOLD, 1, keys.gw_live, gateway_id, int(LIVE_TTL_S * 1000))
+    if not held:
+        return None
+    holder, left_ms = held
+    return (holder.decode() if isinstance(holder, bytes) else str(holder)), max(0, int(left_ms)) / 1000
+
+
+def drop_run(client: Any, keys: RunKeys, gateway_id: str) -> None:
+    """Free the run's gateway record, if it is ``gateway_id``'s (a gateway that stops)."""
+    client.eval(_DROP, 1, keys.gw_live, gateway_id)
 
 
 def _wake(client: Any, keys: RunKeys) -> Any:

@@ -32,6 +32,7 @@ Layout (``P = rlhf:{run_id}:``)::
     P gw:cancel       hash    call id -> time: calls whose client went away (the worker aborts them; kept gateway.call_timeout_s at most)
     P gw:out:<id>     channel pub/sub, not a key: the tokens of one gateway's calls (``RunKeys.gw_out``)
     P gw:rewarded     hash    key -> msgpack Sample: rewarded sessions kept until their group is appended (``gateway.sessions``)
+    P gw:live         string  the id of the run's gateway, refreshed every second, lapsing without (``buffer.gateway.hold_run``)
 
 The fields of the stream entries are defined at the end of this module; the Lua scripts get
 all of these names through the preamble built in :mod:`buffer.scripts`.
@@ -110,6 +111,7 @@ class RunKeys:
     gw_calls: str
     gw_cancel: str
     gw_rewarded: str
+    gw_live: str
 
     @classmethod
     def for_run(cls, run_id: str) -> "RunKeys":
@@ -140,6 +142,7 @@ class RunKeys:
             gw_calls=p + "gw:calls",
             gw_cancel=p + "gw:cancel",
             gw_rewarded=p + "gw:rewarded",
+            gw_live=p + "gw:live",
         )
 
     def gw_out(self, gateway_id: str) -> str:

@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: the error types of OpenAI's error body
@@ -33,6 +34,14 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def served_name(cfg: Any) -> str:
+    """The model id clients send (and ``GET /v1/models`` lists): ``gateway.model_name``, else
+    ``model.path``'s last folder, else ``model.name``."""
+    if cfg.gateway.model_name:
+        return str(cfg.gateway.model_name)
+    return Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.name)
 
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:

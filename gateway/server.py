@@ -36,10 +36,11 @@ from starlette.routing import Route
 
 from buffer import Buffer
 from buffer.connection import client_kwargs
-from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, forget_cancel, forget_old_cancels
+from buffer.gateway import (LIVE_TTL_S, CallChunk, CallQueue, GatewayCall, LiveWorkers, cancel, drop_run, forget_cancel,
+                            forget_old_cancels, hold_run)
 from gateway.openai_api import (AUTH, CONFLICT, INVALID, NOT_FOUND, UNAVAILABLE, ApiError, bad, chat_response,
                                 completion_response, finite, logprobs_content, normal_message, parse_chat,
-                                parse_completion, parse_json, sse, usage)
+                                parse_completion, parse_json, served_name, sse, usage)
 from gateway.sessions import PLAIN_TEMPLATE, Rewarded, Session, SessionError, Sessions
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config, ConfigError, response_budget, validate
@@ -68,12 +69,6 @@ REDIS_DOWN = (OSError, aioredis.RedisError)
 LOST: Any = None
 RECEIVED = "rlhf.received"  # request.scope key: when the request reached the gateway (time.time())
 _TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
-
-
-def served_name(cfg: Config) -> str:
-    if cfg.gateway.model_name:
-        return cfg.gateway.model_name
-    return Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.name)
 
 
 def api_keys(cfg: Config) -> list[bytes]:
@@ -181,6 +176,7 @@ class Gateway:
         self.workers: LiveWorkers | None = None  # set in start(), with the async client
         self.phases = CallPhases()
         self.channel_up = False  # subscribed to the workers' chunks: calls are taken only then
+        self.holds_run = False  # the run's gateway record is this gateway's (claim)
         self.component_names: set[str] = set()  # of the rewards taken (MAX_COMPONENTS)
         self.cancels_owed: set[str] = set()  # cancellations Redis did not take (down): sent again each second
         self._tasks: list[asyncio.Task] = []
@@ -189,6 +185,48 @@ class Gateway:
         self.started = time.time()
 
     # ------------------------------------------------------------------ lifecycle
+
+    def claim(self) -> None:
+        """Take the run for this gateway, or refuse to: one gateway per run (a second one would
+        take up the first one's kept rewards and its ``gateway.json``). A record whose gateway
+        died lapses within :data:`LIVE_TTL_S`, so this waits that long at most; a record
+        refreshed meanwhile is a live gateway's."""
+        deadline, seen = time.monotonic() + LIVE_TTL_S + 1, None
+        while (held := self.buffer.retry(hold_run, self.buffer.redis, self.keys, self.gateway_id)) is not None:
+            if (seen is not None and held[0] == seen[0] and held[1] > seen[1]) or time.monotonic() > deadline:
+                raise UserError(f"gateway {held[0]} serves run {self.cfg.buffer.run_id} (its record in Redis, "
+                                f"{self.keys.gw_live}, is refreshed every second): one gateway per run; stop that one "
+                                f"first (one that died frees the run within {LIVE_TTL_S:g} s)")
+            if seen is None:
+                log.info("gateway: run %s is held by gateway %s; waiting up to %g s for its record to be refreshed (it "
+                         "is alive) or to lapse (it died)", self.cfg.buffer.run_id, held[0], LIVE_TTL_S)
+            seen = held
+            time.sleep(0.2)
+        self.holds_run = True
+
+    def release(self) -> None:
+        """Free the run for the next gateway (a record that is not this gateway's stays)."""
+        if not self.holds_run:
+            return
+        self.holds_run = False
+        try:
+            drop_run(self.buffer.redis, self.keys, self.gateway_id)
+        except Exception as exc:  # noqa: BLE001  # Redis away: the record lapses by itself
+            log.warning("gateway: could not free the run's gateway record (%s); it lapses within %g s", exc, LIVE_TTL_S)
+
+    async def _hold(self) -> None:
+        """Refresh this gateway's record of the run every second (it lapses :data:`LIVE_TTL_S` after the last)."""
+        taken = False
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                held = await asyncio.to_thread(hold_run, self.buffer.redis, self.keys, self.gateway_id)
+            except Exception:  # noqa: BLE001  # Redis away: taken again once it is back, unless another gateway took it
+                continue
+            if held is not None and not taken:
+                log.error("gateway: gateway %s took run %s while this one could not refresh its record for %g s "
+                          "(Redis away); both now serve it: stop one", held[0], self.cfg.buffer.run_id, LIVE_TTL_S)
+            taken = held is not None
 
     async def start(self) -> None:
         """Wait for the run (its parameters), subscribe to this gateway's channel, start the tasks."""
@@ -200,8 +238,12 @@ class Gateway:
         if group_size > int(params["group_size"]):
             raise ConfigError(f"gateway.group_size={group_size} is larger than the run's group_size "
                               f"{params['group_size']}: a group of the buffer holds at most that many samples")
-        self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size,
-                                 int(params["max_response_tokens"]))
+        room = int(params["max_response_tokens"])
+        if room < self.cfg.gateway.max_tokens:
+            log.warning("gateway: a session holds at most %d response tokens in all, every call's reply and what the "
+                        "agent adds between them (rollout.max_episode_tokens; unset: rollout.max_new_tokens): set "
+                        "rollout.max_episode_tokens to the episodes your agents run", room)
+        self.sessions = Sessions(self.tokenizer, self.cfg.gateway.session_ttl_s, group_size, room)
         await self._recover()
         kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
         kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default from a URL: no retries either
@@ -217,7 +259,8 @@ class Gateway:
         pubsub.connection.register_connect_callback(self._reconnected)
         self.channel_up = True
         self._tasks = [asyncio.create_task(self._route(pubsub), name="gateway-route"),
-                       asyncio.create_task(self._housekeeping(), name="gateway-expiry")]
+                       asyncio.create_task(self._housekeeping(), name="gateway-expiry"),
+                       asyncio.create_task(self._hold(), name="gateway-hold")]
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._sending]
@@ -231,6 +274,7 @@ class Gateway:
                 await asyncio.to_thread(self.buffer.publish_stats, M.GATEWAY_STATS, self.counts())
             except Exception as exc:  # noqa: BLE001  # Redis gone first: the counts of a second ago stay
                 log.warning("gateway: its last counts could not be published: %s", exc)
+        await asyncio.to_thread(self.release)
         if self.redis is not None:
             await self.redis.aclose()
         self.buffer.close()
@@ -371,7 +415,7 @@ class Gateway:
         """A call per session, its context ``context(session)``; each context is checked as it is
         made (rendering and tokenising hold the event loop: a prompt over the context costs one)."""
         assert self.sessions is not None
-        default = int(self.cfg.rollout.max_new_tokens)
+        default = int(self.cfg.gateway.max_tokens)  # as OpenAI: a call that names none may take what is left
         choices = []
         for i, s in enumerate(sessions):
             ctx = context(s)
@@ -945,6 +989,7 @@ def _http_protocol() -> Any:
 
     class BoundedHead(HttpToolsProtocol):
         in_head, head_bytes = False, 0  # a request's head is being received, and its bytes so far
+        refused = False  # answered 431 or 408: the connection is closing, nothing more of it is served
         head_timer: asyncio.TimerHandle | None = None  # until the head is in
 
         def connection_made(self, transport: Any) -> None:
@@ -964,14 +1009,30 @@ def _http_protocol() -> Any:
         def on_headers_complete(self) -> None:
             self.in_head = False
             self._head_in()
+            # the whole head, parsed: the read that completed it (or brought all of it) is not in head_bytes
+            if self.refused or len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > MAX_HEAD_BYTES:
+                self._too_large()
+                return
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:  # what the parser still finds after a refusal is dropped
+            if not self.refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self.refused:
+                super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if not self.in_head or self.transport.is_closing():
                 return
-            self.head_bytes += len(data)
+            self.head_bytes += len(data)  # what httptools holds of a head still incomplete
             if self.head_bytes > MAX_HEAD_BYTES:
+                self._too_large()
+
+        def _too_large(self) -> None:
+            if not self.refused:
                 self._refuse(b"431 Request Header Fields Too Large",
                              f"the request line and headers are over {MAX_HEAD_BYTES} bytes; send fewer or shorter headers")
 
@@ -986,6 +1047,7 @@ def _http_protocol() -> Any:
                 self._refuse(b"408 Request Timeout", f"the request line and headers took over {HEAD_TIMEOUT_S:g} s")
 
         def _refuse(self, status: bytes, message: str) -> None:
+            self.refused = True
             msg = message.encode()
             self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (status, len(msg), msg))
@@ -1001,11 +1063,14 @@ class GatewayServer:
         import uvicorn
 
         self.gateway = Gateway(cfg)
+        self.gateway.claim()
         self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.gateway.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((cfg.gateway.host, int(cfg.gateway.port)))
         except OSError as exc:
+            self.sock.close()
+            self.gateway.release()
             raise UserError(f"gateway: cannot listen on {cfg.gateway.host}:{cfg.gateway.port} ({exc.strerror}); "
                             "pick another gateway.port (0: any free one)") from None
         self.sock.listen(2048)  # a client connecting before uvicorn accepts waits in the backlog, not refused
@@ -1027,7 +1092,10 @@ class GatewayServer:
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT; ``gateway.json`` is written once the run is joined."""
-        self.server.run(sockets=[self.sock])
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            self.gateway.release()
 
     def start(self, timeout_s: float = 60.0) -> str:
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="gateway",
@@ -1045,6 +1113,7 @@ class GatewayServer:
         if self._thread is not None:
             self._thread.join(timeout=15)
         self.sock.close()
+        self.gateway.release()  # also when it never started serving
 
 
 def run_gateway(cfg: Config, output_dir: str | Path | None = None) -> None:

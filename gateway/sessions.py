@@ -7,14 +7,16 @@ mask 0. A chat call **extends** its session when its messages start with the ses
 previous call's messages followed by the assistant message the gateway returned (compared as
 :func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
 template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
-retokenisation drift counted). A call that does not extend its session (the agent edited or
-dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
+retokenisation drift counted), with the tools of the session's first call (a call may leave
+them out; other tools restart the session). A call that does not extend its session (the agent
+edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
 A completions call extends its session when its prompt starts with the session's text so far:
 the sampled text, or the text the client got (a stop string cut off).
 
 ``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
 together once ``group_size`` of them are rewarded (a group still short of that is appended as
-it is ``session_ttl_s`` after its last reward); a session without a group is a group of one.
+it is ``session_ttl_s`` after its last reward); a session without a group is a group of one,
+appended as it is rewarded.
 A rewarded session's sample is kept in the buffer (``P gw:rewarded``) before the reward is
 acknowledged, and deleted in the step that appends its group: a gateway that stops or dies
 with groups still filling loses none of them, the next one takes them up at start.
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: prefix of a gateway group's prompt id and group ids (``gw:<group>``; a kept sample's group is read back off it)
 GROUP_PREFIX = "gw:"
+#: a rewarded sample's metadata key marking a session that named no group (a group of one)
+ALONE = "group_of_one"
 #: the chat template for tokenizers without one (the tiny model, whose alphabet has no newline):
 #: ``[role] content`` turns, assistant turns closed by the EOS token, tools and calls in the
 #: Hermes ``<tool_call>`` format (which the worker-side parser reads too)
@@ -100,10 +104,16 @@ class Rewarded:
     def session_id(self) -> str:
         return str(self.sample.metadata.get("session", self.key))
 
+    @property
+    def alone(self) -> bool:
+        """A session that named no group: a group of one, appended as it is rewarded."""
+        return bool(self.sample.metadata.get(ALONE))
+
 
 @dataclass
 class _Group:
     name: str
+    size: int  # appended once it holds this many
     samples: list[Rewarded] = field(default_factory=list)
     changed: float = 0.0  # monotonic time of the last reward
 
@@ -166,8 +176,12 @@ class Sessions:
     def chat_context(self, s: Session, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The ids the session's next turn is generated from, given the call's messages."""
         prefix = len(s.expected)
-        if s.transcript is not None and s.last_turn is not None and prefix and messages[:prefix] == s.expected \
-                and len(messages) > prefix and s.conversation is not None and s.conversation.tools == (list(tools) if tools else None):
+        extends = s.transcript is not None and s.last_turn is not None and prefix > 0 and s.conversation is not None \
+            and messages[:prefix] == s.expected and len(messages) > prefix
+        # the template renders tools at the start of the prompt: a call may leave them out (its turn is
+        # generated after the tools its session's prompt holds, as with tool_choice "none"), not change them
+        same_tools = s.conversation is not None and (not tools or s.conversation.tools == list(tools))
+        if extends and same_tools:
             turn_ids, turn_text = s.last_turn
             ids, s.drift_check = s.conversation.next_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:],
                                                           "user")
@@ -175,7 +189,12 @@ class Sessions:
         else:
             if s.transcript is not None:
                 self.counters.sessions_restarted += 1
-                log.info("session %s: a call that does not extend the conversation restarted it", s.session_id)
+                if extends:
+                    log.warning("session %s: the call's tools differ from those of its session's prompt, so it restarted "
+                                "the session (its %d earlier turn(s) are not trained): a session's calls keep its tools, "
+                                "or leave them out", s.session_id, s.turns)
+                else:
+                    log.info("session %s: a call that does not extend the conversation restarted it", s.session_id)
             s.conversation = TemplateConversation(self.tokenizer, messages, tools)
             s.transcript = Transcript(s.conversation.initial_ids())
             s.turns = s.drift_turns = 0
@@ -268,6 +287,7 @@ class Sessions:
         if s.transcript is None or not s.transcript.turns:
             raise SessionError(400, f"session '{session_id}' has no completed call to reward")
         name = group or s.group or session_id
+        alone = {} if group or s.group else {ALONE: True}
         # a reward posted again after a failed keep (which may have reached Redis) overwrites that
         # one: the session is in its group once
         key = s.reward_key = s.reward_key or uuid.uuid4().hex
@@ -275,7 +295,7 @@ class Sessions:
             sample_id=key, prompt_id=GROUP_PREFIX + name, group_id=GROUP_PREFIX + name, reward=reward, reward_components=components,
             finish_reason=s.finish_reason, worker_id="gateway", group_size=1, group_index=0,
             created_at=time.time() - (time.monotonic() - s.created), finished_at=time.time(),
-            metadata={"session": session_id, "turns": s.turns, "retokenisation_drift": s.drift_turns})
+            metadata={"session": session_id, "turns": s.turns, "retokenisation_drift": s.drift_turns, **alone})
         s.busy = True
         return Rewarded(key, sample)
 
@@ -300,7 +320,7 @@ class Sessions:
         return r
 
     def _add(self, r: Rewarded, at: float) -> None:
-        g = self.groups.setdefault(r.group, _Group(r.group))
+        g = self.groups.setdefault(r.group, _Group(r.group, 1 if r.alone else self.group_size))
         g.samples.append(r)
         g.changed = max(g.changed, at)
 
@@ -314,15 +334,16 @@ class Sessions:
                 self.counters.sessions_expired += 1
 
     def due(self, now: float | None = None) -> list[str]:
-        """Groups to append now: those with ``group_size`` rewarded sessions, and those short of it
-        that waited ``ttl_s`` since their last reward."""
+        """Groups to append now: those with ``group_size`` rewarded sessions (a session without a
+        group: its own), and those short of it that waited ``ttl_s`` since their last reward."""
         now = time.monotonic() if now is None else now
-        return [name for name, g in self.groups.items() if len(g.samples) >= self.group_size or now - g.changed > self.ttl_s]
+        return [name for name, g in self.groups.items() if len(g.samples) >= g.size or now - g.changed > self.ttl_s]
 
     def group(self, name: str) -> tuple[list[str], list[Sample]]:
         """The kept fields and the samples of group ``name`` (at most ``group_size``, oldest first),
         as one group of the buffer; :meth:`appended` drops them once the buffer has them."""
-        rewarded = self.groups[name].samples[: self.group_size]
+        g = self.groups[name]
+        rewarded = g.samples[: g.size]
         group_id = f"{GROUP_PREFIX}{name}:{next(self._flush_seq)}:{int(time.time() * 1000)}"
         samples = [dataclasses.replace(r.sample, sample_id=f"{group_id}/{i}", group_id=group_id,
                                        group_size=len(rewarded), group_index=i) for i, r in enumerate(rewarded)]

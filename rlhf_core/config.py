@@ -371,7 +371,9 @@ class GatewayConfig:
     session_ttl_s: float = 600.0  # a session without a call or a reward this long expires (counted, not trained)
     group_size: Optional[int] = None  # rewarded sessions of one `group` appended together; null: algo.group_size
     max_request_bytes: int = 1_000_000  # a larger request body is refused (413)
-    max_tokens: int = 512  # a call asking for more is refused (400); a call that names none gets rollout.max_new_tokens
+    # a call asking for more is refused (400); a call that names none gets this many, at most what
+    # is left of the context and of its session (rollout.max_episode_tokens)
+    max_tokens: int = 512
     max_n: int = 8  # choices per call at most
     call_timeout_s: float = 120.0  # no answer from a worker within this: the call fails (503)
     # the Jinja chat template for /v1/chat/completions; null: the tokenizer's, or a plain

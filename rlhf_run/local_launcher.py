@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from buffer.connection import redact
 from buffer.datasets import data_path
+from gateway.openai_api import served_name
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
 from rlhf_core.errors import STOPPED_EARLY_EXIT
@@ -107,6 +108,16 @@ def write_private(path: Path, text: str) -> None:
 
 def generate_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+
+
+def pin_paths(cfg: Config) -> None:
+    """Hub ids become their cached snapshot folders: one download at most, the same files
+    everywhere. The gateway's model id is named first, from the path as given (not the
+    snapshot folder, named by a commit hash)."""
+    if cfg.gateway.enabled:
+        cfg.gateway.model_name = served_name(cfg)
+    cfg.model = pin_model_paths(cfg.model)
+    pin_reward_model_paths(cfg.reward.models)
 
 
 @dataclass
@@ -217,7 +228,7 @@ class Launcher:
             children.append(Child("gateway", "gateway", self.child_cmd("gateway.cli", "gateway"), logs / "gateway.log", env))
             g = self.cfg.gateway
             log.info("gateway: %s (model '%s'; its address also in %s)",
-                     f"http://{g.host}:{g.port}/v1" if g.port else "a free port", g.model_name or "see GET /v1/models",
+                     f"http://{g.host}:{g.port}/v1" if g.port else "a free port", served_name(self.cfg),
                      self.output_dir / "gateway.json")
         if self.cfg.eval.every:  # periodic evaluation: its own engine, on worker 0's GPU when placed
             eenv = dict(env)
@@ -358,9 +369,7 @@ class Launcher:
             for name, data in (("data", self.cfg.data), ("eval.data", self.cfg.eval.data if self.cfg.eval.every else None)):
                 if data is not None and data.source not in ("builtin", "none"):
                     data_path(data, name)  # a missing file: here, not in the learner's log once it has started
-            # Hub ids become their cached snapshot folders: one download at most, the same files everywhere
-            self.cfg.model = pin_model_paths(self.cfg.model)
-            pin_reward_model_paths(self.cfg.reward.models)
+            pin_paths(self.cfg)
             if self.cfg.model.lora.r:
                 from rlhf_core.models import check_lora  # torch and transformers: only when there is something to check
 

@@ -149,3 +149,18 @@ def test_a_call_whose_reply_to_names_no_channel_is_refused_as_it_is_decoded(buf,
     assert channel.send([(call.reply_to, chunk)], [(call.call_id, call.reply_to)]) == []
     assert CallChunk.decode(listener.get_message(timeout=1.0)["data"]).call_id == "c2"
     listener.close()
+
+
+def test_the_runs_gateway_record_is_one_gateways_until_it_drops_it_or_lets_it_lapse(buf):
+    from buffer.gateway import LIVE_TTL_S, drop_run, hold_run
+
+    r, k = buf.redis, buf.keys
+    assert hold_run(r, k, "gw-a") is None and hold_run(r, k, "gw-a") is None  # taken, then refreshed
+    holder, left = hold_run(r, k, "gw-b")
+    assert holder == "gw-a" and 0 < left <= LIVE_TTL_S
+    drop_run(r, k, "gw-b")  # not its record: it stays
+    assert hold_run(r, k, "gw-b")[0] == "gw-a"
+    r.delete(k.gw_live)  # gw-a stopped refreshing it (it died): its record lapsed
+    assert hold_run(r, k, "gw-b") is None and hold_run(r, k, "gw-a")[0] == "gw-b"
+    drop_run(r, k, "gw-b")  # stopped
+    assert r.exists(k.gw_live) == 0 and hold_run(r, k, "gw-a") is None

@@ -82,9 +82,12 @@ class Scripted:
         self.tokenizer, self.replies = tokenizer, collections.deque()
         self._add, self._step = engine.add, engine.step
         self._mine: dict[str, str] = {}
+        self.max_new_tokens: list[int] = []  # of every gateway call the engine got, in order
         engine.add, engine.step = self.add, self.step
 
     def add(self, request: Any) -> None:
+        if request.request_id.startswith("gw/"):
+            self.max_new_tokens.append(request.params.max_new_tokens)
         if request.request_id.startswith("gw/") and self.replies:
             self._mine[request.request_id] = self.replies.popleft()
         self._add(request)
@@ -100,6 +103,10 @@ class Scripted:
                 r = make_result(r.request_id, r.prompt_ids, ids, [-1.0] * len(ids), [VERSION] * len(ids), "stop", text)
             out.append(r)
         return out
+
+
+def worker_stats(learner: Any, worker_id: str) -> dict[str, Any]:
+    return learner.buffer.metrics()["consumers"].get(worker_id, {}).get("stats", {})
 
 
 @dataclass
@@ -128,7 +135,7 @@ class Served:
 
     def worker_stats(self) -> dict[str, Any]:
         """The worker's last heartbeat (what rlhf-monitor shows)."""
-        return self.learner.buffer.metrics()["consumers"].get("w0", {}).get("stats", {})
+        return worker_stats(self.learner, "w0")
 
     def group(self, name: str, timeout_s: float = 20.0) -> list:
         """The samples of the group ``name`` appended (by any test: others are kept for theirs)."""
@@ -165,12 +172,12 @@ def _cfg(infra, tiny_model_cfg, run_id: str, *extra: str) -> Any:
 
 
 @contextlib.contextmanager
-def _run(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[Any, Any], Any],
-         *extra: str) -> Iterator[tuple[Any, Any, Any, str, Any]]:
+def _serve(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[Any, Any], Any],
+           *extra: str) -> Iterator[tuple[Any, Any, Any, Any, Any]]:
     """A run of this module's kind (``extra``: more settings): the test plays the learner, one
-    worker thread, the gateway in this process. ``wrap(engine, tokenizer)`` wraps the worker's
-    engine before it starts; yields ``(cfg, learner, worker thread, gateway url, what wrap
-    returned)``; stops them all after."""
+    worker thread, the gateway in this process (one gateway per run). ``wrap(engine, tokenizer)``
+    wraps the worker's engine before it starts; yields ``(cfg, learner, worker thread, gateway
+    server (started), what wrap returned)``; stops them all after."""
     from gateway.server import GatewayServer
     from worker_helpers import FakeLearner, WorkerThread
 
@@ -180,15 +187,26 @@ def _run(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[Any
     wt = WorkerThread(cfg, worker_id)
     wrapped = wrap(wt.worker.engine, learner.tokenizer)
     wt.start()
-    server = GatewayServer(cfg)
+    server = None
     try:
-        yield cfg, learner, wt, server.start(), wrapped
+        server = GatewayServer(cfg)
+        server.start()
+        yield cfg, learner, wt, server, wrapped
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         wt.worker.request_stop()
         wt.worker.request_stop()  # the second releases what is in flight at once
         wt.thread.join(15)
         learner.close()
+
+
+@contextlib.contextmanager
+def _run(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[Any, Any], Any],
+         *extra: str) -> Iterator[tuple[Any, Any, Any, str, Any]]:
+    """:func:`_serve`, yielding the gateway's url in place of its server."""
+    with _serve(infra, tiny_model_cfg, run_id, worker_id, wrap, *extra) as (cfg, learner, wt, server, wrapped):
+        yield cfg, learner, wt, server.url, wrapped
 
 
 @pytest.fixture(scope="module")
@@ -424,6 +442,29 @@ def test_a_tool_call_goes_to_the_client_and_its_result_into_the_session(served):
     assert s.loss_mask.tolist() == [1] * len(sampled) + [0] * added + [1] * second.usage.completion_tokens
 
 
+def test_a_last_call_without_tools_goes_on_with_its_session(served):
+    # Once: a call whose tools differed from its session's restarted the session, so the common
+    # agent pattern "tools while working, none for the last answer" trained only the last call
+    tok = served.tokenizer
+    restarted = served.stats()["sessions_restarted"]
+    messages: list[Any] = [{"role": "user", "content": "add 1 and 2"}]
+    served.script.replies.append(CALL)
+    first = served.chat("last-plain", messages=messages, tools=TOOLS)
+    (call,) = first.choices[0].message.tool_calls
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": run_tool(call)},
+                 {"role": "user", "content": "now answer"}]
+    # the model still sees the tools; what it writes comes back as text (the session's 128 tokens hold 14 more)
+    served.script.replies.append("<tool_call>{}")
+    last = served.chat("last-plain", messages=messages)
+    assert served.stats()["sessions_restarted"] == restarted
+    assert (last.choices[0].finish_reason, last.choices[0].message.tool_calls) == ("stop", None)
+    assert last.choices[0].message.content == "<tool_call>{}"
+    assert served.reward("last-plain", 1.0).json()["status"] == "appended"
+    (sample,) = served.group("last-plain")
+    assert sample.metadata["turns"] == 2 and sample.prompt_ids.tolist() == render(tok, messages[:1], TOOLS)
+    assert int(sample.loss_mask.sum()) == first.usage.completion_tokens + last.usage.completion_tokens
+
+
 def test_n_choices_make_sessions_of_one_group(served):
     raw = served.client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "two ways"}], n=2, max_tokens=4, logprobs=True,
@@ -466,6 +507,36 @@ def test_completions_continue_a_session_from_its_sampled_ids(served):
     assert cm.response_ids.tolist()[:len(ids1)] == ids1
     assert cm.loss_mask.tolist() == [1] * len(ids1) + [0] * len(" Q: 2+2 =") + [1] * n2
     assert s["cm-other"].prompt_ids.tolist() == [10, 11, 12]
+
+
+def test_a_call_without_max_tokens_gets_gateway_max_tokens_within_the_context_left(served):
+    # Once: it got rollout.max_new_tokens (6 by default): agents that name no max_tokens saw 6-token replies
+    served.chat("no-max")
+    assert served.script.max_new_tokens[-1] == 32  # gateway.max_tokens (rollout.max_new_tokens is 8)
+    long = served.chat("no-max-long", messages=[{"role": "user", "content": "y" * (CONTEXT - 40)}])
+    assert served.script.max_new_tokens[-1] == CONTEXT - long.usage.prompt_tokens < 32  # what the context holds
+
+
+def test_a_session_without_a_group_is_appended_as_it_is_rewarded(served):
+    # Once: a group of one waited gateway.session_ttl_s for more sessions before it was appended
+    reply = served.chat("lone", max_tokens=3)
+    r = served.reward("lone", 0.25)
+    assert r.status_code == 200 and (r.json()["status"], r.json()["samples"]) == ("appended", 1), r.text
+    (sample,) = served.group("lone")
+    assert (sample.reward, sample.group_size, sample.num_response_tokens) == (0.25, 1, reply.usage.completion_tokens)
+
+
+def test_the_docs_example_agent_runs_twice(served):
+    # Once: its session ids were fixed, so a second run was refused (409: rewarded already)
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    code = doc.split("## A user's existing agent, trained\n\n```python\n", 1)[1].split("```", 1)[0]
+    assert code.count("http://127.0.0.1:8000/v1") == 2
+    before = served.stats()["sessions_rewarded"]
+    for _ in range(2):
+        exec(compile(code.replace("http://127.0.0.1:8000/v1", served.url), "docs/gateway.md", "exec"), {})
+    assert served.stats()["sessions_rewarded"] == before + 8
 
 
 def test_a_call_without_a_session_id_gets_a_fresh_one(served):
@@ -598,8 +669,10 @@ def test_a_completion_cut_by_a_stop_string_goes_on_from_the_text_the_client_got(
     assert served.stats()["sessions_restarted"] == restarted
 
 
-def _aborted(served: Served, before: int) -> bool:
-    w = served.worker_stats()
+def _aborted(served: Any, before: int) -> bool:
+    """The worker of ``served`` (a :class:`Served`, or a function giving its stats) aborted a call
+    since it had aborted ``before``, and runs nothing."""
+    w = served() if callable(served) else served.worker_stats()
     return w.get("gateway_aborted", 0) > before and w.get("active", 1) == 0 and w.get("waiting", 1) == 0 \
         and w.get("gateway_running", 1) == 0
 
@@ -657,26 +730,22 @@ def test_a_client_that_times_out_on_a_plain_call_gets_it_aborted(served):
     assert served.chat("impatient", max_tokens=1).usage.completion_tokens == 1
 
 
-def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(served, infra, tiny_model_cfg):
-    from gateway.server import GatewayServer
+def test_a_call_no_worker_finishes_in_time_fails_with_503_and_is_cancelled(infra, tiny_model_cfg):
     from servers import wait_for
 
-    impatient = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests", "gateway.call_timeout_s=1"))  # the same run
-    url = impatient.start()
-    before = served.worker_stats().get("gateway_aborted", 0)
-    try:
-        with served.hold:
+    with _run(infra, tiny_model_cfg, "gw-impatient", "w-impatient", lambda engine, _: Hold(engine),
+              "gateway.call_timeout_s=1") as (_, learner, _, url, hold):
+        stats = lambda: worker_stats(learner, "w-impatient")  # noqa: E731
+        with hold:
             t0 = time.monotonic()
             r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "late"}, timeout=30)
             assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
             assert r.json()["error"]["code"] == "timeout" and 1 <= time.monotonic() - t0 < 10
-            wait_for(lambda: _aborted(served, before), 15, "the worker to abort the timed-out call", 0.1)
+            wait_for(lambda: _aborted(stats, 0), 15, "the worker to abort the timed-out call", 0.1)
         stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
         assert (stats["calls_aborted"], stats["calls_failed"], stats["sessions_open"]) == (1, 1, 0)
         r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "late"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
-    finally:
-        impatient.stop()
 
 
 def test_a_call_whose_gateway_is_gone_is_aborted_at_once(served):
@@ -1009,48 +1078,47 @@ def test_a_session_takes_one_call_at_a_time(served):
     assert served.reward("busy", 1.0).status_code == 200
 
 
-def test_two_calls_of_one_session_sent_together_one_is_served_the_other_gets_409(served, infra, tiny_model_cfg):
+def test_two_calls_of_one_session_sent_together_one_is_served_the_other_gets_409(infra, tiny_model_cfg):
     # A call may wait for Redis before it starts (the live workers, read again once a second); a
     # second call of its session arriving meanwhile must not pass the session's busy check too:
     # one is served, the other refused, and the session holds one turn
-    from gateway.server import GatewayServer
     from servers import wait_for
 
-    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run, a gateway the test can reach into
-    url = server.start()
-    gw, asking, answer = server.gateway, [], threading.Event()
-    read = gw.workers.live
+    with _serve(infra, tiny_model_cfg, "gw-together", "w-together", lambda engine, _: Hold(engine)) as run:
+        server, hold = run[3], run[4]
+        url = server.url
+        gw, asking, answer = server.gateway, [], threading.Event()
+        read = gw.workers.live
 
-    async def live_once_both_ask() -> dict[str, float]:  # Redis's answer comes once both calls wait for it
-        asking.append(1)
-        await asyncio.to_thread(answer.wait, 30)
-        return await read()
+        async def live_once_both_ask() -> dict[str, float]:  # Redis's answer comes once both calls wait for it
+            asking.append(1)
+            await asyncio.to_thread(answer.wait, 30)
+            return await read()
 
-    gw.workers.live = live_once_both_ask
-    answers: list[httpx.Response] = []
+        gw.workers.live = live_once_both_ask
+        answers: list[httpx.Response] = []
 
-    def call() -> None:
-        answers.append(httpx.post(f"{url}/chat/completions", content=_chat_body(max_tokens=2), timeout=30,
-                                  headers={"X-Session-Id": "together"}))
+        def call() -> None:
+            answers.append(httpx.post(f"{url}/chat/completions", content=_chat_body(max_tokens=2), timeout=30,
+                                      headers={"X-Session-Id": "together"}))
 
-    calls = [threading.Thread(target=call, daemon=True) for _ in range(2)]
-    try:
-        with served.hold:  # the served call stays in flight while the other is answered
+        calls = [threading.Thread(target=call, daemon=True) for _ in range(2)]
+        try:
+            with hold:  # the served call stays in flight while the other is answered
+                for t in calls:
+                    t.start()
+                wait_for(lambda: len(asking) == 2, 30, "both calls to wait for Redis", 0.01)
+                answer.set()
+                wait_for(lambda: answers, 10, "the second call's answer while the first runs", 0.02)
+                refused = answers[0]
+                assert refused.status_code == 409 and "has a call running" in refused.json()["error"]["message"], refused.text
             for t in calls:
-                t.start()
-            wait_for(lambda: len(asking) == 2, 30, "both calls to wait for Redis", 0.01)
+                t.join(30)
+            assert [r.status_code for r in answers] == [409, 200], [r.text for r in answers]
+            assert gw.sessions.sessions["together"].turns == 1
+            assert httpx.get(f"{url}/rl/stats", timeout=10).json()["sessions_restarted"] == 0
+        finally:
             answer.set()
-            wait_for(lambda: answers, 10, "the second call's answer while the first runs", 0.02)
-            refused = answers[0]
-            assert refused.status_code == 409 and "has a call running" in refused.json()["error"]["message"], refused.text
-        for t in calls:
-            t.join(30)
-        assert [r.status_code for r in answers] == [409, 200], [r.text for r in answers]
-        assert gw.sessions.sessions["together"].turns == 1
-        assert httpx.get(f"{url}/rl/stats", timeout=10).json()["sessions_restarted"] == 0
-    finally:
-        answer.set()
-        server.stop()
 
 
 def test_the_stats_say_where_a_calls_time_went(served):
@@ -1238,6 +1306,27 @@ def test_a_request_head_over_its_cap_is_refused_before_it_is_all_read(served):
     assert served.chat(max_tokens=1).usage.completion_tokens == 1  # the gateway goes on
 
 
+@pytest.mark.parametrize("pieces", [1, 70])
+def test_a_request_head_over_its_cap_is_refused_in_one_write_as_in_many(served, pieces):
+    # Once: only the reads that left a head incomplete were counted, so a 70 KB header sent in one
+    # write (the read that completes the head) was served, and in 1 KB writes refused
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 70_000 + b"\r\n\r\n"
+    size = -(-len(head) // pieces)
+    with contextlib.closing(_connect(served)) as sock:
+        with contextlib.suppress(OSError):  # the gateway may close the connection while this is sent
+            for i in range(0, len(head), size):
+                sock.sendall(head[i:i + size])
+        reply = sock.recv(1024)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply
+    # a head under the cap is served, and a body sent with it in one write is not counted as head
+    body = json.dumps({"reward": 1.0, "pad": "b" * 6_000}).encode()
+    with contextlib.closing(_connect(served)) as sock:
+        sock.sendall(b"POST /v1/rl/sessions/nobody/reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Pad: " + b"a" * 60_000 + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = sock.recv(1024)
+    assert reply.startswith(b"HTTP/1.1 404 ") and b"no session 'nobody'" in reply, reply
+
+
 def test_a_request_head_that_does_not_arrive_in_time_is_answered_408(served, monkeypatch):
     # Once: a connection that sent its headers a byte at a time, or nothing, was held for good
     # (uvicorn sets no limit; the key is checked after the headers): enough of them use up the
@@ -1361,53 +1450,39 @@ def test_with_filter_groups_a_group_whose_rewards_are_all_equal_is_filtered_as_t
         assert learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=0.2) is None
 
 
-def test_a_second_gateway_takes_up_kept_rewards_and_each_sample_is_appended_once(served, infra, tiny_model_cfg):
-    """Two gateways of one run: the one started second takes up the first one's kept reward and
-    completes its group; the first one, completing the same group again, finds that sample
-    appended already and keeps its own new session waiting for the group (nothing twice, nothing lost)."""
+def test_a_second_gateway_of_a_live_run_is_refused_and_takes_nothing_of_it(served, infra, tiny_model_cfg, tmp_path):
+    # Once: a second rlhf-gateway started by hand against a live run took up the first one's kept
+    # rewards (its groups then filled in two places) and wrote its own gateway.json over the first's
     from gateway.server import GatewayServer
+    from rlhf_core.errors import UserError
 
     served.chat("two/a0", "two", max_tokens=1)
     assert served.reward("two/a0", 1.0).json()["status"] == "waiting_for_group"
-    second = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
-    url = second.start()
-    try:
-        assert httpx.get(f"{url}/rl/stats", timeout=10).json()["rewards_recovered"] >= 1
-        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
-                                           extra_headers={"X-Session-Id": "two/b1", "X-Group-Id": "two"})
-        r = httpx.post(f"{url}/rl/sessions/two/b1/reward", json={"reward": 0.0}, timeout=10)
-        assert r.json()["status"] == "appended", r.text
-        assert [s.metadata["session"] for s in served.group("two")] == ["two/a0", "two/b1"]
-        # the first gateway still holds two/a0 in its group: with a new session the group is full there too
-        served.chat("two/a2", "two", max_tokens=1)
-        assert served.reward("two/a2", 0.5).json()["status"] == "waiting_for_group"  # two/a0 went with the other group
-        kept = [Sample.decode(raw) for raw in served.learner.buffer.rewarded_kept().values()]
-        assert [s.metadata["session"] for s in kept if s.prompt_id == "gw:two"] == ["two/a2"]
-        assert served.stats()["groups_waiting"] >= 1
-        served.chat("two/a3", "two", max_tokens=1)
-        assert served.reward("two/a3", 0.0).json()["status"] == "appended"
-        assert [s.metadata["session"] for s in served.group("two")] == ["two/a2", "two/a3"]
-    finally:
-        second.stop()
+    with pytest.raises(UserError) as info:
+        GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"), tmp_path)  # the same run
+    message = str(info.value)
+    assert message.startswith("gateway gateway-") and "serves run gw-tests" in message and "\n" not in message
+    assert "one gateway per run; stop that one first (one that died frees the run within 5 s)" in message
+    assert not (tmp_path / "gateway.json").exists() and served.stats()["rewards_recovered"] == 0
+    served.chat("two/a1", "two", max_tokens=1)
+    assert served.reward("two/a1", 0.0).json()["status"] == "appended"
+    assert [s.metadata["session"] for s in served.group("two")] == ["two/a0", "two/a1"]
+    assert served.learner.buffer.rewarded_kept() == {}
 
 
-def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_again(served, infra, tiny_model_cfg):
+def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_again(infra, tiny_model_cfg):
     from buffer.connection import BufferUnavailable
-    from gateway.server import GatewayServer
 
-    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
-    url = server.start()
-    keep, failures = server.gateway.buffer.keep_rewarded, []
+    with _serve(infra, tiny_model_cfg, "gw-unkept", "w-unkept", lambda engine, _: None) as (_, learner, _, server, _):
+        url, keep, failures = server.url, server.gateway.buffer.keep_rewarded, []
 
-    def failing(*args):
-        if not failures:  # stored, but the reply never came: the gateway cannot know it was kept
-            failures.append(keep(*args))
-            raise BufferUnavailable("redis is restarting")
-        return keep(*args)
+        def failing(*args):
+            if not failures:  # stored, but the reply never came: the gateway cannot know it was kept
+                failures.append(keep(*args))
+                raise BufferUnavailable("redis is restarting")
+            return keep(*args)
 
-    server.gateway.buffer.keep_rewarded = failing
-    try:
+        server.gateway.buffer.keep_rewarded = failing
         with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60) as client:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                            extra_headers={"X-Session-Id": "unkept", "X-Group-Id": "unkept"})
@@ -1417,27 +1492,22 @@ def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_a
         r = httpx.post(f"{url}/rl/sessions/unkept/reward", json={"reward": 1.0}, timeout=10)
         assert r.status_code == 200 and r.json()["status"] == "waiting_for_group", r.text
         assert len(failures) == 1
-        kept = [Sample.decode(raw) for raw in served.learner.buffer.rewarded_kept().values()]
+        kept = [Sample.decode(raw) for raw in learner.buffer.rewarded_kept().values()]
         assert [s.metadata["session"] for s in kept].count("unkept") == 1  # the second post overwrote the first
-    finally:
-        server.stop()
 
 
-def test_a_call_redis_does_not_take_is_answered_503_not_500(served, infra, tiny_model_cfg):
+def test_a_call_redis_does_not_take_is_answered_503_not_500(infra, tiny_model_cfg):
     # Redis away for a moment before the gateway's channel noticed (the push of the call fails
     # after the client's retries): a retryable 503, as an error event once a stream has begun,
     # the session as before the call, no traceback
     import redis as redis_py
-    from gateway.server import GatewayServer
-
-    server = GatewayServer(_cfg(infra, tiny_model_cfg, "gw-tests"))  # the same run
-    url = server.start()
 
     async def refused(calls: Any) -> None:
         raise redis_py.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    server.gateway.calls.submit = refused
-    try:
+    with _serve(infra, tiny_model_cfg, "gw-untaken", "w-untaken", lambda engine, _: None) as (_, _, _, server, _):
+        url = server.url
+        server.gateway.calls.submit = refused
         r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "untaken"}, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
         assert r.json()["error"]["code"] == "unavailable" and "retry" in r.json()["error"]["message"], r.text
@@ -1446,8 +1516,6 @@ def test_a_call_redis_does_not_take_is_answered_503_not_500(served, infra, tiny_
         assert r.status_code == 200 and '"code": "unavailable"' in r.text and "[DONE]" not in r.text, r.text
         stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
         assert (stats["calls_failed"], stats["sessions_open"], stats["errors_unavailable"]) == (2, 0, 2), stats
-    finally:
-        server.stop()
 
 
 def test_health_and_stats(served):

@@ -278,6 +278,28 @@ def test_a_call_that_does_not_extend_the_session_restarts_it(tokenizer):
     assert tokenizer.decode(ctx, skip_special_tokens=False).startswith("[tools] [{")
 
 
+def test_a_call_may_leave_its_sessions_tools_out_but_other_tools_restart_it_with_a_warning(tokenizer, caplog):
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    s = sessions.open("s", None)
+    msgs = [{"role": "user", "content": "a"}]
+    ctx1 = sessions.chat_context(s, msgs, tools)
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "xy"))
+    s.expected = [*msgs, normal_message(reply)]
+    msgs = [*s.expected, {"role": "user", "content": "b"}]
+    ctx2 = sessions.chat_context(s, msgs, None)  # no tools: the turn follows the prompt that holds them
+    assert sessions.counters.sessions_restarted == 0 and ctx2[:len(ctx1)] == ctx1
+    assert tokenizer.decode(ctx2[len(ctx1):], skip_special_tokens=False) == "xy<eos> [user] b [assistant] "
+    reply, _ = sampled_turn(sessions, s, ids(tokenizer, "z"))
+    s.expected = [*msgs, normal_message(reply)]
+    other = [{"type": "function", "function": {"name": "mul", "parameters": {}}}]
+    with caplog.at_level("WARNING", logger="gateway.sessions"):
+        ctx3 = sessions.chat_context(s, [*s.expected, {"role": "user", "content": "c"}], other)
+    assert sessions.counters.sessions_restarted == 1 and s.transcript.response_ids == [] and ctx3 == s.transcript.prompt_ids
+    assert "session s: the call's tools differ from those of its session's prompt" in caplog.text
+    assert "its 2 earlier turn(s) are not trained" in caplog.text
+
+
 def test_completions_extend_their_session_by_text_or_by_token_ids(tokenizer):
     sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
     s = sessions.open("c", None)
@@ -375,6 +397,27 @@ def test_a_group_is_appended_when_its_last_session_is_rewarded(tokenizer):
     assert reward(sessions, "x", 1.0, group="h") == ("h", None)
     assert reward(sessions, "y", 1.0, group="h")[1] is None  # 2 of 3
     assert sessions.counters.sessions_rewarded == 5
+
+
+def test_a_session_without_a_group_is_appended_as_it_is_rewarded(tokenizer):
+    # Once: it waited gateway.session_ttl_s (600 s) for a group of one to fill
+    from rlhf_core.records import Sample
+
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    rewarded_session(sessions, tokenizer, "lone")
+    name, samples = reward(sessions, "lone", 1.0)
+    assert name == "lone" and [(s.metadata["session"], s.group_size) for s in samples] == [("lone", 1)]
+    # one that named its group, on its call or with its reward, waits for the group
+    rewarded_session(sessions, tokenizer, "a", group="g")
+    rewarded_session(sessions, tokenizer, "b")
+    assert reward(sessions, "a", 1.0) == ("g", None) and reward(sessions, "b", 1.0, group="g") == ("g", None)
+    # kept by a gateway that died before appending it: due at once in the next one
+    first = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    rewarded_session(first, tokenizer, "kept")
+    r = first.end("kept", 0.5, {}, None)
+    second = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
+    second.recovered(r.key, Sample.decode(r.sample.encode()))
+    assert second.due() == ["kept"]
 
 
 def test_kept_rewards_found_at_start_go_back_into_their_groups(tokenizer):

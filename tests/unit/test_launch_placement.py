@@ -57,3 +57,10 @@ def test_a_learner_on_several_gpus_runs_under_torchrun(tmp_path):
 def test_bad_placements_are_refused(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         plan(tmp_path, **settings)
+
+
+def test_the_gateway_line_names_the_model_id_clients_send(tmp_path, caplog):
+    # Once: it said "model 'see GET /v1/models'" unless gateway.model_name was set
+    with caplog.at_level("INFO", logger="rlhf_run.local_launcher"):
+        plan(tmp_path, gateway__enabled=True, model__path="/models/Qwen2.5-0.5B-Instruct")
+    assert "gateway: http://127.0.0.1:8000/v1 (model 'Qwen2.5-0.5B-Instruct';" in caplog.text

@@ -107,3 +107,21 @@ def test_the_launcher_pins_hub_ids_to_snapshot_folders(tmp_path, tiny_model_cfg,
     rms = {"rm": {"path": "acme/tiny-policy", "weight": 0.5}}
     pin_reward_model_paths(rms)
     assert rms == {"rm": {"path": snap, "weight": 0.5}}
+
+
+def test_pinning_a_hub_id_keeps_the_gateways_model_id_as_the_user_named_it(tmp_path, tiny_model_cfg, monkeypatch):
+    # Once: the gateway served the snapshot folder's name, a commit hash, as its model id
+    from huggingface_hub import constants
+
+    from gateway.openai_api import served_name
+    from rlhf_core.config import Config
+    from rlhf_run.local_launcher import pin_paths
+
+    cache = hub_cache(tmp_path, tiny_model_cfg)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    cfg = Config()
+    cfg.model, cfg.gateway.enabled = ModelConfig(name="hf", path="acme/tiny-policy"), True
+    pin_paths(cfg)
+    assert cfg.model.path == str(cache / "models--acme--tiny-policy" / "snapshots" / COMMIT)
+    assert served_name(cfg) == "tiny-policy"
