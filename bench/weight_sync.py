@@ -83,6 +83,7 @@ def worker_main(wid: int, addresses: dict, cfg_kwargs: dict, total_bytes: int, c
 
     from rlhf_core.config import WeightServerConfig
     from weight_server import WeightSubscriber
+    from weight_server.sockets import Context
 
     torch.set_num_threads(1)
     cfg = WeightServerConfig(**cfg_kwargs)
@@ -92,6 +93,7 @@ def worker_main(wid: int, addresses: dict, cfg_kwargs: dict, total_bytes: int, c
                                worker_id=f"w{wid}")
         for path in PATHS
     }
+    raw_ctx = Context()
     conn.send("ready")
     while True:
         cmd = conn.recv()
@@ -109,7 +111,6 @@ def worker_main(wid: int, addresses: dict, cfg_kwargs: dict, total_bytes: int, c
             res = sub.pull(into=target, skip_unchanged=False)
             conn.send((t0, time.monotonic(), res[0] if res else None, sub.stats["pulls_shm"]))
         elif cmd[0] == "raw_open":  # the baseline: a PULL socket receiving the same bytes into a preallocated buffer
-            raw_ctx = zmq.Context()
             raw = raw_ctx.socket(zmq.PULL)
             raw.rcvhwm = cfg.max_inflight_chunks
             raw.connect(cmd[1])
@@ -122,6 +123,7 @@ def worker_main(wid: int, addresses: dict, cfg_kwargs: dict, total_bytes: int, c
             conn.send(time.monotonic())
     for sub in subs.values():
         sub.close()
+    raw_ctx.close()
 
 
 def bench_memcpy(total_bytes: int) -> float:
@@ -141,8 +143,10 @@ class RawLink:
     def __init__(self, views, chunk_bytes: int, conn) -> None:
         import zmq
 
+        from weight_server.sockets import Context
+
         self.views, self.chunk_bytes, self.conn = views, chunk_bytes, conn
-        self.ctx = zmq.Context()
+        self.ctx = Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.sndhwm = 8
         port = self.push.bind_to_random_port("tcp://127.0.0.1")
@@ -159,8 +163,7 @@ class RawLink:
         return self.conn.recv() - t0
 
     def close(self) -> None:
-        self.push.close(linger=0)
-        self.ctx.term()
+        self.ctx.close()
 
 
 def notes(ratios: dict, cpu: dict, nbytes: int, spread: dict) -> list[str]:

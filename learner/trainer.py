@@ -140,11 +140,6 @@ class Learner:
                 max_response_tokens=response_budget(cfg.rollout),
                 vocab_size=vocab,
             )
-        ws = cfg.weight_server
-        self.publisher = WeightPublisher(ws.address, ws) if self.rank0 else None
-        # rank 0 sends version v+1 on this thread while update v+2 trains (see publish)
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="publish") if self.rank0 else None
-        self._sending: Future | None = None
         self.incarnation = uuid.uuid4().hex[:8]
         self.version = self._restored_version = 0
         self.samples_trained = 0
@@ -184,6 +179,12 @@ class Learner:
         self._stats_at = -STATS_EVERY_S
         self._filter_checked, self._filter_counts = -EVAL_CHECK_S, {}
         self._eval_checked, self._eval_seen = -EVAL_CHECK_S, None  # the newest evaluation copied into metrics
+        # Last: a constructor that fails before this line leaves no socket or thread behind.
+        ws = cfg.weight_server
+        self.publisher = WeightPublisher(ws.address, ws) if self.rank0 else None
+        # rank 0 sends version v+1 on this thread while update v+2 trains (see publish)
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="publish") if self.rank0 else None
+        self._sending: Future | None = None
 
     # ------------------------------------------------------------------ resume
 

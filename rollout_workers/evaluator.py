@@ -112,13 +112,13 @@ class Evaluator:
             cfg.rollout, **({} if ev.temperature is None else {"temperature": float(ev.temperature)}))
         engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=int(ev.seed)))
         self.engine = make_engine(engine_cfg, None, self.tokenizer)
-        ws = cfg.weight_server
-        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id="evaluator")
         self._own_buffer = buffer is None
         self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.path = Path(output_dir or cfg.run.output_dir) / EVAL_FILE
         self.due = 0  # the next version to evaluate (or the first one after it that exists)
         self.records: list[dict[str, Any]] = []
+        ws = cfg.weight_server  # last: a constructor that fails before this line leaves no socket behind
+        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id="evaluator")
 
     # ------------------------------------------------------------------ one evaluation
 

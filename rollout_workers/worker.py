@@ -196,8 +196,6 @@ class RolloutWorker:
         if cfg.gateway.enabled:
             channel = BackgroundChannel(WorkerChannel(self.buffer.redis, self.buffer.keys), self.worker_id)
             self.gateway = GatewayCalls(channel, self.engine, self.worker_id)
-        ws = cfg.weight_server
-        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
         self.has_weights = False  # engine.version is meaningful only after the first pull
         self.groups: dict[str, _Group] = {}  # by lease id
         self.stats = WorkerStats()
@@ -217,6 +215,9 @@ class RolloutWorker:
             self.exporter = worker_exporter(self.worker_id, cfg.buffer.run_id)
             self.exporter.serve(cfg.rollout.prometheus_port + index if cfg.rollout.prometheus_port else 0,
                                 setting="rollout.prometheus_port (worker i serves on it + i)")
+        # Last: a constructor that fails before this line leaves no socket behind.
+        ws = cfg.weight_server
+        self.weights = WeightSubscriber(ws.address, ws.pub_address, ws, worker_id=self.worker_id)
 
     # ------------------------------------------------------------------ joining
 

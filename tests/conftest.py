@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -50,9 +51,10 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture
 def zmq_ctx():
+    """A context for sockets made by the test: all closed (linger 0) at teardown, whatever the outcome."""
     ctx = zmq_context()
     yield ctx
-    ctx.destroy(linger=0)
+    ctx.close()
 
 
 @pytest.fixture(scope="session")
@@ -118,11 +120,9 @@ def run(redis_url, weight_server, tiny_model_cfg, request):
         made.append(learner)
         return cfg, learner
 
-    yield make
-    for learner in made:
-        for wt in learner.threads:
-            if wt.thread.is_alive():
-                wt.worker.request_stop()
-                wt.worker.request_stop()  # the second request skips the grace period
-                wt.thread.join(15)
-        learner.close()
+    with contextlib.ExitStack() as stack:  # every step runs, whatever the test or an earlier step raised
+        yield make
+        for learner in made:
+            stack.callback(learner.close)  # after its worker threads (callbacks run last-in, first-out)
+            for wt in learner.threads:
+                stack.callback(wt.halt)

@@ -49,12 +49,11 @@ def redis_server(workdir: Path, **kwargs) -> Iterator[RedisServer]:
 
 
 def zmq_context():
-    """A ZeroMQ context whose sockets default to linger=0 (closing never blocks)."""
-    import zmq
+    """A ZeroMQ context whose sockets default to linger=0; ``close()`` closes them all and never
+    blocks for ever (:class:`weight_server.sockets.Context`)."""
+    from weight_server.sockets import Context
 
-    ctx = zmq.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
-    return ctx
+    return Context()
 
 
 def recv_with_timeout(sock, timeout_ms: int = 5000, multipart: bool = False):

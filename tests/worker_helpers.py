@@ -93,14 +93,19 @@ class FakeLearner:
         from weight_server import WeightPublisher
 
         self.cfg = cfg
-        self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
-        self.params = self.buffer.init_run(batch_size=batch_size, group_size=cfg.algo.group_size, max_staleness=max_staleness,
-                                           max_response_tokens=response_budget(cfg.rollout), vocab_size=VOCAB)
-        self.publisher = WeightPublisher(cfg.weight_server.address, cfg.weight_server)
         self.tokenizer = load_tokenizer(cfg.model)
         self.base = load_policy(cfg.model).eval()  # the weights on disk (what a worker starts with)
         self.published: dict[int, dict[str, torch.Tensor]] = {}
         self.threads: list[WorkerThread] = []  # stopped by the test fixture before the servers go
+        self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        try:
+            self.params = self.buffer.init_run(batch_size=batch_size, group_size=cfg.algo.group_size,
+                                               max_staleness=max_staleness, max_response_tokens=response_budget(cfg.rollout),
+                                               vocab_size=VOCAB)
+            self.publisher = WeightPublisher(cfg.weight_server.address, cfg.weight_server)
+        except BaseException:
+            self.buffer.close()
+            raise
 
     def thread(self, cfg: Config, worker_id: str, **budget: Any) -> "WorkerThread":
         wt = WorkerThread(cfg, worker_id, **budget)
@@ -108,8 +113,10 @@ class FakeLearner:
         return wt
 
     def close(self) -> None:
-        self.publisher.close()
-        self.buffer.close()
+        try:
+            self.publisher.close()
+        finally:
+            self.buffer.close()
 
     # ---- weights
     def publish(self, version: int, seed: int | None = None, scale: float = 0.05) -> dict[str, torch.Tensor]:
@@ -243,6 +250,15 @@ class WorkerThread:
     def stop(self, timeout: float = 30.0) -> None:
         self.worker.request_stop()
         self.join(timeout)
+
+    def halt(self, timeout: float = 15.0) -> None:
+        """Teardown, whatever the test did: stop at once (a second request skips the drain's grace
+        period) and join. A worker never started is run stopped, which closes what it opened."""
+        self.worker.request_stop()
+        self.worker.request_stop()
+        if self.thread.ident is None:
+            self.thread.start()
+        self.thread.join(timeout)
 
 
 def spawn_worker(override_list: Sequence[str], worker_id: str, workdir: Path) -> subprocess.Popen:

@@ -60,19 +60,23 @@ class Channel:
     # -- socket lifecycle ------------------------------------------------------------------------
     def _open(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        # immediate: never queue a request for a connection that is not up (or not authenticated),
-        # so a request sent while the server is down is refused at once instead of replayed later.
-        sock.immediate = True
-        sock.sndhwm = max(2, self.cfg.max_inflight_chunks)
-        sock.rcvhwm = self.rcvhwm
-        sock.reconnect_ivl = 100
-        sock.reconnect_ivl_max = 1000
-        sock.maxmsgsize = max(self.cfg.max_frame_bytes, self.cfg.max_manifest_bytes)
-        configure_client_socket(sock, self.cfg)
-        self.monitor = sock.get_monitor_socket(_MONITORED, addr=f"inproc://ws-monitor-{id(self)}-{next(_monitor_ids)}")
-        sock.connect(self.address)
         self.sock = sock
+        try:
+            sock.linger = 0
+            # immediate: never queue a request for a connection that is not up (or not authenticated),
+            # so a request sent while the server is down is refused at once instead of replayed later.
+            sock.immediate = True
+            sock.sndhwm = max(2, self.cfg.max_inflight_chunks)
+            sock.rcvhwm = self.rcvhwm
+            sock.reconnect_ivl = 100
+            sock.reconnect_ivl_max = 1000
+            sock.maxmsgsize = max(self.cfg.max_frame_bytes, self.cfg.max_manifest_bytes)
+            configure_client_socket(sock, self.cfg)
+            self.monitor = sock.get_monitor_socket(_MONITORED, addr=f"inproc://ws-monitor-{id(self)}-{next(_monitor_ids)}")
+            sock.connect(self.address)
+        except BaseException:
+            self.close()
+            raise
         self._connected = self._handshaken = False
 
     def reset(self) -> None:
@@ -82,11 +86,12 @@ class Channel:
 
     def close(self) -> None:
         if self.sock is not None:
-            try:
-                self.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self.monitor.close(linger=0)
+            if self.monitor is not None:
+                try:
+                    self.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                self.monitor.close(linger=0)
             self.sock.close(linger=0)
             self.sock = self.monitor = None
 

@@ -32,6 +32,7 @@ from weight_server import protocol as P
 from weight_server.client import Channel, NoReply
 from weight_server.errors import StaleVersionError, WeightIntegrityError, WeightServerError, WeightServerUnavailable
 from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_bytes
+from weight_server.sockets import Context
 from weight_server.tensors import TORCH_TO_WIRE, byte_view, named_tensors, transfer_dtype
 
 log = logging.getLogger(__name__)
@@ -78,18 +79,27 @@ class WeightPublisher:
         validate_shm(self.cfg)
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
-        self.channel = Channel(address, self.cfg, self.ctx)
+        self.ctx = ctx or Context()
+        self.channel: Channel | None = None
+        try:
+            self.channel = Channel(address, self.cfg, self.ctx)
+        except BaseException:
+            self.close()
+            raise
         # name -> (version, layout signature, tensor hashes) of the last successful publish (delta base)
         self._last: dict[str, tuple[int, tuple, list[bytes]]] = {}
         self._scratch: dict[str, torch.Tensor] = {}
 
     def close(self) -> None:
-        self.channel.close()
-        if self._maps is not None:
-            self._maps.close()
-        if self._own_ctx:
-            self.ctx.term()
+        """Close the socket (linger 0), the mappings and an own context; also after a failure."""
+        try:
+            if self.channel is not None:
+                self.channel.close()
+            if self._maps is not None:
+                self._maps.close()
+        finally:
+            if self._own_ctx:
+                self.ctx.close()
 
     def __enter__(self) -> "WeightPublisher":
         return self

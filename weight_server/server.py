@@ -40,6 +40,7 @@ from weight_server.handlers import Handlers
 from weight_server.metrics import ServerMetrics
 from weight_server.persist import Persister, load_all
 from weight_server.shm import ShmDir, free_bytes
+from weight_server.sockets import Context
 from weight_server.store import Refused, Upload, Version, VersionStore
 
 log = logging.getLogger("weight_server")
@@ -74,24 +75,30 @@ class WeightServer:
         self._own_ctx = ctx is None
         # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
         # followers run on different connections, so they need not queue behind each other.
-        self.ctx = ctx or zmq.Context(io_threads=2)
-        self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
-        host = self._bind()
-        self._open_shm(shm_free_space)
-        self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None,
-                                  max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes,
-                                  max_version_bytes=cfg.max_version_bytes)
-        self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
+        self.ctx = ctx or Context(io_threads=2)
+        self.zap: ZapHandler | None = None
+        self._sockets: list[zmq.Socket] = []
         self._metrics = ServerMetrics()
-        self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
-        if cfg.persist_dir:
-            self._restore(cfg.persist_dir)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._auth_log_at = 0.0
-        self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
-        if cfg.address_file:
-            _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+        try:
+            self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
+            host = self._bind()
+            self._open_shm(shm_free_space)
+            self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None,
+                                      max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes,
+                                      max_version_bytes=cfg.max_version_bytes)
+            self._held: dict[str, list[int]] = {}  # replaced (never mutated) so metrics() may read it from any thread
+            self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
+            if cfg.persist_dir:
+                self._restore(cfg.persist_dir)
+            self._auth_log_at = 0.0
+            self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
+            if cfg.address_file:
+                _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+        except BaseException:
+            self._close()
+            raise
         log.info(
             "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s), shm %s",
             self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
@@ -119,7 +126,6 @@ class WeightServer:
             try:
                 sock.bind(f"tcp://{bind_host}:{port}")
             except zmq.ZMQError as exc:
-                self._close()
                 raise ConfigError(
                     f"weight server cannot bind tcp://{bind_host}:{port} (weight_server.{setting}): {exc}; "
                     "choose a free port, or 0 for a random one"
@@ -159,6 +165,7 @@ class WeightServer:
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
+        self._sockets.append(sock)
         sock.linger = 0
         configure_server_socket(sock, self.cfg)
         return sock
@@ -185,9 +192,15 @@ class WeightServer:
                 signal.signal(sig, handler)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop, join its thread and close everything. A loop thread still running after
+        ``timeout`` keeps its sockets (closing them under it is not safe) and is logged."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error("the weight server's thread did not stop within %g s; leaving its sockets open", timeout)
+                return
         self._close()
 
     def __enter__(self) -> "WeightServer":
@@ -211,20 +224,23 @@ class WeightServer:
             self.persister.submit(ver)
 
     def _close(self) -> None:
+        """Close what the constructor opened (all of it, or as far as it got), even if a step fails."""
         if self._closed:
             return
         self._closed = True
-        self._metrics.log.flush()  # the log ends on the last version published and applied
-        if self.persister is not None:
-            self.persister.close()
-        for sock in (self.router, self.pub):
-            sock.close(linger=0)
-        if self.zap is not None:
-            self.zap.close()
-        if self._own_ctx:
-            self.ctx.term()
-        if self.shm is not None:
-            self.shm.close()
+        try:
+            self._metrics.log.flush()  # the log ends on the last version published and applied
+            if self.persister is not None:
+                self.persister.close()
+        finally:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            if self.zap is not None:
+                self.zap.close()
+            if self._own_ctx:
+                self.ctx.close()
+            if self.shm is not None:
+                self.shm.close()
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:

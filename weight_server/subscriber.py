@@ -38,6 +38,7 @@ from weight_server.auth import MAC_BYTES, configure_client_socket
 from weight_server.client import Channel, NoReply
 from weight_server.errors import WeightAuthError
 from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_and_hash, copy_bytes, hash_tensors
+from weight_server.sockets import Context
 from weight_server.tensors import TORCH_TO_WIRE, check_target, readonly_tensor, staged, target_of
 
 log = logging.getLogger(__name__)
@@ -56,15 +57,21 @@ class WeightSubscriber:
         self.name = name
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
-        self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.linger = 0
-        self.sub.rcvhwm = 1000
-        self.sub.maxmsgsize = self.cfg.max_header_bytes + 4096
-        configure_client_socket(self.sub, self.cfg)
-        self.sub.setsockopt(zmq.SUBSCRIBE, name.encode())
-        self.sub.connect(pub_address)
+        self.ctx = ctx or Context()
+        self.channel: Channel | None = None
+        self.sub: zmq.Socket | None = None
+        try:
+            self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.linger = 0
+            self.sub.rcvhwm = 1000
+            self.sub.maxmsgsize = self.cfg.max_header_bytes + 4096
+            configure_client_socket(self.sub, self.cfg)
+            self.sub.setsockopt(zmq.SUBSCRIBE, name.encode())
+            self.sub.connect(pub_address)
+        except BaseException:
+            self.close()
+            raise
         self.version: int | None = None  # the version last pulled (and applied, when pulled into a target)
         self._announced: int | None = None
         self._pending: int | None = None  # newest version whose upload has started (cut-through)
@@ -76,12 +83,17 @@ class WeightSubscriber:
         }
 
     def close(self) -> None:
-        self.channel.close()
-        self.sub.close(linger=0)
-        if self._maps is not None:
-            self._maps.close()
-        if self._own_ctx:
-            self.ctx.term()
+        """Close the sockets (linger 0), the mappings and an own context; also after a failure."""
+        try:
+            if self.channel is not None:
+                self.channel.close()
+            if self.sub is not None:
+                self.sub.close(linger=0)
+            if self._maps is not None:
+                self._maps.close()
+        finally:
+            if self._own_ctx:
+                self.ctx.close()
 
     def __enter__(self) -> "WeightSubscriber":
         return self

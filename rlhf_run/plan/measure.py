@@ -22,6 +22,7 @@ figures little, and the simulator adds the sharing back):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -291,16 +292,16 @@ def measure_sync(cfg: Any, reps: int = 5) -> Sync:
     from weight_server import WeightPublisher, WeightServer, WeightSubscriber
 
     ws_cfg = dataclasses.replace(cfg.weight_server, port=0, pub_port=0, address=None, pub_address=None)
-    server = WeightServer(ws_cfg).start()
     model = load_policy(cfg.model)
-    client_cfg = dataclasses.replace(ws_cfg, address=server.address, pub_address=server.pub_address)
-    pub = WeightPublisher(server.address, client_cfg)
-    sub = WeightSubscriber(server.address, server.pub_address, client_cfg, worker_id="calib-sync")
     small = {n: t.detach().clone() for n, t in model.state_dict().items()}
     large = {f"{n}.{i}": t for i in range(4) for n, t in small.items()}
     version = 0
     out: dict[str, list[tuple[float, float, float]]] = {"small": [], "large": []}
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse, whatever fails
+        server = stack.enter_context(WeightServer(ws_cfg))
+        client_cfg = dataclasses.replace(ws_cfg, address=server.address, pub_address=server.pub_address)
+        pub = stack.enter_context(WeightPublisher(server.address, client_cfg))
+        sub = stack.enter_context(WeightSubscriber(server.address, server.pub_address, client_cfg, worker_id="calib-sync"))
         for r in range(reps + 1):
             for name, tensors in (("small", small), ("large", large)):
                 version += 1
@@ -316,10 +317,6 @@ def measure_sync(cfg: Any, reps: int = 5) -> Sync:
                 t_pull = time.process_time() - t0
                 if r:
                     out[name].append((nbytes, t_pub, t_pull))
-    finally:
-        sub.close()
-        pub.close()
-        server.stop()
     (b_s, pub_s, pull_s), (b_l, pub_l, pull_l) = [tuple(_median([x[i] for x in out[k]]) for i in range(3)) for k in ("small", "large")]
     per_byte_pub = max(0.0, (pub_l - pub_s) / (b_l - b_s))
     per_byte_pull = max(0.0, (pull_l - pull_s) / (b_l - b_s))
@@ -491,34 +488,31 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     meter = BackgroundMeter()
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rlhf-plan-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlhf-plan-") as tmp, contextlib.ExitStack() as stack:
         out = Path(tmp)
         redis = RedisServer(out / "redis", fsync="everysec").start()
-        ws = WeightServer(dataclasses.replace(cfg.weight_server, port=0, pub_port=0)).start()
+        stack.callback(redis.stop)
+        ws = stack.enter_context(WeightServer(dataclasses.replace(cfg.weight_server, port=0, pub_port=0)))
         redis_proc = psutil.Process(redis.pid)
 
         def redis_cpu() -> float:
             t = redis_proc.cpu_times()
             return t.user + t.system
 
-        try:
-            gen, _ = measure_generation(cfg, reps=2 if quick else 3)
-            log.info("generation: decode %.2f ms + %.3f ms/row", gen.decode_base * 1e3, gen.decode_per_row * 1e3)
-            icfg = isolated_config(cfg, redis.url, ws.address, ws.pub_address, out)
-            learner = Learner(icfg, buffer=Buffer.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
-            learner.publish()
-            learner.buffer.set_learner_version(learner.version)
-            learner.buffer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
-            worker, samples = measure_worker(icfg, prompts, redis_cpu)
-            batch = int(cfg.learner.batch_size)
-            lstage = measure_learner(learner, max(4, len(samples) // batch - 1), redis_cpu)
-            coef = measure_updates(learner, icfg, samples, reps=2 if quick else 3)
-            launcher = measure_launcher(learner.buffer)
-            learner.close()
-            handoff = measure_handoff(redis.url, float(len(os.sched_getaffinity(0))))
-        finally:
-            ws.stop()
-            redis.stop()
+        gen, _ = measure_generation(cfg, reps=2 if quick else 3)
+        log.info("generation: decode %.2f ms + %.3f ms/row", gen.decode_base * 1e3, gen.decode_per_row * 1e3)
+        icfg = isolated_config(cfg, redis.url, ws.address, ws.pub_address, out)
+        learner = Learner(icfg, buffer=Buffer.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
+        stack.callback(learner.close)
+        learner.publish()
+        learner.buffer.set_learner_version(learner.version)
+        learner.buffer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
+        worker, samples = measure_worker(icfg, prompts, redis_cpu)
+        batch = int(cfg.learner.batch_size)
+        lstage = measure_learner(learner, max(4, len(samples) // batch - 1), redis_cpu)
+        coef = measure_updates(learner, icfg, samples, reps=2 if quick else 3)
+        launcher = measure_launcher(learner.buffer)
+        handoff = measure_handoff(redis.url, float(len(os.sched_getaffinity(0))))
     sync = measure_sync(cfg, reps=3 if quick else 5)
     sync.snapshot_base = lstage["snapshot_s"]
     background = meter.cores()

@@ -158,10 +158,11 @@ def infra(tmp_path_factory, tiny_model_cfg):
     from weight_server import WeightServer
 
     redis = RedisServer(tmp_path_factory.mktemp("gateway") / "redis", appendonly=False).start()
-    ws = WeightServer(WeightServerConfig()).start()
-    yield redis, ws
-    ws.stop()
-    redis.stop()
+    try:
+        with WeightServer(WeightServerConfig()) as ws:
+            yield redis, ws
+    finally:
+        redis.stop()
 
 
 def _cfg(infra, tiny_model_cfg, run_id: str, *extra: str) -> Any:
@@ -182,23 +183,18 @@ def _serve(infra, tiny_model_cfg, run_id: str, worker_id: str, wrap: Callable[[A
     from worker_helpers import FakeLearner, WorkerThread
 
     cfg = _cfg(infra, tiny_model_cfg, run_id, *extra)
-    learner = FakeLearner(cfg)
-    learner.publish(VERSION)
-    wt = WorkerThread(cfg, worker_id)
-    wrapped = wrap(wt.worker.engine, learner.tokenizer)
-    wt.start()
-    server = None
-    try:
+    with contextlib.ExitStack() as stack:  # stopped in reverse order, whatever fails on the way
+        learner = FakeLearner(cfg)
+        stack.callback(learner.close)
+        learner.publish(VERSION)
+        wt = WorkerThread(cfg, worker_id)
+        stack.callback(wt.halt)
+        wrapped = wrap(wt.worker.engine, learner.tokenizer)
+        wt.start()
         server = GatewayServer(cfg)
+        stack.callback(server.stop)
         server.start()
         yield cfg, learner, wt, server, wrapped
-    finally:
-        if server is not None:
-            server.stop()
-        wt.worker.request_stop()
-        wt.worker.request_stop()  # the second releases what is in flight at once
-        wt.thread.join(15)
-        learner.close()
 
 
 @contextlib.contextmanager
@@ -1552,13 +1548,13 @@ def keyed(infra, tiny_model_cfg):
     from gateway.server import GatewayServer
 
     cfg = _cfg(infra, tiny_model_cfg, "gw-no-worker", f"gateway.api_keys=[{KEY},{'j' * 16}]")
-    buf = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
-    buf.init_run(batch_size=4, group_size=GROUP, max_staleness=1, max_response_tokens=128, vocab_size=99)
-    server = GatewayServer(cfg)
-    url = server.start()
-    yield url
-    server.stop()
-    buf.close()
+    with contextlib.closing(Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)) as buf:
+        buf.init_run(batch_size=4, group_size=GROUP, max_staleness=1, max_response_tokens=128, vocab_size=99)
+        server = GatewayServer(cfg)
+        try:
+            yield server.start()
+        finally:
+            server.stop()
 
 
 def test_keys_are_checked_and_a_run_without_workers_answers_503(keyed):

@@ -21,6 +21,7 @@ checkpoint and commit; one test kills at whatever moment the learner happens to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -52,9 +53,8 @@ LEARNER = "learner-0"  # the trainer's consumer name on rank 0
 def weight_server():
     from weight_server import WeightServer
 
-    server = WeightServer(WeightServerConfig(keep_versions=64)).start()  # every version stays inspectable
-    yield server
-    server.stop()
+    with WeightServer(WeightServerConfig(keep_versions=64)) as server:  # every version stays inspectable
+        yield server
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -181,9 +181,10 @@ def make_run(tmp_path, redis_url, weight_server, model_cache):
         runs.append(Run(tmp_path, redis_url, weight_server, model_cache, **kw))
         return runs[-1]
 
-    yield make
-    for run in runs:
-        run.close()
+    with contextlib.ExitStack() as stack:  # every run is closed, whatever the test or another close raised
+        yield make
+        for run in runs:
+            stack.callback(run.close)
 
 
 

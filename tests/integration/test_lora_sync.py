@@ -37,11 +37,12 @@ def learner_at(cfg, seed: int):
 def fake(redis_url, weight_server, tiny_model_cfg):
     cfg = compose(overrides(redis_url, "lora", weight_server, tiny_model_cfg, extra=LORA))
     learner = FakeLearner(cfg)
-    yield learner
-    for wt in learner.threads:
-        if wt.thread.is_alive():
-            wt.stop()
-    learner.close()
+    try:
+        yield learner
+    finally:
+        for wt in learner.threads:
+            wt.halt()
+        learner.close()
 
 
 def test_a_late_worker_applies_the_newest_adapters_on_its_base_model(fake, weight_server, tiny_model_cfg):

@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-import zmq
 
 from rlhf_core.config import WeightServerConfig
 from servers import wait_for
@@ -48,9 +47,11 @@ def clients(server, cfg):
             opened.append(WeightSubscriber(server.address, server.pub_address, cfg, worker_id=worker_id))
             return opened[-1]
 
-    yield Clients()
-    for c in opened:
-        c.close()
+    try:
+        yield Clients()
+    finally:
+        for c in opened:
+            c.close()
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -239,17 +240,11 @@ def test_eight_workers_pulling_at_once_end_identical(server, clients, cfg):
     assert server.metrics()["counters"]["dropped_replies"] == 0
 
 
-def test_metrics_are_served_over_the_wire(server, clients, cfg):
+def test_metrics_are_served_over_the_wire(server, clients, cfg, zmq_ctx):
     from weight_server.client import Channel
 
     stats = clients.pub().publish(4, _tensors(4))
-    ctx = zmq.Context()
-    ch = Channel(server.address, cfg, ctx)
-    try:
-        rep = ch.request(P.METRICS_REQ)
-    finally:
-        ch.close()
-        ctx.term()
+    rep = Channel(server.address, cfg, zmq_ctx).request(P.METRICS_REQ)
     assert rep["kind"] == P.METRICS
     metrics = rep["metrics"]
     assert metrics["held"] == {"policy": [4]}

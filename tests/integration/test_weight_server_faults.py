@@ -77,18 +77,12 @@ def _raw_upload(
 
 
 @pytest.fixture
-def served():
+def served(zmq_ctx):
     cfg = _cfg()
-    srv = WeightServer(cfg).start()
-    ctx = zmq.Context()
-    pub = WeightPublisher(srv.address, cfg, ctx=ctx)
-    sub = WeightSubscriber(srv.address, srv.pub_address, cfg, ctx=ctx)
-    ch = Channel(srv.address, cfg, ctx)
-    yield srv, cfg, pub, sub, ch
-    for c in (ch, sub, pub):
-        c.close()
-    ctx.destroy(linger=0)
-    srv.stop()
+    with WeightServer(cfg) as srv:  # the clients' sockets are zmq_ctx's, closed after the server stops
+        pub = WeightPublisher(srv.address, cfg, ctx=zmq_ctx)
+        sub = WeightSubscriber(srv.address, srv.pub_address, cfg, ctx=zmq_ctx)
+        yield srv, cfg, pub, sub, Channel(srv.address, cfg, zmq_ctx)
 
 
 def test_corrupted_chunk_is_rejected_and_previous_version_kept(served):

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from rlhf_core.config import ConfigError, WeightServerConfig
-from servers import recv_with_timeout, wait_for
+from servers import recv_with_timeout, wait_for, zmq_context
 from weight_server import WeightPublisher, WeightServer, WeightSubscriber
 from weight_server import protocol as P
 from weight_server.client import Channel
@@ -63,6 +63,7 @@ class Peers:
 
     def __init__(self, srv: WeightServer, cfg: WeightServerConfig) -> None:
         self.srv, self.cfg, self.opened = srv, cfg, []
+        self.ctx = zmq_context()  # the channels'
 
     def pub(self, **kw) -> WeightPublisher:
         self.opened.append(WeightPublisher(self.srv.address, _cfg(**kw)))
@@ -73,33 +74,25 @@ class Peers:
         return self.opened[-1]
 
     def channel(self) -> Channel:
-        ctx = zmq.Context()
-        ch = Channel(self.srv.address, self.cfg, ctx)
-        self.opened.append(_Closing(ch, ctx))
-        return ch
+        return Channel(self.srv.address, self.cfg, self.ctx)
 
     def close(self) -> None:
-        for c in self.opened:
-            c.close()
-
-
-class _Closing:
-    def __init__(self, ch: Channel, ctx: zmq.Context) -> None:
-        self.ch, self.ctx = ch, ctx
-
-    def close(self) -> None:
-        self.ch.close()
-        self.ctx.term()
+        try:
+            for c in self.opened:
+                c.close()
+        finally:
+            self.ctx.close()
 
 
 @pytest.fixture
 def peers():
     cfg = _cfg()
-    srv = WeightServer(cfg).start()
-    p = Peers(srv, cfg)
-    yield p
-    p.close()
-    srv.stop()
+    with WeightServer(cfg) as srv:
+        p = Peers(srv, cfg)
+        try:
+            yield p
+        finally:
+            p.close()
 
 
 def _slab_file(srv: WeightServer, version: int) -> str:
@@ -289,38 +282,29 @@ def test_an_applied_report_gives_the_lease_back_and_an_unknown_one_is_only_logge
     assert ch.request(P.MANIFEST_REQ, name="policy", version=1, pending=False, shm=True)["kind"] == P.MANIFEST
 
 
-def test_an_expired_lease_taints_its_slab_which_is_dropped_not_recycled(peers, caplog):
-    srv = WeightServer(_cfg(request_timeout_s=0.3)).start()  # lease_s = 0.3 s + bytes / 1 GB/s
-    try:
-        with WeightPublisher(srv.address, _cfg()) as pub:
-            pub.publish(1, _tensors(1))
-            ctx = zmq.Context()
-            ch = Channel(srv.address, _cfg(), ctx)
-            try:
-                lease, offer, layout = _lease(ch, 1)
-                assert 0.3 <= offer.lease_s < 0.31
-                wait_for(lambda: srv.metrics()["counters"]["shm_leases_expired"] == 1, 30, "the lease to expire")
-                assert "not released in time" in caplog.text
-                for v in range(2, 6):
-                    pub.publish(v, _tensors(v))
-                # evicted at v3 and never reused: its file is gone, so no later version overwrites a
-                # reader that outlived its lease (an existing mapping keeps the old pages)
-                assert not os.path.exists(offer.path)
-                assert all(srv.store.get("policy", v).slab.path != offer.path for v in (4, 5))
-                rep = ch.request(P.SHM_RELEASE, lease=lease, via="shm")
-                assert (rep["kind"], rep["code"]) == (P.ERROR, P.E_UNKNOWN_LEASE)
-            finally:
-                ch.close()
-                ctx.term()
-    finally:
-        srv.stop()
+def test_an_expired_lease_taints_its_slab_which_is_dropped_not_recycled(peers, caplog, zmq_ctx):
+    # lease_s = 0.3 s + bytes / 1 GB/s
+    with WeightServer(_cfg(request_timeout_s=0.3)) as srv, WeightPublisher(srv.address, _cfg()) as pub:
+        pub.publish(1, _tensors(1))
+        ch = Channel(srv.address, _cfg(), zmq_ctx)
+        lease, offer, layout = _lease(ch, 1)
+        assert 0.3 <= offer.lease_s < 0.31
+        wait_for(lambda: srv.metrics()["counters"]["shm_leases_expired"] == 1, 30, "the lease to expire")
+        assert "not released in time" in caplog.text
+        for v in range(2, 6):
+            pub.publish(v, _tensors(v))
+        # evicted at v3 and never reused: its file is gone, so no later version overwrites a
+        # reader that outlived its lease (an existing mapping keeps the old pages)
+        assert not os.path.exists(offer.path)
+        assert all(srv.store.get("policy", v).slab.path != offer.path for v in (4, 5))
+        rep = ch.request(P.SHM_RELEASE, lease=lease, via="shm")
+        assert (rep["kind"], rep["code"]) == (P.ERROR, P.E_UNKNOWN_LEASE)
 
 
 def test_malformed_shm_messages_get_errors_and_the_server_keeps_serving(peers):
     pub, sub = peers.pub(), peers.sub()
     pub.publish(1, _tensors(1))
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.linger = 0
+    dealer = peers.ctx.socket(zmq.DEALER)
     dealer.connect(peers.srv.address)
     h = bytes(16)
     cases = [
@@ -529,7 +513,7 @@ def test_the_folder_of_a_sigkilled_server_is_removed_by_the_next_start_but_live_
     assert _folders(shm_dir) == []
 
 
-def test_a_full_shm_filesystem_gives_anonymous_slabs_served_over_tcp(caplog):
+def test_a_full_shm_filesystem_gives_anonymous_slabs_served_over_tcp(caplog, zmq_ctx):
     """Docker's 64 MB /dev/shm: the free-space check is injected so that 1 MB fits and more does not."""
     room = lambda path: reserve_bytes(path) + 1_000_000  # noqa: E731
     cfg = _cfg()
@@ -543,14 +527,9 @@ def test_a_full_shm_filesystem_gives_anonymous_slabs_served_over_tcp(caplog):
             assert pub.publish(2, _tensors(2)).via == "shm"  # 240 KB fits
             assert _same(sub.pull()[1], _tensors(2)) and sub.stats["pulls_shm"] == 1
             assert pub.publish(3, {"w": big["w"] + 1}).via == "tcp"
-            ctx = zmq.Context()
-            ch = Channel(srv.address, cfg, ctx)
-            try:  # a follower's notice fetch of a version that is not in shared memory
-                rep = ch.request(P.FETCH, name="policy", version=3, chunk=0, shm=True)
-                assert rep["code"] == P.E_MALFORMED and "is not in shared memory" in rep["message"]
-            finally:
-                ch.close()
-                ctx.term()
+            ch = Channel(srv.address, cfg, zmq_ctx)  # a follower's notice fetch of a version not in shared memory
+            rep = ch.request(P.FETCH, name="policy", version=3, chunk=0, shm=True)
+            assert rep["code"] == P.E_MALFORMED and "is not in shared memory" in rep["message"]
         c = srv.metrics()["counters"]
         assert (c["anonymous_slabs"], c["publishes_shm"], c["pulls_tcp"], c["pulls_shm"]) == (2, 1, 1, 1)
         assert sum("cannot hold a slab" in r.getMessage() for r in caplog.records) == 1  # logged once

@@ -76,18 +76,12 @@ def _check_curve_keys_refused(ws) -> None:
     import zmq
 
     from weight_server.auth import configure_client_socket, configure_server_socket
+    from weight_server.sockets import Context
 
-    ctx = zmq.Context()
-    try:
+    with Context() as ctx:  # closes the sockets, whatever is raised
         for configure in (configure_server_socket, configure_client_socket):
-            sock = ctx.socket(zmq.DEALER)
-            try:
-                with pytest.raises(ConfigError, match="weight_server.curve_"):
-                    configure(sock, ws)
-            finally:
-                sock.close(0)
-    finally:
-        ctx.term()
+            with pytest.raises(ConfigError, match="weight_server.curve_"):
+                configure(ctx.socket(zmq.DEALER), ws)
 
 
 def _has_missing(cfg) -> bool:

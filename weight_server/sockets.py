@@ -1,0 +1,81 @@
+"""A ZeroMQ context that closes the sockets made from it and never blocks for ever doing so.
+
+A plain ``zmq.Context`` that the garbage collector finds in a reference cycle with its own
+open sockets (an object that owns both and sits in a traceback, or points back at itself)
+hangs the collecting thread for good: ``Context.__del__`` runs before the sockets' finalizers,
+and pyzmq's ``destroy()`` finds nothing to close because it tracks sockets in a WeakSet,
+which the collector clears first; ``term()`` then waits for sockets that nothing will close.
+:class:`Context` holds its open sockets strongly instead, so ``close()`` (and the collector,
+and ``with``) closes them all with linger 0 first, and it waits for termination at most
+``timeout_s``: a socket opened behind its back (``zmq.Socket(ctx, ...)``) costs that long and
+a warning, never a hung process.
+
+Sockets are not thread-safe: close a context from the thread that used its sockets, or after
+that thread has ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+TERM_TIMEOUT_S = 5.0
+
+_exiting = False  # at interpreter exit daemon threads may still be using sockets: leave them be
+
+
+def _notice_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_notice_exit)
+
+
+class Context(zmq.Context):
+    """``zmq.Context`` whose sockets default to linger 0 and are closed by :meth:`close`."""
+
+    _open: list[zmq.Socket]  # declared here: pyzmq takes any other attribute for a context option
+
+    def __init__(self, io_threads: int = 1) -> None:
+        super().__init__(io_threads)
+        self._open = []
+        self.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
+
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
+        sock = super().socket(socket_type, *args, **kwargs)
+        self._open = [s for s in self._open if not s.closed]
+        self._open.append(sock)
+        return sock
+
+    def close(self, timeout_s: float = TERM_TIMEOUT_S) -> bool:
+        """Close every socket made here (linger 0), then terminate the context, waiting at most
+        ``timeout_s``. True when terminated; False (logged) when something still holds a socket
+        open and the context is left to it."""
+        if self.closed:
+            return True
+        for sock in self._open:
+            sock.close(linger=0)
+        self._open = []
+        # term() in a thread of its own: it releases the GIL while it waits, so the wait can be bounded
+        term = threading.Thread(target=self.term, name="zmq-term", daemon=True)
+        term.start()
+        term.join(timeout_s)
+        if term.is_alive():
+            log.warning("a ZeroMQ context did not terminate within %g s: a socket made from it outside "
+                        "Context.socket is still open; leaving it", timeout_s)
+            return False
+        return True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self.closed and not _exiting:
+            self.close()
