@@ -107,8 +107,8 @@ def freeze_startup_heap() -> None:
 def raise_open_files_limit() -> None:
     """Raise this process's soft limit of open files to its hard limit (its children inherit it).
     Every ZeroMQ peer and Redis connection holds descriptors: a weight server at the usual soft
-    limit of 1,024 stops accepting subscribers past a few hundred without a word, and its workers
-    then keep old weights."""
+    limit of 1,024 stops accepting subscribers past a few hundred (it says so once, and its
+    workers keep old weights)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
