@@ -75,6 +75,7 @@ class Buffer:
         self._store = Store(client, self.retry, self.keys, self.scripts, self.cfg)
         self._params: dict[str, Any] | None = None
         self._leases: dict[str, dict[str, Lease]] = {}
+        self._beats: dict[str, prompts.Beats] = {}  # per consumer this process heartbeats
         self._learners: dict[str, samples.LearnerState] = {}
         self._filler = prompts.Filler()
         self._next_retire = 0.0  # time.monotonic() of this process's next sweep of dead consumers
@@ -240,20 +241,21 @@ class Buffer:
         Call every ``heartbeat_interval_s``. Returns the lease ids lost to other workers (this
         one was silent for longer than ``lease_timeout_s``): stop working on those.
         """
-        lost = prompts.heartbeat(self._store, self._leases.get(consumer, {}), consumer, version, stats)
+        beats = self._beats.setdefault(consumer, prompts.Beats())
+        lost = prompts.heartbeat(self._store, self._leases.get(consumer, {}), beats, consumer, version, stats)
         if time.monotonic() >= self._next_retire:
             self.retire_consumers()
         return lost
 
     def retire_consumers(self, before: float | None = None) -> list[str]:
-        """Retire the consumers silent since ``before`` (seconds since the epoch; default
-        ``prompts.RETIRE_AFTER_LEASES`` lease timeouts ago) that own no lease: their stats' running
-        totals join ``metrics()["retired"]``, their records go (:func:`buffer.prompts.retire`).
+        """Retire the consumers silent since ``before`` (seconds since the epoch on Redis's clock;
+        default ``prompts.RETIRE_AFTER_LEASES`` lease timeouts ago) that own no lease: their stats'
+        running totals join ``metrics()["retired"]``, their records go (:func:`buffer.prompts.retire`).
         Returns their names."""
         lease_s = self._lease_s()
         self._next_retire = time.monotonic() + lease_s
         if before is None:
-            before = time.time() - prompts.RETIRE_AFTER_LEASES * lease_s
+            before = prompts.redis_time(self._store) - prompts.RETIRE_AFTER_LEASES * lease_s
         gone = prompts.retire(self._store, before)
         if gone:
             log.info("retired %d consumer(s) of run %s silent since %s: %s", len(gone), self.keys.run_id,
@@ -554,6 +556,7 @@ class Buffer:
             n += self.retry(self.redis.unlink, *batch)
         self._params = None
         self._leases.clear()
+        self._beats.clear()
         self._learners.clear()
         self._filler.forget()
         log.info("deleted %d key(s) of run %s", n, self.keys.run_id)

@@ -7,6 +7,8 @@ Three kinds of failure a user can fix get their own errors, with a message that 
 * :class:`BufferAuthError`: Redis answered but refused the credentials.
 * :class:`BufferOutOfMemory`: Redis stayed out of memory (``maxmemory``) past ``buffer.max_retry_s``.
   Its refusals are retried like a lost connection until then (nothing ran, so a retry is safe).
+  So is Redis refusing writes because it cannot write its append-only file or snapshot
+  (``MISCONF``: its disk is full): :class:`BufferDiskError` past ``buffer.max_retry_s``.
 
 A Redis whose ``maxmemory-policy`` may evict the run's keys is refused at :func:`connect`.
 
@@ -58,6 +60,11 @@ class BufferAuthError(UserError, PermissionError):
 class BufferOutOfMemory(UserError):
     """Redis stayed out of memory (``maxmemory`` reached under ``noeviction``) past
     ``buffer.max_retry_s``: it refused every write meanwhile, so nothing was half done."""
+
+
+class BufferDiskError(UserError):
+    """Redis refused writes past ``buffer.max_retry_s`` because it cannot write its data to disk
+    (``MISCONF``: its append-only file or snapshot failed, a full disk); nothing was half done."""
 
 
 class CorruptStateError(UserError):
@@ -187,6 +194,21 @@ def out_of_memory(url: str, max_retry_s: float) -> BufferOutOfMemory:
     )
 
 
+def _disk_refusal(exc: redis.exceptions.ResponseError) -> bool:
+    """Redis refusing writes (and PING) because its last write of the append-only file or a
+    snapshot failed."""
+    return str(exc).startswith("MISCONF")
+
+
+def disk_refused(url: str, exc: Exception, max_retry_s: float) -> BufferDiskError:
+    return BufferDiskError(
+        f"Redis at {address(url)[0]} cannot write its data to disk and refused writes for buffer.max_retry_s="
+        f"{max_retry_s:g} s ({exc}): make room on the disk of its data folder (rlhf-run's own Redis keeps it in "
+        "redis/ of the run's output folder); nothing was half written, so resume the run (rlhf-run resume=...) once "
+        "it has room"
+    )
+
+
 #: Policies that evict any key when maxmemory is reached: the run's keys (none has a TTL, so the
 #: volatile-* policies never pick them) would vanish without an error, samples with them.
 _EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
@@ -248,6 +270,15 @@ class Retrying:
                             self.max_retry_s)
                 time.sleep(delay)
             except redis.exceptions.ResponseError as exc:
+                if _disk_refusal(exc):  # refused before anything ran, as out of memory above
+                    delay = backoff.next_delay()
+                    if delay is None:
+                        raise disk_refused(self.url, exc, self.max_retry_s) from None
+                    log.warning("redis at %s refused %s: %s; retrying in %.2f s (attempt %d, giving up after %g s): "
+                                "make room on the disk of its data folder", address(self.url)[0], keys or "a command",
+                                exc, delay, backoff.attempts, self.max_retry_s)
+                    time.sleep(delay)
+                    continue
                 corrupt = _corrupt_reply(exc, keys)
                 if corrupt is None:
                     raise
@@ -286,6 +317,10 @@ def connect(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> redis.R
         except _AUTH as exc:
             client.close()
             raise auth_error(url, exc, setting) from None
+        except redis.exceptions.ResponseError as exc:
+            if _disk_refusal(exc):  # it answers (refusing even PING): its writes are retried as they come
+                break
+            raise
         except _TRANSIENT as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if "SSL" in str(exc) or "certificate" in str(exc).lower():

@@ -317,12 +317,14 @@ def _time(value: bytes) -> float:
 
 async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str, float]:
     """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds, each
-    with when its process started (wall clock: its last heartbeat less its uptime; 0 when its
-    record does not say). A worker restarted under its name (``rlhf-run`` restarts a crashed
-    ``worker-<i>`` as ``worker-<i>``) is live again at once, but started after the calls its dead
-    predecessor held."""
-    raw = await client.hgetall(keys.consumers)
-    now, live = time.time(), {}
+    with when its process started (on its own clock: the time of its last heartbeat less its
+    uptime; 0 when its record does not say). A worker restarted under its name (``rlhf-run``
+    restarts a crashed ``worker-<i>`` as ``worker-<i>``) is live again at once, but started after
+    the calls its dead predecessor held. Silence is measured on Redis's clock, which stamped the
+    heartbeats."""
+    async with client.pipeline(transaction=False) as pipe:
+        raw, (sec, usec) = await pipe.hgetall(keys.consumers).time().execute()
+    now, live = sec + usec / 1e6, {}
     for name, rec in raw.items():
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name.startswith(("learner", "eval")):
@@ -330,11 +332,11 @@ async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str,
         try:
             obj = msgpack.unpackb(rec, raw=False)
             seen = float(obj.get("last_seen", 0))
-            uptime = (obj.get("stats") or {}).get("uptime_s")
+            clock, uptime = obj.get("clock"), (obj.get("stats") or {}).get("uptime_s")
         except Exception:  # noqa: BLE001  # a garbled record is not a live worker
             continue
         if now - seen <= within_s:
-            live[name] = seen - float(uptime) if isinstance(uptime, (int, float)) else 0.0
+            live[name] = float(clock) - float(uptime) if all(isinstance(x, (int, float)) for x in (clock, uptime)) else 0.0
     return live
 
 

@@ -17,7 +17,7 @@ Layout (``P = rlhf:{run_id}:``)::
     P wake:replay     stream  wake-ups for the replay limiter (inserts and draws)
     P hist:consumed   hash    staleness lag -> samples consumed
     P hist:dropped    hash    staleness lag -> samples dropped as too stale
-    P consumers       hash    consumer name -> msgpack {last_seen, version, stats, leases}
+    P consumers       hash    consumer name -> msgpack {clock, version, stats, leases, last_seen (Redis's clock)}
     P retired         hash    consumers retired from ``consumers`` (long silent, no lease left): their
                               stats' running totals summed (stat -> sum) and ``consumers`` -> how many
     P stats           hash    component (learner, weight_server, ...) -> msgpack of its latest stats

@@ -33,7 +33,6 @@ Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Mapping
 
 import msgpack
@@ -118,11 +117,14 @@ def read_hist(raw: dict[bytes, bytes], key: str = "histogram") -> dict[int, int]
     return dict(sorted((lag, n) for lag, n in pairs if n != 0))
 
 
-def pack_consumer(last_seen: float, version: int | None, stats: dict[str, Any] | None, leases: int) -> bytes:
-    """The per-consumer record the monitor shows (heartbeat time, policy version, free-form stats)."""
-    return msgpack.packb(
-        {"last_seen": last_seen, "version": version, "stats": stats or {}, "leases": leases}, use_bin_type=True
-    )
+def pack_consumer(clock: float, version: int | None, stats: dict[str, Any] | None, leases: int) -> bytes:
+    """The per-consumer record the monitor shows (policy version, free-form stats, leases held;
+    ``clock``: the consumer's own time, compared only with other times it gave), less its
+    ``last_seen``: its map header counts one entry more, which ``heartbeat.lua`` appends with
+    Redis's clock."""
+    fields = {"clock": clock, "version": version, "stats": stats or {}, "leases": leases}
+    packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack_map_header(len(fields) + 1) + b"".join(packer.pack(k) + packer.pack(v) for k, v in fields.items())
 
 
 def pack_stats(stats: dict[str, Any]) -> bytes:
@@ -175,13 +177,14 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         pipe.xlen(k.dead)
         pipe.hgetall(k.stats)
         pipe.hget(k.control, CONTROL_WORKERS)
+        pipe.time()  # heartbeats are stamped on Redis's clock: ages are taken on it too
         return pipe.execute()
 
-    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw = retry(read)
+    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw, now = retry(read)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw, k.counters)
     learner_version = control_int(version, k.version, "")
-    now = time.time()
+    now = now[0] + now[1] / 1e6
     consumers = {}
     for name, raw in consumers_raw.items():
         rec = unpack_record(raw)

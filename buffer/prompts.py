@@ -41,7 +41,7 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import redis
@@ -68,11 +68,11 @@ ENQUEUE_CHUNK = 512
 RATE_HALF_LIFE_S = 5.0
 RATE_MIN_WINDOW_S = 0.05
 #: A consumer is retired once it has not heartbeated for this many lease timeouts (and owns no
-#: lease): long after a claimer could take its leases over. A worker cut off from Redis exits
-#: after ``buffer.max_retry_s``; one paused that long (SIGSTOP) and resumed heartbeats a new
-#: record, and its totals up to the pause count twice in sums over the run.
-#: ``last_seen`` is the worker's clock against the sweeper's: hosts whose clocks are minutes apart
-#: (no NTP) may retire an idle live worker early, with the same double count.
+#: lease): long after a claimer could take its leases over. Its ``last_seen`` and the sweep's
+#: cut-off are both Redis's clock, so hosts whose clocks differ retire no live worker. A worker
+#: cut off from Redis exits after ``buffer.max_retry_s``; one paused that long (SIGSTOP) and
+#: resumed is told by its next heartbeat, which then counts its totals from the sweep on
+#: (:class:`Beats`).
 RETIRE_AFTER_LEASES = 10
 #: Consumers retired by one script call at most (a run resumed with many stale records: the rest
 #: go at the next sweeps, without one long script blocking Redis).
@@ -184,25 +184,52 @@ def dead_letter_prompt(store: Store, params: dict[str, Any], lease_id: str, cons
     store.retry(store.scripts.complete, keys=complete_keys(store.keys, params["mode"]), args=args)
 
 
-def heartbeat(store: Store, held: dict[str, Lease], consumer: str, version: int | None, stats: dict | None) -> list[str]:
+@dataclass
+class Beats:
+    """This process's heartbeats of one consumer: the running totals (:data:`M.WORKER_SUMMED`)
+    the last one sent, and the part of them the run's ``retired`` sums hold already (the consumer
+    was retired while silent; its records then count from that sweep on)."""
+
+    sent: dict[str, float] | None = None  # None: no heartbeat yet
+    base: dict[str, float] = field(default_factory=dict)
+
+
+def heartbeat(store: Store, held: dict[str, Lease], beats: Beats, consumer: str, version: int | None,
+              stats: dict | None) -> list[str]:
     """Renew the leases in ``held`` (this process's leases of ``consumer``); drop from it and
     return the ids lost to other workers."""
     K.check_consumer(consumer)
     ids = list(held)  # a copy: complete() in another thread may drop one meanwhile
-    record = metrics.pack_consumer(time.time(), version, stats, len(ids))
-    lost = store.retry(
-        store.scripts.heartbeat,
-        keys=[store.keys.prompts, store.keys.consumers],
-        args=[consumer, record, *ids],
-    )
+    stats = stats or {}
+    totals = {k: v for k in M.WORKER_SUMMED if _number(v := stats.get(k))}
+    while True:
+        shown = {**stats, **{k: v - beats.base.get(k, 0) for k, v in totals.items()}}
+        retired, lost = store.retry(
+            store.scripts.heartbeat,
+            keys=[store.keys.prompts, store.keys.consumers],
+            args=[consumer, metrics.pack_consumer(time.time(), version, shown, len(ids)), int(beats.sent is not None), *ids],
+        )
+        if not retired:
+            break
+        log.warning("consumer %s of run %s was retired while silent for %d lease timeouts (paused, or cut off from "
+                    "Redis): its totals up to its last heartbeat are in the run's retired sums; it goes on from there",
+                    consumer, store.keys.run_id, RETIRE_AFTER_LEASES)
+        beats.base, beats.sent = beats.sent or {}, None
+    beats.sent = totals
     lost_ids = [x.decode() for x in lost]
     for lease_id in lost_ids:
         held.pop(lease_id, None)
     return lost_ids
 
 
+def redis_time(store: Store) -> float:
+    """Redis's clock (seconds since the epoch): the one heartbeats are stamped with."""
+    sec, usec = store.retry(store.redis.time)
+    return sec + usec / 1e6
+
+
 def retire(store: Store, before: float) -> list[str]:
-    """Retire the consumers last seen before ``before`` (seconds since the epoch) that own no
+    """Retire the consumers last seen before ``before`` (Redis's clock, :func:`redis_time`) that own no
     lease (``retire.lua``: their stats' running totals, :data:`M.WORKER_SUMMED`, join the run's
     ``retired`` hash; their record and group consumer are deleted, atomically). Returns their names."""
     k = store.keys
@@ -225,9 +252,14 @@ def retire(store: Store, before: float) -> list[str]:
     return [name.decode() for name in gone]
 
 
+def _number(x: Any) -> bool:
+    """A finite number (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _addable(x: Any) -> bool:
     """A number HINCRBYFLOAT can add (not a bool, not NaN or infinite), other than 0."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x != 0
+    return _number(x) and x != 0
 
 
 def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Lease]) -> int:

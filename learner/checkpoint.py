@@ -37,7 +37,7 @@ import torch
 
 from learner.engines import TrainEngine, barrier, rank_and_world
 from rlhf_core import lora
-from rlhf_core.errors import UserError
+from rlhf_core.errors import UserError, free_space
 
 LATEST = "latest"
 FORMAT = 1
@@ -158,13 +158,9 @@ def save_checkpoint(
 
 
 def _write_failed(root: Path, final: Path, exc: BaseException) -> CheckpointError:
-    try:
-        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free on its disk"
-    except OSError:
-        free = "its disk unreadable"
     reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     return CheckpointError(
-        f"cannot write checkpoint {final} ({reason}); {free} (learner.checkpoint_dir={root}): make room there "
+        f"cannot write checkpoint {final} ({reason}); {free_space(root)} (learner.checkpoint_dir={root}): make room there "
         "or point learner.checkpoint_dir at a larger disk (each checkpoint needs the room of one more while it is "
         "written), then resume the run (rlhf-run resume=<output folder>): the previous checkpoint is intact and "
         "the batches trained since it were not acked, so they are trained again"

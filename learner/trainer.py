@@ -39,7 +39,7 @@ import torch
 from buffer import Buffer
 from buffer.datasets import iter_prompts
 from rlhf_core import lora
-from rlhf_core.cli import freeze_startup_heap
+from rlhf_core.cli import append_line, freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_core.errors import FailureWindow, Unavailable, UserError
@@ -333,33 +333,32 @@ class Learner:
         result = LearnerResult(self.version, 0, 0)
         self._start()
         ckpt_every = self.cfg.learner.checkpoint_every  # >= 1 (validate)
-        with self.metrics_path.open("a") as metrics_file:
-            t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
-            while True:
-                reason = self._stop_reason(max_updates, deadline)
-                if reason == STOP_DATA and self.updates != self._checkpointed:
-                    # commit what was trained first: in replay mode the entries drawn since the last
-                    # checkpoint may be drawn again only once committed
-                    self.checkpoint()
-                    self._used_up = False
-                    continue
-                if reason:
-                    result.stopped_by = reason
-                    if reason == STOP_DATA:
-                        log.info("every prompt of data.epochs=%d is trained on (what is left makes no batch): "
-                                 "stopping after %d updates (learner.max_updates=%d)", self.cfg.data.epochs,
-                                 self.updates, max_updates)
-                    break
-                batch, samples = self._read()
-                if not samples:
-                    continue
-                metrics = self._train_one(batch, samples, t_wait)
-                result.metrics.append(metrics)
-                self._emit(metrics, metrics_file)
-                # after the metrics line: a checkpointed update always has its line
-                if self.updates % ckpt_every == 0:
-                    self.checkpoint()
-                t_wait = time.monotonic()
+        t_wait = time.monotonic()  # waiting for data: from the end of one update to the next batch
+        while True:
+            reason = self._stop_reason(max_updates, deadline)
+            if reason == STOP_DATA and self.updates != self._checkpointed:
+                # commit what was trained first: in replay mode the entries drawn since the last
+                # checkpoint may be drawn again only once committed
+                self.checkpoint()
+                self._used_up = False
+                continue
+            if reason:
+                result.stopped_by = reason
+                if reason == STOP_DATA:
+                    log.info("every prompt of data.epochs=%d is trained on (what is left makes no batch): "
+                             "stopping after %d updates (learner.max_updates=%d)", self.cfg.data.epochs,
+                             self.updates, max_updates)
+                break
+            batch, samples = self._read()
+            if not samples:
+                continue
+            metrics = self._train_one(batch, samples, t_wait)
+            result.metrics.append(metrics)
+            self._emit(metrics)
+            # after the metrics line: a checkpointed update always has its line
+            if self.updates % ckpt_every == 0:
+                self.checkpoint()
+            t_wait = time.monotonic()
         self._finish(result)
         return result
 
@@ -454,16 +453,16 @@ class Learner:
         })
         return metrics
 
-    def _emit(self, metrics: dict[str, Any], metrics_file: Any) -> None:
-        """Rank 0: one line in metrics.jsonl, the monitor's stats in Redis, Prometheus, TensorBoard."""
+    def _emit(self, metrics: dict[str, Any]) -> None:
+        """Rank 0: one line in metrics.jsonl (a full disk stops the learner with one line naming it,
+        exit 2: a restart would meet the same disk), the monitor's stats in Redis, Prometheus, TensorBoard."""
         if not self.rank0:
             return
         if self.cfg.eval.every:
             self._merge_eval(metrics)
         if self.cfg.algo.filter_groups:
             self._merge_filter_counts(metrics)
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
+        append_line(self.metrics_path, json.dumps(metrics))
         self._last_metrics = metrics
         now = time.monotonic()
         if now - self._stats_at >= STATS_EVERY_S:  # its readers sample once a second; a Redis write per update is waste

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_core.config import register_configs
-from rlhf_core.errors import UserError
+from rlhf_core.errors import DISK_FULL, UserError, disk_full, disk_writes
 
 CONFIG_PATH = "pkg://conf"
 #: set by rlhf-run for each worker child it starts (the worker id in logs, metrics and leases)
@@ -107,8 +107,8 @@ def freeze_startup_heap() -> None:
 def raise_open_files_limit() -> None:
     """Raise this process's soft limit of open files to its hard limit (its children inherit it).
     Every ZeroMQ peer and Redis connection holds descriptors: a weight server at the usual soft
-    limit of 1,024 stops accepting subscribers past a few hundred without a word, and its workers
-    then keep old weights."""
+    limit of 1,024 stops accepting subscribers past a few hundred (it says so once, and its
+    workers keep old weights)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -121,6 +121,42 @@ def raise_open_files_limit() -> None:
         logging.getLogger(__name__).debug("open files limit stays at %d (%s)", soft, exc)
 
 
+def say_once_when_full(handler: logging.FileHandler) -> logging.FileHandler:
+    """A log file the disk cannot hold: ``logging`` printed a traceback to stderr for every record
+    it could not write (``--- Logging error ---``). Say it once, in one line, and let the records
+    go (the file is opened again for the next one, and takes them once there is room)."""
+    plain = handler.handleError
+    said = []
+
+    def handle_error(record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError) or exc.errno not in DISK_FULL:
+            return plain(record)
+        stream, handler.stream = handler.stream, None  # its unwritten lines go: a close would fail on them
+        try:
+            stream.close()
+        except OSError:
+            pass
+        if not said:
+            said.append(True)
+            try:
+                print(f"warning: {disk_full(handler.baseFilename, exc)} (said once: its lines are lost meanwhile)",
+                      file=sys.stderr, flush=True)
+            except OSError:
+                pass
+
+    handler.handleError = handle_error  # type: ignore[method-assign]
+    return handler
+
+
+def _output_folder(cfg: DictConfig) -> str:
+    """The run's output folder (``run.output_dir``, which ``rlhf-run`` gives its children), else
+    this process's Hydra output folder."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return OmegaConf.select(cfg, "run.output_dir", default=None) or HydraConfig.get().runtime.output_dir
+
+
 def hydra_entry(config_name: str = "config", hub_offline: bool = True
                 ) -> Callable[[Callable[[DictConfig], int | None]], Callable[[], None]]:
     """Turn ``fn(cfg) -> exit code`` into a console-script ``main()`` backed by Hydra
@@ -130,11 +166,18 @@ def hydra_entry(config_name: str = "config", hub_offline: bool = True
     def decorate(fn: Callable[[DictConfig], int | None]) -> Callable[[], None]:
         @hydra.main(version_base=VERSION_BASE, config_path=CONFIG_PATH, config_name=config_name)
         def _app(cfg: DictConfig) -> None:
+            for handler in logging.getLogger().handlers:  # Hydra's log file in the output folder
+                if isinstance(handler, logging.FileHandler):
+                    say_once_when_full(handler)
             try:
-                code = fn(cfg)
+                with disk_writes(_output_folder(cfg)):  # a full disk where no caller named the file
+                    code = fn(cfg)
             except UserError as exc:
                 logging.getLogger(fn.__module__).error("%s", exc)
-                print(f"error: {exc}", file=sys.stderr)
+                try:
+                    print(f"error: {exc}", file=sys.stderr)
+                except OSError:  # stderr is a log file on the disk that is full: the exit code still says it
+                    pass
                 sys.exit(exc.exit_code)
             if code:
                 sys.exit(code)
@@ -153,9 +196,24 @@ def hydra_entry(config_name: str = "config", hub_offline: bool = True
 
 
 def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    """Write ``obj`` as JSON atomically (a reader polling the file never sees half of it)."""
+    """Write ``obj`` as JSON atomically (a reader polling the file never sees half of it); a full
+    disk raises :class:`~rlhf_core.errors.DiskFull` naming ``path``."""
     import json
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    try:
+        tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in DISK_FULL:
+            raise disk_full(path, exc) from exc
+        raise
     os.replace(tmp, path)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path``, opened for this line alone: a full disk raises
+    :class:`~rlhf_core.errors.DiskFull` naming ``path`` here, and leaves no buffered line for a
+    later close to fail on."""
+    with disk_writes(path), open(path, "a") as f:
+        f.write(line + "\n")

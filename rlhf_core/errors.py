@@ -5,16 +5,61 @@ keeps its traceback. The exit code tells a supervisor (``rlhf-run``) whether a r
 2 for an error that needs a fix (a restart would repeat it), 75 (EX_TEMPFAIL) for a server that
 stayed unreachable past the retry budget (a restart later may find it back). A learner stopped
 by a signal before its budget was spent exits ``STOPPED_EARLY_EXIT`` (128 + SIGTERM, the shell's
-code for it), not 0: its supervisor must not take the run for finished.
+code for it), not 0: its supervisor must not take the run for finished. A file the disk cannot
+hold is a :class:`DiskFull` (exit 2): restarted, the process would meet the same full disk.
 """
 
+from __future__ import annotations
+
+import errno
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
 STOPPED_EARLY_EXIT = 143
+#: a write the disk cannot hold: full, over a quota, over a file-size limit
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class UserError(Exception):
     """An error whose message says what was wrong and what to do."""
 
     exit_code = 2
+
+
+class DiskFull(UserError):
+    """A file the disk cannot hold; the message names it and the room left."""
+
+
+def free_space(path: str | Path) -> str:
+    """``'12.5 MiB free on its disk'`` for the file system holding ``path`` (or its nearest
+    folder that exists)."""
+    for p in (Path(path), *Path(path).parents):
+        try:
+            return f"{shutil.disk_usage(p).free / 2**20:.1f} MiB free on its disk"
+        except OSError:
+            continue
+    return "its disk unreadable"
+
+
+def disk_full(path: str | Path, exc: OSError) -> DiskFull:
+    """The one line for a write to ``path`` that failed with ``exc`` (one of :data:`DISK_FULL`).
+    A restart would only fail again: the process stops with it (exit 2) and is not restarted."""
+    return DiskFull(f"cannot write {path} ({exc.strerror or exc}); {free_space(path)}: make room there (or move the "
+                    "run's output to a larger disk), then continue the run: rlhf-run resume=<its output folder>")
+
+
+@contextmanager
+def disk_writes(path: str | Path) -> Iterator[None]:
+    """Turn a write inside that the disk cannot hold into :func:`disk_full` naming its file (the
+    error's, else ``path``); put it outside the ``open``, so that the flush at close is covered."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in DISK_FULL:
+            raise disk_full(exc.filename or path, exc) from exc
+        raise
 
 
 class Unavailable(UserError):

@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from buffer.connection import redact
+from buffer.connection import BufferDiskError, redact
 from buffer.datasets import data_path
 from gateway.openai_api import served_name
-from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, write_json
+from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, say_once_when_full, write_json
 from rlhf_core.config import Config, check_reward_targets, import_env_target
-from rlhf_core.errors import STOPPED_EARLY_EXIT
+from rlhf_core.errors import STOPPED_EARLY_EXIT, free_space
 from rlhf_core.model_paths import pin_model_paths, pin_reward_model_paths
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,9 @@ class Launcher:
         says how to bring back a Redis this launcher started when it stays unreachable."""
         if progress.error is not None:
             self.failure = self.exit_reason = str(progress.error)
-            log.error("%s", progress.error)
+            if isinstance(progress.error, BufferDiskError) and self.redis is not None:  # its data is this run's
+                self.failure = self.exit_reason = f"{progress.error} ({self.redis.workdir}: {free_space(self.redis.workdir)})"
+            log.error("%s", self.failure)
             return True
         since = progress.unreachable_since
         if since is not None and self.redis is not None and time.time() - since > REDIS_DOWN_HINT_S \
@@ -416,7 +418,7 @@ def own_log_file(logger_name: str, path: Path) -> Callable[[], None]:
     line. Returns the function that undoes it."""
     logger = logging.getLogger(logger_name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(path)
+    to_file = say_once_when_full(logging.FileHandler(path))
     to_file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     warnings = logging.Handler(logging.WARNING)
     warnings.emit = lambda record: logging.getLogger().handle(record)  # type: ignore[method-assign]

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from rlhf_core.errors import STOPPED_EARLY_EXIT, UserError
+from rlhf_core.errors import STOPPED_EARLY_EXIT, UserError, disk_writes
 from rlhf_core.metric_names import STOP_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -87,25 +87,29 @@ class RoleActor:
         with the codes of the one-machine launcher's children (0, 2 user error, 75 unavailable, 1)."""
         try:
             cfg = _enter(cfg_plain, env, log_path, cwd)
-            if kind == "worker":
-                from rollout_workers.worker import run_worker
+            with disk_writes(cfg.run.output_dir or cwd):  # a full disk where no caller named the file
+                if kind == "worker":
+                    from rollout_workers.worker import run_worker
 
-                run_worker(cfg)
-            elif kind == "learner":
-                from learner.trainer import run_learner
+                    run_worker(cfg)
+                elif kind == "learner":
+                    from learner.trainer import run_learner
 
-                if run_learner(cfg).stopped_by == STOP_SIGNAL:  # before its budget: not a finished run
-                    return {"code": STOPPED_EARLY_EXIT, "error": "stopped by a signal"}
-            elif kind == "evaluator":
-                from rollout_workers.evaluator import run_evaluator
+                    if run_learner(cfg).stopped_by == STOP_SIGNAL:  # before its budget: not a finished run
+                        return {"code": STOPPED_EARLY_EXIT, "error": "stopped by a signal"}
+                elif kind == "evaluator":
+                    from rollout_workers.evaluator import run_evaluator
 
-                run_evaluator(cfg)
-            else:
-                raise ValueError(f"unknown role {kind!r}")
+                    run_evaluator(cfg)
+                else:
+                    raise ValueError(f"unknown role {kind!r}")
             return {"code": 0, "error": ""}
         except UserError as exc:  # what a child prints as one line, exit 2 (75: a server unreachable)
             log.error("%s", exc)
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            try:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            except OSError:  # its log is on the disk that is full: the launcher gets the line below
+                pass
             return {"code": exc.exit_code, "error": f"error: {exc}"}
         except SystemExit as exc:
             return {"code": exc.code if isinstance(exc.code, int) else 1, "error": f"exited ({exc.code})"}

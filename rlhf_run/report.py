@@ -21,7 +21,8 @@ from typing import Any
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config
 from rlhf_core.dapo import FilterStall
-from rlhf_core.errors import UserError
+from rlhf_core.cli import append_line
+from rlhf_core.errors import UserError, disk_writes
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,9 @@ class Timeline:
 
     def __init__(self, path: Path, started: float) -> None:
         self.started = started
+        self.path = path  # appended to: a resumed run continues its file
         self.written: float | None = None  # time of the last snapshot written
         self.held: dict[str, Any] | None = None  # the newest snapshot not written
-        self._file = path.open("a")  # a resumed run appends
 
     def add(self, snap: dict[str, Any]) -> bool:
         """Write ``snap`` if it is due (returns whether it was), else hold it until the next."""
@@ -132,14 +133,12 @@ class Timeline:
         return True
 
     def _write(self, snap: dict[str, Any]) -> None:
-        self._file.write(json.dumps(snap, default=str) + "\n")
-        self._file.flush()
+        append_line(self.path, json.dumps(snap, default=str))  # a full disk: DiskFull naming the file
         self.written, self.held = float(snap["time"]), None
 
     def close(self) -> None:
         if self.held is not None:
             self._write(self.held)
-        self._file.close()
 
 
 def read_timeline(path: Path, max_points: int = TIMELINE_MAX_POINTS) -> list[dict[str, Any]]:
@@ -182,7 +181,8 @@ class Progress:
     Memory stays bounded: the first and the latest snapshots are kept, the rest is on disk.
 
     ``error``: a :class:`~rlhf_core.errors.UserError` the sampling met other than Redis being
-    unreachable (corrupt control state): the launcher ends the run with it.
+    unreachable (corrupt control state, a full disk under ``timeline.jsonl``): the launcher ends
+    the run with it.
     """
 
     def __init__(self, cfg: Config, output_dir: Path, weight_server: Any = None) -> None:
@@ -268,7 +268,10 @@ class Progress:
             stall = self._filter_stall and self._filter_stall.observe(now, snap.get("counters", {}))
             if stall:
                 log.warning(stall)
-            self._timeline.add(snap)
+            try:
+                self._timeline.add(snap)
+            except UserError as exc:  # its disk is full: the run must end (so would the learner's next line)
+                self.error = self.error or exc
             if self.prometheus is not None:
                 self.prometheus.update(snap)
             line = self.line(snap)
@@ -309,7 +312,10 @@ class Progress:
         self.update()
         if self._live is not None:
             self._live.stop()
-        self._timeline.close()
+        try:
+            self._timeline.close()
+        except UserError as exc:
+            self.error = self.error or exc
         if self.prometheus is not None:
             self.prometheus.close()
         if self._buffer is not None:
@@ -667,5 +673,9 @@ def write_report(cfg: Config, output_dir: Path, progress: Progress | None, exit_
     except Exception as exc:  # a plot must never lose the summary
         log.warning("plots failed: %s", exc)
         summary["plots"] = []
-    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        with disk_writes(output_dir / SUMMARY_FILE):
+            (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    except UserError as exc:  # a full disk: the summary is still printed, and the run's own outcome stands
+        log.error("%s", exc)
     return format_summary(summary)

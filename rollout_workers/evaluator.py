@@ -40,6 +40,7 @@ from typing import Any, Iterable, Sequence
 
 from buffer import Buffer
 from buffer.datasets import iter_prompts
+from rlhf_core.cli import append_line
 from rlhf_core.config import Config, ConfigError, validate
 from rlhf_core.metric_names import EVAL_FILE, EVAL_REWARD_MEAN, EVAL_STATS, EVAL_VERSION
 from rlhf_core.models import load_tokenizer
@@ -169,8 +170,7 @@ class Evaluator:
     def record(self, metrics: dict[str, Any]) -> None:
         """One evaluation into ``eval.jsonl`` and the buffer's stats (the learner and monitor read them)."""
         self.records.append(metrics)
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_line(self.path, json.dumps(metrics))
         self.buffer.publish_stats(EVAL_STATS, metrics)
         ks = ", ".join(f"pass@{k} {metrics[f'eval/pass@{k}']:.3f}" for k in self.cfg.eval.k)
         log.info("evaluator: version %d: reward %.4f, %s (%d prompts x %d, %.1f s)", metrics[EVAL_VERSION],

@@ -47,6 +47,7 @@ COUNTERS = (
     "chunks_served",
     "bytes_served",
     "dropped_replies",    # replies to peers whose queue was full or who went away
+    "out_of_files",       # seconds in which the server had no file descriptor left (it accepted no new peer)
 )
 
 

@@ -21,6 +21,7 @@ tests); :meth:`serve_forever` runs it in the caller's thread until SIGTERM/SIGIN
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -93,6 +94,7 @@ class WeightServer:
             if cfg.persist_dir:
                 self._restore(cfg.persist_dir)
             self._auth_log_at = 0.0
+            self._said_out_of_files = False
             self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
             if cfg.address_file:
                 _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
@@ -273,9 +275,35 @@ class WeightServer:
                     self.handlers.flush_aborted()
                     self.handlers.expire_leases(now)
                     self.store.pool.collect()
+                    self._check_open_files()
         finally:
             if self._thread is None:
                 self._close()
+
+    def _check_open_files(self) -> None:
+        """Count a second in which this process has no file descriptor left, and say it once:
+        ZeroMQ then fails every accept and retries it, so a new subscriber or puller connects,
+        sends and waits without an error (its worker keeps old weights) while the peers already
+        connected are served."""
+        try:
+            os.close(os.open(os.devnull, os.O_RDONLY))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                return
+        self._metrics.count("out_of_files")
+        if self._said_out_of_files:
+            return
+        self._said_out_of_files = True
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        log.warning(
+            "weight server out of file descriptors (this process may open %d, hard limit %d): it accepts no new "
+            "subscriber or puller until some close, and they wait without an error, keeping old weights; raise the "
+            "limit of open files (ulimit -Hn, systemd LimitNOFILE=) and restart it. Said once; counted as "
+            "out_of_files (seconds) in its metrics", soft, hard,
+        )
 
     def _recv_one(self) -> bool:
         """Receive and handle one message; False when none is waiting."""

@@ -120,3 +120,78 @@ def test_a_redis_that_evicts_only_keys_with_a_ttl_or_has_no_limit_is_accepted(re
     admin.config_set("maxmemory", 0)
     admin.config_set("maxmemory-policy", "allkeys-lru")  # no limit: nothing is evicted
     Buffer.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A redis-server whose data folder is a 4 MiB tmpfs (mounting needs root: skipped otherwise),
+    and a function that fills that disk (returns the filler file; delete it to make room)."""
+    import subprocess
+
+    from servers import redis_server
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): a full disk needs root")
+
+    def fill():
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+        return filler
+
+    try:
+        # everysec, as rlhf-run's own Redis: under `always` Redis exits on an AOF write error
+        with redis_server(disk / "redis", fsync="everysec") as server:
+            yield server.url, fill
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_redis_unable_to_write_its_full_disk_is_ridden_out_then_stops_with_one_line(full_disk):
+    # Redis refuses every write with MISCONF once its append-only file cannot be written; the
+    # first refusal ended workers and the learner with a traceback (exit 1), and rlhf-run
+    # restarted them into the same refusals
+    url, fill = full_disk
+    buf, patient = _buffer(url, max_retry_s=0.3), _buffer(url, max_retry_s=60.0)
+    buf.enqueue_prompts(T.prompts(2))
+    leases = buf.claim("w1", 2)
+    admin = redis.Redis.from_url(url)
+    filler = fill()
+
+    def refused() -> bool:
+        try:
+            admin.set("probe", b"\0" * 65536)  # more than the room left in the file's last page
+        except redis.exceptions.ResponseError as exc:
+            return str(exc).startswith("MISCONF")
+        return False
+
+    from servers import wait_for
+
+    wait_for(refused, 30, "Redis to refuse writes on its full disk", 0.1)
+    with pytest.raises(UserError) as err:
+        buf.complete(leases[0], T.group(leases[0].prompt))
+    msg = str(err.value)
+    assert "cannot write its data to disk and refused writes for buffer.max_retry_s=0.3 s" in msg, msg
+    assert "No space left on device" in msg and "make room on the disk of its data folder" in msg and "\n" not in msg
+    assert _state(buf) == (0, 2, 0)  # refused whole: nothing appended, both prompts still leased
+    # ridden out while within the budget: room comes back, Redis writes again, the call goes through once
+    seen = T.LogSeen("make room on the disk of its data folder")
+    logging.getLogger("buffer").addHandler(seen)
+    result: list = []
+    done = threading.Thread(target=lambda: result.append(patient.complete(leases[1], T.group(leases[1].prompt))))
+    try:
+        done.start()
+        assert seen.event.wait(30), "no log line says Redis cannot write to its disk"
+        filler.unlink()
+        done.join(60)
+    finally:
+        logging.getLogger("buffer").removeHandler(seen)
+    assert result == ["appended"]
+    assert _state(buf) == (1, 1, 1)

@@ -206,20 +206,18 @@ def test_publish_stats_reaches_the_monitor_snapshot(redis_url):
     assert stats["odd"] == str(object)
 
 
-def test_the_monitor_leaves_out_workers_gone_longer_than_the_lease_timeout(redis_url, monkeypatch):
-    import time
+def test_the_monitor_leaves_out_workers_gone_longer_than_the_lease_timeout(redis_url):
+    import msgpack
 
-    from buffer import prompts as buffer_prompts
     from rlhf_run import monitor
 
     buf = Buffer.connect(redis_url, "gone", BufferConfig(lease_timeout_s=30.0))
     buf.init_run(batch_size=8, group_size=4, max_staleness=1)
     # worker-1 heartbeated last 120 s ago (the launch before a resume, or scaled down), worker-0 now:
     # the run's lease timeout (30 s) says worker-1 left, so its rates over its uptime are not shown
-    real = time.time
-    monkeypatch.setattr(buffer_prompts.time, "time", lambda: real() - 120.0)
-    buf.heartbeat("worker-1", 0, {"tokens_per_s": 914.0, "samples_per_s": 30.0})
-    monkeypatch.setattr(buffer_prompts.time, "time", real)
+    sec, _ = buf.redis.time()
+    buf.redis.hset(buf.keys.consumers, "worker-1", msgpack.packb(
+        {"last_seen": sec - 120.0, "version": 0, "stats": {"tokens_per_s": 914.0, "samples_per_s": 30.0}, "leases": 0}))
     buf.heartbeat("worker-0", 0, {"tokens_per_s": 1306.0, "samples_per_s": 40.0})
     # a monitor of its own (it learns the lease timeout from the run, not from its config)
     watcher = Buffer.connect(redis_url, "gone", BufferConfig(lease_timeout_s=1000.0))

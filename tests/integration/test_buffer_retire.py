@@ -7,9 +7,10 @@ import io
 import time
 import uuid
 
+import msgpack
 import pytest
 
-from buffer import Buffer, metrics
+from buffer import Buffer
 import factories as T
 from rlhf_core import metric_names as M
 from rlhf_core.config import BufferConfig
@@ -103,10 +104,11 @@ def test_a_dead_worker_holding_leases_is_retired_only_once_a_claimer_took_them_o
 
 def test_a_workers_heartbeats_retire_the_consumers_dead_for_ten_lease_timeouts(buf, redis_url):
     # records as workers' heartbeats leave them: one silent 11 lease timeouts, one 5
-    now = time.time()
+    sec, usec = buf.redis.time()
+    now = sec + usec / 1e6
     buf.redis.hset(buf.keys.consumers, mapping={
-        "gone": metrics.pack_consumer(now - 11 * LEASE_S, 0, {M.WORKER_TOKENS: 7}, 0),
-        "late": metrics.pack_consumer(now - 5 * LEASE_S, 0, {M.WORKER_TOKENS: 5}, 0),
+        "gone": msgpack.packb({"last_seen": now - 11 * LEASE_S, "stats": {M.WORKER_TOKENS: 7}, "leases": 0}),
+        "late": msgpack.packb({"last_seen": now - 5 * LEASE_S, "stats": {M.WORKER_TOKENS: 5}, "leases": 0}),
     })
     worker = Buffer.connect(redis_url, "retire", BufferConfig(lease_timeout_s=LEASE_S))
     worker.heartbeat("new", 0, {M.WORKER_TOKENS: 1})  # a worker's first heartbeat sweeps
@@ -137,3 +139,63 @@ def test_the_monitor_and_the_run_exporter_show_the_retired(buf):
     exporter.close()
     assert 'rlhf_run_workers_retired{run="retire"} 1.0' in text
     assert 'worker="worker-0"' in text and 'worker="old"' not in text
+
+
+def _clock(offset_s: float):
+    """The ``time`` module as a host whose clock is ``offset_s`` off sees it."""
+    import types
+
+    real = time.time
+    return types.SimpleNamespace(**{**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")},
+                                    "time": lambda: real() + offset_s})
+
+
+def test_a_worker_whose_clock_is_off_is_neither_retired_early_nor_kept_when_dead(buf, redis_url, monkeypatch):
+    # Each process heartbeats with the clock of its host; the sweeper compared it with its own.
+    # A worker's host an hour behind looked silent for an hour: retired while it worked, its next
+    # heartbeat made its record again and the run's sums counted its totals twice.
+    from buffer import prompts
+
+    worker = Buffer.connect(redis_url, "retire", BufferConfig(lease_timeout_s=LEASE_S))
+    try:
+        monkeypatch.setattr(prompts, "time", _clock(-3600.0))
+        worker.heartbeat("behind", 0, {M.WORKER_TOKENS: 10})
+        assert buf.retire_consumers() == []  # ten lease timeouts ago, on Redis's clock
+        worker.heartbeat("behind", 0, {M.WORKER_TOKENS: 25})
+        snap = buf.metrics()
+        assert snap["retired"]["consumers"] == 0 and _sum(snap, M.WORKER_TOKENS) == 25
+        assert 0 <= snap["consumers"]["behind"]["age_s"] < 60
+        # a host an hour ahead: once it is silent it is retired like any other
+        monkeypatch.setattr(prompts, "time", _clock(3600.0))
+        worker.heartbeat("ahead", 0, {M.WORKER_TOKENS: 7})
+        dead_since = _since_now()
+        worker.heartbeat("behind", 0, {M.WORKER_TOKENS: 25})
+        assert buf.retire_consumers(before=dead_since) == ["ahead"]
+        snap = buf.metrics()
+        assert set(snap["consumers"]) == {"behind"} and _sum(snap, M.WORKER_TOKENS) == 25 + 7
+    finally:
+        worker.close()
+
+
+def test_a_worker_retired_while_paused_and_resumed_counts_its_totals_once(buf, redis_url):
+    # SIGSTOPped past ten lease timeouts: the sweep adds its totals to the retired sums; resumed,
+    # it heartbeated its running totals again, and the sums counted those up to the pause twice.
+    worker = Buffer.connect(redis_url, "retire", BufferConfig(lease_timeout_s=LEASE_S))
+    try:
+        worker.heartbeat("paused", 0, {M.WORKER_TOKENS: 10, M.WORKER_UPTIME: 1.0, M.WORKER_TOKENS_PER_S: 10.0})
+        assert buf.retire_consumers(before=_since_now()) == ["paused"]
+        worker.heartbeat("paused", 0, {M.WORKER_TOKENS: 25, M.WORKER_UPTIME: 5.0, M.WORKER_TOKENS_PER_S: 5.0})
+        snap = buf.metrics()
+        assert _sum(snap, M.WORKER_TOKENS) == 25 and _sum(snap, M.WORKER_UPTIME) == 5.0
+        # its record holds what came since the sweep; a level (a rate) is left as the worker said it
+        assert snap["consumers"]["paused"]["stats"] == {M.WORKER_TOKENS: 15, M.WORKER_UPTIME: 4.0,
+                                                        M.WORKER_TOKENS_PER_S: 5.0}
+        worker.heartbeat("paused", 0, {M.WORKER_TOKENS: 30, M.WORKER_UPTIME: 6.0})
+        assert _sum(buf.metrics(), M.WORKER_TOKENS) == 30
+        # paused and swept a second time: still once
+        assert buf.retire_consumers(before=_since_now()) == ["paused"]
+        worker.heartbeat("paused", 0, {M.WORKER_TOKENS: 31, M.WORKER_UPTIME: 7.0})
+        snap = buf.metrics()
+        assert _sum(snap, M.WORKER_TOKENS) == 31 and snap["retired"]["consumers"] == 2
+    finally:
+        worker.close()

@@ -214,6 +214,30 @@ def test_a_learner_whose_data_is_used_up_stops_and_says_so(tmp_path, servers, mo
         buf.close()
 
 
+def test_a_metrics_file_the_disk_cannot_hold_stops_the_learner_with_one_line(tmp_path, servers, model_cache):
+    """metrics.jsonl on a full disk (/dev/full answers every write with ENOSPC, as a full disk
+    does) ended the learner with a traceback, exit 1, and rlhf-run restarted it into the same
+    disk. Now: one line naming the file and the room left, exit 2, which rlhf-run never restarts."""
+    (tmp_path / "out").mkdir()
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics.symlink_to("/dev/full")
+    redis_url, ws = servers
+    proc = start_learner(tmp_path, redis_url, ws, model_cache, "full-disk", "learner.checkpoint_every=100")
+    buf = Buffer.connect(redis_url, "full-disk")
+    try:
+        play_worker(buf, lambda text: {"input_ids": [40, 41, 42]}, [40, 41, EOS], "stop")  # any prompt ids will do
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        buf.close()
+    line = one_clear_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert line.startswith(f"error: cannot write {metrics} (No space left on device); ") and " MiB free on its disk: " in line
+    assert line.endswith("make room there (or move the run's output to a larger disk), then continue the run: "
+                         "rlhf-run resume=<its output folder>")
+
+
 def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_is_unreachable(redis_server):
     """A prompt that cannot be produced (here a source with a bug; once a row msgpack could not
     encode or a file that was not UTF-8) was logged and tried again every 100 ms for ever: the

@@ -22,7 +22,7 @@ from rlhf_core.wire import encode_record
 from servers import free_port, recv_with_timeout, wait_for
 from weight_server import WeightPublisher, WeightServer, WeightServerUnavailable, WeightSubscriber
 from weight_server import protocol as P
-from weight_server.client import Channel
+from weight_server.client import Channel, NoReply
 from weight_server.persist import path_for
 from weight_server.publisher import plan_chunks
 from weight_server.tensors import TORCH_TO_WIRE, byte_view
@@ -192,15 +192,15 @@ def test_publisher_without_a_server_gives_up_with_a_clear_error():
     assert 1.0 <= time.monotonic() - t0 < 5.0
 
 
-def _start_child(tmp_path: Path, port: int, pub_port: int, persist: Path) -> subprocess.Popen:
+def _start_child(tmp_path: Path, port: int, pub_port: int, *overrides: str, preexec_fn=None) -> subprocess.Popen:
     args = [
         sys.executable, "-m", "weight_server", f"hydra.run.dir={tmp_path / 'run'}", "hydra.output_subdir=null",
         "hydra/job_logging=none", "hydra/hydra_logging=none", f"weight_server.port={port}",
-        f"weight_server.pub_port={pub_port}", f"weight_server.persist_dir={persist}",
-        "weight_server.announce_interval_s=0.1", f"weight_server.chunk_bytes={64 * 1024}",
-        f"weight_server.address_file={tmp_path / 'address.json'}",
+        f"weight_server.pub_port={pub_port}", "weight_server.announce_interval_s=0.1",
+        f"weight_server.chunk_bytes={64 * 1024}", f"weight_server.address_file={tmp_path / 'address.json'}", *overrides,
     ]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec_fn)
     deadline = time.monotonic() + 30
     lines = []
     while time.monotonic() < deadline:
@@ -220,7 +220,7 @@ def test_server_killed_and_restarted_mid_run(tmp_path, caplog):
     persist = tmp_path / "weights"
     cfg = _cfg(request_timeout_s=0.5, retry_timeout_s=20.0)
     address, pub_address = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub_port}"
-    child = _start_child(tmp_path, port, pub_port, persist)
+    child = _start_child(tmp_path, port, pub_port, f"weight_server.persist_dir={persist}")
     written = json.loads((tmp_path / "address.json").read_text())
     assert written == {"address": address, "pub_address": pub_address, "pid": child.pid}
     pub = WeightPublisher(address, cfg)
@@ -246,7 +246,7 @@ def test_server_killed_and_restarted_mid_run(tmp_path, caplog):
         publisher.start()
         wait_for(lambda: "publishing 'policy' v2" in caplog.text and "retrying in" in caplog.text, 30,
                  "the publisher to find the server down and back off")
-        child = _start_child(tmp_path, port, pub_port, persist)  # same ports, same persist dir
+        child = _start_child(tmp_path, port, pub_port, f"weight_server.persist_dir={persist}")  # same ports, same persist dir
         assert "serving policy v1" in child.startup_log and "restored from" in child.startup_log
         publisher.join(20)
         assert result["stats"].version == 2 and result["stats"].retries >= 1
@@ -261,6 +261,47 @@ def test_server_killed_and_restarted_mid_run(tmp_path, caplog):
         sub.close()
         child.send_signal(signal.SIGTERM)
         assert child.wait(10) == 0  # SIGTERM stops it cleanly
+
+
+def test_a_server_out_of_file_descriptors_counts_it_and_says_so_once(tmp_path):
+    # A server at its limit of open files fails every accept: a new subscriber connects, sends and
+    # waits, refused without a word, while its worker keeps old weights. A real limit, in the child:
+    # soft = hard, as the entry point raises the soft limit to the hard one.
+    import resource
+    import socket
+
+    limit = 32  # the server holds 14 descriptors once started (shm off)
+    port, pub_port = free_port(), free_port()
+    child = _start_child(tmp_path, port, pub_port, "weight_server.shm=off",
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    cfg, ctx, peers = _cfg(request_timeout_s=1.0), zmq.Context(), []
+    ch = late = None
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        ch = Channel(address, cfg, ctx)  # connected before: served throughout
+        counters = lambda: ch.request(P.METRICS_REQ)["metrics"]["counters"]  # noqa: E731
+        assert counters()["out_of_files"] == 0
+        peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(limit)]  # more than it can hold
+        wait_for(lambda: counters()["out_of_files"] >= 2, 30, "the server to count seconds out of descriptors", 0.2)
+        late = Channel(address, cfg, ctx)  # a subscriber joining now is refused without a word
+        with pytest.raises(NoReply):
+            late.request(P.METRICS_REQ)
+        for peer in peers:
+            peer.close()
+        peers = []
+        wait_for(lambda: late.request(P.METRICS_REQ)["kind"] == P.METRICS, 30, "a new peer to be served again", 0.2)
+    finally:
+        for peer in peers:
+            peer.close()
+        for c in (ch, late):
+            if c is not None:
+                c.close()
+        ctx.destroy(linger=0)
+        child.send_signal(signal.SIGTERM)
+        out = child.communicate(timeout=10)[0]
+    said = [line for line in out.splitlines() if "out of file descriptors" in line]
+    assert len(said) == 1, out  # once, although counted every second
+    assert f"this process may open {limit}, hard limit {limit}" in said[0] and "ulimit -Hn" in said[0]
 
 
 def test_follower_gets_bytes_early_but_applies_only_after_commit(served):

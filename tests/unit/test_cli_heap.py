@@ -74,3 +74,53 @@ def test_a_service_raises_its_open_files_limit_to_the_hard_limit():
             "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", code], preexec_fn=low, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["4096", "4096"]
+
+
+def test_an_entry_point_whose_write_the_disk_cannot_hold_stops_with_one_line(tmp_path):
+    # a write no caller wrapped (a library's, a log's) on a full disk: /dev/full answers ENOSPC as a
+    # full disk does, and the error has no file name. It ended with a traceback and exit 1, which
+    # rlhf-run takes for a crash and restarts into the same disk; now one line naming the run's
+    # folder and the room left there, exit 2 (never restarted).
+    script = textwrap.dedent("""
+        from rlhf_core.cli import hydra_entry
+
+        @hydra_entry()
+        def main(cfg):
+            with open("/dev/full", "w") as f:
+                f.write("a line")
+
+        main()
+    """)
+    out = tmp_path / "out"
+    args = [f"hydra.run.dir={tmp_path / 'hydra'}", "hydra.output_subdir=null", f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {out} (No space left on device); "), lines
+    assert " MiB free on its disk: make room there" in lines[0]
+
+
+def test_a_log_file_the_disk_cannot_hold_is_said_once(tmp_path, capsys):
+    # logging printed a traceback ("--- Logging error ---") to the console for every record its
+    # file could not take: 63 of them in a run whose disk filled up
+    import logging
+
+    from rlhf_core.cli import say_once_when_full
+
+    path = tmp_path / "cli.log"
+    path.symlink_to("/dev/full")
+    logger = logging.getLogger("test-full-log")
+    handler = say_once_when_full(logging.FileHandler(path))
+    logger.addHandler(handler)
+    try:
+        for i in range(3):
+            logger.warning("line %d", i)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"warning: cannot write {path} (No space left on device); "
+                                f"{err.split('; ', 1)[1].split(':', 1)[0]}: make room there (or move the run's output "
+                                "to a larger disk), then continue the run: rlhf-run resume=<its output folder> (said "
+                                "once: its lines are lost meanwhile)"], err
+    assert "MiB free on its disk" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from rlhf_core.config import Config
 from rlhf_run.report import Timeline, read_timeline, summarize
 
@@ -101,3 +103,18 @@ def test_the_summary_of_a_thinned_timeline_matches_the_full_ones(tmp_path):
     assert abs(ta["weight_sync_latency_s"] - 0.050) < 0.0005
     assert abs(tb["weight_sync_latency_s"] - ta["weight_sync_latency_s"]) < 0.0005
     assert tb["generated_tokens_per_s"] == ta["generated_tokens_per_s"] == 9000.0
+
+
+def test_a_timeline_the_disk_cannot_hold_stops_with_one_line_naming_it(tmp_path):
+    # /dev/full answers every write with ENOSPC, as a full disk does: the launcher's sampling thread
+    # logged a traceback once and went on without its timeline, and its close at the run's end failed
+    # again; now the error names the file and the room left, and the launcher ends the run with it
+    from rlhf_core.errors import UserError
+
+    path = tmp_path / "timeline.jsonl"
+    path.symlink_to("/dev/full")
+    tl = Timeline(path, started=0.0)
+    with pytest.raises(UserError) as err:
+        tl.add(_snap(0.0))
+    assert str(err.value).startswith(f"cannot write {path} (No space left on device); ")
+    assert " MiB free on its disk: " in str(err.value)
