@@ -18,7 +18,7 @@ workers, the learner and the monitor use this API::
     buf.dead_letter(reason, producer, raw, kind="sample")
     buf.admission_budget() -> int
     # learner
-    buf.set_learner_version(v)
+    buf.set_learner_version(v, updates)                     # the updates its weights hold: pacing counts them
     batch = buf.read_batch(consumer, learner_version, batch_size, timeout_s)   # Batch | None
     buf.commit(batch) / buf.commit_ids(ids)                  # after publish + checkpoint
     buf.pending_for(consumer) -> ids
