@@ -22,6 +22,7 @@ admit that many batches more for the rest of the run, each then too stale to tra
 gives its budget back, so the surplus never drains). ``admitted`` counts what the updates took,
 so what was trained is the one count to set it against. A run's Redis data written before the
 learner told its updates has only the version, which stands in for them.
+
 ``claim.lua`` admits a prompt while ``budget >= group_size`` and reserves ``group_size`` of
 ``admitted`` for it. ``append.lua`` admits a group no prompt produced (rlhf-gateway's episodes)
 as it appends it, also ``group_size``: the learner's batches are whole groups, so such a group
