@@ -6,6 +6,9 @@ a worker SIGSTOPped past its lease (its prompts go to another worker) then resum
 SIGKILLed (restarted from its checkpoint), redis-server SIGKILLed and restarted on its
 append-only file. The weight server's own restart is covered by
 ``test_weight_server_faults.py::test_server_killed_and_restarted_mid_run``.
+
+And a learner killed between checkpoints: the same audit, and stale drops back at a run's usual
+rate a few updates after its restart (the helpers here serve the Ray and resume variants too).
 """
 
 from __future__ import annotations
