@@ -19,7 +19,7 @@ workers, the learner and the monitor use this API::
     buf.admission_budget() -> int
     buf.expire_leases(consumer) -> int                       # its process is known dead: reclaimable now
     # learner
-    buf.set_learner_version(v)
+    buf.set_learner_version(v, updates)                     # the updates its weights hold: pacing counts them
     batch = buf.read_batch(consumer, learner_version, batch_size, timeout_s)   # Batch | None
     buf.commit(batch) / buf.commit_ids(ids)                  # after publish + checkpoint
     buf.pending_for(consumer) -> ids

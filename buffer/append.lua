@@ -8,7 +8,7 @@
 -- A group filtered by algo.filter_groups comes with no samples and its reason: counted in
 -- groups_filtered_<reason> as a worker's filtered group is, its kept records deleted.
 -- An appended group counts as admitted (group_size samples, as a prompt's): the learner reads
--- batches of whole groups and its version counts batch_size samples' worth of them, so a gateway
+-- batches of whole groups and pacing counts batch_size samples per update it trained, so a gateway
 -- group takes a prompt's place (without this each one trained would let the run's own prompts a
 -- group further ahead of the learner). A drop gives it back as it does any group's (drop.lua).
 -- The kept records are deleted with the append, and a group whose kept records are not all there

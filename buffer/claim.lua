@@ -6,8 +6,8 @@
 -- Returns {status, last wake id, learner version, budget left, id, payload, deliveries, how, ...}
 -- status 'noinit' when the run has no parameters yet. With max_prompts 0 nothing is claimed and
 -- the budget left is the rule's answer for the current state.
-local params_key, version_key, counters_key, prompts_key, dead_key, wake_key =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local params_key, version_key, updates_key, counters_key, prompts_key, dead_key, wake_key =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local consumer, max_prompts, lease_ms, now, dead_maxlen =
   ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local p = redis.call('HMGET', params_key, 'group_size', 'max_deliveries')
@@ -15,12 +15,14 @@ if not p[1] then return {'noinit', last_id(wake_key), -1, 0} end
 local group_size, max_deliveries = tonumber(p[1]), tonumber(p[2])
 local pace = pacing_params(params_key)
 local version = ctl(redis.call('GET', version_key), 0, version_key, '')
+-- pacing counts the updates trained (pacing.trained_updates: the version when the key is absent)
+local updates = ctl(redis.call('GET', updates_key), version, updates_key, '')
 local c = redis.call('HMGET', counters_key, C.admitted, C.inflight, C.rl_inserts, C.rl_samples)
 local admitted, inflight = ctl(c[1], 0, counters_key, C.admitted), ctl(c[2], 0, counters_key, C.inflight)
 local inserts, sampled = ctl(c[3], 0, counters_key, C.rl_inserts), ctl(c[4], 0, counters_key, C.rl_samples)
 
 local function budget()
-  return admission_budget(pace, version, admitted, inflight, inserts, sampled)
+  return admission_budget(pace, updates, admitted, inflight, inserts, sampled)
 end
 
 local out = {}

@@ -196,9 +196,9 @@ class Buffer:
         first one (the prompts queued but untrained at that checkpoint are skipped, never trained
         twice). Returns whether it was set.
 
-        ``admitted``: the samples the checkpoint's updates took (version x batch size), counted as
-        admitted on that fresh Redis too: pacing's bound counts from the learner's version, and
-        from 0 admitted it let about ``version`` batches be generated at once, most then too stale."""
+        ``admitted``: the samples the checkpoint's updates took (updates x batch size), counted as
+        admitted on that fresh Redis too: pacing's bound counts from the learner's updates, and
+        from 0 admitted it let about ``updates`` batches be generated at once, most then too stale."""
         mapping = {"epoch": int(state["epoch"]), "index": int(state["index"]), "done": int(bool(state.get("done")))}
 
         def once() -> bool:
@@ -390,22 +390,26 @@ class Buffer:
         def read() -> list[Any]:  # built per attempt: a failed execute empties the pipeline
             pipe = self.redis.pipeline(transaction=True)
             pipe.get(self.keys.version)
+            pipe.get(self.keys.updates)
             pipe.hgetall(self.keys.counters)
             return pipe.execute()
 
-        version, counters = self.retry(read)
-        return pacing.admission_budget(params, control_int(version, self.keys.version, ""),
-                                       metrics.read_counters(counters, self.keys.counters))
+        version, updates, counters = self.retry(read)
+        updates = pacing.trained_updates(updates, control_int(version, self.keys.version, ""), self.keys.updates)
+        return pacing.admission_budget(params, updates, metrics.read_counters(counters, self.keys.counters))
 
     # ---- learner -------------------------------------------------------------------------
 
-    def set_learner_version(self, version: int) -> None:
-        """Publish the learner's version (updates published): pacing admits one more batch per version."""
+    def set_learner_version(self, version: int, updates: int | None = None) -> None:
+        """Publish the learner's version and the updates its weights hold (``updates``; None: as
+        many as the version), together: pacing admits one more batch per update, and a learner
+        restarted from a checkpoint numbers its weights past the versions published before."""
         k = self.keys
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(k.version, int(version))
+            pipe.set(k.updates, int(version if updates is None else updates))
             pipe.xadd(k.wake_prompts, {"e": "version"}, maxlen=K.WAKE_MAXLEN, approximate=True)
             pipe.execute()
 

@@ -8,7 +8,12 @@ other, and :meth:`RunKeys.pattern` finds exactly one run's keys for an explicit 
 Layout (``P = rlhf:{run_id}:``)::
 
     P params          hash    run parameters written once by init_run (batch/group size, staleness, limiter, ...)
-    P version         string  learner version (number of published updates); pacing reads it
+    P version         string  learner version: the number its newest published weights go by (staleness is
+                              measured against it); a restarted learner may number its weights past the
+                              updates they hold, so no number names two sets of weights
+    P updates         string  updates the learner's published weights hold (restored from its checkpoint
+                              after a restart), written with ``version``; pacing counts these (a run's data
+                              without the key: the version)
     P counters        hash    monotonic counters and gauges (names in buffer.metrics.COUNTERS)
     P prompts         stream  prompt queue; consumer group ``workers`` holds the leases
     P samples         stream  one entry per completed group; consumer group ``learner`` (FIFO mode)
@@ -91,6 +96,7 @@ class RunKeys:
     prefix: str
     params: str
     version: str
+    updates: str
     counters: str
     prompts: str
     samples: str
@@ -122,6 +128,7 @@ class RunKeys:
             prefix=p,
             params=p + "params",
             version=p + "version",
+            updates=p + "updates",
             counters=p + "counters",
             prompts=p + "prompts",
             samples=p + "samples",

@@ -157,7 +157,7 @@ def read_retired(raw: dict[bytes, bytes], key: str = "retired") -> dict[str, Any
 def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping[str, Any] | None) -> dict[str, Any]:
     """One snapshot for the monitor (``params``: the run parameters, None before ``init_run``). Shapes::
 
-        {"run_id": str, "learner_version": int, "admission_budget": int, "mode": "fifo"|"replay",
+        {"run_id": str, "learner_version": int, "learner_updates": int, "admission_budget": int, "mode": "fifo"|"replay",
          "counters": {name: number}, "depth": {...}, "staleness_hist": {lag: samples},
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
          "retired": {"consumers": int, "stats": {stat: sum}},   # consumers retired (buffer.prompts.retire)
@@ -170,6 +170,7 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         pipe = client.pipeline(transaction=True)
         pipe.hgetall(k.counters)
         pipe.get(k.version)
+        pipe.get(k.updates)
         pipe.hgetall(k.hist_consumed)
         pipe.hgetall(k.hist_dropped)
         pipe.hgetall(k.consumers)
@@ -180,10 +181,12 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
         pipe.time()  # heartbeats are stamped on Redis's clock: ages are taken on it too
         return pipe.execute()
 
-    counters_raw, version, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw, now = retry(read)
+    counters_raw, version, updates, hist_c, hist_d, consumers_raw, retired_raw, dead_len, stats_raw, workers_raw, now = \
+        retry(read)
     pel = retry(client.xpending, k.prompts, WORKERS_GROUP) if params else None
     counters = read_counters(counters_raw, k.counters)
     learner_version = control_int(version, k.version, "")
+    learner_updates = pacing.trained_updates(updates, learner_version, k.updates)
     now = now[0] + now[1] / 1e6
     consumers = {}
     for name, raw in consumers_raw.items():
@@ -195,7 +198,8 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
     return {
         "run_id": k.run_id,
         "learner_version": learner_version,
-        "admission_budget": pacing.admission_budget(params, learner_version, counters) if params else 0,
+        "learner_updates": learner_updates,  # below the version after a learner restart renumbered its weights
+        "admission_budget": pacing.admission_budget(params, learner_updates, counters) if params else 0,
         "mode": params["mode"] if params else "fifo",
         "counters": counters,
         "depth": {

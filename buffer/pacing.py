@@ -12,7 +12,16 @@ grid of states and checks it agrees with :func:`admission_budget`.
 Admission (AReaL's staleness control), counted in samples::
 
     ahead  = min(max_staleness, lookahead)         (lookahead None: max_staleness)
-    budget = (ahead + learner_version + 1) * batch_size - admitted
+    budget = (ahead + updates + 1) * batch_size - admitted
+
+``updates``: the updates the learner's published weights hold (the ``updates`` key, which the
+learner writes with its version), not the version. The two are equal until a learner restarts
+from a checkpoint older than the versions it had published: it numbers its restored weights
+above those, so the version runs ahead of what was trained, and a budget counted from it would
+admit that many batches more for the rest of the run, each then too stale to train on (a drop
+gives its budget back, so the surplus never drains). ``admitted`` counts what the updates took,
+so what was trained is the one count to set it against. A run's Redis data written before the
+learner told its updates has only the version, which stands in for them.
 
 ``claim.lua`` admits a prompt while ``budget >= group_size`` and reserves ``group_size`` of
 ``admitted`` for it. ``append.lua`` admits a group no prompt produced (rlhf-gateway's episodes)
@@ -49,6 +58,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from buffer.connection import control_int
+
 #: Run parameters (fields of the run's ``params`` hash) the rule reads, in the order the Lua
 #: ``pacing_params`` reads them.
 PARAMS = ("batch_size", "max_staleness", "lookahead", "samples_per_insert", "min_size_to_sample", "error_buffer")
@@ -64,14 +75,21 @@ def ahead(max_staleness: int, lookahead: int | None) -> int:
     return max_staleness if lookahead is None else min(max_staleness, lookahead)
 
 
-def admission_budget(params: Mapping[str, Any], version: int, counters: Mapping[str, float]) -> int:
+def trained_updates(raw: bytes | str | None, version: int, key: str) -> int:
+    """The updates pacing counts, from the ``updates`` key's value ``raw`` (``key``: its name, for
+    the error when it is not a number); ``version`` when the run's data has no such key."""
+    return version if raw is None else control_int(raw, key, "")
+
+
+def admission_budget(params: Mapping[str, Any], updates: int, counters: Mapping[str, float]) -> int:
     """Samples that may be admitted for generation now: pacing, capped by the limiter if on.
 
-    ``params``: the run parameters (:data:`PARAMS` are read); ``version``: the learner version;
-    ``counters``: at least :data:`COUNTERS`. Never negative (the Lua's budget can be: the
-    learner's version or a limiter draw can lag what was admitted).
+    ``params``: the run parameters (:data:`PARAMS` are read); ``updates``: the updates the
+    learner's published weights hold (:func:`trained_updates`); ``counters``: at least
+    :data:`COUNTERS`. Never negative (the Lua's budget can be: the learner's updates, after a
+    restart from a checkpoint, or a limiter draw can lag what was admitted).
     """
-    budget = (ahead(params["max_staleness"], params.get("lookahead")) + version + 1) * params["batch_size"]
+    budget = (ahead(params["max_staleness"], params.get("lookahead")) + updates + 1) * params["batch_size"]
     budget -= counters["admitted"]
     spi = params["samples_per_insert"]
     if spi:
@@ -131,8 +149,8 @@ local function limiter_insert_room(pace, inserts, sampled)
   return room
 end
 -- pacing.admission_budget, before it is clipped at 0 (a negative budget admits nothing)
-local function admission_budget(pace, version, admitted, inflight, inserts, sampled)
-  local budget = (pacing_ahead(pace) + version + 1) * pace.batch_size - admitted
+local function admission_budget(pace, updates, admitted, inflight, inserts, sampled)
+  local budget = (pacing_ahead(pace) + updates + 1) * pace.batch_size - admitted
   if pace.samples_per_insert > 0 then
     local room = limiter_insert_room(pace, inserts + inflight, sampled)
     if room < budget then budget = room end

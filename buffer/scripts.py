@@ -205,7 +205,7 @@ def source(name: str) -> str:
 
 def claim_keys(keys: K.RunKeys) -> list[str]:
     """``KEYS`` of ``claim.lua`` (the pacing check runs there)."""
-    return [keys.params, keys.version, keys.counters, keys.prompts, keys.dead, keys.wake_prompts]
+    return [keys.params, keys.version, keys.updates, keys.counters, keys.prompts, keys.dead, keys.wake_prompts]
 
 
 def complete_keys(keys: K.RunKeys, mode: str) -> list[str]:

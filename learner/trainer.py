@@ -11,7 +11,9 @@ Versions never repeat with different weights: a restarted learner first offers i
 weights under the checkpoint's own version. The weight server accepts that only when it holds
 exactly those weights under that number (or nothing newer), so a clean restart continues at the
 same version; when a version beyond the checkpoint was published before the crash, the
-restored weights go out above the newest one, and the workers switch to them.
+restored weights go out above the newest one, and the workers switch to them. From then on the
+version runs ahead of the updates the weights hold; the buffer is told both, and paces
+generation by the updates (:mod:`buffer.pacing`).
 
 One line per update goes to ``metrics.jsonl`` before that update's checkpoint, so every
 checkpointed update has its line. After a crash, the updates published but not checkpointed
@@ -195,7 +197,7 @@ class Learner:
         self.updates = self._checkpointed = int(extra.get("updates", 0))
         self.updater.load_state_dict(extra.get("updater", {}))
         if self.rank0 and extra.get("fill") and self.buffer.restore_fill_state(
-                extra["fill"], admitted=self.version * self.cfg.learner.batch_size):
+                extra["fill"], admitted=self.updates * self.cfg.learner.batch_size):
             log.info("a fresh buffer: prompts go on from the checkpoint's cursor (epoch %d, prompt %d)",
                      extra["fill"]["epoch"], extra["fill"]["index"])
         trained_ids = extra.get("trained_ids", [])
@@ -271,7 +273,7 @@ class Learner:
             return True
         if background:
             # the copies are a snapshot: the next optimizer step changes the weights in place
-            self._sending = self._sender.submit(self._send, self.version, list(tensors), t0)
+            self._sending = self._sender.submit(self._send, self.version, self.updates, list(tensors), t0)
             return True
         try:
             self.publisher.publish(self.version, tensors)
@@ -284,10 +286,10 @@ class Learner:
         self._last_publish_s = time.monotonic() - t0
         return True
 
-    def _send(self, version: int, tensors: list[tuple[str, torch.Tensor]], t0: float) -> None:
-        """The publish thread: send ``version``, then tell the buffer (workers pace against it)."""
+    def _send(self, version: int, updates: int, tensors: list[tuple[str, torch.Tensor]], t0: float) -> None:
+        """The publish thread: send ``version``, then tell the buffer (workers pace against ``updates``)."""
         self.publisher.publish(version, tensors)
-        self.buffer.set_learner_version(version)
+        self.buffer.set_learner_version(version, updates)
         self._last_publish_s = time.monotonic() - t0
 
     def wait_published(self) -> None:
@@ -369,7 +371,8 @@ class Learner:
         if self.exporter is not None:  # the base of its counters: 0, or the restored checkpoint's totals
             self.exporter.update({UPDATES: self.updates, SAMPLES_TRAINED: self.samples_trained})
         if self.rank0:
-            self.buffer.set_learner_version(self.version)
+            # pacing counts the updates: after a restart from a checkpoint, fewer than the version
+            self.buffer.set_learner_version(self.version, self.updates)
             if self.cfg.data.source == "none":  # samples come from rlhf-gateway's sessions only
                 return
             self._producer = threading.Thread(target=self._produce_prompts, name="prompts", daemon=True)

@@ -89,7 +89,10 @@ def render(snap: dict[str, Any]):
 
     c = snap.get("counters", {})
     head = Table.grid(padding=(0, 2))
-    head.add_row("run", str(snap.get("run_id")), "learner version", str(snap.get("learner_version")),
+    version, updates = snap.get("learner_version"), snap.get("learner_updates", snap.get("learner_version"))
+    # a learner restarted from a checkpoint numbers its weights past the updates they hold; pacing counts the updates
+    head.add_row("run", str(snap.get("run_id")), "learner version",
+                 str(version) if updates == version else f"{version} ({updates} updates)",
                  "admission budget", str(snap.get("admission_budget")))
     depth = snap.get("depth", {})
     head.add_row("prompts waiting", str(depth.get("prompts_waiting")), "leased", str(depth.get("prompts_leased")),

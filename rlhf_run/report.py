@@ -174,6 +174,48 @@ def _json_or_none(line: str) -> Any:
         return None
 
 
+class RestartDrops:
+    """Samples dropped as too stale right after a learner restart that numbered its weights past
+    the updates they hold, told apart from the run's other drops (fed the buffer's snapshots in
+    order). Such a learner restored a checkpoint older than the versions it had published, and
+    publishes it above them (no number names two sets of weights): the samples generated before
+    the restart, by the weights the crash lost or older ones, are then that many versions further
+    behind it, and some are too stale to train on. Pacing counts the updates, so this stops once
+    they are read: a restart's drops are those counted until its learner has trained
+    ``max_staleness + 2`` updates past where the dead one was (all that was admitted before it)."""
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self.restarts: list[dict[str, int]] = []  # {version, updates, skipped, samples_dropped_stale}
+        self._last: tuple[int, int, int] | None = None  # the previous snapshot's version, updates, drops
+        self._open: tuple[dict[str, int], int] | None = None  # the restart whose drops still count, drops before it
+
+    def add(self, snap: dict[str, Any]) -> None:
+        version, updates = snap.get("learner_version"), snap.get("learner_updates")
+        if version is None or updates is None:  # a snapshot from before the buffer knew the updates
+            return
+        dropped = int(snap.get("counters", {}).get("samples_dropped_stale", 0))
+        # (a learner at version 0 lost nothing: such a snapshot is a run's start, or a fresh Redis's)
+        if self._last is not None and self._last[0] > 0 and version - updates > self._last[0] - self._last[1]:
+            # version and updates: the dead learner's last; skipped: versions numbered without an update
+            restart = {"version": self._last[0], "updates": self._last[1],
+                       "skipped": version - updates - (self._last[0] - self._last[1]), "samples_dropped_stale": 0}
+            self.restarts.append(restart)
+            self._open = (restart, self._last[2])
+        self._last = (version, updates, dropped)
+        if self._open is not None:
+            restart, before = self._open
+            restart["samples_dropped_stale"] = max(0, dropped - before)
+            if updates >= restart["updates"] + self.max_staleness + 2:
+                self._open = None
+
+    def text(self) -> str:
+        """The live line's words for the newest restart's drops ("" when none)."""
+        r = next((r for r in reversed(self.restarts) if r["samples_dropped_stale"]), None)
+        return "" if r is None else (f"  dropped stale {r['samples_dropped_stale']} after the learner restart at "
+                                     f"version {r['version']} (made before it)")
+
+
 class Progress:
     """Samples the buffer once a second on its own thread (so the launcher's supervision never
     waits on Redis), writes the snapshots to ``timeline.jsonl`` (ever more sparsely: :class:`Timeline`)
@@ -198,6 +240,7 @@ class Progress:
         self._eta = Eta(cfg.learner.max_updates, self.started, cfg.run.max_seconds)
         self._filter_stall = FilterStall() if cfg.algo.filter_groups else None  # every group filtered: say so
         self._timeline = Timeline(output_dir / TIMELINE_FILE, self.started)
+        self._restarts = RestartDrops(cfg.algo.max_staleness)
         self._last_print = 0.0
         self._buffer = None
         self._live = None
@@ -272,6 +315,7 @@ class Progress:
                 self._timeline.add(snap)
             except UserError as exc:  # its disk is full: the run must end (so would the learner's next line)
                 self.error = self.error or exc
+            self._restarts.add(snap)
             if self.prometheus is not None:
                 self.prometheus.update(snap)
             line = self.line(snap)
@@ -295,6 +339,7 @@ class Progress:
             f"  trained {last.get(M.SAMPLES_TRAINED, 0)}"
             f"  staleness(mean) {last.get(M.STALENESS_MEAN, 0):.2f}"
             f"  gen {gen_tps:.0f} tok/s  buffered {snap.get('depth', {}).get('samples_in_buffer', '?')}"
+            + self._restarts.text()
             + (f"  scoring {scoring['scoring_share']:.0%} busy, {scoring['reward_calls_per_s']:.0f} calls/s"
                if scoring["scoring_share"] is not None else "")
         )
@@ -449,6 +494,9 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         and not int(launch[0].get("counters", {}).get("samples_appended", 0))
     staleness_means = [r.get(M.STALENESS_MEAN) for r in rows]
     staleness_max = max((r.get(M.STALENESS_MAX, 0) for r in rows), default=0)
+    restarts = RestartDrops(cfg.algo.max_staleness)
+    for snap in timeline:
+        restarts.add(snap)
     compute = sum(r.get(M.TIME_COMPUTE_S, 0.0) for r in rows)
     wait = sum(r.get(M.TIME_WAIT_S, 0.0) for r in rows)
     read = sum(r.get(M.TIME_READ_S, 0.0) for r in rows)
@@ -469,6 +517,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "generated_this_launch": counts_restarted,  # samples_generated counts this launch's alone
         "samples_dropped_stale": int(counters.get("samples_dropped_stale", 0)),  # never trained on
         "samples_aged_out": int(counters.get("samples_aged_out", 0)),  # replay mode: trained, then too stale
+        # learner restarts that numbered their weights past the updates they hold, with the stale drops that followed
+        "learner_restarts": restarts.restarts,
         "reward_start": _mean(rewards[:k]),
         "reward_end": _mean(rewards[-k:]),
         "reward_max": max((r for r in rewards if r is not None), default=None),
@@ -526,6 +576,17 @@ def format_summary(s: dict[str, Any]) -> str:
         f"publishing {t['learner_publish_s']:.1f} s (on its own thread)",
     ]
     dropped, generated = s.get("samples_dropped_stale") or 0, s["samples_generated"] or 0
+    restarts = [r for r in s.get("learner_restarts") or [] if r["samples_dropped_stale"]]
+    if restarts:
+        after = sum(r["samples_dropped_stale"] for r in restarts)
+        dropped -= after
+        at = "; ".join(f"at version {r['version']}, {r['samples_dropped_stale']} dropped, the restored weights numbered "
+                       f"{r['skipped']} versions ahead" for r in restarts)
+        lines.append(f"  {after} of the samples dropped as too stale followed a learner restart ({at}): the learner "
+                     "restored a checkpoint older than the versions it had published and numbered its weights past "
+                     "them, so what was generated before the restart was that many versions behind it. Expected once "
+                     "per restart (fewer with a smaller learner.checkpoint_every), not a reason to raise "
+                     "algo.max_staleness")
     if generated and dropped > 0.1 * generated:
         lines.append(f"  {dropped / generated:.0%} of the generated samples were more than algo.max_staleness="
                      f"{s['max_staleness']} versions behind the learner when it read them, and were dropped: raise "

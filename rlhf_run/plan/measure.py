@@ -505,7 +505,7 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
         learner = Learner(icfg, buffer=Buffer.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
         stack.callback(learner.close)
         learner.publish()
-        learner.buffer.set_learner_version(learner.version)
+        learner.buffer.set_learner_version(learner.version, learner.updates)
         learner.buffer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
         worker, samples = measure_worker(icfg, prompts, redis_cpu)
         batch = int(cfg.learner.batch_size)

@@ -4,9 +4,11 @@ What it models, and where the real code does it:
 
 * **Admission** (``buffer/pacing.py``, ``claim.lua``): a claim admits whole prompts while
   ``admitted + group_size <= (ahead + learner_version + 1) * batch_size``, ``ahead =
-  min(max_staleness, lookahead)``; the learner's version in the buffer moves only when a publish
-  is done; a lease carries that version and the worker pulls weights at least that new before
-  it generates (``_claim``). Dropped stale groups give their budget back and wake claimers.
+  min(max_staleness, lookahead)`` (the code counts the learner's updates, equal to its version
+  in a run without learner restarts, which is all this models); the learner's version in the
+  buffer moves only when a publish is done; a lease carries that version and the worker pulls
+  weights at least that new before it generates (``_claim``). Dropped stale groups give their
+  budget back and wake claimers.
 * **Worker loop** (``rollout_workers/worker.py``): capacity ``(slots + G - 1 - busy) // G``
   prompts with ``busy`` = running + queued requests + samples in the scoring pool; an idle worker
   blocks in the claim up to 0.25 s (woken by a version or budget change, re-checking every

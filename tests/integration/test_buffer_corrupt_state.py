@@ -33,6 +33,8 @@ CASES = {
                              lambda b: b.claim("w", 1), ["counters admitted holds", "'abc'"]),
     "version not a number": (lambda b: b.redis.set(b.keys.version, "v7"),
                              lambda b: b.claim("w", 1), ["version", "'v7'"]),
+    "updates not a number": (lambda b: b.redis.set(b.keys.updates, "u7"),
+                             lambda b: b.claim("w", 1), ["updates", "'u7'"]),
     "wake stream replaced by a string": (lambda b: (b.redis.delete(b.keys.wake_prompts), b.redis.set(b.keys.wake_prompts, "x")),
                                          lambda b: b.set_learner_version(1), ["WRONGTYPE", "wake:prompts"]),
     "fill cursor not a number": (lambda b: b.redis.hset(b.keys.fill, mapping={"epoch": 0, "index": "abc"}),

@@ -137,6 +137,58 @@ def test_pacing_bounds_staleness_without_dropping_in_a_steady_run(redis_url, max
     assert (c["samples_dropped_stale"], c["samples_consumed"]) == (0, steps * B)
 
 
+def test_a_learner_restarted_past_its_checkpoint_paces_by_the_updates_its_weights_hold(redis_url):
+    """The learner publishes versions 1-6, checkpoints after update 4 and dies. Restarted, it
+    publishes checkpoint 4's weights as version 7 (no number names two sets of weights) and trains
+    the two lost updates again as versions 8 and 9. The samples the lost weights made are too
+    stale for version 9 and dropped; from then on a steady run drops nothing. Paced by the version
+    (7 = 4 updates + 3), three batches more were admitted at every step, each dropped when read."""
+    B, G = 8, 4
+    buf = Buffer.connect(redis_url, "renumbered", BufferConfig(lease_timeout_s=5.0, lookahead=1))
+    buf.init_run(batch_size=B, group_size=G, max_staleness=2)
+    buf.enqueue_prompts(T.prompts(400))
+
+    def generate(b: Buffer) -> int:
+        """Workers: everything the budget allows, made with the weights the leases name."""
+        leases = b.claim("w", 1000)
+        for lease in leases:
+            b.complete(lease, T.group(lease.prompt, G, version=lease.learner_version))
+        return len(leases)
+
+    for version in range(6):
+        generate(buf)
+        batch = buf.read_batch("L", version, B, timeout_s=1.0)
+        if version < 4:  # committed with checkpoint 4; updates 5 and 6 are lost with the crash
+            buf.commit(batch)
+        buf.set_learner_version(version + 1)
+    assert generate(buf) == B // G  # while the learner is down, the budget version 6 gave
+    buf.close()
+
+    learner = Buffer.connect(redis_url, "renumbered", BufferConfig(lease_timeout_s=5.0, lookahead=1))
+    version, updates = 7, 4
+    learner.set_learner_version(version, updates)
+    assert learner.admission_budget() == 0  # what was admitted for the lost updates is still there
+    for _ in range(2):  # the lost updates' batches, read again against the checkpoint's version
+        batch = learner.read_batch("L", 4, B, timeout_s=1.0, newest=version)
+        learner.commit(batch)
+        version, updates = version + 1, updates + 1
+        learner.set_learner_version(version, updates)
+    # the two batches the weights of versions 5 and 6 made are too stale for version 9 (lag 4 and 3)
+    assert learner.read_batch("L", version, B, timeout_s=0.1) is None
+    assert learner.metrics()["counters"]["samples_dropped_stale"] == 2 * B
+    assert learner.admission_budget() == 2 * B  # the batch read next and the lookahead's
+    admitted, dropped = [], []
+    for _ in range(8):
+        admitted.append(generate(learner))
+        learner.commit(learner.read_batch("L", version, B, timeout_s=1.0))
+        dropped.append(learner.metrics()["counters"]["samples_dropped_stale"])
+        version, updates = version + 1, updates + 1
+        learner.set_learner_version(version, updates)
+    assert dropped == [2 * B] * 8, dropped  # nothing more
+    assert admitted == [2 * B // G] + [B // G] * 7, admitted  # then a batch per update
+    assert learner.metrics()["learner_updates"] == updates == 14
+
+
 def test_partial_groups_stay_whole_and_report_their_size(redis_url):
     buf = _connect(redis_url)
     buf.init_run(batch_size=12, group_size=4, max_staleness=8)

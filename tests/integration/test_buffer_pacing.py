@@ -1,6 +1,6 @@
 """The pacing rule's two versions agree: claim.lua on a real Redis and buffer.pacing in Python.
 
-For every state of a grid (run parameters x learner version x counters) the test writes the
+For every state of a grid (run parameters x learner version and updates x counters) the test writes the
 state into Redis and asks the Lua twice: ``claim.lua`` with ``max_prompts`` 0 returns the
 budget it computes without claiming, and a real claim admits some prompts. Both must equal what
 :func:`buffer.pacing.admission_budget` says for the same state: the budget (the Lua's is not
@@ -26,7 +26,9 @@ pytestmark = pytest.mark.integration
 BATCH, GROUP = 8, 2
 MAX_STALENESS = (0, 1, 2, 4)
 LOOKAHEAD = (None, 0, 1, 3)
-VERSIONS = (0, 1, 5)
+#: (learner version, updates its weights hold): equal, renumbered past them after a restart (the
+#: budget counts the updates), and a run's data without the updates key (the version stands in)
+LEARNER = ((0, 0), (1, 1), (9, 5), (5, None))
 #: More than any state admits: (4 + 5 + 1) * 8 / 2 = 40 prompts at most.
 MAX_PROMPTS = 64
 # replay mode without a limiter paces like FIFO; with one, the limiter caps the budget too
@@ -46,9 +48,15 @@ LIMITER = ((0, 0), (10, 4), (40, 70.5), (100, 20), (20, 150.5))
 
 def _states(limited: bool):
     limiter = LIMITER if limited else ((0, 0),)
-    for i, (version, admitted, inflight, (inserts, sampled)) in enumerate(itertools.product(VERSIONS, ADMITTED, INFLIGHT, limiter)):
-        yield {"version": version, "admitted": admitted, "inflight": inflight, "rl_inserts": inserts,
-               "rl_samples": sampled, "budget_returned": 8 * (i % 3)}
+    for i, ((version, updates), admitted, inflight, (inserts, sampled)) in enumerate(
+            itertools.product(LEARNER, ADMITTED, INFLIGHT, limiter)):
+        yield {"version": version, "updates": updates, "admitted": admitted, "inflight": inflight,
+               "rl_inserts": inserts, "rl_samples": sampled, "budget_returned": 8 * (i % 3)}
+
+
+def _updates(state: dict) -> int:
+    """What pacing counts in ``state``."""
+    return state["version"] if state["updates"] is None else state["updates"]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +80,9 @@ class Rig:
         self.enqueued = 0
 
     def set_state(self, state: dict) -> None:
-        self.buf.set_learner_version(state["version"])
+        self.buf.set_learner_version(state["version"], state["updates"])
+        if state["updates"] is None:
+            self.buf.redis.delete(self.buf.keys.updates)
         counters = {n: state[n] for n in (*pacing.COUNTERS, "budget_returned")}
         self.buf.redis.hset(self.buf.keys.counters, mapping=counters)
 
@@ -106,12 +116,12 @@ def test_lua_and_python_pacing_agree_over_a_grid_of_states(pacing_redis_url, mod
         rig = Rig(pacing_redis_url, mode, max_staleness, lookahead)
         for state in _states(limited):
             rig.set_state(state)
-            python = pacing.admission_budget(rig.params, state["version"], state)
+            python = pacing.admission_budget(rig.params, _updates(state), state)
             assert rig.buf.admission_budget() == python  # the facade reads the same state back
             lua = rig.lua_budget()
             admitted = rig.claim()
             after = {**state, "admitted": state["admitted"] + GROUP * admitted, "inflight": state["inflight"] + GROUP * admitted}
-            python_after = pacing.admission_budget(rig.params, state["version"], after)
+            python_after = pacing.admission_budget(rig.params, _updates(state), after)
             stored = read_counters(rig.buf.redis.hgetall(rig.buf.keys.counters))
             got = (max(0, lua), admitted, python_after, (stored["admitted"], stored["inflight"]))
             want = (python, min(MAX_PROMPTS, python // GROUP), max(0, lua - GROUP * admitted), (after["admitted"], after["inflight"]))
@@ -122,7 +132,7 @@ def test_lua_and_python_pacing_agree_over_a_grid_of_states(pacing_redis_url, mod
             if limited:
                 ins = state["rl_inserts"] + state["inflight"]
                 room = pacing.insert_room(ins, state["rl_samples"], 2.0, 8, 8.0)
-                pace = (pacing.ahead(max_staleness, lookahead) + state["version"] + 1) * BATCH - state["admitted"]
+                pace = (pacing.ahead(max_staleness, lookahead) + _updates(state) + 1) * BATCH - state["admitted"]
                 limiter_binds += room < pace and room > 0
                 pacing_binds += pace < room and pace > 0
         rig.buf.delete_run()

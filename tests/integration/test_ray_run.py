@@ -34,6 +34,7 @@ from buffer import Buffer, RunKeys  # noqa: E402
 from buffer.keys import WORKERS_GROUP  # noqa: E402
 from rlhf_core import metric_names as M  # noqa: E402
 from servers import wait_for  # noqa: E402
+from test_chaos import WINDOW, audit, stale_after_a_learner_restart  # noqa: E402
 from test_run import Lines, base_overrides, child_env, leases_taken_over, pending, pid_alive, script  # noqa: E402
 
 pytestmark = [pytest.mark.integration]
@@ -315,6 +316,41 @@ def test_a_lost_workers_node_stalls_generation_no_longer_than_ray_takes_to_see_i
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
     assert snap["depth"]["dead_letters"] == 0 and snap["depth"]["prompts_leased"] == 0, snap["depth"]
     assert c["prompts_reclaimed"] >= 1, c  # taken over, not all finished by worker-0 before it died
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_learner_actor_killed_between_checkpoints_drops_no_more_than_before(tmp_path, cluster, redis_server,
+                                                                               model_cache):
+    """The Ray twin of ``test_chaos.py::test_a_learner_killed_between_checkpoints_drops_no_more_than_before``:
+    the learner actor's process SIGKILLed between checkpoints, restarted by the launcher from the
+    last one and renumbered past the versions it had published; from a few updates
+    after, stale drops stay at most 2% of generated, and the audit holds."""
+    out, run_id = tmp_path / "out", "ray-restart-pacing"
+    r = redis.Redis.from_url(redis_server.url)
+    proc = subprocess.Popen(rlhf_run(tmp_path, out, model_cache, "launcher=ray", f"ray.address={cluster.address}",
+                                     "ray.worker.num_cpus=0.5", "+ray.worker.resources.rollout=1",
+                                     f"buffer.url={redis_server.url}", f"buffer.run_id={run_id}",
+                                     "learner.checkpoint_every=10", "learner.max_updates=100000"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env())
+    lines = Lines(proc)
+    try:
+        until(lines, lambda: actors(out).get("learner"), 240, "the learner placed")
+        counts = stale_after_a_learner_restart(r, RunKeys.for_run(run_id), out / "logs" / "learner.log",
+                                               lambda: os.kill(actors(out)["learner"]["pid"], signal.SIGKILL),
+                                               wait=lambda *a: until(lines, *a))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) == 130
+        lines.thread.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "\n".join(lines.lines)
+    assert "restarting the learner from its last checkpoint (restart 1 of 3)" in output, output[-3000:]
+    audit(out, redis_server.url, run_id)
+    generated, stale = counts["window"]
+    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.02 * generated, counts
 
 
 @pytest.mark.timeout(120)

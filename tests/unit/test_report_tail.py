@@ -124,6 +124,40 @@ def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summar
     assert "rewards:" not in format_summary(s)
 
 
+def test_stale_drops_after_a_learner_restart_are_told_apart_and_explained():
+    from rlhf_core.config import Config
+    from rlhf_run.report import RestartDrops, format_summary, summarize
+
+    # (learner version, updates, dropped stale) a second apart: the learner dies at version 14
+    # (14 updates) and restores checkpoint 10, published as version 15; 16 samples the dead
+    # learner's weights made are dropped when read, then the learner trains past 14 + 2 + 2 updates
+    # and a later drop (lag from slow workers) is not the restart's
+    points = [(13, 13, 0), (14, 14, 0), (15, 10, 0), (19, 14, 16), (21, 16, 16), (23, 18, 16), (24, 19, 20)]
+    timeline = [{"time": 100.0 + i, "learner_version": v, "learner_updates": u,
+                 "counters": {"samples_appended": 100 * (i + 1), "samples_dropped_stale": d}}
+                for i, (v, u, d) in enumerate(points)]
+    restarts = RestartDrops(max_staleness=2)
+    lines = []
+    for snap in timeline:
+        restarts.add(snap)
+        lines.append(restarts.text())
+    assert restarts.restarts == [{"version": 14, "updates": 14, "skipped": 5, "samples_dropped_stale": 16}]
+    assert lines[:3] == ["", "", ""] and lines[3] == "  dropped stale 16 after the learner restart at version 14 (made before it)"
+    rows = [{"learner/updates": i, "learner/samples_trained": 16 * i, "time": 100.0 + i} for i in range(1, 20)]
+    s = summarize(Config(), rows, timeline, wall_s=10.0, exit_reason="done")
+    assert s["learner_restarts"] == restarts.restarts
+    text = format_summary(s)
+    assert ("  16 of the samples dropped as too stale followed a learner restart (at version 14, 16 dropped, the "
+            "restored weights numbered 5 versions ahead)") in text and "not a reason to raise algo.max_staleness" in text
+    # the other 4 of 700 generated are under the 10% that earns the hint to raise algo.max_staleness
+    assert "were more than" not in text
+    # a snapshot from before the buffer knew the updates (or an older run's) tells nothing
+    older = RestartDrops(max_staleness=2)
+    for snap in timeline:
+        older.add({k: v for k, v in snap.items() if k != "learner_updates"})
+    assert older.restarts == []
+
+
 class _Counters:
     """What the monitor reads of the buffer: its counters and the consumers' heartbeats."""
 
