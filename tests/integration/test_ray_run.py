@@ -230,9 +230,11 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     assert "worker-0 exited with code -9 (the actor died" in output
     assert "scaling the workers from 2 to 3" in output and "scaling the workers from 3 to 1" in output
     assert "restarting the learner from its last checkpoint (restart 1 of 3)" in output, output[-3000:]
-    # every worker that took part has its record, or was retired (10 lease timeouts after it left)
+    # every worker that took part has its record, or was retired (10 lease timeouts after it left);
+    # worker-0 may also have been retired once while Ray placed it again (its leases were expired
+    # when it died, so it held none), its next process making a new record
     records = {k.decode() for k in r.hkeys(RunKeys.for_run(run_id).consumers)}
-    assert "worker-0" in records and len(records & {"worker-1", "worker-2", "ext-0"}) + snap["retired"]["consumers"] == 3, \
+    assert "worker-0" in records and len(records & {"worker-1", "worker-2", "ext-0"}) + snap["retired"]["consumers"] in (3, 4), \
         (records, snap["retired"])
     local = json.loads((out / "children.json").read_text())
     assert not [n for n, p in local.items() if pid_alive(p)], "processes left running"
@@ -350,7 +352,7 @@ def test_a_learner_actor_killed_between_checkpoints_drops_no_more_than_before(tm
     assert "restarting the learner from its last checkpoint (restart 1 of 3)" in output, output[-3000:]
     audit(out, redis_server.url, run_id)
     generated, stale = counts["window"]
-    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.02 * generated, counts
+    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.05 * generated, counts  # the bound: test_chaos.py's twin
 
 
 @pytest.mark.timeout(120)

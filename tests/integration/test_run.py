@@ -761,7 +761,7 @@ def test_resume_after_the_whole_launcher_is_killed_loses_nothing_and_trains_noth
     start = next(c for v, c in counts if v >= int(restored[2]) + SETTLE)
     end = counts[-1][1]
     generated, stale = (end[k] - start[k] for k in ("samples_appended", "samples_dropped_stale"))
-    assert generated >= 10 * 16 and stale <= 0.02 * generated, (start, end)
+    assert generated >= 10 * 16 and stale <= 0.05 * generated, (start, end)  # the bound: see test_chaos.py
     assert not (tmp_path / "outputs").exists()  # no new folder for the resumed launcher
     assert not (out / "redis").exists()  # a clean finish removes the Redis data
     # Hydra's record of the first launch stays; the resume's command is kept beside it (once: overwritten)

@@ -15,7 +15,7 @@ from buffer import metrics, pacing, scripts
 def test_every_key_of_a_run_is_under_its_prefix_in_one_cluster_slot():
     k = K.RunKeys.for_run("sweep/algo.max_staleness=2")
     names = k.all()
-    assert len(names) == len(set(names)) == 23
+    assert len(names) == len(set(names)) == 24
     channel = k.gw_out("gateway-1")  # a pub/sub channel (not a key): named under the prefix too
     assert all(n.startswith("rlhf:{sweep/algo.max_staleness=2}:") for n in [*names, channel])
     assert {key_slot(n.encode()) for n in names} == {key_slot(b"sweep/algo.max_staleness=2")}
