@@ -9,8 +9,11 @@ Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + respo
 * Per-token tensors ``[B, T]`` cover the response only: token ``t`` of row ``b`` is
   ``input_ids[b, response_start[b] + t]`` and is predicted by the logits at position
   ``response_start[b] - 1 + t`` (see :func:`gather_response`).
-* Samples of one group (one prompt) are contiguous, groups in order of first appearance;
-  ``group_sizes [G]`` may hold fewer than ``algo.group_size`` when a sample was dead-lettered.
+* Samples of one group (one prompt) are contiguous, groups in order of their ids and samples
+  in order of their index in the group, whatever order they arrived in (that depends on the
+  workers' timing): an update does not depend on it, so a synchronous run with fixed seeds
+  repeats itself. ``group_sizes [G]`` may hold fewer than ``algo.group_size`` when a sample was
+  dead-lettered.
 * ``response_mask`` marks every real response token (the forward pass, the alignment);
   ``policy_mask`` the ones the policy sampled: ``response_mask`` AND the sample's ``loss_mask``
   (a multi-turn episode's observations and template tokens are 0 there). Every loss, KL,
@@ -126,11 +129,11 @@ class TrainBatch:
 
 
 def _group_order(samples: Sequence[Sample]) -> tuple[list[int], list[int]]:
-    """Sample indices reordered so each group is contiguous (groups by first appearance, samples
-    in arrival order inside a group), and the size of each group."""
+    """Sample indices reordered so each group is contiguous (groups in order of their ids, samples
+    by their index in the group), and the size of each group."""
     groups: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(s.group_id, []).append(i)
+    for i in sorted(range(len(samples)), key=lambda i: (samples[i].group_id, samples[i].group_index)):
+        groups.setdefault(samples[i].group_id, []).append(i)
     for gid, members in groups.items():
         declared = samples[members[0]].group_size
         if len(members) > declared:

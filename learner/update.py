@@ -502,7 +502,7 @@ class PolicyUpdater:
         m.set("reward/min", r.min())
         m.set("reward/max", r.max())
         comps: dict[str, list[float]] = {}
-        for s in samples:
+        for s in sorted(samples, key=lambda s: (s.group_id, s.group_index)):  # the batch's order: sums repeat
             for k, v in s.reward_components.items():
                 comps.setdefault(k, []).append(v)
         for k, vals in sorted(comps.items()):

@@ -80,16 +80,20 @@ def test_response_logits_predict_the_response_tokens(keep_arg):
     assert lm.calls == ([4] if keep_arg == "honours" else [0])
 
 
-def test_groups_become_contiguous_in_order_of_first_appearance():
-    s = [sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=3, index=0),
+def test_groups_become_contiguous_in_order_of_their_ids_whatever_the_arrival():
+    s = [sample(prompt_ids=[1], response_ids=[6], group_id="A", group_size=3, index=2),
+         sample(prompt_ids=[1], response_ids=[7], group_id="C", group_size=1, index=0),
          sample(prompt_ids=[1], response_ids=[5], group_id="B", group_size=2, index=0),
-         sample(prompt_ids=[1], response_ids=[6], group_id="A", group_size=3, index=2),
-         sample(prompt_ids=[1], response_ids=[7], group_id="C", group_size=1, index=0)]
+         sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=3, index=0)]
     batch = collate(s, PAD)
     assert batch.sample_ids == ["A/0", "A/2", "B/0", "C/0"]
     assert batch.response_ids[:, 0].tolist() == [4, 6, 5, 7]
     assert batch.group_index.tolist() == [0, 0, 1, 2]
     assert batch.group_sizes.tolist() == [2, 1, 1]  # A is partial (one sample dead-lettered)
+    # the workers' timing decides the arrival order: any order of the same samples, the same batch
+    for order in ([3, 2, 1, 0], [1, 3, 0, 2]):
+        again = collate([s[i] for i in order], PAD)
+        assert again.sample_ids == batch.sample_ids and again.input_ids.equal(batch.input_ids)
 
 
 def test_ref_logprobs_are_all_or_none():

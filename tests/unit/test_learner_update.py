@@ -124,6 +124,31 @@ def test_partial_groups_train_and_a_lone_sample_has_no_gradient(base, samples, t
     assert max_diff(w0, params(up.engine.module)) == 0.0
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_the_order_samples_arrive_in_does_not_change_the_update(estimator, base, tiny_model_cfg):
+    # Which sample of a batch a worker finished first depends on timing; the rows' order decides
+    # the micro-batches (ties in length), the minibatches and the order of every float sum. The
+    # batch is put in an order of its own (groups by id, samples by index): the same update,
+    # bit for bit, so a synchronous run with fixed seeds repeats itself. Responses of different
+    # lengths (an end-of-sequence token), micro-batches of 3, two minibatches.
+    smp = generate_samples(base, PROMPTS, group_size=4, max_new_tokens=6, seed=5, reward_fn=digit_reward, eos_id=14)
+    assert len({len(s.response_ids) for s in smp}) > 1
+    settings = {"algo.estimator": estimator, "learner.batch_size": 12, "learner.micro_batch_size": 3,
+                "learner.num_minibatches": 2, "learner.ppo_epochs": 2}
+    if estimator == "gae":
+        settings["algo.group_size"] = 1
+    cfg = tiny_config(tiny_model_cfg, **settings)
+    results = []
+    for order in (list(range(12)), [7, 2, 11, 0, 5, 9, 1, 10, 3, 6, 8, 4]):
+        torch.manual_seed(0)  # the critic's fresh value head
+        up = make(base, cfg, critic=load_critic(tiny_model_cfg) if estimator == "gae" else None)
+        m = up.update([smp[i] for i in order], 0)
+        results.append((params(up.engine.module), {k: v for k, v in m.items() if "time" not in k and "_per_s" not in k
+                                                   and "tflops" not in k}))
+    (w0, m0), (w1, m1) = results
+    assert max_diff(w0, w1) == 0.0 and m0 == m1
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batch_size_does_not_change_the_update(agg, base, samples, tiny_model_cfg):
     # every micro-batch loss is scaled by its share of the minibatch: accumulation == one pass
