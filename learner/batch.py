@@ -33,7 +33,7 @@ against the learner's (a few misfits are dead-lettered, most of them stop the le
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch

@@ -81,7 +81,7 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, Any]]
 
 @dataclass(frozen=True)
 class PolicyLossEntry:
-    fn: PolicyLossFn  # (logp, prox_logp, behav_logp, advantages, mask, *, clip..., agg_mode, norm_len, is_config)
+    fn: PolicyLossFn  # (logp, prox_logp, behav_logp, advantages, mask, *, is_config, **clip_loss options)
     importance_sampling: bool  # weighs tokens by pi_prox / mu: algo.is_* apply and are checked
 
 

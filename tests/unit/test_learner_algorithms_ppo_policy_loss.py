@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from learner.algorithms.ppo_policy_loss import ppo_clip_loss
 from learner_helpers import T, close  # noqa: E402
