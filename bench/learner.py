@@ -31,7 +31,7 @@ operators' own CPU time instead, and a scalar read waits for nothing.
 settings compared in the same run. ``--gpu`` always adds ``learner.keep_head_logits=true``.
 
 Beside them, the fused LM head alone (``head`` in the JSON): the log-probs of the first shape's
-whole batch of response tokens through ``learner.batch._LinearLogprobs``, forward and backward,
+whole batch of response tokens through ``learner.lm_head._LinearLogprobs``, forward and backward,
 its elementwise work in eager torch and through ``torch.compile`` (what ``learner.compile`` runs),
 and compiled with the forward's logits kept for the backward (``learner.keep_head_logits``): how
 much of an update the head is, and what compiling its softmax passes and skipping its recompute save.
@@ -172,6 +172,7 @@ def release_memory() -> None:
 def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...], use_deepspeed: bool,
             use_compile: bool, use_profile: bool = False,
             variants: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
+    from learner.batch import Collator
     from learner.engine_factory import make_engine
     from learner.stats import flops_metrics, peak_flops
     from learner.update import PolicyUpdater
@@ -231,10 +232,15 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
         try:
             engine = make_engine(cfg, load_policy(cfg.model))
             updater = PolicyUpdater(cfg, engine)
+            collate = Collator.for_model(engine.module, updater.device)
+
+            def update() -> dict[str, float]:  # from samples, as the Learner does
+                return updater.update(collate(samples), 0)
+
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             # the same version each time: it only seeds the minibatch order and the staleness metrics
-            seconds, metrics = timed(partial(updater.update, samples, 0), warmup, repeats, device)
+            seconds, metrics = timed(update, warmup, repeats, device)
         except Exception as exc:  # noqa: BLE001 - DeepSpeed's start can fail on a machine; keep the other rows
             if engine_name == "torch":
                 raise
@@ -243,7 +249,7 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
             continue
         rows.append(row(label, seconds, update_flops(metrics), ids.numel(), metrics.get(M.MFU)))
         if use_profile and engine_name == profiled:
-            rows[-1]["profile"] = profile_once(partial(updater.update, samples, 0), device)
+            rows[-1]["profile"] = profile_once(update, device)
         del engine, updater
         release_memory()
     return rows
@@ -252,7 +258,7 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
 def head_rows(spec: dict[str, Any], path: Path, shape: tuple[int, ...]) -> list[dict[str, Any]]:
     """The fused LM head alone, forward and backward over ``batch x response_tokens`` hidden states
     at the model's width and vocabulary (chunked as the learner chunks), eager and compiled."""
-    from learner.batch import _head_math, _LinearLogprobs
+    from learner.lm_head import _head_math, _LinearLogprobs
     from rlhf_core.config import LearnerConfig
     from transformers import AutoConfig
 

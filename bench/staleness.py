@@ -74,9 +74,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _common import print_table, write_results  # noqa: E402
-from learner.batch import collate  # noqa: E402
+from learner.algorithms.core import masked_mean  # noqa: E402
+from learner.batch import Collator  # noqa: E402
 from learner.engines import TorchEngine  # noqa: E402
-from learner.masked import masked_mean  # noqa: E402
 from learner.update import PolicyUpdater  # noqa: E402
 from rlhf_core.config import Config, ModelConfig  # noqa: E402
 from rlhf_core.models import load_policy, load_tokenizer  # noqa: E402
@@ -183,7 +183,7 @@ def geometric_weights(updater: PolicyUpdater, samples: list[Sample]) -> dict[str
     the fraction of responses each cap would act on: the token level's (tis_cap, mis band) and the
     sequence level's (seq_tis_cap, seq mis band). pi_prox is the weights the update starts from."""
     a = updater.algo
-    batch = collate(samples, updater.pad_id, updater.device, updater.vocab_size)
+    batch = Collator.for_model(updater.engine.module, updater.device)(samples)
     w = torch.exp(masked_mean(updater.proximal_logprobs(batch) - batch.behaviour_logprobs, batch.response_mask, dim=-1))
     frac = lambda hit: float(hit.double().mean())  # noqa: E731
     return {
@@ -224,7 +224,7 @@ def run(method: str, seed: int, s: dict[str, Any], base, tok) -> dict[str, Any]:
         if cfg.algo.is_level == "sequence":
             for key, value in geometric_weights(updater, samples).items():
                 kept.setdefault(key, []).append(value)
-        m = updater.update(samples, v)
+        m = updater.update(Collator.for_model(policy, updater.device)(samples), v)
         batch_rewards.append(m["reward/mean"])
         for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/behav_prox_kl",
                     "loss/clip_frac", "loss/ratio_max", "learner/grad_norm"):

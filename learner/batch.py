@@ -1,4 +1,5 @@
-"""Batch assembly: samples -> right-padded tensors, micro-batches, and the logits alignment.
+"""The learner's intake: samples checked against the learner's model, collated into a typed
+:class:`TrainBatch` of right-padded tensors, and cut into micro-batches.
 
 Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + response,
 ``T`` = longest response):
@@ -8,9 +9,12 @@ Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + respo
   causal LM are right without passing them.
 * Per-token tensors ``[B, T]`` cover the response only: token ``t`` of row ``b`` is
   ``input_ids[b, response_start[b] + t]`` and is predicted by the logits at position
-  ``response_start[b] - 1 + t`` (see :func:`gather_response`).
-* Samples of one group (one prompt) are contiguous, groups in order of first appearance;
-  ``group_sizes [G]`` may hold fewer than ``algo.group_size`` when a sample was dead-lettered.
+  ``response_start[b] - 1 + t`` (see :func:`learner.lm_head.gather_response`).
+* Samples of one group (one prompt) are contiguous, groups in order of their ids and samples
+  in order of their index in the group, whatever order they arrived in (that depends on the
+  workers' timing): an update does not depend on it, so a synchronous run with fixed seeds
+  repeats itself. ``group_sizes [G]`` may hold fewer than ``algo.group_size`` when a sample was
+  dead-lettered.
 * ``response_mask`` marks every real response token (the forward pass, the alignment);
   ``policy_mask`` the ones the policy sampled: ``response_mask`` AND the sample's ``loss_mask``
   (a multi-turn episode's observations and template tokens are 0 there). Every loss, KL,
@@ -19,20 +23,23 @@ Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + respo
 
 ``token_extras`` / ``row_extras`` carry tensors computed later (proximal log-probs,
 advantages, ...) so that :meth:`TrainBatch.select` slices them with the batch.
+
+Before collation, :func:`split_stop_token_misfits` checks the samples' end-of-sequence tokens
+against the learner's (a few misfits are dead-lettered, most of them stop the learner), and
+:func:`collate` their token ids against the learner's vocabulary and their groups against
+``algo.group_size``: a batch that reaches the update is one the learner can train on.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from rlhf_core.errors import UserError
+from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.records import Sample
-from rlhf_core.sampling import token_logprobs
 
 
 class BatchError(UserError, ValueError):
@@ -54,8 +61,13 @@ class TrainBatch:
     group_index: torch.Tensor  # [B] int64, 0..G-1, contiguous
     group_sizes: torch.Tensor  # [G] int64
     truncated: torch.Tensor  # [B] bool: finish_reason == "length"
+    oldest_version: torch.Tensor  # [B] int64: version of the row's oldest policy token (staleness = learner version - it)
     sample_ids: list[str]
     pad_id: int
+    # the batch's reward components (name -> the values of the samples that have it) and, when
+    # any sample is a multi-turn episode, every row's assistant turns; not kept by select()
+    reward_components: dict[str, list[float]] = field(default_factory=dict)
+    turns: torch.Tensor | None = None  # [B] float64
     token_extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, T]
     row_extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
 
@@ -115,6 +127,7 @@ class TrainBatch:
             group_index=self.group_index[idx],
             group_sizes=self.group_sizes,
             truncated=self.truncated[idx],
+            oldest_version=self.oldest_version[idx],
             sample_ids=[self.sample_ids[i] for i in idx.tolist()],
             pad_id=self.pad_id,
             token_extras={k: tok(v) for k, v in self.token_extras.items()},
@@ -126,11 +139,11 @@ class TrainBatch:
 
 
 def _group_order(samples: Sequence[Sample]) -> tuple[list[int], list[int]]:
-    """Sample indices reordered so each group is contiguous (groups by first appearance, samples
-    in arrival order inside a group), and the size of each group."""
+    """Sample indices reordered so each group is contiguous (groups in order of their ids, samples
+    by their index in the group), and the size of each group."""
     groups: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(s.group_id, []).append(i)
+    for i in sorted(range(len(samples)), key=lambda i: (samples[i].group_id, samples[i].group_index)):
+        groups.setdefault(samples[i].group_id, []).append(i)
     for gid, members in groups.items():
         declared = samples[members[0]].group_size
         if len(members) > declared:
@@ -190,23 +203,24 @@ def stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[
     return out
 
 
-def stop_token_message(sample: Sample, eos_ids: frozenset[int] | set[int], why: str) -> str:
-    return (f"sample {sample.sample_id!r} from worker {sample.worker_id or '?'} does not fit the learner's "
-            f"end-of-sequence token ids {sorted(eos_ids)}: it {why}")
-
-
-def check_stop_tokens(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int]) -> None:
-    """Raise :class:`BatchError` if any sample contradicts the learner's end-of-sequence ids
-    (see :func:`stop_token_misfits`): a tokenizer mismatch between workers and learner."""
-    misfits = stop_token_misfits(samples, eos_ids)
-    if misfits:
-        i, why = misfits[0]
+def split_stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int],
+                             recent: FailureWindow) -> tuple[list[Sample], list[tuple[Sample, str]]]:
+    """The samples to train on and, each with what is wrong with it, those to dead-letter: the
+    ones that contradict the learner's end-of-sequence ids (:func:`stop_token_misfits`; no
+    ``eos_ids``, no check). A few such samples are a worker's fault; when most recent ones are
+    (``recent`` says so), the workers and the learner use different tokenizers and nothing can
+    be trained: :class:`BatchError`, and the batch stays in the buffer."""
+    bad = dict(stop_token_misfits(samples, eos_ids))
+    misfits = [(samples[i], f"sample {samples[i].sample_id!r} from worker {samples[i].worker_id or '?'} does not fit "
+                            f"the learner's end-of-sequence token ids {sorted(eos_ids)}: it {why}") for i, why in bad.items()]
+    if any([recent.record(i in bad) for i in range(len(samples))]) and misfits:
         raise BatchError(
-            f"{stop_token_message(samples[i], eos_ids, why)}. The workers use a tokenizer with other special "
+            f"{misfits[0][1]}. The workers use a tokenizer with other special "
             "tokens than the learner's: point model.path / model.tokenizer_path of workers and learner at the same "
             "tokenizer, and start a new run (buffer.run_id): this batch stays in the buffer. (With "
             "rollout.stop_strings set a response may also stop on other tokens, and this check is off)"
         )
+    return [s for i, s in enumerate(samples) if i not in bad], misfits
 
 
 def collate(
@@ -214,6 +228,7 @@ def collate(
     pad_id: int,
     device: torch.device | str = "cpu",
     vocab_size: int | None = None,
+    max_group_size: int | None = None,
 ) -> TrainBatch:
     """Assemble samples into a right-padded :class:`TrainBatch` (see the module docstring).
 
@@ -223,12 +238,17 @@ def collate(
         device: where the tensors go.
         vocab_size: the learner model's vocabulary; when given, out-of-range ids raise
             :class:`BatchError` naming both vocabularies.
+        max_group_size: ``algo.group_size`` of an estimator that compares the responses of one
+            prompt; a larger group raises :class:`BatchError` (workers and learner disagree).
     """
     if not samples:
         raise BatchError("cannot train on an empty batch")
     if vocab_size is not None:
         check_vocab(samples, vocab_size)
     order, sizes = _group_order(samples)
+    if max_group_size is not None and max(sizes) > max_group_size:
+        raise BatchError(f"a group has {max(sizes)} samples but algo.group_size is {max_group_size}: the workers and "
+                         "the learner must run with the same algo.group_size")
     ordered = [samples[i] for i in order]
     B = len(ordered)
     P = [int(s.prompt_ids.shape[0]) for s in ordered]
@@ -259,6 +279,11 @@ def collate(
         if ref is not None:
             ref[b, :r] = s.ref_logprobs
     group_index = np.repeat(np.arange(len(sizes)), sizes)
+    components: dict[str, list[float]] = {}
+    for s in ordered:
+        for k, v in s.reward_components.items():
+            components.setdefault(k, []).append(v)
+    episodes = any(s.loss_mask is not None for s in ordered)
     t = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
     return TrainBatch(
         input_ids=t(input_ids),
@@ -274,9 +299,34 @@ def collate(
         group_index=t(group_index.astype(np.int64)),
         group_sizes=t(np.asarray(sizes, dtype=np.int64)),
         truncated=t(np.asarray([s.finish_reason == "length" for s in ordered], dtype=bool)),
+        oldest_version=t(np.asarray([s.oldest_version for s in ordered], dtype=np.int64)),
         sample_ids=[s.sample_id for s in ordered],
         pad_id=int(pad_id),
+        reward_components=components,
+        turns=t(np.asarray([float(s.metadata.get("turns", 0)) for s in ordered])) if episodes else None,
     )
+
+
+@dataclass(frozen=True)
+class Collator:
+    """:func:`collate` for one model: its padding id and vocabulary, where the tensors go, and the
+    ``algo.group_size`` of an estimator that compares the responses of one prompt (else None)."""
+
+    pad_id: int
+    vocab_size: int | None
+    device: torch.device | str = "cpu"
+    max_group_size: int | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, device: torch.device | str, max_group_size: int | None = None) -> "Collator":
+        """Padding with the model's pad token, else its (first) end-of-sequence token."""
+        config = model.config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
+        return cls(pad_id, int(config.vocab_size), device, max_group_size)
+
+    def __call__(self, samples: Sequence[Sample]) -> TrainBatch:
+        return collate(samples, self.pad_id, self.device, self.vocab_size, self.max_group_size)
 
 
 def micro_batches(batch: TrainBatch, size: int) -> Iterator[tuple[torch.Tensor, TrainBatch]]:
@@ -296,268 +346,3 @@ def micro_batches(batch: TrainBatch, size: int) -> Iterator[tuple[torch.Tensor, 
         yield rows, batch.select(rows)
 
 
-def gather_response(per_position: torch.Tensor, batch: TrainBatch, offset: int = 0) -> torch.Tensor:
-    """Pick the outputs that predict the response tokens.
-
-    Args:
-        per_position: ``[B, L', ...]`` model outputs for positions ``offset .. offset + L' - 1``.
-        batch: the batch the outputs belong to.
-        offset: position of ``per_position[:, 0]`` in ``input_ids`` (non-zero with ``logits_to_keep``).
-
-    Returns:
-        ``[B, T, ...]`` where ``[:, t]`` is the output at position ``response_start - 1 + t``
-        (clamped inside the sequence for padding positions, which the masks exclude).
-    """
-    T = batch.response_ids.shape[1]
-    pos = batch.response_start[:, None] - 1 + torch.arange(T, device=per_position.device)[None, :]
-    idx = (pos - offset).clamp(0, per_position.shape[1] - 1)
-    if per_position.dim() == 2:
-        return per_position.gather(1, idx)
-    idx = idx.reshape(*idx.shape, *([1] * (per_position.dim() - 2))).expand(-1, -1, *per_position.shape[2:])
-    return per_position.gather(1, idx)
-
-
-def policy_inputs(batch: TrainBatch) -> dict[str, Any]:
-    """A causal LM's forward arguments for ``batch``, with no attention mask: rows are right-padded
-    and causal attention never looks right of a position, so every real token's output is what
-    the padding mask would give (outputs at padding positions differ; every loss masks them).
-    Without a mask the model builds none (nor checks, a host sync, whether any row is padded)
-    and SDPA can take its causal flash kernel. Not for a critic or reward model that may not be
-    causal: :func:`response_values` keeps the mask."""
-    return {"input_ids": batch.input_ids, "attention_mask": None, "use_cache": False}
-
-
-def response_logits(forward: Callable[..., Any], batch: TrainBatch, use_logits_to_keep: bool = True) -> torch.Tensor:
-    """``[B, T, V]`` logits predicting the response tokens, from one forward pass.
-
-    With ``use_logits_to_keep`` the LM head runs only from the first position any row needs
-    (the shortest prompt's last token) to the end, which skips most prompt positions; models
-    whose forward has no ``logits_to_keep`` argument fall back to full logits.
-    """
-    L = batch.input_ids.shape[1]
-    first = int(batch.response_start.min()) - 1
-    kwargs = policy_inputs(batch)
-    if use_logits_to_keep and first > 0:
-        try:
-            out = forward(**kwargs, logits_to_keep=L - first)
-        except TypeError as exc:
-            if "logits_to_keep" not in str(exc):
-                raise
-        else:
-            # The returned positions are the last ones; a model that swallows the argument in
-            # **kwargs and returns every position is handled by the same offset arithmetic.
-            return gather_response(out.logits, batch, offset=L - out.logits.shape[1])
-    out = forward(**kwargs)
-    return gather_response(out.logits, batch)
-
-
-def response_values(forward: Callable[..., Any], batch: TrainBatch) -> torch.Tensor:
-    """``[B, T]`` critic values (token-classification head, one label) for the state before
-    each response token: the same positions as :func:`response_logits`."""
-    out = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    logits = out.logits
-    if logits.dim() == 3:
-        logits = logits[..., 0]
-    return gather_response(logits.float(), batch)
-
-
-def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """(decoder body, LM head) of a transformers causal LM whose logits are exactly
-    ``head(body(...).last_hidden_state)``; None when that is not known to hold (logit scaling or
-    soft-capping after the head, or no such attributes), and the caller keeps full logits."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return None
-    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linear = isinstance(head, torch.nn.Linear) or isinstance(getattr(head, "base_layer", None), torch.nn.Linear)
-    if not isinstance(body, torch.nn.Module) or body is model or not linear:  # base_layer: a LoRA-adapted head
-        return None
-    return body, head
-
-
-class _LinearLogprobs(torch.autograd.Function):
-    """Log-probs of ``ids`` under ``softmax(hidden @ weight.T / temperature)``, ``chunk`` rows at a
-    time, with the backward written out so no chunk's logits outlive it.
-
-    Per chunk, forward and backward alike start from the head's matmul ``z`` (the weight's dtype
-    in and out) and hand it to a :class:`_HeadMath`: the forward takes the log-probs of the
-    sampled tokens (and, as a statistic without gradient, the entropies) and keeps only those
-    ``[N]`` results and its inputs; the backward computes ``z`` again, turns it into
-    ``dz = d(sum g * logp) / dz = g * (onehot - p) / temperature`` in the weight's dtype, then
-    ``grad_hidden = dz @ W`` and ``grad_W += dz.T @ h`` (accumulated in the weight's dtype, as
-    micro-batches accumulate). By count, on a GPU the elementwise passes over ``[chunk, V]``
-    outweigh the matmuls: the four matmuls do ``8 x width`` FLOP a logit (7,168 at width 896),
-    the passes moved about 58 bytes a logit before :class:`_HeadMath` (26 forward, 32 backward),
-    and an H100 does about 300 FLOP in the time it moves a byte. ``bench/learner.py`` times the head
-    alone (its ``head`` rows). ``keep_logits`` (``learner.keep_head_logits``) keeps each chunk's
-    ``z`` from the forward for the backward instead: one matmul of four less, at ``N x V`` logits of
-    the weight's dtype held between the passes (5 GB for 64 x 256 bf16 tokens at Qwen2's vocabulary).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy, math, keep_logits=False):  # noqa: ANN001
-        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        ent = torch.zeros_like(logp)
-        kept = []
-        for i in range(0, hidden.shape[0], chunk):
-            z = hidden[i : i + chunk].to(weight.dtype) @ weight.t()
-            lp, e = math.stats(z, ids[i : i + chunk], temperature, with_entropy)
-            logp[i : i + chunk] = lp
-            if with_entropy:
-                ent[i : i + chunk] = e
-            if keep_logits:
-                kept.append(z)
-            del z
-        ctx.save_for_backward(hidden, weight, ids, logp)
-        ctx.temperature, ctx.chunk, ctx.math, ctx.kept = temperature, chunk, math, kept
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):  # noqa: ANN001
-        hidden, weight, ids, logp = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
-            h, rows = hidden[i : i + ctx.chunk].to(weight.dtype), slice(i, i + ctx.chunk)
-            if ctx.kept:
-                z, ctx.kept[k] = ctx.kept[k], None  # freed as soon as its gradient is made
-            else:
-                z = h @ weight.t()
-            dz = ctx.math.grad(z, ids[rows], grad_logp[rows].float(), logp[rows], ctx.temperature)
-            del z
-            if grad_hidden is not None:
-                grad_hidden[rows] = dz @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(dz.t(), h)
-            del dz
-        return grad_hidden, grad_weight, None, None, None, None, None, None
-
-
-class _HeadMath:
-    """The fused head's elementwise work on a chunk's logits ``z [n, V]``, in eager torch.
-
-    ``stats``: the fp32 log-softmax read straight from ``z`` (at temperature 1 a low-precision
-    matmul's output is not copied to fp32 first), the sampled tokens' log-probs gathered from it, and the entropy
-    ``H = -sum_v p_v log p_v`` when asked. ``grad``: ``p = softmax(z)`` in fp32 scaled in place
-    by ``-g / T``, the sampled token's entry set to ``g / T * (1 - p) = -g / T * expm1(logp)``
-    from the forward's fp32 log-prob (precise where ``p`` is near 1), then cast to the weight's
-    dtype: its passes over ``[n, V]`` move about 22 bytes an entry with a bf16 head (a
-    log-softmax, ``exp``, scaling and cast moved about 32), the forward's about 26.
-    """
-
-    @staticmethod
-    def stats(z: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
-        # not in place: an fp32 z is its own .float(), and the backward may read it again (keep_logits)
-        y = torch.log_softmax(z if temperature == 1.0 else z.float() / temperature, dim=-1, dtype=torch.float32)
-        logp = y.gather(-1, ids[:, None]).squeeze(-1)
-        return logp, (-(y.exp().unsqueeze(1) @ y.unsqueeze(2)).view(-1) if with_entropy else None)
-
-    @staticmethod
-    def grad(z: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, logp: torch.Tensor, temperature: float) -> torch.Tensor:
-        coef = g.div(-temperature)[:, None]  # -g / T
-        p = torch.softmax(z if temperature == 1.0 else z.float().div_(temperature), dim=-1, dtype=torch.float32)
-        return p.mul_(coef).scatter_(-1, ids[:, None], coef * torch.expm1(logp)[:, None]).to(z.dtype)
-
-
-class _CompiledHeadMath:
-    """:class:`_HeadMath` as expressions ``torch.compile`` fuses (``learner.compile``): ``stats``
-    reads ``z`` for the log-sum-exp, the sampled logits and the entropy (``sum_v p_v (lse - z_v)``)
-    and writes ``[n]`` results; ``grad`` reads ``z`` (and the forward's log-sum-exp, recovered as
-    ``z_id - logp``) and writes ``dz`` in the weight's dtype, the sampled token's entry
-    ``p - 1`` in fp32 inside the kernel: a few bytes an entry with a bf16 head, against the
-    eager one's 26 and 22. Same numbers to float rounding (``tests/unit/test_learner_batch.py``)."""
-
-    @staticmethod
-    def _stats(z, ids, temperature: float, with_entropy: bool):  # noqa: ANN001
-        x = z.float() / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        logp = x.gather(-1, ids[:, None]).squeeze(-1) - lse
-        if not with_entropy:
-            return logp, None
-        neg_logp = lse[:, None] - x  # H = sum_v p_v (lse - x_v): non-negative terms, no cancellation at the end
-        return logp, (torch.exp(-neg_logp) * neg_logp).sum(-1)
-
-    @staticmethod
-    def _grad(z, ids, g, logp, temperature: float):  # noqa: ANN001
-        x = z.float() / temperature
-        lse = x.gather(-1, ids[:, None]) - logp[:, None]
-        p = torch.exp(x - lse)
-        onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == ids[:, None]
-        return (torch.where(onehot, p - 1.0, p) * (g.div(-temperature)[:, None])).to(z.dtype)
-
-    def __init__(self) -> None:
-        self.stats = torch.compile(self._stats, dynamic=True)
-        self.grad = torch.compile(self._grad, dynamic=True)
-
-
-@functools.cache
-def _compiled_head_math() -> _CompiledHeadMath:
-    return _CompiledHeadMath()  # made once, at the first compiled use
-
-
-def _head_math(compiled: bool) -> type[_HeadMath] | _CompiledHeadMath:
-    return _compiled_head_math() if compiled else _HeadMath
-
-
-def fused_head(head: torch.nn.Module) -> torch.Tensor | None:
-    """The weight of an LM head :class:`_LinearLogprobs` can run: a plain bias-free
-    ``nn.Linear`` whose weight is really there (not a LoRA layer, not a ZeRO-3 placeholder)."""
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
-    weight = head.weight
-    if hasattr(weight, "ds_id") or weight.numel() != head.in_features * head.out_features:
-        return None
-    return weight
-
-
-def fused_response_logprobs(
-    body: torch.nn.Module, weight: torch.Tensor, batch: TrainBatch, temperature: float, chunk_tokens: int,
-    with_entropy: bool, compiled: bool = False, keep_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs of the response tokens at ``temperature`` (no top-k/top-p), and their
-    entropies (no gradient) when asked, through :class:`_LinearLogprobs`: what
-    :func:`chunked_response_logprobs` computes for that case, with fewer passes over the logits.
-    ``compiled``: its elementwise work through ``torch.compile`` (:class:`_CompiledHeadMath`);
-    ``keep_logits``: the forward's logits kept for the backward (:class:`_LinearLogprobs`), when
-    there is a backward: a no-grad pass holds one chunk's logits at a time either way."""
-    hidden = body(**policy_inputs(batch)).last_hidden_state
-    h = gather_response(hidden, batch)  # [B, T, H]
-    B, T = batch.response_ids.shape
-    logp, ent = _LinearLogprobs.apply(h.reshape(B * T, -1), weight, batch.response_ids.reshape(B * T).long(),
-                                      float(temperature), int(chunk_tokens), bool(with_entropy), _head_math(compiled),
-                                      bool(keep_logits and torch.is_grad_enabled()))
-    return logp.reshape(B, T), (ent.reshape(B, T) if with_entropy else None)
-
-
-def chunked_response_logprobs(
-    body: torch.nn.Module, head: torch.nn.Module, batch: TrainBatch, process: Callable[[torch.Tensor], torch.Tensor],
-    chunk_tokens: int, entropy_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs of the response tokens (and entropies with ``entropy_fn``) without
-    materialising ``[B, T, V]`` logits: the body runs once, then the LM head, ``process`` (the
-    sampling's logit processing) and the log-softmax gather run over ``chunk_tokens`` response
-    positions at a time, each chunk under activation checkpointing, so backward keeps only the
-    ``[B, T, H]`` hidden states and recomputes one chunk's logits at a time. At vocab 151k,
-    16 x 512 tokens of fp32 logits are 5 GB; a chunk of 1024 is 0.6 GB.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    hidden = body(**policy_inputs(batch)).last_hidden_state
-    h = gather_response(hidden, batch)  # [B, T, H]
-    B, T = batch.response_ids.shape
-    flat_h, flat_ids = h.reshape(B * T, -1), batch.response_ids.reshape(B * T)
-
-    def chunk(hc: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        processed = process(head(hc))
-        logp = token_logprobs(processed, ids)
-        ent = entropy_fn(processed) if entropy_fn is not None else torch.zeros_like(logp)
-        return logp, ent
-
-    parts = [checkpoint(chunk, flat_h[i : i + chunk_tokens], flat_ids[i : i + chunk_tokens], use_reentrant=False)
-             if torch.is_grad_enabled() else chunk(flat_h[i : i + chunk_tokens], flat_ids[i : i + chunk_tokens])
-             for i in range(0, B * T, chunk_tokens)]
-    logp = torch.cat([p[0] for p in parts]).reshape(B, T)
-    ent = torch.cat([p[1] for p in parts]).reshape(B, T) if entropy_fn is not None else None
-    return logp, ent

@@ -1,4 +1,5 @@
-"""Running statistics (reward normalisation) and the per-update metric accumulator.
+"""An update's statistics: the per-update metric accumulator, the batch's own statistics,
+running statistics (reward normalisation) and the FLOP count.
 
 Both are plain Python floats so that a checkpoint stores them exactly (JSON round-trips a
 float bit for bit) and every data-parallel rank, fed the same batch, holds the same values.
@@ -7,11 +8,15 @@ float bit for bit) and every data-parallel rank, fed the same batch, holds the s
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from learner.algorithms.core import masked_mean
 from rlhf_core import metric_names as M
+
+if TYPE_CHECKING:
+    from learner.batch import TrainBatch
 
 
 class RunningMoments:
@@ -144,6 +149,35 @@ class MetricSums:
         out.update(self._max)
         out.update(self._set)
         return out
+
+
+def batch_metrics(batch: TrainBatch, version: int, group_size: int, m: MetricSums) -> None:
+    """Statistics of the whole batch (rewards, lengths, staleness against ``version``, groups);
+    every rank computes them identically."""
+    r = batch.rewards.double()
+    m.set(M.REWARD_MEAN, r.mean())
+    m.set("reward/std", r.std(unbiased=False))
+    m.set("reward/min", r.min())
+    m.set("reward/max", r.max())
+    for k, vals in sorted(batch.reward_components.items()):
+        m.set(f"reward/{k}", sum(vals) / len(vals))
+    m.set(M.PROMPT_LEN_MEAN, batch.response_start.double().mean())
+    m.set("reward/response_len_mean", batch.response_lengths.double().mean())
+    m.set("reward/truncated_frac", batch.truncated.double().mean())
+    if batch.turns is not None:  # multi-turn episodes
+        m.set("reward/policy_len_mean", batch.policy_lengths.double().mean())
+        m.set("learner/policy_token_frac", batch.policy_mask.sum().double() / batch.response_mask.sum().clamp(min=1))
+        m.set("reward/turns_mean", batch.turns.mean())
+    stale = (version - batch.oldest_version).double()
+    m.set("staleness/min", stale.min())
+    m.set(M.STALENESS_MEAN, stale.mean())
+    m.set(M.STALENESS_MAX, stale.max())
+    tok = (version - batch.token_versions).double()
+    m.set("staleness/token_mean", masked_mean(tok, batch.policy_mask))
+    m.set(M.NUM_SAMPLES, batch.num_rows)
+    m.set(M.NUM_TOKENS, batch.policy_mask.sum())
+    m.set("learner/num_groups", batch.num_groups)
+    m.set("learner/partial_groups", (batch.group_sizes < group_size).sum())
 
 
 def _on_device(x: Any) -> bool:

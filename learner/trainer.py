@@ -51,7 +51,7 @@ from rlhf_core.metric_names import (EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRI
 from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.tasks import builtin_prompts
-from learner.batch import stop_token_message, stop_token_misfits
+from learner.batch import Collator, split_stop_token_misfits
 from learner.engines import all_reduce_max, broadcast_samples, shutdown_distributed
 from weight_server import StaleVersionError, WeightPublisher
 
@@ -112,6 +112,7 @@ def produce_prompts(buffer: Buffer, cfg: Config, stop: threading.Event,
 
 class Learner:
     def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
+        from learner.algorithms import algorithm
         from learner.checkpoint import load_latest
         from learner.engine_factory import make_engine
         from learner.update import PolicyUpdater
@@ -126,11 +127,12 @@ class Learner:
         torch.manual_seed(cfg.learner.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.engine = make_engine(cfg, load_policy(cfg.model))
-        eos_ids = _check_tokenizer(self.tokenizer, self.engine.module)
-        self.critic = make_engine(cfg, load_critic(cfg.model)) if cfg.algo.estimator == "gae" else None
-        needs_ref = (cfg.algo.kl_coef > 0 or cfg.algo.estimator == "dpo") and cfg.rollout.ref_logprobs_on != "worker"
+        self.eos_ids = _check_tokenizer(self.tokenizer, self.engine.module, cfg.rollout.stop_strings)
+        algo = algorithm(cfg.algo.estimator)
+        self.critic = make_engine(cfg, load_critic(cfg.model)) if algo.needs_critic else None
+        needs_ref = (cfg.algo.kl_coef > 0 or algo.needs_reference) and cfg.rollout.ref_logprobs_on != "worker"
         self.ref = load_reference(cfg.model) if needs_ref else None
-        self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic, eos_ids=eos_ids)
+        self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic)
         self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.rank0 = self.engine.is_rank0
         vocab = int(self.engine.module.config.vocab_size) if hasattr(self.engine.module, "config") else None
@@ -164,6 +166,8 @@ class Learner:
         self._used_up = False  # rank 0: the buffer said no batch can come any more from the prompts (Buffer.exhausted)
         self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._vocab = vocab
+        self.collate = Collator.for_model(self.engine.module, self.updater.device,
+                                          cfg.algo.group_size if algo.grouped else None)
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         self.exporter = None
         if self.rank0 and cfg.learner.prometheus_port is not None:
@@ -406,17 +410,12 @@ class Learner:
         """Dead-letter the few samples whose end-of-sequence tokens contradict the learner's (one
         such record once crash-looped the learner: re-delivered after every restart). When most
         recent samples misfit (more than half of the last 64, once 8 are seen), the tokenizers
-        differ: the samples stay and the update's check stops the learner with that diagnosis."""
-        misfits = stop_token_misfits(samples, self.updater.eos_ids)
-        bad = dict(misfits)
-        if any([self._misfits.record(i in bad) for i in range(len(samples))]):
-            return samples  # systemic: PolicyUpdater.update raises BatchError on them
-        for i, why in misfits:
-            s = samples[i]
-            reason = stop_token_message(s, self.updater.eos_ids, why)
+        differ: BatchError, and the batch stays in the buffer."""
+        keep, misfits = split_stop_token_misfits(samples, self.eos_ids, self._misfits)
+        for s, reason in misfits:
             log.warning("dead-lettering %s", reason)
             self.buffer.dead_letter(reason, s.worker_id or "?", s.encode())
-        return [s for i, s in enumerate(samples) if i not in bad]
+        return keep
 
     def _train_one(self, batch: Any, samples: list[Sample], t_wait: float) -> dict[str, Any]:
         """One update on ``samples``: train, advance the version, publish it. Returns the update's
@@ -434,7 +433,7 @@ class Learner:
         wait_s = max(0.0, time.monotonic() - t_wait - read_s)
         lags = [read_version - smp.oldest_version for smp in samples]
         t_compute = time.monotonic()
-        metrics = self.updater.update(samples, read_version)
+        metrics = self.updater.update(self.collate(samples), read_version)
         compute_s = time.monotonic() - t_compute
         self.version += 1
         self.updates += 1
@@ -631,9 +630,11 @@ def _float(text: str) -> float:
         return 0.0
 
 
-def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
+def _check_tokenizer(tokenizer: Any, model: torch.nn.Module, stop_strings: Iterable[str] = ()) -> frozenset[int]:
     """Refuse a tokenizer that does not fit the model; return the end-of-sequence ids the workers
-    stop generation at (the tokenizer's and the model's generation config's, as the workers do)."""
+    stop generation at (the tokenizer's and the model's generation config's, as the workers do),
+    which every sample is checked against (a tokenizer mismatch). None with ``stop_strings``: a
+    response may then stop on any token."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     eos: set[int] = set()
@@ -650,7 +651,7 @@ def _check_tokenizer(tokenizer: Any, model: torch.nn.Module) -> frozenset[int]:
                 f"of {vocab} (model.path={getattr(config, 'name_or_path', '?')}): model.tokenizer_path must name the "
                 "tokenizer the model was trained with"
             )
-    return frozenset(eos)
+    return frozenset() if stop_strings else frozenset(eos)
 
 
 def run_learner(cfg: Config, **budget: Any) -> LearnerResult:

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from rlhf_core.choices import Estimator, ISCorrection, ISLevel, PolicyLoss
 from rlhf_core.errors import UserError
 from rlhf_core.metric_names import REWARD_STATS
 
@@ -91,17 +92,15 @@ class AlgoConfig:
     """
 
     name: str = "grpo"
-    # advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | gae | dpo
-    estimator: str = "grpo"
-    # policy loss: decoupled (AReaL decoupled PPO with IS correction) | ppo (plain, on-policy)
-    policy_loss: str = "decoupled"
+    estimator: Estimator = Estimator.grpo  # advantage estimator (rlhf_core/choices.py)
+    policy_loss: PolicyLoss = PolicyLoss.decoupled
     group_size: int = 4  # responses per prompt
     max_staleness: int = 2  # learner_version - oldest token version allowed at consumption
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip_c: Optional[float] = None
-    is_correction: str = "tis"  # none | tis | mis
-    is_level: str = "token"  # token | sequence
+    is_correction: ISCorrection = ISCorrection.tis
+    is_level: ISLevel = ISLevel.token
     tis_cap: float = 2.0  # is_level=token
     mis_low: float = 0.5
     mis_high: float = 2.0
@@ -497,12 +496,7 @@ def register_configs() -> None:
     cs.store(name="base_monitor", node=MonitorConfig)
 
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "dpo")
 _CHOICES = {
-    "algo.estimator": ESTIMATORS,
-    "algo.policy_loss": ("decoupled", "ppo"),
-    "algo.is_correction": ("none", "tis", "mis"),
-    "algo.is_level": ("token", "sequence"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
     "algo.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),

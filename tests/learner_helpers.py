@@ -16,10 +16,38 @@ from rlhf_core.config import Config
 from rlhf_core.records import Sample
 from rlhf_core.sampling import process_logits, sample_tokens, token_logprobs
 
+PAD = 0  # the padding id of the hand-made batches
+
+
+def two_samples() -> tuple[Sample, Sample]:
+    """One group of two hand-made samples of different prompt and response lengths."""
+    a = sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], behaviour_logprobs=[-0.1, -0.2, -0.3], token_versions=[3, 3, 4],
+               reward=1.0, group_id="g0", group_size=2, index=0, ref_logprobs=[-1.0, -1.5, -2.0],
+               reward_components={"count": 0.5})
+    b = sample(prompt_ids=[10, 11, 12], response_ids=[13], behaviour_logprobs=[-0.5], token_versions=[2], reward=0.0,
+               group_id="g0", group_size=2, index=1, ref_logprobs=[-0.7], finish_reason="length")
+    return a, b
+
 
 def T(x) -> torch.Tensor:
     """A float64 tensor: worked-number tests compare exactly written arithmetic."""
     return torch.tensor(x, dtype=torch.float64)
+
+
+def random_episode_batch(seed: int, b: int = 5, t: int = 8):
+    """Random rewards/values/log-probs; masks with holes, right padding and an empty row."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda: torch.randn(b, t, generator=g, dtype=torch.float64)  # noqa: E731
+    rewards, values = rnd(), rnd()
+    behav = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    target = behav + 0.5 * rnd()
+    mask = torch.rand(b, t, generator=g) > 0.25
+    mask[0] = True  # a full row
+    mask[1, 5:] = False  # right padding
+    mask[2] = False  # no real token at all
+    for x in (rewards, values, behav, target):
+        x[~mask] = float("nan")
+    return rewards, values, behav, target, mask
 
 
 def close(actual, expected, atol=1e-6):
@@ -116,3 +144,16 @@ def tiny_config(model_cfg: Any, **overrides: Any) -> Config:
 def digit_reward(prompt: list[int], response: list[int]) -> float:
     """Fraction of response tokens that are a digit character in the tiny vocabulary (ids 20..29)."""
     return sum(20 <= t <= 29 for t in response) / max(1, len(response))
+
+
+def batch_of(updater: Any, samples: Sequence[Sample]) -> Any:
+    """``samples`` collated as the Learner collates them for ``updater``'s model and algorithm."""
+    from learner.batch import Collator
+
+    grouped = updater.cfg.algo.group_size if updater.algorithm.grouped else None
+    return Collator.for_model(updater.engine.module, updater.device, grouped)(samples)
+
+
+def train(updater: Any, samples: Sequence[Sample], version: int) -> dict[str, float]:
+    """One update of ``updater`` on ``samples`` (collated as the Learner does); its metrics."""
+    return updater.update(batch_of(updater, samples), version)

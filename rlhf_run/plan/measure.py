@@ -238,7 +238,7 @@ def measure_worker(cfg: Any, prompts: int, redis_cpu: Callable[[], float]) -> tu
 def measure_learner(learner: Any, updates: int, redis_cpu: Callable[[], float]) -> dict[str, float]:
     """A real learner on the worker's samples: read, publish (snapshot), checkpoint, the rest."""
     read = Timed(learner.buffer.read_batch, lambda out, *a, **k: len(out.samples) if out else 0)
-    update = Timed(learner.updater.update, lambda out, samples, *a, **k: len(samples))
+    update = Timed(learner.updater.update, lambda out, batch, *a, **k: batch.num_rows)
     publish = Timed(learner.publish)
     ckpt = Timed(learner.checkpoint)
     learner.buffer.read_batch, learner.updater.update, learner.publish, learner.checkpoint = read, update, publish, ckpt
@@ -261,6 +261,7 @@ def measure_updates(learner: Any, cfg: Any, samples: list[Any], reps: int = 3) -
     """Update CPU against samples, micro-batches and tokens: [base, per micro, per sample, per token]."""
     from learner.update import PolicyUpdater
 
+    collate = learner.collate
     batch = int(cfg.learner.batch_size)
     group = int(cfg.algo.group_size)
     rows, ys = [], []
@@ -271,14 +272,13 @@ def measure_updates(learner: Any, cfg: Any, samples: list[Any], reps: int = 3) -
         for micro in sorted({n, max(1, n // 2)}):
             lcfg = dataclasses.replace(cfg.learner, batch_size=n, micro_batch_size=micro, num_minibatches=1)
             # the learner's own reference and critic: a run with either updates them (and gae needs the critic)
-            updater = PolicyUpdater(dataclasses.replace(cfg, learner=lcfg), learner.engine, learner.ref, learner.critic,
-                                    eos_ids=learner.updater.eos_ids)
+            updater = PolicyUpdater(dataclasses.replace(cfg, learner=lcfg), learner.engine, learner.ref, learner.critic)
             batch_samples = samples[:n]
             tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch_samples)
             times = []
             for r in range(reps + 1):
                 t0 = time.thread_time()
-                updater.update(batch_samples, 0)
+                updater.update(collate(batch_samples), 0)
                 if r:
                     times.append(time.thread_time() - t0)
             rows.append([1.0, -(-n // micro), float(n), float(tokens)])

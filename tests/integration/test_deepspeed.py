@@ -58,9 +58,10 @@ def train(cfg, base, batches, ref):
     """UPDATES updates; returns (updater, [loss/policy per update], [grad norm per update])."""
     from learner.engine_factory import make_engine
     from learner.update import PolicyUpdater
+    from learner_helpers import batch_of
 
     up = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
-    metrics = [up.update(b, v) for v, b in enumerate(batches)]
+    metrics = [up.update(batch_of(up, b), v) for v, b in enumerate(batches)]
     return up, [m["loss/policy"] for m in metrics], [m["learner/grad_norm"] for m in metrics]
 
 
@@ -78,6 +79,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     from learner.engine_factory import make_engine
     from learner.engines import shutdown_distributed
     from learner.update import PolicyUpdater
+    from learner_helpers import batch_of
     from rlhf_core.models import load_policy
 
     base = load_policy(make_cfg(cache, "torch").model)
@@ -108,14 +110,14 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     # ZeRO-3 checkpoint: save after 1 update, continue 1 update; a fresh engine loads and does the same
     cfg = make_cfg(cache, "deepspeed", 3)
     first = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
-    first.update(batches[0], 0)
+    first.update(batch_of(first, batches[0]), 0)
     save_checkpoint(ckpt, "v1", first.engine, None, {"version": 1, "updater": first.state_dict()})
-    first.update(batches[1], 1)
+    first.update(batch_of(first, batches[1]), 1)
     want = full_state(first.engine)
     second = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
     extra = load_latest(ckpt, second.engine)
     second.load_state_dict(extra["updater"])
-    second.update(batches[1], 1)
+    second.update(batch_of(second, batches[1]), 1)
     got = full_state(second.engine)
     result["ckpt"] = {"version": extra["version"], "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
                       "lr_equal": first.engine.lr == second.engine.lr, "steps": second.engine.global_step}
@@ -166,6 +168,7 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     from learner.engine_factory import make_engine
     from learner.engines import broadcast_samples, shutdown_distributed
     from learner.update import PolicyUpdater
+    from learner_helpers import batch_of
     from rlhf_core.config import WeightServerConfig
     from rlhf_core.models import load_policy
 
@@ -177,7 +180,7 @@ def child_multi(cache: str, out_dir: str, address: str) -> None:
     local = make_batches(base) if rank == 0 else [None] * UPDATES
     batches = [broadcast_samples(b) for b in local]  # only rank 0 reads the buffer
     up = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), ref)
-    metrics = [up.update(b, v) for v, b in enumerate(batches)]
+    metrics = [up.update(batch_of(up, b), v) for v, b in enumerate(batches)]
     losses = [m["loss/policy"] for m in metrics]
     # the tokens learner/tflops counts for this device: TFLOPS x time / (6 x params)
     flop_tokens = [m["learner/tflops"] * 1e12 * m["learner/time_compute_s"] / (6 * up.total_params) for m in metrics]

@@ -18,7 +18,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_compiled_head_gives_the_eager_heads_logprobs_and_gradients_in_bf16(temperature):
-    from learner.batch import _head_math, _LinearLogprobs
+    from learner.lm_head import _head_math, _LinearLogprobs
 
     # Qwen2-0.5B's head (896 wide, 151,936 tokens), 2,500 positions in chunks of 1,024 (the last
     # one short); the first 64 positions sample their most likely token with p near 1, where

@@ -137,6 +137,13 @@ def test_keys_added_with_plus_to_free_form_dicts_still_work():
 def test_wrong_type_is_refused_at_composition():
     with pytest.raises(Exception, match="group_size"):
         compose_cfg("config", ["algo.group_size=four"])
+    # a choice is an Enum (rlhf_core.choices): a name it does not have is refused with those it has
+    for key, choices in (("algo.estimator", "grpo, dr_grpo, rloo, reinforce_pp, gae, dpo"),
+                         ("algo.policy_loss", "decoupled, ppo"), ("algo.is_correction", "none, tis, mis"),
+                         ("algo.is_level", "token, sequence")):
+        with pytest.raises(Exception) as err:
+            compose_cfg("config", [f"{key}=ppo2"])
+        assert f"Invalid value 'ppo2', expected one of [{choices}]" in str(err.value.__cause__), key
 
 
 @pytest.mark.parametrize(
@@ -153,7 +160,6 @@ def test_wrong_type_is_refused_at_composition():
         (["learner.checkpoint_every=0"], "learner.checkpoint_every must be >= 1 update, got 0: a checkpoint is where"),
         (["algo.group_size=1"], "algo.estimator=grpo compares responses of one prompt"),
         (["algo.max_staleness=-1"], "algo.max_staleness must be >= 0, got -1"),
-        (["algo.estimator=ppo2"], "algo.estimator='ppo2' is not one of"),
         # passed validate, then value_loss raised at the first update / V-trace did nothing but force a pi_prox pass /
         # a negative KL coefficient rewarded drifting from the reference (kl_mode=reward: raised at the first update)
         (["algo.estimator=gae", "algo.value_clip=0"], r"algo.value_clip must be > 0 \(or null: no clipping\), got 0.0"),

@@ -198,7 +198,7 @@ def test_checker_sees_imports(tmp_path):
         "buffer/keys.py": "import rlhf_core.wire\nfrom . import scripts\n",
         "buffer/scripts.py": (
             "from typing import TYPE_CHECKING\n"
-            "from learner.losses import x\n"
+            "from learner.lm_head import x\n"
             "import rollout_workers.engine\n"
             "if TYPE_CHECKING:\n    from weight_server import WeightServer\n"
             "def later():\n    from rlhf_run import launch\n"

@@ -1,4 +1,4 @@
-"""learner.batch: collate layout, group order, errors, micro-batches and the logits alignment."""
+"""learner.batch: the stop-token check, collate layout, group order, errors and micro-batches."""
 
 from __future__ import annotations
 
@@ -6,19 +6,9 @@ import pytest
 import torch
 
 from factories import sample
-from learner.batch import BatchError, check_stop_tokens, collate, gather_response, micro_batches, response_logits
-
-PAD = 0
-
-
-def two_samples():
-    a = sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], behaviour_logprobs=[-0.1, -0.2, -0.3], token_versions=[3, 3, 4],
-               reward=1.0, group_id="g0", group_size=2, index=0, ref_logprobs=[-1.0, -1.5, -2.0],
-               reward_components={"count": 0.5})
-    b = sample(prompt_ids=[10, 11, 12], response_ids=[13], behaviour_logprobs=[-0.5], token_versions=[2], reward=0.0,
-               group_id="g0", group_size=2, index=1, ref_logprobs=[-0.7], finish_reason="length")
-    return a, b
-
+from learner.batch import BatchError, collate, micro_batches, split_stop_token_misfits
+from learner_helpers import PAD, two_samples
+from rlhf_core.errors import FailureWindow
 
 def test_collate_two_samples_exact_tensors():
     batch = collate(two_samples(), PAD)
@@ -39,57 +29,20 @@ def test_collate_two_samples_exact_tensors():
     assert batch.lengths.tolist() == [5, 4]
 
 
-def test_response_positions_are_predicted_by_the_previous_position():
-    batch = collate(two_samples(), PAD)
-    # per-position outputs encode their position: out[b, p] = 10 * p + b
-    out = torch.arange(5)[None, :] * 10 + torch.arange(2)[:, None]
-    # row 0: response tokens at 2, 3, 4 are predicted at 1, 2, 3; row 1: token at 3 predicted at 2,
-    # padding positions clamp inside the sequence (masked anyway)
-    assert gather_response(out, batch).tolist() == [[10, 20, 30], [21, 31, 41]]
-    # with logits_to_keep the outputs start at an offset: positions 1..4 kept
-    assert gather_response(out[:, 1:], batch, offset=1).tolist() == [[10, 20, 30], [21, 31, 41]]
-
-
-class OracleLM:
-    """A 'model' whose logits at position p put all mass on input_ids[p + 1] (the next token)."""
-
-    def __init__(self, vocab: int = 20, keep_arg: str = "honours"):
-        self.vocab, self.keep_arg, self.calls = vocab, keep_arg, []
-
-    def __call__(self, input_ids, attention_mask, use_cache=False, **kw):
-        if "logits_to_keep" in kw and self.keep_arg == "refuses":
-            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
-        nxt = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], 1)
-        logits = torch.nn.functional.one_hot(nxt, self.vocab).float() * 10
-        keep = kw.get("logits_to_keep", 0) if self.keep_arg == "honours" else 0
-        self.calls.append(keep)
-        return type("Out", (), {"logits": logits[:, -keep:] if keep else logits})()
-
-
-@pytest.mark.parametrize("keep_arg", ["honours", "refuses", "ignores"])
-def test_response_logits_predict_the_response_tokens(keep_arg):
-    batch = collate(two_samples(), PAD)
-    lm = OracleLM(keep_arg=keep_arg)
-    logits = response_logits(lm, batch)
-    assert logits.shape == (2, 3, 20)
-    pred = logits.argmax(-1)
-    assert pred[batch.response_mask].tolist() == [7, 8, 9, 13]
-    # the shortest prompt has 2 tokens: positions 1..4 are needed, so 4 of 5 are kept
-    # honoured: the LM head runs on 4 of 5 positions; refused (TypeError): one full pass after
-    # the refusal; ignored (swallowed by **kwargs): full logits, still aligned
-    assert lm.calls == ([4] if keep_arg == "honours" else [0])
-
-
-def test_groups_become_contiguous_in_order_of_first_appearance():
-    s = [sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=3, index=0),
+def test_groups_become_contiguous_in_order_of_their_ids_whatever_the_arrival():
+    s = [sample(prompt_ids=[1], response_ids=[6], group_id="A", group_size=3, index=2),
+         sample(prompt_ids=[1], response_ids=[7], group_id="C", group_size=1, index=0),
          sample(prompt_ids=[1], response_ids=[5], group_id="B", group_size=2, index=0),
-         sample(prompt_ids=[1], response_ids=[6], group_id="A", group_size=3, index=2),
-         sample(prompt_ids=[1], response_ids=[7], group_id="C", group_size=1, index=0)]
+         sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=3, index=0)]
     batch = collate(s, PAD)
     assert batch.sample_ids == ["A/0", "A/2", "B/0", "C/0"]
     assert batch.response_ids[:, 0].tolist() == [4, 6, 5, 7]
     assert batch.group_index.tolist() == [0, 0, 1, 2]
     assert batch.group_sizes.tolist() == [2, 1, 1]  # A is partial (one sample dead-lettered)
+    # the workers' timing decides the arrival order: any order of the same samples, the same batch
+    for order in ([3, 2, 1, 0], [1, 3, 0, 2]):
+        again = collate([s[i] for i in order], PAD)
+        assert again.sample_ids == batch.sample_ids and again.input_ids.equal(batch.input_ids)
 
 
 def test_ref_logprobs_are_all_or_none():
@@ -107,25 +60,57 @@ def test_token_ids_outside_the_vocabulary_name_both_vocabularies():
     collate(s, PAD, vocab_size=121)  # fits
 
 
+def refuse_misfits(samples, eos):
+    """The intake as it is once most recent samples misfit: the first misfit raises."""
+    return split_stop_token_misfits(samples, eos, FailureWindow(window=1, max_share=0.0, min_count=1))
+
+
 def test_stop_tokens_must_be_the_learners_end_of_sequence_ids():
     eos = frozenset({2})
     fine = [sample(prompt_ids=[1], response_ids=[5, 6, 2]),  # stopped on EOS
             sample(prompt_ids=[1], response_ids=[5, 6, 7], finish_reason="length"),  # cut at the length limit: any last token
             sample(prompt_ids=[1], response_ids=[2], group_id="g1")]  # EOS as the only token
-    check_stop_tokens(fine, eos)
-    check_stop_tokens([sample(prompt_ids=[1], response_ids=[5, 3])], frozenset())  # no EOS known: nothing to check
+    assert refuse_misfits(fine, eos) == (fine, [])
+    odd = [sample(prompt_ids=[1], response_ids=[5, 3])]
+    assert refuse_misfits(odd, frozenset()) == (odd, [])  # no EOS known (or stop strings): nothing to check
     with pytest.raises(BatchError) as err:  # "stop" on <unk> (3): the worker's EOS is not ours
-        check_stop_tokens(fine + [sample(prompt_ids=[1], response_ids=[5, 3], group_id="odd")], eos)
+        refuse_misfits(fine + [sample(prompt_ids=[1], response_ids=[5, 3], group_id="odd")], eos)
     assert "sample 'odd/0'" in str(err.value) and "finished with 'stop' on token 3" in str(err.value)
     assert "end-of-sequence token ids [2]" in str(err.value)
     with pytest.raises(BatchError, match="holds token 2 at position 1, where generation should have stopped"):
-        check_stop_tokens([sample(prompt_ids=[1], response_ids=[5, 2, 7], finish_reason="length")], eos)  # our EOS did not stop it
+        refuse_misfits([sample(prompt_ids=[1], response_ids=[5, 2, 7], finish_reason="length")], eos)  # our EOS did not stop it
+
+
+def test_a_few_misfits_are_set_aside_and_many_stop_the_learner(tiny_model_cfg):
+    # The Learner's window: more than half of the last 64 samples, once 8 are seen. A first group
+    # of 4 stopping on <unk> is set aside (to be dead-lettered), the rest kept; a second such
+    # group makes 8 of 12 misfits: the tokenizers differ, and nothing is trained.
+    from learner.trainer import _check_tokenizer
+    from rlhf_core.models import load_policy
+
+    eos = _check_tokenizer(None, load_policy(tiny_model_cfg))
+    assert eos == frozenset({2})
+    assert _check_tokenizer(None, load_policy(tiny_model_cfg), stop_strings=["."]) == frozenset()  # check off
+    recent = FailureWindow(window=64, max_share=0.5, min_count=8)
+    odd = [sample(prompt_ids=[20], response_ids=[21, 3], group_id="odd", group_size=4, index=i) for i in range(4)]
+    own = [sample(prompt_ids=[20], response_ids=[21, 2], group_id="own", group_size=4, index=i) for i in range(4)]
+    keep, misfits = split_stop_token_misfits(odd + own, eos, recent)
+    assert keep == own and [s for s, _ in misfits] == odd
+    assert misfits[0][1] == ("sample 'odd/0' from worker w0 does not fit the learner's end-of-sequence token ids "
+                             "[2]: it finished with 'stop' on token 3, which is not one of them")
+    with pytest.raises(BatchError, match="end-of-sequence token ids \\[2\\]: it finished with 'stop' on token 3"):
+        split_stop_token_misfits(odd, eos, recent)
 
 
 def test_a_group_larger_than_its_group_size_is_refused():
     s = [sample(prompt_ids=[1], response_ids=[4], group_id="A", group_size=2, index=i % 2) for i in range(3)]
     with pytest.raises(BatchError, match="group 'A' has 3 samples .* group_size 2"):
         collate(s, PAD)
+    # the samples agree, the learner's algo.group_size does not (an estimator comparing a group's responses)
+    five = [sample(prompt_ids=[20], response_ids=[21], group_id="g", group_size=5, index=i) for i in range(5)]
+    with pytest.raises(BatchError, match="5 samples but algo.group_size is 4"):
+        collate(five, PAD, max_group_size=4)
+    assert collate(five, PAD).group_sizes.tolist() == [5]  # an estimator that does not compare: any size
 
 
 def test_empty_batch_and_empty_prompt_are_refused():
@@ -174,123 +159,3 @@ def test_stop_token_misfits_name_each_offending_sample():
     assert stop_token_misfits(samples, frozenset()) == []
 
 
-@pytest.mark.parametrize(("compiled", "keep"), [(False, False), (True, False), (False, True)],
-                         ids=["eager", "compiled", "kept-logits"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, temperature, compiled, keep):
-    # The written-out backward of the fused head (chunks of 5 of the 21 response positions, the
-    # last chunk short) against autograd through one [B, T, V] logits tensor: log-probs,
-    # entropies (a statistic: no gradient) and every parameter's gradient, the tied head's too;
-    # its elementwise work in eager torch and through torch.compile (learner.compile); the
-    # backward recomputing each chunk's logits, or reading those the forward kept
-    # (learner.keep_head_logits).
-    import copy
-
-    from learner.batch import fused_head, fused_response_logprobs, lm_parts
-    from learner.losses import entropy_from_logits
-    from rlhf_core.models import load_policy
-    from rlhf_core.sampling import process_logits, token_logprobs
-
-    model = load_policy(tiny_model_cfg)
-    twin = copy.deepcopy(model)
-    batch = collate([sample(prompt_ids=[1, 5 + i, 6], response_ids=[7 + j for j in range(3 + 2 * i)], group_id=f"g{i}")
-                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
-    full = process_logits(response_logits(model, batch), temperature, 0, 1.0)
-    want_logp, want_ent = token_logprobs(full, batch.response_ids), entropy_from_logits(full)
-    body, head = lm_parts(twin)
-    got_logp, got_ent = fused_response_logprobs(body, fused_head(head), batch, temperature, 5, True, compiled, keep)
-    mask = batch.response_mask
-    torch.testing.assert_close(got_logp[mask], want_logp[mask], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got_ent[mask], want_ent[mask], rtol=0, atol=1e-5)
-    assert not got_ent.requires_grad
-    weights = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape)  # a different gradient per token
-    (want_logp * weights * mask).sum().backward()
-    (got_logp * weights * mask).sum().backward()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_a_no_grad_pass_keeps_no_head_logits(tiny_model_cfg, monkeypatch):
-    # learner.keep_head_logits holds a micro-batch's logits for its backward; a pass with no
-    # backward (pi_prox, reference log-probs) must still hold one chunk at a time
-    from learner import batch as B
-    from rlhf_core.models import load_policy
-
-    seen = []
-    real = B._LinearLogprobs.apply
-    monkeypatch.setattr(B._LinearLogprobs, "apply", lambda *a: seen.append(a[-1]) or real(*a))
-    body, head = B.lm_parts(load_policy(tiny_model_cfg))
-    batch = collate([sample(prompt_ids=[1, 5, 6], response_ids=[7, 8, 9, 10])], pad_id=0, device=torch.device("cpu"),
-                    vocab_size=99)
-    with torch.no_grad():
-        B.fused_response_logprobs(body, B.fused_head(head), batch, 1.0, 2, False, keep_logits=True)
-    B.fused_response_logprobs(body, B.fused_head(head), batch, 1.0, 2, False, keep_logits=True)
-    assert seen == [False, True]
-
-
-def test_policy_forward_without_the_padding_mask_gives_every_real_token_the_masked_result(tiny_model_cfg):
-    # Rows of 4, 6 and 8 tokens right-padded to 8: the learner's forward passes no attention mask
-    # (causal attention never looks right), so each response token's log-prob and its gradient
-    # must be those of a forward with the padding mask. Padding positions may differ: no loss reads them.
-    import copy
-
-    from rlhf_core.models import load_policy
-    from rlhf_core.sampling import token_logprobs
-
-    model = load_policy(tiny_model_cfg)
-    twin = copy.deepcopy(model)
-    batch = collate([sample(prompt_ids=[1, 5 + i], response_ids=[7 + j for j in range(2 + 2 * i)], group_id=f"g{i}")
-                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
-    assert batch.attention_mask.sum(-1).tolist() == [4, 6, 8]
-    masked = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    want = token_logprobs(gather_response(masked, batch), batch.response_ids)
-    got = token_logprobs(response_logits(twin, batch), batch.response_ids)
-    mask = batch.response_mask
-    torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
-    (want * mask).sum().backward()
-    (got * mask).sum().backward()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_fused_head_only_for_a_plain_bias_free_linear():
-    from learner.batch import fused_head
-
-    plain = torch.nn.Linear(4, 6, bias=False)
-    assert fused_head(plain) is plain.weight
-    assert fused_head(torch.nn.Linear(4, 6)) is None  # a bias: the chunked path
-    class Wrapped(torch.nn.Linear):  # a subclass (a LoRA layer, a quantised head) may compute more
-        pass
-    assert fused_head(Wrapped(4, 6, bias=False)) is None
-    partitioned = torch.nn.Linear(4, 6, bias=False)
-    partitioned.weight = torch.nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves outside a forward
-    assert fused_head(partitioned) is None
-
-
-@pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
-def test_chunked_logprobs_equal_the_full_logits_path_values_and_gradients(tiny_model_cfg, settings):
-    # Chunks of 5 response positions (the batch has 3 x 7 = 21): the numbers and the gradients
-    # must be those of one [B, T, V] logits tensor, to float tolerance.
-    import copy
-
-    from learner.batch import chunked_response_logprobs, lm_parts
-    from learner.losses import entropy_from_logits
-    from rlhf_core.models import load_policy
-    from rlhf_core.sampling import process_logits, token_logprobs
-
-    model = load_policy(tiny_model_cfg)
-    twin = copy.deepcopy(model)
-    batch = collate([sample(prompt_ids=[1, 5 + i, 6], response_ids=[7 + j for j in range(3 + 2 * i)], group_id=f"g{i}")
-                     for i in range(3)], pad_id=0, device=torch.device("cpu"), vocab_size=99)
-    t, k, p = settings
-    process = lambda x: process_logits(x, t, k, p)  # noqa: E731
-    full = process(response_logits(model, batch))
-    want_logp, want_ent = token_logprobs(full, batch.response_ids), entropy_from_logits(full)
-    got_logp, got_ent = chunked_response_logprobs(*lm_parts(twin), batch, process, 5, entropy_from_logits)
-    mask = batch.response_mask
-    torch.testing.assert_close(got_logp[mask], want_logp[mask], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got_ent[mask], want_ent[mask], rtol=0, atol=1e-5)
-    ((want_logp + want_ent) * mask).sum().backward()
-    ((got_logp + got_ent) * mask).sum().backward()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

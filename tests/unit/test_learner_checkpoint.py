@@ -19,7 +19,7 @@ import torch
 from learner.checkpoint import CheckpointError, export_hf, latest_checkpoint, list_checkpoints, load_latest, save_checkpoint
 from learner.engine_factory import make_engine
 from learner.update import PolicyUpdater
-from learner_helpers import digit_reward, generate_samples, tiny_config
+from learner_helpers import digit_reward, generate_samples, tiny_config, train
 from rlhf_core.models import load_critic, load_policy, load_tokenizer
 
 
@@ -65,12 +65,12 @@ def test_resume_continues_bit_for_bit(estimator, base, batches, tiny_model_cfg, 
     torch.manual_seed(0)
     straight = build(base, cfg, critic_model)
     for v, b in enumerate(batches):
-        last = straight.update(b, v)
+        last = train(straight, b, v)
 
     torch.manual_seed(0)
     first = build(base, cfg, critic_model)
     for v, b in enumerate(batches[:2]):
-        first.update(b, v)
+        train(first, b, v)
     save_checkpoint(tmp_path, "v00000002", first.engine, first.critic, {"version": 2, "updater": first.state_dict()})
     del first
     torch.manual_seed(123)  # a restarted process starts from other RNG states
@@ -79,7 +79,7 @@ def test_resume_continues_bit_for_bit(estimator, base, batches, tiny_model_cfg, 
     assert extra["version"] == 2
     resumed.load_state_dict(extra["updater"])
     for v, b in enumerate(batches[2:], start=2):
-        again = resumed.update(b, v)
+        again = train(resumed, b, v)
 
     a, b = state_of(straight), state_of(resumed)
     assert a.keys() == b.keys() and len(a) > 20
@@ -95,7 +95,7 @@ def test_resume_trains_with_the_configs_optimizer_settings(base, batches, tiny_m
     cfg = resume_cfg(tiny_model_cfg, **{"algo.estimator": "gae"})
     critic_model = load_critic(tiny_model_cfg)
     first = build(base, cfg, critic_model)
-    first.update(batches[0], 0)  # 2 epochs x 2 minibatches: 4 optimizer steps
+    train(first, batches[0], 0)  # 2 epochs x 2 minibatches: 4 optimizer steps
     save_checkpoint(tmp_path, "v00000001", first.engine, first.critic, {"version": 1})
     new = resume_cfg(tiny_model_cfg, **{"algo.estimator": "gae", "learner.lr": 1e-4, "learner.critic_lr": 2e-4,
                                         "learner.weight_decay": 0.1, "learner.adam_betas": [0.8, 0.99],
@@ -111,7 +111,7 @@ def test_resume_trains_with_the_configs_optimizer_settings(base, batches, tiny_m
         assert engine.global_step == 4 and engine.lr == pytest.approx(lr * factor, rel=1e-12)
         assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.1, (0.8, 0.99), 1e-6)
     assert "lr 0.003 -> 0.0001" in caplog.text and "weight_decay 0.0 -> 0.1" in caplog.text
-    resumed.update(batches[1], 1)  # the schedule goes on from there: step 8 at the new lr
+    train(resumed, batches[1], 1)  # the schedule goes on from there: step 8 at the new lr
     assert resumed.engine.lr == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 6 / 46))))
 
 
@@ -173,7 +173,7 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(base, batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     up = build(base, tiny_config(tiny_model_cfg))
-    up.update(batches[0], 0)  # trained weights, not the initial ones
+    train(up, batches[0], 0)  # trained weights, not the initial ones
     out = export_hf(up.engine, load_tokenizer(tiny_model_cfg), tmp_path / "final")
     assert (out / "model.safetensors").exists() and not (tmp_path / ".tmp-final").exists()
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -1,5 +1,6 @@
 """learner.update.PolicyUpdater on the tiny model: recomputation, every estimator, partial
-groups, micro-batch invariance, metrics with worked numbers, and the errors a user can cause."""
+groups, micro-batch invariance, metrics with worked numbers, and the errors a user can cause.
+Batches are collated as the Learner collates them (learner_helpers.batch_of)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 import torch
 
 from factories import sample
-from learner import batch_advantages as BA
-from learner.batch import BatchError, collate
+from learner.algorithms.decoupled_policy_loss import decoupled_ppo_loss
+from learner.algorithms.group_relative import group_advantages, per_group
+from learner.batch import BatchError
 from learner.engine_factory import make_engine
-from learner.losses import decoupled_ppo_loss
 from learner.update import MissingReferenceError, PolicyUpdater, importance_sampling
-from learner_helpers import digit_reward, generate_samples, tiny_config
+from learner_helpers import batch_of, digit_reward, generate_samples, tiny_config, train
 from rlhf_core.config import AlgoConfig, ConfigError
 from rlhf_core.models import load_critic, load_policy
 
@@ -50,7 +51,7 @@ def test_prox_logprobs_equal_behaviour_logprobs_of_the_same_weights(base, tiny_m
     settings = {"rollout.temperature": 0.7, "rollout.top_k": 12, "rollout.top_p": 0.9}
     smp = generate_samples(base, PROMPTS, 2, 6, seed=3, temperature=0.7, top_k=12, top_p=0.9)
     up = make(base, tiny_config(tiny_model_cfg, **settings))
-    batch = collate(smp, up.pad_id)
+    batch = batch_of(up, smp)
     prox = up.proximal_logprobs(batch)
     m = batch.response_mask
     assert int(m.sum()) == 36 and bool(torch.isfinite(prox[m]).all())
@@ -62,15 +63,15 @@ def test_prox_logprobs_equal_behaviour_logprobs_of_the_same_weights(base, tiny_m
 
 def test_updates_change_the_weights_and_lower_the_loss_on_a_fixed_batch(base, samples, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg, **{"learner.lr": 3e-3}))
-    batch = collate(samples, up.pad_id)
-    adv = BA.group_relative_advantages("grpo", batch.rewards, batch.group_sizes)[:, None]
+    batch = batch_of(up, samples)
+    adv = per_group(group_advantages, batch.rewards, batch.group_sizes, 2)[:, None]
     m = batch.response_mask
 
     def pg_loss():  # the REINFORCE loss -sum A * log pi / tokens of the fixed batch
         return float(-(adv * up.proximal_logprobs(batch))[m].sum() / m.sum())
 
     before_w, before = params(up.engine.module), pg_loss()
-    metrics = [up.update(samples, v) for v in range(4)]
+    metrics = [train(up, samples, v) for v in range(4)]
     after = pg_loss()
     assert max_diff(before_w, params(up.engine.module)) > 1e-4
     assert after < before - 0.05, (before, after)
@@ -90,7 +91,7 @@ def test_every_estimator_runs_one_exact_on_policy_step(estimator, base, samples,
     up = make(base, cfg, ref=True, critic=load_critic(tiny_model_cfg) if estimator == "gae" else None)
     w0 = params(up.engine.module)
     c0 = params(up.critic.module) if up.critic else None
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert max_diff(w0, params(up.engine.module)) > 1e-5
     assert all(math.isfinite(v) for v in m.values()), m
     assert m["learner/optimizer_steps"] == 1.0 and m["learner/num_samples"] == 8.0
@@ -114,14 +115,39 @@ def test_partial_groups_train_and_a_lone_sample_has_no_gradient(base, samples, t
     cfg = tiny_config(tiny_model_cfg)
     up = make(base, cfg)
     partial = samples[:4] + samples[4:7]  # groups of 4 and 3
-    m = up.update(partial, 0)
+    m = train(up, partial, 0)
     assert (m["learner/num_groups"], m["learner/partial_groups"], m["learner/num_samples"]) == (2.0, 1.0, 7.0)
     # a group of one has no baseline: advantage 0, zero gradient, weights unchanged
     up = make(base, cfg)
     w0 = params(up.engine.module)
-    m = up.update([samples[0]], 0)
+    m = train(up, [samples[0]], 0)
     assert m["learner/grad_norm"] == 0.0 and m["loss/advantage_abs_mean"] == 0.0
     assert max_diff(w0, params(up.engine.module)) == 0.0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_the_order_samples_arrive_in_does_not_change_the_update(estimator, base, tiny_model_cfg):
+    # Which sample of a batch a worker finished first depends on timing; the rows' order decides
+    # the micro-batches (ties in length), the minibatches and the order of every float sum. The
+    # batch is put in an order of its own (groups by id, samples by index): the same update,
+    # bit for bit, so a synchronous run with fixed seeds repeats itself. Responses of different
+    # lengths (an end-of-sequence token), micro-batches of 3, two minibatches.
+    smp = generate_samples(base, PROMPTS, group_size=4, max_new_tokens=6, seed=5, reward_fn=digit_reward, eos_id=14)
+    assert len({len(s.response_ids) for s in smp}) > 1
+    settings = {"algo.estimator": estimator, "learner.batch_size": 12, "learner.micro_batch_size": 3,
+                "learner.num_minibatches": 2, "learner.ppo_epochs": 2}
+    if estimator == "gae":
+        settings["algo.group_size"] = 1
+    cfg = tiny_config(tiny_model_cfg, **settings)
+    results = []
+    for order in (list(range(12)), [7, 2, 11, 0, 5, 9, 1, 10, 3, 6, 8, 4]):
+        torch.manual_seed(0)  # the critic's fresh value head
+        up = make(base, cfg, critic=load_critic(tiny_model_cfg) if estimator == "gae" else None)
+        m = train(up, [smp[i] for i in order], 0)
+        results.append((params(up.engine.module), {k: v for k, v in m.items() if "time" not in k and "_per_s" not in k
+                                                   and "tflops" not in k}))
+    (w0, m0), (w1, m1) = results
+    assert max_diff(w0, w1) == 0.0 and m0 == m1
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -130,7 +156,7 @@ def test_micro_batch_size_does_not_change_the_update(agg, base, samples, tiny_mo
     results, norms = [], []
     for mbs in (1, 3, 8):
         up = make(base, tiny_config(tiny_model_cfg, **{"learner.micro_batch_size": mbs, "algo.agg_mode": agg}))
-        norms.append(up.update(samples, 0)["learner/grad_norm"])
+        norms.append(train(up, samples, 0)["learner/grad_norm"])
         results.append(params(up.engine.module))
     # the gradient's scale (Adam would hide a wrong one) and its direction (the update)
     assert norms[1] == pytest.approx(norms[0], rel=1e-5) and norms[2] == pytest.approx(norms[0], rel=1e-5)
@@ -143,7 +169,7 @@ def test_micro_batch_size_does_not_change_the_update(agg, base, samples, tiny_mo
 def test_decoupled_equals_ppo_on_policy_and_differs_on_stale_samples(base, samples, tiny_model_cfg):
     def trained(smp, loss):
         up = make(base, tiny_config(tiny_model_cfg, **{"algo.policy_loss": loss, "learner.ppo_epochs": 2}))
-        up.update(smp, 0)
+        train(up, smp, 0)
         return params(up.engine.module)
 
     assert max_diff(trained(samples, "decoupled"), trained(samples, "ppo")) < 1e-6
@@ -165,7 +191,7 @@ def test_batch_metrics_worked_numbers(base, tiny_model_cfg):
                 index=0, reward_components={"count": 0.75, "digits": 0.1}),
          sample(prompt_ids=[20, 25, 26], response_ids=[24], token_versions=[5], reward=0.0, group_id="a", group_size=2, index=1,
                 reward_components={"count": 0.25}, finish_reason="length")]
-    m = up.update(s, 6)
+    m = train(up, s, 6)
     # staleness = 6 - oldest token version: [4, 1]; per token [4, 4, 3, 1] -> mean 3
     assert (m["staleness/min"], m["staleness/mean"], m["staleness/max"]) == (1.0, 2.5, 4.0)
     assert m["staleness/token_mean"] == 3.0
@@ -187,7 +213,7 @@ def test_the_learners_reward_stats_are_the_names_a_reward_may_not_take(base, tin
                   reward_components={"count": 1.0}, loss_mask=[1, 0, 1], metadata={"turns": 2})
     other = sample(prompt_ids=[20], response_ids=[24], reward=0.0, group_id="a", group_size=2, index=1,
                    reward_components={"count": 0.0})
-    m = make(base, cfg).update([turn, other], 0)
+    m = train(make(base, cfg), [turn, other], 0)
     stats = {k.removeprefix("reward/") for k in m if k.startswith("reward/")} - {"count"}
     assert stats == M.REWARD_STATS
 
@@ -195,8 +221,8 @@ def test_the_learners_reward_stats_are_the_names_a_reward_may_not_take(base, tin
 def test_reward_normalisation_keeps_running_statistics(base, samples, tiny_model_cfg):
     cfg = tiny_config(tiny_model_cfg, **{"algo.normalize_rewards": True})
     up = make(base, cfg)
-    up.update(samples, 0)
-    m = up.update(samples[:4], 1)
+    train(up, samples, 0)
+    m = train(up, samples[:4], 1)
     seen = torch.tensor([s.reward for s in samples + samples[:4]]).double()  # float32 in the batch
     assert m["reward/running_mean"] == pytest.approx(float(seen.mean()), abs=1e-9)
     assert m["reward/running_std"] == pytest.approx(float(seen.std()), abs=1e-9)
@@ -209,45 +235,29 @@ def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
     cfg = tiny_config(tiny_model_cfg)
     up = make(base, cfg)
     with pytest.raises(BatchError, match="same tokenizer.*learner vocab 99"):
-        up.update([sample(prompt_ids=[20], response_ids=[21, 150])], 0)
+        train(up, [sample(prompt_ids=[20], response_ids=[21, 150])], 0)
     five = [sample(prompt_ids=[20], response_ids=[21], group_id="g", group_size=5, index=i) for i in range(5)]
     with pytest.raises(BatchError, match="5 samples but algo.group_size is 4"):
-        up.update(five, 0)
+        train(up, five, 0)
     kl = tiny_config(tiny_model_cfg, **{"algo.kl_coef": 0.1})
     with pytest.raises(MissingReferenceError, match="ref_logprobs_on=worker"):
-        make(base, kl).update(samples, 0)
+        train(make(base, kl), samples, 0)
     # reference log-probs sent by the workers are enough
     with_ref = [copy.deepcopy(s) for s in samples]
     for s in with_ref:
         s.ref_logprobs = s.behaviour_logprobs.copy()
-    assert make(base, kl).update(with_ref, 0)["loss/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert train(make(base, kl), with_ref, 0)["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ConfigError, match="needs a critic"):
         make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "gae"}))
     with pytest.raises(ConfigError, match="batch_size 10 is not divisible by algo.group_size 4"):
         make(base, tiny_config(tiny_model_cfg, **{"learner.batch_size": 10}))
 
 
-def test_samples_that_stopped_on_another_tokenizers_eos_are_refused(base, tiny_model_cfg):
-    cfg = tiny_config(tiny_model_cfg)
-    odd = [sample(prompt_ids=[20], response_ids=[21, 3], group_id="odd", group_size=4, index=i) for i in range(4)]  # "stop" on <unk>
-    engine = make_engine(cfg, copy.deepcopy(base))
-    before = params(engine.module)
-    with pytest.raises(BatchError, match="end-of-sequence token ids \\[2\\]: it finished with 'stop' on token 3"):
-        PolicyUpdater(cfg, engine, eos_ids={2}).update(odd, 0)
-    assert max_diff(params(engine.module), before) == 0.0  # refused before any step
-    own = generate_samples(base, PROMPTS[:2], group_size=4, max_new_tokens=6, seed=1, eos_id=2)  # stops as workers do
-    PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), eos_ids={2}).update(own, 0)
-    # with stop strings a response may stop on any token: the check is off
-    stops = tiny_config(tiny_model_cfg, **{"rollout.stop_strings": ["."]})
-    assert PolicyUpdater(stops, make_engine(stops, copy.deepcopy(base)), eos_ids={2}).eos_ids == frozenset()
-    PolicyUpdater(stops, make_engine(stops, copy.deepcopy(base)), eos_ids={2}).update(odd, 0)
-
-
 def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo"}), ref=True)
     w0 = params(up.engine.module)
     tied = [sample(prompt_ids=[20], response_ids=[21, 22], reward=1.0, group_id="t", group_size=2, index=i) for i in range(2)]
-    m = up.update(tied, 0)
+    m = train(up, tied, 0)
     assert m["learner/optimizer_steps"] == 0.0 and m["loss/dpo_pairs"] == 0.0
     assert max_diff(w0, params(up.engine.module)) == 0.0
 
@@ -258,7 +268,7 @@ def test_dpo_under_overlong_mask_pairs_only_responses_that_finished(base, sample
     cfg = tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo", "algo.overlong": "mask"})
     up = make(base, cfg, ref=True)
     w0 = params(up.engine.module)
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert (m["loss/dpo_pairs"], m["learner/optimizer_steps"]) == (0.0, 0.0)
     assert max_diff(w0, params(up.engine.module)) == 0.0
     # rewards per group [0, 0, 0, 1/6]: the only preference is row 3's. With it truncated and the
@@ -269,7 +279,7 @@ def test_dpo_under_overlong_mask_pairs_only_responses_that_finished(base, sample
         smp = [copy.deepcopy(s) for s in samples]
         for s in smp:
             s.finish_reason = "stop" if s.group_index in finished else "length"
-        return make(base, cfg, ref=True).update(smp, 0)["loss/dpo_pairs"]
+        return train(make(base, cfg, ref=True), smp, 0)["loss/dpo_pairs"]
 
     assert pairs((0, 1, 2)) == 0.0 and pairs((2, 3)) == 2.0
 
@@ -277,11 +287,11 @@ def test_dpo_under_overlong_mask_pairs_only_responses_that_finished(base, sample
 def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_cfg):
     # sampled at top_k=0 but trained with top_k=3: most sampled tokens now have log-prob -inf
     up = make(base, tiny_config(tiny_model_cfg, **{"rollout.top_k": 3}))
-    batch = collate(samples, up.pad_id)
+    batch = batch_of(up, samples)
     prox = up.proximal_logprobs(batch)
     expect = float((~torch.isfinite(prox[batch.response_mask])).float().mean())
     w0 = params(up.engine.module)
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert 0.0 < expect < 1.0 and m["learner/nonfinite_logprob_frac"] == pytest.approx(expect)
     assert all(math.isfinite(v) for v in m.values()), m
     assert max_diff(w0, params(up.engine.module)) > 1e-6
@@ -293,7 +303,7 @@ def test_dpo_leaves_out_tokens_top_k_filters_and_still_steps(base, samples, tiny
     # skipped; those tokens now leave both sums (policy and reference), and the update is finite.
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "dpo", "rollout.top_k": 3}), ref=True)
     w0 = params(up.engine.module)
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert m["loss/dpo_pairs"] == 2.0 and m["learner/optimizer_steps"] == 1.0
     assert all(math.isfinite(v) for v in m.values()), m
     assert max_diff(w0, params(up.engine.module)) > 1e-6
@@ -313,7 +323,7 @@ def test_tokens_the_updated_policy_filters_out_leave_the_kl_and_every_step_is_ta
     smp = generate_samples(base, PROMPTS + [[23, 31]], group_size=4, max_new_tokens=6, seed=1, reward_fn=digit_reward,
                            top_k=4)
     up = make(base, tiny_config(tiny_model_cfg, **settings), ref=True)
-    m = up.update(smp, 0)
+    m = train(up, smp, 0)
     assert m["learner/nonfinite_logprob_frac"] == 0.0 and m["loss/filtered_out_frac"] > 0.0
     assert up.engine.skipped_steps == 0 and m["learner/optimizer_steps"] == 4.0
     assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}
@@ -321,16 +331,16 @@ def test_tokens_the_updated_policy_filters_out_leave_the_kl_and_every_step_is_ta
 
 def test_entropy_bonus_enters_the_total_loss(base, samples, tiny_model_cfg):
     # total = policy - entropy_coef * entropy, per micro-batch and so in the weighted means too
-    plain = make(base, tiny_config(tiny_model_cfg)).update(samples, 0)
+    plain = train(make(base, tiny_config(tiny_model_cfg)), samples, 0)
     assert plain["loss/total"] == pytest.approx(plain["loss/policy"], abs=1e-7)
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.entropy_coef": 0.1}))
     before = params(up.engine.module)
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert m["loss/entropy"] > 1.0  # a random tiny model is far from deterministic
     assert m["loss/total"] == pytest.approx(m["loss/policy"] - 0.1 * m["loss/entropy"], abs=1e-6)
     # and it is trained on: the step differs from the one without the bonus
     without = make(base, tiny_config(tiny_model_cfg))
-    without.update(samples, 0)
+    train(without, samples, 0)
     assert max_diff(params(up.engine.module), params(without.engine.module)) > 1e-6
     assert max_diff(params(up.engine.module), before) > 0
 
@@ -406,7 +416,7 @@ def test_flops_count_the_tokens_each_epoch_trains(estimator, epochs, tokens, bas
     from rlhf_core import metric_names as M
 
     up = make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": estimator, "learner.ppo_epochs": epochs}), ref=True)
-    m = up.update(samples, 0)
+    m = train(up, samples, 0)
     assert m["learner/optimizer_steps"] == float(epochs)
     # TFLOPS = 6 x params x tokens / time
     assert m[M.TRAIN_TFLOPS] * 1e12 * m["learner/time_compute_s"] / (6 * up.total_params) == pytest.approx(tokens)
@@ -418,19 +428,18 @@ def test_chunked_logprobs_do_not_change_the_update(base, samples, tiny_model_cfg
     # fused head's written-out backward (entropy a statistic) or checkpointed autograd (an
     # entropy bonus needs its gradient); learner.keep_head_logits (the fused head's backward reads
     # the forward's logits) changes nothing either
-    import learner.batch
-    import learner.update
-    from learner.batch import lm_parts
+    import learner.lm_head
+    from learner.lm_head import lm_parts
 
     assert lm_parts(base) is not None  # the tiny Llama's body and head are found
     fused_calls = []
-    real = learner.batch.fused_response_logprobs
-    monkeypatch.setattr(learner.update, "fused_response_logprobs", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
+    real = learner.lm_head.fused_response_logprobs
+    monkeypatch.setattr(learner.lm_head, "fused_response_logprobs", lambda *a, **kw: fused_calls.append(1) or real(*a, **kw))
     results, norms = [], []
     for chunk, keep in ((4, False), (10**6, False), (4, True)):
         up = make(base, tiny_config(tiny_model_cfg, **{"learner.logits_chunk_tokens": chunk, "learner.keep_head_logits": keep,
                                                       "algo.entropy_coef": entropy_coef}))
-        norms.append(up.update(samples, 0)["learner/grad_norm"])
+        norms.append(train(up, samples, 0)["learner/grad_norm"])
         results.append(params(up.engine.module))
     assert norms[0] == pytest.approx(norms[1], rel=1e-5) and norms[2] == pytest.approx(norms[0], rel=1e-6)
     assert max_diff(results[0], results[1]) < 3e-5 and max_diff(results[0], params(base)) > 5e-4
@@ -477,8 +486,8 @@ def test_prox_from_the_training_pass_gives_the_update_of_a_separate_pass(stale, 
         assert up.prox_from_training_pass
         up.prox_from_training_pass = reuse
         if stale:  # samples made by older weights: pi_prox != mu, the IS weights act
-            up.update(samples, 0)
-        m = up.update(samples, 1 if stale else 0)
+            train(up, samples, 0)
+        m = train(up, samples, 1 if stale else 0)
         assert m["learner/prox_pass"] == float(not reuse)
         results.append((params(up.engine.module), m))
     (w_reuse, m_reuse), (w_pass, m_pass) = results
@@ -498,16 +507,16 @@ def test_compiled_blocks_give_the_update_of_eager_ones(base, samples, tiny_model
     # shapes): the same gradient norms and weights as eager, to float rounding (the fused kernels
     # sum in another order; the bound is that of the micro-batch test above), under the same
     # parameter names.
-    import learner.batch
+    import learner.lm_head
 
     heads = []
-    real = learner.batch._head_math
-    monkeypatch.setattr(learner.batch, "_head_math", lambda compiled: heads.append(compiled) or real(compiled))
+    real = learner.lm_head._head_math
+    monkeypatch.setattr(learner.lm_head, "_head_math", lambda compiled: heads.append(compiled) or real(compiled))
     runs = []
     for compiled in (False, True):
         up = make(base, tiny_config(tiny_model_cfg, **{"learner.micro_batch_size": 3, "learner.compile": compiled,
                                                       "learner.logits_chunk_tokens": 4}))
-        norms = [up.update(samples, v)["learner/grad_norm"] for v in (0, 1)]
+        norms = [train(up, samples, v)["learner/grad_norm"] for v in (0, 1)]
         runs.append((norms, params(up.engine.module), up.engine.module))
     assert sorted(set(heads)) == [False, True] and heads == sorted(heads)  # eager head in the first run, compiled in the second
     (eager_norms, eager, _), (norms, compiled, module) = runs

@@ -16,7 +16,7 @@ from learner.checkpoint import CheckpointError, export_hf, load_latest, save_che
 from learner.engine_factory import make_engine
 from learner.stats import flops_metrics
 from learner.update import PolicyUpdater, prox_is_training_pass
-from learner_helpers import digit_reward, generate_samples, tiny_config
+from learner_helpers import digit_reward, generate_samples, tiny_config, train
 from rlhf_core import lora
 from rlhf_core.config import Config, ConfigError, LoraConfig, validate
 from rlhf_core.models import check_lora, load_policy, load_tokenizer
@@ -157,7 +157,7 @@ def test_only_the_adapters_train_and_are_published(lora_model_cfg, base, batches
     cfg = tiny_config(lora_model_cfg, **{"learner.lr": 1e-2})
     up = PolicyUpdater(cfg, make_engine(cfg, model))
     for v, b in enumerate(batches):
-        up.update(b, v)
+        train(up, b, v)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
     assert all(not torch.equal(p, before[n]) for n, p in adapters.items() if ".lora_B." in n)
     published = dict(up.engine.named_trainable_parameters())
@@ -177,7 +177,7 @@ def test_lora_dropout_turns_the_prox_shortcut_off(lora_model_cfg, batches):
     model = load_policy(dropped)
     assert not prox_is_training_pass(tiny_config(dropped), model)
     up = PolicyUpdater(tiny_config(dropped), make_engine(tiny_config(dropped), model))
-    assert up.update(batches[0], 0)["learner/prox_pass"] == 1.0
+    assert train(up, batches[0], 0)["learner/prox_pass"] == 1.0
 
 
 def test_flops_count_frozen_weights_without_their_weight_gradient():
@@ -235,7 +235,7 @@ def test_hf_engine_update_weights_takes_adapter_tensors_and_refuses_others(lora_
 def test_checkpoint_holds_the_adapters_alone_and_restores_them(lora_model_cfg, tiny_model_cfg, batches, tmp_path):
     cfg = tiny_config(lora_model_cfg, **{"learner.lr": 1e-2})
     up = PolicyUpdater(cfg, make_engine(cfg, policy(lora_model_cfg)))
-    up.update(batches[0], 0)
+    train(up, batches[0], 0)
     save_checkpoint(tmp_path, "v1", up.engine, extra={"version": 1})
     saved = torch.load(tmp_path / "v1" / "policy" / "model.pt", weights_only=True)
     assert sorted(saved) == sorted(lora.adapter_parameters(up.engine.module))  # no base weights: model.path has them
@@ -284,7 +284,8 @@ def test_an_adapted_head_keeps_the_chunked_logprob_path(lora_model_cfg):
     # the logits at once; chunks of 4 positions give the full path's numbers and adapter gradients
     from factories import sample
 
-    from learner.batch import chunked_response_logprobs, collate, lm_parts, response_logits
+    from learner.batch import collate
+    from learner.lm_head import chunked_response_logprobs, lm_parts, response_logits
     from rlhf_core.sampling import process_logits, token_logprobs
 
     model = policy(lora_model_cfg, seed=6)

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from factories import sample
-from learner.advantages import gae, token_rewards
+from learner.algorithms.core import token_rewards
+from learner.algorithms.gae import gae
+from learner.algorithms.ppo_policy_loss import ppo_clip_loss
 from learner.batch import collate
 from learner.engine_factory import make_engine
-from learner.losses import ppo_clip_loss
 from learner.update import PolicyUpdater
-from learner_helpers import close, digit_reward, generate_samples, tiny_config
+from learner_helpers import close, digit_reward, generate_samples, tiny_config, train
 from rlhf_core.config import ConfigError, RolloutConfig, import_env_target
 from rlhf_core.dapo import FilterStall, filter_reason, group_filter, overlong_penalty
 from rlhf_core.episode import Transcript
@@ -93,10 +94,10 @@ def test_collate_and_the_loss_reduce_over_the_policy_tokens_only():
     # 4 policy tokens: -(1 + 1 + 3 + 3) / 4 = -2. The observation tokens' advantage 100 is not counted
     # (over the response mask it would be -(1 + 1 + 3 + 100 + 100 + 3) / 6 = -34.67).
     adv = torch.tensor([[1.0, 1.0, 0.0, 0.0], [3.0, 100.0, 100.0, 3.0]])
-    loss, _ = ppo_clip_loss(batch.behaviour_logprobs, batch.behaviour_logprobs, adv, batch.policy_mask)
+    loss, _ = ppo_clip_loss(batch.behaviour_logprobs, None, batch.behaviour_logprobs, adv, batch.policy_mask)
     close(loss, -2.0)
     # seq-mean-token-mean: per row -(1 + 1) / 2 = -1 and -(3 + 3) / 2 = -3, mean -2 as well
-    loss, _ = ppo_clip_loss(batch.behaviour_logprobs, batch.behaviour_logprobs, adv, batch.policy_mask,
+    loss, _ = ppo_clip_loss(batch.behaviour_logprobs, None, batch.behaviour_logprobs, adv, batch.policy_mask,
                             agg_mode="seq-mean-token-mean")
     close(loss, -2.0)
     # algo.overlong=mask: a truncated response (finish reason length) leaves the loss entirely
@@ -128,7 +129,7 @@ def test_an_update_ignores_what_the_policy_did_not_sample(tiny_model_cfg):
     for logprob, version in ((0.0, 0), (-30.0, 5)):
         cfg = tiny_config(tiny_model_cfg, **{"algo.kl_coef": 0.1, "algo.entropy_coef": 0.01})
         up = PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(base)), copy.deepcopy(base).eval())
-        metrics = up.update(episodes(logprob, version), 1)
+        metrics = train(up, episodes(logprob, version), 1)
         results.append((metrics, {n: p.detach().clone() for n, p in up.engine.module.named_parameters()}))
     (m0, w0), (m1, w1) = results
     for key in ("loss/policy", "loss/kl", "loss/entropy", "loss/advantage_abs_mean", "staleness/max", "learner/num_tokens"):

@@ -1,4 +1,5 @@
-"""Unit tests for learner/dpo_loss.py: two pairs, the arithmetic in the comments."""
+"""learner.algorithms.dpo: the DPO loss and the pairs it trains on (best vs worst of a group,
+lone samples and ties left out). Tiny tensors, arithmetic in the comments."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import math
 import pytest
 import torch
 
-from learner.dpo_loss import dpo_loss
-
+from learner.algorithms.dpo import dpo_loss, dpo_pairs, select_dpo_pairs
 from learner_helpers import T, close  # noqa: E402
 
 NAN = float("nan")
@@ -62,3 +62,41 @@ class TestDPOLoss:
     def test_validation(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             dpo_loss(T(self.PC), T(self.PR), T(self.RC), T(self.RR), **kwargs)
+
+
+class TestSelectDPOPairs:
+    def test_best_vs_worst(self):
+        rewards = T([1.0, 3.0, 2.0, 5.0, 5.0, 5.0, 0.0, -1.0, 4.0])
+        chosen, rejected, valid = select_dpo_pairs(rewards, group_size=3)
+        assert chosen.tolist() == [1, 3, 8]
+        assert rejected.tolist() == [0, 3, 7]
+        assert valid.tolist() == [True, False, True]  # group 1 is a three-way tie
+
+    def test_only_eligible_samples_are_paired(self):
+        # group 0 [1, 3, 2] without row 1: best row 2 (2), worst row 0 (1);
+        # group 1 [0, -1, 4] with row 8 alone eligible: best = worst = row 8, no pair;
+        # group 2 [7, 6, 5], none eligible: no pair
+        rewards = T([1.0, 3.0, 2.0, 0.0, -1.0, 4.0, 7.0, 6.0, 5.0])
+        eligible = torch.tensor([1, 0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+        chosen, rejected, valid = select_dpo_pairs(rewards, group_size=3, eligible=eligible)
+        assert valid.tolist() == [True, False, False]
+        assert (chosen[0].item(), rejected[0].item()) == (2, 0)
+
+    def test_errors(self):
+        with pytest.raises(ValueError, match="N=8.*group_size=3"):
+            select_dpo_pairs(torch.zeros(8), 3)
+        with pytest.raises(ValueError, match="group_size must be >= 2, got 1"):
+            select_dpo_pairs(torch.zeros(4), 1)
+
+
+# Three groups: a full one of 4, a partial one of 3 (one sample dead-lettered), a lone sample.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 5.0])
+SIZES = torch.tensor([4, 3, 1])
+
+
+def test_dpo_pairs_skip_lone_samples_and_ties():
+    # group 1 [1,0,0,1]: best = first max (row 0), worst = first min (row 1)
+    # group 2 [1,0,1]: rows 4 and 5; lone sample: no pair; a tied group: no pair
+    r = torch.cat([REWARDS, torch.tensor([2.0, 2.0])])
+    chosen, rejected = dpo_pairs(r, torch.tensor([4, 3, 1, 2]))
+    assert chosen.tolist() == [0, 4] and rejected.tolist() == [1, 5]

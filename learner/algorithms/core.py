@@ -1,0 +1,398 @@
+"""The pure math every algorithm shares: masked reductions and aggregation, whitening, per-token
+rewards, KL estimators, the entropy bonus, importance-sampling weights and the PPO clip.
+
+Tensors in, tensors (or a scalar loss and a ``NamedTuple`` of detached stats) out; no I/O, no
+config objects, no state. Tensors are positional and every other option keyword-only, so two
+neighbouring numbers cannot be swapped. Log-probabilities, never probabilities.
+
+Conventions (every loss and estimator of the learner follows them):
+    * Per-token tensors have shape ``[B, T]`` (batch, response length).
+    * ``mask`` is a bool or float ``[B, T]`` tensor of response tokens (non-zero = real token).
+      Masked positions never affect any result, even when they hold garbage such as ``1e9`` or
+      ``NaN``: inputs are sanitised with ``torch.where`` (not multiplication, which would leak
+      NaN, and not after ``exp``, which would leak NaN into the backward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Literal, NamedTuple, get_args
+
+import torch
+
+from rlhf_core.choices import ISCorrection, ISLevel
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3"]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over data-parallel ranks; identity when alone
+
+
+# ---------- Argument checks ----------------------------------------------- #
+def check_choice(name: str, value: object, choices: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of a ``Literal`` type's values or an Enum's."""
+    allowed = [e.value for e in choices] if isinstance(choices, type) and issubclass(choices, Enum) else get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming every shape unless all ``tensors`` have the same one."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        desc = ", ".join(f"{n}={s}" for n, s in shapes.items())
+        raise ValueError(f"shape mismatch: {desc}")
+
+
+def check_gamma_lam(gamma: float, lam: float = 1.0) -> None:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got {lam}")
+
+
+def check_groups(rewards: torch.Tensor, group_size: int, min_size: int) -> None:
+    """``[N]`` rewards that form groups of ``group_size`` (at least ``min_size``)."""
+    if group_size < min_size:
+        raise ValueError(f"group_size must be >= {min_size}, got {group_size}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"number of rewards N={rewards.numel()} is not divisible by group_size={group_size}")
+
+
+# ---------- Masked reductions --------------------------------------------- #
+def bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a bool tensor (non-zero = real token)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def where_real(x: torch.Tensor, m: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x`` at real tokens of the bool mask ``m``, ``fill`` elsewhere (NaN-safe, gradient-safe)."""
+    return torch.where(m, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` (any shape, e.g. ``[B, T]``) over real tokens of ``mask`` (same shape).
+    ``dim=None`` reduces everything to a scalar; otherwise only ``dim`` is reduced."""
+    check_same_shape(x=x, mask=mask)
+    xs = where_real(x, bool_mask(mask))
+    return xs.sum() if dim is None else xs.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over real tokens of ``mask``; 0 where there is no real token."""
+    m = bool_mask(mask)
+    count = m.sum() if dim is None else m.sum(dim)
+    return masked_sum(x, m, dim=dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True, dim: int | None = None) -> torch.Tensor:
+    """Variance of ``x`` over real tokens of ``mask``. ``unbiased=True`` applies Bessel's
+    correction ``n / (n - 1)``; with a single real token the variance is 0 (not NaN)."""
+    m = bool_mask(mask)
+    mean = masked_mean(x, m, dim=dim)
+    if dim is not None:
+        mean = mean.unsqueeze(dim)
+    var = masked_mean((where_real(x, m) - mean) ** 2, m, dim=dim)
+    if unbiased:
+        n = m.sum() if dim is None else m.sum(dim)
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of ``x`` over real tokens (scalar); 0 when there are none."""
+    m = bool_mask(mask)
+    check_same_shape(x=x, mask=m)
+    out = where_real(x, m, float("-inf")).max()
+    return torch.where(m.any(), out, torch.zeros_like(out))
+
+
+def aggregate(
+    loss_tokens: torch.Tensor, mask: torch.Tensor, *, mode: AggregationMode = "token-mean", norm_len: int | None = None
+) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar.
+
+    Modes:
+        * ``"token-mean"``: sum over all real tokens / total number of real tokens (every
+          token weighs the same; long sequences weigh more).
+        * ``"seq-mean-token-mean"``: mean over each sequence's real tokens, then mean over
+          sequences (every sequence weighs the same; the original GRPO formulation).
+        * ``"seq-mean-token-sum"``: sum over each sequence's real tokens, then mean over sequences.
+        * ``"seq-mean-token-sum-norm"``: Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-like
+          training"): sum over each sequence's real tokens divided by the constant ``norm_len``
+          (e.g. the max generation length), then mean over sequences; removes the length bias.
+
+    In the ``seq-*`` modes, sequences without any real token are excluded from the mean over
+    sequences. An all-masked batch gives 0.
+    """
+    check_choice("agg_mode", mode, AggregationMode)
+    if mode == "seq-mean-token-sum-norm" and (norm_len is None or not norm_len > 0):
+        raise ValueError(f"agg_mode 'seq-mean-token-sum-norm' needs norm_len > 0, got {norm_len}")
+    m = bool_mask(mask)
+    if mode == "token-mean":
+        return masked_mean(loss_tokens, m)
+    seq_sum = masked_sum(loss_tokens, m, dim=-1)
+    seq_len = m.sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq_loss = seq_sum / seq_len.clamp(min=1)
+    elif mode == "seq-mean-token-sum":
+        seq_loss = seq_sum
+    else:
+        seq_loss = seq_sum / norm_len
+    return masked_mean(seq_loss, seq_len > 0)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch.no_grad()
+def global_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce = _identity, eps: float = 1e-8) -> torch.Tensor:
+    """``[B, T]`` ``(x - mean) * rsqrt(var + eps)`` with mean and (biased) variance over the real
+    tokens of every data-parallel rank (``all_reduce`` sums over them; alone: the identity).
+    Masked positions are 0."""
+    m = bool_mask(mask)
+    sums = torch.stack([masked_sum(x, m), m.sum().to(x.dtype)])
+    all_reduce(sums)
+    mean = sums[0] / sums[1].clamp(min=1)
+    sq = masked_sum((where_real(x, m) - mean) ** 2, m).reshape(1)
+    all_reduce(sq)
+    var = sq[0] / sums[1].clamp(min=1)
+    return where_real((where_real(x, m) - mean) * torch.rsqrt(var + eps), m)
+
+
+def rows_by_size(group_sizes: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{size: row indices of every group of that size, group after group} of a batch whose groups
+    are contiguous: an estimator over equal-sized groups runs once per size, not once per group."""
+    out: dict[int, list[int]] = {}
+    start = 0
+    for n in group_sizes.tolist():
+        out.setdefault(n, []).extend(range(start, start + n))
+        start += n
+    return {n: torch.tensor(rows, dtype=torch.long, device=group_sizes.device) for n, rows in out.items()}
+
+
+@torch.no_grad()
+def token_rewards(
+    seq_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """``[B, T]`` per-token rewards: the ``[B]`` sequence reward on the last real token, minus a KL
+    penalty, ``r_t = -kl_coef * kl_t + [t == last real token] * seq_reward`` (KL as a reward
+    penalty, as in Ziegler et al. 2019 / OpenRLHF; 0 at masked positions). A sequence without
+    real tokens gets no reward. ``kl``: ``[B, T]`` per-token KL estimate (:func:`kl_estimate`)."""
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    m = bool_mask(mask)
+    if seq_rewards.shape != m.shape[:1]:
+        raise ValueError(f"seq_rewards must have shape [B]={tuple(m.shape[:1])}, got {tuple(seq_rewards.shape)}")
+    positions = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    last = torch.where(m, positions, torch.full_like(positions, -1)).max(dim=-1, keepdim=True).values
+    is_last = m & (positions == last)
+    out = torch.where(is_last, seq_rewards.unsqueeze(-1), torch.zeros((), dtype=seq_rewards.dtype, device=seq_rewards.device))
+    if kl is not None:
+        check_same_shape(kl=kl, mask=m)
+        out = out - kl_coef * where_real(kl, m)
+    return where_real(out, m)
+
+
+# ---------- KL, entropy --------------------------------------------------- #
+def kl_estimate(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None, *, kind: KLKind = "k3"
+) -> torch.Tensor:
+    """``[B, T]`` per-token Monte-Carlo estimate of ``KL(pi || ref)`` for ``x ~ pi``.
+
+    From J. Schulman, "Approximating KL Divergence" (2020),
+    http://joschu.net/blog/kl-approx.html, with ``log r = ref_logp - logp``:
+
+        * ``k1 = -log r = logp - ref_logp``              (unbiased, high variance)
+        * ``k2 = 0.5 * (log r)^2``                       (biased, low variance)
+        * ``k3 = (r - 1) - log r``                       (unbiased, low variance, >= 0)
+
+    The estimators are unbiased only if the tokens were sampled from ``pi``; in an off-policy
+    setting they were sampled from the behaviour policy. Masked positions give 0.
+    """
+    check_choice("kl kind", kind, KLKind)
+    check_same_shape(logp=logp, ref_logp=ref_logp)
+    if mask is not None:
+        m = bool_mask(mask)
+        logp, ref_logp = where_real(logp, m), where_real(ref_logp, m)
+    log_r = ref_logp - logp
+    if kind == "k1":
+        kl = -log_r
+    elif kind == "k2":
+        kl = 0.5 * log_r**2
+    else:
+        kl = torch.exp(log_r) - log_r - 1.0
+    return kl if mask is None else where_real(kl, m)
+
+
+class EntropyStats(NamedTuple):
+    entropy: torch.Tensor  # aggregated entropy (nats), detached
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, mask: torch.Tensor, *, coef: float, agg_mode: AggregationMode = "token-mean",
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, EntropyStats]:
+    """Entropy bonus as a loss term to *add* to the total loss: ``-coef * H``, with ``H`` the
+    ``[B, T]`` per-token ``entropy`` over the real tokens of ``mask`` aggregated per ``agg_mode``
+    (:func:`aggregate`). ``coef > 0`` encourages exploration."""
+    h = aggregate(entropy, mask, mode=agg_mode, norm_len=norm_len)
+    return -coef * h, EntropyStats(entropy=h.detach())
+
+
+# ---------- Importance sampling and the PPO clip ------------------------- #
+@dataclass(frozen=True)
+class ISConfig:
+    """How a policy loss weights token losses by ``w = pi_prox / pi_behav``.
+
+    ``level``: ``"token"`` uses per-token ``w_t``; ``"sequence"`` the geometric mean of the
+    sequence's token weights, ``exp(masked_mean_t(log w_t))``, on all its tokens.
+    ``correction`` (applied to that ``w``): ``"none"`` keeps ``w`` (full IS); ``"tis"``
+    truncates, ``min(w, tis_cap)`` (``inf`` allowed); ``"mis"`` keeps ``w`` if
+    ``mis_low <= w <= mis_high`` else 0 (dropped tokens still count in the denominator).
+    """
+
+    correction: ISCorrection = ISCorrection.none
+    level: ISLevel = ISLevel.token
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_choice("is_correction", self.correction, ISCorrection)
+        check_choice("is_level", self.level, ISLevel)
+        if not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if not 0.0 <= self.mis_low < self.mis_high:
+            raise ValueError(f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}")
+
+
+class ISWeights(NamedTuple):
+    w: torch.Tensor  # corrected weight multiplying the token loss
+    raw_w: torch.Tensor  # before truncation / masking
+    log_w_tokens: torch.Tensor  # per-token prox_logp - behav_logp
+    truncated: torch.Tensor  # bool
+    dropped: torch.Tensor  # bool
+
+
+@torch.no_grad()
+def is_weights(prox: torch.Tensor, behav: torch.Tensor, m: torch.Tensor, cfg: ISConfig) -> ISWeights:
+    """IS weights ``pi_prox / pi_behav`` of sanitised ``[B, T]`` log-probs under the bool mask ``m``,
+    at ``cfg.level`` and corrected as ``cfg.correction`` says (:class:`ISConfig`)."""
+    log_w_tokens = prox - behav
+    if cfg.level == ISLevel.sequence:
+        log_w = masked_mean(log_w_tokens, m, dim=-1).unsqueeze(-1).expand_as(log_w_tokens)
+    else:
+        log_w = log_w_tokens
+    raw_w = torch.exp(log_w)
+    truncated = dropped = torch.zeros_like(m)
+    if cfg.correction == ISCorrection.tis:
+        truncated = raw_w > cfg.tis_cap
+        w = torch.clamp(raw_w, max=cfg.tis_cap)
+    elif cfg.correction == ISCorrection.mis:
+        dropped = (raw_w < cfg.mis_low) | (raw_w > cfg.mis_high)
+        w = torch.where(dropped, torch.zeros_like(raw_w), raw_w)
+    else:
+        w = raw_w
+    return ISWeights(w, raw_w, log_w_tokens, truncated, dropped)
+
+
+class PolicyLossStats(NamedTuple):
+    """Detached scalars; fractions/means are over real tokens."""
+
+    loss: torch.Tensor  # aggregated loss
+    clip_frac: torch.Tensor  # tokens where the clipped PPO branch is active
+    dual_clip_frac: torch.Tensor  # tokens capped by the dual clip (A < 0)
+    approx_kl: torch.Tensor  # k3 estimate of KL(old/prox || pi), Schulman 2020
+    ratio_mean: torch.Tensor  # pi / pi_old (or pi / pi_prox)
+    ratio_max: torch.Tensor
+    is_weight_mean: torch.Tensor  # raw pi_prox / pi_behav at the IS level, before correction (1 on-policy)
+    is_weight_max: torch.Tensor
+    is_truncated_frac: torch.Tensor  # TIS: tokens with w > tis_cap
+    is_masked_frac: torch.Tensor  # MIS: tokens dropped (w outside band)
+    behav_approx_kl: torch.Tensor  # k3 estimate of KL(behav || prox): staleness
+
+
+def check_clip(clip_eps_low: float, clip_eps_high: float | None, dual_clip_c: float | None) -> float:
+    """The upper clip range (``clip_eps_low`` when None), after checking all three."""
+    if not 0.0 < clip_eps_low < 1.0:
+        raise ValueError(f"clip_eps_low must be in (0, 1), got {clip_eps_low}")
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if not high > 0.0:
+        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+    return high
+
+
+def clip_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+    clip_eps_low: float = 0.2, clip_eps_high: float | None = None, dual_clip_c: float | None = None,
+    agg_mode: AggregationMode = "token-mean", norm_len: int | None = None,
+    importance: Callable[[torch.Tensor, torch.Tensor], ISWeights] | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """The PPO clipped surrogate (Schulman et al. 2017, eq. 7) every policy loss is built on; a
+    scalar loss and detached stats.
+
+    ``ratio = exp(logp - old_logp)``, ``pg_loss1 = -A * ratio``,
+    ``pg_loss2 = -A * clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high)``, per-token loss
+    ``max(pg_loss1, pg_loss2)``, aggregated over the real tokens of ``mask`` per ``agg_mode``
+    (:func:`aggregate`; ``norm_len`` for ``"seq-mean-token-sum-norm"``). ``clip_eps_high``
+    defaults to ``clip_eps_low``; a larger value is DAPO's "clip-higher" (Yu et al. 2025). With
+    ``dual_clip_c`` (``c > 1``, Ye et al. 2020) a token with ``A < 0`` gets
+    ``min(max(pg_loss1, pg_loss2), -c * A)``: the loss of a very unlikely-under-old, now-likely
+    token is capped. ``importance(old, m)`` (the sanitised ``old_logp`` and the bool mask) gives
+    IS weights that multiply the token losses (:func:`is_weights`).
+
+    ``logp`` ``[B, T]`` carries the gradient; ``old_logp`` and ``advantages`` ``[B, T]`` are constants.
+    """
+    high = check_clip(clip_eps_low, clip_eps_high, dual_clip_c)
+    check_choice("agg_mode", agg_mode, AggregationMode)
+    check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    m = bool_mask(mask)
+    old = where_real(old_logp, m).detach()
+    isw = importance(old, m) if importance is not None else None
+    logp, advantages = where_real(logp, m), where_real(advantages, m).detach()
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + high)
+    clip_pg_loss = torch.maximum(pg_loss1, pg_loss2)
+    if dual_clip_c is not None:
+        pg_loss3 = -advantages * dual_clip_c
+        negative = advantages < 0
+        pg_losses = torch.where(negative, torch.minimum(clip_pg_loss, pg_loss3), clip_pg_loss)
+        dual_clipped = negative & (clip_pg_loss > pg_loss3)
+    else:
+        pg_losses = clip_pg_loss
+        dual_clipped = torch.zeros_like(m)
+    if isw is not None:
+        pg_losses = isw.w * pg_losses
+    loss = aggregate(where_real(pg_losses, m), m, mode=agg_mode, norm_len=norm_len)
+
+    with torch.no_grad():
+        ratio_d, log_ratio_d = ratio.detach(), log_ratio.detach()
+        if isw is None:
+            zero = torch.zeros_like(ratio_d)
+            isw = ISWeights(zero, zero + 1.0, zero, zero, zero)
+        to_f = lambda b: b.to(ratio_d.dtype)  # noqa: E731
+        stats = PolicyLossStats(
+            loss=loss.detach(),
+            clip_frac=masked_mean(to_f(pg_loss2 > pg_loss1), m),
+            dual_clip_frac=masked_mean(to_f(dual_clipped), m),
+            # KL(old || pi) with x ~ old, r = pi / old: k3 = (r - 1) - log r; over the tokens pi
+            # has (a token top-k/top-p filters out under pi has log r = -inf: k3 = inf)
+            approx_kl=masked_mean(ratio_d - 1.0 - log_ratio_d, m & torch.isfinite(log_ratio_d)),
+            ratio_mean=masked_mean(ratio_d, m),
+            ratio_max=masked_max(ratio_d, m),
+            is_weight_mean=masked_mean(isw.raw_w, m),
+            is_weight_max=masked_max(isw.raw_w, m),
+            is_truncated_frac=masked_mean(to_f(isw.truncated), m),
+            is_masked_frac=masked_mean(to_f(isw.dropped), m),
+            # KL(behav || prox) with x ~ behav, r = prox / behav = w.
+            behav_approx_kl=masked_mean(torch.exp(isw.log_w_tokens) - 1.0 - isw.log_w_tokens, m),
+        )
+    return loss, stats
