@@ -17,7 +17,8 @@ from rlhf_core.wire import WireError, optional, require
 from weight_server import protocol as P
 from weight_server.metrics import ServerMetrics
 from weight_server.shm import Leases, ShmDir
-from weight_server.store import Refused, Slab, Upload, Version, VersionStore
+from weight_server.slabs import Slab
+from weight_server.store import Refused, Upload, Version, VersionStore
 
 log = logging.getLogger("weight_server")
 
