@@ -20,7 +20,8 @@ from typing import Any, Iterable
 
 from rlhf_core.errors import UserError
 from rlhf_run.plan.profile import Profile
-from rlhf_run.plan.simulate import Plan, SimResult, same_run, simulate
+from rlhf_run.plan.records import Plan, SimResult
+from rlhf_run.plan.simulate import same_run, simulate
 
 
 class PlanError(UserError):
