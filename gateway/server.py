@@ -50,7 +50,7 @@ from rlhf_core.models import load_tokenizer, model_dir
 from rlhf_core.records import Sample
 from rlhf_core.wire import WireError
 from rlhf_core.cli import freeze_startup_heap, write_json
-from rollout_workers.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
+from rlhf_core.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -527,7 +527,7 @@ class Gateway:
     def _check_drift(self, choices: list[_Choice]) -> asyncio.Task | None:
         """The calls' drift checks on a thread while they are generated (they tokenise up to a
         whole conversation, which would hold the event loop; tokenising releases the GIL). A session
-        that drifted stays so (rollout_workers/turns.py): counted at once, no thread."""
+        that drifted stays so (rlhf_core/turns.py): counted at once, no thread."""
         assert self.sessions is not None
         for c in choices:
             if c.session.drift_check is not None and c.session.conversation.drifted:

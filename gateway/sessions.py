@@ -6,7 +6,7 @@ mask 1) and, between calls, the ids of what the agent added (tool results, user 
 mask 0. A chat call **extends** its session when its messages start with the session's
 previous call's messages followed by the assistant message the gateway returned (compared as
 :func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
-template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
+template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`,
 retokenisation drift counted), with the tools of the session's first call (a call may leave
 them out; other tools restart the session). A call that does not extend its session (the agent
 edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
@@ -37,7 +37,7 @@ from typing import Any, Callable
 from rlhf_core import metric_names as M
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Sample
-from rollout_workers.turns import TemplateConversation, encode
+from rlhf_core.turns import TemplateConversation, encode
 
 log = logging.getLogger(__name__)
 

@@ -537,7 +537,7 @@ def test_restore_puts_back_what_a_failed_call_changed(tokenizer):
 def finisher(tokenizer):
     """The gateway's reply builder (``Gateway._finish``) on the tiny tokenizer, without a server."""
     from gateway.server import Gateway, _Choice
-    from rollout_workers.tool_calls import ToolCallParser
+    from rlhf_core.tool_calls import ToolCallParser
 
     gw = object.__new__(Gateway)  # _finish needs the tokenizer and the parser only
     gw.tokenizer, gw.parser = tokenizer, ToolCallParser(tokenizer)
