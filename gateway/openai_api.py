@@ -21,6 +21,8 @@ AUTH = "authentication_error"
 NOT_FOUND = "not_found_error"
 CONFLICT = "conflict_error"
 UNAVAILABLE = "service_unavailable"
+#: the seconds a 503's ``Retry-After`` asks a client to wait
+RETRY_AFTER_S = 2
 
 
 class ApiError(Exception):
@@ -46,6 +48,11 @@ def served_name(cfg: Any) -> str:
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, INVALID, code, param)
+
+
+def retry_later(message: str, code: str) -> ApiError:
+    """503 with ``Retry-After``: the service cannot serve the request now; the same request may succeed later."""
+    return ApiError(503, message, UNAVAILABLE, code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass

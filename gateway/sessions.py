@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gateway.openai_api import CONFLICT, INVALID, NOT_FOUND, ApiError
 from rlhf_core import metric_names as M
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Sample
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: prefix of a gateway group's prompt id and group ids (``gw:<group>``; a kept sample's group is read back off it)
 GROUP_PREFIX = "gw:"
+#: the longest session or group id (a header's, or the reward body's group): it goes into sample ids
+MAX_ID_CHARS = 200
 #: a rewarded sample's metadata key marking a session that named no group (a group of one)
 ALONE = "group_of_one"
 #: the chat template for tokenizers without one (the tiny model, whose alphabet has no newline):
@@ -59,12 +62,11 @@ PLAIN_TEMPLATE = (
 )
 
 
-class SessionError(Exception):
-    """A session request that cannot be served; ``status`` 400, 404 or 409."""
+class SessionError(ApiError):
+    """A session request that cannot be served; ``status`` 400, 404 or 409 (error code ``session``)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message, {404: NOT_FOUND, 409: CONFLICT}.get(status, INVALID), "session")
 
 
 @dataclass
