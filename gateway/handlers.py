@@ -1,8 +1,6 @@
-"""The gateway's HTTP endpoints: each parses its request, routes its calls and formats the answer.
-
+"""The gateway's HTTP endpoints, each parsing its request, routing its calls, formatting the answer:
 OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``; the gateway's own
-``/v1/rl/sessions/{id}/reward`` and ``/v1/rl/stats``; ``/health``. A client that goes away
-(disconnect mid-stream, or before a plain call returns) gets its calls cancelled.
+``/v1/rl/sessions/{id}/reward`` and ``/v1/rl/stats``; ``/health``.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.openai_api import (AUTH, RETRY_AFTER_S, ApiError, Sampling, bad, chat_response, completion_response,
-                                normal_message, parse_chat, parse_completion, parse_json, retry_later, sse, usage)
+from gateway.openai_api import (AUTH, RETRY_AFTER_S, ApiError, Sampling, bad, normal_message, parse_chat,
+                                parse_completion, parse_json, response, retry_later, sse, usage)
 from gateway.replies import Replies, failed, token_counts
 from gateway.routing import REDIS_DOWN, CallRouter, Choice, ClientGone
 from gateway.sessions import MAX_ID_CHARS, Session, Sessions
@@ -56,7 +54,7 @@ class Handlers:
                  started: float) -> None:
         self.cfg, self.model_name, self.keys_allowed, self.started = cfg, model_name, keys_allowed, started
         self.sessions, self.router, self.settlement, self.counts = sessions, router, settlement, counts
-        self.tokenizer, self.replies = tokenizer, Replies(tokenizer)
+        self.replies = Replies(tokenizer)
 
     # ------------------------------------------------------------------ guards
 
@@ -162,8 +160,7 @@ class Handlers:
                 _, _, reason, message = done(c)
                 return {"index": c.index, "message": message, "finish_reason": reason, "logprobs": logprobs(c)}
 
-            out, prompt, completion = await self._gather(choices, request, answer)
-            return JSONResponse(chat_response(cid, self.model_name, out, prompt, completion), headers={"X-Session-Id": sid})
+            return await self._gather(choices, request, answer, "chat.completion", cid, sid)
 
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> bytes:
             return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -191,9 +188,9 @@ class Handlers:
     async def completions(self, request: Request) -> Response:
         req = parse_completion(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
                                self.cfg.gateway.max_n)
-        if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(self.tokenizer)):
-            raise bad(f"prompt token ids must lie in [0, {len(self.tokenizer)})", "prompt")
         sessions, replies = self.sessions, self.replies
+        if isinstance(req.prompt, list) and (min(req.prompt) < 0 or max(req.prompt) >= len(replies.tokenizer)):
+            raise bad(f"prompt token ids must lie in [0, {len(replies.tokenizer)})", "prompt")
         sid, choices = await self._begin(request, req.user, req.sampling,
                                          lambda s: sessions.completion_context(s, req.prompt))
         cid, created = f"cmpl-{choices[0].call.call_id}", int(time.time())
@@ -212,9 +209,7 @@ class Handlers:
                 lp = replies.completion_logprobs(c) if req.sampling.logprobs else None
                 return {"index": c.index, "text": text, "finish_reason": reason, "logprobs": lp}
 
-            out, prompt, completion = await self._gather(choices, request, answer)
-            return JSONResponse(completion_response(cid, self.model_name, out, prompt, completion),
-                                headers={"X-Session-Id": sid})
+            return await self._gather(choices, request, answer, "text_completion", cid, sid)
 
         def chunk(index: int, text: str, reason: str | None = None) -> bytes:
             return sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -232,10 +227,10 @@ class Handlers:
         events = self._sse(choices, req.sampling, cid, created, "text_completion", [], final, part)
         return StreamingResponse(events, media_type="text/event-stream", headers={"X-Session-Id": sid})
 
-    async def _gather(self, choices: list[Choice], request: Request,
-                      answer: Callable[[Choice], dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
-        """A plain call: wait for every choice, then ``answer`` each; returns the answers and the
-        prompt and completion token counts. The sessions are settled either way."""
+    async def _gather(self, choices: list[Choice], request: Request, answer: Callable[[Choice], dict[str, Any]],
+                      kind: str, cid: str, sid: str) -> Response:
+        """A plain call: wait for every choice, then ``answer`` each, in a response of ``kind``.
+        The sessions are settled either way."""
         ok = False
         try:
             async for _ in self.router.run(choices, request.scope.get(RECEIVED), request.is_disconnected):
@@ -244,7 +239,8 @@ class Handlers:
                 raise err
             out = [answer(c) for c in choices]
             ok = True
-            return out, *token_counts(choices)
+            return JSONResponse(response(kind, cid, self.model_name, out, *token_counts(choices)),
+                                headers={"X-Session-Id": sid})
         finally:
             self._settle(choices, ok)
 

@@ -248,15 +248,10 @@ def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def chat_response(call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-    return {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def completion_response(call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
-    return {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
+def response(kind: str, call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+             completion_tokens: int) -> dict[str, Any]:
+    """A plain call's answer; ``kind``: ``chat.completion`` or ``text_completion``."""
+    return {"id": call_id, "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -1,12 +1,9 @@
 """Call routing: a request's calls to the workers through the run's Redis, and their chunks back.
 
-A call is made from its session's context (:class:`~buffer.gateway.GatewayCall`), pushed onto the
-run's call list, taken by a worker between decoding steps and answered on this gateway's pub/sub
-channel (streamed tokens, then the result with behaviour log-probs and per-token policy
-versions). One reader task routes the channel's chunks to the requests waiting on them. A call is
-watched while it runs: its worker must stay alive, the channel must stay up (pub/sub keeps nothing
-for a subscriber that is away), and a call nobody waits for any more is cancelled, so its worker
-frees the slot. Its session's retokenisation drift check runs on a thread meanwhile.
+A call (:class:`~buffer.gateway.GatewayCall`, made from its session's context) is pushed onto the
+run's call list and answered on this gateway's pub/sub channel, whose one reader task routes the
+chunks to the requests waiting on them. A running call fails when its worker dies or the channel
+drops, and is cancelled when nobody waits for it; its session's drift check runs on a thread.
 """
 
 from __future__ import annotations
@@ -60,14 +57,10 @@ class Choice:
 
 @dataclass
 class CallPhases:
-    """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` from
-    the request's arrival until its call is pushed (parsing, the session, the template,
-    tokenising, the event loop's queue), ``to_worker`` from there to a worker's engine (the push,
-    the worker's taker thread, the decoding step it waited for), ``engine`` in the engine
-    (waiting for a slot, prefill, decoding), ``to_gateway`` from the engine's end back to the
-    gateway (the worker's sender thread, Redis).
-    The middle two compare the worker's clock with the gateway's: across hosts they hold the
-    clocks' offset, their sum does not."""
+    """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` until
+    the push, ``to_worker`` until a worker's engine has the call, ``engine``, ``to_gateway`` back
+    (``call_phases_s`` of ``/v1/rl/stats``: docs/gateway.md). The middle two compare the worker's
+    clock with the gateway's: across hosts they hold the clocks' offset, their sum does not."""
 
     calls: int = 0
     gateway_in_s: float = 0.0

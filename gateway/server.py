@@ -240,12 +240,10 @@ HEAD_TIMEOUT_S = 20.0
 
 
 def _http_protocol() -> Any:
-    """uvicorn's httptools protocol with the request head bounded, in size and time: httptools
-    buffers the request line and headers without a limit, before any key is checked (one
-    connection sending a 200 MB header took 246 MB), and a connection that sends them a byte at
-    a time, or nothing, was held for good. A head over :data:`MAX_HEAD_BYTES` is answered 431, one
-    not in within :data:`HEAD_TIMEOUT_S` 408, and its connection closed. Without httptools uvicorn
-    speaks h11, which bounds the head's size itself."""
+    """uvicorn's httptools protocol with the request head bounded in size and time (httptools
+    buffers it without a limit, before any key is checked): a head over :data:`MAX_HEAD_BYTES` is
+    answered 431, one not in within :data:`HEAD_TIMEOUT_S` 408, and its connection closed.
+    Without httptools uvicorn speaks h11, which bounds the head's size itself."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:

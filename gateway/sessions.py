@@ -16,10 +16,7 @@ the sampled text, or the text the client got (a stop string cut off).
 ``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
 together once ``group_size`` of them are rewarded (a group still short of that is appended as
 it is ``session_ttl_s`` after its last reward); a session without a group is a group of one,
-appended as it is rewarded.
-A rewarded session's sample is kept in the buffer (``P gw:rewarded``) before the reward is
-acknowledged, and deleted in the step that appends its group: a gateway that stops or dies
-with groups still filling loses none of them, the next one takes them up at start.
+appended as it is rewarded (:mod:`gateway.settlement` keeps and appends them).
 A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
 """
 

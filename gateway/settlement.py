@@ -1,10 +1,8 @@
 """Reward settlement: a rewarded session's sample kept in the buffer, then appended with its group.
 
-A reward ends its session; the session's sample is kept in ``P gw:rewarded``
-(``Buffer.keep_rewarded``) before the reward is acknowledged, so a gateway that dies loses no
-accepted reward. Groups that are due (full, or their TTL over) are appended with the deletion of
-their kept samples in one step (``Buffer.append_group``); a gateway starting takes up the kept
-samples of the one before it.
+The sample is kept (``P gw:rewarded``) before the reward is acknowledged and deleted in the step
+that appends its group, so a gateway that stops or dies with groups filling loses none of them:
+the next one takes them up at start.
 """
 
 from __future__ import annotations
