@@ -315,7 +315,7 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     from rlhf_core.models import load_policy, load_tokenizer
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.hf_engine import HFEngine
-    from rollout_workers.turns import encode
+    from rlhf_core.turns import encode
 
     torch.set_num_threads(1)
     cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads

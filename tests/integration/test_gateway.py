@@ -1084,14 +1084,14 @@ def test_two_calls_of_one_session_sent_together_one_is_served_the_other_gets_409
         server, hold = run[3], run[4]
         url = server.url
         gw, asking, answer = server.gateway, [], threading.Event()
-        read = gw.workers.live
+        read = gw.router.workers.live
 
         async def live_once_both_ask() -> dict[str, float]:  # Redis's answer comes once both calls wait for it
             asking.append(1)
             await asyncio.to_thread(answer.wait, 30)
             return await read()
 
-        gw.workers.live = live_once_both_ask
+        gw.router.workers.live = live_once_both_ask
         answers: list[httpx.Response] = []
 
         def call() -> None:
@@ -1503,7 +1503,7 @@ def test_a_call_redis_does_not_take_is_answered_503_not_500(infra, tiny_model_cf
 
     with _serve(infra, tiny_model_cfg, "gw-untaken", "w-untaken", lambda engine, _: None) as (_, _, _, server, _):
         url = server.url
-        server.gateway.calls.submit = refused
+        server.gateway.router.calls.submit = refused
         r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "untaken"}, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
         assert r.json()["error"]["code"] == "unavailable" and "retry" in r.json()["error"]["message"], r.text

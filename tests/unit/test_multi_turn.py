@@ -28,7 +28,7 @@ from rlhf_core.models import load_policy
 from rlhf_core.records import Sample
 from rlhf_core.wire import WireError
 from rollout_workers.envs.calculator import CalcError, evaluate
-from rollout_workers.tool_calls import ToolCallParser
+from rlhf_core.tool_calls import ToolCallParser
 
 
 def transcript() -> Transcript:

@@ -20,14 +20,22 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Sequence
-
-from rollout_workers.environment import ToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 #: longest excerpt of an unreadable call quoted back to the environment
 QUOTE_CHARS = 200
+
+
+@dataclass
+class ToolCall:
+    """One call the policy wrote: ``name`` and ``arguments`` as parsed, ``text`` as written."""
+
+    name: str
+    arguments: dict[str, Any]
+    text: str = ""
 
 
 def _quote(text: str) -> str:
