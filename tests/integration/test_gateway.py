@@ -796,7 +796,7 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
         caller.start()
         wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
         t0 = time.monotonic()
-        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does; its engine holds the call
+        wt.worker.leases.stop()  # the worker goes silent, as a killed one does; its engine holds the call
         successor = WorkerThread(cfg, "w-dead").start() if restarted else None  # heartbeats under the same name
         try:
             caller.join(30)
@@ -881,7 +881,7 @@ def test_a_call_still_in_a_dead_workers_inbox_fails_with_503_before_the_call_tim
         channel = wt.worker.gateway.channel
         wait_for(lambda: len(channel.inbox) == 1, 30, "the taker thread to fetch the second call", 0.05)
         t0 = time.monotonic()
-        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does
+        wt.worker.leases.stop()  # the worker goes silent, as a killed one does
         try:
             for c in callers:
                 c.join(30)
