@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig, validate_weight_server
+from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, ZapHandler, configure_server_socket, signer_for
@@ -64,7 +64,7 @@ class WeightServer:
         self._closed = False
         self.persister: Persister | None = None
         self.shm: ShmDir | None = None
-        validate_weight_server(cfg)
+        cfg.check()
         self.signer = signer_for(cfg)
         if cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
             raise ConfigError(

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from rlhf_core.config import WeightServerConfig, validate_shm
+from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError, decode_record
 from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, configure_client_socket
@@ -52,7 +52,7 @@ class WeightSubscriber:
         name: str = "policy", ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg or WeightServerConfig()
-        validate_shm(self.cfg)
+        self.cfg.check_shm()
         self.worker_id = worker_id
         self.name = name
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
