@@ -69,9 +69,10 @@ def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
     st = path.stat()
     key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns, data_cfg.text_field, data_cfg.messages_field)
     if key not in _cache:
-        loader = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}.get(data_cfg.source)
+        loaders = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}
+        loader = loaders.get(data_cfg.source)
         if loader is None:
-            raise DataError(f"data.source={data_cfg.source!r} is not one of builtin, jsonl, parquet, hf_disk")
+            raise DataError(f"data.source={data_cfg.source} is not a prompt file: one of {', '.join(loaders)}")
         rows = loader(path)
         if not rows:
             raise DataError(f"data set {str(path)!r} has no rows")

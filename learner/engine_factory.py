@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from learner.engines import TorchEngine, TrainEngine
+from rlhf_core.choices import LearnerEngine
 from rlhf_core.config import ConfigError, LearnerConfig
 
 
@@ -22,7 +23,7 @@ def build_engine(module: torch.nn.Module, cfg: LearnerConfig, lr: float | None =
         from learner.engine_deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(module, cfg, lr)
-    raise ConfigError(f"learner.engine={cfg.engine!r} is not one of torch, deepspeed")
+    raise ConfigError(f"learner.engine='{cfg.engine}' is not one of {', '.join(LearnerEngine)}")
 
 
 def make_engine(cfg: Any, module: torch.nn.Module, role: str | None = None) -> TrainEngine:

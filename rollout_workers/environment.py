@@ -1,7 +1,7 @@
 """The environment protocol of multi-turn episodes, and the records that cross it.
 
 An environment is a class named by ``rollout.env._target_`` (checked at start-up by
-:func:`rlhf_core.config.import_env_target`); the other keys of ``rollout.env`` are its
+:func:`rollout_workers.user_code.import_env_target`); the other keys of ``rollout.env`` are its
 constructor's keyword arguments. The worker makes one instance per episode and calls, off its
 main thread::
 
@@ -39,10 +39,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Protocol
 
-from rlhf_core.config import ConfigError, env_target, import_env_target, to_plain
+from rlhf_core.config import ConfigError, env_target, to_plain
 from rlhf_core.records import Prompt
 from rlhf_core.tool_calls import ToolCall
 from rlhf_core.turns import EnvContractError, Observation
+from rollout_workers.user_code import import_env_target
 
 
 @dataclass

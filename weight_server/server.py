@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig, validate_weight_server
+from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
 from weight_server.auth import ZapHandler, signer_for
@@ -65,7 +65,7 @@ class WeightServer:
         self.persister: Persister | None = None
         self.shm: ShmDir | None = None
         self.endpoint: Endpoint | None = None
-        validate_weight_server(cfg)
+        cfg.check()
         signer = signer_for(cfg)
         if cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
             raise ConfigError(

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from rlhf_core.config import WeightServerConfig, validate_shm
+from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.announcements import Announcements
@@ -51,7 +51,7 @@ class WeightSubscriber:
         name: str = "policy", ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg or WeightServerConfig()
-        validate_shm(self.cfg)
+        self.cfg.check_shm()
         self.worker_id = worker_id
         self.name = name
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None

@@ -367,7 +367,6 @@ def test_reference_logprobs_computed_on_the_worker(run):
     ("buffer.url=null", "rlhf-worker needs buffer.url=redis://host:port"),
     ("weight_server.address=null", "rlhf-worker needs weight_server.address=tcp://host:port"),
     ("buffer.run_id=auto", "rlhf-worker needs buffer.run_id=<the run id that rlhf-run printed>"),
-    ("rollout.prompt_overflow=drop", "rollout.prompt_overflow='drop' is not one of reject, truncate"),
 ])
 def test_run_worker_refuses_an_incomplete_config_before_building_anything(tiny_model_cfg, setting, message):
     from rlhf_core.config import ConfigError
