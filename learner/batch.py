@@ -1,5 +1,5 @@
-"""The learner's intake: samples checked against the learner's model, collated into a typed
-:class:`TrainBatch` of right-padded tensors, and cut into micro-batches.
+"""Samples checked against the learner's model, collated into a typed :class:`TrainBatch` of
+right-padded tensors, and cut into micro-batches.
 
 Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + response,
 ``T`` = longest response):
@@ -24,10 +24,9 @@ Layout of a :class:`TrainBatch` of ``B`` samples (``L`` = longest prompt + respo
 ``token_extras`` / ``row_extras`` carry tensors computed later (proximal log-probs,
 advantages, ...) so that :meth:`TrainBatch.select` slices them with the batch.
 
-Before collation, :func:`split_stop_token_misfits` checks the samples' end-of-sequence tokens
-against the learner's (a few misfits are dead-lettered, most of them stop the learner), and
-:func:`collate` their token ids against the learner's vocabulary and their groups against
-``algo.group_size``: a batch that reaches the update is one the learner can train on.
+:func:`collate` checks the samples' token ids against the learner's vocabulary and their groups
+against ``algo.group_size`` (their end-of-sequence tokens were checked when they were read,
+:mod:`learner.reader`): a batch that reaches the update is one the learner can train on.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from rlhf_core.errors import FailureWindow, UserError
+from rlhf_core.errors import UserError
 from rlhf_core.records import Sample
 
 
@@ -168,59 +167,6 @@ def check_vocab(samples: Sequence[Sample], vocab_size: int) -> None:
             f"do the workers and the learner use the same tokenizer? worker vocab > {hi}, learner vocab "
             f"{vocab_size}. Point model.tokenizer_path / model.path of both at the same model"
         )
-
-
-def stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int]) -> list[tuple[int, str]]:
-    """``(index, why)`` of the samples that contradict the learner's end-of-sequence ids.
-
-    A worker stops a response at its first end-of-sequence token, so (without stop strings)
-    a ``"stop"`` response ends on one of ``eos_ids`` and no response holds one before its last
-    token. A worker whose tokenizer has other special tokens breaks one of the two. Multi-turn
-    episodes (samples with a ``loss_mask``) are not checked: each turn may end on one, the chat
-    template writes others between turns, and an episode stops when its environment says so.
-    """
-    single = [i for i, s in enumerate(samples) if s.loss_mask is None]
-    if len(single) < len(samples):
-        return [(single[i], why) for i, why in stop_token_misfits([samples[i] for i in single], eos_ids)]
-    eos = np.fromiter(sorted(eos_ids), dtype=np.int64)
-    if not eos.size or not samples:
-        return []
-    # the common case in one vectorised pass: no EOS inside a response, every "stop" ends on one
-    is_eos = np.isin(np.concatenate([s.response_ids for s in samples]), eos)
-    last = np.cumsum([len(s.response_ids) for s in samples]) - 1
-    stopped = np.asarray([s.finish_reason == "stop" for s in samples])
-    if is_eos.sum() == is_eos[last].sum() and is_eos[last][stopped].all():
-        return []
-    out = []
-    for i, s in enumerate(samples):
-        r = s.response_ids
-        inside = np.flatnonzero(np.isin(r[:-1], eos))
-        if s.finish_reason == "stop" and int(r[-1]) not in eos_ids:
-            out.append((i, f"finished with 'stop' on token {int(r[-1])}, which is not one of them"))
-        elif inside.size:
-            out.append((i, f"holds token {int(r[inside[0]])} at position {int(inside[0])}, where generation should "
-                           "have stopped"))
-    return out
-
-
-def split_stop_token_misfits(samples: Sequence[Sample], eos_ids: frozenset[int] | set[int],
-                             recent: FailureWindow) -> tuple[list[Sample], list[tuple[Sample, str]]]:
-    """The samples to train on and, each with what is wrong with it, those to dead-letter: the
-    ones that contradict the learner's end-of-sequence ids (:func:`stop_token_misfits`; no
-    ``eos_ids``, no check). A few such samples are a worker's fault; when most recent ones are
-    (``recent`` says so), the workers and the learner use different tokenizers and nothing can
-    be trained: :class:`BatchError`, and the batch stays in the buffer."""
-    bad = dict(stop_token_misfits(samples, eos_ids))
-    misfits = [(samples[i], f"sample {samples[i].sample_id!r} from worker {samples[i].worker_id or '?'} does not fit "
-                            f"the learner's end-of-sequence token ids {sorted(eos_ids)}: it {why}") for i, why in bad.items()]
-    if any([recent.record(i in bad) for i in range(len(samples))]) and misfits:
-        raise BatchError(
-            f"{misfits[0][1]}. The workers use a tokenizer with other special "
-            "tokens than the learner's: point model.path / model.tokenizer_path of workers and learner at the same "
-            "tokenizer, and start a new run (buffer.run_id): this batch stays in the buffer. (With "
-            "rollout.stop_strings set a response may also stop on other tokens, and this check is off)"
-        )
-    return [s for i, s in enumerate(samples) if i not in bad], misfits
 
 
 def collate(

@@ -1,6 +1,6 @@
 """What a run shows: a live progress line, and at the end a summary, summary.json and plots.
 
-Sources: the learner's ``metrics.jsonl`` (one line per update, written by ``learner.trainer``)
+Sources: the learner's ``metrics.jsonl`` (one line per update, written by ``learner.reporting``)
 and the buffer's counters in Redis (sampled here once a second, and written to ``timeline.jsonl``
 ever more sparsely as the run goes on: :class:`Timeline`). The keys both sides use are named in
 :mod:`rlhf_core.metric_names`.

@@ -92,7 +92,7 @@ def measure_generation(cfg: Any, reps: int = 3) -> tuple[Generation, list[tuple[
     """Decode/prefill cost against rows (waves of 1 .. 4 x slots) and the length distributions."""
     import torch
 
-    from learner.trainer import prompt_source
+    from learner.prompts import prompt_source
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.engine_factory import make_engine
     from rlhf_core.models import load_tokenizer
@@ -207,9 +207,10 @@ def measure_learner(learner: Any, updates: int, redis_cpu: Callable[[], float]) 
     """A real learner on the worker's samples: read, publish (snapshot), checkpoint, the rest."""
     read = Timed(learner.buffer.read_batch, lambda out, *a, **k: len(out.samples) if out else 0)
     update = Timed(learner.updater.update, lambda out, batch, *a, **k: batch.num_rows)
-    publish = Timed(learner.publish)
+    publish = Timed(learner.publishing.publish)
     ckpt = Timed(learner.checkpoint)
-    learner.buffer.read_batch, learner.updater.update, learner.publish, learner.checkpoint = read, update, publish, ckpt
+    learner.buffer.read_batch, learner.updater.update, learner.publishing.publish, learner.checkpoint = \
+        read, update, publish, ckpt
     r0, t0 = redis_cpu(), time.thread_time()
     learner.run(max_updates=updates)
     main_cpu, redis_s = time.thread_time() - t0, redis_cpu() - r0
@@ -229,7 +230,7 @@ def measure_updates(learner: Any, cfg: Any, samples: list[Any], reps: int = 3) -
     """Update CPU against samples, micro-batches and tokens: [base, per micro, per sample, per token]."""
     from learner.update import PolicyUpdater
 
-    collate = learner.collate
+    collate = learner.reader.collate
     batch = int(cfg.learner.batch_size)
     group = int(cfg.algo.group_size)
     rows, ys = [], []
@@ -304,7 +305,8 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
 
     from buffer import Buffer
     from buffer.local_server import RedisServer
-    from learner.trainer import Learner, prompt_source
+    from learner.prompts import prompt_source
+    from learner.trainer import Learner
     from weight_server import WeightServer
 
     threads = torch.get_num_threads()
@@ -327,7 +329,7 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
         icfg = isolated_config(cfg, redis.url, ws.address, ws.pub_address, out)
         learner = Learner(icfg, buffer=Buffer.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
         stack.callback(learner.close)
-        learner.publish()
+        learner.publishing.publish(learner.version, learner.updates)
         learner.buffer.set_learner_version(learner.version, learner.updates)
         learner.buffer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
         worker, samples = measure_worker(icfg, prompts, redis_cpu)

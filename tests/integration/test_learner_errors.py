@@ -243,7 +243,7 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
     encode or a file that was not UTF-8) was logged and tried again every 100 ms for ever: the
     cursor stays before it, so nothing was ever enqueued again and the run stalled without a
     word. Only Redis unreachable past buffer.max_retry_s may come back; that alone is retried."""
-    from learner.trainer import produce_prompts
+    from learner.prompts import produce_prompts
     from rlhf_core.config import BufferConfig, Config
     from rlhf_core.records import Prompt
 
@@ -274,7 +274,7 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
     assert raised and calls == [0], f"the producer tried the broken source {len(calls)} times and went on"
 
     retried = LogSeen("trying again")
-    logging.getLogger("learner.trainer").addHandler(retried)
+    logging.getLogger("learner.prompts").addHandler(retried)
     try:
         redis_server.stop()  # SIGTERM: Redis writes its data, and comes back with it on the same port
         t = threading.Thread(target=produce_prompts, args=(buf, cfg, threading.Event(),
@@ -286,7 +286,7 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
         assert not t.is_alive() and buf.fill_state()["done"]
         assert buf.metrics()["counters"]["prompts_enqueued"] == 5
     finally:
-        logging.getLogger("learner.trainer").removeHandler(retried)
+        logging.getLogger("learner.prompts").removeHandler(retried)
         buf.close()
 
 

@@ -314,7 +314,7 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
         event = threading.Event()
         if signalled:
             event.set()
-        state = SimpleNamespace(stop_event=event, updates=updates, _used_up=used_up)
+        state = SimpleNamespace(stop_event=event, updates=updates, reader=SimpleNamespace(used_up=used_up))
         return Learner._stop_reason(state, 10, time.monotonic() - 1 if late else None)
 
     assert stop_reason() == ""  # go on
