@@ -184,7 +184,7 @@ def geometric_weights(updater: PolicyUpdater, samples: list[Sample]) -> dict[str
     sequence level's (seq_tis_cap, seq mis band). pi_prox is the weights the update starts from."""
     a = updater.algo
     batch = Collator.for_model(updater.engine.module, updater.device)(samples)
-    w = torch.exp(masked_mean(updater.proximal_logprobs(batch) - batch.behaviour_logprobs, batch.response_mask, dim=-1))
+    w = torch.exp(masked_mean(updater.passes.proximal_logprobs(batch) - batch.behaviour_logprobs, batch.response_mask, dim=-1))
     frac = lambda hit: float(hit.double().mean())  # noqa: E731
     return {
         "geo_w/mean": float(w.mean()), "geo_w/min": float(w.min()), "geo_w/max": float(w.max()),

@@ -12,7 +12,8 @@ metrics out.
    ``algo.estimator``): this rank's rows (every rank is given the SAME batch; rank ``r``
    trains rows ``r, r + W, ...``, padded with blank filler rows so every rank makes the same
    number of forward/backward calls, which ZeRO-3 requires), the no-grad passes it needs
-   (:meth:`PolicyUpdater.proximal_logprobs` and the others below) and its advantages;
+   (:class:`learner.passes.ModelPasses`: pi_prox, reference log-probs, critic values) and its
+   advantages;
 4. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating the algorithm's
    ``loss`` over sort-by-length micro-batches. Every micro-batch loss is scaled by its share of
    the minibatch (tokens, sequences or pairs, counted over all ranks), so the accumulated
@@ -32,18 +33,14 @@ import torch
 
 from learner import algorithms
 from learner.algorithms import Work
-from learner.batch import TrainBatch, micro_batches
+from learner.batch import TrainBatch
 from learner.engines import TrainEngine, all_reduce_max, all_reduce_sum
-from learner.lm_head import no_filtering, response_logprobs, response_values
+from learner.lm_head import no_filtering
+from learner.passes import ModelPasses
 from learner.stats import MetricSums, RunningMoments, batch_metrics, flops_metrics, peak_flops
 from rlhf_core import metric_names as M
 from rlhf_core.config import Config, ConfigError, response_budget
 from rlhf_core.dapo import overlong_penalty
-from rlhf_core.errors import UserError
-
-
-class MissingReferenceError(UserError):
-    """KL or DPO needs reference log-probs that neither the samples nor the learner provide."""
 
 
 def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
@@ -92,11 +89,12 @@ class PolicyUpdater:
     def __init__(self, cfg: Config, engine: TrainEngine, ref_model: torch.nn.Module | None = None,
                  critic_engine: TrainEngine | None = None) -> None:
         self.cfg, self.algo, self.lcfg, self.rollout = cfg, cfg.algo, cfg.learner, cfg.rollout
-        self.engine, self.ref_model, self.critic = engine, ref_model, critic_engine
+        self.engine, self.critic = engine, critic_engine
         self.algorithm = algorithms.algorithm(cfg.algo.estimator)
         self.policy_loss = algorithms.policy_loss(cfg.algo.policy_loss)
         self.reward_stats = RunningMoments()
-        self.device = next(engine.module.parameters()).device
+        self.passes = ModelPasses(cfg, engine, ref_model, critic_engine)  # what the algorithm asks of the models
+        self.device = self.passes.device
         # ds_numel: under ZeRO-3 a parameter here is an empty placeholder for its partitions
         self.trainable_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()
                                     if p.requires_grad)
@@ -115,64 +113,6 @@ class PolicyUpdater:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reward_stats.load_state_dict(state["reward_stats"])
-
-    # ------------------------------------------------------------------ what the algorithms call
-    def loss_mask(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]`` tokens that enter the losses: the policy's (``policy_mask``), minus every token
-        of a truncated response under ``algo.overlong=mask`` (DAPO's over-long filtering)."""
-        mask = batch.policy_mask
-        if self.algo.overlong == "mask":
-            mask = mask & ~batch.truncated[:, None]
-        return mask
-
-    def shard(self, n: int) -> tuple[list[int], list[bool]]:
-        """This rank's row indices out of ``n`` (strided), padded with blank fillers to ``ceil(n / W)``."""
-        rank, world = self.engine.rank, self.engine.world_size
-        rows = list(range(rank, n, world))
-        per_rank = -(-n // world)
-        fill = per_rank - len(rows)
-        return rows + [0] * fill, [False] * len(rows) + [True] * fill
-
-    def logprobs(self, mb: TrainBatch, entropy: bool, ref: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[b, T]`` log-probs of ``mb``'s responses (and entropies) under the policy (or, with ``ref``,
-        the reference model) with the rollout's sampling settings, so they compare with the workers'
-        behaviour log-probs (:func:`learner.lm_head.response_logprobs`)."""
-        forward, model = (self.ref_model, self.ref_model) if ref else (self.engine.forward, self.engine.module)
-        return response_logprobs(forward, model, mb, self.rollout, chunk_tokens=self.lcfg.logits_chunk_tokens,
-                                 entropy=entropy, entropy_grad=bool(self.algo.entropy_coef),
-                                 compiled=self.engine.compiled, keep_logits=self.lcfg.keep_head_logits)
-
-    @torch.no_grad()
-    def _recompute(self, batch: TrainBatch, per_token: Any) -> torch.Tensor:
-        """``[B, T]`` ``per_token(micro-batch)`` (``[b, t]``) without gradients, micro-batched."""
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)
-        # cut (and the row indices copied to the device) before the first forward, as in training
-        plan = [(rows.to(self.device), mb) for rows, mb in micro_batches(batch, self.lcfg.micro_batch_size)]
-        for rows, mb in plan:
-            x = per_token(mb)
-            out[rows, : x.shape[1]] = x.float()
-        return torch.where(batch.response_mask, out, torch.zeros_like(out))
-
-    def proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]`` pi_prox: the current weights' log-probs of the sampled tokens, in eval mode."""
-        self.engine.train(False)
-        return self._recompute(batch, lambda mb: self.logprobs(mb, False)[0])
-
-    def critic_values(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]`` the critic's values before the update, in eval mode."""
-        self.critic.train(False)
-        return self._recompute(batch, lambda mb: response_values(self.critic.forward, mb))
-
-    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        if batch.ref_logprobs is not None:
-            return batch.ref_logprobs
-        if self.ref_model is None:
-            raise MissingReferenceError(
-                f"algo.kl_coef={self.algo.kl_coef} / algo.estimator={self.algo.estimator} needs reference log-probs, but "
-                "the samples carry none and the learner has no reference model: set rollout.ref_logprobs_on=worker "
-                "or give the learner a reference model (rlhf_core.models.load_reference)"
-            )
-        return self._recompute(batch, lambda mb: self.logprobs(mb, False, ref=True)[0])
 
     # ------------------------------------------------------------------ the update
     def update(self, batch: TrainBatch, learner_version: int) -> dict[str, float]:

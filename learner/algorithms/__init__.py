@@ -27,6 +27,7 @@ from rlhf_core.config import ConfigError, ISConfig
 
 if TYPE_CHECKING:
     from learner.engines import TrainEngine
+    from learner.passes import ModelPasses
     from learner.stats import MetricSums
 
 
@@ -51,13 +52,7 @@ class Updater(Protocol):
     policy_loss: PolicyLossEntry  # algo.policy_loss, looked up
     is_config: ISConfig | None  # its IS settings (None: a loss without importance sampling)
     prox_from_training_pass: bool
-
-    def shard(self, n: int) -> tuple[list[int], list[bool]]: ...
-    def loss_mask(self, batch: TrainBatch) -> torch.Tensor: ...
-    def logprobs(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-    def proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
-    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
-    def critic_values(self, batch: TrainBatch) -> torch.Tensor: ...
+    passes: ModelPasses  # this rank's rows, the loss mask, the models' per-token outputs
 
 
 class Algorithm(Protocol):

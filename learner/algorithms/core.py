@@ -278,7 +278,7 @@ def clip_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
     clip_eps_low: float = 0.2, clip_eps_high: float | None = None, dual_clip_c: float | None = None,
     agg_mode: AggMode = TOKEN_MEAN, norm_len: int | None = None,
-    importance: Callable[[torch.Tensor, torch.Tensor], ISWeights] | None = None,
+    importance: ISWeights | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """The PPO clipped surrogate (Schulman et al. 2017, eq. 7) every policy loss is built on; a
     scalar loss and detached stats.
@@ -290,8 +290,8 @@ def clip_loss(
     defaults to ``clip_eps_low``; a larger value is DAPO's "clip-higher" (Yu et al. 2025). With
     ``dual_clip_c`` (``c > 1``, Ye et al. 2020) a token with ``A < 0`` gets
     ``min(max(pg_loss1, pg_loss2), -c * A)``: the loss of a very unlikely-under-old, now-likely
-    token is capped. ``importance(old, m)`` (the sanitised ``old_logp`` and the bool mask) gives
-    IS weights that multiply the token losses (:func:`is_weights`).
+    token is capped. ``importance``: IS weights that multiply the token losses (:func:`is_weights`
+    of the sanitised ``old_logp``).
 
     ``logp`` ``[B, T]`` carries the gradient; ``old_logp`` and ``advantages`` ``[B, T]`` are constants.
     """
@@ -300,7 +300,7 @@ def clip_loss(
     check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     m = bool_mask(mask)
     old = where_real(old_logp, m).detach()
-    isw = importance(old, m) if importance is not None else None
+    isw = importance
     logp, advantages = where_real(logp, m), where_real(advantages, m).detach()
     log_ratio = logp - old
     ratio = torch.exp(log_ratio)

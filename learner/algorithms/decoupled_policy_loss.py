@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from learner.algorithms import register_policy_loss
-from learner.algorithms.core import PolicyLossStats, check_same_shape, clip_loss, is_weights, where_real
+from learner.algorithms.core import PolicyLossStats, bool_mask, check_same_shape, clip_loss, is_weights, where_real
 from rlhf_core.choices import PolicyLoss
 from rlhf_core.config import ISConfig
 
@@ -37,6 +37,7 @@ def decoupled_ppo_loss(
     Tensors ``[B, T]``: log-probs under the current policy (with grad), the proximal and the
     behaviour policy, advantages and mask.
     """
-    check_same_shape(prox_logp=prox_logp, behav_logp=behav_logp)
-    return clip_loss(logp, prox_logp, advantages, mask, **options,
-                     importance=lambda prox, m: is_weights(prox, where_real(behav_logp, m), m, is_config))
+    check_same_shape(prox_logp=prox_logp, behav_logp=behav_logp, mask=mask)
+    m = bool_mask(mask)
+    isw = is_weights(where_real(prox_logp, m).detach(), where_real(behav_logp, m), m, is_config)
+    return clip_loss(logp, prox_logp, advantages, mask, **options, importance=isw)

@@ -145,17 +145,17 @@ class DPO:
     def prepare(self, up: Updater, batch: TrainBatch, rewards: torch.Tensor, m: MetricSums) -> Work | None:
         """The pairs (chosen then rejected row, pair after pair) on this rank, with the reference's
         log-probs; None when every group is tied (nothing to prefer, no step)."""
-        chosen, rejected = dpo_pairs(rewards, batch.group_sizes, eligible=up.loss_mask(batch).any(-1))
+        chosen, rejected = dpo_pairs(rewards, batch.group_sizes, eligible=up.passes.loss_mask(batch).any(-1))
         n_pairs = int(chosen.shape[0])
         m.set("loss/dpo_pairs", n_pairs)
         if n_pairs == 0:
             return None
-        pair_rows, fillers = up.shard(n_pairs)
+        pair_rows, fillers = up.passes.shard(n_pairs)
         rows = [int(x) for p in pair_rows for x in (chosen[p], rejected[p])]
         local = batch.select(rows, drop=[f for f in fillers for _ in (0, 1)])
         # A token that top-k/top-p filters out under the reference (or, below, the policy) has
         # log-prob -inf: it leaves both sums of its response, so each log-ratio spans the same tokens
-        ref = up.reference_logprobs(local)
+        ref = up.passes.reference_logprobs(local)
         valid = torch.tensor([not f for f in fillers for _ in (0, 1)], dtype=torch.bool, device=up.device)
         local = replace(local.with_extras(dpo_ref=ref, dpo_mask=local.policy_mask & torch.isfinite(ref)),
                         row_extras={"pair_valid": valid})  # a data-parallel filler pair is no pair
@@ -164,7 +164,7 @@ class DPO:
 
     def loss(self, up: Updater, mb: TrainBatch, denom: float, m: MetricSums) -> None:
         a = up.algo
-        logp, _ = up.logprobs(mb, entropy=False)
+        logp, _ = up.passes.logprobs(mb, entropy=False)
         ok = mb.token_extras["dpo_mask"] & torch.isfinite(logp.detach())
         sums = masked_sum(logp, ok, dim=-1)
         rs = masked_sum(mb.token_extras["dpo_ref"], ok, dim=-1)

@@ -20,7 +20,7 @@ from learner.algorithms import register_algorithm
 from learner.algorithms.core import (
     TOKEN_MEAN, aggregate, bool_mask, check_same_shape, masked_mean, masked_var, token_rewards, where_real,
 )
-from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient, normalize
+from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient
 from rlhf_core.choices import AggMode, Estimator, check_choice
 from rlhf_core.config import AlgoConfig, check_gamma_lam
 
@@ -190,7 +190,7 @@ def advantages(algo: AlgoConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torc
             raise ValueError("vtrace needs behaviour and proximal log-probs")
         returns, _ = vtrace(x.behav, x.prox, r_tok, x.values, None, m, gamma=algo.gamma,
                             rho_bar=algo.vtrace_rho_bar, c_bar=algo.vtrace_c_bar)
-    return normalize(algo, adv, x), returns
+    return adv, returns
 
 
 register_algorithm(Estimator.gae, PolicyGradient(advantages, value_loss=value_loss))

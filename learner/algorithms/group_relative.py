@@ -17,7 +17,7 @@ import torch
 
 from learner.algorithms import register_algorithm
 from learner.algorithms.core import bool_mask, check_groups, rows_by_size, where_real
-from learner.algorithms.policy_gradient import AdvantageFn, AdvantageInputs, PolicyGradient, normalize
+from learner.algorithms.policy_gradient import AdvantageFn, AdvantageInputs, PolicyGradient
 from rlhf_core.choices import Estimator
 from rlhf_core.config import AlgoConfig
 
@@ -92,7 +92,7 @@ def group_relative(estimate: Callable[[torch.Tensor, int], torch.Tensor]) -> Adv
         adv = where_real(seq_adv[:, None].expand_as(m).to(torch.float32), m)
         if x.kl is not None:
             adv = adv - algo.kl_coef * reverse_cumsum(x.kl, m)
-        return normalize(algo, adv, x), None
+        return adv, None
 
     return advantages
 

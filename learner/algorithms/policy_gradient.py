@@ -22,7 +22,6 @@ from learner.algorithms.core import (
 )
 from learner.batch import TrainBatch
 from learner.engines import all_reduce_sum
-from learner.lm_head import response_values
 from rlhf_core.config import AlgoConfig, response_budget
 
 if TYPE_CHECKING:
@@ -57,21 +56,30 @@ class PolicyGradient:
     needs_reference = False
     proximal = True
 
-    def __init__(self, advantages: AdvantageFn, *, value_loss: ValueLossFn | None = None) -> None:
+    def __init__(self, advantages: AdvantageFn, *, value_loss: ValueLossFn | None = None, whitens: bool = False) -> None:
         self.advantages, self.value_loss = advantages, value_loss
+        self.whitens = whitens  # its advantages come whitened: algo.normalize_advantages does not apply
         self.needs_critic = value_loss is not None
+
+    def normalized_advantages(self, algo: AlgoConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The family's advantages, whitened over the real tokens of every rank with
+        ``algo.normalize_advantages``, and its critic targets."""
+        adv, returns = self.advantages(algo, x)
+        if algo.normalize_advantages and not self.whitens:
+            adv = global_whiten(adv, x.mask, x.all_reduce)
+        return adv, returns
 
     def prepare(self, up: Updater, batch: TrainBatch, rewards: torch.Tensor, m: MetricSums) -> Work:
         """pi_prox (or none: read off the training pass), reference log-probs, critic values, the
         loss mask, then the advantages, for this rank's rows."""
         a = up.algo
-        rows, fillers = up.shard(batch.num_rows)
+        rows, fillers = up.passes.shard(batch.num_rows)
         local = batch.select(rows, drop=fillers)
         # None: read off the training pass (see learner.update.prox_is_training_pass)
-        prox = None if up.prox_from_training_pass else up.proximal_logprobs(local)
+        prox = None if up.prox_from_training_pass else up.passes.proximal_logprobs(local)
         m.set("learner/prox_pass", float(prox is not None))
         need_ref = a.kl_coef > 0
-        ref = up.reference_logprobs(local) if need_ref else None
+        ref = up.passes.reference_logprobs(local) if need_ref else None
         # A token that top-k/top-p now filters out has log-prob -inf under pi_prox (or the
         # reference): no ratio exists for it, so it leaves the loss (counted in a metric).
         finite = torch.isfinite(local.behaviour_logprobs)
@@ -80,12 +88,12 @@ class PolicyGradient:
         if ref is not None:
             finite &= torch.isfinite(ref)
             ref = torch.where(finite, ref, torch.zeros_like(ref))
-        mask = up.loss_mask(local) & finite
+        mask = up.passes.loss_mask(local) & finite
         if prox is not None:
             prox = torch.where(mask, prox, torch.zeros_like(prox))
-        old_values = up.critic_values(local) if self.needs_critic else None
+        old_values = up.passes.critic_values(local) if self.needs_critic else None
         kl = kl_estimate(prox, ref, mask, kind=a.kl_estimator) if (need_ref and a.kl_mode == "reward") else None
-        adv, returns = self.advantages(a, AdvantageInputs(
+        adv, returns = self.normalized_advantages(a, AdvantageInputs(
             rewards, batch.group_sizes, torch.tensor(rows, device=up.device), mask, kl=kl, values=old_values,
             behav=local.behaviour_logprobs, prox=prox))
         if prox is not None:
@@ -114,7 +122,7 @@ class PolicyGradient:
         # DeepSpeed averages gradients over ranks; the share is of the global minibatch, so x W.
         share = count * (up.engine.world_size / denom) if denom > 0 else 0.0
         norm_len = response_budget(up.rollout)
-        logp, entropy = up.logprobs(mb, entropy=True)
+        logp, entropy = up.passes.logprobs(mb, entropy=True)
         # The mask was fixed before training: from the update's second optimizer step on, a token
         # can leave these weights' top-k/nucleus (log-prob -inf). It has no KL (k3 would be
         # inf - inf = nan); it stays in the denominators, as every masked-out token's 0 does.
@@ -149,7 +157,7 @@ class PolicyGradient:
             m.add("staleness/is_truncated_frac", st.is_truncated_frac, w)
             m.add("staleness/is_masked_frac", st.is_masked_frac, w)
         if self.value_loss is not None:
-            values = response_values(up.critic.forward, mb)
+            values = up.passes.values(mb)
             vloss, vst = self.value_loss(values, mb.token_extras["old_values"], mb.token_extras["returns"], mask,
                                          clip_eps=a.value_clip, agg_mode=a.agg_mode, norm_len=norm_len)
             up.critic.backward(vloss * share)
@@ -157,11 +165,6 @@ class PolicyGradient:
             m.add("loss/value_clip_frac", vst.clip_frac, w)
             m.add("loss/value_mean", vst.value_mean, w)
             m.add("loss/explained_variance", vst.explained_variance, count)
-
-
-def normalize(algo: AlgoConfig, adv: torch.Tensor, x: AdvantageInputs) -> torch.Tensor:
-    """``algo.normalize_advantages``: whitened over the real tokens of every rank."""
-    return global_whiten(adv, x.mask, x.all_reduce) if algo.normalize_advantages else adv
 
 
 def staleness_metrics(local: TrainBatch, prox: torch.Tensor, mask: torch.Tensor, m: MetricSums) -> None:

@@ -42,4 +42,4 @@ def advantages(algo: AlgoConfig, x: AdvantageInputs) -> tuple[torch.Tensor, None
     return global_whiten(discounted_returns(r_tok, m, gamma=algo.gamma), m, x.all_reduce), None
 
 
-register_algorithm(Estimator.reinforce_pp, PolicyGradient(advantages))
+register_algorithm(Estimator.reinforce_pp, PolicyGradient(advantages, whitens=True))

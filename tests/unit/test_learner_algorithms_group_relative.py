@@ -128,6 +128,6 @@ def test_normalize_advantages_whitens():
     mask = torch.tensor([[1, 1], [1, 0]])
     # rows 0 and 1 of the group [1, -2, 1] (mean 0): advantages 1 and -2
     x = AdvantageInputs(torch.tensor([1.0, -2.0, 1.0]), torch.tensor([3]), torch.tensor([0, 1]), mask)
-    adv, _ = algorithm("dr_grpo").advantages(algo, x)
+    adv, _ = algorithm("dr_grpo").normalized_advantages(algo, x)
     # tokens [1, 1, -2]: mean 0, var 2 -> [1, 1, -2] / sqrt(2)
     torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-2.0, 0.0]]) / math.sqrt(2.0 + 1e-8))

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import learner
 from factories import sample
 from learner.algorithms.decoupled_policy_loss import decoupled_ppo_loss
 from learner.algorithms.group_relative import group_advantages, per_group
 from learner.batch import BatchError
 from learner.engine_factory import make_engine
-from learner.update import MissingReferenceError, PolicyUpdater
+from learner.passes import MissingReferenceError
+from learner.update import PolicyUpdater
 from learner_helpers import batch_of, digit_reward, generate_samples, tiny_config, train
 from rlhf_core.config import AlgoConfig, ConfigError, validate
 from rlhf_core.models import load_critic, load_policy
@@ -52,12 +56,12 @@ def test_prox_logprobs_equal_behaviour_logprobs_of_the_same_weights(base, tiny_m
     smp = generate_samples(base, PROMPTS, 2, 6, seed=3, temperature=0.7, top_k=12, top_p=0.9)
     up = make(base, tiny_config(tiny_model_cfg, **settings))
     batch = batch_of(up, smp)
-    prox = up.proximal_logprobs(batch)
+    prox = up.passes.proximal_logprobs(batch)
     m = batch.response_mask
     assert int(m.sum()) == 36 and bool(torch.isfinite(prox[m]).all())
     torch.testing.assert_close(prox[m], batch.behaviour_logprobs[m], atol=2e-5, rtol=0)
     # recomputed with other sampling settings, they would not match: the settings matter
-    other = make(base, tiny_config(tiny_model_cfg)).proximal_logprobs(batch)
+    other = make(base, tiny_config(tiny_model_cfg)).passes.proximal_logprobs(batch)
     assert float((other[m] - batch.behaviour_logprobs[m]).abs().max()) > 0.05
 
 
@@ -68,7 +72,7 @@ def test_updates_change_the_weights_and_lower_the_loss_on_a_fixed_batch(base, sa
     m = batch.response_mask
 
     def pg_loss():  # the REINFORCE loss -sum A * log pi / tokens of the fixed batch
-        return float(-(adv * up.proximal_logprobs(batch))[m].sum() / m.sum())
+        return float(-(adv * up.passes.proximal_logprobs(batch))[m].sum() / m.sum())
 
     before_w, before = params(up.engine.module), pg_loss()
     metrics = [train(up, samples, v) for v in range(4)]
@@ -109,6 +113,38 @@ def test_every_estimator_runs_one_exact_on_policy_step(estimator, base, samples,
         assert max_diff(c0, params(up.critic.module)) > 1e-5 and m["loss/value"] > 0
     else:
         assert m["loss/kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the step
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae", "dpo"])
+def test_an_update_never_calls_back_into_a_learner_module_it_came_from(estimator, base, samples, tiny_model_cfg):
+    """The update's path runs one way: update -> algorithm -> policy loss / passes -> lm_head ->
+    engines. No learner module calls into one still on the stack below it (an algorithm asking
+    the updater for log-probs, a family asking the body that called it to whiten)."""
+    cfg = tiny_config(tiny_model_cfg, **{"algo.estimator": estimator, "algo.normalize_advantages": True})
+    up = make(base, cfg, ref=estimator == "dpo", critic=load_critic(tiny_model_cfg) if estimator == "gae" else None)
+    batch = batch_of(up, samples)
+    root = Path(learner.__file__).parent
+    stack, back = [], []
+
+    def module(frame):
+        path = Path(frame.f_code.co_filename)
+        return str(path.relative_to(root)) if path.is_relative_to(root) else None
+
+    def profile(frame, event, arg):
+        if event == "call":
+            m, here = module(frame), next((x for x in reversed(stack) if x), None)
+            if m and m != here and m in stack:
+                back.append(f"{here} -> {m}:{frame.f_code.co_name}")
+            stack.append(m)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        up.update(batch, 0)
+    finally:
+        sys.setprofile(None)
+    assert back == []
 
 
 def test_partial_groups_train_and_a_lone_sample_has_no_gradient(base, samples, tiny_model_cfg):
@@ -288,7 +324,7 @@ def test_tokens_filtered_out_by_top_k_leave_the_loss(base, samples, tiny_model_c
     # sampled at top_k=0 but trained with top_k=3: most sampled tokens now have log-prob -inf
     up = make(base, tiny_config(tiny_model_cfg, **{"rollout.top_k": 3}))
     batch = batch_of(up, samples)
-    prox = up.proximal_logprobs(batch)
+    prox = up.passes.proximal_logprobs(batch)
     expect = float((~torch.isfinite(prox[batch.response_mask])).float().mean())
     w0 = params(up.engine.module)
     m = train(up, samples, 0)

@@ -19,6 +19,7 @@ from learner.algorithms.gae import gae
 from learner.algorithms.ppo_policy_loss import ppo_clip_loss
 from learner.batch import collate
 from learner.engine_factory import make_engine
+from learner.passes import ModelPasses
 from learner.update import PolicyUpdater
 from learner_helpers import close, digit_reward, generate_samples, tiny_config, train
 from rlhf_core.config import ConfigError, RolloutConfig
@@ -103,9 +104,9 @@ def test_collate_and_the_loss_reduce_over_the_policy_tokens_only():
     close(loss, -2.0)
     # algo.overlong=mask: a truncated response (finish reason length) leaves the loss entirely
     batch.truncated[1] = True
-    masked = PolicyUpdater.loss_mask(SimpleNamespace(algo=SimpleNamespace(overlong="mask")), batch)
+    masked = ModelPasses.loss_mask(SimpleNamespace(algo=SimpleNamespace(overlong="mask")), batch)
     assert masked.tolist() == [[True, True, False, False], [False, False, False, False]]
-    assert PolicyUpdater.loss_mask(SimpleNamespace(algo=SimpleNamespace(overlong="none")), batch).equal(batch.policy_mask)
+    assert ModelPasses.loss_mask(SimpleNamespace(algo=SimpleNamespace(overlong="none")), batch).equal(batch.policy_mask)
 
 
 def test_an_update_ignores_what_the_policy_did_not_sample(tiny_model_cfg):

@@ -1,0 +1,92 @@
+"""What an algorithm asks of the models during an update (``PolicyUpdater.passes``): this rank's
+rows of the batch, the tokens that enter the losses, and per-token outputs: log-probs under the
+policy (with gradients, for the loss) or the reference, and the no-grad passes before training
+(pi_prox, reference log-probs, critic values), micro-batched (:mod:`learner.lm_head`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from learner.batch import TrainBatch, micro_batches
+from learner.engines import TrainEngine
+from learner.lm_head import response_logprobs, response_values
+from rlhf_core.config import Config
+from rlhf_core.errors import UserError
+
+
+class MissingReferenceError(UserError):
+    """KL or DPO needs reference log-probs that neither the samples nor the learner provide."""
+
+
+class ModelPasses:
+    """The passes of one rank through the policy (``engine``), the frozen reference model
+    (``ref_model``, or None) and the critic (``critic``, or None)."""
+
+    def __init__(self, cfg: Config, engine: TrainEngine, ref_model: torch.nn.Module | None,
+                 critic: TrainEngine | None) -> None:
+        self.algo, self.lcfg, self.rollout = cfg.algo, cfg.learner, cfg.rollout
+        self.engine, self.ref_model, self.critic = engine, ref_model, critic
+        self.device = next(engine.module.parameters()).device
+
+    def loss_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` tokens that enter the losses: the policy's (``policy_mask``), minus every token
+        of a truncated response under ``algo.overlong=mask`` (DAPO's over-long filtering)."""
+        mask = batch.policy_mask
+        if self.algo.overlong == "mask":
+            mask = mask & ~batch.truncated[:, None]
+        return mask
+
+    def shard(self, n: int) -> tuple[list[int], list[bool]]:
+        """This rank's row indices out of ``n`` (strided), padded with blank fillers to ``ceil(n / W)``."""
+        rank, world = self.engine.rank, self.engine.world_size
+        rows = list(range(rank, n, world))
+        per_rank = -(-n // world)
+        fill = per_rank - len(rows)
+        return rows + [0] * fill, [False] * len(rows) + [True] * fill
+
+    def logprobs(self, mb: TrainBatch, entropy: bool, ref: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[b, T]`` log-probs of ``mb``'s responses (and entropies) under the policy (or, with ``ref``,
+        the reference model) with the rollout's sampling settings, so they compare with the workers'
+        behaviour log-probs (:func:`learner.lm_head.response_logprobs`)."""
+        forward, model = (self.ref_model, self.ref_model) if ref else (self.engine.forward, self.engine.module)
+        return response_logprobs(forward, model, mb, self.rollout, chunk_tokens=self.lcfg.logits_chunk_tokens,
+                                 entropy=entropy, entropy_grad=bool(self.algo.entropy_coef),
+                                 compiled=self.engine.compiled, keep_logits=self.lcfg.keep_head_logits)
+
+    @torch.no_grad()
+    def _recompute(self, batch: TrainBatch, per_token: Any) -> torch.Tensor:
+        """``[B, T]`` ``per_token(micro-batch)`` (``[b, t]``) without gradients, micro-batched."""
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.device)
+        # cut (and the row indices copied to the device) before the first forward, as in training
+        plan = [(rows.to(self.device), mb) for rows, mb in micro_batches(batch, self.lcfg.micro_batch_size)]
+        for rows, mb in plan:
+            x = per_token(mb)
+            out[rows, : x.shape[1]] = x.float()
+        return torch.where(batch.response_mask, out, torch.zeros_like(out))
+
+    def proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` pi_prox: the current weights' log-probs of the sampled tokens, in eval mode."""
+        self.engine.train(False)
+        return self._recompute(batch, lambda mb: self.logprobs(mb, False)[0])
+
+    def critic_values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` the critic's values before the update, in eval mode."""
+        self.critic.train(False)
+        return self._recompute(batch, lambda mb: response_values(self.critic.forward, mb))
+
+    def values(self, mb: TrainBatch) -> torch.Tensor:
+        """``[b, T]`` the critic's values of ``mb``, with gradients (its loss)."""
+        return response_values(self.critic.forward, mb)
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        if batch.ref_logprobs is not None:
+            return batch.ref_logprobs
+        if self.ref_model is None:
+            raise MissingReferenceError(
+                f"algo.kl_coef={self.algo.kl_coef} / algo.estimator={self.algo.estimator} needs reference log-probs, but "
+                "the samples carry none and the learner has no reference model: set rollout.ref_logprobs_on=worker "
+                "or give the learner a reference model (rlhf_core.models.load_reference)"
+            )
+        return self._recompute(batch, lambda mb: self.logprobs(mb, False, ref=True)[0])
