@@ -5,7 +5,7 @@
     .venv/bin/python bench/lora.py --gpu      # on a GPU: the 4-layer and the whole Qwen2-0.5B shape, models on CUDA
 
 Each update goes the way a run sends it: the learner (this process) changes what trains (every
-weight, or the adapters only), takes the CPU snapshot ``Learner.publish`` takes
+weight, or the adapters only), takes the CPU snapshot ``learner.publishing.Publishing.publish`` takes
 (``learner.engines.full_parameters`` / ``trainable_parameters``) and publishes it to a weight
 server (its own process); a worker (its own process) holds the policy in an hf engine, waits
 for the version's announcement as the worker loop does between decoding steps, pulls it into

@@ -1,11 +1,6 @@
-"""Publishing the learner's weights as versions: every rank gathers CPU copies of them (under
-ZeRO-3 module by module), rank 0 sends them to the weight server, on a thread of its own while
-the next update trains, and then tells the buffer the new version.
-
-Versions never repeat with different weights: a learner starts by offering its weights (initial
-or restored) under the checkpoint's own version, which the weight server accepts only when it
-holds nothing there or exactly those weights; otherwise they go out as the newest version + 1
-(:meth:`Publishing.publish_start`)."""
+"""Publishing the learner's weights as versions: every rank gathers CPU copies of them, rank 0
+sends them to the weight server (on a thread of its own while the next update trains) and tells
+the buffer. A version number never names two sets of weights (:meth:`Publishing.publish_start`)."""
 
 from __future__ import annotations
 
@@ -26,9 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class Publishing:
-    """One learner rank's side of publishing (only rank 0 talks to the weight server and the
-    buffer). Built last in the learner: a constructor that fails before it leaves no socket or
-    thread behind."""
+    """One rank's side of publishing (rank 0 talks to the weight server and the buffer)."""
 
     def __init__(self, cfg: Config, engine: TrainEngine, buffer: Buffer, rank0: bool) -> None:
         self.cfg, self.engine, self.buffer = cfg, engine, buffer
@@ -44,21 +37,14 @@ class Publishing:
         self._sending: Future | None = None
 
     def publish_start(self, version: int, restored_version: int, updates: int) -> int:
-        """Publish the weights the learner starts from (initial or restored: the checkpoint's
-        ``version``, holding ``updates``) under a number that never names other weights; return
-        that number. Collective.
+        """Publish the weights the learner starts from (the checkpoint's ``version``, 0 when fresh,
+        holding ``updates``) under a number that never names other weights; return it. Collective.
 
-        First offer: the checkpoint's own version (0 when fresh) when the server holds nothing
-        newer. The server takes it when it holds nothing at that number, or exactly these weights
-        there (a restart after a clean checkpoint): training continues at the same version. It
-        refuses other weights under a held number, and then (or when a version beyond the
-        checkpoint was already published) the weights go out as the newest version + 1.
-
-        "Published" counts the buffer's learner version too: a run restarted whole (``rlhf-run
-        resume=``) has a fresh weight server, but its Redis data keeps samples tagged with the
-        versions the dead learner published, and those numbers must not name other weights
-        (such samples would look newer than the learner and be dead-lettered).
-        """
+        The first offer is ``version`` unless something newer was published. The server takes it
+        when it holds nothing there or exactly these weights (a restart after a clean checkpoint);
+        otherwise the weights go out as the newest version + 1. "Published" counts the buffer's
+        learner version too: after ``rlhf-run resume=`` the weight server is fresh, but Redis keeps
+        samples tagged with the dead learner's versions, which must not name other weights."""
         newest = self._newest_published()
         offer = version if newest is None or newest <= version else newest + 1
         for _ in range(3):  # a refusal means another publisher got there first: look again
@@ -85,19 +71,14 @@ class Publishing:
         return told if held is None else max(held, told)
 
     def publish(self, version: int, updates: int, refusable: bool = False, background: bool = False) -> bool:
-        """Publish the current weights as ``version`` (holding ``updates`` optimizer updates).
-        Collective: every rank gathers (under ZeRO-3 module by module) CPU copies of the weights;
-        rank 0 sends them to the weight server.
+        """Publish the current weights as ``version`` (holding ``updates``). Collective: every rank
+        gathers CPU copies (under ZeRO-3 module by module); rank 0 sends them.
 
-        ``background``: rank 0 sends on its publish thread and returns at once, so the next
-        update trains while the weight server takes this version; the buffer learns the new
-        version when the send is done. At most one send is in flight: the next publish, a
-        checkpoint's commit (a batch is acked only once its version is published) and the end
-        of the run wait for it, and re-raise its error.
-
-        Returns False (rank 0, only when ``refusable``) if the server holds other weights under
-        that version or a newer one; other ranks return True.
-        """
+        ``background``: rank 0 sends on its publish thread and returns at once; the buffer learns
+        the version when the send is done. At most one send is in flight: the next publish, a
+        checkpoint's commit (a batch is acked only once its version is published) and the end of
+        the run wait for it (:meth:`wait`). Returns False (rank 0, only when ``refusable``) if the
+        server holds other weights under that version or a newer one."""
         self.wait()
         t0 = time.monotonic()
         # with LoRA the adapters alone: the base weights every side loads from model.path never change

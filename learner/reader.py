@@ -1,10 +1,7 @@
-"""The learner's read path: rank 0 reads a batch from the buffer and checks its samples'
-end-of-sequence tokens against the learner's (a few misfits are dead-lettered, most of them stop
-the learner), every rank gets the rest (broadcast as wire bytes) and collates them into a
-:class:`learner.batch.TrainBatch` (which checks token ids and groups).
-
-When nothing came, rank 0 looks at the dead letters for a tokenizer mismatch and asks the buffer
-whether any batch can still come (:meth:`buffer.Buffer.exhausted`)."""
+"""The learner's read path: rank 0 reads a batch and checks its samples' end-of-sequence tokens
+against the learner's (a few misfits are dead-lettered, most of them stop the learner); every
+rank gets the rest (broadcast as wire bytes) and collates them into a
+:class:`learner.batch.TrainBatch` (which checks token ids and groups)."""
 
 from __future__ import annotations
 
@@ -147,8 +144,8 @@ class BatchReader:
 
     def read(self, version: int) -> Read | None:
         """Rank 0 reads a batch (waiting up to 1 s) for the learner at ``version``; every rank gets
-        the same samples. None when nothing came (then rank 0 checks the dead letters for a
-        tokenizer mismatch, and whether the prompts are used up). Collective."""
+        the same samples. None when nothing came: then rank 0 checks the dead letters for a
+        tokenizer mismatch, and whether any batch can still come (``Buffer.exhausted``). Collective."""
         # newest: while re-delivered batches are read against the checkpoint's version, the
         # version being sent on the publish thread may already have made samples
         batch = self.buffer.read_batch(self.consumer, self.read_version(version), self.cfg.learner.batch_size,

@@ -7,14 +7,11 @@ ids of the batches it has trained on; after a crash the restarted learner acks e
 weights with staleness measured against the checkpoint's version, so the crash drops none of
 them. So no sample is lost and none is trained twice beyond ``buffer.max_reuse``.
 
-Versions never repeat with different weights (:mod:`learner.publishing`): a restarted learner
-may publish its restored weights above the checkpoint's version, and from then on the version
-runs ahead of the updates the weights hold; the buffer is told both, and paces generation by
-the updates (:mod:`buffer.pacing`).
-
-The loop's parts, each a module: reading and collating a batch (:mod:`learner.reader`), the
-update (:mod:`learner.update`), publishing (:mod:`learner.publishing`), rank 0's metrics
-(:mod:`learner.reporting`) and its prompt producer (:mod:`learner.prompts`).
+A restarted learner may publish its restored weights above the checkpoint's version
+(:mod:`learner.publishing`); the version then runs ahead of the updates the weights hold, and
+the buffer paces generation by the updates (:mod:`buffer.pacing`). The loop's parts are modules:
+:mod:`learner.reader`, :mod:`learner.update`, :mod:`learner.publishing`, :mod:`learner.reporting`
+(rank 0's metrics) and :mod:`learner.prompts` (rank 0's prompt producer).
 
 One line per update goes to ``metrics.jsonl`` before that update's checkpoint, so every
 checkpointed update has its line. After a crash, the updates published but not checkpointed

@@ -48,7 +48,7 @@ def fake(redis_url, weight_server, tiny_model_cfg):
 def test_a_late_worker_applies_the_newest_adapters_on_its_base_model(fake, weight_server, tiny_model_cfg):
     cfg = fake.cfg
     engines = {v: learner_at(cfg, seed=10 + v) for v in range(3)}
-    for v, engine in engines.items():  # what Learner.publish sends with model.lora: the trainable tensors
+    for v, engine in engines.items():  # what Publishing.publish sends with model.lora: the trainable tensors
         fake.publisher.publish(v, engine.named_trainable_parameters())
     fake.buffer.set_learner_version(2)
     adapters = dict(engines[2].named_trainable_parameters())

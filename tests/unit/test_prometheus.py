@@ -59,7 +59,7 @@ def test_learner_target_over_http_counters_gauges_histograms():
     ex = learner_exporter("run-a")
     port = ex.serve(0)
     try:
-        ex.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})  # the totals a fresh learner starts from (Learner._start)
+        ex.update({M.UPDATES: 0, M.SAMPLES_TRAINED: 0})  # the totals a fresh learner starts from (UpdateReporter.start)
         ex.update({M.VERSION: 1, M.UPDATES: 1, M.SAMPLES_TRAINED: 32, M.TIME_COMPUTE_S: 0.3, M.NUM_TOKENS: 190,
                    M.TOKENS_PER_S: 633.3, M.STALENESS_HIST: [20, 10, 2], M.REWARD_MEAN: 0.25, "note": "text",
                    "bad": math.nan})
