@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rlhf_core.choices import AggMode, ISCorrection, ISLevel, KLEstimator, check_choice
-from rlhf_core.config import ISConfig, check_clip, check_gamma_lam
+from rlhf_core.config import ISConfig, check_clip
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over data-parallel ranks; identity when alone
 TOKEN_MEAN = AggMode["token-mean"]
