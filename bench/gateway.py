@@ -73,7 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import mode_parser, print_table, require_device, write_results  # noqa: E402
-
 from rlhf_core import metric_names as M  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {

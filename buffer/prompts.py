@@ -41,8 +41,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import redis
 

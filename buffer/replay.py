@@ -25,14 +25,13 @@ state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), 
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from buffer import keys as K
 from buffer.prompts import WAIT_CAP_S
-from buffer.samples import (Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of,
-                            newest_version)
+from buffer.samples import Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of, newest_version
 from buffer.store import Store
-
 
 # ---- learner side ------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from buffer.connection import redact
 from rlhf_core.config import SECRET_FIELDS, Config

@@ -33,8 +33,9 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 

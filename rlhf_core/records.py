@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class Prompt:
         )
 
     @classmethod
-    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Prompt":
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Prompt:
         obj = decode_record(data, KIND_PROMPT, max_bytes=max_bytes)
         messages = optional(obj, "messages", list)
         if messages is not None:
@@ -210,7 +211,7 @@ class Sample:
         )
 
     @classmethod
-    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Sample":
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Sample:
         """Decode untrusted bytes. Raises WireError naming what is wrong."""
         obj = decode_record(data, KIND_SAMPLE, max_bytes=max_bytes)
         prompt_ids = decode_tensor(require(obj, "prompt_ids", dict), "prompt_ids", dtype="int32", ndim=1)

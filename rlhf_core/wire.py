@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np

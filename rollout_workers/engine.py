@@ -29,8 +29,9 @@ staleness, counted from its oldest token, must not start at weights newer than i
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ class SamplingParams:
         return (self.temperature, self.top_k, self.top_p)
 
     @classmethod
-    def from_config(cls, rollout: Any, **overrides: Any) -> "SamplingParams":
+    def from_config(cls, rollout: Any, **overrides: Any) -> SamplingParams:
         """From ``cfg.rollout`` (:class:`rlhf_core.config.RolloutConfig` or its DictConfig)."""
         kwargs = dict(
             temperature=float(rollout.temperature),

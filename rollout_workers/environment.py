@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Mapping, Protocol, Union
+from typing import Any, Protocol
 
 from rlhf_core.config import ConfigError, env_target, import_env_target, to_plain
 from rlhf_core.records import Prompt
 
 Message = Mapping[str, Any]
-Observation = Union[str, Message, list, None]
+Observation = str | Message | list | None
 
 
 @dataclass

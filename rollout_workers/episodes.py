@@ -32,15 +32,15 @@ import logging
 import queue
 import time
 import traceback
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Hashable
+from typing import Any
 
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Prompt
 from rollout_workers.engine import GenRequest, GenResult, SamplingParams
-from rollout_workers.environment import (AssistantTurn, EnvFactory, as_step_result, observation_messages,
-                                         observation_text)
+from rollout_workers.environment import AssistantTurn, EnvFactory, as_step_result, observation_messages, observation_text
 from rollout_workers.prompts import PromptRejected, PromptRenderer
 from rollout_workers.tool_calls import ToolCallParser
 from rollout_workers.turns import PlainConversation, TemplateConversation

@@ -27,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
 from rlhf_core.wire import WireError
@@ -41,7 +42,7 @@ CANCEL_CHECK_S = 0.05
 
 #: a call as taken from the list: its raw record (given back as it is when the worker stops before
 #: starting it) and what it decoded to, or why it did not decode
-Taken = tuple[bytes, Union[GatewayCall, WireError]]
+Taken = tuple[bytes, GatewayCall | WireError]
 
 
 def read_calls(raws: list[bytes]) -> list[Taken]:

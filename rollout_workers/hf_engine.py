@@ -81,16 +81,15 @@ import contextlib
 import heapq
 import logging
 from collections import deque
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
-from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
-                                    make_result)
-from rollout_workers.slot_kv import (SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up,
-                                    slot_attention_for)
+from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
+from rollout_workers.slot_kv import SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up, slot_attention_for
 
 log = logging.getLogger(__name__)
 

@@ -62,8 +62,9 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ class ScoreItem:
     raw_prompt: str | None = None  # the prompt's own text, before any chat template (None: ``prompt``)
 
     @classmethod
-    def of(cls, prompt: Prompt, rendered: str, response_text: str, response_ids: Sequence[int]) -> "ScoreItem":
+    def of(cls, prompt: Prompt, rendered: str, response_text: str, response_ids: Sequence[int]) -> ScoreItem:
         """A response to ``prompt``, which the policy saw as ``rendered``."""
         return cls(rendered, response_text, list(response_ids), prompt.metadata, prompt.messages or None,
                    raw_prompt=prompt.text)

@@ -22,8 +22,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Hashable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from rollout_workers.rewards import CallWatch, RewardFailing
 

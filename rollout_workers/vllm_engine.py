@@ -71,16 +71,16 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, get_args
+from typing import Any, get_args
 
 import torch
 
 from rlhf_core.config import LoraConfig, response_budget
 from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_lora
-from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
-                                    make_result)
+from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
 from weight_server.shm import free_bytes, private_dir, remove_stale, reserve_bytes
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ class VLLMEngine:
         self._tracks: dict[str, _Track] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any = None) -> "VLLMEngine":
+    def from_config(cls, cfg: Any, tokenizer: Any = None) -> VLLMEngine:
         from rlhf_core.models import load_tokenizer, model_dir
 
         import_vllm()  # fail with the install hint before building anything

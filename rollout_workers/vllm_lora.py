@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -57,7 +58,6 @@ class AdapterVersions:
 
     def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig
-
         from vllm.lora.request import LoRARequest
 
         self.cfg = cfg

@@ -17,8 +17,9 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 

@@ -12,7 +12,8 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message

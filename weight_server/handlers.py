@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError, optional, require

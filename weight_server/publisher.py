@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -101,7 +102,7 @@ class WeightPublisher:
             if self._own_ctx:
                 self.ctx.close()
 
-    def __enter__(self) -> "WeightPublisher":
+    def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: Any) -> None:

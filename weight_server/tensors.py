@@ -7,7 +7,8 @@ its storage (``t.view(torch.uint8)``); the wire dtype name travels beside it.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -10,6 +10,7 @@ from learner.batch import BatchError, collate, micro_batches, split_stop_token_m
 from learner_helpers import PAD, two_samples
 from rlhf_core.errors import FailureWindow
 
+
 def test_collate_two_samples_exact_tensors():
     batch = collate(two_samples(), PAD)
     # L = max(2 + 3, 3 + 1) = 5, T = 3; right padding with PAD
