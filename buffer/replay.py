@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from buffer import keys as K
 from buffer.prompts import WAIT_CAP_S
@@ -86,7 +86,7 @@ def _draw_keys(store: Store) -> list[str]:
 
 def pending(store: Store, consumer: str) -> list[str]:
     """Entries drawn by ``consumer`` and not committed, oldest first."""
-    out = store.retry(store.redis.hgetall, store.keys.replay_out)
+    out = cast(dict[bytes, bytes], store.retry(store.redis.hgetall, store.keys.replay_out))  # the client returns bytes
     return sorted((k.decode() for k, v in out.items() if v.decode() == consumer), key=_id_key)
 
 

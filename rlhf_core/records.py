@@ -51,11 +51,11 @@ def rle_encode(per_token: Iterable[int]) -> list[list[int]]:
 
 def rle_decode(runs: Iterable[Iterable[int]]) -> np.ndarray:
     """Inverse of :func:`rle_encode`, as an int64 array."""
-    runs = [tuple(r) for r in runs]
-    if not runs:
+    pairs = [tuple(r) for r in runs]
+    if not pairs:
         return np.zeros(0, dtype=np.int64)
-    values = np.array([r[0] for r in runs], dtype=np.int64)
-    counts = np.array([r[1] for r in runs], dtype=np.int64)
+    values = np.array([r[0] for r in pairs], dtype=np.int64)
+    counts = np.array([r[1] for r in pairs], dtype=np.int64)
     return np.repeat(values, counts)
 
 

@@ -83,9 +83,9 @@ def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], add
     for k, v in total.items():
         if v > have.get(k, 0.0) + 1e-9:
             askers = [f"{d.name} {_num(d.resources[k])}" for d in wanted if d.resources.get(k)]
-            askers = ", ".join(askers if len(askers) <= 6 else [*askers[:5], f"... {len(askers) - 5} more"])
+            shown = ", ".join(askers if len(askers) <= 6 else [*askers[:5], f"... {len(askers) - 5} more"])
             raise ConfigError(
-                f"the run asks for {_num(v)} {k} in all ({askers}) but the Ray cluster at {address} has "
+                f"the run asks for {_num(v)} {k} in all ({shown}) but the Ray cluster at {address} has "
                 f"{_num(have.get(k, 0.0))} {k} on {len(alive)} alive node(s); lower ray.<role>.num_cpus / num_gpus / "
                 f"resources or rollout.num_workers, or add nodes (ray start --address=...)")
     for d in wanted:

@@ -85,7 +85,7 @@ def eval_metrics(rewards: Sequence[Sequence[float]], ks: Iterable[int], threshol
 def eval_prompts(cfg: Config) -> list[Prompt]:
     """The first ``eval.num_prompts`` prompts of ``eval.data`` (its epoch 0 order)."""
     data = cfg.eval.data
-    prompts = []
+    prompts: list[Prompt] = []
     for p in iter_prompts(data, 0, builtin=builtin_prompts):
         if cfg.eval.num_prompts is not None and len(prompts) >= cfg.eval.num_prompts:
             break

@@ -41,7 +41,7 @@ MAX_CPU_LORAS = 8  # adapters vLLM keeps loaded; versions are removed when no re
 
 def engine_args(cfg: LoraConfig) -> dict[str, Any]:
     """The ``vllm.EngineArgs`` settings that turn on LoRA for adapters of rank ``cfg.r``."""
-    rank = next(r for r in VLLM_LORA_RANKS if r >= int(cfg.r))  # vLLM sizes its buffers for one of these
+    rank = next(r for r in VLLM_LORA_RANKS if r >= lora.rank(cfg))  # vLLM sizes its buffers for one of these
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS}
 
 
@@ -90,6 +90,7 @@ class AdapterVersions:
         if version in self.requests:  # a version number never names other weights: this adapter is loaded
             self.current = version
             return
+        assert self.root is not None, "bind() comes first"
         folder = lora.save_adapter(self.root / f"v{version}", tensors, self.cfg, base_model=self.model_path)
         req = self._request_cls(f"v{version}", version + 1, str(folder))
         try:

@@ -159,7 +159,7 @@ def remove_stale(parent: str, prefix: str = P.SHM_DIR_PREFIX) -> list[str]:
     this user, whose pid is not running here and whose lock no process holds (an owner in another
     PID namespace that shares this /dev/shm, or a new process that took a dead owner's pid, still
     holds it or is running: such folders are kept)."""
-    removed = []
+    removed: list[str] = []
     name = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]+$")
     try:
         entries = list(os.scandir(parent))

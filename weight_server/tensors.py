@@ -72,7 +72,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def check_target(layout: Layout, target: Mapping[str, torch.Tensor]) -> None:
