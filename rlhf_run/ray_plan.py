@@ -216,6 +216,7 @@ def actor_options(role: RayRoleConfig, labels: bool = True) -> dict[str, Any]:
 
 def plain_config(cfg: Config) -> dict[str, Any]:
     """The resolved config as plain data (what travels to the actors: no objects of ours)."""
+    # a structured config's container is a dict; OmegaConf types it as any container
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 

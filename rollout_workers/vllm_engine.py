@@ -197,6 +197,7 @@ class WeightLoaderExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)  # host tensors; the reload moves them to the model's device
+        # model_runner is the vLLM worker's, which this class is mixed into
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
         return len(weights)
 
