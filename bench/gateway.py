@@ -312,9 +312,9 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     from e2e import compose
     from gateway.sessions import PLAIN_TEMPLATE
     from rlhf_core.models import load_policy, load_tokenizer
+    from rlhf_core.turns import encode
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.hf_engine import HFEngine
-    from rollout_workers.turns import encode
 
     torch.set_num_threads(1)
     cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads

@@ -110,7 +110,7 @@ def worker_main(addresses: dict, conn) -> None:
         sub = subs[path]
         while (sub.poll_announcement(timeout_ms=1) or -1) < want:  # between decoding steps, non-blocking
             pass
-        got = sub.pull(None, into=target)  # what RolloutWorker.pull_newest does
+        got = sub.pull(None, into=target)  # what WeightFollower.pull_newest does
         engine.update_weights(None, got[0])
         conn.send((time.monotonic(), got[0], sub.stats["pulls_shm"]))
     for sub in (subs or {}).values():

@@ -94,7 +94,7 @@ class Window:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _sample(self) -> tuple[int, float, float, float]:
-        from rlhf_run.plan.measure import cpu_seconds
+        from rlhf_run.plan.machine import cpu_seconds
 
         try:
             updates = self.metrics.read_bytes().count(b"\n")
@@ -134,7 +134,7 @@ class Window:
 def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup: int) -> tuple[dict, object]:
     from e2e import compose
     from rlhf_run.launch import run_launcher
-    from rlhf_run.plan.measure import steady_rate
+    from rlhf_run.plan.machine import steady_rate
 
     cfg = compose([f"learner.max_updates={updates}", "run.progress=false", *overrides])
     out = workdir / re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")  # a path Hydra overrides can carry

@@ -75,7 +75,7 @@ def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
         loaders: dict[str, Callable[[Path], Rows]] = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}
         loader = loaders.get(data_cfg.source)
         if loader is None:
-            raise DataError(f"data.source={data_cfg.source!r} is not one of builtin, jsonl, parquet, hf_disk")
+            raise DataError(f"data.source={data_cfg.source} is not a prompt file: one of {', '.join(loaders)}")
         rows = loader(path)
         if not rows:
             raise DataError(f"data set {str(path)!r} has no rows")

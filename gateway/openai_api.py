@@ -21,6 +21,8 @@ AUTH = "authentication_error"
 NOT_FOUND = "not_found_error"
 CONFLICT = "conflict_error"
 UNAVAILABLE = "service_unavailable"
+#: the seconds a 503's ``Retry-After`` asks a client to wait
+RETRY_AFTER_S = 2
 
 
 class ApiError(Exception):
@@ -46,6 +48,11 @@ def served_name(cfg: Any) -> str:
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, INVALID, code, param)
+
+
+def retry_later(message: str, code: str) -> ApiError:
+    """503 with ``Retry-After``: the service cannot serve the request now; the same request may succeed later."""
+    return ApiError(503, message, UNAVAILABLE, code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass
@@ -241,15 +248,10 @@ def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def chat_response(call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-    return {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def completion_response(call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
-    return {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
+def response(kind: str, call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+             completion_tokens: int) -> dict[str, Any]:
+    """A plain call's answer; ``kind``: ``chat.completion`` or ``text_completion``."""
+    return {"id": call_id, "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -6,7 +6,7 @@ mask 1) and, between calls, the ids of what the agent added (tool results, user 
 mask 0. A chat call **extends** its session when its messages start with the session's
 previous call's messages followed by the assistant message the gateway returned (compared as
 :func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
-template as what follows the previous turn (:class:`rollout_workers.turns.TemplateConversation`,
+template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`,
 retokenisation drift counted), with the tools of the session's first call (a call may leave
 them out; other tools restart the session). A call that does not extend its session (the agent
 edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
@@ -16,10 +16,7 @@ the sampled text, or the text the client got (a stop string cut off).
 ``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
 together once ``group_size`` of them are rewarded (a group still short of that is appended as
 it is ``session_ttl_s`` after its last reward); a session without a group is a group of one,
-appended as it is rewarded.
-A rewarded session's sample is kept in the buffer (``P gw:rewarded``) before the reward is
-acknowledged, and deleted in the step that appends its group: a gateway that stops or dies
-with groups still filling loses none of them, the next one takes them up at start.
+appended as it is rewarded (:mod:`gateway.settlement` keeps and appends them).
 A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
 """
 
@@ -34,15 +31,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gateway.openai_api import CONFLICT, INVALID, NOT_FOUND, ApiError
 from rlhf_core import metric_names as M
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Sample
-from rollout_workers.turns import TemplateConversation, encode
+from rlhf_core.turns import TemplateConversation, encode
 
 log = logging.getLogger(__name__)
 
 #: prefix of a gateway group's prompt id and group ids (``gw:<group>``; a kept sample's group is read back off it)
 GROUP_PREFIX = "gw:"
+#: the longest session or group id (a header's, or the reward body's group): it goes into sample ids
+MAX_ID_CHARS = 200
 #: a rewarded sample's metadata key marking a session that named no group (a group of one)
 ALONE = "group_of_one"
 #: the chat template for tokenizers without one (the tiny model, whose alphabet has no newline):
@@ -59,12 +59,11 @@ PLAIN_TEMPLATE = (
 )
 
 
-class SessionError(Exception):
-    """A session request that cannot be served; ``status`` 400, 404 or 409."""
+class SessionError(ApiError):
+    """A session request that cannot be served; ``status`` 400, 404 or 409 (error code ``session``)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message, {404: NOT_FOUND, 409: CONFLICT}.get(status, INVALID), "session")
 
 
 @dataclass

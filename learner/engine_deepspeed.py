@@ -50,6 +50,12 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory op at init that only its inference
+        # all-reduce uses: training over gloo never calls it, and the compile costs ~40 s per machine
+        # (a killed compile leaves a lock file every later start waits on forever). DeepSpeed reads
+        # this dict (its documented cache of probed ops) before building the op.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend)
 
 

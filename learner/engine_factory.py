@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from learner.engines import TorchEngine, TrainEngine
+from rlhf_core.choices import LearnerEngine
 from rlhf_core.config import ConfigError, LearnerConfig
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def build_engine(module: PreTrainedModel, cfg: LearnerConfig, lr: float | None =
         from learner.engine_deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(module, cfg, lr)
-    raise ConfigError(f"learner.engine={cfg.engine!r} is not one of torch, deepspeed")
+    raise ConfigError(f"learner.engine='{cfg.engine}' is not one of {', '.join(LearnerEngine)}")
 
 
 def make_engine(cfg: Any, module: PreTrainedModel, role: str | None = None) -> TrainEngine:

@@ -129,7 +129,7 @@ class MlflowTracker:
         self.mlflow.end_run()
 
 
-#: one per name in rlhf_core.config.LOGGERS (which validate() checks before anything starts)
+#: one per run.loggers name (rlhf_core.choices.Logger; validate() checks each is installed before anything starts)
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 #: what to check when a tracker does not start
 START_HINTS = {

@@ -41,6 +41,7 @@ import torch
 from buffer import Buffer
 from buffer.datasets import iter_prompts
 from rlhf_core import lora
+from rlhf_core.choices import Estimator
 from rlhf_core.cli import append_line, freeze_startup_heap
 from rlhf_core.config import Config, ConfigError, response_budget, validate
 from rlhf_core.dapo import FILTER_REASONS
@@ -167,7 +168,7 @@ class Learner:
         self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._vocab = vocab
         self.collate = Collator.for_model(self.engine.module, self.updater.device,
-                                          cfg.algo.group_size if algo.grouped else None)
+                                          cfg.algo.group_size if Estimator(cfg.algo.estimator).grouped else None)
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         self.exporter = None
         if self.rank0 and cfg.learner.prometheus_port is not None:

@@ -32,32 +32,18 @@ import torch
 
 from learner import algorithms
 from learner.algorithms import Work
-from learner.algorithms.core import ISConfig
 from learner.batch import TrainBatch, micro_batches
 from learner.engines import TrainEngine, all_reduce_max, all_reduce_sum
 from learner.lm_head import no_filtering, response_logprobs, response_values
 from learner.stats import MetricSums, RunningMoments, batch_metrics, flops_metrics, peak_flops
 from rlhf_core import metric_names as M
-from rlhf_core.choices import ISLevel
-from rlhf_core.config import AlgoConfig, Config, ConfigError, response_budget
+from rlhf_core.config import Config, ConfigError, response_budget
 from rlhf_core.dapo import overlong_penalty
 from rlhf_core.errors import UserError
 
 
 class MissingReferenceError(UserError):
     """KL or DPO needs reference log-probs that neither the samples nor the learner provide."""
-
-
-def importance_sampling(algo: AlgoConfig) -> ISConfig:
-    """The decoupled loss's IS settings: correction and level, with the cap and band of that level
-    (``algo.tis_cap``/``mis_*`` per token, ``algo.seq_tis_cap``/``seq_mis_*`` on the geometric mean)."""
-    seq = "seq_" if algo.is_level == ISLevel.sequence else ""
-    try:
-        return ISConfig(correction=algo.is_correction, level=algo.is_level, tis_cap=getattr(algo, f"{seq}tis_cap"),
-                        mis_low=getattr(algo, f"{seq}mis_low"), mis_high=getattr(algo, f"{seq}mis_high"))
-    except ValueError as exc:
-        raise ConfigError(f"algo.is_level={algo.is_level} uses algo.{seq}tis_cap, algo.{seq}mis_low and "
-                          f"algo.{seq}mis_high: {exc}; fix them in the algo config") from None
 
 
 def prox_is_training_pass(cfg: Config, module: torch.nn.Module) -> bool:
@@ -116,21 +102,12 @@ class PolicyUpdater:
                                     if p.requires_grad)
         self.total_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
         self.peak_flops = peak_flops(self.device, self.lcfg.peak_tflops)
-        self._check_config()
-        # built once; a loss without IS weights (plain PPO) leaves its unused caps unchecked
-        self.is_config = importance_sampling(self.algo) if self.policy_loss.importance_sampling else None
-        self.prox_from_training_pass = prox_is_training_pass(cfg, engine.module)
-
-    def _check_config(self) -> None:
-        a, lc = self.algo, self.lcfg
         if self.algorithm.needs_critic and self.critic is None:
-            raise ConfigError(f"algo.estimator={a.estimator} needs a critic: build one with rlhf_core.models.load_critic "
-                              "and pass critic_engine")
-        if self.algorithm.grouped and lc.batch_size % a.group_size:
-            raise ConfigError(f"learner.batch_size {lc.batch_size} is not divisible by algo.group_size {a.group_size}")
-        if lc.micro_batch_size < 1 or lc.ppo_epochs < 1 or lc.num_minibatches < 1:
-            raise ConfigError(f"learner.micro_batch_size {lc.micro_batch_size}, ppo_epochs {lc.ppo_epochs} and "
-                              f"num_minibatches {lc.num_minibatches} must all be >= 1")
+            raise ConfigError(f"algo.estimator={cfg.algo.estimator} needs a critic: build one with "
+                              "rlhf_core.models.load_critic and pass critic_engine")
+        # built once (the rules on the config are validate's: rlhf_core.config)
+        self.is_config = self.algo.importance_sampling() if self.policy_loss.importance_sampling else None
+        self.prox_from_training_pass = prox_is_training_pass(cfg, engine.module)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -1,14 +1,23 @@
-"""The names of the learner's algorithm choices, written once.
+"""The allowed values of every choice in the config, written once, as ``str`` Enums.
 
-They type the config schema (``AlgoConfig``: OmegaConf refuses any other value at composition)
-and key the learner's registry (``learner/algorithms/``: one module registers itself under each
-name). A member is its own name, which is what OmegaConf matches a YAML value against, and
+They type the config schema (``rlhf_core.config``: OmegaConf refuses any other value at
+composition, naming the key and these values) and key the learner's registry
+(``learner/algorithms/``: one module registers itself under each estimator and policy loss). A
+member's name is its value, which is what OmegaConf matches a YAML value against, and a member
 equals that string (``Estimator.grpo == "grpo"``).
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
+
+
+def check_choice(name: str, value: object, choices: type[Enum]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``' values (for arguments of code
+    called without a composed config)."""
+    allowed = [e.value for e in choices]
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
 
 
 class Estimator(StrEnum):
@@ -20,6 +29,11 @@ class Estimator(StrEnum):
     reinforce_pp = "reinforce_pp"  # learner/algorithms/reinforce_pp.py
     gae = "gae"  # PPO with a critic (learner/algorithms/gae.py)
     dpo = "dpo"  # online DPO on best vs worst of a group (learner/algorithms/dpo.py)
+
+    @property
+    def grouped(self) -> bool:
+        """Compares the responses of one prompt: needs groups of 2 or more, kept whole in a batch."""
+        return self in (Estimator.grpo, Estimator.dr_grpo, Estimator.rloo, Estimator.dpo)
 
 
 class PolicyLoss(StrEnum):
@@ -42,3 +56,37 @@ class ISLevel(StrEnum):
 
     token = "token"
     sequence = "sequence"
+
+
+# The other choices, one line each: StrEnum's functional API makes each name its value (lower-cased).
+AggMode = StrEnum("AggMode", "token-mean seq-mean-token-mean seq-mean-token-sum seq-mean-token-sum-norm")  # algo.agg_mode
+KLEstimator = StrEnum("KLEstimator", "k1 k2 k3")  # algo.kl_estimator: Schulman's estimates of KL per token
+KLMode = StrEnum("KLMode", "loss reward")  # algo.kl_mode: the KL penalty as a loss term, or taken off the rewards
+Overlong = StrEnum("Overlong", "none mask shaping")  # algo.overlong: responses cut at the length limit (dapo.py)
+Dtype = StrEnum("Dtype", "float32 bfloat16 float16")  # model.dtype (float16: learner.engine=deepspeed only)
+PublishDtype = StrEnum("PublishDtype", "as_trained bfloat16 float16")  # learner.publish_dtype: on the wire
+RolloutEngine = StrEnum("RolloutEngine", "hf vllm")  # rollout.engine
+PromptOverflow = StrEnum("PromptOverflow", "reject truncate")  # rollout.prompt_overflow: refused or left-cut
+RefLogprobsOn = StrEnum("RefLogprobsOn", "worker learner none")  # rollout.ref_logprobs_on: who computes them
+LearnerEngine = StrEnum("LearnerEngine", "torch deepspeed")  # learner.engine
+LRSchedule = StrEnum("LRSchedule", "cosine constant")  # learner.lr_schedule
+Sampling = StrEnum("Sampling", "fifo uniform")  # buffer.sampling: FIFO, or uniform draws from a replay table
+DataSource = StrEnum("DataSource", "builtin jsonl parquet hf_disk none")  # data.source (none: the gateway's only)
+EmptyResponse = StrEnum("EmptyResponse", "zero dead_letter score")  # reward.empty_response: a response with no text
+WeightServerAuth = StrEnum("WeightServerAuth", "none curve hmac")  # weight_server.auth
+ShmMode = StrEnum("ShmMode", "auto off")  # weight_server.shm: same-host peers move the bytes through shared memory
+Logger = StrEnum("Logger", "tensorboard wandb mlflow")  # run.loggers: trackers, each also the module it needs
+WandbMode = StrEnum("WandbMode", "online offline disabled")  # run.wandb_mode
+Launcher = StrEnum("Launcher", "local ray")  # launcher: child processes on this machine, or Ray actors on a cluster
+
+
+class LearnerPlacement(StrEnum):  # ray.learner.strategy: Ray's placement-group strategies
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_PACK = "STRICT_PACK"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+class WorkerPlacement(StrEnum):  # ray.worker.strategy: over the nodes that can hold one, or Ray's own packing
+    SPREAD = "SPREAD"
+    DEFAULT = "DEFAULT"

@@ -28,8 +28,6 @@ if TYPE_CHECKING:  # the buffer and the launcher read the names here without loa
 #: ``all_truncated``: with ``algo.overlong=mask``, every response was truncated, so every loss weight is 0.
 FILTER_REASONS = ("zero_variance", "all_truncated")
 
-OVERLONG_MODES = ("none", "mask", "shaping")
-
 #: Rewards closer than this count as equal (a reward model's float noise is not a learning signal).
 REWARD_TOLERANCE = 1e-6
 

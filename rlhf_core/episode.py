@@ -103,7 +103,7 @@ class Transcript:
     def to_sample(self, *, sample_id: str, prompt_id: str, group_id: str, reward: float = 0.0,
                   finish_reason: str = "stop", worker_id: str = "", group_size: int = 1, group_index: int = 0,
                   created_at: float = 0.0, finished_at: float = 0.0, reward_components: dict[str, float] | None = None,
-                  metadata: dict[str, Any] | None = None) -> Sample:
+                  metadata: dict[str, Any] | None = None, ref_logprobs: np.ndarray | None = None) -> Sample:
         """The episode as a :class:`~rlhf_core.records.Sample` with its ``loss_mask``."""
         return Sample(
             sample_id=sample_id, prompt_id=prompt_id, group_id=group_id,
@@ -113,5 +113,5 @@ class Transcript:
             versions=rle_encode(self.versions), reward=float(reward),
             reward_components=dict(reward_components or {}), finish_reason=finish_reason, worker_id=worker_id,
             group_size=group_size, group_index=group_index, created_at=created_at, finished_at=finished_at,
-            metadata=dict(metadata or {}), loss_mask=np.asarray(self.mask, dtype=np.uint8),
+            metadata=dict(metadata or {}), loss_mask=np.asarray(self.mask, dtype=np.uint8), ref_logprobs=ref_logprobs,
         )

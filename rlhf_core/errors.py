@@ -28,6 +28,10 @@ class UserError(Exception):
     exit_code = 2
 
 
+class ConfigError(UserError, ValueError):
+    """A setting (or a combination of settings) a user can fix. The message says how."""
+
+
 class DiskFull(UserError):
     """A file the disk cannot hold; the message names it and the room left."""
 

@@ -10,7 +10,8 @@ when it is SIGKILLed. A crashed worker is reported with its log tail and restart
 a crashed learner is restarted from its checkpoint. At the end: a summary, ``summary.json`` and
 plots; the Redis data is removed when the run finished cleanly and kept otherwise.
 
-The launcher starts workers as processes and never imports ``rollout_workers``.
+The launcher starts workers as processes and loads no model: of ``rollout_workers`` it imports only
+``user_code``, to import the user's rewards and environment before anything starts.
 :class:`Launcher.run` is also the flow of ``launcher=ray`` (:mod:`rlhf_run.ray_launcher`), which
 places the same roles as Ray actors.
 """
@@ -35,9 +36,10 @@ from buffer.connection import BufferDiskError, redact
 from buffer.datasets import data_path
 from gateway.openai_api import served_name
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, say_once_when_full, write_json
-from rlhf_core.config import Config, check_reward_targets, import_env_target
+from rlhf_core.config import Config
 from rlhf_core.errors import STOPPED_EARLY_EXIT, free_space
 from rlhf_core.model_paths import pin_model_paths, pin_reward_model_paths
+from rollout_workers.user_code import check_reward_targets, import_env_target
 
 log = logging.getLogger(__name__)
 

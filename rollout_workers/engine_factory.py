@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_core.choices import RolloutEngine
 from rlhf_core.config import ConfigError, response_budget
 from rollout_workers.engine import GenerationEngine
-
-ENGINES = ("hf", "vllm")
 
 
 def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> GenerationEngine:
@@ -39,4 +38,4 @@ def make_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> Generatio
         from rollout_workers.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, tokenizer=tokenizer)
-    raise ConfigError(f"rollout.engine={name!r} is not one of {', '.join(ENGINES)}")
+    raise ConfigError(f"rollout.engine='{name}' is not one of {', '.join(RolloutEngine)}")

@@ -1,7 +1,7 @@
 """The environment protocol of multi-turn episodes, and the records that cross it.
 
 An environment is a class named by ``rollout.env._target_`` (checked at start-up by
-:func:`rlhf_core.config.import_env_target`); the other keys of ``rollout.env`` are its
+:func:`rollout_workers.user_code.import_env_target`); the other keys of ``rollout.env`` are its
 constructor's keyword arguments. The worker makes one instance per episode and calls, off its
 main thread::
 
@@ -23,7 +23,7 @@ Optional attributes an environment may have:
 
 * ``tools``: JSON-schema tool descriptions, rendered by the tokenizer's chat template
   (``apply_chat_template(..., tools=env.tools)``); the turn's tool calls are parsed in the
-  template's format (:mod:`rollout_workers.tool_calls`);
+  template's format (:mod:`rlhf_core.tool_calls`);
 * ``tool_call_pattern``: a regular expression for tool calls, used when the template has no tool
   format (group 1, or the whole match, holds ``{"name": ..., "arguments": {...}}``);
 * ``close()``.
@@ -40,20 +40,11 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlhf_core.config import ConfigError, env_target, import_env_target, to_plain
+from rlhf_core.config import ConfigError, env_target, to_plain
 from rlhf_core.records import Prompt
-
-Message = Mapping[str, Any]
-Observation = str | Message | list | None
-
-
-@dataclass
-class ToolCall:
-    """One call the policy wrote: ``name`` and ``arguments`` as parsed, ``text`` as written."""
-
-    name: str
-    arguments: dict[str, Any]
-    text: str = ""
+from rlhf_core.tool_calls import ToolCall
+from rlhf_core.turns import EnvContractError, Observation
+from rollout_workers.user_code import import_env_target
 
 
 @dataclass
@@ -94,10 +85,6 @@ class Environment(Protocol):
     def step(self, turn: AssistantTurn) -> StepResult | tuple | Awaitable[StepResult | tuple]: ...
 
 
-class EnvContractError(Exception):
-    """An environment broke its contract (a step result of the wrong shape); the episode dies."""
-
-
 def as_step_result(value: Any) -> StepResult:
     """Normalise what ``step`` returned: a StepResult, ``(obs, reward, done)`` or ``(obs, done)``."""
     if isinstance(value, StepResult):
@@ -120,25 +107,6 @@ def as_step_result(value: Any) -> StepResult:
         if not math.isfinite(result.reward):
             raise EnvContractError(f"step() returned reward {reward!r}, not a finite number")
     return result
-
-
-def observation_messages(observation: Observation, role: str) -> list[dict[str, Any]]:
-    """An observation as chat messages (a string gets ``role``)."""
-    if observation is None:
-        return []
-    if isinstance(observation, str):
-        return [{"role": role, "content": observation}]
-    if isinstance(observation, Mapping):
-        return [dict(observation)]
-    if isinstance(observation, list) and all(isinstance(m, Mapping) for m in observation):
-        return [dict(m) for m in observation]
-    raise EnvContractError(f"an observation must be None, a string, a message dict or a list of them, got "
-                            f"{type(observation).__name__}")
-
-
-def observation_text(observation: Observation) -> str:
-    """An observation as plain text (no chat template): a string as it is, messages' contents joined."""
-    return "".join(str(m.get("content", "")) for m in observation_messages(observation, "user"))
 
 
 class EnvFactory:

@@ -14,9 +14,9 @@ An :class:`Episode` is a small state machine driven by the worker's main thread:
   prefills it; vLLM's prefix cache, salted by version, makes that cheap on GPUs), with
   ``max_new_tokens`` capped by the room left in the context. The sampled tokens are appended to
   the episode's :class:`~rlhf_core.episode.Transcript` exactly as sampled, the turn's tool calls
-  are parsed (:mod:`rollout_workers.tool_calls`), and ``env.step`` gets it.
+  are parsed (:mod:`rlhf_core.tool_calls`), and ``env.step`` gets it.
 * After a step the observation's tokens (and the chat template's between turns,
-  :mod:`rollout_workers.turns`) are appended with loss mask 0 and the next turn is queued.
+  :mod:`rlhf_core.turns`) are appended with loss mask 0 and the next turn is queued.
 
 An episode finishes ``stop`` (the environment said done), ``max_turns`` (``rollout.max_turns``
 turns without done), ``length`` (the context is full; an observation that would overflow it is
@@ -38,11 +38,11 @@ from typing import Any
 
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Prompt
+from rlhf_core.tool_calls import ToolCallParser
+from rlhf_core.turns import PlainConversation, TemplateConversation, observation_messages, observation_text
 from rollout_workers.engine import GenRequest, GenResult, SamplingParams
-from rollout_workers.environment import AssistantTurn, EnvFactory, as_step_result, observation_messages, observation_text
+from rollout_workers.environment import AssistantTurn, EnvFactory, as_step_result
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.tool_calls import ToolCallParser
-from rollout_workers.turns import PlainConversation, TemplateConversation
 from rollout_workers.user_loop import UserLoop
 
 log = logging.getLogger(__name__)

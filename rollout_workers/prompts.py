@@ -19,12 +19,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_core.choices import PromptOverflow
 from rlhf_core.records import Prompt
 
 log = logging.getLogger(__name__)
-
-OVERFLOW_POLICIES = ("reject", "truncate")
-
 
 class PromptRejected(Exception):
     """A prompt the worker cannot generate from; the message is the dead-letter reason."""
@@ -61,14 +59,14 @@ class PromptRenderer:
 
     tokenizer: Any
     max_prompt_tokens: int
-    overflow: str = "reject"  # reject | truncate
+    overflow: PromptOverflow = PromptOverflow.reject
     counters: PromptCounters = field(default_factory=PromptCounters)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        if self.overflow not in OVERFLOW_POLICIES:
-            # validate() catches this for composed configs; this guards direct construction
-            raise ValueError(f"prompt_overflow={self.overflow!r} is not one of {', '.join(OVERFLOW_POLICIES)}")
+        if self.overflow not in list(PromptOverflow):
+            # composition refuses it in a config (an Enum); this guards direct construction
+            raise ValueError(f"prompt_overflow='{self.overflow}' is not one of {', '.join(PromptOverflow)}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 

@@ -69,10 +69,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, import_reward_target, to_plain
+from rlhf_core.config import ConfigError, ModelConfig, RewardConfig, active_reward_functions, to_plain
 from rlhf_core.errors import FailureWindow, UserError
 from rlhf_core.models import load_reward_model
 from rlhf_core.records import Prompt
+from rollout_workers.user_code import import_reward_target
 from rollout_workers.user_loop import UserLoop
 
 _RESERVED = ("_target_", "weight", "default", "batched")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from factories import sample
+from rlhf_core.choices import Estimator
 from rlhf_core.config import Config
 from rlhf_core.records import Sample
 from rlhf_core.sampling import process_logits, sample_tokens, token_logprobs
@@ -151,7 +152,7 @@ def batch_of(updater: Any, samples: Sequence[Sample]) -> Any:
     """``samples`` collated as the Learner collates them for ``updater``'s model and algorithm."""
     from learner.batch import Collator
 
-    grouped = updater.cfg.algo.group_size if updater.algorithm.grouped else None
+    grouped = updater.cfg.algo.group_size if Estimator(updater.cfg.algo.estimator).grouped else None
     return Collator.for_model(updater.engine.module, updater.device, grouped)(samples)
 
 

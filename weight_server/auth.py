@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from rlhf_core.choices import WeightServerAuth
 from rlhf_core.config import ConfigError, WeightServerConfig
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,8 @@ def signer_for(cfg: WeightServerConfig) -> Signer | None:
 
 
 def check_auth_mode(cfg: WeightServerConfig) -> None:
-    if cfg.auth not in ("none", "curve", "hmac"):
-        raise ConfigError(f"weight_server.auth={cfg.auth!r} is not one of none, curve, hmac")
+    if cfg.auth not in list(WeightServerAuth):  # a config built in Python: running unauthenticated by a typo is no option
+        raise ConfigError(f"weight_server.auth='{cfg.auth}' is not one of {', '.join(WeightServerAuth)}")
 
 
 def generate_keys(directory: str | os.PathLike) -> dict[str, str]:

@@ -1,9 +1,9 @@
 """The server's request handlers: what each client message does to the store and what it answers.
 
-Socket-free: replies go through a :class:`Replies` port (the server's ROUTER/PUB in production),
-so each handler reads as the protocol table in :mod:`weight_server.protocol` says. A handler
-raises ``WireError`` for an invalid request and ``Refused`` for a valid one the store declines;
-the server turns both into ERROR replies.
+Socket-free: replies go through a :class:`Replies` port (the server's sockets in production:
+:class:`~weight_server.endpoint.Endpoint`), so each handler reads as the protocol table in
+:mod:`weight_server.protocol` says. A handler raises ``WireError`` for an invalid request and
+``Refused`` for a valid one the store declines; the server turns both into ERROR replies.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from rlhf_core.wire import WireError, optional, require
 from weight_server import protocol as P
 from weight_server.metrics import ServerMetrics
 from weight_server.shm import Leases, ShmDir
-from weight_server.store import Refused, Slab, Upload, Version, VersionStore
+from weight_server.slabs import Slab
+from weight_server.store import Refused, Upload, Version, VersionStore
 
 log = logging.getLogger("weight_server")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from weight_server import protocol as P
-from weight_server.store import Slab, Version
+from weight_server.slabs import Slab
+from weight_server.store import Version
 
 log = logging.getLogger(__name__)
 

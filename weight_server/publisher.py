@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig, validate_shm
+from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.retry import Backoff
 from rlhf_core.wire import WireError
 from weight_server import protocol as P
@@ -77,7 +77,7 @@ class WeightPublisher:
         self.cfg = cfg or WeightServerConfig()
         if self.cfg.chunk_bytes > self.cfg.max_frame_bytes:
             raise ConfigError(f"weight_server.chunk_bytes {self.cfg.chunk_bytes} exceeds max_frame_bytes {self.cfg.max_frame_bytes}")
-        validate_shm(self.cfg)
+        self.cfg.check_shm()
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx: Context | None = None
         if ctx is None:

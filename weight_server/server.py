@@ -33,21 +33,21 @@ from typing import Any, Callable
 
 import zmq
 
-from rlhf_core.config import ConfigError, WeightServerConfig, validate_weight_server
+from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
-from weight_server.auth import MAC_BYTES, ZapHandler, configure_server_socket, signer_for
+from weight_server.auth import ZapHandler, signer_for
+from weight_server.endpoint import Endpoint, peer
 from weight_server.handlers import Handlers
 from weight_server.metrics import ServerMetrics
 from weight_server.persist import Persister, load_all
 from weight_server.shm import ShmDir, free_bytes
 from weight_server.sockets import Context
-from weight_server.store import Refused, Upload, Version, VersionStore
+from weight_server.store import Refused, Version, VersionStore
 
 log = logging.getLogger("weight_server")
 
 _MAX_BATCH = 64  # messages handled per poll wake-up before ZAP and timers get a turn
-_MAX_EXTRA_FRAMES = 8
 
 
 class WeightServer:
@@ -64,8 +64,9 @@ class WeightServer:
         self._closed = False
         self.persister: Persister | None = None
         self.shm: ShmDir | None = None
-        validate_weight_server(cfg)
-        self.signer = signer_for(cfg)
+        self.endpoint: Endpoint | None = None
+        cfg.check()
+        signer = signer_for(cfg)
         if cfg.chunk_bytes < 1 or cfg.max_inflight_chunks < 1:
             raise ConfigError(
                 f"weight_server.chunk_bytes ({cfg.chunk_bytes}) and max_inflight_chunks ({cfg.max_inflight_chunks}) "
@@ -78,13 +79,13 @@ class WeightServer:
         # followers run on different connections, so they need not queue behind each other.
         self.ctx = ctx or Context(io_threads=2)
         self.zap: ZapHandler | None = None
-        self._sockets: list[zmq.Socket] = []
         self._metrics = ServerMetrics()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
             self.zap = ZapHandler(self.ctx, cfg) if cfg.auth == "curve" else None  # before any CURVE bind
-            host = self._bind()
+            self.endpoint = Endpoint(cfg, self.ctx, self._metrics, signer)
+            self.address, self.pub_address = self.endpoint.address, self.endpoint.pub_address
             self._open_shm(shm_free_space)
             self.store = VersionStore(cfg.keep_versions, slab_factory=self.shm.new_slab if self.shm is not None else None,
                                       max_uploads=cfg.max_uploads, max_upload_bytes=cfg.max_upload_bytes,
@@ -93,9 +94,8 @@ class WeightServer:
             self.persister = Persister(cfg.persist_dir) if cfg.persist_dir else None
             if cfg.persist_dir:
                 self._restore(cfg.persist_dir)
-            self._auth_log_at = 0.0
             self._said_out_of_files = False
-            self.handlers = Handlers(cfg, self.store, self._metrics, self, self._committed, self.metrics, self.shm)
+            self.handlers = Handlers(cfg, self.store, self._metrics, self.endpoint, self._committed, self.metrics, self.shm)
             if cfg.address_file:
                 _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
         except BaseException:
@@ -103,41 +103,9 @@ class WeightServer:
             raise
         log.info(
             "weight server listening on %s (announcements on %s; bound to %s), auth=%s, keeping %d version(s), shm %s",
-            self.address, self.pub_address, host, cfg.auth, cfg.keep_versions,
+            self.address, self.pub_address, self.endpoint.host, cfg.auth, cfg.keep_versions,
             self.shm.path if self.shm is not None else "off",
         )
-
-    def _bind(self) -> str:
-        """Bind the ROUTER and the PUB socket (port 0: a random free one), set the addresses clients
-        use and return the host bound to."""
-        cfg = self.cfg
-        host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
-        self.router = self._socket(zmq.ROUTER)
-        # Each honest puller has at most max_inflight_chunks replies queued; the high-water mark
-        # leaves room for that and drops (counts) replies to a peer that ignores its credit.
-        self.router.sndhwm = 4 * cfg.max_inflight_chunks + 16
-        self.router.rcvhwm = 4 * cfg.max_inflight_chunks + 16
-        self.router.router_mandatory = True  # a reply to a vanished peer raises instead of vanishing
-        self.router.maxmsgsize = max(cfg.max_frame_bytes, cfg.max_manifest_bytes)
-        self.pub = self._socket(zmq.PUB)
-        self.pub.sndhwm = 1000
-        bind_host = f"[{host}]" if ":" in host else host
-        if ":" in host:
-            self.router.ipv6 = self.pub.ipv6 = True
-        for sock, port, setting in ((self.router, cfg.port, "port"), (self.pub, cfg.pub_port, "pub_port")):
-            try:
-                sock.bind(f"tcp://{bind_host}:{port}")
-            except zmq.ZMQError as exc:
-                raise ConfigError(
-                    f"weight server cannot bind tcp://{bind_host}:{port} (weight_server.{setting}): {exc}; "
-                    "choose a free port, or 0 for a random one"
-                ) from None
-        connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else ("[::1]" if host in ("::", "::1") else bind_host)
-        self.port = _port_of(self.router)
-        self.pub_port = _port_of(self.pub)
-        self.address = f"tcp://{connect_host}:{self.port}"
-        self.pub_address = f"tcp://{connect_host}:{self.pub_port}"
-        return host
 
     def _open_shm(self, shm_free_space: Callable[[str], int]) -> None:
         """The private shared-memory folder for version slabs; without one every byte goes over TCP."""
@@ -164,13 +132,6 @@ class WeightServer:
             )
             log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, persist_dir)
         self._held = self.store.held()
-
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        self._sockets.append(sock)
-        sock.linger = 0
-        configure_server_socket(sock, self.cfg)
-        return sock
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "WeightServer":
@@ -235,8 +196,8 @@ class WeightServer:
             if self.persister is not None:
                 self.persister.close()
         finally:
-            for sock in self._sockets:
-                sock.close(linger=0)
+            if self.endpoint is not None:
+                self.endpoint.close()
             if self.zap is not None:
                 self.zap.close()
             if self._own_ctx:
@@ -247,7 +208,8 @@ class WeightServer:
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        router = self.endpoint.router
+        poller.register(router, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.sock, zmq.POLLIN)
         next_announce = next_expire = time.monotonic()
@@ -257,7 +219,7 @@ class WeightServer:
                 if self.zap is not None and self.zap.sock in events:
                     while self.zap.sock.poll(0):
                         self.zap.handle()
-                if self.router in events:
+                if router in events:
                     for _ in range(_MAX_BATCH):
                         if not self._recv_one():
                             break
@@ -266,7 +228,7 @@ class WeightServer:
                 if now >= next_announce:
                     next_announce = now + self.cfg.announce_interval_s
                     for name in self.store.held():
-                        self.announce(self.store.newest(name))
+                        self.endpoint.announce(self.store.newest(name))
                 if now >= next_expire:
                     next_expire = now + 1.0
                     for up in self.store.expire(self.cfg.upload_timeout_s, now):
@@ -307,128 +269,60 @@ class WeightServer:
 
     def _recv_one(self) -> bool:
         """Receive and handle one message; False when none is waiting."""
+        end = self.endpoint
         try:
-            ident = self.router.recv(zmq.NOBLOCK)
+            ident = end.router.recv(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        if not self.router.rcvmore:
+        if not end.router.rcvmore:
             return True  # an empty message: nothing to answer
-        head = self.router.recv(copy=False)
+        head = end.router.recv(copy=False)
         try:
             obj = P.decode(head.buffer, P.CLIENT_KINDS, self.cfg.max_header_bytes, self.cfg.max_manifest_bytes)
         except WireError as exc:
-            self._drain()
+            end.drain()
             self._metrics.count("malformed")
             code = P.E_TOO_LARGE if len(head.buffer) > self.cfg.max_header_bytes else P.E_MALFORMED
-            log.warning("malformed message from %s: %s", _peer(head), exc)
-            self.error(ident, _loose_rid(head.bytes), code, f"malformed message: {exc}")
+            log.warning("malformed message from %s: %s", peer(head), exc)
+            end.error(ident, _loose_rid(head.bytes), code, f"malformed message: {exc}")
             return True
         try:
             self._dispatch(ident, obj, head)
         except Exception as exc:  # one request's failure must not end the loop that serves every other
-            self._drain()
+            end.drain()
             self._metrics.count("internal_errors")
-            log.exception("the weight server failed on a %s from %s", obj["kind"], _peer(head))
-            self.error(ident, obj.get("rid"), P.E_INTERNAL,
-                       f"the weight server failed on this {obj['kind']}: {type(exc).__name__}: {exc} (see its log)")
+            log.exception("the weight server failed on a %s from %s", obj["kind"], peer(head))
+            end.error(ident, obj.get("rid"), P.E_INTERNAL,
+                      f"the weight server failed on this {obj['kind']}: {type(exc).__name__}: {exc} (see its log)")
         return True
 
     def _dispatch(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
         if obj["kind"] == P.PUB_CHUNK:
             self._on_pub_chunk(ident, obj, head)
             return
-        extra = self._recv_rest()
+        end = self.endpoint
+        extra = end.recv_rest()
         if extra is None:
             self._metrics.count("malformed")
-            self.error(ident, obj.get("rid"), P.E_MALFORMED, f"a {obj['kind']} message has too many frames")
+            end.error(ident, obj.get("rid"), P.E_MALFORMED, f"a {obj['kind']} message has too many frames")
             return
-        if not self._authentic(ident, obj, head, [head.buffer], extra):
+        if not end.authentic(ident, obj, head, [head.buffer], extra):
             return
         try:
             self.handlers.table[obj["kind"]](ident, obj)
         except WireError as exc:
             self._metrics.count("malformed")
-            log.warning("invalid %s from %s: %s", obj["kind"], _peer(head), exc)
-            self.error(ident, obj.get("rid"), P.E_MALFORMED, f"invalid {obj['kind']}: {exc}")
+            log.warning("invalid %s from %s: %s", obj["kind"], peer(head), exc)
+            end.error(ident, obj.get("rid"), P.E_MALFORMED, f"invalid {obj['kind']}: {exc}")
         except Refused as exc:
             self.handlers.refused(ident, obj, exc)
-
-    def _recv_rest(self) -> list[bytes] | None:
-        frames = []
-        while self.router.rcvmore:
-            if len(frames) >= _MAX_EXTRA_FRAMES:
-                self._drain()
-                return None
-            frames.append(self.router.recv())
-        return frames
-
-    def _drain(self) -> None:
-        while self.router.rcvmore:
-            self.router.recv_into(bytearray())  # discard without allocating a Python copy
-
-    def _authentic(self, ident: bytes, obj: dict[str, Any], head: Any, signed: list[Any], extra: list[bytes]) -> bool:
-        """Check the HMAC frame (auth=hmac) or the absence of stray frames; reply and count if not."""
-        if self.signer is None:
-            if not extra:
-                return True
-            reason = "unexpected trailing frame: this server runs without HMAC (auth=none or curve); use the same weight_server.auth"
-        else:
-            if len(extra) == 1 and len(extra[0]) == MAC_BYTES and self.signer.verify(signed, extra[0]):
-                return True
-            reason = "HMAC check failed: weight_server.secret differs from the server's (or auth is not hmac)"
-        self._metrics.count("auth_refused")
-        now = time.monotonic()
-        if now - self._auth_log_at > 5.0:  # rate-limited: a misconfigured worker must not flood the log
-            self._auth_log_at = now
-            log.warning("refused %s from %s: %s", obj.get("kind"), _peer(head), reason)
-        self.error(ident, obj.get("rid"), P.E_AUTH, reason)
-        return False
-
-    # -- replies ----------------------------------------------------------------------------------
-    def send(self, ident: bytes, header: bytes, data: memoryview | None = None, slab: Any = None) -> None:
-        frames: list[Any] = [header] if data is None else [header, data]
-        mac = self.signer.sign(frames) if self.signer is not None else None
-        try:
-            self.router.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
-            if data is None:
-                self.router.send(header, zmq.SNDMORE if mac else 0)
-            else:
-                self.router.send(header, zmq.SNDMORE)
-                tracker = self.router.send(data, zmq.SNDMORE if mac else 0, copy=False, track=True)
-                if slab is not None:
-                    slab.track(tracker)
-            if mac:
-                self.router.send(mac)
-        except (zmq.Again, zmq.ZMQError) as exc:  # queue full (peer ignores credits) or peer gone
-            self._metrics.count("dropped_replies")
-            log.debug("dropped a reply: %s", exc)
-
-    def error(self, ident: bytes, rid: Any, code: str, message: str) -> None:
-        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
-        self.send(ident, P.encode(P.ERROR, rid=rid, code=code, message=message))
-
-    def announce(self, ver: Version | Upload | None, pending: bool = False) -> None:
-        if ver is None:
-            return
-        frames: list[Any] = [
-            ver.name.encode(),
-            P.encode(
-                P.ANNOUNCE, name=ver.name, version=ver.version, content_hash=ver.content_hash,
-                total_bytes=ver.layout.total_bytes, pending=pending,
-            ),
-        ]
-        if self.signer is not None:
-            frames.append(self.signer.sign(frames[1:]))
-        try:
-            self.pub.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            pass
 
     # -- receiving a chunk of an upload ------------------------------------------------------------
     def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
         """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
         has none and says the publisher wrote those bytes into the slab file itself. Either way
         the watermark advances, tensors complete are hashed, and parked followers are answered."""
+        end = self.endpoint
         try:
             upload = P.req_int(obj, "upload")
             via_shm = optional(obj, "shm", bool, False)
@@ -437,50 +331,30 @@ class WeightServer:
             segments = P.parse_segments(obj, total) if up else []
             targets = self.store.chunk_targets(upload, segments, shm=via_shm)
         except (WireError, Refused) as exc:
-            self._drain()
+            end.drain()
             code = exc.code if isinstance(exc, Refused) else P.E_MALFORMED
             if code == P.E_MALFORMED:
                 self._metrics.count("malformed")
-            self.error(ident, None, code, f"chunk refused: {exc}")
+            end.error(ident, None, code, f"chunk refused: {exc}")
             return
-        problem = None
-        for view in targets:  # the data lands in the upload's slab; nothing is visible before commit
-            if not self.router.rcvmore:
-                problem = f"chunk declares {len(targets)} segments but has fewer data frames"
-                break
-            got = self.router.recv_into(view)
-            if got != len(view):
-                problem = f"a data frame of {got} bytes does not match its segment of {len(view)} bytes"
-                break
-        extra = self._recv_rest() if problem is None else None
+        problem = end.recv_data(targets)  # the data lands in the upload's slab; nothing is visible before commit
+        extra = end.recv_rest() if problem is None else None
         if problem is None and extra is None:
             problem = "chunk has too many frames"
         if problem is not None:
-            self._drain()
+            end.drain()
             self.store.abort(upload)
             self._metrics.count("uploads_aborted")
             self._metrics.count("malformed")
-            self.error(ident, None, P.E_BAD_CHUNK, f"upload {upload} aborted: {problem}")
+            end.error(ident, None, P.E_BAD_CHUNK, f"upload {upload} aborted: {problem}")
             return
-        if not self._authentic(ident, obj, head, [head.buffer, *targets], extra):
+        if not end.authentic(ident, obj, head, [head.buffer, *targets], extra):
             self.store.abort(upload)  # unauthenticated bytes may have been written into it
             self._metrics.count("uploads_aborted")
             return
         self.store.received(upload, segments)
         if up.parked:
             self.handlers.chunk_arrived(up)
-
-
-def _port_of(sock: zmq.Socket) -> int:
-    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return int(endpoint.rsplit(":", 1)[1])
-
-
-def _peer(frame: Any) -> str:
-    try:
-        return frame.get("Peer-Address")
-    except (zmq.ZMQError, AttributeError, TypeError):
-        return "unknown peer"
 
 
 def _loose_rid(data: bytes) -> int | None:

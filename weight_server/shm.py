@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weight_server import protocol as P
-from weight_server.store import Slab
+from weight_server.slabs import Slab
 
 log = logging.getLogger("weight_server")
 

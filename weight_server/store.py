@@ -1,4 +1,4 @@
-"""The server's versioned parameter store: memory slabs, uploads in progress, the newest K versions.
+"""The server's versioned parameter store: uploads in progress and the newest K versions.
 
 Pure bookkeeping (numpy buffers, no sockets, no torch), so its rules are testable on their own:
 
@@ -7,32 +7,20 @@ Pure bookkeeping (numpy buffers, no sockets, no torch), so its rules are testabl
 * versions only grow: a push of an older or equal version is refused (:class:`Refused`);
 * the newest ``keep`` versions per name are held; older ones are evicted.
 
-Memory: each version lives in one contiguous slab. Evicted slabs are recycled for later uploads of
-the same size once ZeroMQ has finished sending from them (tracked zero-copy sends) and no shared-
-memory reader holds a lease on them (pins), because touching fresh pages costs more than the
-transfer itself on small VMs. A slab is anonymous memory, or a file mapping made by an injected
-factory (``weight_server.shm``) that same-host peers map too; a file slab that a reader may still
-map without a lease (its lease expired, or its upload was aborted while the publisher wrote into
-it) is *tainted*: never recycled, its file removed once nothing sends from it.
+Each version lives in one contiguous slab (:mod:`weight_server.slabs`); evicted versions give
+theirs back to the pool for later uploads.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
-import os
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
 
 from weight_server import protocol as P
 from weight_server.protocol import Layout
-
-log = logging.getLogger("weight_server")
+from weight_server.slabs import Slab, SlabFactory, SlabPool
 
 
 #: the least the default upload byte cap allows (the cap is twice the largest version held)
@@ -45,135 +33,6 @@ class Refused(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class Slab:
-    """One contiguous byte buffer holding a version (or an upload in progress): anonymous memory,
-    or ``buffer`` (a shared mapping of the file ``path``)."""
-
-    def __init__(self, nbytes: int, buffer: Any = None, path: str | None = None) -> None:
-        self.array = np.empty(max(nbytes, 1), dtype=np.uint8) if buffer is None else np.frombuffer(buffer, dtype=np.uint8)
-        self.view = memoryview(self.array)
-        self.path = path
-        self.tainted = False  # someone may map it outside a lease: never recycle it
-        self.trackers: list[Any] = []  # zmq.MessageTracker of zero-copy sends still reading this slab
-        self._pins = 0
-        self._lock = threading.Lock()
-
-    def discard(self) -> None:
-        """Remove the backing file (mappings that exist stay valid until they are unmapped)."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-    @property
-    def capacity(self) -> int:
-        return len(self.array)
-
-    def pin(self) -> None:
-        with self._lock:
-            self._pins += 1
-
-    def unpin(self) -> None:
-        with self._lock:
-            self._pins -= 1
-
-    def track(self, tracker: Any) -> None:
-        self.trackers.append(tracker)
-        if len(self.trackers) > 256:
-            self.trackers = [t for t in self.trackers if not t.done]
-
-    def idle(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
-        with self._lock:
-            return self._pins == 0 and not self.trackers
-
-
-SlabFactory = Callable[[int], "Slab | None"]
-
-
-class SlabPool:
-    """Recycles slabs of evicted versions once nothing reads them any more.
-
-    ``factory(nbytes)`` makes a file-backed slab, or returns None when it cannot (no room in the
-    shared-memory filesystem): that version then lives in anonymous memory.
-    """
-
-    def __init__(self, max_free: int = 2, factory: SlabFactory | None = None) -> None:
-        self.max_free = max_free
-        self.factory = factory
-        self.free: list[Slab] = []
-        self.retiring: list[Slab] = []
-        self.anonymous = 0  # slabs taken in anonymous memory although a file was wanted
-        self._made: list[Slab] = []  # spares a background thread made, not yet in `free`
-        self._making = False
-        self._lock = threading.Lock()
-
-    def prepare(self, nbytes: int) -> None:
-        """Make a file slab for the next upload of ``nbytes`` on a background thread unless a free
-        one fits: reserving and mapping a fresh file of a large model takes long enough to stall
-        every request behind a PUB_BEGIN that had to do it."""
-        self.collect()
-        if self.factory is None or self._making or any(s.path is not None and self._fits(s, nbytes) for s in self.free):
-            return
-        self._making = True
-        threading.Thread(target=self._make, args=(nbytes,), name="weight-slab", daemon=True).start()
-
-    def _make(self, nbytes: int) -> None:
-        slab = None
-        try:
-            slab = self.factory(nbytes)
-        except Exception:  # noqa: BLE001  # the upload that wants it makes its own; later ones try again
-            log.exception("weight server: a spare slab of %d bytes could not be made", nbytes)
-        finally:
-            with self._lock:
-                if slab is not None:
-                    self._made.append(slab)
-                self._making = False
-
-    @staticmethod
-    def _fits(slab: Slab, nbytes: int) -> bool:
-        return nbytes <= slab.capacity <= 2 * max(nbytes, 1)
-
-    def take(self, nbytes: int) -> Slab:
-        self.collect()
-        fits = [s for s in self.free if self._fits(s, nbytes)]
-        filed = [s for s in fits if s.path is not None]
-        if filed or (fits and self.factory is None):
-            return self._reuse(min(filed or fits, key=lambda s: s.capacity))
-        made = self.factory(nbytes) if self.factory is not None else None
-        if made is not None:
-            return made
-        if self.factory is not None:
-            self.anonymous += 1  # no room for a file: this version lives in anonymous memory
-        return self._reuse(min(fits, key=lambda s: s.capacity)) if fits else Slab(nbytes)
-
-    def _reuse(self, slab: Slab) -> Slab:
-        self.free.remove(slab)
-        return slab
-
-    def give(self, slab: Slab) -> None:
-        self.retiring.append(slab)
-        self.collect()
-
-    def collect(self) -> None:
-        with self._lock:
-            made, self._made = self._made, []
-        self.free.extend(made)
-        still = []
-        for slab in self.retiring:
-            if not slab.idle():
-                still.append(slab)
-            elif slab.tainted:
-                slab.discard()
-            else:
-                self.free.append(slab)
-        self.retiring = still
-        for slab in self.free[: max(0, len(self.free) - self.max_free)]:  # oldest first
-            slab.discard()
-        del self.free[: max(0, len(self.free) - self.max_free)]
 
 
 @dataclass

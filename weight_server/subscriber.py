@@ -31,15 +31,14 @@ import numpy as np
 import torch
 import zmq
 
-from rlhf_core.config import WeightServerConfig, validate_shm
-from rlhf_core.wire import WireError, decode_record
+from rlhf_core.config import WeightServerConfig
+from rlhf_core.wire import WireError
 from weight_server import protocol as P
-from weight_server.auth import MAC_BYTES, configure_client_socket
+from weight_server.announcements import Announcements
 from weight_server.client import Channel, NoReply
-from weight_server.errors import WeightAuthError
 from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_and_hash, copy_bytes, hash_tensors
 from weight_server.sockets import Context
-from weight_server.tensors import TORCH_TO_WIRE, check_target, readonly_tensor, staged, target_of
+from weight_server.tensors import Staging, check_target, staged, target_of
 
 log = logging.getLogger(__name__)
 
@@ -52,30 +51,22 @@ class WeightSubscriber:
         name: str = "policy", ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg or WeightServerConfig()
-        validate_shm(self.cfg)
+        self.cfg.check_shm()
         self.worker_id = worker_id
         self.name = name
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
         self._own_ctx = ctx is None
         self.ctx = ctx or Context()
         self.channel: Channel | None = None
-        self.sub: zmq.Socket | None = None
+        self.announcements: Announcements | None = None
         try:
             self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
-            self.sub = self.ctx.socket(zmq.SUB)
-            self.sub.linger = 0
-            self.sub.rcvhwm = 1000
-            self.sub.maxmsgsize = self.cfg.max_header_bytes + 4096
-            configure_client_socket(self.sub, self.cfg)
-            self.sub.setsockopt(zmq.SUBSCRIBE, name.encode())
-            self.sub.connect(pub_address)
+            self.announcements = Announcements(pub_address, self.cfg, self.ctx, name, self.channel.signer)
         except BaseException:
             self.close()
             raise
         self.version: int | None = None  # the version last pulled (and applied, when pulled into a target)
-        self._announced: int | None = None
-        self._pending: int | None = None  # newest version whose upload has started (cut-through)
-        self._staging: torch.Tensor | None = None  # reused across pulls into a target: no fresh pages per pull
+        self._staging = Staging()
         self._applied: tuple[Any, int, tuple, list[bytes]] | None = None  # (target, version, signature, hashes)
         self.stats = {
             "pulls": 0, "pulls_tcp": 0, "pulls_shm": 0, "shm_fallbacks": 0, "bytes_received": 0, "bytes_shm": 0,
@@ -87,8 +78,8 @@ class WeightSubscriber:
         try:
             if self.channel is not None:
                 self.channel.close()
-            if self.sub is not None:
-                self.sub.close(linger=0)
+            if self.announcements is not None:
+                self.announcements.close()
             if self._maps is not None:
                 self._maps.close()
         finally:
@@ -107,43 +98,7 @@ class WeightSubscriber:
         cheap enough to call between decoding steps. ``pending=True`` also counts versions whose
         upload has only started: a pull then follows the upload (cut-through) and returns once
         it is committed and verified."""
-        if self.sub.poll(timeout_ms):
-            while True:
-                try:
-                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                got = self._parse_announcement(frames)
-                if got is None:
-                    continue
-                version, is_pending = got
-                if is_pending:
-                    self._pending = version if self._pending is None else max(self._pending, version)
-                elif self._announced is None or version > self._announced:
-                    self._announced = version
-        if pending and self._pending is not None and (self._announced is None or self._pending > self._announced):
-            return self._pending
-        return self._announced
-
-    def _parse_announcement(self, frames: list[bytes]) -> tuple[int, bool] | None:
-        signer = self.channel.signer
-        if signer is not None:
-            if len(frames) != 3 or len(frames[2]) != MAC_BYTES or not signer.verify(frames[1:2], frames[2]):
-                raise WeightAuthError(
-                    "an announcement from the weight server failed the HMAC check: weight_server.secret differs "
-                    "from the server's"
-                )
-        elif len(frames) != 2:
-            log.warning("ignoring an announcement of %d frames (is the server using auth=hmac?)", len(frames))
-            return None
-        try:
-            obj = decode_record(frames[1], P.ANNOUNCE, max_bytes=self.cfg.max_header_bytes)
-            if P.req_name(obj) != self.name:
-                return None
-            return P.req_int(obj, "version"), obj.get("pending") is True
-        except WireError as exc:
-            log.warning("ignoring a malformed announcement: %s", exc)
-            return None
+        return self.announcements.poll(timeout_ms, pending)
 
     # -- pull ---------------------------------------------------------------------------------------------
     def pull(
@@ -229,7 +184,7 @@ class WeightSubscriber:
         if plan is None:
             return v, None  # already applied
         target, needed = plan
-        staging = self._staging_for(layout.total_bytes, target)
+        staging = self._staging.buffer(layout.total_bytes, target)
         buf = memoryview(staging.numpy())
         error, hashes = self._fetch(layout, v, chunk_bytes, needed, buf)
         if error is not None:
@@ -256,7 +211,7 @@ class WeightSubscriber:
         the APPLIED report of bytes applied into a target released ``lease``)."""
         staging = None
         if target is None or any(t.is_cuda for t in target.values()):
-            staging = self._staging_for(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
+            staging = self._staging.buffer(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
         if man.get("pending") is True:
             error, hashes = self._fetch(layout, v, chunk_bytes, needed, slab, notices=True)
             if error is not None:
@@ -321,7 +276,7 @@ class WeightSubscriber:
             log.warning("worker %s: followed upload of v%d did not commit (%s); keeping v%s",
                         self.worker_id, v, rep.get("message"), self.version)
             return False
-        self._announced = v if self._announced is None else max(self._announced, v)
+        self.announcements.saw_commit(v)
         return True
 
     def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int],
@@ -334,7 +289,7 @@ class WeightSubscriber:
             self.version = v
             return v, {layout.tensors[i].name: staged(source, layout, i) for i in range(len(layout.tensors))}
         t_apply = time.monotonic()
-        self._apply(layout, source.numpy() if isinstance(source, torch.Tensor) else source, target, needed)
+        self._staging.apply(layout, source.numpy() if isinstance(source, torch.Tensor) else source, target, needed)
         apply_s = time.monotonic() - t_apply
         self._applied = (into, v, layout.signature(), layout.hashes())
         self.version = v
@@ -403,46 +358,6 @@ class WeightSubscriber:
         if P.req_hash(man, "content_hash") != layout.content_hash() or man.get("total_bytes") != layout.total_bytes:
             raise WireError(f"v{v}: content hash or size does not match the tensor list")
         return layout, v, chunk_bytes
-
-    def _staging_for(self, nbytes: int, target: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        if target is None:
-            return torch.empty(max(nbytes, 1), dtype=torch.uint8)  # handed to the caller: never reused
-        pinned = any(t.is_cuda for t in target.values())
-        cur = self._staging
-        if cur is None or cur.numel() < nbytes or cur.is_pinned() != pinned:
-            # Pinned memory makes host->GPU copies asynchronous DMA; allocated once, reused.
-            self._staging = cur = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-        return cur
-
-    @torch.no_grad()
-    def _apply(self, layout: P.Layout, source: np.ndarray, target: dict[str, torch.Tensor], needed: list[int]) -> None:
-        """Copy tensors ``needed`` out of ``source`` (the layout's bytes: the staging buffer, or a
-        read-only slab mapping) into the target, converting dtypes where they differ."""
-        cuda = False
-        source_t = None
-        for i in needed:
-            spec = layout.tensors[i]
-            dest = target[spec.name].detach()
-            if dest.device.type == "cpu" and dest.is_contiguous() and TORCH_TO_WIRE.get(dest.dtype) == spec.dtype:
-                # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
-                # splits big copies across intra-op threads, which is slower on a busy small box.
-                if spec.nbytes:
-                    copy_bytes(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
-                continue
-            if dest.is_cuda:
-                # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
-                # already are (a TCP pull received into the pinned staging buffer).
-                cuda = True
-                stage = self._staging_for(layout.total_bytes, target)
-                if stage.data_ptr() != source.ctypes.data:
-                    copy_bytes(stage.numpy()[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes])
-                dest.copy_(staged(stage, layout, i), non_blocking=True)
-                continue
-            if source_t is None:
-                source_t = readonly_tensor(source)
-            dest.copy_(staged(source_t, layout, i))  # converts dtype
-        if cuda:
-            torch.cuda.synchronize()  # a CPU-GPU sync point: "applied" means the bytes are on the device
 
     def report_applied(self, version: int, apply_s: float | None = None, lease: int | None = None) -> None:
         """Tell the server this worker applied ``version`` (the weight-sync latency metric), and

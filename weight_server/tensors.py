@@ -1,4 +1,5 @@
-"""Torch-side helpers: named tensors in, wire dtypes, zero-copy byte views, staged tensors out.
+"""Torch-side helpers: named tensors in, wire dtypes, zero-copy byte views, staged tensors out,
+and the staging buffer a pull applies verified bytes through.
 
 bfloat16 has no numpy dtype, so every tensor is handled as raw bytes through a ``uint8`` view of
 its storage (``t.view(torch.uint8)``); the wire dtype name travels beside it.
@@ -16,6 +17,7 @@ import torch
 from rlhf_core.errors import UserError
 from weight_server.errors import TensorMismatchError
 from weight_server.protocol import Layout
+from weight_server.shm_map import copy_bytes
 
 TORCH_TO_WIRE: dict[torch.dtype, str] = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -139,3 +141,53 @@ def target_of(into: Any) -> dict[str, torch.Tensor]:
             raise UserError(f"pull(into=...) values must be tensors; {bad[:3]} are not")
         return dict(into)
     raise UserError(f"pull(into=...) takes an nn.Module or a dict of tensors, got {type(into).__name__}")
+
+
+class Staging:
+    """The host buffer verified bytes pass through on their way into a pull's target, and the copy
+    into the target's tensors. Reused across pulls into a target (no fresh pages per pull)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def buffer(self, nbytes: int, target: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes``: a fresh one for a pull without a target (handed
+        to the caller), else the reused one, pinned when the target has GPU tensors."""
+        if target is None:
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8)  # handed to the caller: never reused
+        pinned = any(t.is_cuda for t in target.values())
+        cur = self._buf
+        if cur is None or cur.numel() < nbytes or cur.is_pinned() != pinned:
+            # Pinned memory makes host->GPU copies asynchronous DMA; allocated once, reused.
+            self._buf = cur = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        return cur
+
+    @torch.no_grad()
+    def apply(self, layout: Layout, source: np.ndarray, target: dict[str, torch.Tensor], needed: list[int]) -> None:
+        """Copy tensors ``needed`` out of ``source`` (the layout's bytes: the staging buffer, or a
+        read-only slab mapping) into the target, converting dtypes where they differ."""
+        cuda = False
+        source_t = None
+        for i in needed:
+            spec = layout.tensors[i]
+            dest = target[spec.name].detach()
+            if dest.device.type == "cpu" and dest.is_contiguous() and TORCH_TO_WIRE.get(dest.dtype) == spec.dtype:
+                # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
+                # splits big copies across intra-op threads, which is slower on a busy small box.
+                if spec.nbytes:
+                    copy_bytes(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
+                continue
+            if dest.is_cuda:
+                # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
+                # already are (a TCP pull received into the pinned staging buffer).
+                cuda = True
+                stage = self.buffer(layout.total_bytes, target)
+                if stage.data_ptr() != source.ctypes.data:
+                    copy_bytes(stage.numpy()[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes])
+                dest.copy_(staged(stage, layout, i), non_blocking=True)
+                continue
+            if source_t is None:
+                source_t = readonly_tensor(source)
+            dest.copy_(staged(source_t, layout, i))  # converts dtype
+        if cuda:
+            torch.cuda.synchronize()  # a CPU-GPU sync point: "applied" means the bytes are on the device

@@ -23,10 +23,9 @@ import torch
 
 from learner.batch import TrainBatch
 from rlhf_core.choices import Estimator, PolicyLoss
-from rlhf_core.config import ConfigError
+from rlhf_core.config import ConfigError, ISConfig
 
 if TYPE_CHECKING:
-    from learner.algorithms.core import ISConfig
     from learner.engines import TrainEngine
     from learner.stats import MetricSums
 
@@ -66,7 +65,6 @@ class Algorithm(Protocol):
 
     needs_critic: bool  # a value model trains beside the policy
     needs_reference: bool  # reference log-probs whatever algo.kl_coef
-    grouped: bool  # compares the responses of one prompt: a group may not exceed algo.group_size
     proximal: bool  # reads pi_prox, the policy before the update
 
     def prepare(self, up: Updater, batch: TrainBatch, rewards: torch.Tensor, m: MetricSums) -> Work | None:

@@ -15,40 +15,24 @@ Conventions (every loss and estimator of the learner follows them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
-from typing import Callable, Literal, NamedTuple, get_args
+from typing import Callable, NamedTuple
 
 import torch
 
-from rlhf_core.choices import ISCorrection, ISLevel
+from rlhf_core.choices import AggMode, ISCorrection, ISLevel, KLEstimator, check_choice
+from rlhf_core.config import ISConfig, check_clip, check_gamma_lam
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3"]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over data-parallel ranks; identity when alone
+TOKEN_MEAN = AggMode["token-mean"]
 
 
 # ---------- Argument checks ----------------------------------------------- #
-def check_choice(name: str, value: object, choices: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of a ``Literal`` type's values or an Enum's."""
-    allowed = [e.value for e in choices] if isinstance(choices, type) and issubclass(choices, Enum) else get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
-
-
 def check_same_shape(**tensors: torch.Tensor) -> None:
     """Raise ``ValueError`` naming every shape unless all ``tensors`` have the same one."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         desc = ", ".join(f"{n}={s}" for n, s in shapes.items())
         raise ValueError(f"shape mismatch: {desc}")
-
-
-def check_gamma_lam(gamma: float, lam: float = 1.0) -> None:
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam must be in [0, 1], got {lam}")
 
 
 def check_groups(rewards: torch.Tensor, group_size: int, min_size: int) -> None:
@@ -110,7 +94,7 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(
-    loss_tokens: torch.Tensor, mask: torch.Tensor, *, mode: AggregationMode = "token-mean", norm_len: int | None = None
+    loss_tokens: torch.Tensor, mask: torch.Tensor, *, mode: AggMode = TOKEN_MEAN, norm_len: int | None = None
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
@@ -127,7 +111,7 @@ def aggregate(
     In the ``seq-*`` modes, sequences without any real token are excluded from the mean over
     sequences. An all-masked batch gives 0.
     """
-    check_choice("agg_mode", mode, AggregationMode)
+    check_choice("agg_mode", mode, AggMode)
     if mode == "seq-mean-token-sum-norm" and (norm_len is None or not norm_len > 0):
         raise ValueError(f"agg_mode 'seq-mean-token-sum-norm' needs norm_len > 0, got {norm_len}")
     m = bool_mask(mask)
@@ -199,7 +183,7 @@ def token_rewards(
 
 # ---------- KL, entropy --------------------------------------------------- #
 def kl_estimate(
-    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None, *, kind: KLKind = "k3"
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None, *, kind: KLEstimator = KLEstimator.k3
 ) -> torch.Tensor:
     """``[B, T]`` per-token Monte-Carlo estimate of ``KL(pi || ref)`` for ``x ~ pi``.
 
@@ -213,7 +197,7 @@ def kl_estimate(
     The estimators are unbiased only if the tokens were sampled from ``pi``; in an off-policy
     setting they were sampled from the behaviour policy. Masked positions give 0.
     """
-    check_choice("kl kind", kind, KLKind)
+    check_choice("kl kind", kind, KLEstimator)
     check_same_shape(logp=logp, ref_logp=ref_logp)
     if mask is not None:
         m = bool_mask(mask)
@@ -233,7 +217,7 @@ class EntropyStats(NamedTuple):
 
 
 def entropy_bonus(
-    entropy: torch.Tensor, mask: torch.Tensor, *, coef: float, agg_mode: AggregationMode = "token-mean",
+    entropy: torch.Tensor, mask: torch.Tensor, *, coef: float, agg_mode: AggMode = TOKEN_MEAN,
     norm_len: int | None = None,
 ) -> tuple[torch.Tensor, EntropyStats]:
     """Entropy bonus as a loss term to *add* to the total loss: ``-coef * H``, with ``H`` the
@@ -244,32 +228,6 @@ def entropy_bonus(
 
 
 # ---------- Importance sampling and the PPO clip ------------------------- #
-@dataclass(frozen=True)
-class ISConfig:
-    """How a policy loss weights token losses by ``w = pi_prox / pi_behav``.
-
-    ``level``: ``"token"`` uses per-token ``w_t``; ``"sequence"`` the geometric mean of the
-    sequence's token weights, ``exp(masked_mean_t(log w_t))``, on all its tokens.
-    ``correction`` (applied to that ``w``): ``"none"`` keeps ``w`` (full IS); ``"tis"``
-    truncates, ``min(w, tis_cap)`` (``inf`` allowed); ``"mis"`` keeps ``w`` if
-    ``mis_low <= w <= mis_high`` else 0 (dropped tokens still count in the denominator).
-    """
-
-    correction: ISCorrection = ISCorrection.none
-    level: ISLevel = ISLevel.token
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-
-    def __post_init__(self) -> None:
-        check_choice("is_correction", self.correction, ISCorrection)
-        check_choice("is_level", self.level, ISLevel)
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if not 0.0 <= self.mis_low < self.mis_high:
-            raise ValueError(f"need 0 <= mis_low < mis_high, got mis_low={self.mis_low}, mis_high={self.mis_high}")
-
-
 class ISWeights(NamedTuple):
     w: torch.Tensor  # corrected weight multiplying the token loss
     raw_w: torch.Tensor  # before truncation / masking
@@ -316,22 +274,10 @@ class PolicyLossStats(NamedTuple):
     behav_approx_kl: torch.Tensor  # k3 estimate of KL(behav || prox): staleness
 
 
-def check_clip(clip_eps_low: float, clip_eps_high: float | None, dual_clip_c: float | None) -> float:
-    """The upper clip range (``clip_eps_low`` when None), after checking all three."""
-    if not 0.0 < clip_eps_low < 1.0:
-        raise ValueError(f"clip_eps_low must be in (0, 1), got {clip_eps_low}")
-    high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    if not high > 0.0:
-        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
-    if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
-    return high
-
-
 def clip_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
     clip_eps_low: float = 0.2, clip_eps_high: float | None = None, dual_clip_c: float | None = None,
-    agg_mode: AggregationMode = "token-mean", norm_len: int | None = None,
+    agg_mode: AggMode = TOKEN_MEAN, norm_len: int | None = None,
     importance: Callable[[torch.Tensor, torch.Tensor], ISWeights] | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """The PPO clipped surrogate (Schulman et al. 2017, eq. 7) every policy loss is built on; a
@@ -350,7 +296,7 @@ def clip_loss(
     ``logp`` ``[B, T]`` carries the gradient; ``old_logp`` and ``advantages`` ``[B, T]`` are constants.
     """
     high = check_clip(clip_eps_low, clip_eps_high, dual_clip_c)
-    check_choice("agg_mode", agg_mode, AggregationMode)
+    check_choice("agg_mode", agg_mode, AggMode)
     check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     m = bool_mask(mask)
     old = where_real(old_logp, m).detach()

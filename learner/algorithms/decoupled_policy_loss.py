@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from learner.algorithms import register_policy_loss
-from learner.algorithms.core import ISConfig, PolicyLossStats, check_same_shape, clip_loss, is_weights, where_real
+from learner.algorithms.core import PolicyLossStats, check_same_shape, clip_loss, is_weights, where_real
 from rlhf_core.choices import PolicyLoss
+from rlhf_core.config import ISConfig
 
 
 @register_policy_loss(PolicyLoss.decoupled, importance_sampling=True)
@@ -30,7 +31,7 @@ def decoupled_ppo_loss(
         loss_t = w_t * max(-A_t * ratio_t, -A_t * clip(ratio_t, 1-eps_low, 1+eps_high))
 
     ``w`` is taken per token or per sequence and truncated or masked as ``is_config`` says
-    (:class:`learner.algorithms.core.ISConfig`); the clip ``options`` are
+    (:class:`rlhf_core.config.ISConfig`); the clip ``options`` are
     :func:`learner.algorithms.core.clip_loss`'s. With ``behav_logp == prox_logp`` (and a
     band/cap admitting 1) this is exactly :func:`learner.algorithms.ppo_policy_loss.ppo_clip_loss`.
     Tensors ``[B, T]``: log-probs under the current policy (with grad), the proximal and the

@@ -140,7 +140,6 @@ def dpo_loss(
 class DPO:
     needs_critic = False
     needs_reference = True
-    grouped = True
     proximal = False
 
     def prepare(self, up: Updater, batch: TrainBatch, rewards: torch.Tensor, m: MetricSums) -> Work | None:

@@ -18,12 +18,11 @@ import torch
 
 from learner.algorithms import register_algorithm
 from learner.algorithms.core import (
-    AggregationMode, aggregate, bool_mask, check_choice, check_gamma_lam, check_same_shape, masked_mean, masked_var,
-    token_rewards, where_real,
+    TOKEN_MEAN, aggregate, bool_mask, check_same_shape, masked_mean, masked_var, token_rewards, where_real,
 )
 from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient, normalize
-from rlhf_core.choices import Estimator
-from rlhf_core.config import AlgoConfig
+from rlhf_core.choices import AggMode, Estimator, check_choice
+from rlhf_core.config import AlgoConfig, check_gamma_lam
 
 
 @torch.no_grad()
@@ -135,7 +134,7 @@ def value_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float | None = 0.2,
-    agg_mode: AggregationMode = "token-mean",
+    agg_mode: AggMode = TOKEN_MEAN,
     norm_len: int | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Critic loss with PPO value clipping, a scalar and detached stats, of ``[B, T]`` current
@@ -148,7 +147,7 @@ def value_loss(
     ``0.5 * max(vf_loss1, vf_loss2)`` (OpenAI baselines ppo2). With
     ``clip_eps=None`` it is ``0.5 * vf_loss1``.
     """
-    check_choice("agg_mode", agg_mode, AggregationMode)
+    check_choice("agg_mode", agg_mode, AggMode)
     if clip_eps is not None and not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0 (or None to disable), got {clip_eps}")
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)

@@ -97,8 +97,6 @@ def group_relative(estimate: Callable[[torch.Tensor, int], torch.Tensor]) -> Adv
     return advantages
 
 
-register_algorithm(Estimator.grpo, PolicyGradient(
-    group_relative(lambda r, k: group_advantages(r, k, scale_std=True)), grouped=True))
-register_algorithm(Estimator.dr_grpo, PolicyGradient(
-    group_relative(lambda r, k: group_advantages(r, k, scale_std=False)), grouped=True))
-register_algorithm(Estimator.rloo, PolicyGradient(group_relative(rloo_advantages), grouped=True))
+register_algorithm(Estimator.grpo, PolicyGradient(group_relative(lambda r, k: group_advantages(r, k, scale_std=True))))
+register_algorithm(Estimator.dr_grpo, PolicyGradient(group_relative(lambda r, k: group_advantages(r, k, scale_std=False))))
+register_algorithm(Estimator.rloo, PolicyGradient(group_relative(rloo_advantages)))

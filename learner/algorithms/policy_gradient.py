@@ -57,8 +57,8 @@ class PolicyGradient:
     needs_reference = False
     proximal = True
 
-    def __init__(self, advantages: AdvantageFn, *, grouped: bool = False, value_loss: ValueLossFn | None = None) -> None:
-        self.advantages, self.grouped, self.value_loss = advantages, grouped, value_loss
+    def __init__(self, advantages: AdvantageFn, *, value_loss: ValueLossFn | None = None) -> None:
+        self.advantages, self.value_loss = advantages, value_loss
         self.needs_critic = value_loss is not None
 
     def prepare(self, up: Updater, batch: TrainBatch, rewards: torch.Tensor, m: MetricSums) -> Work:

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from learner.algorithms import register_policy_loss
-from learner.algorithms.core import ISConfig, PolicyLossStats, clip_loss
+from learner.algorithms.core import PolicyLossStats, clip_loss
 from rlhf_core.choices import PolicyLoss
+from rlhf_core.config import ISConfig
 
 
 @register_policy_loss(PolicyLoss.ppo, importance_sampling=False)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from learner.algorithms import register_algorithm
-from learner.algorithms.core import bool_mask, check_gamma_lam, check_same_shape, global_whiten, token_rewards, where_real
+from learner.algorithms.core import bool_mask, check_same_shape, global_whiten, token_rewards, where_real
 from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient
 from rlhf_core.choices import Estimator
-from rlhf_core.config import AlgoConfig
+from rlhf_core.config import AlgoConfig, check_gamma_lam
 
 
 @torch.no_grad()

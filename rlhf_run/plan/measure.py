@@ -17,15 +17,13 @@ figures little, and the simulator adds the sharing back):
    cost per byte) through the weight server;
 5. **the machine**: the launcher's once-a-second work and the cores other jobs kept busy
    meanwhile; then how much slower the processes run beside each other than alone
-   (``contention``), fitted to short real runs of the same config (:func:`fit_contention`).
+   (``contention``), fitted to short real runs of the same config (:mod:`rlhf_run.plan.machine`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import json
 import logging
 import os
 import statistics
@@ -38,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rlhf_run.plan.machine import BackgroundMeter, fit_contention, measure_handoff, measure_launcher
 from rlhf_run.plan.profile import Generation, Learner, Lengths, Machine, Profile, Sync, Worker, identity_of
 
 log = logging.getLogger(__name__)
@@ -80,37 +79,6 @@ class Timed:
     @property
     def total(self) -> float:
         return sum(c for c, _ in self.calls)
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds of this process tree: itself, its children that ended and those alive;
-    busy seconds of the whole machine, ``/proc/stat``)."""
-    import psutil
-
-    me = psutil.Process()
-    t = me.cpu_times()
-    ours = t.user + t.system + t.children_user + t.children_system
-    for proc in me.children(recursive=True):
-        try:
-            t = proc.cpu_times()
-            ours += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    m = psutil.cpu_times()
-    return ours, sum(m) - m.idle - getattr(m, "iowait", 0.0)
-
-
-class BackgroundMeter:
-    """Cores kept busy by other processes while it runs: the machine's busy time minus this
-    process tree's CPU, over the wall time."""
-
-    def __init__(self) -> None:
-        self.t0, (self.ours0, self.busy0) = time.monotonic(), cpu_seconds()
-
-    def cores(self) -> float:
-        ours, busy = cpu_seconds()
-        wall = max(time.monotonic() - self.t0, 1e-9)
-        return max(0.0, ((busy - self.busy0) - (ours - self.ours0)) / wall)
 
 
 def _median(xs: list[float]) -> float:
@@ -324,151 +292,6 @@ def measure_sync(cfg: Any, reps: int = 5) -> Sync:
                 snapshot_base=0.0, snapshot_per_byte=0.0,
                 send_base=max(0.0, pub_s - per_byte_pub * b_s), send_per_byte=per_byte_pub,
                 pull_base=max(0.0, pull_s - per_byte_pull * b_s), pull_per_byte=per_byte_pull)
-
-
-def steady_rate(metrics: Path, warmup: int) -> tuple[float, float]:
-    """A run's trained samples/s from the learner's update ``warmup`` to its last (start-up and
-    torch's warm-up left out, as the simulator's ``warmup`` does) and its mean staleness over the
-    same updates, from its ``metrics.jsonl``."""
-    from rlhf_core.metric_names import METRICS_FILE, SAMPLES_TRAINED, STALENESS_MEAN, TIME
-
-    path = metrics if metrics.name == METRICS_FILE else metrics / METRICS_FILE
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][warmup:]
-    if len(rows) < 2:
-        raise RuntimeError(f"{path} has {len(rows) + warmup} updates: at least {warmup + 2} are needed for a rate")
-    rate = (rows[-1][SAMPLES_TRAINED] - rows[0][SAMPLES_TRAINED]) / (rows[-1][TIME] - rows[0][TIME])
-    return rate, statistics.fmean(r[STALENESS_MEAN] for r in rows[1:])
-
-
-def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int = 20, runs: int = 3) -> dict[str, Any]:
-    """How much slower each busy thread runs while others are busy, fitted to short real runs.
-
-    The stages above are timed alone; in a run the processes slow each other down, and by how
-    much depends on the work: on the 2-core VM this was built on, a matmul loop was barely slowed
-    by another, while a tiny model's forward was slowed far more by a syscall-heavy process (the
-    run's Redis and ZeroMQ traffic is one) than by another forward. No synthetic pair stood for
-    the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates,
-    ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
-    from run to run there, so one run's luck would set every prediction) and the profile's
-    ``contention`` is set, by bisection, to the value under which the simulator reproduces the
-    runs' median steady trained samples/s, beside the other jobs' demand under which they get
-    the cores they used meanwhile (median; :func:`~rlhf_run.plan.simulate.background_demand`,
-    which depends on the contention: the two are fitted in turn). Returns what was fitted."""
-    from rlhf_run.launch import run_launcher
-    from rlhf_run.plan.search import plan_from_config
-    from rlhf_run.plan.simulate import background_demand, simulate
-
-    base = dataclasses.replace(
-        cfg, launcher="local", resume=None,
-        buffer=dataclasses.replace(cfg.buffer, url=None),
-        weight_server=dataclasses.replace(cfg.weight_server, port=0, pub_port=0),
-        learner=dataclasses.replace(cfg.learner, max_updates=updates),
-        run=dataclasses.replace(cfg.run, progress=False))
-    rates, loads = [], []
-    for _ in range(runs):
-        run_cfg = copy.deepcopy(base)  # a fresh copy each time: the launcher writes its Redis URL and run id into it
-        with tempfile.TemporaryDirectory(prefix="rlhf-plan-fit-") as tmp:
-            meter = BackgroundMeter()
-            code = run_launcher(run_cfg, Path(tmp))
-            loads.append(meter.cores())
-            if code != 0:
-                raise RuntimeError(f"the calibration's short run of this config failed (exit {code}); run it with "
-                                   "rlhf-run to see why")
-            rates.append(steady_rate(Path(tmp), warmup)[0])
-    measured, background = statistics.median(rates), statistics.median(loads)
-    plan = plan_from_config(cfg)
-
-    def with_contention(c: float) -> Profile:
-        return dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, contention=c))
-
-    demand = 0.0
-    rounds = 1 if background <= 0.01 else 3
-    for round_ in range(rounds):  # contention at the demand, then the demand at that contention, ...
-        lo, hi = 1.0, 4.0
-
-        def rate(c: float) -> float:
-            return simulate(with_contention(c), plan, updates=updates, warmup=warmup, background=demand).trained_samples_per_s
-
-        if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add
-            hi = lo
-        for _ in range(12):  # the simulated rate falls as contention rises
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if rate(mid) > measured else (lo, mid)
-        profile.machine.contention = (lo + hi) / 2
-        if round_ < rounds - 1:
-            demand = background_demand(profile, plan, background, updates, warmup)[0]
-    return {"updates": updates, "warmup": warmup, "runs_samples_per_s": [round(r, 1) for r in rates],
-            "measured_samples_per_s": round(measured, 1), "background_cores": round(background, 3),
-            "background_demand": round(demand, 3), "contention": round(profile.machine.contention, 3)}
-
-
-def _round_trips(client: Any, n: int) -> list[float]:
-    """Wall seconds of ``n`` Redis PINGs less the caller's CPU in each: the time spent waiting
-    for the server to run and for the reply to wake the caller (a pause between them, so each
-    starts from sleep as a pipeline's hand-offs do)."""
-    out = []
-    for _ in range(n):
-        time.sleep(0.002)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        client.ping()
-        out.append(max(0.0, (time.perf_counter() - t0) - (time.thread_time() - c0)))
-    return out
-
-
-def measure_handoff(redis_url: str, cores: float, n: int = 200) -> dict[str, float]:
-    """How long a thread woken by another waits before it runs (``plan.des``'s hand-offs), from
-    round trips to a Redis server: with a core free (the tenth percentile, so other jobs' load
-    leaves it alone), then with ``cores`` spinning processes of ours keeping them all busy (the
-    median), per runnable thread beyond the cores. Other jobs' demand during the busy part is
-    estimated as the simulator's processor sharing would have it: they used ``b`` cores while
-    our ``k`` spinners used ``s``, so ``k * b / s`` runnable threads."""
-    import subprocess
-    import sys
-
-    import psutil
-    import redis as redis_py
-
-    client = redis_py.Redis.from_url(redis_url)
-    try:
-        client.ping()
-        free = statistics.quantiles(_round_trips(client, n), n=10)[0] / 2
-        k = max(1, round(cores))
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
-        try:
-            time.sleep(0.5)  # let them start spinning
-            procs = [psutil.Process(sp.pid) for sp in spinners]
-            spun0 = sum(sum(p.cpu_times()[:2]) for p in procs)
-            meter = BackgroundMeter()
-            t0 = time.monotonic()
-            busy = statistics.median(_round_trips(client, n)) / 2
-            spun = (sum(sum(p.cpu_times()[:2]) for p in procs) - spun0) / (time.monotonic() - t0)
-            other = meter.cores() - spun  # the meter counts the spinners as ours: take them out
-        finally:
-            for sp in spinners:
-                sp.kill()
-                sp.wait()
-    finally:
-        client.close()
-    demand = k * max(0.0, other) / max(spun, 1e-3)
-    beyond = k + demand + 1.0 - cores  # runnable while the woken thread waits, beyond the cores
-    return {"handoff_s": free, "handoff_busy_s": max(0.0, busy - free) / max(beyond, 1.0),
-            "busy_handoff_s": busy, "busy_other_demand": round(demand, 3)}
-
-
-def measure_launcher(buf: Any, reps: int = 5) -> float:
-    """Core-seconds per second of the run's small periodic work: the launcher's snapshot of the
-    buffer (once a second), the learner's prompt top-up check (10 a second) and stats (4)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.thread_time()
-        buf.metrics()
-        times.append(time.thread_time() - t0)
-    t0 = time.thread_time()
-    for _ in range(reps):
-        buf.publish_stats("calib", {"x": 1.0})
-        buf.learner_version()
-    small = (time.thread_time() - t0) / reps
-    return _median(times) + 14 * small
 
 
 # ---- all of it ----------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def table(gpus: list[int], transport: str = "weight_server", max_staleness: int 
     too, leaving GPUs idle); a plan whose bound only equals the best rate is not simulated (it
     could only tie). The pick's staleness bound is the least that runs the same simulation."""
     from rlhf_run.plan.search import Request, search, tightest_staleness
-    from rlhf_run.plan.simulate import Plan
+    from rlhf_run.plan.records import Plan
 
     profile = published_7b(transport)
     tokens = profile.generation.response_tokens.mean() + profile.generation.prompt_tokens.mean()

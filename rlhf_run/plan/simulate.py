@@ -9,22 +9,8 @@ What it models, and where the real code does it:
   buffer moves only when a publish is done; a lease carries that version and the worker pulls
   weights at least that new before it generates (``_claim``). Dropped stale groups give their
   budget back and wake claimers.
-* **Worker loop** (``rollout_workers/worker.py``): capacity ``(slots + G - 1 - busy) // G``
-  prompts with ``busy`` = running + queued requests + samples in the scoring pool; an idle worker
-  blocks in the claim up to 0.25 s (woken by a version or budget change, re-checking every
-  0.2 s), a busy one whose claim got nothing waits 50 ms before claiming again; one engine step
-  per loop pass, then an announcement poll (a newer version is pulled at once, between steps),
-  then finished groups are appended once all their samples are scored; only scoring left:
-  2 ms sleeps.
-* **Continuous batching** (``hf_engine.py``): ``slots`` rows; a request takes a free row at the
-  next step, its prompt is prefilled in that step (the pass samples its first token) and it
-  decodes from the same step on; a response of n tokens finishes after ``max(1, n - 1)`` steps;
-  each token carries the engine's version when it was sampled (a group's staleness is that of
-  its oldest token). Steps are simulated in runs until the next finish, cut short at a step
-  boundary by anything the loop would react to (an announcement, scores coming back, the end
-  of a claim back-off).
-* **Scoring** (``scoring.py``): one thread scores batches of up to ``reward.batch_size`` samples
-  once that many wait, the oldest waited ``reward.max_wait_ms``, or generation is idle.
+* **Workers** (``rollout_workers/``): the worker loop, continuous batching and the scoring
+  thread, each worker a :class:`~rlhf_run.plan.sim_worker.SimWorker`.
 * **Learner** (``learner/trainer.py``): read ``batch_size / G`` groups (staler than
   ``max_staleness`` against its own version are dropped), update, version + 1, snapshot the
   weights and send them on the publish thread (the next publish and a checkpoint wait for the
@@ -37,72 +23,17 @@ CPU profile; a device each for a GPU profile).
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from rlhf_run.plan.des import CPU, SLEEP, STEPS, WAIT, Kernel, Proc, Signal
+from rlhf_run.plan.des import CPU, SLEEP, WAIT, Kernel, Proc, Signal
 from rlhf_run.plan.profile import Lengths, Profile
+from rlhf_run.plan.records import Plan, SimResult
+from rlhf_run.plan.sim_worker import Group, SimWorker
 
-BUSY_CLAIM_BACKOFF_S = 0.05
-SCORING_ONLY_SLEEP_S = 0.002
-WAKE_CAP_S = 0.2  # buffer.prompts: a blocked claim re-checks at least this often
 LAUNCHER_PERIOD_S = 1.0  # rlhf_run.report samples the buffer once a second
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The knobs of one run (the Hydra setting each one is)."""
-
-    workers: int = 2  # rollout.num_workers
-    slots: int = 32  # rollout.slots
-    batch_size: int = 32  # learner.batch_size
-    micro_batch_size: int = 32  # learner.micro_batch_size (at most the minibatch: batch_size / num_minibatches)
-    num_minibatches: int = 1  # learner.num_minibatches
-    group_size: int = 4  # algo.group_size
-    max_staleness: int = 2  # algo.max_staleness
-    lookahead: int | None = 1  # buffer.lookahead (None: up to max_staleness)
-    checkpoint_every: int = 10  # learner.checkpoint_every (>= 1, as rlhf_core.config.validate wants)
-    learner_devices: int = 1  # len(learner.devices)
-    zero_stage: int = 0  # learner.zero_stage (deepspeed)
-    reward_batch_size: int = 32  # reward.batch_size
-    reward_max_wait_s: float = 0.010  # reward.max_wait_ms / 1000
-
-    @property
-    def ahead(self) -> int:
-        return self.max_staleness if self.lookahead is None else min(self.max_staleness, self.lookahead)
-
-
-@dataclass
-class SimResult:
-    updates: int
-    sim_s: float  # simulated seconds
-    window_s: float  # from the warm-up's last update to the last update
-    trained_samples_per_s: float
-    generated_samples_per_s: float
-    staleness_mean: float
-    staleness_hist: list[int]  # trained samples per staleness 0, 1, ...
-    learner_idle_frac: float  # share of the window the learner waited for a batch
-    buffer_depth_mean: float  # samples appended and not yet trained (time average over the window)
-    samples_admitted: int
-    samples_generated: int
-    samples_trained: int
-    samples_dropped: int
-    samples_in_buffer: int
-    samples_in_flight: int  # admitted, not appended yet
-    max_admitted_over_bound: int  # <= 0: pacing's bound held at every claim
-    min_version_margin: int  # >= 0: every group generated with weights >= its lease's version
-    cpu_per_update_ms: dict[str, float] = field(default_factory=dict)  # core-ms per update, by role
-    background_cores_used: float = 0.0  # cores the background threads got (their demand is Machine.background)
-    max_lag_seen: int = 0  # the largest lag the learner's staleness filter saw (see :func:`same_run`)
-    events: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Sampler:
@@ -125,44 +56,6 @@ class _Sampler:
         return self.pool[self.at - k:self.at]
 
 
-class _Group:
-    __slots__ = ("size", "finished", "scored", "oldest", "lease_version")
-
-    def __init__(self, size: int, lease_version: int) -> None:
-        self.size, self.finished, self.scored = size, 0, 0
-        self.oldest, self.lease_version = math.inf, lease_version
-
-
-class _Worker:
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.version = -1
-        self.announced = -1
-        self.proc: Proc | None = None
-        self.step = 0  # engine steps run
-        # running rows, aggregated: heap of (finish step, seq, group, rows, their final summed context)
-        self.running: list[tuple[int, int, _Group, int, int]] = []
-        self.rows = 0
-        self.ctx = 0.0  # summed context of the running rows
-        self.waiting: deque[list] = deque()  # per group: [group, response lengths, prompt lengths]
-        self.n_waiting = 0
-        self.open: list[_Group] = []  # claimed groups not appended yet
-        self.score_queue: deque[list] = deque()  # [group, samples not taken, submitted at]
-        self.scoring = 0  # samples waiting, being scored, or scored and not collected
-        self.score_waiting = 0
-        self.answered: list[tuple[_Group, int]] = []
-        self.score_signal = Signal()
-        self.flush = False
-        self.next_claim_at = 0.0
-        self.blocked_at: float | None = None  # a claim found no budget then: retries wait for a budget change
-        self.owed_claims = 0  # failed retries skipped while blocked (their CPU is paid at the next claim)
-        self.in_steps = False
-        self.claimable = False  # capacity > 0 during the current run of steps (a back-off end cuts it)
-
-    def busy(self) -> int:
-        return self.rows + self.n_waiting + self.scoring
-
-
 class Simulation:
     """One simulated run of ``plan`` with ``profile``'s costs. ``run()`` returns a :class:`SimResult`."""
 
@@ -178,12 +71,11 @@ class Simulation:
         rng = random.Random(seed)
         self.response_len = _Sampler(profile.generation.response_tokens, rng)
         self.prompt_len = _Sampler(profile.generation.prompt_tokens, rng)
-        self.seq = itertools.count()
         # the buffer
         self.buffer_version = 0  # the learner version the buffer knows (after a publish)
         self.server_version = 0  # newest version the weight server committed
         self.admitted = 0
-        self.stream: deque[_Group] = deque()  # appended, not read
+        self.stream: deque[Group] = deque()  # appended, not read
         self.budget = Signal()
         self.appended = Signal()
         self.sent = Signal()
@@ -194,7 +86,7 @@ class Simulation:
         # the learner
         self.version = 0
         self.updates = 0
-        self.carry: deque[_Group] = deque()
+        self.carry: deque[Group] = deque()
         # accounting
         self.claimed = self.generated = self.trained = self.dropped = 0
         self.in_learner = 0  # samples of the batch being trained
@@ -208,7 +100,7 @@ class Simulation:
         self._depth_t = 0.0
         self.depth = 0  # samples appended and not read into an update, nor dropped (stream + carry)
         self.max_lag = 0  # the largest lag the staleness filter saw
-        self.workers = [_Worker(i) for i in range(plan.workers)]
+        self.workers = [SimWorker(self, i) for i in range(plan.workers)]
         self.roles: dict[str, list[Proc]] = {"learner": [], "workers": [], "launcher": []}
 
     # ------------------------------------------------------------------ buffer
@@ -216,15 +108,15 @@ class Simulation:
     def _depth(self) -> int:
         return sum(g.size for g in self.stream) + sum(g.size for g in self.carry)
 
-    def _track_depth(self) -> None:
+    def track_depth(self) -> None:
         now = self.k.now
         self.depth_area += self.depth * (now - self._depth_t)
         self._depth_t = now
 
-    def _budget(self) -> int:
+    def budget_left(self) -> int:
         return (self.plan.ahead + self.buffer_version + 1) * self.plan.batch_size - self.admitted
 
-    def _claim(self, w: _Worker, capacity: int) -> int:
+    def claim(self, w: SimWorker, capacity: int) -> int:
         """claim.lua: admit up to ``capacity`` prompts within the budget; returns how many."""
         plan, g = self.plan, self.plan.group_size
         bound = (plan.ahead + self.buffer_version + 1) * plan.batch_size
@@ -236,208 +128,30 @@ class Simulation:
         return n
 
     def _budget_changed(self) -> None:
-        """Wake blocked claimers; a busy worker that found no budget retries at its next back-off
-        end after now (the retries before it would have failed: skipped, their CPU owed)."""
+        """Wake blocked claimers, and the busy workers that found no budget at their next back-off end."""
         self.k.fire(self.budget)
-        now = self.k.now
         for w in self.workers:
-            if w.blocked_at is None:
-                continue
-            periods = max(1, math.ceil((now - w.blocked_at) / BUSY_CLAIM_BACKOFF_S - 1e-9))
-            w.owed_claims += periods - 1
-            w.next_claim_at = w.blocked_at + periods * BUSY_CLAIM_BACKOFF_S
-            w.blocked_at = None
-            if w.in_steps and w.claimable:
-                self.k.call_at(w.next_claim_at, lambda w=w: self._backoff_over(w))
+            w.budget_changed()
 
     def _return_budget(self, samples: int) -> None:
         self.admitted -= samples
         self._budget_changed()
 
-    # ------------------------------------------------------------------ worker
-
-    def _trip(self):
-        """A round trip to Redis or the weight server: the request wakes it, the reply the caller."""
-        delay = self.k.handoff_s(2)
-        if delay > 0.0:
-            yield SLEEP, delay
-
-    def _pull(self, w: _Worker):
-        self.pulling += 1
-        want = self.server_version
-        yield CPU, self.p.sync.pull_s(self.pulling)
-        yield from self._trip()
-        self.pulling -= 1
-        w.version = max(w.version, want)
-
-    def _poke(self, w: _Worker) -> None:
-        if w.in_steps:
-            self.k.interrupt(w.proc)
-
-    def worker(self, w: _Worker):
-        plan, k = self.plan, self.k
-        wc, g = self.p.worker, plan.group_size
-        yield from self._pull(w)  # a worker starts with the newest version
-        while True:
-            idle = not w.rows and not w.n_waiting and not w.open
-            capacity = max(0, (plan.slots + g - 1 - w.busy()) // g)
-            if capacity > 0 and (idle or (w.blocked_at is None and k.now >= w.next_claim_at)):
-                yield CPU, wc.claim_call * (1 + w.owed_claims)
-                yield from self._trip()
-                w.owed_claims, w.blocked_at = 0, None
-                n = self._claim(w, capacity)
-                if not n and idle:
-                    # Buffer.claim(block_s=0.25) waits on the wake-up stream, which a new version or
-                    # returned budget wakes at once; it re-checks every 0.2 s and the loop claims
-                    # again every 0.25 s, all in vain until then: sleep through those re-checks
-                    # (their CPU is owed) instead of simulating each
-                    while not n:
-                        t0 = k.now
-                        yield WAIT, self.budget, None
-                        yield CPU, wc.claim_call * (1 + int((k.now - t0) / WAKE_CAP_S))
-                        yield from self._trip()
-                        n = self._claim(w, capacity)
-                if not n:
-                    w.next_claim_at = k.now + BUSY_CLAIM_BACKOFF_S
-                    if self._budget() < g:  # nothing to admit until the version or the budget moves
-                        w.blocked_at = k.now
-                else:
-                    lease_version = self.buffer_version
-                    groups = [_Group(g, lease_version) for _ in range(n)]
-                    w.open += groups
-                    if lease_version > w.version:  # pacing: generate with weights >= the lease's version
-                        yield from self._pull(w)
-                    yield CPU, wc.per_prompt * n
-                    for group in groups:
-                        w.waiting.append([group, self.response_len(g), self.prompt_len(g)])
-                    w.n_waiting += n * g
-            if w.rows or w.n_waiting:
-                yield from self._steps(w)
-                if w.announced > w.version:
-                    yield from self._pull(w)
-            else:
-                if w.announced > w.version:
-                    yield from self._pull(w)
-                if w.open:
-                    yield SLEEP, SCORING_ONLY_SLEEP_S + k.handoff_s()  # then it waits for a core
-                yield CPU, wc.per_iteration
-            yield from self._emit(w)
-
-    def _steps(self, w: _Worker):
-        """One step with the newcomers' prefill, or a run of decoding steps to the next finish."""
-        gen, wc, plan = self.p.generation, self.p.worker, self.plan
-        newcomers = prompt_tokens = 0
-        free = plan.slots - w.rows
-        while w.waiting and free > 0:
-            entry = w.waiting[0]
-            group, lengths, prompts = entry
-            take = min(free, len(lengths))
-            group.oldest = min(group.oldest, w.version)  # the prefill samples their first tokens now
-            # a response of n tokens finishes after max(1, n - 1) steps: the prefill pass gives the
-            # first token, the step's decoding pass the second
-            finish: dict[int, list[int]] = {}
-            for n_tokens, prompt in zip(lengths[:take], prompts[:take]):
-                steps = max(1, n_tokens - 1)
-                acc = finish.setdefault(steps, [0, 0])
-                acc[0] += 1
-                acc[1] += prompt + 1 + steps  # what the row adds to the context until it finishes
-                prompt_tokens += prompt
-            for steps, (rows, ctx) in finish.items():
-                heapq.heappush(w.running, (w.step + steps, next(self.seq), group, rows, ctx))
-            if take == len(lengths):
-                w.waiting.popleft()
-            else:
-                entry[1], entry[2] = lengths[take:], prompts[take:]
-            newcomers += take
-            free -= take
-        if newcomers:
-            w.rows += newcomers
-            w.n_waiting -= newcomers
-            w.ctx += prompt_tokens + newcomers
-        rows = w.rows
-        if newcomers:
-            yield CPU, gen.prefill_s(newcomers, prompt_tokens) + gen.decode_s(rows, w.ctx) + wc.per_iteration
-            done = 1
-        else:
-            steps = w.running[0][0] - w.step
-            capacity = (plan.slots + plan.group_size - 1 - w.busy()) // plan.group_size
-            if capacity > 0 and w.blocked_at is None and self.k.now >= w.next_claim_at:
-                steps = 1  # the next loop pass claims
-            per_step = gen.decode_s(rows, w.ctx + rows * (steps - 1) / 2) + wc.per_iteration
-            w.in_steps = True
-            w.claimable = capacity > 0
-            if w.claimable and steps > 1 and w.blocked_at is None:
-                self.k.call_at(w.next_claim_at, lambda: self._backoff_over(w))
-            done = yield STEPS, steps, per_step
-            w.in_steps = False
-        w.step += done
-        w.ctx += rows * done
-        running = w.running
-        while running and running[0][0] <= w.step:
-            _, _, group, n, ctx = heapq.heappop(running)
-            w.rows -= n
-            w.ctx -= ctx
-            group.finished += n
-            if group.finished == group.size:  # scored a whole group at a time
-                w.score_queue.append([group, group.size, self.k.now])
-                w.score_waiting += group.size
-                w.scoring += group.size
-                self.k.fire(w.score_signal)
-
-    def _backoff_over(self, w: _Worker) -> None:
-        if w.in_steps and w.claimable:
-            self._poke(w)
-
-    def _emit(self, w: _Worker):
-        """Collect scores; append every group whose samples are all scored (one round trip)."""
-        wc = self.p.worker
-        answered, w.answered = w.answered, []
-        for group, n in answered:
-            group.scored += n
-            w.scoring -= n
-        flush = not w.rows and not w.n_waiting
-        if flush and not w.flush:
-            self.k.fire(w.score_signal)
-        w.flush = flush
-        ready = [grp for grp in w.open if grp.scored == grp.size]
-        if not ready:
-            return
-        samples = sum(grp.size for grp in ready)
-        yield CPU, wc.emit_call + wc.per_sample_emit * samples
-        yield from self._trip()
-        self._track_depth()
-        for grp in ready:
-            w.open.remove(grp)
+    def append(self, groups: list[Group], samples: int) -> None:
+        """append.lua: scored groups enter the stream; the learner is woken."""
+        self.track_depth()
+        for grp in groups:
             self.min_margin = min(self.min_margin, grp.oldest - grp.lease_version)
             self.stream.append(grp)
         self.generated += samples
         self.depth += samples
         self.k.fire(self.appended)
 
-    def scorer(self, w: _Worker):
-        wc, plan, k = self.p.worker, self.plan, self.k
-        while True:
-            if not w.score_queue:
-                yield WAIT, w.score_signal, None
-                continue
-            left = plan.reward_max_wait_s - (k.now - w.score_queue[0][2])
-            if not (w.flush or w.score_waiting >= plan.reward_batch_size or left <= 1e-9):
-                yield WAIT, w.score_signal, left
-                continue
-            take: list[tuple[_Group, int]] = []
-            n = 0
-            while w.score_queue and n < plan.reward_batch_size:
-                entry = w.score_queue[0]
-                m = min(entry[1], plan.reward_batch_size - n)
-                take.append((entry[0], m))
-                entry[1] -= m
-                n += m
-                if entry[1] == 0:
-                    w.score_queue.popleft()
-            w.score_waiting -= n
-            yield CPU, wc.score_batch + wc.score_sample * n
-            w.answered.extend(take)
-            self._poke(w)
+    def trip(self):
+        """A round trip to Redis or the weight server: the request wakes it, the reply the caller."""
+        delay = self.k.handoff_s(2)
+        if delay > 0.0:
+            yield SLEEP, delay
 
     # ------------------------------------------------------------------ learner
 
@@ -448,7 +162,7 @@ class Simulation:
         tokens_per_sample = p.generation.prompt_tokens.mean() + p.generation.response_tokens.mean()
         while True:
             yield CPU, lc.read_base
-            yield from self._trip()
+            yield from self.trip()
             t_wait = k.now
             checked = 0  # groups at the head of carry that passed the filter at this version
             while True:
@@ -460,7 +174,7 @@ class Simulation:
                         if lag > self.max_lag:
                             self.max_lag = int(lag)
                         if lag > plan.max_staleness:
-                            self._track_depth()
+                            self.track_depth()
                             self.dropped += grp.size
                             self.depth -= grp.size
                             self._return_budget(grp.size)
@@ -475,7 +189,7 @@ class Simulation:
                     continue
                 yield WAIT, self.appended, None
             self.idle_s += k.now - t_wait
-            self._track_depth()
+            self.track_depth()
             batch = [self.carry.popleft() for _ in range(want)]
             samples = sum(grp.size for grp in batch)
             self.depth -= samples
@@ -516,12 +230,12 @@ class Simulation:
                 continue
             version = self.send_queue.popleft()
             yield CPU, self.p.sync.send_s()
-            yield from self._trip()  # to the weight server
+            yield from self.trip()  # to the weight server
             self.server_version = version
             for w in self.workers:
                 w.announced = version
-                self._poke(w)
-            yield from self._trip()  # the buffer's version
+                w.poke()
+            yield from self.trip()  # the buffer's version
             self.buffer_version = version
             self._budget_changed()
             self.sending = False
@@ -562,8 +276,8 @@ class Simulation:
         self.warmup = warmup
         self.roles["learner"] += [k.spawn(self.learner(), "learner"), k.spawn(self.publisher(), "publisher")]
         for w in self.workers:
-            w.proc = k.spawn(self.worker(w), f"worker-{w.index}")
-            self.roles["workers"] += [w.proc, k.spawn(self.scorer(w), f"scorer-{w.index}")]
+            w.proc = k.spawn(w.loop(), f"worker-{w.index}")
+            self.roles["workers"] += [w.proc, k.spawn(w.scorer(), f"scorer-{w.index}")]
         if self.p.machine.launcher_per_s > 0:
             self.roles["launcher"].append(k.spawn(self.launcher(), "launcher"))
         self.violations: list[tuple[float, str]] = []

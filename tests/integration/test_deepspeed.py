@@ -1,9 +1,8 @@
 """DeepSpeed ZeRO on CPU (gloo): same trajectory as plain torch, checkpoints, 2 processes + publishing.
 
 DeepSpeed runs in child processes (this file is also their script: ``python test_deepspeed.py
-single|multi ...``) so the pytest process never initialises torch.distributed. The first
-DeepSpeed start on a machine compiles a small shm op (~40 s, cached in ~/.cache/torch_extensions),
-hence the generous timeouts.
+single|multi ...``) so the pytest process never initialises torch.distributed. Over gloo the
+learner skips DeepSpeed's shm op, so nothing is compiled (``learner.engine_deepspeed.init_distributed``).
 """
 
 from __future__ import annotations

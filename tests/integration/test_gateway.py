@@ -797,7 +797,7 @@ def test_a_call_whose_worker_dies_fails_with_503_before_the_call_timeout(infra, 
         caller.start()
         wait_for(lambda: len(wt.worker.gateway) == 1, 30, "the worker to hold the call", 0.05)
         t0 = time.monotonic()
-        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does; its engine holds the call
+        wt.worker.leases.stop()  # the worker goes silent, as a killed one does; its engine holds the call
         successor = WorkerThread(cfg, "w-dead").start() if restarted else None  # heartbeats under the same name
         try:
             caller.join(30)
@@ -882,7 +882,7 @@ def test_a_call_still_in_a_dead_workers_inbox_fails_with_503_before_the_call_tim
         channel = wt.worker.gateway.channel
         wait_for(lambda: len(channel.inbox) == 1, 30, "the taker thread to fetch the second call", 0.05)
         t0 = time.monotonic()
-        wt.worker._hb_stop.set()  # the worker goes silent, as a killed one does
+        wt.worker.leases.stop()  # the worker goes silent, as a killed one does
         try:
             for c in callers:
                 c.join(30)
@@ -1086,14 +1086,14 @@ def test_two_calls_of_one_session_sent_together_one_is_served_the_other_gets_409
         server, hold = run[3], run[4]
         url = server.url
         gw, asking, answer = server.gateway, [], threading.Event()
-        read = gw.workers.live
+        read = gw.router.workers.live
 
         async def live_once_both_ask() -> dict[str, float]:  # Redis's answer comes once both calls wait for it
             asking.append(1)
             await asyncio.to_thread(answer.wait, 30)
             return await read()
 
-        gw.workers.live = live_once_both_ask
+        gw.router.workers.live = live_once_both_ask
         answers: list[httpx.Response] = []
 
         def call() -> None:
@@ -1505,7 +1505,7 @@ def test_a_call_redis_does_not_take_is_answered_503_not_500(infra, tiny_model_cf
 
     with _serve(infra, tiny_model_cfg, "gw-untaken", "w-untaken", lambda engine, _: None) as (_, _, _, server, _):
         url = server.url
-        server.gateway.calls.submit = refused
+        server.gateway.router.calls.submit = refused
         r = httpx.post(f"{url}/chat/completions", content=_chat_body(), headers={"X-Session-Id": "untaken"}, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
         assert r.json()["error"]["code"] == "unavailable" and "retry" in r.json()["error"]["message"], r.text

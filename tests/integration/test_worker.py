@@ -21,7 +21,8 @@ import torch
 from rlhf_core.records import Prompt, Sample
 from rlhf_core.sampling import response_logprobs
 from rlhf_core.tasks import count_up_reward
-from rollout_workers.worker import WEIGHT_RETRY_S, RolloutWorker
+from rollout_workers.weight_follower import WEIGHT_RETRY_S
+from rollout_workers.worker import RolloutWorker
 from worker_helpers import check_sample, compose_unvalidated, gate_overrides, recompute, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -272,7 +273,7 @@ def test_own_expired_lease_claimed_back_goes_on_generating_not_dead_lettered(run
     wt.start()
     try:
         wait_for(lambda: paused.is_set() or wt.error, 30, "the worker to start generating")
-        wt.worker.heartbeat = lambda: None  # a paused process renews nothing
+        wt.worker.leases.heartbeat = lambda: None  # a paused process renews nothing
         (lease_id,) = learner.leases_of("w-paused")
         assert engine.has_work() and lease_id in wt.worker.groups
         idle_ms = 1000 * cfg.buffer.lease_timeout_s
@@ -284,17 +285,17 @@ def test_own_expired_lease_claimed_back_goes_on_generating_not_dead_lettered(run
     # running again, with free slots it claims at once: its own expired lease comes back to it.
     # A heartbeat that found the old delivery lost (another worker had reclaimed and released it)
     # may report so as the claim takes it back: that report must not abandon the new delivery.
-    claim = wt.worker.buffer.claim
+    claim = wt.worker.leases.buffer.claim
 
     def claim_as_a_lost_report_lands(*args, **kwargs):
         leases = claim(*args, **kwargs)
         if any(lease.lease_id == lease_id for lease in leases):
-            wt.worker._lost.add(lease_id)
+            wt.worker.leases._lost.add(lease_id)
         return leases
 
-    wt.worker.buffer.claim = claim_as_a_lost_report_lands
+    wt.worker.leases.buffer.claim = claim_as_a_lost_report_lands
     wait_for(lambda: learner.counters()["prompts_reclaimed"] >= 1 or wt.error, 30, "the worker to claim its own lease")
-    del wt.worker.heartbeat  # heartbeating again (else every lease timeout is one more delivery, up to the dead letter)
+    del wt.worker.leases.heartbeat  # heartbeating again (else every lease timeout is one more delivery, up to the dead letter)
     done = wait_for(lambda: wt.worker.stats.prompts + wt.worker.stats.prompts_empty + wt.worker.stats.duplicates == 1
                     or wt.error, 60, "the prompt to end")
     assert done is True, wt.error
@@ -311,7 +312,7 @@ def test_weight_server_down_generation_goes_on_with_the_current_weights(run, wei
     cfg, learner = run(weight_server__request_timeout_s=0.5)
     learner.publish(0)
     wt = learner.thread(cfg, "w-alone").start()
-    wait_for(lambda: wt.worker.has_weights or wt.error, 30, "the first weights")
+    wait_for(lambda: wt.worker.weights.has_weights or wt.error, 30, "the first weights")
     weight_server.stop()
     learner.buffer.set_learner_version(1)  # prompts admitted now ask for weights >= v1, which cannot be pulled
     t0 = time.monotonic()
@@ -323,7 +324,7 @@ def test_weight_server_down_generation_goes_on_with_the_current_weights(run, wei
         assert all(s.versions == [[0, s.num_response_tokens]] for s in group)
     # one failed pull (0.5 s), then a pause of WEIGHT_RETRY_S instead of a 0.5 s stall at every
     # claim or decoding step (a loaded machine may take long enough for one or two retries)
-    timeouts = wt.worker.weights.stats["timeouts"]
+    timeouts = wt.worker.weights.subscriber.stats["timeouts"]
     assert 1 <= timeouts <= 1 + int(down_s / WEIGHT_RETRY_S), (timeouts, down_s)
     assert (wt.stats.weight_updates, wt.worker.engine.version) == (1, 0)
 
@@ -335,16 +336,16 @@ def test_a_heartbeat_whose_stats_fail_still_renews_the_leases(run, caplog):
     cfg, learner = run()
     worker = RolloutWorker(cfg, "w-beat")
     try:
-        worker.heartbeat()
-        before = worker.buffer.metrics()["consumers"]["w-beat"]
+        worker.leases.heartbeat()
+        before = worker.leases.buffer.metrics()["consumers"]["w-beat"]
         worker.score_share = lambda: 1 / 0  # what a stats read racing the main thread would raise
-        with caplog.at_level("WARNING", logger="rollout_workers.worker"):
-            worker.heartbeat()
-        after = worker.buffer.metrics()["consumers"]["w-beat"]
+        with caplog.at_level("WARNING", logger="rollout_workers.leases"):
+            worker.leases.heartbeat()
+        after = worker.leases.buffer.metrics()["consumers"]["w-beat"]
         assert after["last_seen"] > before["last_seen"] and after["stats"] == before["stats"]
         assert "its stats failed (ZeroDivisionError: division by zero); heartbeating with the last ones" in caplog.text
     finally:
-        for part in (worker.scoring, worker.engine, worker.weights, worker.buffer):
+        for part in (worker.scoring, worker.engine, worker.weights, worker.leases.buffer):
             part.close()
 
 
@@ -366,7 +367,6 @@ def test_reference_logprobs_computed_on_the_worker(run):
     ("buffer.url=null", "rlhf-worker needs buffer.url=redis://host:port"),
     ("weight_server.address=null", "rlhf-worker needs weight_server.address=tcp://host:port"),
     ("buffer.run_id=auto", "rlhf-worker needs buffer.run_id=<the run id that rlhf-run printed>"),
-    ("rollout.prompt_overflow=drop", "rollout.prompt_overflow='drop' is not one of reject, truncate"),
 ])
 def test_run_worker_refuses_an_incomplete_config_before_building_anything(tiny_model_cfg, setting, message):
     from rlhf_core.config import ConfigError
@@ -413,7 +413,7 @@ def test_a_reward_that_always_fails_stops_the_worker_with_its_error(run):
 
 def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
     # once: every prompt was dead-lettered one by one and the run idled with nothing to train on
-    from rollout_workers.worker import PromptsRejected
+    from rollout_workers.groups import PromptsRejected
 
     cfg, learner = run(rollout__max_prompt_tokens=8)
     learner.publish(0)
@@ -423,31 +423,6 @@ def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
     assert "16 of the last 16 prompts were rejected" in str(err.value)
     assert "more than rollout.max_prompt_tokens=8" in str(err.value)
     assert learner.counters()["prompts_dead_lettered"] == 16
-
-
-def test_the_counts_behind_rate_limited_dead_letter_logging_stay_bounded(run, caplog):
-    # Dead letters are logged the first time and every 100th time for each reason, counted in a
-    # dict by reason; the prompt's reasons name the prompt (and the engine's its request), so
-    # the dict grew by one entry per dead-lettered prompt for the whole run, and every one was
-    # logged. They are counted by kind now: the reason without its quoted names and numbers.
-    from types import SimpleNamespace
-
-    cfg, learner = run()
-    learner.publish(0)
-    worker = RolloutWorker(cfg, "w-reasons")
-    try:
-        n = 5000
-        with caplog.at_level("WARNING", logger="rollout_workers.worker"):
-            for i in range(n):
-                group = SimpleNamespace(lease=SimpleNamespace(prompt=SimpleNamespace(prompt_id=f"p-{i}")))
-                worker._log_dead_letter(group, f"prompt 'p-{i}' has {20 + i % 7} tokens, more than "
-                                               "rollout.max_prompt_tokens=8")
-        assert len(worker._logged_reasons) == 1
-        lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
-        assert len(lines) == 51  # the 1st, then every 100th of the kind: 100, 200, ..., 5000
-        assert "prompt p-0 dead-lettered (1 time(s) for this reason): prompt 'p-0' has 20 tokens" in lines[0]
-    finally:
-        worker.run(max_prompts=0)  # what it opened, closed
 
 
 # What Llama-2/Mistral/Gemma chat templates do with a system turn or roles that do not alternate.
@@ -492,7 +467,7 @@ def test_prompt_the_chat_template_refuses_is_dead_lettered_and_the_others_claime
 def test_a_failure_between_claim_and_start_releases_the_prompts_not_started(run):
     # one claim of 20 prompts; the 16th rejection stops the worker (PromptsRejected) before it
     # reaches the last 4: they were left pending until the lease timeout, and then reclaimed
-    from rollout_workers.worker import PromptsRejected
+    from rollout_workers.groups import PromptsRejected
 
     cfg, learner = run(rollout__slots=80, rollout__max_prompt_tokens=8)
     learner.publish(0)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rlhf_core.config import ConfigError, EvalConfig, validate_eval
+from rlhf_core.config import ConfigError, EvalConfig
 from rollout_workers.evaluator import eval_metrics, pass_at_k
 
 
@@ -49,12 +49,12 @@ def test_eval_metrics_average_over_prompts():
 ])
 def test_settings_it_refuses(changes, message):
     with pytest.raises(ConfigError, match=message):
-        validate_eval(EvalConfig(**changes))
-    validate_eval(EvalConfig(every=0, n=1, k=[4]))  # off: nothing else is checked
+        EvalConfig(**changes).check()
+    EvalConfig(every=0, n=1, k=[4]).check()  # off: nothing else is checked
 
 
 def test_a_held_out_file_needs_its_path():
     ev = EvalConfig(every=5)
     ev.data.source = "jsonl"
     with pytest.raises(ConfigError, match="eval.data.source=jsonl needs eval.data.path"):
-        validate_eval(ev)
+        ev.check()

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from buffer.gateway import KIND_CALL, KIND_CHUNK, CallChunk, GatewayCall
+from buffer.keys import RunKeys
 from gateway.openai_api import ApiError, normal_message, parse_chat, parse_completion, parse_json, parse_sampling
 from gateway.sessions import PLAIN_TEMPLATE, SessionError, Sessions
 from rlhf_core.config import Config
@@ -234,21 +235,20 @@ def test_a_sessions_next_call_may_reuse_k_v_as_old_as_its_oldest_token(tokenizer
     # counts from there already).
     from types import SimpleNamespace
 
-    from gateway.server import Gateway
+    from gateway.routing import CallRouter
 
-    gw = object.__new__(Gateway)  # _calls needs the sessions, the limits and its id only
-    gw.sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
-    gw.cfg, gw.max_context, gw.gateway_id = Config(), 1000, "gw-1"
+    sessions = Sessions(tokenizer, ttl_s=60, group_size=1, max_response_tokens=200)
+    router = CallRouter(Config(), RunKeys.for_run("r"), "gw-1", sessions, max_context=1000)  # not connected
     sampling = SimpleNamespace(max_tokens=4, temperature=1.0, top_p=1.0, stop=[], stream=False)
-    s = gw.sessions.open("s", None)
+    s = sessions.open("s", None)
     msgs = [{"role": "user", "content": "a"}]
-    (first,) = gw._calls([s], lambda s: gw.sessions.chat_context(s, msgs, None), sampling)
+    (first,) = router.make_calls([s], lambda s: sessions.chat_context(s, msgs, None), sampling)
     assert first.call.min_kv_version is None
     for turn, (text, version) in enumerate((("xy", 3), ("z", 7))):  # the next turn sampled by a newer version
-        reply, _ = sampled_turn(gw.sessions, s, ids(tokenizer, text), version=version)
+        reply, _ = sampled_turn(sessions, s, ids(tokenizer, text), version=version)
         s.expected = [*msgs, normal_message(reply)]
         msgs = [*s.expected, {"role": "user", "content": f"b{turn}"}]
-        (call,) = gw._calls([s], lambda s, msgs=msgs: gw.sessions.chat_context(s, msgs, None), sampling)
+        (call,) = router.make_calls([s], lambda s, msgs=msgs: sessions.chat_context(s, msgs, None), sampling)
         assert call.call.min_kv_version == 3
 
 
@@ -535,19 +535,18 @@ def test_restore_puts_back_what_a_failed_call_changed(tokenizer):
 
 @pytest.fixture(scope="module")
 def finisher(tokenizer):
-    """The gateway's reply builder (``Gateway._finish``) on the tiny tokenizer, without a server."""
-    from gateway.server import Gateway, _Choice
-    from rollout_workers.tool_calls import ToolCallParser
+    """The gateway's reply builder (``Replies.finish``) on the tiny tokenizer, without a server."""
+    from gateway.replies import Replies
+    from gateway.routing import Choice
 
-    gw = object.__new__(Gateway)  # _finish needs the tokenizer and the parser only
-    gw.tokenizer, gw.parser = tokenizer, ToolCallParser(tokenizer)
+    replies = Replies(tokenizer)
 
     def finish(text, stops=(), tools=True, reason="stop", eos=True):
         token_ids = ids(tokenizer, text) + ([tokenizer.eos_token_id] if eos else [])
         final = CallChunk("c", token_ids, final=True, logprobs=[-0.1] * len(token_ids), versions=[0] * len(token_ids),
                           finish_reason=reason)
-        choice = _Choice(0, None, None, None, final=final)  # type: ignore[arg-type]
-        return gw._finish(choice, list(stops), tools)
+        choice = Choice(0, None, None, None, final=final)  # type: ignore[arg-type]
+        return replies.finish(choice, list(stops), tools)
 
     return finish
 
@@ -826,20 +825,19 @@ def test_the_background_channel_takes_on_demand_says_who_holds_what_it_took_and_
 def test_a_call_of_n_choices_over_the_context_is_refused_after_rendering_one(tokenizer):
     # Once: every choice's context was rendered and tokenised before any was checked; a 900 kB
     # chat message with n=8 held the gateway's event loop for 9.4 s (8 times 1.2 s), then got a 400
-    from gateway.server import Gateway
+    from gateway.routing import CallRouter
 
-    gw = object.__new__(Gateway)  # _calls needs the caps and the sessions only
-    gw.cfg, gw.max_context = Config(), 64
-    gw.sessions = Sessions(tokenizer, 60.0, 4, 32)
-    sessions = [gw.sessions.open(f"long/{i}", None) for i in range(4)]
+    store = Sessions(tokenizer, 60.0, 4, 32)
+    router = CallRouter(Config(), RunKeys.for_run("r"), "gw-1", store, max_context=64)  # not connected
+    sessions = [store.open(f"long/{i}", None) for i in range(4)]
     rendered = []
 
     def context(s):
         rendered.append(s.session_id)
-        return gw.sessions.completion_context(s, "x" * 100)
+        return store.completion_context(s, "x" * 100)
 
     with pytest.raises(ApiError) as info:
-        gw._calls(sessions, context, parse_sampling({"n": 4}, 32, 4))
+        router.make_calls(sessions, context, parse_sampling({"n": 4}, 32, 4))
     assert info.value.code == "context_length_exceeded" and "100 tokens" in info.value.message
     assert rendered == ["long/0"]
 
@@ -891,20 +889,21 @@ def test_a_streamed_call_that_fails_winds_its_calls_up_before_it_puts_its_sessio
     import asyncio
     import types
 
-    from gateway.server import Gateway
+    from gateway.handlers import Handlers
 
     log = []
 
-    class Stub:
-        async def _run(self, choices, request):
+    class Router:
+        async def run(self, choices):
             try:
                 for c in choices:
+                    c.final = types.SimpleNamespace(error="refused", finish_reason="stop")
                     yield c, types.SimpleNamespace(final=True, token_ids=[])
             finally:
                 log.append("calls wound up")
 
-        def _failed(self, choices):
-            return "refused"
+    class Stub:
+        router = Router()
 
         def _error_event(self, err):
             return b"error"
@@ -913,8 +912,9 @@ def test_a_streamed_call_that_fails_winds_its_calls_up_before_it_puts_its_sessio
             log.append(("settled", ok))
 
     async def stream():
-        events = Gateway._sse(Stub(), ["a", "b"], types.SimpleNamespace(include_usage=False), "id", 0, "kind", [],
-                              lambda c: b"final", lambda c, tokens: None)
+        choices = [types.SimpleNamespace(final=None), types.SimpleNamespace(final=None)]
+        events = Handlers._sse(Stub(), choices, types.SimpleNamespace(include_usage=False), "id", 0, "kind", [],
+                               lambda c: b"final", lambda c, tokens: None)
         return [e async for e in events]
 
     assert asyncio.run(stream()) == [b"error"]

@@ -24,7 +24,7 @@ ALLOWED = {
     "weight_server": {"rlhf_core"},
     "rollout_workers": {"rlhf_core", "buffer", "weight_server"},
     "learner": {"rlhf_core", "buffer", "weight_server"},
-    "gateway": {"rlhf_core", "buffer", "rollout_workers"},
+    "gateway": {"rlhf_core", "buffer"},
     APP: set(COMPONENTS),
 }
 

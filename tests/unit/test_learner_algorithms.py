@@ -19,7 +19,8 @@ def test_every_choice_has_its_registered_module():
     assert set(algorithms._ALGORITHMS) == set(Estimator)
     assert set(algorithms._POLICY_LOSSES) == set(PolicyLoss)
     assert algorithms.algorithm("gae").needs_critic and not algorithms.algorithm("grpo").needs_critic
-    assert algorithms.algorithm(Estimator.dpo).needs_reference and algorithms.algorithm("rloo").grouped
+    assert algorithms.algorithm(Estimator.dpo).needs_reference
+    assert [e for e in Estimator if e.grouped] == ["grpo", "dr_grpo", "rloo", "dpo"]
     assert algorithms.policy_loss("decoupled").importance_sampling and not algorithms.policy_loss("ppo").importance_sampling
 
 

@@ -15,9 +15,9 @@ from learner.algorithms.decoupled_policy_loss import decoupled_ppo_loss
 from learner.algorithms.group_relative import group_advantages, per_group
 from learner.batch import BatchError
 from learner.engine_factory import make_engine
-from learner.update import MissingReferenceError, PolicyUpdater, importance_sampling
+from learner.update import MissingReferenceError, PolicyUpdater
 from learner_helpers import batch_of, digit_reward, generate_samples, tiny_config, train
-from rlhf_core.config import AlgoConfig, ConfigError
+from rlhf_core.config import AlgoConfig, ConfigError, validate
 from rlhf_core.models import load_critic, load_policy
 
 PROMPTS = [[20, 30], [21, 30, 4, 5, 6], [22]]  # different lengths: padding is exercised
@@ -249,8 +249,8 @@ def test_errors_a_user_can_cause(base, samples, tiny_model_cfg):
     assert train(make(base, kl), with_ref, 0)["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ConfigError, match="needs a critic"):
         make(base, tiny_config(tiny_model_cfg, **{"algo.estimator": "gae"}))
-    with pytest.raises(ConfigError, match="batch_size 10 is not divisible by algo.group_size 4"):
-        make(base, tiny_config(tiny_model_cfg, **{"learner.batch_size": 10}))
+    with pytest.raises(ConfigError, match="batch_size 10 is not divisible by algo.group_size 4"):  # run_learner's check
+        validate(tiny_config(tiny_model_cfg, **{"learner.batch_size": 10}))
 
 
 def test_dpo_with_all_groups_tied_takes_no_step(base, tiny_model_cfg):
@@ -346,12 +346,12 @@ def test_entropy_bonus_enters_the_total_loss(base, samples, tiny_model_cfg):
 
 
 def test_sequence_level_is_uses_its_own_caps():
-    token = importance_sampling(AlgoConfig(is_correction="tis"))
+    token = AlgoConfig(is_correction="tis").importance_sampling()
     assert (token.level, token.tis_cap, token.mis_low, token.mis_high) == ("token", 2.0, 0.5, 2.0)
-    seq = importance_sampling(AlgoConfig(is_correction="tis", is_level="sequence"))
+    seq = AlgoConfig(is_correction="tis", is_level="sequence").importance_sampling()
     assert (seq.level, seq.tis_cap, seq.mis_low, seq.mis_high) == ("sequence", 1.001, 0.999, 1.001)
-    with pytest.raises(ConfigError, match="algo.seq_tis_cap.*tis_cap must be > 0, got 0.0"):
-        importance_sampling(AlgoConfig(is_level="sequence", seq_tis_cap=0.0))
+    with pytest.raises(ConfigError, match=r"algo.seq_tis_cap must be > 0 \(use a large number to disable truncation\), got 0.0"):
+        AlgoConfig(is_level="sequence", seq_tis_cap=0.0).importance_sampling()
 
 
 def test_sequence_level_defaults_act_where_the_token_caps_would_not():
@@ -364,7 +364,7 @@ def test_sequence_level_defaults_act_where_the_token_caps_would_not():
     g0, g1 = math.exp(0.01), math.exp(-0.01)
 
     def loss(**algo):
-        is_config = importance_sampling(AlgoConfig(is_level="sequence", **algo))
+        is_config = AlgoConfig(is_level="sequence", **algo).importance_sampling()
         out, stats = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=is_config)
         return out.item(), stats
 
@@ -546,7 +546,6 @@ def test_compile_by_default_only_for_a_model_trained_in_full_on_a_gpu(tiny_model
 
 def test_compile_is_refused_where_it_cannot_work(tiny_model_cfg):
     from learner.engines import compile_blocks
-    from rlhf_core.config import validate
 
     with pytest.raises(ConfigError, match="names no transformer blocks"):
         compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))

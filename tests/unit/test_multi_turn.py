@@ -21,14 +21,15 @@ from learner.batch import collate
 from learner.engine_factory import make_engine
 from learner.update import PolicyUpdater
 from learner_helpers import close, digit_reward, generate_samples, tiny_config, train
-from rlhf_core.config import ConfigError, RolloutConfig, import_env_target
+from rlhf_core.config import ConfigError, RolloutConfig
 from rlhf_core.dapo import FilterStall, filter_reason, group_filter, overlong_penalty
 from rlhf_core.episode import Transcript
 from rlhf_core.models import load_policy
 from rlhf_core.records import Sample
+from rlhf_core.tool_calls import ToolCallParser
 from rlhf_core.wire import WireError
 from rollout_workers.envs.calculator import CalcError, evaluate
-from rollout_workers.tool_calls import ToolCallParser
+from rollout_workers.user_code import import_env_target
 
 
 def transcript() -> Transcript:

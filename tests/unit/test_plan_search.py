@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_run.plan.bounds import learner_bound, upper_bound
 from rlhf_run.plan.cli import compose
 from rlhf_run.plan.profile import ProfileError, check_identity, load
+from rlhf_run.plan.records import Plan
 from rlhf_run.plan.scale import published_7b
 from rlhf_run.plan.search import (
     PlanError,
     Request,
     candidates,
     check_plan,
-    learner_bound,
     memory_problems,
     overrides,
     plan_from_config,
@@ -25,9 +26,8 @@ from rlhf_run.plan.search import (
     search,
     spans_nodes,
     tightest_staleness,
-    upper_bound,
 )
-from rlhf_run.plan.simulate import Plan, same_run, simulate
+from rlhf_run.plan.simulate import same_run, simulate
 
 PROFILE = Path(__file__).parent / "data" / "plan_profile_cpu.json"
 

@@ -11,7 +11,8 @@ import pytest
 
 from rlhf_run.plan.des import CPU, SLEEP, STEPS, WAIT, Kernel, Signal
 from rlhf_run.plan.profile import load
-from rlhf_run.plan.simulate import Plan, Simulation, simulate
+from rlhf_run.plan.records import Plan
+from rlhf_run.plan.simulate import Simulation, simulate
 
 PROFILE = Path(__file__).parent / "data" / "plan_profile_cpu.json"
 
@@ -211,7 +212,7 @@ def test_the_invariant_check_sees_a_pacing_violation(profile):
         sim.claimed += capacity * sim.plan.group_size
         return capacity
 
-    sim._claim = greedy
+    sim.claim = greedy
     sim.run(updates=10, check=True)
     assert any("bound" in v for _, v in sim.violations)
 

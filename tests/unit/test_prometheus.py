@@ -161,7 +161,7 @@ def test_every_running_total_of_a_worker_is_named_a_total():
 
     from rollout_workers.episodes import EpisodeStats
     from rollout_workers.prompts import PromptCounters
-    from rollout_workers.worker import ENGINE_COUNTERS, WorkerStats
+    from rollout_workers.stats import ENGINE_COUNTERS, WorkerStats
 
     counts = {f.name for f in dataclasses.fields(WorkerStats) if f.name != "started"}
     counts |= set(PromptCounters().as_dict()) | {"weight_pulls", "weight_timeouts"} | set(ENGINE_COUNTERS)

@@ -173,8 +173,6 @@ def test_the_config_travels_as_plain_data_and_comes_back_typed():
     (dict(ray__worker__num_gpus=1.5), "ray.worker.num_gpus=1.5: a fraction of a GPU must be below 1"),
     (dict(ray__worker__num_cpus=-1.0), "ray.worker: num_cpus, num_gpus and resources must be >= 0"),
     (dict(ray__learner__num_cpus=0.0), "ray.learner asks for nothing"),
-    (dict(ray__learner__strategy="ANYWHERE"), "ray.learner.strategy='ANYWHERE' is not one of PACK"),
-    (dict(launcher="slurm"), "launcher='slurm' is not one of local, ray"),
     (dict(ray__object_store_mb=10), "ray.object_store_mb >= 75"),
 ])
 def test_bad_ray_settings_are_refused_at_start_up(settings, message):
@@ -260,8 +258,3 @@ def test_the_redis_restart_hint_keeps_the_password_out_of_the_log(tmp_path, capl
 ])
 def test_workers_are_spread_over_the_nodes_that_can_hold_one(settings, nodes, expected):
     assert plan.worker_strategy(config(**settings), nodes) == expected
-
-
-def test_a_worker_strategy_ray_does_not_know_is_refused():
-    with pytest.raises(ConfigError, match="ray.worker.strategy"):
-        config(ray__worker__strategy="PACK")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import reward_fns
-from rlhf_core.config import ConfigError, RewardConfig, RolloutConfig, validate_reward
+from rlhf_core.config import Config, ConfigError, RewardConfig, RolloutConfig
+from rlhf_core.config.rules import no_reward_hides_the_environment
 from rlhf_core.models import build_tiny_model
 from rollout_workers.rewards import CallWatch, RewardError, ScoreItem, Scorer, as_number, is_batched
 
@@ -268,8 +269,9 @@ def test_empty_responses_follow_reward_empty_response(tiny_model_cfg, mode, expe
 
 def test_the_default_for_empty_responses_is_zero_and_bad_modes_are_refused():
     assert RewardConfig().empty_response == "zero"
-    with pytest.raises(ConfigError, match=r"reward.empty_response must be one of zero, dead_letter, score .* got 'skip'"):
-        validate_reward(RewardConfig(empty_response="skip"), RolloutConfig())
+    with pytest.raises(Exception, match="reward.empty_response=skip") as err:  # refused at composition
+        composed_reward(["reward.empty_response=skip"])
+    assert "expected one of [zero, dead_letter, score]" in str(err.value.__cause__)
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -281,8 +283,8 @@ def test_the_default_for_empty_responses_is_zero_and_bad_modes_are_refused():
 ])
 def test_scoring_settings_are_checked_at_start_up(settings, message):
     with pytest.raises(ConfigError, match=message):
-        validate_reward(RewardConfig(**settings), RolloutConfig())
-    validate_reward(RewardConfig(timeout_s=None), RolloutConfig())  # null: no limit
+        RewardConfig(**settings).check()
+    RewardConfig(timeout_s=None).check()  # null: no limit
 
 
 def test_the_time_limit_counts_per_call_a_per_sample_function_s_per_sample(tiny_model_cfg):
@@ -308,18 +310,18 @@ def test_rewards_of_one_name_are_refused_at_start_up():
     clash = RewardConfig(functions={"quality": fn("reward_fns.constant"), "count_up": fn("x", default=True)},
                          models={"quality": {"path": "/models/rm"}, "count_up": {"path": "/models/rm2"}})
     with pytest.raises(ConfigError, match=r"reward.functions and reward.models both name 'quality': .* rename one"):
-        validate_reward(clash, RolloutConfig())
+        clash.check()
     # a default that steps aside for the models (count_up here) clashes with nothing
-    validate_reward(RewardConfig(functions={"count_up": fn("x", default=True)}, models={"count_up": {"path": "/m"}}),
-                    RolloutConfig())
+    RewardConfig(functions={"count_up": fn("x", default=True)}, models={"count_up": {"path": "/m"}}).check()
     # nor may a reward take the name an episode's environment rewards are kept under
     env = RewardConfig(functions={"env": fn("reward_fns.constant")})
-    validate_reward(env, RolloutConfig())  # no environment: no clash
+    env.check()
+    no_reward_hides_the_environment(Config(reward=env))  # no environment: no clash
     with pytest.raises(ConfigError, match=r"a reward is named 'env', the component an episode's environment rewards"):
-        validate_reward(env, RolloutConfig(env={"_target_": "my_envs.Guess"}))
+        no_reward_hides_the_environment(Config(reward=env, rollout=RolloutConfig(env={"_target_": "my_envs.Guess"})))
     # nor one of the learner's own reward/<stat> metrics: a reward 'max' was written over reward/max
     with pytest.raises(ConfigError, match=r"a reward is named 'max', which the learner's own reward/<stat> metrics use"):
-        validate_reward(RewardConfig(functions={"max": fn("reward_fns.constant")}), RolloutConfig())
+        RewardConfig(functions={"max": fn("reward_fns.constant")}).check()
 
 
 # ---------------------------------------------------------------------------- reward models
@@ -444,7 +446,7 @@ def test_the_judge_config_group_builds_a_batched_judge_and_needs_its_url(tiny_mo
 
     reward = composed_reward(["reward=judge", "reward.functions.judge.url=http://127.0.0.1:9/v1",
                               "reward.functions.judge.model=m"])
-    validate_reward(reward, RolloutConfig())
+    reward.check()
     s = Scorer(reward, tiny_model_cfg)
     (judge,) = s.functions
     assert isinstance(judge.fn, ChatJudge) and judge.fn.endpoint == "http://127.0.0.1:9/v1/chat/completions"

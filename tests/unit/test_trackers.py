@@ -8,7 +8,8 @@ import importlib.util
 import pytest
 
 from learner.trackers import TRACKERS, Trackers, TrackerStartError, scalars
-from rlhf_core.config import LOGGERS, Config, ConfigError, validate
+from rlhf_core.choices import Logger
+from rlhf_core.config import Config, ConfigError, validate
 
 METRICS = {"loss/policy": 0.5, "reward/mean": 0.25, "learner/version": 3, "staleness/hist": [2, 5, 1],
            "learner/prox_pass": True, "note": "text", "bad": float("nan")}
@@ -42,26 +43,20 @@ def log_then_restart(cfg: Config, tmp_path, step: int) -> dict[str, str]:
 
 
 def test_every_logger_name_has_a_tracker():
-    assert set(TRACKERS) == set(LOGGERS)
+    assert set(TRACKERS) == set(Logger)
 
 
 def test_scalars_keep_finite_numbers_and_bools():
     assert scalars(METRICS) == {"loss/policy": 0.5, "reward/mean": 0.25, "learner/version": 3.0, "learner/prox_pass": 1.0}
 
 
-def test_unknown_or_missing_loggers_are_refused_before_anything_starts(monkeypatch):
+def test_missing_loggers_are_refused_before_anything_starts(monkeypatch):
+    # (an unknown name in run.loggers or run.wandb_mode is refused at composition: tests/unit/test_config.py)
     cfg = Config()
-    cfg.run.loggers = ["tensorbord"]
-    with pytest.raises(ConfigError, match="run.loggers names 'tensorbord'; the trackers are tensorboard, wandb, mlflow"):
-        validate(cfg)
     cfg.run.loggers = ["wandb"]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"wandb is not installed: pip install -e '.\[tracking\]'"):
-        validate(cfg)
-    monkeypatch.undo()
-    cfg.run.wandb_mode = "ofline"
-    with pytest.raises(ConfigError, match="run.wandb_mode must be one of online, offline, disabled or null"):
         validate(cfg)
 
 

@@ -1,4 +1,4 @@
-"""rollout_workers.turns: the retokenisation drift check tokenises a turn, not the conversation.
+"""rlhf_core.turns: the retokenisation drift check tokenises a turn, not the conversation.
 
 The check compares the chat template's rendering of the whole conversation, tokenised, with the
 context ids. It tokenises only the text from the last added token an earlier check placed; these
@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.sessions import PLAIN_TEMPLATE
 from rlhf_core.models import load_tokenizer
-from rollout_workers.turns import TemplateConversation, encode
+from rlhf_core.turns import TemplateConversation, encode
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -4,6 +4,8 @@ slabs, the private folder and its token, offers a client must refuse."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ from servers import wait_for
 from weight_server import protocol as P
 from weight_server.shm import Leases, ShmDir, remove_stale
 from weight_server.shm_map import ShmMaps, ShmUnavailable, check_token
-from weight_server.store import Slab, SlabPool
+from weight_server.slabs import Slab, SlabPool
 
 
 @pytest.fixture
@@ -56,6 +58,29 @@ def test_a_spare_slab_is_made_off_the_calling_thread_and_used_next(shm):
     assert spare.path is not None and spare.capacity == 1000
     pool.prepare(1000)  # one that fits is free already: nothing more is made
     assert pool.take(900) is spare and not pool._making
+
+
+def test_a_spare_slab_that_fails_to_be_made_lets_the_next_upload_try_again():
+    # an exception out of the slab factory (anything but what it handles itself) must not leave
+    # the pool marked "making" for good, or no spare slab is made again
+    calls, done = [], threading.Event()
+
+    def factory(nbytes):
+        calls.append(nbytes)
+        done.set()
+        if len(calls) == 1:
+            raise RuntimeError("the tmpfs went away")
+        return Slab(nbytes)
+
+    pool = SlabPool(factory=factory)
+    pool.prepare(64)
+    assert done.wait(10)
+    deadline = time.monotonic() + 10
+    while pool._making and time.monotonic() < deadline:  # the thread's finally, just after the factory
+        time.sleep(0.01)
+    done.clear()
+    pool.prepare(64)
+    assert done.wait(10) and calls == [64, 64]
 
 
 def test_pool_prefers_file_slabs_and_never_recycles_tainted_ones(shm):

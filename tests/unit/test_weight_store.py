@@ -242,31 +242,3 @@ def test_upload_bytes_may_be_read_while_the_server_thread_starts_an_upload():
     up.layout = Interleaved()
     assert store.upload_bytes() in (lay.total_bytes, lay.total_bytes + started[0].layout.total_bytes)
     assert len(store.uploads) == 2
-
-
-def test_a_spare_slab_that_fails_to_be_made_lets_the_next_upload_try_again():
-    # Once: an exception out of the slab factory (anything but what it handles itself) ended the
-    # background thread with the pool marked "making" for good: no spare slab was made again
-    import threading
-    import time
-
-    from weight_server.store import Slab, SlabPool
-
-    calls, done = [], threading.Event()
-
-    def factory(nbytes):
-        calls.append(nbytes)
-        done.set()
-        if len(calls) == 1:
-            raise RuntimeError("the tmpfs went away")
-        return Slab(nbytes)
-
-    pool = SlabPool(factory=factory)
-    pool.prepare(64)
-    assert done.wait(10)
-    deadline = time.monotonic() + 10
-    while pool._making and time.monotonic() < deadline:  # the thread's finally, just after the factory
-        time.sleep(0.01)
-    done.clear()
-    pool.prepare(64)
-    assert done.wait(10) and calls == [64, 64]

@@ -29,13 +29,38 @@ sampled and, after each, the ids this module gives for the observation. Two form
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from rollout_workers.environment import Observation, observation_messages, observation_text
+Message = Mapping[str, Any]
+Observation = str | Message | list | None
 
 #: a fixed conversation the template renders to find what surrounds an observation and how an
 #: assistant message ends (the contents are placeholders no template changes)
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a0a1a2"}]
+
+
+class EnvContractError(Exception):
+    """An environment broke its contract (a step result or an observation of the wrong shape); the episode dies."""
+
+
+def observation_messages(observation: Observation, role: str) -> list[dict[str, Any]]:
+    """An observation as chat messages (a string gets ``role``)."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": role, "content": observation}]
+    if isinstance(observation, Mapping):
+        return [dict(observation)]
+    if isinstance(observation, list) and all(isinstance(m, Mapping) for m in observation):
+        return [dict(m) for m in observation]
+    raise EnvContractError(f"an observation must be None, a string, a message dict or a list of them, got "
+                            f"{type(observation).__name__}")
+
+
+def observation_text(observation: Observation) -> str:
+    """An observation as plain text (no chat template): a string as it is, messages' contents joined."""
+    return "".join(str(m.get("content", "")) for m in observation_messages(observation, "user"))
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
