@@ -3,6 +3,7 @@
 #
 #   ./quickstart.sh run  [hydra overrides...]   train the default task end to end
 #   ./quickstart.sh test [pytest args...]       run the test suite (what CI runs)
+#   ./quickstart.sh lint                        ruff and mypy over the code (CI runs it before the tests)
 #
 # It creates .venv, installs the project with pinned versions (constraints-cpu.txt pins
 # torch==2.13.0 so pip never pulls a CUDA build), and makes sure redis-server exists
@@ -107,8 +108,14 @@ case "$cmd" in
     fi
     exit "$rc"
     ;;
+  lint)
+    need_python; need_venv
+    # ruff's and mypy's settings (rules, line length, the packages mypy checks): pyproject.toml
+    "$VENV/bin/ruff" check .
+    exec "$VENV/bin/mypy"
+    ;;
   *)
-    echo "usage: ./quickstart.sh run [overrides...] | test [pytest args...]" >&2
+    echo "usage: ./quickstart.sh run [overrides...] | test [pytest args...] | lint" >&2
     exit 2
     ;;
 esac

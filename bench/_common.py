@@ -9,8 +9,9 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: a folder to write the JSON into instead of bench/results/ (the smoke tests set it, so a quick
@@ -134,7 +135,7 @@ class CpuPerUpdate:
         self._last: tuple[int, dict[str, float]] | None = None
         self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
 
-    def __enter__(self) -> "CpuPerUpdate":
+    def __enter__(self) -> CpuPerUpdate:
         self._thread.start()
         return self
 

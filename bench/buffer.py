@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import print_table, write_results  # noqa: E402
-
 from buffer import Buffer  # noqa: E402
 from buffer.local_server import RedisServer  # noqa: E402
 from rlhf_core.config import BufferConfig  # noqa: E402
@@ -95,7 +94,7 @@ def lease_all(buf: Buffer, groups: list) -> list:
                 "the bench's run must admit every prompt at once (lookahead None and a huge max_staleness, see BENCH_CFG)"
             )
         leases += got
-    by_pid = {l.prompt.prompt_id: l for l in leases}
+    by_pid = {lease.prompt.prompt_id: lease for lease in leases}
     return [(by_pid[g[0].prompt_id], g) for g in groups]
 
 

@@ -32,7 +32,8 @@ from _common import CpuPerUpdate, print_table, write_results  # noqa: E402
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hcompose, initialize_config_module
+    from hydra import compose as hcompose
+    from hydra import initialize_config_module
 
     from rlhf_core.config import register_configs, to_object
 
@@ -53,10 +54,9 @@ def reward_tail(out: Path, frac: float = 0.25) -> list[float]:
 def run_one(name: str, overrides: list[str], workdir: Path, cpu_warmup: int = 20) -> dict:
     """One run of rlhf-run under ``overrides`` in ``workdir / name``; ``cpu_warmup``: the updates
     before its CPU-per-update window opens."""
+    from rlhf_core.metric_names import METRICS_FILE
     from rlhf_run.launch import run_launcher
     from rlhf_run.report import SUMMARY_FILE
-
-    from rlhf_core.metric_names import METRICS_FILE
 
     cfg = compose(overrides)
     out = workdir / name

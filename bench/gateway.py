@@ -73,7 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import mode_parser, print_table, require_device, write_results  # noqa: E402
-
 from rlhf_core import metric_names as M  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
@@ -313,9 +312,9 @@ def engine_round(m: dict[str, Any]) -> dict[str, Any]:
     from e2e import compose
     from gateway.sessions import PLAIN_TEMPLATE
     from rlhf_core.models import load_policy, load_tokenizer
+    from rlhf_core.turns import encode
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.hf_engine import HFEngine
-    from rlhf_core.turns import encode
 
     torch.set_num_threads(1)
     cfg = compose([f"model.cache_dir={m['cache_dir']}", *model_overrides(m)]).model  # the model the run's worker loads

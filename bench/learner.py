@@ -63,9 +63,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,6 +160,11 @@ def learner_config(path: Path, spec: dict[str, Any], shape: tuple[int, ...], eng
     ])
 
 
+def learner_update(updater: Any, collate: Callable[[list[Any]], Any], samples: list[Any]) -> dict[str, float]:
+    """One update from samples, as the Learner does: collate them, then update."""
+    return updater.update(collate(samples), 0)
+
+
 def release_memory() -> None:
     """Collect what the caller just dropped and hand its cached GPU memory back, so the next
     method's peak memory is its own."""
@@ -232,11 +238,7 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
         try:
             engine = make_engine(cfg, load_policy(cfg.model))
             updater = PolicyUpdater(cfg, engine)
-            collate = Collator.for_model(engine.module, updater.device)
-
-            def update() -> dict[str, float]:  # from samples, as the Learner does
-                return updater.update(collate(samples), 0)
-
+            update = partial(learner_update, updater, Collator.for_model(engine.module, updater.device), samples)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             # the same version each time: it only seeds the minibatch order and the staleness metrics
@@ -250,7 +252,7 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
         rows.append(row(label, seconds, update_flops(metrics), ids.numel(), metrics.get(M.MFU)))
         if use_profile and engine_name == profiled:
             rows[-1]["profile"] = profile_once(update, device)
-        del engine, updater
+        del engine, updater, update
         release_memory()
     return rows
 
@@ -258,9 +260,10 @@ def measure(spec: dict[str, Any], path: Path, name: str, shape: tuple[int, ...],
 def head_rows(spec: dict[str, Any], path: Path, shape: tuple[int, ...]) -> list[dict[str, Any]]:
     """The fused LM head alone, forward and backward over ``batch x response_tokens`` hidden states
     at the model's width and vocabulary (chunked as the learner chunks), eager and compiled."""
+    from transformers import AutoConfig
+
     from learner.lm_head import _head_math, _LinearLogprobs
     from rlhf_core.config import LearnerConfig
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     batch, _, _, response_tokens, _ = shape
@@ -271,14 +274,14 @@ def head_rows(spec: dict[str, Any], path: Path, shape: tuple[int, ...]) -> list[
     ids = torch.randint(0, config.vocab_size, (n,), device=device, generator=gen)
     chunk = LearnerConfig().logits_chunk_tokens
 
-    def step(compiled: bool, keep: bool) -> None:
+    def step(hidden: torch.Tensor, weight: torch.Tensor, compiled: bool, keep: bool) -> None:
         hidden.grad = weight.grad = None
         logp, _ = _LinearLogprobs.apply(hidden, weight, ids, 1.0, chunk, True, _head_math(compiled), keep)
         logp.sum().backward()
 
     rows = []
     for compiled, keep in ((False, False), (True, False), (True, True)):
-        seconds, _ = timed(partial(step, compiled, keep), spec["warmup"], spec["repeats"], device)
+        seconds, _ = timed(partial(step, hidden, weight, compiled, keep), spec["warmup"], spec["repeats"], device)
         rows.append({"math": ("compiled" if compiled else "eager") + (", logits kept" if keep else ""), "tokens": n,
                      "vocab": config.vocab_size, "hidden": config.hidden_size, "chunk": chunk,
                      "fwd_bwd_ms": seconds * 1e3})

@@ -111,7 +111,7 @@ class Window:
             if self.last is None or s[0] > self.last[0]:
                 self.last = s
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         self._thread.start()
         return self
 
@@ -151,6 +151,11 @@ def measure(name: str, overrides: list[str], workdir: Path, updates: int, warmup
     }, cfg
 
 
+def median_of(runs: list[dict], key: str, predicted: bool = False) -> float:
+    """The median of ``key`` over the runs: as measured, or as the simulator predicted it."""
+    return statistics.median((m["predicted"] if predicted else m)[key] for m in runs)
+
+
 def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, warmup: int) -> list[dict]:
     from rlhf_run.plan.search import plan_from_config
     from rlhf_run.plan.simulate import background_demand, simulate
@@ -174,16 +179,14 @@ def validate(profile, configs: dict[str, list[str]], reps: int, updates: int, wa
                       f"{pred.trained_samples_per_s:.0f}, {pred.staleness_mean:.2f}", flush=True)
     rows = []
     for name, ms in runs.items():
-        med = lambda key: statistics.median(m[key] for m in ms)  # noqa: E731
-        pmed = lambda key: statistics.median(m["predicted"][key] for m in ms)  # noqa: E731
         bg = statistics.median(m["background_cores"] or 0.0 for m in ms)
         quiet_pred = simulate(profile, plans[name], updates=updates, warmup=warmup, background=0.0)
-        meas, pred = med("trained_samples_per_s"), pmed("trained_samples_per_s")
+        meas, pred = median_of(ms, "trained_samples_per_s"), median_of(ms, "trained_samples_per_s", predicted=True)
+        stale, pstale = median_of(ms, "staleness_mean"), median_of(ms, "staleness_mean", predicted=True)
         rows.append({
             "config": name, "overrides": configs[name], "runs": len(ms),
             "measured_samples_per_s": meas, "predicted_samples_per_s": pred, "error": (pred - meas) / meas,
-            "measured_staleness": med("staleness_mean"), "predicted_staleness": pmed("staleness_mean"),
-            "staleness_error": pmed("staleness_mean") - med("staleness_mean"),
+            "measured_staleness": stale, "predicted_staleness": pstale, "staleness_error": pstale - stale,
             "background_cores": bg, "predicted_quiet_samples_per_s": quiet_pred.trained_samples_per_s,
             "plan": asdict(plans[name]), "per_run": ms,
         })

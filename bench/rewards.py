@@ -59,7 +59,7 @@ def model_alone(rm: Path, cache_dir: str, reps: int = 3) -> dict[str, float]:
     import torch
 
     from rlhf_core.config import ModelConfig, RewardConfig
-    from rollout_workers.rewards import Scorer, ScoreItem
+    from rollout_workers.rewards import ScoreItem, Scorer
 
     torch.set_num_threads(1)
     scorer = Scorer(RewardConfig(models={"rm": {"path": str(rm)}}), ModelConfig(cache_dir=cache_dir))

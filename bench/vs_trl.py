@@ -311,9 +311,8 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
     row = run_one(f"{name}-s{seed}", overrides, workdir, cpu_warmup=k)
     if row["exit_code"] != 0:
         raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
-    from rlhf_run.report import read_metrics
-
     from rlhf_core import metric_names as M
+    from rlhf_run.report import read_metrics
 
     # the learner's rows, one per update (a re-trained update's later row), each written as it ended
     metrics = read_metrics(workdir / row["mode"])

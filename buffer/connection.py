@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
@@ -258,7 +259,7 @@ class Retrying:
                     f"Redis at {address(self.url)[0]} denied a command to this ACL user ({exc}): grant it "
                     "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
                 ) from None
-            except redis.exceptions.OutOfMemoryError as exc:
+            except redis.exceptions.OutOfMemoryError:
                 # refused before anything ran (our scripts are flagged, a MULTI is refused whole):
                 # sending it again is safe, and the learner or an operator may free memory meanwhile
                 delay = backoff.next_delay()

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from rlhf_core.wire import pack
 
 _SCALARS = (str, int, float, bool)
 _cache: dict[tuple, list[Prompt]] = {}
+#: a data set's rows, each with where it is in the file ("line 3", "row 2")
+Rows = list[tuple[str, dict[str, Any]]]
 #: bad rows named in the DataError of a data set that has some (the count says how many in all)
 BAD_ROWS_SHOWN = 3
 
@@ -69,14 +72,15 @@ def load_prompts(data_cfg: DataConfig) -> list[Prompt]:
     st = path.stat()
     key = (data_cfg.source, str(path.resolve()), st.st_size, st.st_mtime_ns, data_cfg.text_field, data_cfg.messages_field)
     if key not in _cache:
-        loaders = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}
+        loaders: dict[str, Callable[[Path], Rows]] = {"jsonl": _jsonl, "parquet": _parquet, "hf_disk": _hf_disk}
         loader = loaders.get(data_cfg.source)
         if loader is None:
             raise DataError(f"data.source={data_cfg.source} is not a prompt file: one of {', '.join(loaders)}")
         rows = loader(path)
         if not rows:
             raise DataError(f"data set {str(path)!r} has no rows")
-        prompts, bad = [], []
+        prompts: list[Prompt] = []
+        bad: list[str] = []
         for j, (where, row) in enumerate(rows):
             try:
                 prompts.append(row_to_prompt(row, data_cfg, f"{path.name}:{j}"))
@@ -102,8 +106,8 @@ def data_path(data_cfg: DataConfig, name: str = "data") -> Path:
     return path
 
 
-def _jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    rows = []
+def _jsonl(path: Path) -> Rows:
+    rows: Rows = []
     try:
         f = path.open("rb")  # decoded line by line, so a byte that is not UTF-8 is named by its line
     except OSError as exc:  # a folder, no permission
@@ -127,7 +131,7 @@ def _jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def _parquet(path: Path) -> list[dict[str, Any]]:
+def _parquet(path: Path) -> Rows:
     try:
         import pyarrow.parquet as pq
     except ImportError:  # pragma: no cover
@@ -139,7 +143,7 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
     return [(f"row {j}", row) for j, row in enumerate(rows)]
 
 
-def _hf_disk(path: Path) -> list[dict[str, Any]]:
+def _hf_disk(path: Path) -> Rows:
     try:
         import datasets
     except ImportError:  # pragma: no cover
@@ -159,6 +163,7 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str) ->
     saying what is wrong with it (the caller names the row)."""
     messages = None
     mf = data_cfg.messages_field
+    text = row.get(data_cfg.text_field)
     if mf and row.get(mf) is not None:
         messages = row[mf]
         if not (isinstance(messages, list) and all(
@@ -166,15 +171,14 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str) ->
         )):
             raise DataError(f"field {mf!r} must be a list of {{'role': str, 'content': str}} turns")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        text = row.get(data_cfg.text_field) if isinstance(row.get(data_cfg.text_field), str) else ""
-    else:
-        text = row.get(data_cfg.text_field)
         if not isinstance(text, str):
-            have = ", ".join(sorted(row)) or "none"
-            raise DataError(
-                f"no string field {data_cfg.text_field!r} (fields: {have}); set data.text_field "
-                "or data.messages_field to the field holding the prompt"
-            )
+            text = ""
+    elif not isinstance(text, str):
+        have = ", ".join(sorted(row)) or "none"
+        raise DataError(
+            f"no string field {data_cfg.text_field!r} (fields: {have}); set data.text_field "
+            "or data.messages_field to the field holding the prompt"
+        )
     pid = row.get("id", row.get("prompt_id"))
     prompt_id = str(pid) if pid is not None else default_id
     skip = {data_cfg.text_field, mf, "id", "prompt_id"}

@@ -62,7 +62,7 @@ class RedisServer:
         assert self.proc is not None, "server not running"
         return self.proc.pid
 
-    def start(self, port: int | None = None) -> "RedisServer":
+    def start(self, port: int | None = None) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             self.port = port or free_port(self.host)
@@ -126,7 +126,7 @@ class RedisServer:
                 self.proc.wait(timeout=5)
         self.proc = None
 
-    def restart(self, sig: int = signal.SIGKILL) -> "RedisServer":
+    def restart(self, sig: int = signal.SIGKILL) -> RedisServer:
         """Kill (by default without a chance to save) and start again on the same port and data dir."""
         port = self.port
         self.stop(sig)

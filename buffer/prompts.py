@@ -41,8 +41,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, TypeGuard, cast
 
 import redis
 
@@ -235,7 +236,8 @@ def retire(store: Store, before: float) -> list[str]:
     k = store.keys
     args: list[Any] = []
     picked = 0
-    for name, raw in store.retry(store.redis.hgetall, k.consumers).items():
+    consumers = cast(dict[bytes, bytes], store.retry(store.redis.hgetall, k.consumers))  # the client returns bytes
+    for name, raw in consumers.items():
         rec = metrics.unpack_record(raw)
         seen = rec.get("last_seen")
         if not isinstance(seen, (int, float)) or seen >= before:
@@ -243,7 +245,9 @@ def retire(store: Store, before: float) -> list[str]:
         picked += 1
         if picked > RETIRE_BATCH:
             break
-        stats = rec.get("stats") if isinstance(rec.get("stats"), dict) else {}
+        stats = rec.get("stats")
+        if not isinstance(stats, dict):
+            stats = {}
         totals = [(stat, v) for stat in M.WORKER_SUMMED if _addable(v := stats.get(stat))]
         args += [name, hashlib.sha1(raw).hexdigest(), len(totals)]
         for stat, value in totals:
@@ -252,12 +256,12 @@ def retire(store: Store, before: float) -> list[str]:
     return [name.decode() for name in gone]
 
 
-def _number(x: Any) -> bool:
+def _number(x: Any) -> TypeGuard[float]:
     """A finite number (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _addable(x: Any) -> bool:
+def _addable(x: Any) -> TypeGuard[float]:
     """A number HINCRBYFLOAT can add (not a bool, not NaN or infinite), other than 0."""
     return _number(x) and x != 0
 

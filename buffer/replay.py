@@ -25,14 +25,13 @@ state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), 
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, cast
 
 from buffer import keys as K
 from buffer.prompts import WAIT_CAP_S
-from buffer.samples import (Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of,
-                            newest_version)
+from buffer.samples import Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of, newest_version
 from buffer.store import Store
-
 
 # ---- learner side ------------------------------------------------------------------------
 
@@ -87,7 +86,7 @@ def _draw_keys(store: Store) -> list[str]:
 
 def pending(store: Store, consumer: str) -> list[str]:
     """Entries drawn by ``consumer`` and not committed, oldest first."""
-    out = store.retry(store.redis.hgetall, store.keys.replay_out)
+    out = cast(dict[bytes, bytes], store.retry(store.redis.hgetall, store.keys.replay_out))  # the client returns bytes
     return sorted((k.decode() for k, v in out.items() if v.decode() == consumer), key=_id_key)
 
 

@@ -69,7 +69,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def _rng_state() -> tuple[dict[str, Any], dict[str, Any]]:
     version, state, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # legacy=True, the default: (name, keys, pos, has_gauss, gauss)
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     as_json = {
         "python": [version, list(state), gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
@@ -100,6 +102,11 @@ def _meta(path: Path) -> dict[str, Any] | None:
 
 def list_checkpoints(root_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``root_dir``, oldest first (by their sequence number)."""
+    return [p for _, p in _numbered(root_dir)]
+
+
+def _numbered(root_dir: str | Path) -> list[tuple[int, Path]]:
+    """(sequence number, folder) of each complete checkpoint under ``root_dir``, oldest first."""
     root = Path(root_dir)
     if not root.is_dir():
         return []
@@ -109,7 +116,7 @@ def list_checkpoints(root_dir: str | Path) -> list[Path]:
             meta = _meta(p)
             if meta is not None:
                 found.append((int(meta.get("seq", 0)), p))
-    return [p for _, p in sorted(found)]
+    return sorted(found)
 
 
 def save_checkpoint(
@@ -179,8 +186,7 @@ def _write(root: Path, tmp: Path, final: Path, step_name: str, engine: TrainEngi
     torch.save(rng_tensors, tmp / "rng" / f"rank{rank}.pt")
     barrier()
     if rank == 0:
-        previous = list_checkpoints(root)
-        seq = max((int(_meta(p)["seq"]) for p in previous), default=0) + 1
+        seq = max((n for n, _ in _numbered(root)), default=0) + 1
         (tmp / "extra.json").write_text(extra_text)
         _write_json(tmp / "meta.json", {"step_name": step_name, "seq": seq, "world_size": world,
                                         "format": FORMAT, "time": time.time()})

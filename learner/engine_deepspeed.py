@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from buffer.local_server import free_port
 from learner.engines import apply_config_hyperparameters, lr_lambda, make_optimizer, persistent_buffers
 from rlhf_core.config import ConfigError, LearnerConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ class DeepSpeedEngine:
 
     compiled = False  # learner.compile is the torch engine's
 
-    def __init__(self, module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> None:
+    def __init__(self, module: PreTrainedModel, cfg: LearnerConfig, lr: float | None = None) -> None:
         try:
             import deepspeed
         except ImportError:

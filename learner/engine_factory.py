@@ -6,16 +6,17 @@ and schedule helpers: the factory imports both engines, so it sits above them.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from learner.engines import TorchEngine, TrainEngine
 from rlhf_core.choices import LearnerEngine
 from rlhf_core.config import ConfigError, LearnerConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def build_engine(module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> TrainEngine:
+
+def build_engine(module: PreTrainedModel, cfg: LearnerConfig, lr: float | None = None) -> TrainEngine:
     """The engine ``cfg.engine`` names, wrapping ``module`` (already on its device)."""
     if cfg.engine == "torch":
         return TorchEngine(module, cfg, lr)
@@ -26,7 +27,7 @@ def build_engine(module: torch.nn.Module, cfg: LearnerConfig, lr: float | None =
     raise ConfigError(f"learner.engine='{cfg.engine}' is not one of {', '.join(LearnerEngine)}")
 
 
-def make_engine(cfg: Any, module: torch.nn.Module, role: str | None = None) -> TrainEngine:
+def make_engine(cfg: Any, module: PreTrainedModel, role: str | None = None) -> TrainEngine:
     """:func:`build_engine` from the whole run config. ``role``: "policy" or "critic" (the
     critic trains at ``learner.critic_lr``); None guesses from the model (a one-label
     token-classification head is a critic)."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,11 +24,14 @@ from rlhf_core.config import ConfigError, LearnerConfig
 from rlhf_core.lora import has_adapters
 from rlhf_core.records import Sample
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 
 class TrainEngine(Protocol):
-    module: torch.nn.Module  # the unwrapped model (config, eval/train, save_pretrained)
+    module: PreTrainedModel  # the unwrapped model (config, eval/train, save_pretrained)
     rank: int
     world_size: int
     compiled: bool  # learner.compile: its blocks (and the fused LM head's elementwise work) through torch.compile
@@ -84,7 +88,7 @@ def make_optimizer(module: torch.nn.Module, cfg: LearnerConfig, lr: float,
     params = [p for p in module.parameters() if p.requires_grad] if params is None else params
     if not params:
         raise ConfigError("the model has no trainable parameters")
-    betas = tuple(float(b) for b in cfg.adam_betas)
+    betas = (float(cfg.adam_betas[0]), float(cfg.adam_betas[1]))
     fused = fused and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                           for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
@@ -191,7 +195,7 @@ class TorchEngine:
     rank = 0
     world_size = 1
 
-    def __init__(self, module: torch.nn.Module, cfg: LearnerConfig, lr: float | None = None) -> None:
+    def __init__(self, module: PreTrainedModel, cfg: LearnerConfig, lr: float | None = None) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             raise ConfigError("learner.engine=torch runs in one process; use learner.engine=deepspeed with torchrun/deepspeed")
         self.module = module
@@ -200,7 +204,7 @@ class TorchEngine:
         if self.compiled:
             blocks = compile_blocks(module)
             log.info("learner.compile: %d transformer blocks set to compile (the first updates compile them)", blocks)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if low else None
         self.base_lr = cfg.lr if lr is None else lr
@@ -229,9 +233,10 @@ class TorchEngine:
     def step(self) -> float:
         if self.masters is not None:  # gradients up to the fp32 masters, one multi-tensor copy
             have = [(p.grad, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
-            for _, m in have:
-                m.grad = torch.empty_like(m)
-            torch._foreach_copy_([m.grad for _, m in have], [g for g, _ in have])
+            grads = [torch.empty_like(m) for _, m in have]
+            for (_, m), grad in zip(have, grads):
+                m.grad = grad
+            torch._foreach_copy_(grads, [g for g, _ in have])
         params = self.masters if self.masters is not None else self.params
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))

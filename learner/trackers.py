@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+import numpy as np
 
 from buffer.connection import redact
 from rlhf_core.config import SECRET_FIELDS, Config
@@ -71,7 +74,7 @@ class WandbTracker:
         import wandb
 
         self.wandb = wandb
-        settings = {"mode": cfg.run.wandb_mode} if cfg.run.wandb_mode else {}
+        settings: dict[str, Any] = {"mode": cfg.run.wandb_mode} if cfg.run.wandb_mode else {}
         self.run = wandb.init(project=cfg.run.tracker_project, entity=cfg.run.wandb_entity, name=cfg.buffer.run_id,
                               id=run_id, resume="allow", dir=str(output_dir), config=_flat_config(cfg), **settings)
 
@@ -80,10 +83,10 @@ class WandbTracker:
 
     def histogram(self, key: str, counts: list[int], step: int) -> None:
         edges = [lag - 0.5 for lag in range(len(counts) + 1)]
-        self.run.log({key: self.wandb.Histogram(np_histogram=(counts, edges))}, step=step)
+        self.run.log({key: self.wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))}, step=step)
 
     def table(self, key: str, rows: list[list[Any]], step: int) -> None:
-        self.run.log({key: self.wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+        self.run.log({key: self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
     def run_id(self) -> str | None:
         return self.run.id

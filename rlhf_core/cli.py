@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -126,7 +127,7 @@ def say_once_when_full(handler: logging.FileHandler) -> logging.FileHandler:
     it could not write (``--- Logging error ---``). Say it once, in one line, and let the records
     go (the file is opened again for the next one, and takes them once there is room)."""
     plain = handler.handleError
-    said = []
+    said: list[bool] = []
 
     def handle_error(record: logging.LogRecord) -> None:
         exc = sys.exc_info()[1]
@@ -134,7 +135,8 @@ def say_once_when_full(handler: logging.FileHandler) -> logging.FileHandler:
             return plain(record)
         stream, handler.stream = handler.stream, None  # its unwritten lines go: a close would fail on them
         try:
-            stream.close()
+            if stream is not None:
+                stream.close()
         except OSError:
             pass
         if not said:
@@ -145,7 +147,7 @@ def say_once_when_full(handler: logging.FileHandler) -> logging.FileHandler:
             except OSError:
                 pass
 
-    handler.handleError = handle_error  # type: ignore[method-assign]
+    handler.handleError = handle_error  # type: ignore[method-assign]  # this handler's own, on purpose
     return handler
 
 

@@ -17,7 +17,8 @@ Both worker and learner import this module, so it lives in the shared leaf.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the buffer and the launcher read the names here without loading torch
     import torch

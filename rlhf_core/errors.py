@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 STOPPED_EARLY_EXIT = 143
 #: a write the disk cannot hold: full, over a quota, over a file-size limit

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from rlhf_core.config import ConfigError, LoraConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"  # peft's adapter name: the one adapter of a model here
 ADAPTER_MARK = "lora_"  # peft's prefix of adapter parameters (its `_mark_only_adapters_as_trainable` rule)
@@ -40,9 +44,14 @@ ALL_LINEAR = "all-linear"
 INSTALL_HINT = "pip install -e '.[lora]' (peft)"
 
 
-def enabled(lora: LoraConfig | None) -> bool:
+def rank(lora: LoraConfig | None) -> int:
+    """The adapter rank ``model.lora.r``; 0 when off (0 or null)."""
+    return 0 if lora is None or lora.r is None else int(lora.r)
+
+
+def enabled(lora: LoraConfig | None) -> TypeGuard[LoraConfig]:
     """Whether ``model.lora`` asks for adapters (``r`` > 0)."""
-    return lora is not None and lora.r is not None and int(lora.r) > 0
+    return rank(lora) > 0
 
 
 def import_peft() -> Any:
@@ -54,7 +63,7 @@ def import_peft() -> Any:
     return peft
 
 
-def target_modules(lora: LoraConfig, model: torch.nn.Module) -> str | list[str]:
+def target_modules(lora: LoraConfig, model: PreTrainedModel) -> str | list[str]:
     """peft's ``target_modules`` for ``model.lora.target_modules``: ``[all-linear]`` is peft's
     ``all-linear`` (every linear layer but the output head); ``all-linear`` beside other names
     is every linear layer's name but the head's, plus those names (``[all-linear, lm_head]``
@@ -64,20 +73,20 @@ def target_modules(lora: LoraConfig, model: torch.nn.Module) -> str | list[str]:
         return ALL_LINEAR
     if ALL_LINEAR not in names:
         return names
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings()
     head_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if head is not None and m is head}
     extra = [n for n in names if n != ALL_LINEAR]
     return sorted(set(linear_layer_names(model)) - head_names | set(extra))
 
 
-def peft_config(lora: LoraConfig, model: torch.nn.Module) -> Any:
+def peft_config(lora: LoraConfig, model: PreTrainedModel) -> Any:
     """peft's ``LoraConfig`` for ``model.lora`` on ``model``."""
     peft = import_peft()
-    return peft.LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+    return peft.LoraConfig(r=rank(lora), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
                            target_modules=target_modules(lora, model), use_rslora=bool(lora.rslora), bias="none")
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig, what: str = "the policy") -> torch.nn.Module:
+def apply_lora(model: PreTrainedModel, lora: LoraConfig, what: str = "the policy") -> PreTrainedModel:
     """Put adapters into ``model`` in place (see the module docstring); returns ``model``.
 
     Raises ConfigError when the target modules match nothing, name layers other than linear
@@ -85,7 +94,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, what: str = "the policy
     """
     peft = import_peft()
     config = peft_config(lora, model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings()
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     try:
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -191,7 +200,7 @@ def save_adapter(directory: str | os.PathLike, tensors: Mapping[str, torch.Tenso
     modules = sorted({n.split(f".{ADAPTER_MARK}", 1)[0].rsplit(".", 1)[-1] for n in tensors})
     alpha = float(lora.alpha)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora.r),
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank(lora),
         "lora_alpha": int(alpha) if alpha.is_integer() else alpha, "lora_dropout": 0.0,
         "target_modules": modules, "use_rslora": bool(lora.rslora), "bias": "none", "fan_in_fan_out": False,
         "modules_to_save": None, "init_lora_weights": True, "base_model_name_or_path": base_model,
@@ -204,7 +213,7 @@ def save_adapter(directory: str | os.PathLike, tensors: Mapping[str, torch.Tenso
     return out
 
 
-def meta_model(config: Any, lora: LoraConfig, trust_remote_code: bool = False) -> torch.nn.Module:
+def meta_model(config: Any, lora: LoraConfig, trust_remote_code: bool = False) -> PreTrainedModel:
     """The policy the model ``config`` describes with ``lora`` applied, weightless (meta device:
     no memory, nothing read): its names and shapes, cheaply, for checks before any model loads."""
     from transformers import AutoModelForCausalLM

@@ -18,13 +18,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import DictConfig
 
 from rlhf_core import lora
 from rlhf_core.config import ConfigError, ModelConfig, TinyModelConfig
 from rlhf_core.model_paths import resolve_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def build_tiny_tokenizer():
 def _tiny_key(tiny: TinyModelConfig, head: str) -> str:
     import transformers
 
-    spec = {"tiny": vars(tiny) if not hasattr(tiny, "_content") else dict(tiny), "head": head,
+    spec = {"tiny": dict(tiny) if isinstance(tiny, DictConfig) else vars(tiny), "head": head,
             "format": TINY_FORMAT, "transformers": transformers.__version__}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -101,7 +105,7 @@ def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
     from transformers import LlamaConfig
 
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -113,11 +117,12 @@ def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        num_labels=1,
     )
+    config.num_labels = 1  # a property (it sets id2label); this transformers' LlamaConfig takes no such argument
+    return config
 
 
-def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+def save_model_dir(model: PreTrainedModel, tokenizer: Any, out: Path) -> None:
     """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically: written into a
     temporary sibling folder and renamed, so a concurrent builder either wins or finds it done.
 
@@ -128,7 +133,8 @@ def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.should_save_on_this_rank = lambda is_main_process: True  # this rank's private folder
+        # this rank's private folder; an instance attribute overrides the method for this one save
+        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
         try:
             model.save_pretrained(tmp)
         finally:
@@ -171,12 +177,12 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def _from_pretrained(cls: Any, path: Path, cfg: ModelConfig, **kwargs: Any) -> torch.nn.Module:
+def _from_pretrained(cls: Any, path: Path, cfg: ModelConfig, **kwargs: Any) -> PreTrainedModel:
     model = cls.from_pretrained(path, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code, **kwargs)
     return model.to(resolve_device(cfg.device))
 
 
-def load_policy(cfg: ModelConfig) -> torch.nn.Module:
+def load_policy(cfg: ModelConfig) -> PreTrainedModel:
     """The policy: the base model, with LoRA adapters in place when ``model.lora.r`` > 0
     (:mod:`rlhf_core.lora`; the learner and every worker build the same module names)."""
     from transformers import AutoModelForCausalLM
@@ -210,7 +216,7 @@ def check_lora(cfg: ModelConfig) -> tuple[int, int] | None:
     return lora.check_targets(config, cfg.lora, trust_remote_code=cfg.trust_remote_code)
 
 
-def load_reference(cfg: ModelConfig) -> torch.nn.Module:
+def load_reference(cfg: ModelConfig) -> PreTrainedModel:
     """The frozen reference policy (the initial policy unless model.ref_path says otherwise)."""
     from transformers import AutoModelForCausalLM
 
@@ -220,7 +226,7 @@ def load_reference(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def load_critic(cfg: ModelConfig) -> torch.nn.Module:
+def load_critic(cfg: ModelConfig) -> PreTrainedModel:
     """A value model: one scalar per token (AutoModelForTokenClassification, num_labels=1).
 
     From ``model.critic_path`` when set, else the policy's trunk with a fresh value head. Its dropout
@@ -238,7 +244,7 @@ def load_critic(cfg: ModelConfig) -> torch.nn.Module:
     return critic
 
 
-def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[torch.nn.Module, Any]:
+def load_reward_model(path: str | os.PathLike, cfg: ModelConfig) -> tuple[PreTrainedModel, Any]:
     """A reward model (AutoModelForSequenceClassification, one label) and its tokenizer."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -33,8 +33,10 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
@@ -126,8 +128,7 @@ class Exporter:
         self._metrics: dict[str, Any] = {}  # name -> the labelled series
         self._skipped: set[str] = set()
         self._lock = threading.Lock()
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._serving: tuple[WSGIServer, threading.Thread] | None = None  # (server, its thread) once serving
         self._hists = {h.name: self._series(Histogram, metric_name(prefix, h.name), h.doc, buckets=h.buckets)
                        for h in histograms}
         self._hist_keys = {h.key: h.name for h in histograms if h.key}
@@ -186,20 +187,22 @@ class Exporter:
     def serve(self, port: int, host: str = "127.0.0.1", setting: str = "the port") -> int:
         """Serve ``/metrics`` on a daemon thread; returns the bound port (0 picks a free one)."""
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
         except (OSError, OverflowError) as exc:  # in use, or not a port number
             raise UserError(f"cannot serve Prometheus metrics on {host}:{port}: {getattr(exc, 'strerror', None) or exc}. Set {setting} "
                             "to a free port (0 picks any)") from exc
-        bound = int(self._server.server_port)
+        self._serving = server, thread
+        bound = int(server.server_port)
         log.info("Prometheus metrics at http://%s:%d/metrics", host, bound)
         return bound
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=5)
-            self._server = self._thread = None
+        if self._serving is not None:
+            server, thread = self._serving
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._serving = None
 
 
 def learner_exporter(run_id: str) -> Exporter:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -50,11 +51,11 @@ def rle_encode(per_token: Iterable[int]) -> list[list[int]]:
 
 def rle_decode(runs: Iterable[Iterable[int]]) -> np.ndarray:
     """Inverse of :func:`rle_encode`, as an int64 array."""
-    runs = [tuple(r) for r in runs]
-    if not runs:
+    pairs = [tuple(r) for r in runs]
+    if not pairs:
         return np.zeros(0, dtype=np.int64)
-    values = np.array([r[0] for r in runs], dtype=np.int64)
-    counts = np.array([r[1] for r in runs], dtype=np.int64)
+    values = np.array([r[0] for r in pairs], dtype=np.int64)
+    counts = np.array([r[1] for r in pairs], dtype=np.int64)
     return np.repeat(values, counts)
 
 
@@ -99,7 +100,7 @@ class Prompt:
         )
 
     @classmethod
-    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Prompt":
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Prompt:
         obj = decode_record(data, KIND_PROMPT, max_bytes=max_bytes)
         messages = optional(obj, "messages", list)
         if messages is not None:
@@ -210,7 +211,7 @@ class Sample:
         )
 
     @classmethod
-    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> "Sample":
+    def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Sample:
         """Decode untrusted bytes. Raises WireError naming what is wrong."""
         obj = decode_record(data, KIND_SAMPLE, max_bytes=max_bytes)
         prompt_ids = decode_tensor(require(obj, "prompt_ids", dict), "prompt_ids", dtype="int32", ndim=1)

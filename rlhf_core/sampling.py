@@ -25,11 +25,9 @@ settings in one decoding step.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
-Setting = Union[float, int, torch.Tensor]
+Setting = float | int | torch.Tensor
 
 __all__ = ["process_logits", "process_logits_rows", "sample_tokens", "token_logprobs", "response_logprobs"]
 

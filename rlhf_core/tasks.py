@@ -19,7 +19,8 @@ or a dict of named components whose weighted sum is the reward (see ``conf/rewar
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from rlhf_core.records import Prompt
 

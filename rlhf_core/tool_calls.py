@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
@@ -59,10 +60,11 @@ def call_from_object(obj: Any, index: int, text: str = "") -> ToolCall | str:
         return f'tool call {index} needs {{"name": "<tool>", "arguments": {{...}}}}, got {_quote(text or str(obj))}'
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
+        written = args
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(written) if written.strip() else {}
         except json.JSONDecodeError as exc:
-            return f"tool call {index} ({obj['name']}): its arguments are not valid JSON ({exc.msg}): {_quote(args)}"
+            return f"tool call {index} ({obj['name']}): its arguments are not valid JSON ({exc.msg}): {_quote(written)}"
     if args is None:
         args = {}
     if not isinstance(args, dict):

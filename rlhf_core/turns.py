@@ -29,10 +29,11 @@ sampled and, after each, the ids this module gives for the observation. Two form
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 Message = Mapping[str, Any]
-Observation = Union[str, Message, list, None]
+Observation = str | Message | list | None
 
 #: a fixed conversation the template renders to find what surrounds an observation and how an
 #: assistant message ends (the contents are placeholders no template changes)

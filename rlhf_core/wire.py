@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -84,7 +85,7 @@ def encode_tensor(array: Any) -> dict[str, Any]:
     return {"dtype": name, "shape": list(arr.shape), "data": arr.tobytes()}
 
 
-def check_tensor_header(obj: Any, field: str) -> tuple[str, tuple[int, ...], bytes]:
+def check_tensor_header(obj: Any, field: str) -> tuple[str, tuple[int, ...], bytes | bytearray]:
     """Validate a wire tensor map; return (dtype, shape, data). Shared with torch-side decoders."""
     if not isinstance(obj, Mapping):
         raise WireError(f"field {field!r}: expected a tensor map, got {type(obj).__name__}")

@@ -278,7 +278,7 @@ def main() -> None:
     _main()
 
 
-main.config_name = "monitor"  # type: ignore[attr-defined]
+main.config_name = "monitor"  # type: ignore[attr-defined]  # read by the config tests
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -82,9 +83,9 @@ def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], add
     for k, v in total.items():
         if v > have.get(k, 0.0) + 1e-9:
             askers = [f"{d.name} {_num(d.resources[k])}" for d in wanted if d.resources.get(k)]
-            askers = ", ".join(askers if len(askers) <= 6 else [*askers[:5], f"... {len(askers) - 5} more"])
+            shown = ", ".join(askers if len(askers) <= 6 else [*askers[:5], f"... {len(askers) - 5} more"])
             raise ConfigError(
-                f"the run asks for {_num(v)} {k} in all ({askers}) but the Ray cluster at {address} has "
+                f"the run asks for {_num(v)} {k} in all ({shown}) but the Ray cluster at {address} has "
                 f"{_num(have.get(k, 0.0))} {k} on {len(alive)} alive node(s); lower ray.<role>.num_cpus / num_gpus / "
                 f"resources or rollout.num_workers, or add nodes (ray start --address=...)")
     for d in wanted:
@@ -215,6 +216,7 @@ def actor_options(role: RayRoleConfig, labels: bool = True) -> dict[str, Any]:
 
 def plain_config(cfg: Config) -> dict[str, Any]:
     """The resolved config as plain data (what travels to the actors: no objects of ours)."""
+    # a structured config's container is a dict; OmegaConf types it as any container
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 

@@ -29,8 +29,9 @@ staleness, counted from its oldest token, must not start at weights newer than i
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -87,9 +88,9 @@ class SamplingParams:
         return (self.temperature, self.top_k, self.top_p)
 
     @classmethod
-    def from_config(cls, rollout: Any, **overrides: Any) -> "SamplingParams":
+    def from_config(cls, rollout: Any, **overrides: Any) -> SamplingParams:
         """From ``cfg.rollout`` (:class:`rlhf_core.config.RolloutConfig` or its DictConfig)."""
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             temperature=float(rollout.temperature),
             top_p=float(rollout.top_p),
             top_k=int(rollout.top_k),
@@ -208,8 +209,9 @@ class GenerationEngine(Protocol):
 
     def abort_all(self) -> list[GenResult]: ...
 
-    def weights_target(self) -> torch.nn.Module | None:
-        """A module whose parameters a weight pull may ``copy_`` into in place (hf: the model; vllm: None)."""
+    def weights_target(self) -> torch.nn.Module | Mapping[str, torch.Tensor] | None:
+        """What a weight pull may ``copy_`` into in place (hf: the model, with LoRA its adapter
+        parameters by name; vllm: None)."""
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
         """Install weights between steps. ``tensors`` None: already copied into :meth:`weights_target`.

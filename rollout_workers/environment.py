@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Mapping, Protocol
+from typing import Any, Protocol
 
 from rlhf_core.config import ConfigError, env_target, to_plain
 from rlhf_core.records import Prompt

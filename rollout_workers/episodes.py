@@ -34,7 +34,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Hashable
+from typing import Any
 
 from rlhf_core.episode import Transcript
 from rlhf_core.records import Prompt
@@ -71,7 +71,7 @@ class EnvCalls:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="env")
         self._loop = UserLoop("env-asyncio")  # async methods, and plain ones that returned an awaitable
         self._done: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
-        self._pending: dict[int, Hashable] = {}  # call id -> key
+        self._pending: dict[int, str] = {}  # call id -> key
         # call id -> when it began running (written by the pool threads): the time limit counts
         # from there, not from a wait for a free thread
         self._began: dict[int, float] = {}
@@ -90,7 +90,7 @@ class EnvCalls:
             return self._loop.submit(out).result()
         return out
 
-    def submit(self, key: Hashable, fn: Any, *args: Any) -> None:
+    def submit(self, key: str, fn: Any, *args: Any) -> None:
         """Start ``fn(*args)``; its answer comes back from :meth:`poll` under ``key``."""
         call_id, self._next = self._next, self._next + 1
         self._pending[call_id] = key
@@ -101,7 +101,7 @@ class EnvCalls:
         else:
             self._on_pool.add(call_id)
             fut = self._pool.submit(self._run_sync, fn, args, call_id)
-        fut.add_done_callback(lambda f, c=call_id: self._done.put((c, f)))
+        fut.add_done_callback(lambda f: self._done.put((call_id, f)))
 
     def fire(self, fn: Any) -> None:
         """Run ``fn()`` in the background and forget it (an environment's ``close``)."""
@@ -110,7 +110,7 @@ class EnvCalls:
         else:
             self._pool.submit(self._run_sync, fn, ())
 
-    def poll(self, block_s: float = 0.0) -> list[tuple[Hashable, Any, BaseException | None]]:
+    def poll(self, block_s: float = 0.0) -> list[tuple[str, Any, BaseException | None]]:
         """Answers that came back: ``(key, value, None)`` or ``(key, None, exception)``; calls past
         the time limit come back as a ``TimeoutError`` (the call itself cannot be stopped; its
         late answer is dropped). Waits up to ``block_s`` for the first answer."""
@@ -124,7 +124,7 @@ class EnvCalls:
                 done.append(self._done.get_nowait())
             except queue.Empty:
                 break
-        out: list[tuple[Hashable, Any, BaseException | None]] = []
+        out: list[tuple[str, Any, BaseException | None]] = []
         for call_id, fut in done:
             self._began.pop(call_id, None)
             self._on_pool.discard(call_id)
@@ -146,7 +146,7 @@ class EnvCalls:
                         f"no answer within rollout.env_timeout_s={self.timeout_s:g} s; the call was abandoned")))
         return out
 
-    def cancel(self, key: Hashable) -> None:
+    def cancel(self, key: str) -> None:
         """Forget the calls of ``key`` (their answers are dropped)."""
         for call_id in [c for c, k in self._pending.items() if k == key]:
             del self._pending[call_id]

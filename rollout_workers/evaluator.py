@@ -35,8 +35,9 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from buffer import Buffer
 from buffer.datasets import iter_prompts
@@ -49,7 +50,7 @@ from rlhf_core.tasks import builtin_prompts
 from rollout_workers.engine import GenRequest, GenResult, SamplingParams
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.prompts import PromptRejected, PromptRenderer
-from rollout_workers.rewards import RewardError, Scorer, ScoreItem
+from rollout_workers.rewards import RewardError, ScoreItem, Scorer
 from rollout_workers.scoring import ScoringPool
 from weight_server import WeightSubscriber
 
@@ -84,7 +85,7 @@ def eval_metrics(rewards: Sequence[Sequence[float]], ks: Iterable[int], threshol
 def eval_prompts(cfg: Config) -> list[Prompt]:
     """The first ``eval.num_prompts`` prompts of ``eval.data`` (its epoch 0 order)."""
     data = cfg.eval.data
-    prompts = []
+    prompts: list[Prompt] = []
     for p in iter_prompts(data, 0, builtin=builtin_prompts):
         if cfg.eval.num_prompts is not None and len(prompts) >= cfg.eval.num_prompts:
             break

@@ -27,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
 from rlhf_core.wire import WireError
@@ -41,7 +42,7 @@ CANCEL_CHECK_S = 0.05
 
 #: a call as taken from the list: its raw record (given back as it is when the worker stops before
 #: starting it) and what it decoded to, or why it did not decode
-Taken = tuple[bytes, Union[GatewayCall, WireError]]
+Taken = tuple[bytes, GatewayCall | WireError]
 
 
 def read_calls(raws: list[bytes]) -> list[Taken]:
@@ -68,7 +69,8 @@ class BackgroundChannel:
         self.channel, self.worker_id = channel, worker_id
         self.inbox: collections.deque[Taken] = collections.deque()
         self.cancelled: collections.deque[str] = collections.deque()
-        self.outbox: queue.SimpleQueue[tuple[str, CallChunk] | list[str] | None] = queue.SimpleQueue()
+        # chunks to send, the running calls to ask about (call id, reply-to), None: stop
+        self.outbox: queue.SimpleQueue[tuple[str, CallChunk] | list[tuple[str, str]] | None] = queue.SimpleQueue()
         self.demand = 0  # calls the worker could start now (set by the main thread)
         self.main_waiting = False  # the main thread waits on Redis for prompts (see waiting())
         self._got = threading.Condition()
@@ -118,7 +120,7 @@ class BackgroundChannel:
             self._want.set()
 
     def _pop(self, n: int) -> list[Taken]:
-        out = []
+        out: list[Taken] = []
         while len(out) < n and self.inbox:
             out.append(self.inbox.popleft())
         return out
@@ -194,7 +196,7 @@ class BackgroundChannel:
 class GatewayCalls:
     """Calls in flight in one worker's engine. All methods run on the worker's main thread."""
 
-    def __init__(self, channel: WorkerChannel, engine: Any, worker_id: str) -> None:
+    def __init__(self, channel: BackgroundChannel, engine: Any, worker_id: str) -> None:
         self.channel, self.engine, self.worker_id = channel, engine, worker_id
         # request id -> (call, [tokens streamed], when it was queued in the engine (time.time()))
         self.calls: dict[str, tuple[GatewayCall, list[int], float]] = {}

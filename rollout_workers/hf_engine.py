@@ -81,16 +81,18 @@ import contextlib
 import heapq
 import logging
 from collections import deque
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
-from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
-                                    make_result)
-from rollout_workers.slot_kv import (SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up,
-                                    slot_attention_for)
+from rollout_workers.engine import EngineError, FinishReason, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
+from rollout_workers.slot_kv import SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up, slot_attention_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class HFEngine:
         cuda_graphs: capture the decoding step as CUDA graphs (used only on a CUDA device).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, slots: int = 16, seed: int = 0,
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, slots: int = 16, seed: int = 0,
                  max_model_len: int | None = None, prefill_chunk: int = 4096, cuda_graphs: bool = True) -> None:
         if slots < 1:
             raise EngineError(f"slots must be >= 1, got {slots}")
@@ -250,7 +252,7 @@ class HFEngine:
     def abort_all(self) -> list[GenResult]:
         return [r for rid in list(self._known) if (r := self.abort(rid)) is not None]
 
-    def weights_target(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+    def weights_target(self) -> torch.nn.Module | Mapping[str, torch.Tensor]:
         """What a version is pulled into, in place: the model, or with LoRA its adapter parameters
         (a version then holds those alone)."""
         return self._adapters if self._adapters else self.model
@@ -489,7 +491,7 @@ class HFEngine:
                 finished.append(self._result(seq, reason))
         return finished
 
-    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+    def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
         if token in seq.stop_ids:
             return "stop"
         if seq.params.stop_strings:
@@ -500,7 +502,7 @@ class HFEngine:
             return "length"
         return None
 
-    def _result(self, seq: _Seq, reason: str) -> GenResult:
+    def _result(self, seq: _Seq, reason: FinishReason) -> GenResult:
         text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return make_result(seq.request.request_id, seq.prompt, seq.tokens, seq.logprobs, seq.versions, reason, text)
 

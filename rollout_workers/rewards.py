@@ -62,8 +62,9 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ class ScoreItem:
     raw_prompt: str | None = None  # the prompt's own text, before any chat template (None: ``prompt``)
 
     @classmethod
-    def of(cls, prompt: Prompt, rendered: str, response_text: str, response_ids: Sequence[int]) -> "ScoreItem":
+    def of(cls, prompt: Prompt, rendered: str, response_text: str, response_ids: Sequence[int]) -> ScoreItem:
         """A response to ``prompt``, which the policy saw as ``rendered``."""
         return cls(rendered, response_text, list(response_ids), prompt.metadata, prompt.messages or None,
                    raw_prompt=prompt.text)
@@ -263,6 +264,7 @@ class _BatchedFn:
 
     def __init__(self, name: str, fn: Callable[..., Any], weight: float, kwargs: dict[str, Any]) -> None:
         self.name, self.fn, self.weight, self.kwargs = name, fn, weight, kwargs
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or C callable: pass everything
@@ -312,7 +314,8 @@ class _RewardModel:
         self.model, self.tokenizer = load_reward_model(spec["path"], model_cfg)
         if spec.get("device"):  # a reward model on a device of its own
             try:
-                self.model.to(torch.device(spec["device"]))
+                # transformers wraps PreTrainedModel.to with functools.wraps, which mypy does not bind to self
+                self.model.to(torch.device(spec["device"]))  # type: ignore[arg-type]
             except (RuntimeError, TypeError, AssertionError) as exc:
                 raise ConfigError(f"reward.models.{name}.device={spec['device']!r} cannot hold the model ({exc}); give "
                                   "cpu, cuda or cuda:<index> of a GPU this worker sees") from None
@@ -441,17 +444,18 @@ class Scorer:
         ``watch`` is told which reward is being called (the worker's timeout watchdog reads it).
         """
         watch = watch or CallWatch()
-        results: list[dict[str, float] | RewardError] = [{} for _ in items]
+        scores: list[dict[str, float]] = [{} for _ in items]
+        errors: dict[int, RewardError] = {}  # item -> why it has no reward
         todo: list[int] = []
         for i, it in enumerate(items):
             if not is_empty_response(it.response_text) or self.empty_response == "score":
                 todo.append(i)
             elif self.empty_response == "dead_letter":
-                results[i] = RewardError(EMPTY_DEAD_LETTER)
+                errors[i] = RewardError(EMPTY_DEAD_LETTER)
         totals = [0.0] * len(items)
         called = list(todo)
         for component in [*self.functions, *self.models]:
-            todo = [i for i in todo if not isinstance(results[i], RewardError)]
+            todo = [i for i in todo if i not in errors]
             if not todo:
                 break
             for i, parts in zip(todo, component.run([items[i] for i in todo], watch)):
@@ -460,19 +464,19 @@ class Scorer:
                         raise parts
                     for label, value in parts:
                         value = as_number(label, value)
-                        results[i][label] = value
+                        scores[i][label] = value
                         totals[i] += component.weight * value
                 except RewardError as exc:
-                    results[i] = exc
+                    errors[i] = exc
         for i in called:
-            if results[i] == {}:  # every function returned None for it, and there is no model
-                results[i] = RewardError("no reward applies to this sample: every reward function returned None for it "
-                                         "(TRL's 'does not apply') and no reward model is configured")
+            if i not in errors and not scores[i]:  # every function returned None for it, and there is no model
+                errors[i] = RewardError("no reward applies to this sample: every reward function returned None for it "
+                                        "(TRL's 'does not apply') and no reward model is configured")
         out: list[tuple[float, dict[str, float]] | RewardError] = []
-        for total, parts in zip(totals, results):
-            if not isinstance(parts, RewardError) and not math.isfinite(total):  # finite parts can overflow when weighted
-                parts = RewardError(f"the weighted reward is not finite ({total}); components {parts}")
-            out.append(parts if isinstance(parts, RewardError) else (total, parts))
+        for i, (total, scored) in enumerate(zip(totals, scores)):
+            if i not in errors and not math.isfinite(total):  # finite parts can overflow when weighted
+                errors[i] = RewardError(f"the weighted reward is not finite ({total}); components {scored}")
+            out.append(errors[i] if i in errors else (total, scored))
         return out
 
     def score(self, prompt: str, response_text: str, response_ids: Sequence[int],

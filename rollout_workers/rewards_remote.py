@@ -39,13 +39,13 @@ import http.client
 import json
 import os
 import re
-import socket
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 MAX_REPLY_BYTES = 1 << 20
 RETRY_STATUS = frozenset({408, 409, 429})  # and every 5xx but FINAL_5XX
@@ -152,7 +152,7 @@ class ChatJudge:
                     raise JudgeError(f"{self.endpoint} answered {last}; check url and model") from None
                 if exc.code in RETRY_AFTER_STATUS:
                     wait = min(max(backoff, _retry_after(exc.headers.get("Retry-After") if exc.headers else None)), self.max_backoff_s)
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
                 last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
         raise JudgeError(f"no answer from {self.endpoint} after {self.max_retries + 1} attempt(s) (timeout_s="

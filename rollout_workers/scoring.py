@@ -22,8 +22,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Hashable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from rollout_workers.rewards import CallWatch, RewardFailing
 
@@ -109,7 +110,7 @@ class ScoringPool(Generic[K]):
                 raise result
             out.extend(zip(keys, result))
         if self.timeout_s is not None:
-            out.extend(self._expire())
+            out.extend(self._expire(self.timeout_s))
         return out
 
     def take_durations(self) -> list[float]:
@@ -142,13 +143,13 @@ class ScoringPool(Generic[K]):
         self.batches += 1
         self._durations.append(seconds)
 
-    def _expire(self) -> list[tuple[K, Any]]:
+    def _expire(self, timeout_s: float) -> list[tuple[K, Any]]:
         late: list[tuple[_Batch[K], str]] = []
         with self._cond:
             now = time.monotonic()
             for thread, batch in list(self._running.items()):
                 current = batch.watch.current
-                if current is None or now - current[1] <= self.timeout_s:
+                if current is None or now - current[1] <= timeout_s:
                     continue
                 del self._running[thread]  # the thread sees this when its call returns, and ends
                 self._account(batch, now)
@@ -156,12 +157,12 @@ class ScoringPool(Generic[K]):
                 self._threads.remove(thread)
                 self._abandoned.append(thread)
                 self._start_thread()
-                late.append((batch, f"{current[0]} did not return within reward.timeout_s={self.timeout_s:g} s (a batch "
+                late.append((batch, f"{current[0]} did not return within reward.timeout_s={timeout_s:g} s (a batch "
                                     f"of {len(batch.keys)} sample(s)); the call was abandoned and runs on in the "
                                     "background. Make the reward faster, raise reward.timeout_s, or lower reward.batch_size"))
         stuck = self.abandoned_running() if late else 0
         if stuck > MAX_ABANDONED:
-            raise RewardFailing(f"{stuck} reward calls abandoned after reward.timeout_s={self.timeout_s:g} s are still "
+            raise RewardFailing(f"{stuck} reward calls abandoned after reward.timeout_s={timeout_s:g} s are still "
                                 f"running, the last because: {late[-1][1]}. The reward hangs: fix it (or its server)")
         return [(key, self.on_timeout(key, reason)) for batch, reason in late for key in batch.keys]
 
@@ -191,10 +192,11 @@ class ScoringPool(Generic[K]):
                 keys, items = taken
                 watch = CallWatch()
                 self._running[me] = _Batch(keys, watch, time.monotonic(), me)
+            result: list[Any] | BaseException
             try:
-                result: list[Any] | BaseException = self.job(items, watch)
-                if len(result) != len(items):
-                    raise RuntimeError(f"scoring job returned {len(result)} outcomes for {len(items)} items")
+                result = outcomes = self.job(items, watch)
+                if len(outcomes) != len(items):
+                    raise RuntimeError(f"scoring job returned {len(outcomes)} outcomes for {len(items)} items")
             except BaseException as exc:  # handed to the main thread, which raises it
                 result = exc
             with self._cond:

@@ -27,12 +27,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from rollout_workers.engine import EngineError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_NAME = "rlhf_slots"
 PROBE_NAME = "rlhf_slots_probe"  # the start-up probe's counting slot attention (check_slot_attention)
@@ -178,8 +182,10 @@ def direct_forward_supported(model: torch.nn.Module) -> bool:
     """Whether :func:`direct_forward` computes what ``model``'s own forward does (not for a
     subclass, which may change it, even one of the same name, or a sliding-window layer)."""
     cls = type(model)
-    return cls.__name__ in DIRECT_MODELS and cls.__module__.startswith("transformers.models.") and all(
-        getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers)
+    if cls.__name__ not in DIRECT_MODELS or not cls.__module__.startswith("transformers.models."):
+        return False
+    inner: Any = model.model  # a DIRECT_MODELS decoder: its submodules are reached by name
+    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
 
 
 def direct_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -189,7 +195,8 @@ def direct_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.T
     a :func:`direct_forward_supported` model: its embedding, rotary, norm, projection, MLP and
     head modules (a LoRA layer in place of a projection included) with the arithmetic of its
     attention and decoder layers, the same operations in the same order."""
-    inner = model.model
+    inner: Any = model.model  # a DIRECT_MODELS decoder: its submodules are reached by name
+    head: Any = model.lm_head
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=positions)
     rotate = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
@@ -203,11 +210,11 @@ def direct_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.T
         out, _ = slot_attention(attn, q, k, v, mask, scaling=attn.scaling)
         hidden = hidden + attn.o_proj(out.reshape(n, c, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(inner.norm(hidden[:, -1]))
+    return head(inner.norm(hidden[:, -1]))
 
 
 @contextlib.contextmanager
-def slot_attention_for(model: torch.nn.Module, name: str = ATTENTION_NAME,
+def slot_attention_for(model: PreTrainedModel, name: str = ATTENTION_NAME,
                        attention: Callable[..., Any] = slot_attention) -> Iterator[None]:
     """Route ``model``'s attention through :func:`slot_attention` (registered as ``name``; the
     probe's counting wrapper of it) inside the block (the model's own implementation is restored
@@ -232,7 +239,7 @@ def _counted_slot_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) 
     return slot_attention(module, *args, **kwargs)
 
 
-def check_slot_attention(model: torch.nn.Module, one_pass: Callable[[], Any]) -> None:
+def check_slot_attention(model: PreTrainedModel, one_pass: Callable[[], Any]) -> None:
     """Refuse a model the slot attention plug-in does not reach: ``one_pass`` (the engine's pass of
     one token) must run :func:`slot_attention` once in each layer. Families whose attention code
     does not dispatch through transformers' attention interface (Falcon, GPT-J, MPT, Bloom, most

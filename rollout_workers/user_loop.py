@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable
 from concurrent.futures import Future
-from typing import Any, Awaitable
+from typing import Any
 
 
 class UserLoop:

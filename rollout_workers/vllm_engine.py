@@ -71,16 +71,16 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, get_args
+from typing import Any, get_args
 
 import torch
 
 from rlhf_core.config import LoraConfig, response_budget
 from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_lora
-from rollout_workers.engine import (EngineError, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update,
-                                    make_result)
+from rollout_workers.engine import EngineError, FinishReason, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
 from weight_server.shm import free_bytes, private_dir, remove_stale, reserve_bytes
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class WeightLoaderExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)  # host tensors; the reload moves them to the model's device
+        # model_runner is the vLLM worker's, which this class is mixed into
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
         return len(weights)
 
@@ -313,7 +314,7 @@ class VLLMEngine:
         self._tracks: dict[str, _Track] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any = None) -> "VLLMEngine":
+    def from_config(cls, cfg: Any, tokenizer: Any = None) -> VLLMEngine:
         from rlhf_core.models import load_tokenizer, model_dir
 
         import_vllm()  # fail with the install hint before building anything
@@ -353,7 +354,8 @@ class VLLMEngine:
             raise self._dead(exc) from None
         except ValueError as exc:  # vLLM's own input checks (token ids outside the vocabulary, ...)
             raise RequestError(f"request {request.request_id}: vLLM refused it: {exc}") from None
-        self._tracks[request.request_id] = _Track(request, self.version, self._adapters.current if adapter is not None else None)
+        version_of_adapter = self._adapters.current if self._adapters is not None and adapter is not None else None
+        self._tracks[request.request_id] = _Track(request, self.version, version_of_adapter)
 
     def step(self) -> list[GenResult]:
         finished = []
@@ -378,8 +380,7 @@ class VLLMEngine:
                 del self._tracks[out.request_id]
                 self.num_prompt_tokens += len(track.request.prompt_ids)
                 self.num_reused_tokens += int(out.num_cached_tokens or 0)
-                reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
-                finished.append(self._result(track, reason))
+                finished.append(self._result(track, _finish_reason(completion.finish_reason)))
         if finished and self._adapters is not None and len(self._adapters.requests) > 1:
             self._adapters.retire(self._adapter_versions_in_use())
         return finished
@@ -563,13 +564,20 @@ class VLLMEngine:
             output_kind=self._delta,
         )
 
-    def _result(self, track: _Track, reason: str) -> GenResult:
+    def _result(self, track: _Track, reason: FinishReason) -> GenResult:
         text = self.tokenizer.decode(track.tokens, skip_special_tokens=True)
         versions = track.versions
         if versions and track.adapter is None:  # its prompt's prefill may have spanned a reload (module docstring)
             versions = [min(versions[0], track.added_at), *versions[1:]]
         return make_result(track.request.request_id, track.request.prompt_ids, track.tokens, track.logprobs,
                            versions, reason, text)
+
+
+def _finish_reason(vllm_reason: str | None) -> FinishReason:
+    """vLLM's finish reason as ours: any other than length or abort is a stop."""
+    if vllm_reason == "length":
+        return "length"
+    return "abort" if vllm_reason == "abort" else "stop"
 
 
 def _can_pause_keeping_requests() -> bool:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ MAX_CPU_LORAS = 8  # adapters vLLM keeps loaded; versions are removed when no re
 
 def engine_args(cfg: LoraConfig) -> dict[str, Any]:
     """The ``vllm.EngineArgs`` settings that turn on LoRA for adapters of rank ``cfg.r``."""
-    rank = next(r for r in VLLM_LORA_RANKS if r >= int(cfg.r))  # vLLM sizes its buffers for one of these
+    rank = next(r for r in VLLM_LORA_RANKS if r >= lora.rank(cfg))  # vLLM sizes its buffers for one of these
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": MAX_LORAS, "max_cpu_loras": MAX_CPU_LORAS}
 
 
@@ -57,7 +58,6 @@ class AdapterVersions:
 
     def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig
-
         from vllm.lora.request import LoRARequest
 
         self.cfg = cfg
@@ -90,6 +90,7 @@ class AdapterVersions:
         if version in self.requests:  # a version number never names other weights: this adapter is loaded
             self.current = version
             return
+        assert self.root is not None, "bind() comes first"
         folder = lora.save_adapter(self.root / f"v{version}", tensors, self.cfg, base_model=self.model_path)
         req = self._request_cls(f"v{version}", version + 1, str(folder))
         try:

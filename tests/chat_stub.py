@@ -55,7 +55,7 @@ class ChatStub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, name="chat-stub", daemon=True)
 
-    def __enter__(self) -> "ChatStub":
+    def __enter__(self) -> ChatStub:
         self.thread.start()
         return self
 

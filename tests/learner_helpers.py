@@ -7,7 +7,8 @@ log-probs it records are exactly what a worker with these weights would record.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

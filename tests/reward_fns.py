@@ -10,7 +10,8 @@ import asyncio
 import os
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def constant(prompt: str, text: str, ids: Sequence[int], metadata: dict[str, Any], value: float = 1.0) -> float:

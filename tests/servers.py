@@ -6,10 +6,9 @@ port in a temp dir (AOF on), which a test may kill and restart.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
-
 
 from buffer.local_server import RedisServer, free_port  # noqa: E402,F401  (one implementation, shared with rlhf-run)
 

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,7 +108,7 @@ class FakeLearner:
             self.buffer.close()
             raise
 
-    def thread(self, cfg: Config, worker_id: str, **budget: Any) -> "WorkerThread":
+    def thread(self, cfg: Config, worker_id: str, **budget: Any) -> WorkerThread:
         wt = WorkerThread(cfg, worker_id, **budget)
         self.threads.append(wt)
         return wt
@@ -237,7 +238,7 @@ class WorkerThread:
         except BaseException as exc:  # re-raised in join()
             self.error = exc
 
-    def start(self) -> "WorkerThread":
+    def start(self) -> WorkerThread:
         self.thread.start()
         return self
 

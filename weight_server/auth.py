@@ -17,8 +17,9 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 
@@ -152,15 +153,16 @@ def configure_client_socket(sock: zmq.Socket, cfg: WeightServerConfig) -> None:
     """Make ``sock`` a CURVE client (before connect) when ``auth=curve``."""
     if cfg.auth != "curve":
         return
-    missing = [s for s in ("curve_server_public", "curve_client_public", "curve_client_secret") if not getattr(cfg, s)]
-    if missing:
+    server, public, secret = cfg.curve_server_public, cfg.curve_client_public, cfg.curve_client_secret
+    if not (server and public and secret):
+        missing = [s for s in ("curve_server_public", "curve_client_public", "curve_client_secret") if not getattr(cfg, s)]
         raise ConfigError(
             f"weight_server.auth=curve: clients need {', '.join('weight_server.' + m for m in missing)} "
             "(see `rlhf-weight-server --gen-keys DIR`)"
         )
-    sock.curve_serverkey = load_key(cfg.curve_server_public, "curve_server_public")
-    sock.curve_publickey = load_key(cfg.curve_client_public, "curve_client_public")
-    sock.curve_secretkey = load_key(cfg.curve_client_secret, "curve_client_secret", want_secret=True)
+    sock.curve_serverkey = load_key(server, "curve_server_public")
+    sock.curve_publickey = load_key(public, "curve_client_public")
+    sock.curve_secretkey = load_key(secret, "curve_client_secret", want_secret=True)
 
 
 #: a refused client (address, key) is logged at most once in this many seconds

@@ -12,7 +12,8 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -51,8 +52,6 @@ class Channel:
         self.rcvhwm = rcvhwm
         self.signer = signer_for(cfg)
         self._rids = itertools.count(secrets.randbits(30))
-        self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None
         self._connected = False
         self._handshaken = False
         self._open()
@@ -60,7 +59,7 @@ class Channel:
     # -- socket lifecycle ------------------------------------------------------------------------
     def _open(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        self.sock = sock
+        monitor: zmq.Socket | None = None
         try:
             sock.linger = 0
             # immediate: never queue a request for a connection that is not up (or not authenticated),
@@ -72,11 +71,12 @@ class Channel:
             sock.reconnect_ivl_max = 1000
             sock.maxmsgsize = max(self.cfg.max_frame_bytes, self.cfg.max_manifest_bytes)
             configure_client_socket(sock, self.cfg)
-            self.monitor = sock.get_monitor_socket(_MONITORED, addr=f"inproc://ws-monitor-{id(self)}-{next(_monitor_ids)}")
+            monitor = sock.get_monitor_socket(_MONITORED, addr=f"inproc://ws-monitor-{id(self)}-{next(_monitor_ids)}")
             sock.connect(self.address)
         except BaseException:
-            self.close()
+            _close(sock, monitor)
             raise
+        self.sock, self.monitor = sock, monitor
         self._connected = self._handshaken = False
 
     def reset(self) -> None:
@@ -85,15 +85,8 @@ class Channel:
         self._open()
 
     def close(self) -> None:
-        if self.sock is not None:
-            if self.monitor is not None:
-                try:
-                    self.sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                self.monitor.close(linger=0)
-            self.sock.close(linger=0)
-            self.sock = self.monitor = None
+        """Close the socket and its monitor; idempotent. :meth:`reset` opens new ones."""
+        _close(self.sock, self.monitor)
 
     # -- waiting -----------------------------------------------------------------------------------
     def _wait(self, event: int, timeout_s: float) -> None:
@@ -178,7 +171,7 @@ class Channel:
                 if got != len(view):
                     self._drain()
                     raise WireError(f"chunk {obj.get('chunk')}: data frame of {got} bytes, expected {len(view)}")
-        rest = []
+        rest: list[bytes] = []
         while self.sock.rcvmore:
             if len(rest) > 4:
                 self._drain()
@@ -233,3 +226,16 @@ class Channel:
     def _drain(self) -> None:
         while self.sock.rcvmore:
             self.sock.recv_into(bytearray())
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Close a channel's socket (linger 0) and its monitor socket, unless closed already."""
+    if sock.closed:
+        return
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+    sock.close(linger=0)

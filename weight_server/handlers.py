@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError, optional, require
@@ -240,18 +241,19 @@ class Handlers:
         that they are in: answered at once when they are, else parked until they arrive."""
         name, version, index = P.req_name(obj), P.req_int(obj, "version"), P.req_int(obj, "chunk")
         notice = optional(obj, "shm", bool, False)
-        rid = obj.get("rid")
+        rid: Any = obj.get("rid")  # echoed back as the client sent it
         ver = self.store.get(name, version)
         up = self.store.upload_of(name, version) if ver is None else None
-        if ver is None and up is None:
+        held = ver if ver is not None else up
+        if held is None:
             raise Refused(P.E_NOT_FOUND, f"version {version} of {name!r} is no longer held (held: {self.store.held().get(name, [])})")
-        total = ver.layout.total_bytes if ver is not None else up.layout.total_bytes
+        total = held.layout.total_bytes
         if index >= P.chunk_count(total, self.cfg.chunk_bytes):
             raise WireError(f"chunk {index} is out of range for {name} v{version}")
-        if notice and (ver or up).slab.path is None:
+        if notice and held.slab.path is None:
             raise WireError(f"{name} v{version} is not in shared memory; fetch its chunks without shm")
-        if ver is not None:
-            self._send_chunk(ident, rid, name, version, index, ver.slab, total, notice)
+        if up is None:  # a committed version
+            self._send_chunk(ident, rid, name, version, index, held.slab, total, notice)
             return
         offset, length = P.chunk_range(index, total, self.cfg.chunk_bytes)
         if up.has(offset + length):
@@ -283,7 +285,8 @@ class Handlers:
             raise Refused(P.E_NOT_FOUND, f"version {version} of {name!r} is neither held nor being uploaded")
         if len(up.waiters) >= MAX_PARKED:
             raise Refused(P.E_TOO_LARGE, f"too many followers are waiting for {name} v{version}")
-        up.waiters.append((ident, obj.get("rid")))
+        rid: Any = obj.get("rid")  # echoed back as the client sent it
+        up.waiters.append((ident, rid))
 
     # -- metrics ------------------------------------------------------------------------------------
     def applied(self, ident: bytes, obj: dict[str, Any]) -> None:

@@ -90,13 +90,13 @@ class PacedLog:
         now = self.clock()
         with self._lock:
             pace = self._keys.get(key)
-            held = pace is not None and now - pace.last_info < self.every_s
-            if held:
+            since: tuple[int, float] | None = None
+            if pace is not None and now - pace.last_info < self.every_s:
                 pace.hold(msg, args, seconds)
             else:
                 since = pace.since() if pace is not None else (0, 0.0)
                 self._keys[key] = _Pace(now)
-        if held:
+        if since is None:  # held
             self.logger.debug(msg, *args)
         else:
             self._info(msg, args, *since)
@@ -166,7 +166,7 @@ class ServerMetrics:
     def pulled(self, name: str, version: int) -> None:
         with self._lock:
             self.counters["pulls"] += 1
-            rec = self.versions.get(name, {}).get(version)
+            rec = self._record(name, version)
             if rec is not None:
                 rec["pulls"] += 1
 
@@ -176,7 +176,7 @@ class ServerMetrics:
             self.counters["pulls_shm" if shm else "pulls_tcp"] += 1
             if fallback:
                 self.counters["shm_fallbacks"] += 1
-            rec = self.versions.get(name, {}).get(version)
+            rec = self._record(name, version)
             if rec is not None and shm:
                 rec["pulls_shm"] += 1
 
@@ -184,7 +184,7 @@ class ServerMetrics:
         with self._lock:
             self.counters["chunks_served"] += 1
             self.counters["bytes_served"] += nbytes
-            rec = self.versions.get(name, {}).get(version)
+            rec = self._record(name, version)
             if rec is not None:
                 rec["chunks_served"] += 1
                 rec["bytes_served"] += nbytes
@@ -192,7 +192,7 @@ class ServerMetrics:
     def applied(self, name: str, version: int, worker: str, apply_s: float | None, now_mono: float) -> float | None:
         """Record that ``worker`` applied ``version``; returns the publish->applied latency (s)."""
         with self._lock:
-            rec = self.versions.get(name, {}).get(version)
+            rec = self._record(name, version)
             if rec is None or worker in rec["applied"]:
                 return None  # unknown version (evicted from history) or a repeated report
             latency = now_mono - rec["_begin_mono"]
@@ -200,6 +200,11 @@ class ServerMetrics:
         self.log.event(("applied", worker, name), latency, "worker %s applied %s v%d %.3f s after publish began",
                        worker, name, version, latency)
         return latency
+
+    def _record(self, name: str, version: int) -> dict[str, Any] | None:
+        """``version`` of ``name`` as published; None when unknown or evicted from the history."""
+        per = self.versions.get(name)
+        return None if per is None else per.get(version)
 
     def snapshot(self, held: dict[str, list[int]]) -> dict[str, Any]:
         with self._lock:

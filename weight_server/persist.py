@@ -15,8 +15,9 @@ import logging
 import os
 import struct
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from weight_server import protocol as P
 from weight_server.slabs import Slab

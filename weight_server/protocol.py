@@ -75,8 +75,9 @@ from __future__ import annotations
 import math
 import posixpath
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import xxhash
 
@@ -178,7 +179,7 @@ class Layout:
     def hashes(self) -> list[bytes]:
         return [t.hash for t in self.tensors]
 
-    def with_hashes(self, hashes: Sequence[bytes]) -> "Layout":
+    def with_hashes(self, hashes: Sequence[bytes]) -> Layout:
         specs = tuple(TensorSpec(t.name, t.dtype, t.shape, t.nbytes, t.offset, h) for t, h in zip(self.tensors, hashes))
         return Layout(specs, self.total_bytes)
 

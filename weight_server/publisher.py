@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -78,13 +79,14 @@ class WeightPublisher:
             raise ConfigError(f"weight_server.chunk_bytes {self.cfg.chunk_bytes} exceeds max_frame_bytes {self.cfg.max_frame_bytes}")
         self.cfg.check_shm()
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
-        self._own_ctx = ctx is None
-        self.ctx = ctx or Context()
-        self.channel: Channel | None = None
+        self._own_ctx: Context | None = None
+        if ctx is None:
+            ctx = self._own_ctx = Context()
+        self.ctx = ctx
         try:
             self.channel = Channel(address, self.cfg, self.ctx)
         except BaseException:
-            self.close()
+            self._release()
             raise
         # name -> (version, layout signature, tensor hashes) of the last successful publish (delta base)
         self._last: dict[str, tuple[int, tuple, list[bytes]]] = {}
@@ -93,15 +95,20 @@ class WeightPublisher:
     def close(self) -> None:
         """Close the socket (linger 0), the mappings and an own context; also after a failure."""
         try:
-            if self.channel is not None:
-                self.channel.close()
+            self.channel.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Close the mappings and an own context."""
+        try:
             if self._maps is not None:
                 self._maps.close()
         finally:
-            if self._own_ctx:
-                self.ctx.close()
+            if self._own_ctx is not None:
+                self._own_ctx.close()
 
-    def __enter__(self) -> "WeightPublisher":
+    def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -29,9 +29,10 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from weight_server import protocol as P
 from weight_server.slabs import Slab
@@ -158,7 +159,7 @@ def remove_stale(parent: str, prefix: str = P.SHM_DIR_PREFIX) -> list[str]:
     this user, whose pid is not running here and whose lock no process holds (an owner in another
     PID namespace that shares this /dev/shm, or a new process that took a dead owner's pid, still
     holds it or is running: such folders are kept)."""
-    removed = []
+    removed: list[str] = []
     name = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]+$")
     try:
         entries = list(os.scandir(parent))

@@ -19,7 +19,8 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 

@@ -8,7 +8,8 @@ its storage (``t.view(torch.uint8)``); the wire dtype name travels beside it.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def check_target(layout: Layout, target: Mapping[str, torch.Tensor]) -> None:

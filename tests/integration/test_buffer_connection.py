@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from buffer import Buffer, BufferAuthError, BufferUnavailable, RunParamsMismatch
 import factories as T
+from buffer import Buffer, BufferAuthError, BufferUnavailable, RunParamsMismatch
 from rlhf_core.config import BufferConfig
 from servers import RedisServer, free_port
 

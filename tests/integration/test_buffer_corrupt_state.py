@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from buffer import Buffer, CorruptStateError
 import factories as T
+from buffer import Buffer, CorruptStateError
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Prompt
 

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
+import factories as T
 from buffer import Buffer
 from buffer import keys as K
-import factories as T
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
 
@@ -96,7 +96,7 @@ def test_undecodable_prompt_is_dead_lettered_and_claiming_goes_on(buf):
     buf.redis.hincrby(buf.keys.counters, "prompts_waiting", 1)
     buf.enqueue_prompts(T.prompts(1))
     got = buf.claim("w", 2)
-    assert [l.prompt.prompt_id for l in got] == ["p0"]
+    assert [lease.prompt.prompt_id for lease in got] == ["p0"]
     dead = buf.dead_letters()
     assert len(dead) == 1 and dead[0]["kind"] == "prompt" and "undecodable prompt" in dead[0]["reason"]
     assert dead[0]["raw"] == b"\x93garbage" and dead[0]["producer"] == "w"

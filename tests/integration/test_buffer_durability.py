@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
+import factories as T
 from buffer import Buffer
 from buffer import keys as K
-import factories as T
 from rlhf_core.config import BufferConfig
 from servers import wait_for
 
@@ -154,7 +154,7 @@ def test_restart_with_aof_loses_no_sample_and_no_lease(redis_server):
     assert (c["prompts_enqueued"], c["prompts_waiting"], c["prompts_acked"], c["samples_consumed"]) == (20, 12, 8, 32)
     assert (c["samples_in_buffer"], c["inflight"], c["admitted"]) == (0, 0, 32)
     remaining = worker.claim("w", 20)
-    assert sorted(l.prompt.prompt_id for l in remaining) == [f"p{i}" for i in range(8, 10)]  # budget (4+0+1)*8 - 32 = 8 samples = 2 prompts
+    assert sorted(lease.prompt.prompt_id for lease in remaining) == [f"p{i}" for i in range(8, 10)]  # budget (4+0+1)*8 - 32 = 8 samples = 2 prompts
 
 
 def test_complete_many_is_one_round_trip_and_survives_a_server_that_forgot_the_scripts(redis_url):

@@ -13,10 +13,9 @@ import threading
 import pytest
 import redis
 
-from buffer import Buffer
-from buffer import keys as K
-from buffer import BufferOutOfMemory
 import factories as T
+from buffer import Buffer, BufferOutOfMemory
+from buffer import keys as K
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
 

@@ -10,9 +10,9 @@ import pytest
 import factories as T
 from buffer import Buffer
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
-from rlhf_core.wire import WireError
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
+from rlhf_core.wire import WireError
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from buffer import Buffer
 import factories as T
+from buffer import Buffer
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ def _produce(buf: Buffer, n_prompts: int, version: int = 0, group_size: int = 4,
     assert len(leases) == n_prompts
     for lease in leases:
         assert buf.complete(lease, T.group(lease.prompt, group_size, version=version)) == "appended"
-    return [l.prompt.prompt_id for l in leases]
+    return [lease.prompt.prompt_id for lease in leases]
 
 
 def test_learner_crash_before_commit_gets_the_batch_again(redis_url):
@@ -115,7 +115,7 @@ def test_pacing_bounds_staleness_without_dropping_in_a_steady_run(redis_url, max
     version = 0
     admitted_per_step = []
     lags: list[int] = []
-    for step in range(steps):
+    for _ in range(steps):
         leases = buf.claim("w", 1000)  # everything the budget allows, at the current version
         admitted_per_step.append(len(leases))
         for lease in leases:

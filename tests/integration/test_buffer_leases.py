@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from buffer import Buffer
 import factories as T
+from buffer import Buffer
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration
@@ -30,18 +30,17 @@ def buf(redis_url):
 
 
 WORKER = textwrap.dedent(
-    """
+    f"""
     import sys, time
     from buffer import Buffer
     from rlhf_core.config import BufferConfig
-    buf = Buffer.connect(sys.argv[1], "leases", BufferConfig(lease_timeout_s=%r))
+    buf = Buffer.connect(sys.argv[1], "leases", BufferConfig(lease_timeout_s={LEASE_S!r}))
     leases = buf.claim("doomed", 3, block_s=5.0)
     print(" ".join(l.lease_id for l in leases), flush=True)
     while True:
         buf.heartbeat("doomed", version=0)
         time.sleep(0.1)
     """
-    % LEASE_S
 )
 
 
@@ -55,8 +54,8 @@ def test_killed_worker_leases_are_redelivered_once(buf, redis_url):
         # while it heartbeats, its leases stay put well past the lease timeout
         time.sleep(LEASE_S * 1.5)
         first = buf.claim("survivor", 10, block_s=0)
-        assert len(first) == 5 and not {l.lease_id for l in first} & set(doomed_ids)
-        assert all(l.how == "new" and l.delivery_count == 1 for l in first)
+        assert len(first) == 5 and not {lease.lease_id for lease in first} & set(doomed_ids)
+        assert all(lease.how == "new" and lease.delivery_count == 1 for lease in first)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -66,8 +65,8 @@ def test_killed_worker_leases_are_redelivered_once(buf, redis_url):
     t0 = time.monotonic()
     again = buf.claim("survivor", 10, block_s=LEASE_S * 4)
     waited = time.monotonic() - t0
-    assert sorted(l.lease_id for l in again) == sorted(doomed_ids)
-    assert all(l.how == "reclaimed" and l.delivery_count == 2 for l in again)
+    assert sorted(lease.lease_id for lease in again) == sorted(doomed_ids)
+    assert all(lease.how == "reclaimed" and lease.delivery_count == 2 for lease in again)
     assert waited < LEASE_S + 1.0  # woken by the periodic re-check, not at the end of block_s
     for lease in again:
         assert buf.complete(lease, T.group(lease.prompt)) == "appended"
@@ -101,7 +100,7 @@ def test_heartbeat_does_not_steal_back_and_records_consumer(buf):
     assert 0 <= rec["age_s"] < 5
     time.sleep(LEASE_S + 0.05)
     taken = buf.claim("other", 1)
-    assert [l.lease_id for l in taken] == [leases[0].lease_id]
+    assert [lease.lease_id for lease in taken] == [leases[0].lease_id]
     assert buf.heartbeat("w") == [leases[0].lease_id]
     assert buf.heartbeat("w") == []  # the lost lease is forgotten; the other one is still held
     time.sleep(LEASE_S / 2)
@@ -117,7 +116,7 @@ def test_release_redelivers_without_counting_a_delivery(buf):
     assert buf.release(leases[:2]) == 2
     assert buf.admission_budget() == budget + 8  # two groups' reservation returned
     got = buf.claim("w2", 5)
-    assert [(l.lease_id, l.how, l.delivery_count) for l in got] == [(l.lease_id, "released", 1) for l in leases[:2]]
+    assert [(lease.lease_id, lease.how, lease.delivery_count) for lease in got] == [(lease.lease_id, "released", 1) for lease in leases[:2]]
     assert buf.admission_budget() == budget  # admitted again
     assert buf.release(leases[:2]) == 0  # w1 no longer holds them
     c = buf.metrics()["counters"]
@@ -128,7 +127,7 @@ def test_prompt_that_keeps_killing_workers_is_dead_lettered(buf):
     buf.enqueue_prompts(T.prompts(1))
     for attempt in range(1, 4):
         got = buf.claim(f"victim{attempt}", 1, block_s=LEASE_S * 3)
-        assert [l.delivery_count for l in got] == [attempt]
+        assert [lease.delivery_count for lease in got] == [attempt]
         budget_while_held = buf.admission_budget()
     assert buf.claim("victim4", 1, block_s=LEASE_S + 0.3) == []
     dead = buf.dead_letters()
@@ -167,7 +166,7 @@ def test_claim_waits_for_the_run_to_be_initialised(redis_url):
     timer.start()
     got = worker.claim("w", 5, block_s=3.0)
     timer.join()
-    assert [l.prompt.prompt_id for l in got] == ["p0", "p1"]  # 8 samples of budget = 2 prompts of 4
+    assert [lease.prompt.prompt_id for lease in got] == ["p0", "p1"]  # 8 samples of budget = 2 prompts of 4
 
 
 def _script_calls(buf: Buffer) -> int:
@@ -204,7 +203,7 @@ def test_expired_leases_behind_many_released_prompts_are_reclaimed(redis_url):
     assert buf.release(released) == 70 and buf.admission_budget() == 0
     time.sleep(0.4)
     got = buf.claim("C", 1)
-    assert [(l.how, l.lease_id in {d.lease_id for d in dead}) for l in got] == [("reclaimed", True)]
+    assert [(lease.how, lease.lease_id in {d.lease_id for d in dead}) for lease in got] == [("reclaimed", True)]
     buf.close()
 
 
@@ -221,11 +220,11 @@ def test_a_dead_consumers_leases_are_taken_over_at_once_and_land_once(redis_url)
     assert buf.expire_leases("dead") == 2
     assert buf.admission_budget() == budget  # still admitted: no reservation moves
     got = buf.claim("survivor", 5)
-    assert [(l.lease_id, l.how, l.delivery_count) for l in got] == [(l.lease_id, "reclaimed", 2) for l in dead]
+    assert [(lease.lease_id, lease.how, lease.delivery_count) for lease in got] == [(lease.lease_id, "reclaimed", 2) for lease in dead]
     assert buf.expire_leases("dead") == 0 and buf.admission_budget() == budget
     assert buf.complete(dead[0], T.group(dead[0].prompt)) == "appended"  # the dead one's late write
     assert buf.heartbeat("survivor") == [dead[0].lease_id]  # the survivor learns it need not finish it
-    assert [buf.complete(l, T.group(l.prompt)) for l in got] == ["duplicate", "appended"]
+    assert [buf.complete(lease, T.group(lease.prompt)) for lease in got] == ["duplicate", "appended"]
     assert buf.complete(dead[1], T.group(dead[1].prompt)) == "duplicate"
     assert buf.complete(alive, T.group(alive.prompt)) == "appended"  # another consumer's: untouched
     c = buf.metrics()["counters"]
@@ -240,7 +239,7 @@ def test_expired_leases_count_towards_max_deliveries(buf):
     # a prompt whose every holder dies (it kills them) is dead-lettered, as after lease timeouts
     buf.enqueue_prompts(T.prompts(1))
     for attempt in range(1, 4):
-        assert [l.delivery_count for l in buf.claim(f"victim{attempt}", 1)] == [attempt]
+        assert [lease.delivery_count for lease in buf.claim(f"victim{attempt}", 1)] == [attempt]
         assert buf.expire_leases(f"victim{attempt}") == 1
     assert buf.claim("victim4", 1) == []
     dead = buf.dead_letters()

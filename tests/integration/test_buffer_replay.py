@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from buffer import Buffer
 import factories as T
+from buffer import Buffer
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def _insert(buf: Buffer, n: int, version: int = 0, start: int = 0) -> list[str]:
     assert len(leases) == n, f"admitted {len(leases)} of {n}"
     for lease in leases:
         assert buf.complete(lease, T.group(lease.prompt, G, version=version)) == "appended"
-    return [l.prompt.prompt_id for l in leases]
+    return [lease.prompt.prompt_id for lease in leases]
 
 
 def test_sampler_blocks_below_min_size_and_on_the_ratio_and_wakes_on_insert(redis_url):

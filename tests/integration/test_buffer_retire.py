@@ -10,8 +10,8 @@ import uuid
 import msgpack
 import pytest
 
-from buffer import Buffer
 import factories as T
+from buffer import Buffer
 from rlhf_core import metric_names as M
 from rlhf_core.config import BufferConfig
 from rlhf_run.report import every_worker
@@ -87,8 +87,8 @@ def test_a_dead_worker_holding_leases_is_retired_only_once_a_claimer_took_them_o
     deadline = time.monotonic() + 30
     while len(got) < 2 and time.monotonic() < deadline:  # idle for the lease timeout, then taken over
         got += buf.claim("survivor", 2 - len(got), block_s=LEASE_S * 4)
-    assert sorted(l.lease_id for l in got) == sorted(l.lease_id for l in held)
-    assert all(l.how == "reclaimed" for l in got)
+    assert sorted(lease.lease_id for lease in got) == sorted(lease.lease_id for lease in held)
+    assert all(lease.how == "reclaimed" for lease in got)
     assert buf.retire_consumers(before=dead_since) == ["dead"]
     snap = buf.metrics()
     assert "dead" not in snap["consumers"] and snap["retired"] == {"consumers": 1, "stats": {M.WORKER_TOKENS: 50}}

@@ -74,6 +74,7 @@ def child_single(cache: str, out: str, ckpt: str) -> None:
     in one process; then a ZeRO-3 checkpoint round trip, and ZeRO-3 gathering and exporting a
     model whose head is tied to its input embeddings."""
     import torch
+
     from learner.checkpoint import load_latest, save_checkpoint
     from learner.engine_factory import make_engine
     from learner.engines import shutdown_distributed
@@ -214,6 +215,7 @@ def child_lora(cache: str, out: str, ckpt: str) -> None:
     gathered for publishing; a ZeRO-3 checkpoint holds them without the frozen base weights and
     restores them; the ZeRO-3 export is the merged model."""
     import torch
+
     from learner.checkpoint import export_hf, load_latest, save_checkpoint
     from learner.engine_factory import make_engine
     from learner.engines import shutdown_distributed

@@ -21,8 +21,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,7 @@ class Hold:
             self.let_through -= 1
         return self._step()
 
-    def __enter__(self) -> "Hold":
+    def __enter__(self) -> Hold:
         self.event.set()
         return self
 
@@ -909,6 +910,7 @@ def test_a_call_running_when_the_channel_from_the_workers_drops_fails_with_503_a
     import signal
 
     import redis as redis_py
+
     from servers import RedisServer, wait_for
 
     redis = RedisServer(tmp_path / "redis").start()  # its own Redis (append-only): the test kills it
@@ -1039,8 +1041,8 @@ def test_a_worker_stopping_aborts_its_running_calls_and_counts_what_they_sampled
                                     kwargs=dict(content=_chat_body(max_tokens=32), timeout=60), daemon=True)
             call.start()
             calls.append(call)
-            wait_for(lambda: hold.let_through == 0 or gw.stats["gateway_done"] > done, 30, "the call's first two steps")
-            if wait_for(lambda: (len(gw) == 1 and "held") or (gw.stats["gateway_done"] > done and "done"), 10,
+            wait_for(lambda done=done: hold.let_through == 0 or gw.stats["gateway_done"] > done, 30, "the call's first two steps")
+            if wait_for(lambda done=done: (len(gw) == 1 and "held") or (gw.stats["gateway_done"] > done and "done"), 10,
                         "the call held or done") == "held":
                 break
         else:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
-import signal
 import time
 from pathlib import Path
 from typing import Any

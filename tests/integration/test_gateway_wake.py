@@ -14,12 +14,13 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+import test_buffer_gateway_groups
 from buffer import Buffer, prompts
 from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, WorkerChannel
 from rollout_workers.gateway_calls import BackgroundChannel
-from test_buffer_gateway_groups import buf  # noqa: F401  # a run of groups of 2 on the test's own Redis
 
 pytestmark = pytest.mark.integration
+buf = test_buffer_gateway_groups.buf  # the fixture: a run of groups of 2 on the test's own Redis
 
 
 def test_a_claim_whose_interrupt_says_so_returns_without_waiting(buf, monkeypatch):

@@ -444,6 +444,7 @@ def test_an_address_that_accepts_connections_but_is_no_ray_cluster_is_refused_wi
     import time
 
     from ray._private import ray_constants
+
     from rlhf_core.config import Config, ConfigError
     from rlhf_run.ray_launcher import RayLauncher
 

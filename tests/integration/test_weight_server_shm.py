@@ -558,7 +558,6 @@ def test_stale_refusal_duplicates_and_a_retry_across_a_server_restart_over_shm(t
     """A restarted server has a new folder and token: the publisher's retry and the worker's next
     pull find them by themselves."""
     from servers import free_port
-
     from weight_server import StaleVersionError
 
     cfg = _cfg(port=free_port(), pub_port=free_port(), request_timeout_s=0.5, retry_timeout_s=20.0)

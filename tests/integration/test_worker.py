@@ -222,7 +222,7 @@ def test_stop_without_grace_releases_unfinished_prompts(run, tmp_path):
     assert learner.counters()["prompts_released"] == 2
     # released prompts are handed out first, not counted as a failed delivery
     again = learner.buffer.claim("other", 5, block_s=0)
-    assert sorted((l.lease_id, l.how, l.delivery_count) for l in again) == sorted((i, "released", 1) for i in held)
+    assert sorted((lease.lease_id, lease.how, lease.delivery_count) for lease in again) == sorted((i, "released", 1) for i in held)
 
 
 def test_lease_taken_over_by_another_worker_is_abandoned(run, tmp_path):
@@ -481,4 +481,4 @@ def test_a_failure_between_claim_and_start_releases_the_prompts_not_started(run)
     assert worker.stats.released == 4
     # released, not expired: handed out at once to the next claimer, not counted as a failed delivery
     again = learner.buffer.claim("other", 20, block_s=0)
-    assert len(again) == 4 and {(l.how, l.delivery_count) for l in again} == {("released", 1)}
+    assert len(again) == 4 and {(lease.how, lease.delivery_count) for lease in again} == {("released", 1)}

@@ -11,8 +11,7 @@ import numpy as np
 import psutil
 import pytest
 
-from worker_helpers import (FakeLearner, check_sample, compose, gate_overrides, log_tail, overrides, recompute, spawn_worker,
-                            wait_for)
+from worker_helpers import FakeLearner, check_sample, compose, gate_overrides, log_tail, overrides, recompute, spawn_worker, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from buffer import keys as K
+
 import factories as T
+from buffer import keys as K
 from buffer.samples import build_batch, decode_entry
 from rlhf_core.config import BufferConfig
 

@@ -11,7 +11,7 @@ import pytest
 
 from buffer.gateway import KIND_CALL, KIND_CHUNK, CallChunk, GatewayCall
 from buffer.keys import RunKeys
-from gateway.openai_api import (ApiError, normal_message, parse_chat, parse_completion, parse_json, parse_sampling)
+from gateway.openai_api import ApiError, normal_message, parse_chat, parse_completion, parse_json, parse_sampling
 from gateway.sessions import PLAIN_TEMPLATE, SessionError, Sessions
 from rlhf_core.config import Config
 from rlhf_core.wire import WireError, encode_record
@@ -248,7 +248,7 @@ def test_a_sessions_next_call_may_reuse_k_v_as_old_as_its_oldest_token(tokenizer
         reply, _ = sampled_turn(sessions, s, ids(tokenizer, text), version=version)
         s.expected = [*msgs, normal_message(reply)]
         msgs = [*s.expected, {"role": "user", "content": f"b{turn}"}]
-        (call,) = router.make_calls([s], lambda s: sessions.chat_context(s, msgs, None), sampling)
+        (call,) = router.make_calls([s], lambda s, msgs=msgs: sessions.chat_context(s, msgs, None), sampling)
         assert call.call.min_kv_version == 3
 
 

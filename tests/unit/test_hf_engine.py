@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import ids, recompute
 from rlhf_core.config import Config, ConfigError
 from rlhf_core.models import load_policy, load_tokenizer
 from rollout_workers.engine import (
@@ -17,10 +18,8 @@ from rollout_workers.engine import (
     RequestError,
     SamplingParams,
 )
-from engine_helpers import ids, recompute
 from rollout_workers.engine_factory import make_engine
 from rollout_workers.hf_engine import HFEngine
-
 
 PARITY_ATOL = 1e-4
 

@@ -11,7 +11,6 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf_core.cli import die_with_parent
 from rlhf_core.config import Config, ConfigError
 from rlhf_run.launch import LAUNCH_CONFIG, PIDS_FILE, Launcher, resume_config
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from learner.algorithms.core import (
-    aggregate, entropy_bonus, global_whiten, kl_estimate, masked_max, masked_mean, masked_sum, masked_var,
+    aggregate,
+    entropy_bonus,
+    global_whiten,
+    kl_estimate,
+    masked_max,
+    masked_mean,
+    masked_sum,
+    masked_var,
     token_rewards,
 )
 from learner_helpers import T, close  # noqa: E402

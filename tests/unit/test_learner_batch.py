@@ -9,6 +9,7 @@ from factories import sample
 from learner.batch import BatchError, collate, micro_batches
 from learner_helpers import PAD, two_samples
 
+
 def test_collate_two_samples_exact_tensors():
     batch = collate(two_samples(), PAD)
     # L = max(2 + 3, 3 + 1) = 5, T = 3; right padding with PAD

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import shutil
 import json
 import math
+import os
 import random
 import resource
+import shutil
 import signal
 
 import numpy as np

@@ -23,7 +23,6 @@ from rlhf_core.models import check_lora, load_policy, load_tokenizer
 from rollout_workers.engine import GenRequest, SamplingParams
 from rollout_workers.hf_engine import HFEngine
 
-
 # the head too: the random tiny model's frozen head caps its logits (see docs/real_models.md, LoRA)
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["all-linear", "lm_head"])
 LINEAR = ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -283,7 +282,6 @@ def test_an_adapted_head_keeps_the_chunked_logprob_path(lora_model_cfg):
     # lm_parts accepts a LoRA layer over the linear head, so long responses still never hold all
     # the logits at once; chunks of 4 positions give the full path's numbers and adapter gradients
     from factories import sample
-
     from learner.batch import collate
     from learner.lm_head import chunked_response_logprobs, lm_parts, response_logits
     from rlhf_core.sampling import process_logits, token_logprobs

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from learner.update import has_dropout
-from rlhf_core.config import ConfigError, ModelConfig
 from rlhf_core import models
+from rlhf_core.config import ConfigError, ModelConfig
 
 
 def test_tiny_builds_once_and_loads_through_from_pretrained(tiny_model_cfg):

@@ -27,10 +27,10 @@ from rlhf_core.dapo import FilterStall, filter_reason, group_filter, overlong_pe
 from rlhf_core.episode import Transcript
 from rlhf_core.models import load_policy
 from rlhf_core.records import Sample
-from rlhf_core.wire import WireError
-from rollout_workers.user_code import import_env_target
-from rollout_workers.envs.calculator import CalcError, evaluate
 from rlhf_core.tool_calls import ToolCallParser
+from rlhf_core.wire import WireError
+from rollout_workers.envs.calculator import CalcError, evaluate
+from rollout_workers.user_code import import_env_target
 
 
 def transcript() -> Transcript:

@@ -14,8 +14,19 @@ from rlhf_run.plan.cli import compose
 from rlhf_run.plan.profile import ProfileError, check_identity, load
 from rlhf_run.plan.records import Plan
 from rlhf_run.plan.scale import published_7b
-from rlhf_run.plan.search import (PlanError, Request, candidates, check_plan, memory_problems, overrides,
-                                  plan_from_config, ray_overrides, search, spans_nodes, tightest_staleness)
+from rlhf_run.plan.search import (
+    PlanError,
+    Request,
+    candidates,
+    check_plan,
+    memory_problems,
+    overrides,
+    plan_from_config,
+    ray_overrides,
+    search,
+    spans_nodes,
+    tightest_staleness,
+)
 from rlhf_run.plan.simulate import same_run, simulate
 
 PROFILE = Path(__file__).parent / "data" / "plan_profile_cpu.json"

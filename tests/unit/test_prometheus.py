@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from promlint import lint, promtool
 from rlhf_core import metric_names as M
 from rlhf_core.errors import UserError
 from rlhf_core.prometheus import GENERATION, WEIGHT_SYNC, learner_exporter, metric_name, prometheus_key, worker_exporter
 from rlhf_run.run_exporter import RunExporter
-
-from promlint import lint, promtool
 
 ROOT = Path(__file__).resolve().parents[2]
 INPUTS = json.loads((Path(__file__).parent / "data" / "prometheus_inputs.json").read_text())
@@ -158,7 +157,6 @@ def test_worker_target_labels_and_latency_histograms():
 
 def test_every_running_total_of_a_worker_is_named_a_total():
     import dataclasses
-
     from types import SimpleNamespace
 
     from rollout_workers.episodes import EpisodeStats

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+import reward_fns
 from rlhf_core.config import Config, ConfigError, RewardConfig, RolloutConfig
 from rlhf_core.config.rules import no_reward_hides_the_environment
-from rlhf_core.models import build_tiny_model, build_tiny_tokenizer
-from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem, as_number, is_batched
-
-import reward_fns
+from rlhf_core.models import build_tiny_model
+from rollout_workers.rewards import CallWatch, RewardError, ScoreItem, Scorer, as_number, is_batched
 
 
 def scorer(model_cfg, functions=None, models=None, **settings) -> Scorer:

@@ -4,13 +4,12 @@ configuration error at start-up (ConfigError)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RewardConfig, TinyModelConfig
+from rlhf_core.config import ConfigError, RewardConfig
 from rlhf_core.models import build_tiny_model, build_tiny_tokenizer
 from rollout_workers.rewards import RewardError, Scorer
 

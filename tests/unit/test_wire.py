@@ -25,7 +25,6 @@ from rlhf_core.wire import (
     unpack,
 )
 
-
 # every field set to a value of its own, so a round trip that drops or swaps one is seen
 EVERY_FIELD = dict(
     sample_id="s-1",
