@@ -9,14 +9,14 @@ import contextlib
 import hmac
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.openai_api import (AUTH, RETRY_AFTER_S, ApiError, Sampling, bad, normal_message, parse_chat,
-                                parse_completion, parse_json, response, retry_later, sse, usage)
+from gateway.openai_api import AUTH, RETRY_AFTER_S, ApiError, Sampling, bad, normal_message, parse_chat, parse_completion, parse_json, response, retry_later, sse, usage
 from gateway.replies import Replies, failed, token_counts
 from gateway.routing import REDIS_DOWN, CallRouter, Choice, ClientGone
 from gateway.sessions import MAX_ID_CHARS, Session, Sessions

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
@@ -179,12 +180,12 @@ class CallRouter:
             while left:
                 try:
                     index, chunk = await asyncio.wait_for(queue.get(), timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if time.monotonic() > deadline:
                         raise retry_later(f"no worker finished the call within gateway.call_timeout_s="
                                           f"{self.cfg.gateway.call_timeout_s}; retry, or raise the limit", "timeout") from None
                     if client_gone is not None and await client_gone():
-                        raise ClientGone()
+                        raise ClientGone() from None
                     await self._check_holders(choices)
                     continue
                 if chunk is LOST:

@@ -28,8 +28,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from gateway.openai_api import CONFLICT, INVALID, NOT_FOUND, ApiError
 from rlhf_core import metric_names as M

@@ -31,8 +31,8 @@ against ``algo.group_size`` (their end-of-sequence tokens were checked when they
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ class TrainBatch:
         """``[B]`` tokens the policy sampled per row."""
         return self.policy_mask.sum(-1)
 
-    def select(self, rows: Sequence[int] | torch.Tensor, drop: Sequence[bool] | None = None) -> "TrainBatch":
+    def select(self, rows: Sequence[int] | torch.Tensor, drop: Sequence[bool] | None = None) -> TrainBatch:
         """The rows ``rows`` (in that order), trimmed to their own longest ``L`` and ``T``.
 
         ``drop[i]`` True blanks the response mask of output row ``i``: a filler row that runs
@@ -133,7 +133,7 @@ class TrainBatch:
             row_extras={k: v[idx] for k, v in self.row_extras.items()},
         )
 
-    def with_extras(self, **token_extras: torch.Tensor) -> "TrainBatch":
+    def with_extras(self, **token_extras: torch.Tensor) -> TrainBatch:
         return replace(self, token_extras={**self.token_extras, **token_extras})
 
 
@@ -264,7 +264,7 @@ class Collator:
     max_group_size: int | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device | str, max_group_size: int | None = None) -> "Collator":
+    def for_model(cls, model: torch.nn.Module, device: torch.device | str, max_group_size: int | None = None) -> Collator:
         """Padding with the model's pad token, else its (first) end-of-sequence token."""
         config = model.config
         pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id

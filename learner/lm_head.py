@@ -11,7 +11,8 @@ logits need no processing but a temperature, else through activation-checkpointe
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,8 @@ float bit for bit) and every data-parallel rank, fed the same batch, holds the s
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

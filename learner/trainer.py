@@ -35,19 +35,32 @@ from typing import Any
 import torch
 
 from buffer import Buffer
-from rlhf_core.choices import Estimator
-from rlhf_core.cli import freeze_startup_heap
-from rlhf_core.config import Config, ConfigError, response_budget, validate
-from rlhf_core.metric_names import (SAMPLES_TRAINED, STALENESS_HIST, STOP_BUDGET, STOP_DATA, STOP_REASONS, STOP_SIGNAL,
-                                    STOP_TIME, TIME, TIME_COMPUTE_S, TIME_PUBLISH_S, TIME_READ_S, TIME_WAIT_S, UPDATES,
-                                    VERSION)
-from rlhf_core.models import load_policy, load_reference, load_tokenizer, load_critic
 from learner.batch import Collator
 from learner.engines import all_reduce_max, shutdown_distributed
 from learner.prompts import PromptProducer
 from learner.publishing import Publishing
 from learner.reader import BatchReader, Read, check_tokenizer
 from learner.reporting import UpdateReporter
+from rlhf_core.choices import Estimator
+from rlhf_core.cli import freeze_startup_heap
+from rlhf_core.config import Config, ConfigError, response_budget, validate
+from rlhf_core.metric_names import (
+    SAMPLES_TRAINED,
+    STALENESS_HIST,
+    STOP_BUDGET,
+    STOP_DATA,
+    STOP_REASONS,
+    STOP_SIGNAL,
+    STOP_TIME,
+    TIME,
+    TIME_COMPUTE_S,
+    TIME_PUBLISH_S,
+    TIME_READ_S,
+    TIME_WAIT_S,
+    UPDATES,
+    VERSION,
+)
+from rlhf_core.models import load_critic, load_policy, load_reference, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 from buffer import Buffer, Lease
 from rollout_workers.stats import WorkerStats
@@ -48,7 +50,7 @@ class LeaseKeeper:
         with self._lock:
             return int(self.buffer.run_params()["group_size"]) if self.buffer.initialised() else None
 
-    def claim(self, max_prompts: int, block_s: float, waiting: ContextManager[Any] | None = None) -> list[Lease]:
+    def claim(self, max_prompts: int, block_s: float, waiting: AbstractContextManager[Any] | None = None) -> list[Lease]:
         """Up to ``max_prompts`` leases, waiting up to ``block_s`` for them inside ``waiting`` (which
         yields the claim's ``interrupt``). A claim that may not wait and got nothing is tried again
         only after BUSY_CLAIM_BACKOFF_S."""

@@ -7,7 +7,8 @@ stream. An episode is one sample: its environment's reward (component ``env``) p
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from rlhf_core.sampling import response_logprobs
 from rollout_workers.engine import SamplingParams
 from rollout_workers.episodes import Episode
 from rollout_workers.groups import Member, Outcome
-from rollout_workers.rewards import CallWatch, RewardError, Scorer, ScoreItem
+from rollout_workers.rewards import CallWatch, RewardError, ScoreItem, Scorer
 
 Score = tuple[float, dict[str, float]] | RewardError
 

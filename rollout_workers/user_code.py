@@ -6,7 +6,8 @@ launcher imports this module without loading torch."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rlhf_core.config import ConfigError, active_reward_functions, env_target
 

@@ -27,7 +27,8 @@ import threading
 import time
 import uuid
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig

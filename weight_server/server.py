@@ -28,8 +28,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -134,7 +135,7 @@ class WeightServer:
         self._held = self.store.held()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "WeightServer":
+    def start(self) -> WeightServer:
         """Run the loop on a daemon thread; returns self."""
         if self._thread is not None:
             raise RuntimeError("the weight server is already running")
@@ -166,7 +167,7 @@ class WeightServer:
                 return
         self._close()
 
-    def __enter__(self) -> "WeightServer":
+    def __enter__(self) -> WeightServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

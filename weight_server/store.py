@@ -22,7 +22,6 @@ from weight_server import protocol as P
 from weight_server.protocol import Layout
 from weight_server.slabs import Slab, SlabFactory, SlabPool
 
-
 #: the least the default upload byte cap allows (the cap is twice the largest version held)
 DEFAULT_UPLOAD_FLOOR = 1 << 30
 

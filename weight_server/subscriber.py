@@ -86,7 +86,7 @@ class WeightSubscriber:
             if self._own_ctx:
                 self.ctx.close()
 
-    def __enter__(self) -> "WeightSubscriber":
+    def __enter__(self) -> WeightSubscriber:
         return self
 
     def __exit__(self, *exc: Any) -> None:

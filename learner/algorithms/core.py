@@ -15,7 +15,8 @@ Conventions (every loss and estimator of the learner follows them):
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -12,11 +12,13 @@ from learner.algorithms.core import PolicyLossStats, bool_mask, check_same_shape
 from rlhf_core.choices import PolicyLoss
 from rlhf_core.config import ISConfig
 
+DEFAULT_IS = ISConfig()  # read-only: the losses never change their settings
+
 
 @register_policy_loss(PolicyLoss.decoupled, importance_sampling=True)
 def decoupled_ppo_loss(
     logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
-    mask: torch.Tensor, *, is_config: ISConfig = ISConfig(), **options: Any,
+    mask: torch.Tensor, *, is_config: ISConfig = DEFAULT_IS, **options: Any,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Decoupled PPO objective for off-policy (stale) samples.
 

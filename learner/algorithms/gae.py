@@ -18,7 +18,14 @@ import torch
 
 from learner.algorithms import register_algorithm
 from learner.algorithms.core import (
-    TOKEN_MEAN, aggregate, bool_mask, check_same_shape, masked_mean, masked_var, token_rewards, where_real,
+    TOKEN_MEAN,
+    aggregate,
+    bool_mask,
+    check_same_shape,
+    masked_mean,
+    masked_var,
+    token_rewards,
+    where_real,
 )
 from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient
 from rlhf_core.choices import AggMode, Estimator, check_choice

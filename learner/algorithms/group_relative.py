@@ -11,7 +11,7 @@ the per-token KL return, ``A_t = A_seq - kl_coef * sum_{t'>=t} kl_t'``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,14 +11,21 @@ no KL and no ``approx_kl`` (``loss/filtered_out_frac`` counts them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from learner.algorithms import Work
 from learner.algorithms.core import (
-    AllReduce, aggregate, entropy_bonus, global_whiten, kl_estimate, masked_max, masked_mean,
+    AllReduce,
+    aggregate,
+    entropy_bonus,
+    global_whiten,
+    kl_estimate,
+    masked_max,
+    masked_mean,
 )
 from learner.batch import TrainBatch
 from learner.engines import all_reduce_sum

@@ -5,10 +5,8 @@ the prefix a config check names its settings with, empty for a plain argument)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
-from rlhf_core.choices import (AggMode, Estimator, ISCorrection, ISLevel, KLEstimator, KLMode, Overlong, PolicyLoss,
-                               check_choice)
+from rlhf_core.choices import AggMode, Estimator, ISCorrection, ISLevel, KLEstimator, KLMode, Overlong, PolicyLoss, check_choice
 from rlhf_core.errors import ConfigError
 
 
@@ -79,7 +77,7 @@ class AlgoConfig:
     max_staleness: int = 2  # learner_version - oldest token version allowed at consumption
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    dual_clip_c: Optional[float] = None
+    dual_clip_c: float | None = None
     is_correction: ISCorrection = ISCorrection.tis
     is_level: ISLevel = ISLevel.token
     tis_cap: float = 2.0  # is_level=token
@@ -95,7 +93,7 @@ class AlgoConfig:
     kl_estimator: KLEstimator = KLEstimator.k3
     kl_mode: KLMode = KLMode.loss
     entropy_coef: float = 0.0
-    value_clip: Optional[float] = 0.2
+    value_clip: float | None = 0.2
     vtrace: bool = False
     vtrace_rho_bar: float = 1.0
     vtrace_c_bar: float = 1.0

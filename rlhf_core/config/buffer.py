@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rlhf_core.choices import Sampling
 from rlhf_core.errors import ConfigError
@@ -12,7 +11,7 @@ from rlhf_core.errors import ConfigError
 @dataclass
 class BufferConfig:
     # redis:// or rediss:// URL (user:password@ for ACL). null: `rlhf-run` starts a private redis-server.
-    url: Optional[str] = None
+    url: str | None = None
     # the key namespace of this run; "auto": rlhf-run makes a unique one (so every job of a
     # multirun sweep gets its own) and prints it for workers you start yourself
     run_id: str = "auto"
@@ -25,17 +24,17 @@ class BufferConfig:
     # under the staleness bound for groups that finish out of order (several workers); a single
     # worker then waits for each new version before its next batch, which 2 avoids (samples
     # about two versions old); null admits up to the staleness bound (AReaL pacing).
-    lookahead: Optional[int] = 1
-    samples_per_insert: Optional[float] = None  # Reverb-style rate limit; null = off
+    lookahead: int | None = 1
+    samples_per_insert: float | None = None  # Reverb-style rate limit; null = off
     min_size_to_sample: int = 1
     error_buffer: float = 64.0
     capacity: int = 100_000  # samples kept for replay; the stalest are evicted beyond it
     sampling: Sampling = Sampling.fifo
     max_record_bytes: int = 16 * 1024 * 1024
     dead_letter_maxlen: int = 10_000  # dead letters kept for inspection (MAXLEN ~); counters keep totals
-    ssl_ca_certs: Optional[str] = None
-    ssl_certfile: Optional[str] = None
-    ssl_keyfile: Optional[str] = None
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     connect_timeout_s: float = 5.0
     max_retry_s: float = 30.0
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rlhf_core.choices import DataSource
 from rlhf_core.errors import ConfigError
@@ -13,11 +12,11 @@ from rlhf_core.errors import ConfigError
 @dataclass
 class DataConfig:
     source: DataSource = DataSource.builtin
-    path: Optional[str] = None
+    path: str | None = None
     task: str = "count_up"  # builtin task name
     num_prompts: int = 256  # builtin only
     text_field: str = "prompt"
-    messages_field: Optional[str] = "messages"  # chat turns, used when a row has them (null: never)
+    messages_field: str | None = "messages"  # chat turns, used when a row has them (null: never)
     # passes over the prompts, each in another shuffled order; the run ends once every prompt of the
     # last one is trained on (or earlier, at learner.max_updates / run.max_seconds)
     epochs: int = 1000
@@ -47,8 +46,8 @@ class EvalConfig:
     n: int = 4  # samples per prompt
     k: list[int] = field(default_factory=lambda: [1, 4])  # pass@k for each k (each <= n)
     pass_threshold: float = 1.0  # a sample passes when its reward is >= this
-    num_prompts: Optional[int] = 64  # the first N prompts of eval.data (null: all)
-    temperature: Optional[float] = None  # null: rollout.temperature
+    num_prompts: int | None = 64  # the first N prompts of eval.data (null: all)
+    temperature: float | None = None  # null: rollout.temperature
     seed: int = 0  # the evaluator's sampling seed
     # held-out prompts; the built-in task in another order by default (a held-out file: eval.data.source=jsonl
     # eval.data.path=...); loaded like data (same fields)

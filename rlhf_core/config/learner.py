@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rlhf_core.choices import LearnerEngine, LRSchedule, PublishDtype
 from rlhf_core.config.rollout import check_devices
@@ -25,34 +24,34 @@ class LearnerConfig:
     max_updates: int = 100
     grad_clip: float = 1.0
     seed: int = 0
-    checkpoint_dir: Optional[str] = None  # default: <output dir>/checkpoints
+    checkpoint_dir: str | None = None  # default: <output dir>/checkpoints
     # updates between checkpoints (>= 1); the batches trained are acked in the buffer at each one,
     # so there is no "never": a large number checkpoints rarely and keeps that many batches in Redis
     checkpoint_every: int = 10
     zero_stage: int = 2
     offload_optimizer: bool = False
     bf16: bool = False
-    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for learner/mfu; null = known GPUs by name
+    peak_tflops: float | None = None  # the device's dense bf16 peak for learner/mfu; null = known GPUs by name
     logits_chunk_tokens: int = 1024  # a micro-batch with more response tokens gets its log-probs chunk by chunk
     # the fused LM head keeps each chunk's logits for its backward (one matmul less; N x V logits held)
     keep_head_logits: bool = False
     publish_dtype: PublishDtype = PublishDtype.as_trained
-    prometheus_port: Optional[int] = None
-    export_dir: Optional[str] = None  # HF-format export at the end
+    prometheus_port: int | None = None
+    export_dir: str | None = None  # HF-format export at the end
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio (OpenRLHF's default floor)
     # critic (gae) learning rate; null = lr. The critic has its own AdamW and clipping, so this sets its step
     # size (a coefficient on its loss would change nothing: Adam's step does not depend on the loss's scale)
-    critic_lr: Optional[float] = None
+    critic_lr: float | None = None
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
-    devices: Optional[list[int]] = None  # GPU indices of the learner (CUDA_VISIBLE_DEVICES); > 1 runs it under torchrun
+    devices: list[int] | None = None  # GPU indices of the learner (CUDA_VISIBLE_DEVICES); > 1 runs it under torchrun
     # torch.compile each transformer block (inductor fuses its norms, rotary and activations) and
     # the fused LM head's softmax passes; the first updates compile (tens of seconds, then cached
     # on disk). learner.engine=torch only. null: on for full-parameter training on a GPU
     # (1.19-1.42x the eager update on an H200), off on a CPU (slower on one host, faster on
     # another) and with LoRA (not measured)
-    compile: Optional[bool] = None
+    compile: bool | None = None
 
     def check(self) -> None:
         """Batches, minibatches and micro-batches dividing into each other, the learning rates and

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rlhf_core.choices import Dtype
 from rlhf_core.errors import ConfigError
@@ -35,7 +34,7 @@ class LoraConfig:
     gets the merged model. See ``rlhf_core/lora.py``.
     """
 
-    r: Optional[int] = 0  # adapter rank; 0 or null: no adapters
+    r: int | None = 0  # adapter rank; 0 or null: no adapters
     alpha: float = 16.0  # the update is scaled by alpha / r (alpha / sqrt(r) with rslora)
     # on the adapter's input while training (the learner's pi_prox pass and the workers run without it;
     # > 0 turns off reading pi_prox off the training pass, see learner/update.py)
@@ -75,10 +74,10 @@ class ModelConfig:
     name: str = "tiny"
     # A local HF-format directory. When set it is loaded with from_pretrained; when null the
     # `tiny` builder makes one (saved under cache_dir so loading goes through from_pretrained too).
-    path: Optional[str] = None
-    tokenizer_path: Optional[str] = None
-    ref_path: Optional[str] = None  # reference policy; defaults to `path` (the initial policy)
-    critic_path: Optional[str] = None  # value model; defaults to a value head on `path`
+    path: str | None = None
+    tokenizer_path: str | None = None
+    ref_path: str | None = None  # reference policy; defaults to `path` (the initial policy)
+    critic_path: str | None = None  # value model; defaults to a value head on `path`
     dtype: Dtype = Dtype.float32
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     cache_dir: str = "~/.cache/rlhf-service"

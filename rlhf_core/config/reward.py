@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -40,7 +41,7 @@ class RewardConfig:
     # (the clock starts again at each sample), a batched function's or a reward model's on one batch.
     # Its batch's samples are dead-lettered, and a worker whose rewards keep timing out stops
     # (max_failure_share). The call's thread cannot be killed and finishes in the background. null: no limit.
-    timeout_s: Optional[float] = 120.0
+    timeout_s: float | None = 120.0
     # A response with no text (only end-of-sequence, or whitespace): zero = reward 0 without calling
     # the rewards; dead_letter = not trained on (a dead letter, not a reward failure for
     # max_failure_share); score = scored like any other response.

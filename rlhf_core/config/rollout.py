@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from rlhf_core.choices import PromptOverflow, RefLogprobsOn, RolloutEngine
 from rlhf_core.errors import ConfigError
@@ -29,21 +30,21 @@ class RolloutConfig:
     # tokens of an episode's response (every turn, and the observations and template tokens between
     # them; a gateway session: its calls and what the agent added); the context is max_prompt_tokens + this.
     # null: max_new_tokens (one reply), or 2 * max_turns * max_new_tokens with an environment
-    max_episode_tokens: Optional[int] = None
+    max_episode_tokens: int | None = None
     env_threads: int = 16  # environment calls running at once (a thread pool; async environments share one event loop)
-    env_timeout_s: Optional[float] = 60.0  # an environment call running longer fails its episode (null: no limit)
+    env_timeout_s: float | None = 60.0  # an environment call running longer fails its episode (null: no limit)
     ref_logprobs_on: RefLogprobsOn = RefLogprobsOn.learner
     weight_check_every: int = 1  # decoding steps between checks for a newer weight version
     shutdown_grace_s: float = 10.0
     restart_on_crash: bool = True
-    prometheus_port: Optional[int] = None
+    prometheus_port: int | None = None
     seed: int = 0
     # hf engine only
     prefill_chunk_tokens: int = 4096  # prompt tokens prefilled per engine step at most (longer prompts are chunked)
     cuda_graphs: bool = True  # capture the decoding step as CUDA graphs (on a CUDA device)
     # placement on a multi-GPU machine: worker i sees GPU devices[i % len(devices)] (CUDA_VISIBLE_DEVICES); null = inherit
-    devices: Optional[list[int]] = None
-    gpu_memory_fraction: Optional[float] = None  # hf engine sharing a GPU (e.g. the learner's): cap of this worker's memory
+    devices: list[int] | None = None
+    gpu_memory_fraction: float | None = None  # hf engine sharing a GPU (e.g. the learner's): cap of this worker's memory
     # vllm engine only
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
@@ -90,7 +91,7 @@ class RolloutConfig:
                               f"got {self.env_timeout_s}")
 
 
-def check_devices(key: str, devices: Optional[list[int]]) -> None:
+def check_devices(key: str, devices: list[int] | None) -> None:
     """GPU indices (``learner.devices``, ``rollout.devices``): null, or a non-empty list of indices >= 0."""
     if devices is not None and (not devices or any(int(d) < 0 for d in devices)):
         raise ConfigError(f"{key} must be null or a non-empty list of GPU indices >= 0, got {devices}")

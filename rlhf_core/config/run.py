@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from rlhf_core.choices import LearnerPlacement, Logger, WandbMode, WorkerPlacement
 from rlhf_core.config.weight_server import LOOPBACK_HOSTS
@@ -14,7 +13,7 @@ from rlhf_core.errors import ConfigError
 
 @dataclass
 class RunConfig:
-    max_seconds: Optional[float] = None  # wall-clock budget of the whole run
+    max_seconds: float | None = None  # wall-clock budget of the whole run
     output_dir: str = "."
     log_level: str = "INFO"
     progress: bool = True
@@ -22,12 +21,12 @@ class RunConfig:
     # experiment trackers fed by the learner (extra `tracking`): any of tensorboard, wandb, mlflow
     loggers: list[Logger] = field(default_factory=list)
     tracker_project: str = "rlhf-service"  # wandb project / MLflow experiment
-    wandb_mode: Optional[WandbMode] = None  # null: wandb's own (WANDB_MODE)
-    wandb_entity: Optional[str] = None  # team or user; null: wandb's own (WANDB_ENTITY, else your default)
-    mlflow_tracking_uri: Optional[str] = None  # null: MLFLOW_TRACKING_URI, else file:<output dir>/mlruns
+    wandb_mode: WandbMode | None = None  # null: wandb's own (WANDB_MODE)
+    wandb_entity: str | None = None  # team or user; null: wandb's own (WANDB_ENTITY, else your default)
+    mlflow_tracking_uri: str | None = None  # null: MLFLOW_TRACKING_URI, else file:<output dir>/mlruns
     log_samples_every: int = 50  # a table of sample responses and the workers' throughput every N updates (0: never)
     log_samples: int = 8  # rows in that table
-    prometheus_port: Optional[int] = None  # the run's own scrape target (from its Redis snapshot); 0 = any free port
+    prometheus_port: int | None = None  # the run's own scrape target (from its Redis snapshot); 0 = any free port
 
     def check(self) -> None:
         """The trackers installed, the sample tables, the time budget and the learner's restarts."""
@@ -96,12 +95,12 @@ class RayConfig:
 
     # host:port of the cluster's GCS (what `ray start --head` prints); "auto": RAY_ADDRESS, else the
     # cluster this node joined with `ray start`; null: start a local Ray instance for this run
-    address: Optional[str] = None
+    address: str | None = None
     connect_timeout_s: float = 15.0  # no Ray cluster answers at ray.address within about this: a clear error
     placement_timeout_s: float = 120.0  # the learner's placement group / an actor not placed within this: an error
     # a local instance only: logical CPUs (null: the machine's cores, at least what the run asks for) and the
     # object store (the run moves weights over ZeroMQ and shared memory, not through Ray's store)
-    num_cpus: Optional[float] = None
+    num_cpus: float | None = None
     object_store_mb: int = 200
     worker: RayWorkerConfig = field(default_factory=RayWorkerConfig)  # each worker, and the evaluator
     learner: RayLearnerConfig = field(default_factory=RayLearnerConfig)
@@ -135,11 +134,11 @@ class GatewayConfig:
     enabled: bool = False
     host: str = "127.0.0.1"  # another address needs api_keys or api_key_file
     port: int = 8000  # 0: any free port (printed, and written to <output dir>/gateway.json)
-    model_name: Optional[str] = None  # the model id clients send; null: model.name, or model.path's last folder
+    model_name: str | None = None  # the model id clients send; null: model.name, or model.path's last folder
     api_keys: list[str] = field(default_factory=list)  # accepted `Authorization: Bearer <key>` values
-    api_key_file: Optional[str] = None  # one key per line (lines starting with # are comments)
+    api_key_file: str | None = None  # one key per line (lines starting with # are comments)
     session_ttl_s: float = 600.0  # a session without a call or a reward this long expires (counted, not trained)
-    group_size: Optional[int] = None  # rewarded sessions of one `group` appended together; null: algo.group_size
+    group_size: int | None = None  # rewarded sessions of one `group` appended together; null: algo.group_size
     max_request_bytes: int = 1_000_000  # a larger request body is refused (413)
     # a call asking for more is refused (400); a call that names none gets this many, at most what
     # is left of the context and of its session (rollout.max_episode_tokens)
@@ -148,7 +147,7 @@ class GatewayConfig:
     call_timeout_s: float = 120.0  # no answer from a worker within this: the call fails (503)
     # the Jinja chat template for /v1/chat/completions; null: the tokenizer's, or a plain
     # "role: content" one when it has none (the tiny model)
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
 
     def check(self) -> None:
         """Exposure without a key, the port, timeouts and caps (when the gateway is on)."""

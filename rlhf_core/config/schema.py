@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -42,7 +42,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     # rlhf-run resume=<output folder>: continue that run (its saved config, run id, Redis data, checkpoint)
-    resume: Optional[str] = None
+    resume: str | None = None
 
 
 @dataclass
@@ -52,8 +52,8 @@ class MonitorConfig:
     once: bool = False
     json: bool = False
     refresh_s: float = 1.0
-    prometheus_port: Optional[int] = None  # serve the run's Prometheus target while watching it live
-    workers: Optional[int] = None  # set the number of worker actors of a launcher=ray run, then exit
+    prometheus_port: int | None = None  # serve the run's Prometheus target while watching it live
+    workers: int | None = None  # set the number of worker actors of a launcher=ray run, then exit
 
 
 def register_configs() -> None:

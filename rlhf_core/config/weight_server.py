@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rlhf_core.choices import ShmMode, WeightServerAuth
 from rlhf_core.errors import ConfigError
@@ -16,19 +15,19 @@ class WeightServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # ROUTER port for publish/pull; 0 = pick a free one
     pub_port: int = 0  # PUB port for announcements; 0 = pick a free one
-    address: Optional[str] = None  # clients: tcp://host:port of the ROUTER (set by the launcher)
-    pub_address: Optional[str] = None
+    address: str | None = None  # clients: tcp://host:port of the ROUTER (set by the launcher)
+    pub_address: str | None = None
     keep_versions: int = 2
     chunk_bytes: int = 4 * 1024 * 1024
     max_inflight_chunks: int = 8
     auth: WeightServerAuth = WeightServerAuth.none
-    secret: Optional[str] = None  # hmac shared secret
-    curve_server_public: Optional[str] = None
-    curve_server_secret: Optional[str] = None
-    curve_client_public: Optional[str] = None
-    curve_client_secret: Optional[str] = None
-    curve_authorized_dir: Optional[str] = None  # server: folder of authorised client *.key files (curve)
-    persist_dir: Optional[str] = None
+    secret: str | None = None  # hmac shared secret
+    curve_server_public: str | None = None
+    curve_server_secret: str | None = None
+    curve_client_public: str | None = None
+    curve_client_secret: str | None = None
+    curve_authorized_dir: str | None = None  # server: folder of authorised client *.key files (curve)
+    persist_dir: str | None = None
     max_header_bytes: int = 64 * 1024
     max_manifest_bytes: int = 16 * 1024 * 1024  # cap on the headers that carry a tensor list
     max_tensors: int = 100_000
@@ -36,12 +35,12 @@ class WeightServerConfig:
     max_version_bytes: int = 64 * 1024**3
     max_uploads: int = 4  # uploads in progress at once (a newer version of a name supersedes its older upload)
     # their total bytes; null = twice the largest version held, at least 1 GiB (nothing held yet: max_version_bytes)
-    max_upload_bytes: Optional[int] = None
+    max_upload_bytes: int | None = None
     request_timeout_s: float = 5.0  # clients: wait this long for each reply before calling the server down
     retry_timeout_s: float = 60.0  # publisher: keep retrying (exponential backoff) this long
     announce_interval_s: float = 1.0  # the server re-announces its newest versions this often (late joiners)
     upload_timeout_s: float = 30.0  # the server drops an upload that sent nothing for this long
-    address_file: Optional[str] = None  # the server writes {"address", "pub_address", "pid"} JSON here
+    address_file: str | None = None  # the server writes {"address", "pub_address", "pid"} JSON here
     # Same-host data path: "auto" keeps version slabs in files under shm_dir and moves the bytes
     # through them when publisher/worker prove they see the same files; "off" = TCP only
     # (either side's "off" means TCP).

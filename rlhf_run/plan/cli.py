@@ -18,7 +18,8 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rlhf_core.errors import UserError
 
@@ -27,7 +28,8 @@ log = logging.getLogger("rlhf_run.plan")
 
 def compose(overrides: Sequence[str]) -> Any:
     """The run's config, as ``rlhf-run`` would build it from these overrides."""
-    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -125,7 +127,7 @@ def _lookahead_given(overrides: Sequence[str]) -> bool:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from rlhf_run.plan.search import Request, check_plan, check_request, plan_from_config, PlanError
+    from rlhf_run.plan.search import PlanError, Request, check_plan, check_request, plan_from_config
     from rlhf_run.plan.simulate import simulate
 
     profile, base = _profile_setup(args.profile)

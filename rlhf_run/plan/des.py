@@ -37,7 +37,8 @@ import heapq
 import itertools
 import math
 from collections import deque
-from typing import Any, Callable, Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 CPU, STEPS, SLEEP, WAIT = range(4)
 

@@ -109,7 +109,7 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
     for round_ in range(rounds):  # contention at the demand, then the demand at that contention, ...
         lo, hi = 1.0, 4.0
 
-        def rate(c: float) -> float:
+        def rate(c: float, demand: float = demand) -> float:
             return simulate(with_contention(c), plan, updates=updates, warmup=warmup, background=demand).trained_samples_per_s
 
         if rate(lo) <= measured:  # already as slow as the run (or slower): no contention to add

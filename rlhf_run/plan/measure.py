@@ -31,8 +31,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -93,9 +94,9 @@ def measure_generation(cfg: Any, reps: int = 3) -> tuple[Generation, list[tuple[
     import torch
 
     from learner.prompts import prompt_source
+    from rlhf_core.models import load_tokenizer
     from rollout_workers.engine import GenRequest, SamplingParams
     from rollout_workers.engine_factory import make_engine
-    from rlhf_core.models import load_tokenizer
     from rollout_workers.prompts import PromptRenderer
 
     slots = int(cfg.rollout.slots)

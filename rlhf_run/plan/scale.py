@@ -95,8 +95,8 @@ def table(gpus: list[int], transport: str = "weight_server", max_staleness: int 
     The simulations are shared between the counts (a plan that fits 16 GPUs is a candidate at 32
     too, leaving GPUs idle); a plan whose bound only equals the best rate is not simulated (it
     could only tie). The pick's staleness bound is the least that runs the same simulation."""
-    from rlhf_run.plan.search import Request, search, tightest_staleness
     from rlhf_run.plan.records import Plan
+    from rlhf_run.plan.search import Request, search, tightest_staleness
 
     profile = published_7b(transport)
     tokens = profile.generation.response_tokens.mean() + profile.generation.prompt_tokens.mean()

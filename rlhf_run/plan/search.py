@@ -15,8 +15,9 @@ winner comes with the Hydra overrides that run it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 from rlhf_core.errors import UserError
 from rlhf_run.plan.bounds import estimate, likely_rate, upper_bound

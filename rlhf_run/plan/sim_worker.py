@@ -29,7 +29,8 @@ import heapq
 import itertools
 import math
 from collections import deque
-from typing import Callable, Generator, Protocol
+from collections.abc import Callable, Generator
+from typing import Protocol
 
 from rlhf_run.plan.des import CPU, SLEEP, STEPS, WAIT, Kernel, Proc, Signal
 from rlhf_run.plan.profile import Profile
