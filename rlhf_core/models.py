@@ -127,8 +127,8 @@ def save_model_dir(model: PreTrainedModel, tokenizer: Any, out: Path) -> None:
     temporary sibling folder and renamed, so a concurrent builder either wins or finds it done.
 
     Every process writes its own copy, torch.distributed or not: ``save_pretrained`` alone writes
-    nothing on a rank other than 0, and such a rank used to rename a folder holding only the
-    tokenizer into place, which no process could load (two learner ranks building on a cold cache).
+    nothing on a rank other than 0, and a folder holding only the tokenizer renamed into place
+    could be loaded by no process (two learner ranks building on a cold cache).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
