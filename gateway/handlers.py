@@ -259,8 +259,8 @@ class Handlers:
             async with contextlib.aclosing(self.router.run(choices)) as chunks:
                 async for c, got in chunks:
                     if not got.final:
-                        if (event := part(c, got.token_ids)) is not None:
-                            yield event
+                        if (piece := part(c, got.token_ids)) is not None:
+                            yield piece
                         continue
                     if (err := failed([c])) is not None:
                         yield self._error_event(err)

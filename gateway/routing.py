@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,12 +111,14 @@ class CallRouter:
 
     async def connect(self) -> None:
         """Open the asyncio Redis client, subscribe to this gateway's channel, start routing its chunks."""
-        kwargs = client_kwargs(self.cfg.buffer.url, self.cfg.buffer)
+        url = self.cfg.buffer.url
+        assert url is not None  # Gateway refuses a config without one
+        kwargs = client_kwargs(url, self.cfg.buffer)
         kwargs.pop("retry")  # redis-py's synchronous Retry; the asyncio client's default from a URL: no retries either
         # a Redis that does not answer fails a command within the socket timeout, at most a call's
         # (a 503, not a hang); the channel's reads pass their own timeout
         kwargs["socket_timeout"] = min(kwargs["socket_timeout"], self.cfg.gateway.call_timeout_s)
-        self.redis = aioredis.Redis.from_url(self.cfg.buffer.url, **kwargs)
+        self.redis = aioredis.Redis.from_url(url, **kwargs)
         self.calls = CallQueue(self.redis, self.keys)
         self.workers = LiveWorkers(self.redis, self.keys, self.cfg.buffer.lease_timeout_s)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -153,6 +155,7 @@ class CallRouter:
                 raise bad(f"session '{s.session_id}' is full ({self.sessions.max_response_tokens} response tokens, the run's "
                           "limit per sample); post its reward and start another", "messages", "context_length_exceeded")
             want = sampling.max_tokens or default
+            assert s.transcript is not None  # context(s) made it
             call = GatewayCall(call_id=f"{uuid.uuid4().hex}", reply_to=self.gateway_id, prompt_ids=list(ctx),
                                max_tokens=min(want, room), temperature=sampling.temperature, top_p=sampling.top_p,
                                stop=sampling.stop, stream=sampling.stream,
@@ -161,7 +164,7 @@ class CallRouter:
         return choices
 
     async def run(self, choices: list[Choice], received: float | None = None,
-                  client_gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[tuple[Choice, CallChunk]]:
+                  client_gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncGenerator[tuple[Choice, CallChunk]]:
         """Submit the calls and yield their chunks as they come; cancels what is left on exit.
         ``received``: when the request arrived (None: counted from the push); ``client_gone()``
         asked while nothing comes: True ends the calls (:class:`ClientGone`)."""
@@ -302,8 +305,11 @@ class CallRouter:
         whole conversation, which would hold the event loop; tokenising releases the GIL). A session
         that drifted stays so (rlhf_core/turns.py): counted at once, no thread."""
         for c in choices:
-            if c.session.drift_check is not None and c.session.conversation.drifted:
-                self.sessions.count_drift(c.session, True)
+            conv = c.session.conversation
+            if c.session.drift_check is not None:
+                assert conv is not None  # a drift check comes from a chat turn of the session's conversation
+                if conv.drifted:
+                    self.sessions.count_drift(c.session, True)
         checks = [(c.session, c.session.drift_check) for c in choices if c.session.drift_check is not None]
         if not checks:
             return None

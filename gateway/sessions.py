@@ -182,6 +182,7 @@ class Sessions:
         # generated after the tools its session's prompt holds, as with tool_choice "none"), not change them
         same_tools = s.conversation is not None and (not tools or s.conversation.tools == list(tools))
         if extends and same_tools:
+            assert s.transcript is not None and s.last_turn is not None and s.conversation is not None  # extends says so
             turn_ids, turn_text = s.last_turn
             ids, s.drift_check = s.conversation.next_turn(s.transcript.context_ids, turn_ids, turn_text, messages[prefix:],
                                                           "user")
@@ -208,26 +209,25 @@ class Sessions:
         self.counters.retokenisation_drift += int(drift)
 
     def completion_context(self, s: Session, prompt: str | list[int]) -> list[int]:
+        t = s.transcript
         if isinstance(prompt, list):  # token ids: extend when they start with the context so far
-            if s.transcript is not None and prompt[:len(s.transcript)] == s.transcript.context_ids and len(prompt) > len(s.transcript):
-                s.transcript.add_observation(prompt[len(s.transcript):])
-            else:
-                self._restart(s, list(prompt), "")
-            return s.transcript.context_ids
+            if t is not None and prompt[:len(t)] == t.context_ids and len(prompt) > len(t):
+                t.add_observation(prompt[len(t):])
+                return t.context_ids
+            return self._restart(s, list(prompt), "").context_ids
         for known in (s.text, s.client_text):  # the sampled text first: a stop string written back is not added twice
-            if s.transcript is not None and known and prompt.startswith(known) and len(prompt) > len(known):
-                s.transcript.add_observation(encode(self.tokenizer, prompt[len(known):]))
+            if t is not None and known and prompt.startswith(known) and len(prompt) > len(known):
+                t.add_observation(encode(self.tokenizer, prompt[len(known):]))
                 s.text = s.client_text = prompt
-                break
-        else:
-            self._restart(s, encode(self.tokenizer, prompt), prompt)
-        assert s.transcript is not None
-        return s.transcript.context_ids
+                return t.context_ids
+        return self._restart(s, encode(self.tokenizer, prompt), prompt).context_ids
 
-    def _restart(self, s: Session, ids: list[int], text: str) -> None:
+    def _restart(self, s: Session, ids: list[int], text: str) -> Transcript:
+        """Start the session's transcript over from ``ids``; returns it."""
         if s.transcript is not None:
             self.counters.sessions_restarted += 1
         s.transcript, s.text, s.client_text, s.turns, s.drift_turns = Transcript(ids), text, text, 0, 0
+        return s.transcript
 
     @staticmethod
     def snapshot(s: Session) -> tuple[Any, ...]:

@@ -42,7 +42,7 @@ def parse_reward(obj: dict[str, Any], known: set[str]) -> RewardPost:
     """The reward body ``{"reward": number | {name: number}, "group"?: str}``; ``known``: the
     component names taken so far (a run's components are a fixed set of names)."""
     value = obj.get("reward")
-    parts = value if isinstance(value, dict) and value else {"": value}
+    parts: dict[Any, Any] = value if isinstance(value, dict) and value else {"": value}
     if not all(finite(v) for v in parts.values()) or not finite(total := sum(float(v) for v in parts.values())):
         raise bad("'reward' must be a finite number, or an object of named finite numbers (summed)", "reward")
     components = {str(k): float(v) for k, v in parts.items()} if parts is value else {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -266,7 +267,7 @@ class Collator:
     @classmethod
     def for_model(cls, model: torch.nn.Module, device: torch.device | str, max_group_size: int | None = None) -> Collator:
         """Padding with the model's pad token, else its (first) end-of-sequence token."""
-        config = model.config
+        config: Any = model.config  # a transformers PretrainedConfig
         pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
         pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         return cls(pad_id, int(config.vocab_size), device, max_group_size)

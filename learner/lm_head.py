@@ -36,7 +36,7 @@ def response_logprobs(
     keeps no graph). ``forward`` runs ``model`` (an engine's forward, or the module itself)."""
     parts = lm_parts(model) if batch.response_ids.numel() > chunk_tokens else None
     weight = fused_head(parts[1]) if parts is not None else None
-    if weight is not None and not (entropy and entropy_grad) and no_filtering(sampling):
+    if parts is not None and weight is not None and not (entropy and entropy_grad) and no_filtering(sampling):
         # the common case (plain head, no top-k/top-p, entropy only a statistic): a written-out backward
         return fused_response_logprobs(parts[0], weight, batch, sampling.temperature, chunk_tokens, entropy,
                                        compiled=compiled, keep_logits=keep_logits)
@@ -139,9 +139,11 @@ def lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] 
     if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
     body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     linear = isinstance(head, torch.nn.Linear) or isinstance(getattr(head, "base_layer", None), torch.nn.Linear)
-    if not isinstance(body, torch.nn.Module) or body is model or not linear:  # base_layer: a LoRA-adapted head
+    # base_layer: a LoRA-adapted head (a module around the Linear)
+    if not isinstance(body, torch.nn.Module) or body is model or not linear or not isinstance(head, torch.nn.Module):
         return None
     return body, head
 

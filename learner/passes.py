@@ -5,6 +5,7 @@ policy (with gradients, for the loss) or the reference, and the no-grad passes b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +51,11 @@ class ModelPasses:
         """``[b, T]`` log-probs of ``mb``'s responses (and entropies) under the policy (or, with ``ref``,
         the reference model) with the rollout's sampling settings, so they compare with the workers'
         behaviour log-probs (:func:`learner.lm_head.response_logprobs`)."""
-        forward, model = (self.ref_model, self.ref_model) if ref else (self.engine.forward, self.engine.module)
+        model: torch.nn.Module = self.engine.module
+        forward: Callable[..., Any] = self.engine.forward
+        if ref:
+            assert self.ref_model is not None  # reference_logprobs checked
+            forward = model = self.ref_model
         return response_logprobs(forward, model, mb, self.rollout, chunk_tokens=self.lcfg.logits_chunk_tokens,
                                  entropy=entropy, entropy_grad=bool(self.algo.entropy_coef),
                                  compiled=self.engine.compiled, keep_logits=self.lcfg.keep_head_logits)
@@ -73,12 +78,17 @@ class ModelPasses:
 
     def critic_values(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T]`` the critic's values before the update, in eval mode."""
-        self.critic.train(False)
-        return self._recompute(batch, lambda mb: response_values(self.critic.forward, mb))
+        critic = self._critic()
+        critic.train(False)
+        return self._recompute(batch, lambda mb: response_values(critic.forward, mb))
 
     def values(self, mb: TrainBatch) -> torch.Tensor:
         """``[b, T]`` the critic's values of ``mb``, with gradients (its loss)."""
-        return response_values(self.critic.forward, mb)
+        return response_values(self._critic().forward, mb)
+
+    def _critic(self) -> TrainEngine:
+        assert self.critic is not None  # asked only by an algorithm with a critic (PolicyUpdater checks it has one)
+        return self.critic
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if batch.ref_logprobs is not None:

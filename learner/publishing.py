@@ -89,8 +89,9 @@ class Publishing:
                 pass
             return True
         if background:
+            assert self._sender is not None  # rank 0 has both
             # the copies are a snapshot: the next optimizer step changes the weights in place
-            self._sending = self._sender.submit(self._send, version, updates, list(tensors), t0)
+            self._sending = self._sender.submit(self._send, self.publisher, version, updates, list(tensors), t0)
             return True
         try:
             self.publisher.publish(version, tensors)
@@ -103,9 +104,10 @@ class Publishing:
         self.last_s = time.monotonic() - t0
         return True
 
-    def _send(self, version: int, updates: int, tensors: list[tuple[str, torch.Tensor]], t0: float) -> None:
+    def _send(self, publisher: WeightPublisher, version: int, updates: int, tensors: list[tuple[str, torch.Tensor]],
+              t0: float) -> None:
         """The publish thread: send ``version``, then tell the buffer (workers pace against ``updates``)."""
-        self.publisher.publish(version, tensors)
+        publisher.publish(version, tensors)
         self.buffer.set_learner_version(version, updates)
         self.last_s = time.monotonic() - t0
 

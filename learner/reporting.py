@@ -35,7 +35,8 @@ class UpdateReporter:
         self._last_trained: list[tuple[Sample, int]] = []  # the batch just trained, with staleness (the trackers' table)
         self._last_metrics: dict[str, Any] | None = None  # the newest update's, published at the end if throttled
         self._stats_at = -STATS_EVERY_S
-        self._filter_checked, self._filter_counts = -EVAL_CHECK_S, {}
+        self._filter_checked = -EVAL_CHECK_S
+        self._filter_counts: dict[str, float] = {}
         self._eval_checked, self._eval_seen = -EVAL_CHECK_S, None  # the newest evaluation copied into metrics
         self.exporter = None
         if cfg.learner.prometheus_port is not None:

@@ -235,7 +235,7 @@ class Learner:
         # the batch (CPU work of its own, reported as learner/time_read_s)
         wait_s = max(0.0, time.monotonic() - t_wait - read.decode_s)
         t_compute = time.monotonic()
-        metrics = self.updater.update(self.reader.collate(read.samples), read.version)
+        metrics: dict[str, Any] = self.updater.update(self.reader.collate(read.samples), read.version)
         compute_s = time.monotonic() - t_compute
         self.version += 1
         self.updates += 1

@@ -70,8 +70,8 @@ def has_dropout(module: torch.nn.Module) -> bool:
     functionally, in train mode only)."""
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
         return True
-    config = getattr(module, "config", None)
-    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
+    items = to_dict().items() if callable(to_dict) else ()
     return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in items)
 
 

@@ -18,7 +18,7 @@ from buffer import Lease
 from rlhf_core.config import Config
 from rlhf_core.dapo import group_filter
 from rlhf_core.errors import FailureWindow, UserError
-from rlhf_core.prometheus import GENERATION, SCORING
+from rlhf_core.prometheus import GENERATION, SCORING, Exporter
 from rlhf_core.records import Sample
 from rollout_workers.engine import GenerationEngine, GenRequest, GenResult, RequestError, SamplingParams
 from rollout_workers.episodes import Episode, EpisodeRunner
@@ -48,6 +48,14 @@ class Outcome:
     dead_letter: str | None = None
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """An outcome that failed: its sample (reward NaN) and why."""
+
+    reason: str
+    sample: Sample
+
+
 @dataclass(eq=False)  # hashed by identity: a prompt claimed again after a lost lease is another group
 class Group:
     """One claimed prompt being generated: ``size`` requests ``{lease_id}/{i}``; finished
@@ -73,8 +81,9 @@ class Group:
     def samples(self) -> list[Sample]:
         return [self.outcomes[i].sample for i in range(self.size) if self.outcomes[i].dead_letter is None]
 
-    def dead_letters(self) -> list[Outcome]:
-        return [self.outcomes[i] for i in range(self.size) if self.outcomes[i].dead_letter is not None]
+    def dead_letters(self) -> list[DeadLetter]:
+        return [DeadLetter(o.dead_letter, o.sample) for i in range(self.size)
+                if (o := self.outcomes[i]).dead_letter is not None]
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ class GroupAssembly:
 
     def __init__(self, cfg: Config, worker_id: str, leases: LeaseKeeper, engine: GenerationEngine,
                  episodes: EpisodeRunner | None, renderer: PromptRenderer, sampling: SamplingParams,
-                 scoring: ScoringPool[Member], stats: WorkerStats, exporter: object | None) -> None:
+                 scoring: ScoringPool[Member], stats: WorkerStats, exporter: Exporter | None) -> None:
         self.algo, self.worker_id, self.leases, self.engine, self.episodes = cfg.algo, worker_id, leases, engine, episodes
         self.renderer, self.sampling, self.scoring, self.stats, self.exporter = renderer, sampling, scoring, stats, exporter
         self.group_size = 0
@@ -276,14 +285,14 @@ class GroupAssembly:
         reasons = [group_filter(self.algo, s) for s in samples]
         with self.leases.using() as buffer:  # per group: append + dead letters + ack, one atomic step
             statuses = buffer.complete_many([
-                buffer.prepare(g.lease, s, rejected=[("sample", o.dead_letter, o.sample.encode()) for o in d], filtered=why)
+                buffer.prepare(g.lease, s, rejected=[("sample", o.reason, o.sample.encode()) for o in d], filtered=why)
                 for g, s, d, why in zip(ready, samples, dead, reasons)
             ])
         for group, kept, died, status in zip(ready, samples, dead, statuses):
             del self.groups[group.lease.lease_id]
             self.stats.dead_letters += len(died)
             for o in died:
-                self.reasons.warn("a sample of prompt", group.lease.prompt.prompt_id, str(o.dead_letter))
+                self.reasons.warn("a sample of prompt", group.lease.prompt.prompt_id, o.reason)
             if status == "duplicate":
                 self.stats.duplicates += 1
                 log.info("worker %s: prompt %s was already completed by another worker", self.worker_id,
@@ -300,6 +309,6 @@ class GroupAssembly:
         for kept, died in zip(samples, dead):  # after the groups are stored: a stop loses nothing scored
             # empty responses dead-lettered by reward.empty_response=dead_letter are the user's choice, not
             # a failing reward: a policy that mostly answers nothing must not stop the run blaming the reward
-            failed = [(False, "")] * len(kept) + [(True, o.dead_letter) for o in died if o.dead_letter != EMPTY_DEAD_LETTER]
-            if any([self.reward_failures.record(f, str(reason)) for f, reason in failed]):
+            failed = [(False, "")] * len(kept) + [(True, o.reason) for o in died if o.reason != EMPTY_DEAD_LETTER]
+            if any([self.reward_failures.record(f, reason) for f, reason in failed]):
                 raise reward_failing(self.reward_failures)

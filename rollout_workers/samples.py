@@ -16,7 +16,7 @@ import torch
 from rlhf_core.config import ENV_COMPONENT
 from rlhf_core.records import Sample, rle_encode
 from rlhf_core.sampling import response_logprobs
-from rollout_workers.engine import SamplingParams
+from rollout_workers.engine import GenResult, SamplingParams
 from rollout_workers.episodes import Episode
 from rollout_workers.groups import Member, Outcome
 from rollout_workers.rewards import CallWatch, RewardError, ScoreItem, Scorer
@@ -43,17 +43,23 @@ class SampleScorer:
         return self._outcome(member, RewardError(reason))
 
     def _response_scores(self, members: list[Member], watch: CallWatch) -> list[Score]:
-        results = [m.result for m in members]
+        results: list[GenResult] = []
+        for m in members:
+            assert isinstance(m.result, GenResult)  # no environment: each response is one generation
+            results.append(m.result)
         items = [ScoreItem.of(m.group.lease.prompt, m.group.prompt_text, r.text, r.token_ids.tolist())
                  for m, r in zip(members, results)]
         scores = self.scorer.score_batch(items, watch)
         return [RewardError("response has no tokens") if r.num_tokens == 0 else s for r, s in zip(results, scores)]
 
     def _episode_scores(self, members: list[Member], watch: CallWatch) -> list[Score]:
-        episodes: list[Episode] = [m.result for m in members]
+        episodes: list[Episode] = []
+        for m in members:
+            assert isinstance(m.result, Episode)  # an environment: each response is an episode
+            episodes.append(m.result)
         rewarded = bool(self.scorer.functions or self.scorer.models)
         live = [i for i, ep in enumerate(episodes) if ep.error is None]
-        scores: dict[int, Any] = {i: (0.0, {}) for i in live}
+        scores: dict[int, Score] = {i: (0.0, {}) for i in live}
         if rewarded:
             items = []
             for i in live:
@@ -66,7 +72,7 @@ class SampleScorer:
             scores.update(zip(live, self.scorer.score_batch(items, watch)))
         out: list[Score] = []
         for i, ep in enumerate(episodes):
-            score = scores.get(i)
+            score: Score
             if ep.error is not None:
                 score = RewardError(ep.error)
             elif ep.env_reward is None and not rewarded:
@@ -75,9 +81,11 @@ class SampleScorer:
                                     "configured; return one when done, or set reward.functions")
             elif ep.transcript is None or ep.transcript.num_policy_tokens == 0:
                 score = RewardError("the episode has no token the policy sampled")
-            elif ep.env_reward is not None and not isinstance(score, RewardError):
-                total, parts = score
-                score = total + ep.env_reward, {**parts, ENV_COMPONENT: ep.env_reward}
+            else:
+                score = scores[i]  # a live episode: scored above, or (0.0, {}) when only its environment rewards
+                if ep.env_reward is not None and not isinstance(score, RewardError):
+                    total, parts = score
+                    score = total + ep.env_reward, {**parts, ENV_COMPONENT: ep.env_reward}
             out.append(score)
         return out
 
@@ -90,7 +98,7 @@ class SampleScorer:
     def _sample(self, member: Member, reward: float, parts: dict[str, float], scored: bool) -> Sample:
         """The response's sample; with reference log-probs when ``scored`` and a reference is loaded."""
         group, result, prompt = member.group, member.result, member.group.lease.prompt
-        ref = self.reference is not None and scored
+        reference = self.reference if scored else None
         common: dict[str, Any] = dict(
             sample_id=f"{group.group_id}/{member.index}", prompt_id=prompt.prompt_id, group_id=group.group_id,
             reward=reward, reward_components=parts, worker_id=self.worker_id, group_size=group.size,
@@ -100,7 +108,8 @@ class SampleScorer:
             return Sample(prompt_ids=np.asarray(group.prompt_ids, dtype=np.int32), response_ids=result.token_ids,
                           behaviour_logprobs=result.logprobs, versions=rle_encode(result.versions.tolist()),
                           finish_reason=result.finish_reason,
-                          ref_logprobs=self._ref_logprobs(group.prompt_ids, result.token_ids) if ref else None,
+                          ref_logprobs=self._ref_logprobs(reference, group.prompt_ids, result.token_ids)
+                          if reference is not None else None,
                           **common)
         # an episode: its transcript, policy tokens as sampled (loss mask 0 elsewhere)
         common.update(finish_reason=result.finish_reason or "abort",
@@ -110,14 +119,16 @@ class SampleScorer:
         if t is None:  # failed before its first turn: an empty record for the dead letter
             return Sample(prompt_ids=np.zeros(0, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
                           behaviour_logprobs=np.zeros(0, dtype=np.float32), versions=[], **common)
-        return t.to_sample(ref_logprobs=self._ref_logprobs(t.prompt_ids, t.response_ids) if ref else None, **common)
+        return t.to_sample(ref_logprobs=self._ref_logprobs(reference, t.prompt_ids, t.response_ids)
+                           if reference is not None else None, **common)
 
     @torch.no_grad()
-    def _ref_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> np.ndarray:
+    def _ref_logprobs(self, reference: torch.nn.Module, prompt_ids: Sequence[int] | np.ndarray,
+                      response_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """``[R]`` reference log-probs under the same processed distribution the learner uses for KL."""
-        device = next(self.reference.parameters()).device
+        device = next(reference.parameters()).device
         ids = torch.tensor([[int(t) for t in prompt_ids] + [int(t) for t in response_ids]], device=device)
-        logits = self.reference(input_ids=ids).logits[:, len(prompt_ids) - 1 : -1]
+        logits = reference(input_ids=ids).logits[:, len(prompt_ids) - 1 : -1]
         sp = self.sampling
         lp = response_logprobs(logits, ids[:, len(prompt_ids):], sp.temperature, sp.top_k, sp.top_p)
         return lp[0].float().cpu().numpy()

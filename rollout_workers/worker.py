@@ -184,12 +184,12 @@ class RolloutWorker:
                                 "failed before starting them", "claimed")
             raise
 
-    def _counting_gateway_tokens(self, call: Callable[..., Any], *args: Any) -> Any:
+    def _counting_gateway_tokens(self, gateway: GatewayCalls, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)`` on the gateway's calls; the tokens of the calls it ends (finished or
         aborted) count as generated, like prompts' (the run's summary, the monitor)."""
-        before = self.gateway.stats["gateway_tokens"]
+        before = gateway.stats["gateway_tokens"]
         out = call(*args)
-        self.stats.tokens += self.gateway.stats["gateway_tokens"] - before
+        self.stats.tokens += gateway.stats["gateway_tokens"] - before
         return out
 
     def _step(self) -> None:
@@ -197,14 +197,14 @@ class RolloutWorker:
         finished = self.engine.step()
         self.stats.t_generate += time.monotonic() - t0
         if self.gateway is not None:
-            finished = self._counting_gateway_tokens(self.gateway.after_step, finished, self._free_slots())
+            finished = self._counting_gateway_tokens(self.gateway, self.gateway.after_step, finished, self._free_slots())
         self.groups.add_results(finished)
 
     # ------------------------------------------------------------------ stats
 
     def _stats_record(self) -> dict[str, Any]:
         """What each heartbeat carries (built on the heartbeat thread)."""
-        extra = dict(self.renderer.counters.as_dict())
+        extra: dict[str, Any] = dict(self.renderer.counters.as_dict())
         pulls = self.weights.subscriber.stats
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=pulls["pulls"], weight_timeouts=pulls["timeouts"],
@@ -267,7 +267,7 @@ class RolloutWorker:
             if self.episodes is not None:
                 self.episodes.close()
             if self.gateway is not None:  # its running calls are aborted: what they sampled was generated
-                self._counting_gateway_tokens(self.gateway.close)
+                self._counting_gateway_tokens(self.gateway, self.gateway.close)
             self.engine.close()
             self.leases.heartbeat()  # the final record: leases 0, final counters
             self.weights.close()

@@ -87,7 +87,7 @@ class Endpoint:
     # -- receiving ----------------------------------------------------------------------------------
     def recv_rest(self) -> list[bytes] | None:
         """The request's remaining frames; None (and the rest drained) when there are too many."""
-        frames = []
+        frames: list[bytes] = []
         while self.router.rcvmore:
             if len(frames) >= _MAX_EXTRA_FRAMES:
                 self.drain()

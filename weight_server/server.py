@@ -75,10 +75,12 @@ class WeightServer:
             )
         if cfg.chunk_bytes > cfg.max_frame_bytes:
             raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
-        self._own_ctx = ctx is None
-        # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
-        # followers run on different connections, so they need not queue behind each other.
-        self.ctx = ctx or Context(io_threads=2)
+        self._own_ctx: Context | None = None
+        if ctx is None:
+            # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
+            # followers run on different connections, so they need not queue behind each other.
+            ctx = self._own_ctx = Context(io_threads=2)
+        self.ctx = ctx
         self.zap: ZapHandler | None = None
         self._metrics = ServerMetrics()
         self._stop = threading.Event()
@@ -201,15 +203,22 @@ class WeightServer:
                 self.endpoint.close()
             if self.zap is not None:
                 self.zap.close()
-            if self._own_ctx:
-                self.ctx.close()
+            if self._own_ctx is not None:
+                self._own_ctx.close()
             if self.shm is not None:
                 self.shm.close()
+
+    @property
+    def _end(self) -> Endpoint:
+        """The endpoint, which a constructed server always has (None only while it is built or
+        after a failed constructor)."""
+        assert self.endpoint is not None
+        return self.endpoint
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
-        router = self.endpoint.router
+        router = self._end.router
         poller.register(router, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.sock, zmq.POLLIN)
@@ -229,7 +238,7 @@ class WeightServer:
                 if now >= next_announce:
                     next_announce = now + self.cfg.announce_interval_s
                     for name in self.store.held():
-                        self.endpoint.announce(self.store.newest(name))
+                        self._end.announce(self.store.newest(name))
                 if now >= next_expire:
                     next_expire = now + 1.0
                     for up in self.store.expire(self.cfg.upload_timeout_s, now):
@@ -270,7 +279,7 @@ class WeightServer:
 
     def _recv_one(self) -> bool:
         """Receive and handle one message; False when none is waiting."""
-        end = self.endpoint
+        end = self._end
         try:
             ident = end.router.recv(zmq.NOBLOCK)
         except zmq.Again:
@@ -301,7 +310,7 @@ class WeightServer:
         if obj["kind"] == P.PUB_CHUNK:
             self._on_pub_chunk(ident, obj, head)
             return
-        end = self.endpoint
+        end = self._end
         extra = end.recv_rest()
         if extra is None:
             self._metrics.count("malformed")
@@ -323,7 +332,7 @@ class WeightServer:
         """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
         has none and says the publisher wrote those bytes into the slab file itself. Either way
         the watermark advances, tensors complete are hashed, and parked followers are answered."""
-        end = self.endpoint
+        end = self._end
         try:
             upload = P.req_int(obj, "upload")
             via_shm = optional(obj, "shm", bool, False)
@@ -340,9 +349,9 @@ class WeightServer:
             return
         problem = end.recv_data(targets)  # the data lands in the upload's slab; nothing is visible before commit
         extra = end.recv_rest() if problem is None else None
-        if problem is None and extra is None:
-            problem = "chunk has too many frames"
-        if problem is not None:
+        if extra is None:
+            if problem is None:
+                problem = "chunk has too many frames"
             end.drain()
             self.store.abort(upload)
             self._metrics.count("uploads_aborted")
@@ -354,6 +363,7 @@ class WeightServer:
             self._metrics.count("uploads_aborted")
             return
         self.store.received(upload, segments)
+        assert up is not None  # chunk_targets refused an unknown upload
         if up.parked:
             self.handlers.chunk_arrived(up)
 

@@ -28,7 +28,7 @@ class Slab:
 
     def __init__(self, nbytes: int, buffer: Any = None, path: str | None = None) -> None:
         self.array = np.empty(max(nbytes, 1), dtype=np.uint8) if buffer is None else np.frombuffer(buffer, dtype=np.uint8)
-        self.view = memoryview(self.array)
+        self.view = self.array.data
         self.path = path
         self.tainted = False  # someone may map it outside a lease: never recycle it
         self.trackers: list[Any] = []  # zmq.MessageTracker of zero-copy sends still reading this slab
@@ -94,12 +94,12 @@ class SlabPool:
         if self.factory is None or self._making or any(s.path is not None and self._fits(s, nbytes) for s in self.free):
             return
         self._making = True
-        threading.Thread(target=self._make, args=(nbytes,), name="weight-slab", daemon=True).start()
+        threading.Thread(target=self._make, args=(self.factory, nbytes), name="weight-slab", daemon=True).start()
 
-    def _make(self, nbytes: int) -> None:
+    def _make(self, factory: SlabFactory, nbytes: int) -> None:
         slab = None
         try:
-            slab = self.factory(nbytes)
+            slab = factory(nbytes)
         except Exception:  # noqa: BLE001  # the upload that wants it makes its own; later ones try again
             log.exception("weight server: a spare slab of %d bytes could not be made", nbytes)
         finally:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -42,6 +42,22 @@ from weight_server.tensors import Staging, check_target, staged, target_of
 
 log = logging.getLogger(__name__)
 
+_NO_RID = -1  # request ids count up from a non-negative number: a reply without one matches none
+
+
+class PullStats(TypedDict):
+    """A subscriber's counters (``WeightSubscriber.stats``)."""
+
+    pulls: int
+    pulls_tcp: int
+    pulls_shm: int
+    shm_fallbacks: int
+    bytes_received: int
+    bytes_shm: int
+    integrity_failures: int
+    timeouts: int
+    last_pull_s: float | None
+
 
 class WeightSubscriber:
     """Pulls versions of the parameter set ``name``. Not thread-safe (one per thread)."""
@@ -55,36 +71,46 @@ class WeightSubscriber:
         self.worker_id = worker_id
         self.name = name
         self._maps = ShmMaps() if self.cfg.shm == "auto" else None
-        self._own_ctx = ctx is None
-        self.ctx = ctx or Context()
-        self.channel: Channel | None = None
-        self.announcements: Announcements | None = None
+        self._own_ctx: Context | None = None
+        if ctx is None:
+            ctx = self._own_ctx = Context()
+        self.ctx = ctx
+        channel = None
         try:
-            self.channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
-            self.announcements = Announcements(pub_address, self.cfg, self.ctx, name, self.channel.signer)
+            channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
+            self.announcements = Announcements(pub_address, self.cfg, self.ctx, name, channel.signer)
         except BaseException:
-            self.close()
+            try:
+                if channel is not None:
+                    channel.close()
+            finally:
+                self._release()
             raise
+        self.channel = channel
         self.version: int | None = None  # the version last pulled (and applied, when pulled into a target)
         self._staging = Staging()
         self._applied: tuple[Any, int, tuple, list[bytes]] | None = None  # (target, version, signature, hashes)
-        self.stats = {
+        self.stats: PullStats = {
             "pulls": 0, "pulls_tcp": 0, "pulls_shm": 0, "shm_fallbacks": 0, "bytes_received": 0, "bytes_shm": 0,
             "integrity_failures": 0, "timeouts": 0, "last_pull_s": None,
         }
 
     def close(self) -> None:
-        """Close the sockets (linger 0), the mappings and an own context; also after a failure."""
+        """Close the sockets (linger 0), the mappings and an own context."""
         try:
-            if self.channel is not None:
-                self.channel.close()
-            if self.announcements is not None:
-                self.announcements.close()
+            self.channel.close()
+            self.announcements.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Close the mappings and an own context; also after a failed constructor."""
+        try:
             if self._maps is not None:
                 self._maps.close()
         finally:
-            if self._own_ctx:
-                self.ctx.close()
+            if self._own_ctx is not None:
+                self._own_ctx.close()
 
     def __enter__(self) -> WeightSubscriber:
         return self
@@ -140,6 +166,8 @@ class WeightSubscriber:
             return None
         if offer is None:
             return self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
+        lease = offer.lease
+        assert lease is not None  # parse_shm_offer(leased=True) refuses an offer without one
         # A lease pins the slab on the server until released: release it on every way out (an
         # applied shm pull does so with its APPLIED report), except when the server stopped
         # answering (it expires the lease by itself).
@@ -152,14 +180,14 @@ class WeightSubscriber:
                 via = "tcp"
                 result = self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
             else:
-                result, via, released = self._pull_shm(man, layout, v, chunk_bytes, slab, into, offer.lease, *plan)
+                result, via, released = self._pull_shm(man, layout, v, chunk_bytes, slab, into, lease, *plan)
         except NoReply:
             raise
         except BaseException:
-            self._release(offer.lease, via)
+            self._release_lease(lease, via)
             raise
         if not released:
-            self._release(offer.lease, via)
+            self._release_lease(lease, via)
         return result
 
     def _plan(self, layout: P.Layout, v: int, into: Any, skip_unchanged: bool) -> tuple[Any, list[int]] | None:
@@ -185,7 +213,7 @@ class WeightSubscriber:
             return v, None  # already applied
         target, needed = plan
         staging = self._staging.buffer(layout.total_bytes, target)
-        buf = memoryview(staging.numpy())
+        buf = staging.numpy().data
         error, hashes = self._fetch(layout, v, chunk_bytes, needed, buf)
         if error is not None:
             self.channel.reset()  # abandon the other outstanding fetches
@@ -237,6 +265,10 @@ class WeightSubscriber:
         return result, "shm", target is not None
 
     def _map(self, offer: P.ShmOffer) -> np.ndarray | None:
+        """The offered slab, mapped read-only; None (pull over TCP) when it cannot be, or when this
+        subscriber has shared memory off and did not ask for the offer."""
+        if self._maps is None:
+            return None
         try:
             return self._maps.open(offer, writable=False)
         except ShmUnavailable as exc:
@@ -244,7 +276,7 @@ class WeightSubscriber:
             self._maps.warn_once(f"worker {self.worker_id}", offer, exc)
             return None
 
-    def _release(self, lease: int, via: str | None) -> None:
+    def _release_lease(self, lease: int, via: str | None) -> None:
         """Give the slab back to the server (recyclable again). Best effort: a lease the server
         cannot hear about expires there after its lease_s."""
         try:
@@ -313,7 +345,7 @@ class WeightSubscriber:
         hashes: dict[int, bytes] = {}
 
         def place(header: dict[str, Any]) -> list[memoryview] | None:
-            chunk = outstanding.get(header.get("rid"))
+            chunk = outstanding.get(header.get("rid", _NO_RID))
             if chunk is None or header.get("chunk") != chunk or header.get("version") != v:
                 return None
             offset, length = P.chunk_range(chunk, layout.total_bytes, chunk_bytes)
@@ -328,13 +360,13 @@ class WeightSubscriber:
                 return rep, hashes
             if rep["kind"] != P.CHUNK or rep.get("discarded"):
                 continue
-            c = outstanding.get(rep.get("rid"))
-            if c is None or rep.get("chunk") != c or rep.get("version") != v or (rep.get("shm") is True) != notices:
+            chunk = outstanding.get(rep.get("rid", _NO_RID))
+            if chunk is None or rep.get("chunk") != chunk or rep.get("version") != v or (rep.get("shm") is True) != notices:
                 continue  # a late reply to an abandoned request, or one without the data asked for
             del outstanding[rep["rid"]]
-            arrived.add(c)
+            arrived.add(chunk)
             if not notices:
-                self.stats["bytes_received"] += P.chunk_range(c, layout.total_bytes, chunk_bytes)[1]
+                self.stats["bytes_received"] += P.chunk_range(chunk, layout.total_bytes, chunk_bytes)[1]
             while prefix < len(order) and order[prefix] in arrived:
                 prefix += 1
             covered = min(layout.total_bytes, order[prefix - 1] * chunk_bytes + chunk_bytes) if prefix else 0

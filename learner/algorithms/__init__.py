@@ -18,6 +18,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -111,7 +112,7 @@ def policy_loss(name: str) -> PolicyLossEntry:
     return _lookup("algo.policy_loss", PolicyLoss, _POLICY_LOSSES, name)
 
 
-def _lookup(key: str, names: type, registry: dict[Any, Any], name: str) -> Any:
+def _lookup(key: str, names: type[StrEnum], registry: dict[Any, Any], name: str) -> Any:
     try:
         return registry[names(name)]
     except (ValueError, KeyError):

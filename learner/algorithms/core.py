@@ -125,6 +125,7 @@ def aggregate(
     elif mode == "seq-mean-token-sum":
         seq_loss = seq_sum
     else:
+        assert norm_len is not None  # checked above
         seq_loss = seq_sum / norm_len
     return masked_mean(seq_loss, seq_len > 0)
 

@@ -99,7 +99,10 @@ class PolicyGradient:
         if prox is not None:
             prox = torch.where(mask, prox, torch.zeros_like(prox))
         old_values = up.passes.critic_values(local) if self.needs_critic else None
-        kl = kl_estimate(prox, ref, mask, kind=a.kl_estimator) if (need_ref and a.kl_mode == "reward") else None
+        kl = None
+        if need_ref and a.kl_mode == "reward":
+            assert prox is not None and ref is not None  # KL in the reward: pi_prox is never the training pass
+            kl = kl_estimate(prox, ref, mask, kind=a.kl_estimator)
         adv, returns = self.normalized_advantages(a, AdvantageInputs(
             rewards, batch.group_sizes, torch.tensor(rows, device=up.device), mask, kl=kl, values=old_values,
             behav=local.behaviour_logprobs, prox=prox))
@@ -115,6 +118,7 @@ class PolicyGradient:
         if ref is not None:
             extras["ref"] = ref
         if old_values is not None:
+            assert returns is not None  # an estimator with values returns their targets
             extras.update(old_values=old_values, returns=returns)
         # a minibatch's denominator: its tokens (token-mean) or its sequences with a token (seq-* modes)
         weights = mask.sum(-1).double() if a.agg_mode == "token-mean" else (mask.sum(-1) > 0).double()
@@ -130,6 +134,7 @@ class PolicyGradient:
         share = count * (up.engine.world_size / denom) if denom > 0 else 0.0
         norm_len = response_budget(up.rollout)
         logp, entropy = up.passes.logprobs(mb, entropy=True)
+        assert entropy is not None  # asked for
         # The mask was fixed before training: from the update's second optimizer step on, a token
         # can leave these weights' top-k/nucleus (log-prob -inf). It has no KL (k3 would be
         # inf - inf = nan); it stays in the denominators, as every masked-out token's 0 does.
@@ -167,6 +172,7 @@ class PolicyGradient:
             values = up.passes.values(mb)
             vloss, vst = self.value_loss(values, mb.token_extras["old_values"], mb.token_extras["returns"], mask,
                                          clip_eps=a.value_clip, agg_mode=a.agg_mode, norm_len=norm_len)
+            assert up.critic is not None  # a value loss comes with a critic (PolicyUpdater checks it)
             up.critic.backward(vloss * share)
             m.add("loss/value", vst.loss, count)
             m.add("loss/value_clip_frac", vst.clip_frac, w)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from rlhf_core.choices import Launcher
 from rlhf_core.config.algo import AlgoConfig
@@ -72,7 +72,7 @@ def register_configs() -> None:
     cs.store(name="base_monitor", node=MonitorConfig)
 
 
-def to_object(cfg: DictConfig) -> Any:
+def to_object(cfg: DictConfig | ListConfig) -> Any:
     """Resolve a composed config into the dataclasses; a required value left as ??? and a key that
     is no setting (added with ``+``, which Hydra suggests for a misspelt one) are ConfigErrors."""
     from omegaconf.errors import MissingMandatoryValue

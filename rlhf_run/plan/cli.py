@@ -181,11 +181,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         local = overrides(plan, gpu)  # the device lists are the local launcher's alone
         ray = [o for o in local if not o.startswith(("learner.devices=", "rollout.devices="))] + ray_overrides(
             plan, gpu, profile.machine.gpus_per_node)
-        local = None if spans_nodes(plan, request) else local
-        for cmd in (local, ray):
+        local_cmd = None if spans_nodes(plan, request) else local
+        for cmd in (local_cmd, ray):
             if cmd is not None:
                 _validated(given + cmd)
-        return local, ray
+        return local_cmd, ray
 
     shown = [(r, *commands(r.plan)) for r in ranked]
     if gpu and not stats["exact"]:

@@ -68,6 +68,16 @@ class Proc:
         self.since = (0.0, 0.0)  # (time, share counter) when the current job started
 
 
+class _Call:
+    """A plain callback on the timer heap (``call_at``): its entry's token is -1, never stale."""
+
+    __slots__ = ("fn",)
+    token = -1
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+
 class Kernel:
     def __init__(self, mode: str = "cpu", cores: float = 2.0, contention: float = 1.0, background: float = 0.0,
                  handoff: float = 0.0, handoff_busy: float = 0.0) -> None:
@@ -83,7 +93,7 @@ class Kernel:
         self.busy = 0
         self.events = 0
         self._seq = itertools.count()
-        self._timers: list[tuple[float, int, Proc, int, Any]] = []
+        self._timers: list[tuple[float, int, Proc | _Call, int, Any]] = []
         self._jobs: list[tuple[float, int, Proc, int]] = []
         self._ready: deque[tuple[Proc, Any]] = deque()
         self._rates = [self._rate(k) for k in range(64)]
@@ -120,7 +130,7 @@ class Kernel:
 
     def call_at(self, t: float, fn: Callable[[], None]) -> None:
         """Call ``fn()`` at time ``t`` (a plain callback, no process)."""
-        heapq.heappush(self._timers, (t, next(self._seq), fn, -1, None))
+        heapq.heappush(self._timers, (t, next(self._seq), _Call(fn), _Call.token, None))
 
     def spawn(self, gen: Process, name: str = "") -> Proc:
         proc = Proc(gen, name)
@@ -228,8 +238,8 @@ class Kernel:
                 job, proc.job = proc.job, None
                 ready.append((proc, None if job is None else job[2]))
             else:
-                _, _, proc, token, value = heappop(timers)
-                if token < 0:
-                    proc()  # a callback
+                _, _, entry, _, value = heappop(timers)
+                if isinstance(entry, Proc):
+                    ready.append((entry, value))
                 else:
-                    ready.append((proc, value))
+                    entry.fn()

@@ -29,7 +29,7 @@ from rlhf_run.report import TIMELINE_FILE, every_worker, read_jsonl, read_timeli
 
 
 def _config(folder: Path) -> Any:
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from rlhf_core.config import Config, register_configs, to_object
 
@@ -38,6 +38,8 @@ def _config(folder: Path) -> Any:
     if not path.exists():
         raise ProfileError(f"{folder} has no run_config.yaml: is it the output folder of an rlhf-run run?")
     doc = OmegaConf.load(path)
+    if not isinstance(doc, DictConfig):
+        raise ProfileError(f"{path} is not a map of config sections: is it the run_config.yaml rlhf-run wrote?")
     doc.pop("defaults", None)
     cfg = to_object(OmegaConf.merge(OmegaConf.structured(Config), doc))
     return cfg

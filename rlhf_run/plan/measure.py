@@ -115,8 +115,8 @@ def measure_generation(cfg: Any, reps: int = 3) -> tuple[Generation, list[tuple[
         for _ in range(reps + 1):  # the first round warms up and is not kept
             for rows in waves:
                 ids = [prompts[i % len(prompts)] for i in range(rows)]
-                for p in ids:
-                    engine.add(GenRequest(f"c{seq}", list(p), params))
+                for prompt_ids in ids:
+                    engine.add(GenRequest(f"c{seq}", list(prompt_ids), params))
                     seq += 1
                 step = 0
                 ctx = float(sum(len(p) for p in ids))
@@ -174,11 +174,18 @@ def measure_worker(cfg: Any, prompts: int, redis_cpu: Callable[[], float]) -> tu
     step = Timed(worker.engine.step)
     claim = Timed(buf.claim, lambda out, *a, **k: len(out))
     add = Timed(worker.engine.add)
-    prepare = Timed(buf.prepare, lambda out, lease, group, *a, **k: (captured.extend(group), len(group))[1])
+
+    def prepared(out: Any, lease: Any, group: list[Any], *a: Any, **k: Any) -> int:
+        captured.extend(group)
+        return len(group)
+
+    prepare = Timed(buf.prepare, prepared)
     complete = Timed(buf.complete_many, lambda out, items, *a, **k: len(out))
     score = Timed(worker.scoring.job, lambda out, items, *a, **k: len(items))
-    worker.engine.step, buf.claim, worker.engine.add, buf.prepare, buf.complete_many = step, claim, add, prepare, complete
-    worker.scoring.job = score
+    timed = ((worker.engine, "step", step), (buf, "claim", claim), (worker.engine, "add", add),
+             (buf, "prepare", prepare), (buf, "complete_many", complete), (worker.scoring, "job", score))
+    for obj, method, wrapper in timed:  # an instance attribute shadows the method for this worker's run
+        setattr(obj, method, wrapper)
     r0, t0 = redis_cpu(), time.thread_time()
     worker.run(max_prompts=prompts)
     main_cpu, redis_s = time.thread_time() - t0, redis_cpu() - r0

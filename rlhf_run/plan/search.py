@@ -345,7 +345,8 @@ def search(request: Request, profile: Profile, top: int = 5, simulate_at_most: i
         best_left = next((bound[p] for p in by_bound[left:] if p not in done), None)
         bar = ranked[min(top, len(ranked)) - 1].result.trained_samples_per_s if ranked else 0.0
         closed = best_left is None or (len(ranked) >= top and beaten(best_left, bar))
-        counts.update(exact=closed, gap=0.0 if closed else (max(0.0, best_left / bar - 1) if bar > 0 else math.inf))
+        gap = 0.0 if best_left is None or closed else (max(0.0, best_left / bar - 1) if bar > 0 else math.inf)
+        counts.update(exact=closed, gap=gap)
     ranked.sort(key=_key)
     if stats is not None:
         stats.update(counts)

@@ -109,6 +109,7 @@ class SimWorker:
     def poke(self) -> None:
         """Cut a run of engine steps short at the step in progress: the loop has something to do."""
         if self.in_steps:
+            assert self.proc is not None  # steps run in the worker's process
             self.sim.k.interrupt(self.proc)
 
     def budget_changed(self) -> None:

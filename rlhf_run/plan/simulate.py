@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from rlhf_run.plan.des import CPU, SLEEP, WAIT, Kernel, Proc, Signal
@@ -69,8 +70,8 @@ class Simulation:
                         background=m.background if background is None else background,
                         handoff=m.handoff_s, handoff_busy=m.handoff_busy_s)
         rng = random.Random(seed)
-        self.response_len = _Sampler(profile.generation.response_tokens, rng)
-        self.prompt_len = _Sampler(profile.generation.prompt_tokens, rng)
+        self.response_len: Callable[[int], list[int]] = _Sampler(profile.generation.response_tokens, rng)
+        self.prompt_len: Callable[[int], list[int]] = _Sampler(profile.generation.prompt_tokens, rng)
         # the buffer
         self.buffer_version = 0  # the learner version the buffer knows (after a publish)
         self.server_version = 0  # newest version the weight server committed
@@ -91,7 +92,7 @@ class Simulation:
         self.claimed = self.generated = self.trained = self.dropped = 0
         self.in_learner = 0  # samples of the batch being trained
         self.max_over = -10**9
-        self.min_margin = 10**9
+        self.min_margin: float = 10**9
         self.hist: list[int] = []
         self.marks: list[tuple[float, int, int, float, float]] = []  # per update: time, trained, generated, idle, depth
         self.idle_s = 0.0

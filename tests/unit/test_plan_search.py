@@ -428,3 +428,11 @@ def test_a_profile_from_a_run_takes_the_prompt_length_the_learner_recorded(tmp_p
     lc = profile.learner
     assert (lc.update_base, lc.update_per_token) == pytest.approx((0.002, 1e-5), rel=1e-6)
     assert lc.update_s(32, 1147.0, 32) == pytest.approx(0.01347)
+
+
+def test_a_run_config_that_is_not_a_map_is_refused(tmp_path):
+    from rlhf_run.plan.fromrun import _config
+
+    (tmp_path / "run_config.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ProfileError, match="is not a map of config sections"):
+        _config(tmp_path)

@@ -167,3 +167,12 @@ def test_an_offer_outside_a_weight_server_folder_is_refused_before_anything_is_o
     for change, message in bad:
         with pytest.raises(P.WireError, match=message):
             P.parse_shm_offer({"shm": {**good, **change}}, "shm", 128, leased=True)
+
+
+def test_a_subscriber_with_shm_off_takes_an_offer_it_did_not_ask_for_over_tcp(tmp_path):
+    from rlhf_core.config import WeightServerConfig
+    from weight_server import WeightSubscriber
+
+    offer = P.ShmOffer(str(tmp_path / "slab"), 0, 8, str(tmp_path / "token"), b"\0" * P.SHM_TOKEN_BYTES, lease=1)
+    with WeightSubscriber("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", WeightServerConfig(shm="off")) as sub:
+        assert sub._map(offer) is None and sub.stats["shm_fallbacks"] == 0

@@ -73,7 +73,7 @@ def test_group_splits_its_outcomes_in_response_order():
     for i in (2, 0, 1):  # collected in any order
         group.outcomes[i] = outcomes[i]
     assert [s.group_index for s in group.samples()] == [0, 2]
-    assert [(o.sample.group_index, o.dead_letter) for o in group.dead_letters()] == [(1, "bad")]
+    assert [(o.sample.group_index, o.reason) for o in group.dead_letters()] == [(1, "bad")]
 
 
 class UniformReference(torch.nn.Module):
