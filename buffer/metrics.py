@@ -162,7 +162,7 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
          "retired": {"consumers": int, "stats": {stat: sum}},   # consumers retired (buffer.prompts.retire)
          "stats": {component: {...}},   # what publish_stats stored
-         "control": {"workers": int | None}}   # the worker actors asked for (Buffer.set_worker_target)
+         "control": {"workers": int | None}}   # the worker actors asked for (MonitorClient.set_worker_target)
     """
     k = keys
 
