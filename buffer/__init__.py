@@ -27,10 +27,10 @@ from buffer.client import BufferClient, GatewayClient, MonitorClient, ProducerCl
 from buffer.connection import BufferAuthError, BufferOutOfMemory, BufferUnavailable, CorruptStateError, redact
 from buffer.datasets import DataError, iter_prompts
 from buffer.keys import BadName, RunKeys
-from buffer.learner_client import LearnerClient
+from buffer.learner_client import LearnerClient, RunParamsMismatch
 from buffer.prompts import Lease, PromptsExhausted
 from buffer.samples import Batch, GroupSlice, groups_per_batch
-from buffer.store import RunNotInitialised, RunParamsMismatch, Store
+from buffer.store import RunNotInitialised, Store
 from buffer.worker_client import Completion, WorkerClient
 
 __all__ = [

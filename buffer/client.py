@@ -83,14 +83,8 @@ class ProducerClient(BufferClient):
     def enqueue_prompts(self, items: Iterable[Prompt]) -> int:
         return prompts.enqueue(self.store, items)
 
-    def fill_prompts(
-        self,
-        source_fn: Callable[[int], Iterable[Prompt]],
-        epochs: int,
-        low_watermark: int,
-        high_watermark: int | None = None,
-        lead_s: float = 0.0,
-    ) -> int:
+    def fill_prompts(self, source_fn: Callable[[int], Iterable[Prompt]], epochs: int, low_watermark: int,
+                     high_watermark: int | None = None, lead_s: float = 0.0) -> int:
         """Top up the prompt queue once (call it periodically, with ``lead_s`` a few times the
         period: the queue then keeps up with the workers' rate); see :func:`buffer.prompts.fill`."""
         return prompts.fill(self.store, self._filler, source_fn, epochs, low_watermark, high_watermark, lead_s)
@@ -221,15 +215,8 @@ class MonitorClient(BufferClient):
     def delete_run(self) -> int:
         """Delete this run's keys (SCAN by prefix + UNLINK); other runs and keys are untouched.
         The other clients of this process over the run hold stale leases and batches then: close them."""
-        n = 0
-        batch: list[bytes] = []
-        for key in self.retry(lambda: list(self.redis.scan_iter(match=self.keys.pattern(), count=1000))):
-            batch.append(key)
-            if len(batch) >= 500:
-                n += self.retry(self.redis.unlink, *batch)
-                batch = []
-        if batch:
-            n += self.retry(self.redis.unlink, *batch)
+        found = self.retry(lambda: list(self.redis.scan_iter(match=self.keys.pattern(), count=1000)))
+        n = sum(self.retry(self.redis.unlink, *found[i:i + 500]) for i in range(0, len(found), 500))
         self.store.cached_params = None
         log.info("deleted %d key(s) of run %s", n, self.keys.run_id)
         return n

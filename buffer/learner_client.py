@@ -9,7 +9,13 @@ from buffer import keys as K
 from buffer import prompts, replay, samples
 from buffer.client import BufferClient
 from buffer.samples import Batch
-from buffer.store import Store
+from buffer.store import PARAM_NAMES, Store, parse_params
+from rlhf_core.config import replay_mode
+from rlhf_core.errors import UserError
+
+
+class RunParamsMismatch(UserError, ValueError):
+    """``init_run`` was called with parameters that differ from the ones the run already has."""
 
 
 class LearnerClient(BufferClient):
@@ -21,8 +27,48 @@ class LearnerClient(BufferClient):
 
     def init_run(self, batch_size: int, group_size: int, max_staleness: int, max_response_tokens: int | None = None,
                  vocab_size: int | None = None) -> dict[str, Any]:
-        """Store the run parameters once; see :meth:`buffer.store.Store.init_run`."""
-        return self.store.init_run(batch_size, group_size, max_staleness, max_response_tokens, vocab_size)
+        """Store the run parameters once (the first caller's win) and create the consumer groups.
+
+        Calling it again with the same values is a no-op; with different values it raises
+        :class:`RunParamsMismatch` (a new run needs a new ``buffer.run_id``, or ``delete_run``).
+        Replay/limiter and lookahead settings come from this process's ``BufferConfig``.
+        """
+        cfg = self.store.cfg
+        if group_size < 1 or batch_size < group_size:
+            raise UserError(f"batch_size {batch_size} must be >= group_size {group_size} >= 1: a batch holds whole groups")
+        if max_staleness < 0:
+            raise UserError(f"max_staleness must be >= 0, got {max_staleness}")
+        spi = cfg.samples_per_insert
+        if spi is not None and spi > cfg.max_reuse:
+            raise UserError(
+                f"buffer.samples_per_insert {spi} exceeds buffer.max_reuse {cfg.max_reuse}: each sample would have to be "
+                "drawn more often than it may be used, and the limiter would stall; raise max_reuse or lower samples_per_insert"
+            )
+        mode = "replay" if replay_mode(cfg) else "fifo"
+        wanted: dict[str, Any] = {
+            "batch_size": batch_size, "group_size": group_size, "max_staleness": max_staleness,
+            "max_response_tokens": max_response_tokens, "vocab_size": vocab_size,
+            "max_deliveries": cfg.max_deliveries, "lease_timeout_s": cfg.lease_timeout_s,
+            "mode": mode, "sampling": cfg.sampling, "max_reuse": cfg.max_reuse, "samples_per_insert": spi,
+            "min_size_to_sample": cfg.min_size_to_sample, "error_buffer": cfg.error_buffer,
+            "capacity": cfg.capacity, "dead_maxlen": self.store.dead_maxlen, "lookahead": cfg.lookahead,
+        }
+        assert set(wanted) == set(PARAM_NAMES)
+        args: list[Any] = []
+        for name, value in wanted.items():
+            args += [name, "" if value is None else repr(value) if isinstance(value, float) else value]
+        k = self.keys
+        flat = self.retry(self.store.scripts.init_run, keys=[k.params, k.version, k.prompts, k.samples, k.wake_prompts], args=args)
+        stored = parse_params({flat[i]: flat[i + 1] for i in range(0, len(flat), 2)})
+        diff = {n: (stored.get(n), v) for n, v in wanted.items() if stored.get(n) != v}
+        if diff:
+            shown = ", ".join(f"{n}: run has {a!r}, you passed {b!r}" for n, (a, b) in diff.items())
+            raise RunParamsMismatch(
+                f"run {k.run_id!r} already exists with other parameters ({shown}); use a new buffer.run_id, "
+                f"or delete the old run's keys first (MonitorClient.delete_run / rlhf-monitor)"
+            )
+        self.store.cached_params = stored
+        return dict(stored)
 
     def set_learner_version(self, version: int, updates: int | None = None) -> None:
         """Publish the learner's version and the updates its weights hold (``updates``; None: as

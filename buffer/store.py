@@ -12,9 +12,7 @@ the package run one way, each module importing only ones below it::
     metrics -> pacing                       counter names and the snapshot; the pacing rule
     keys, connection                        key names; connecting and retrying
 
-As in rq, the Redis client is injected by whoever builds the store, never global. The run
-parameters (the ``params`` hash, written once by :meth:`Store.init_run`) are cached here, so the
-role clients of one process over one store read them once.
+As in rq, the Redis client is injected by whoever builds the store, never global.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import redis
 from buffer.connection import Retrying, connect, redact
 from buffer.keys import RunKeys
 from buffer.scripts import Scripts
-from rlhf_core.config import BufferConfig, replay_mode
+from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
 
 log = logging.getLogger("buffer")
@@ -44,10 +42,6 @@ PARAM_NAMES = _INT_PARAMS + _OPT_INT_PARAMS + _FLOAT_PARAMS + _OPT_FLOAT_PARAMS 
 
 class RunNotInitialised(UserError, LookupError):
     """The run has no parameters in Redis yet (the learner/launcher calls ``init_run``)."""
-
-
-class RunParamsMismatch(UserError, ValueError):
-    """``init_run`` was called with parameters that differ from the ones the run already has."""
 
 
 class Store:
@@ -90,51 +84,6 @@ class Store:
         ms = max(1, int(timeout_s * 1000))
         self.retry(self.redis.xread, {stream: last_id}, count=1, block=ms)
 
-    def init_run(self, batch_size: int, group_size: int, max_staleness: int, max_response_tokens: int | None = None,
-                 vocab_size: int | None = None) -> dict[str, Any]:
-        """Store the run parameters once (the first caller's win) and create the consumer groups.
-
-        Calling it again with the same values is a no-op; with different values it raises
-        :class:`RunParamsMismatch` (a new run needs a new ``buffer.run_id``, or ``delete_run``).
-        Replay/limiter and lookahead settings come from this process's ``BufferConfig``.
-        """
-        cfg = self.cfg
-        if group_size < 1 or batch_size < group_size:
-            raise UserError(f"batch_size {batch_size} must be >= group_size {group_size} >= 1: a batch holds whole groups")
-        if max_staleness < 0:
-            raise UserError(f"max_staleness must be >= 0, got {max_staleness}")
-        spi = cfg.samples_per_insert
-        if spi is not None and spi > cfg.max_reuse:
-            raise UserError(
-                f"buffer.samples_per_insert {spi} exceeds buffer.max_reuse {cfg.max_reuse}: each sample would have to be "
-                "drawn more often than it may be used, and the limiter would stall; raise max_reuse or lower samples_per_insert"
-            )
-        mode = "replay" if replay_mode(cfg) else "fifo"
-        wanted: dict[str, Any] = {
-            "batch_size": batch_size, "group_size": group_size, "max_staleness": max_staleness,
-            "max_response_tokens": max_response_tokens, "vocab_size": vocab_size,
-            "max_deliveries": cfg.max_deliveries, "lease_timeout_s": cfg.lease_timeout_s,
-            "mode": mode, "sampling": cfg.sampling, "max_reuse": cfg.max_reuse, "samples_per_insert": spi,
-            "min_size_to_sample": cfg.min_size_to_sample, "error_buffer": cfg.error_buffer,
-            "capacity": cfg.capacity, "dead_maxlen": self.dead_maxlen, "lookahead": cfg.lookahead,
-        }
-        assert set(wanted) == set(PARAM_NAMES)
-        args: list[Any] = []
-        for name, value in wanted.items():
-            args += [name, "" if value is None else repr(value) if isinstance(value, float) else value]
-        k = self.keys
-        flat = self.retry(self.scripts.init_run, keys=[k.params, k.version, k.prompts, k.samples, k.wake_prompts], args=args)
-        stored = _parse_params({flat[i]: flat[i + 1] for i in range(0, len(flat), 2)})
-        diff = {n: (stored.get(n), v) for n, v in wanted.items() if stored.get(n) != v}
-        if diff:
-            shown = ", ".join(f"{n}: run has {a!r}, you passed {b!r}" for n, (a, b) in diff.items())
-            raise RunParamsMismatch(
-                f"run {k.run_id!r} already exists with other parameters ({shown}); use a new buffer.run_id, "
-                f"or delete the old run's keys first (MonitorClient.delete_run / rlhf-monitor)"
-            )
-        self.cached_params = stored
-        return dict(stored)
-
     def initialised(self) -> bool:
         return self.cached_params is not None or bool(self.retry(self.redis.exists, self.keys.params))
 
@@ -147,7 +96,7 @@ class Store:
                     f"run {self.keys.run_id!r} has no parameters in Redis yet: the learner (or rlhf-run) calls "
                     "init_run when it starts; check buffer.run_id and buffer.url match the learner's"
                 )
-            self.cached_params = _parse_params(raw)
+            self.cached_params = parse_params(raw)
         return dict(self.cached_params)
 
     def lease_s(self) -> float:
@@ -155,7 +104,8 @@ class Store:
         return self.cached_params["lease_timeout_s"] if self.cached_params else self.cfg.lease_timeout_s
 
 
-def _parse_params(raw: dict) -> dict[str, Any]:
+def parse_params(raw: dict) -> dict[str, Any]:
+    """The ``params`` hash as stored (bytes) -> the run parameters, typed."""
     p = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
     out: dict[str, Any] = dict(p)
     for names, kind in ((_INT_PARAMS, int), (_FLOAT_PARAMS, float)):
