@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Self, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
 
 from buffer import keys as K
 from buffer import metrics, prompts, samples
@@ -103,8 +104,6 @@ class ProducerClient(BufferClient):
         ``admitted``: the samples the checkpoint's updates took (updates x batch size), counted as
         admitted on that fresh Redis too: pacing's bound counts from the learner's updates, and
         from 0 admitted it let about ``updates`` batches be generated at once, most then too stale."""
-        mapping = {"epoch": int(state["epoch"]), "index": int(state["index"]), "done": int(bool(state.get("done")))}
-
         def once() -> bool:
             with self.redis.pipeline(transaction=True) as pipe:
                 pipe.watch(self.keys.fill)
@@ -112,7 +111,8 @@ class ProducerClient(BufferClient):
                     pipe.unwatch()
                     return False
                 pipe.multi()
-                pipe.hset(self.keys.fill, mapping=mapping)
+                pipe.hset(self.keys.fill, mapping={"epoch": int(state["epoch"]), "index": int(state["index"]),
+                                                   "done": int(bool(state.get("done")))})
                 pipe.hincrby(self.keys.counters, "admitted", int(admitted))
                 pipe.execute()  # a WatchError (a producer got there first) propagates: nothing was set
                 return True
@@ -140,9 +140,7 @@ class GatewayClient(BufferClient):
         args = samples.prepare_external(self.store, self.run_params(), producer, group, kept, filtered)
         k = self.keys
         res = self.retry(self.store.scripts.append, keys=[k.samples, k.counters, k.dead, k.gw_rewarded, k.params], args=args)
-        if res is None:
-            return None
-        return res.decode() if isinstance(res, bytes) else str(res)
+        return None if res is None else res.decode() if isinstance(res, bytes) else str(res)
 
     def keep_rewarded(self, field: str, sample: Sample) -> None:
         """Keep a rewarded gateway session's sample until its group is appended (``kept`` of
@@ -155,8 +153,9 @@ class GatewayClient(BufferClient):
         k = self.keys.gw_rewarded
         if fields is not None:
             values = self.retry(self.redis.hmget, k, list(fields)) if fields else []
-            return {f: v for f, v in zip(fields, values) if v is not None}
-        return {f.decode() if isinstance(f, bytes) else str(f): v for f, v in self.retry(self.redis.hgetall, k).items()}
+            return {f: v for f, v in zip(fields, values) if isinstance(v, bytes)}  # None: not kept
+        return {f.decode() if isinstance(f, bytes) else str(f): v for f, v in self.retry(self.redis.hgetall, k).items()
+                if isinstance(v, bytes)}
 
     def forget_rewarded(self, field: str) -> None:
         self.retry(self.redis.hdel, self.keys.gw_rewarded, field)
@@ -174,17 +173,18 @@ class MonitorClient(BufferClient):
     def stats(self, component: str) -> dict[str, Any] | None:
         """One component's latest stats (what :meth:`publish_stats` stored), None when there are none."""
         raw = self.retry(self.redis.hget, self.keys.stats, component)
-        return None if raw is None else metrics.unpack_record(raw)
+        return metrics.unpack_record(raw) if isinstance(raw, bytes) else None
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters, oldest first: ``{"id", "kind", "reason", "producer", "raw",
         "raw_bytes", "raw_sha1", "source", "ts"}``. ``raw`` is the record's first
         ``keys.DEAD_RAW_MAX`` bytes; ``raw_bytes`` its full size, ``raw_sha1`` (when ``raw`` is a
         prefix) the SHA-1 of the whole record."""
-        entries = self.retry(self.redis.xrevrange, self.keys.dead, count=count)
+        entries = self.retry(self.redis.xrevrange, self.keys.dead, count=count) or []
         out = []
-        for entry_id, fields in reversed(entries):
-            rec: dict[str, Any] = {"id": entry_id.decode()}
+        for entry_id, got in reversed(entries):
+            fields: dict[Any, Any] = got or {}
+            rec: dict[str, Any] = {"id": entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)}
             for name in (K.D_KIND, K.D_REASON, K.D_PRODUCER, K.D_SOURCE, K.D_TIME, K.D_RAW_SHA1):
                 rec[name] = fields.get(name.encode(), b"").decode("utf-8", "replace")
             rec[K.D_RAW] = fields.get(K.D_RAW.encode(), b"")

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from buffer import keys as K
 from buffer import prompts, replay, samples
@@ -154,7 +155,7 @@ class LearnerClient(BufferClient):
             owners = self.retry(self.redis.hmget, self.keys.replay_out, missing) if missing else []
             for i, owner in zip(missing, owners):
                 if owner is not None:
-                    known[i] = (owner.decode(), unknown)
+                    known[i] = (owner.decode() if isinstance(owner, bytes) else str(owner), unknown)
             by_consumer: dict[str, list] = {}
             for i in ids:
                 if i in known:
@@ -182,7 +183,7 @@ class LearnerClient(BufferClient):
         start = "-"
         while True:
             rows = self.retry(self.redis.xpending_range, self.keys.samples, K.LEARNER_GROUP, start, "+", 1000, consumername=consumer)
-            out += [r["message_id"].decode() for r in rows]
+            out += [m.decode() if isinstance(m := r["message_id"], bytes) else str(m) for r in rows]
             if len(rows) < 1000:
                 return out
             start = "(" + out[-1]

@@ -56,7 +56,8 @@ it was drawn ``spi`` times (evicted at ``capacity`` in ``complete.lua``, too sta
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from buffer.connection import control_int
 

@@ -30,11 +30,11 @@ from rlhf_core.errors import UserError
 
 log = logging.getLogger("buffer")
 
-_INT_PARAMS = ("batch_size", "group_size", "max_staleness", "max_deliveries", "min_size_to_sample",
-               "capacity", "max_reuse", "dead_maxlen")
-_OPT_INT_PARAMS = ("max_response_tokens", "vocab_size", "lookahead")
-_FLOAT_PARAMS = ("error_buffer", "lease_timeout_s")
-_OPT_FLOAT_PARAMS = ("samples_per_insert",)
+_INT_PARAMS: tuple[str, ...] = ("batch_size", "group_size", "max_staleness", "max_deliveries", "min_size_to_sample",
+                                "capacity", "max_reuse", "dead_maxlen")
+_OPT_INT_PARAMS: tuple[str, ...] = ("max_response_tokens", "vocab_size", "lookahead")
+_FLOAT_PARAMS: tuple[str, ...] = ("error_buffer", "lease_timeout_s")
+_OPT_FLOAT_PARAMS: tuple[str, ...] = ("samples_per_insert",)
 _STR_PARAMS = ("mode", "sampling")
 #: Every field of the run's ``params`` hash (the Lua scripts read some of them by name).
 PARAM_NAMES = _INT_PARAMS + _OPT_INT_PARAMS + _FLOAT_PARAMS + _OPT_FLOAT_PARAMS + _STR_PARAMS
@@ -60,7 +60,7 @@ class Store:
 
     @classmethod
     def connect(cls, url: str | None = None, run_id: str | None = None, cfg: BufferConfig | None = None,
-                setting: str = "buffer.url") -> "Store":
+                setting: str = "buffer.url") -> Store:
         """Open a connection (``url`` or ``cfg.url``) and check Redis answers (see :func:`buffer.connection.connect`;
         its errors name ``setting``, where the URL came from)."""
         cfg = cfg or BufferConfig()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from buffer import prompts, samples
 from buffer.client import BufferClient

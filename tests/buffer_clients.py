@@ -17,7 +17,7 @@ class Clients:
 
     @classmethod
     def connect(cls, url: str | None = None, run_id: str | None = None, cfg: BufferConfig | None = None,
-                setting: str = "buffer.url") -> "Clients":
+                setting: str = "buffer.url") -> Clients:
         return cls(Store.connect(url, run_id, cfg, setting))
 
     def close(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from buffer_clients import Clients
 from buffer.keys import WORKERS_GROUP
+from buffer_clients import Clients
 from rlhf_core.config import Config, ModelConfig, response_budget
 from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.records import Prompt, Sample

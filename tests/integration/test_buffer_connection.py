@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
+import factories as T
 from buffer import BufferAuthError, BufferUnavailable, LearnerClient, RunParamsMismatch, WorkerClient
 from buffer_clients import Clients
-import factories as T
 from rlhf_core.config import BufferConfig
 from servers import RedisServer, free_port
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+import factories as T
 from buffer import CorruptStateError
 from buffer_clients import Clients
-import factories as T
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Prompt
 

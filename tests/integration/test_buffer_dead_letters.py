@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from buffer_clients import Clients
-from buffer import keys as K
 import factories as T
+from buffer import keys as K
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
 

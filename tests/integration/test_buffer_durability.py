@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from buffer_clients import Clients
-from buffer import keys as K
 import factories as T
+from buffer import keys as K
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from servers import wait_for
 

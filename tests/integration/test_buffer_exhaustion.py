@@ -13,10 +13,10 @@ import threading
 import pytest
 import redis
 
-from buffer import keys as K
-from buffer import BufferOutOfMemory, LearnerClient
-from buffer_clients import Clients
 import factories as T
+from buffer import BufferOutOfMemory, LearnerClient
+from buffer import keys as K
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
 

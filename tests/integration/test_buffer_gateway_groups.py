@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import factories as T
-from buffer_clients import Clients
 from buffer.gateway import CallChunk, GatewayCall, WorkerChannel
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Sample
 from rlhf_core.wire import WireError

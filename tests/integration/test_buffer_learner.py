@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+import factories as T
 from buffer import MonitorClient
 from buffer_clients import Clients
-import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

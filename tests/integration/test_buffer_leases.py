@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+import factories as T
 from buffer import WorkerClient
 from buffer_clients import Clients
-import factories as T
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

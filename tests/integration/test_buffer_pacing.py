@@ -15,9 +15,9 @@ import time
 import pytest
 
 from buffer import pacing
-from buffer_clients import Clients
 from buffer.metrics import read_counters
 from buffer.scripts import claim_keys
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Prompt
 from servers import RedisServer

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from buffer_clients import Clients
 import factories as T
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 
 pytestmark = pytest.mark.integration

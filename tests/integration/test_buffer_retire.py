@@ -10,9 +10,9 @@ import uuid
 import msgpack
 import pytest
 
+import factories as T
 from buffer import WorkerClient
 from buffer_clients import Clients
-import factories as T
 from rlhf_core import metric_names as M
 from rlhf_core.config import BufferConfig
 from rlhf_run.report import every_worker

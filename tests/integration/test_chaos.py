@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from buffer import RunKeys
-from buffer_clients import Clients
 from buffer.keys import WORKERS_GROUP
+from buffer_clients import Clients
 from servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

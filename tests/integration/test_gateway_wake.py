@@ -14,11 +14,11 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from buffer import prompts
-from buffer_clients import Clients
-from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, WorkerChannel
-from rollout_workers.gateway_calls import BackgroundChannel
 import test_buffer_gateway_groups
+from buffer import prompts
+from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, WorkerChannel
+from buffer_clients import Clients
+from rollout_workers.gateway_calls import BackgroundChannel
 
 pytestmark = pytest.mark.integration
 buf = test_buffer_gateway_groups.buf  # the fixture: a run of groups of 2 on the test's own Redis

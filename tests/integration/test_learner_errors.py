@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from buffer_clients import Clients
+from factories import LogSeen
 from rlhf_core.config import ModelConfig, WeightServerConfig
 from rlhf_core.errors import STOPPED_EARLY_EXIT
 from rlhf_core.records import Sample, rle_encode
-from factories import LogSeen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
