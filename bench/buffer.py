@@ -6,13 +6,13 @@ For each sample size (1-4 KB msgpack samples, groups of ``group_size``):
 
 * ``raw_xadd``: the same encoded payloads appended with pipelined ``XADD`` (one entry per
   sample, 256 commands per round trip): the ceiling a buffer on Redis streams can approach.
-* ``api_append``: ``Buffer.complete_many`` of 64 groups per round trip, each group one atomic
+* ``api_append``: ``WorkerClient.complete_many`` of 64 groups per round trip, each group one atomic
   ``complete.lua`` call (append + dead letters + prompt ack + counters), on groups already
-  passed through ``Buffer.prepare`` (encoded + validated): the buffer's own cost on the same
+  passed through ``WorkerClient.prepare`` (encoded + validated): the buffer's own cost on the same
   payloads as ``raw_xadd``. This is the target's ratio.
 * ``api_end_to_end``: the same from ``Sample`` objects, i.e. including ``Sample.encode`` and
   ``validate_sample`` (rlhf_core code every producer runs), reported alongside.
-* ``api_complete``: one ``Buffer.complete`` per group (one round trip): gives the append
+* ``api_complete``: one ``WorkerClient.complete`` per group (one round trip): gives the append
   latency p50/p99 of a group.
 * ``consume``: ``read_batch`` + ``commit`` of 256-sample batches (decode + validate included).
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import print_table, write_results  # noqa: E402
-from buffer import Buffer  # noqa: E402
+from buffer import LearnerClient, MonitorClient, ProducerClient, Store, WorkerClient  # noqa: E402
 from buffer.local_server import RedisServer  # noqa: E402
 from rlhf_core.config import BufferConfig  # noqa: E402
 from tests import factories as T  # noqa: E402
@@ -67,7 +67,7 @@ def make_groups(n_groups: int, group_size: int, size: int, tag: str) -> list:
     return groups
 
 
-def bench_raw(buf: Buffer, payloads: list[bytes]) -> float:
+def bench_raw(buf: Store, payloads: list[bytes]) -> float:
     key = buf.keys.prefix + "raw-bench"
     buf.redis.delete(key)
     t0 = time.perf_counter()
@@ -81,13 +81,13 @@ def bench_raw(buf: Buffer, payloads: list[bytes]) -> float:
     return len(payloads) / dt
 
 
-def lease_all(buf: Buffer, groups: list) -> list:
+def lease_all(worker: WorkerClient, groups: list) -> list:
     from rlhf_core.records import Prompt
 
-    buf.enqueue_prompts(Prompt(g[0].prompt_id, "x") for g in groups)
+    ProducerClient(worker.store).enqueue_prompts(Prompt(g[0].prompt_id, "x") for g in groups)
     leases = []
     while len(leases) < len(groups):
-        got = buf.claim("bench-worker", 1000)
+        got = worker.claim("bench-worker", 1000)
         if not got:
             raise RuntimeError(
                 f"claimed {len(leases)} of {len(groups)} prompts, then the admission budget ran out: "
@@ -98,7 +98,7 @@ def lease_all(buf: Buffer, groups: list) -> list:
     return [(by_pid[g[0].prompt_id], g) for g in groups]
 
 
-def bench_api_many(buf: Buffer, items: list, preprepare: bool) -> float:
+def bench_api_many(buf: WorkerClient, items: list, preprepare: bool) -> float:
     """Samples/s of complete_many; with ``preprepare`` the groups are encoded + validated before the clock."""
     n_samples = sum(len(group) for _, group in items)
     if preprepare:
@@ -110,7 +110,7 @@ def bench_api_many(buf: Buffer, items: list, preprepare: bool) -> float:
     return n_samples / (time.perf_counter() - t0)
 
 
-def bench_api_single(buf: Buffer, items: list) -> tuple[float, list[float]]:
+def bench_api_single(buf: WorkerClient, items: list) -> tuple[float, list[float]]:
     lat = []
     t0 = time.perf_counter()
     for lease, group in items:
@@ -135,7 +135,7 @@ def bench_encode(groups: list) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_consume(buf: Buffer, total: int) -> float:
+def bench_consume(buf: LearnerClient, total: int) -> float:
     got = 0
     t0 = time.perf_counter()
     while got < total:
@@ -156,20 +156,21 @@ def one_repeat(url: str, conf: dict, size: int, rep: int) -> dict:
     """One repeat at one sample size on a fresh run: every rate, the latencies and the payload size."""
     G = conf["group_size"]
     n_groups = conf["samples"] // G
-    buf = Buffer.connect(url, f"bench-{size}-{rep}", BENCH_CFG)
-    buf.init_run(batch_size=BATCH, group_size=G, max_staleness=BENCH_MAX_STALENESS)
+    store = Store.connect(url, f"bench-{size}-{rep}", BENCH_CFG)
+    learner, worker = LearnerClient(store), WorkerClient(store)
+    learner.init_run(batch_size=BATCH, group_size=G, max_staleness=BENCH_MAX_STALENESS)
     groups = make_groups(n_groups, G, size, f"m{rep}")
     payloads = [s.encode() for g in groups for s in g]
-    out: dict = {"payload_bytes": int(statistics.mean(len(p) for p in payloads)), "raw": bench_raw(buf, payloads)}
+    out: dict = {"payload_bytes": int(statistics.mean(len(p) for p in payloads)), "raw": bench_raw(store, payloads)}
     half = len(groups) // 2
-    out["append"] = bench_api_many(buf, lease_all(buf, groups[:half]), preprepare=True)
-    out["e2e"] = bench_api_many(buf, lease_all(buf, groups[half:]), preprepare=False)
+    out["append"] = bench_api_many(worker, lease_all(worker, groups[:half]), preprepare=True)
+    out["e2e"] = bench_api_many(worker, lease_all(worker, groups[half:]), preprepare=False)
     lat_groups = make_groups(conf["latency_groups"], G, size, f"l{rep}")
-    out["single"], out["latencies"] = bench_api_single(buf, lease_all(buf, lat_groups))
-    out["consume"] = bench_consume(buf, (n_groups + conf["latency_groups"]) * G)
+    out["single"], out["latencies"] = bench_api_single(worker, lease_all(worker, lat_groups))
+    out["consume"] = bench_consume(learner, (n_groups + conf["latency_groups"]) * G)
     out["encode"] = bench_encode(groups[:200])
-    buf.delete_run()
-    buf.close()
+    MonitorClient(store).delete_run()
+    store.close()
     return out
 
 
@@ -211,13 +212,13 @@ def targets_of(rows: list[dict]) -> dict:
 
 NOTES = [
     "raw_xadd: pre-encoded payloads, one stream entry per sample, 256 XADD per round trip; nothing else.",
-    "api_append: Buffer.complete_many of Buffer.prepare'd groups, 64 groups per round trip, each group one atomic "
+    "api_append: WorkerClient.complete_many of WorkerClient.prepare'd groups, 64 groups per round trip, each group one atomic "
     "Lua call that appends the group as one stream entry, acks the prompt and updates counters: the buffer's own "
     "cost on the same payloads as raw_xadd. A group is one stream entry (raw_xadd writes one entry per sample), "
     "which is why the ratio can exceed 1 for small samples: the per-entry cost is shared by the group.",
     "api_end_to_end: the same from Sample objects, so it also pays Sample.encode + validate_sample (rlhf_core) on "
     "the client; encode_validate_samples_s is that share alone. On a 2-core machine client and server share CPUs.",
-    "api_single: one Buffer.complete (one round trip) per group; append_p50/p99 are per group call.",
+    "api_single: one WorkerClient.complete (one round trip) per group; append_p50/p99 are per group call.",
     "consume: read_batch + commit of 256-sample batches, decode + validate included.",
 ]
 

@@ -199,10 +199,10 @@ class WorkerPasses:
     def __init__(self, out: Path) -> None:
         from omegaconf import OmegaConf
 
-        from buffer import Buffer
+        from buffer import MonitorClient
 
         cfg = OmegaConf.load(out / "run_config.yaml").buffer
-        self.buffer = Buffer.connect(cfg.url, cfg.run_id)
+        self.buffer = MonitorClient.connect(cfg.url, cfg.run_id)
 
     def read(self, timeout_s: float = 30.0) -> tuple[int, int, int]:
         def record() -> dict[str, Any]:

@@ -1,61 +1,60 @@
 """The Redis-backed buffer: leased prompts, acked samples, pacing, replay, dead letters.
 
-``buffer`` is the only code that knows Redis key names and commands (:mod:`buffer.keys`);
-workers, the learner and the monitor use this API::
+``buffer`` is the only code that knows Redis key names and commands (:mod:`buffer.keys`). A
+process holds one client per role it plays, over one :class:`Store` (connection, keys, scripts,
+cached run parameters)::
 
-    buf = Buffer.connect(url, run_id, cfg)          # or Buffer(redis_client, run_id, cfg)
-    buf.init_run(batch_size=32, group_size=4, max_staleness=2, max_response_tokens=None, vocab_size=None)
-    buf.run_params() -> dict
-    # producer
-    buf.enqueue_prompts(prompts) -> int
-    buf.fill_prompts(lambda epoch: iter_prompts(data_cfg, epoch), epochs, low_watermark) -> int
-    # worker
-    leases = buf.claim(consumer, max_prompts, block_s)      # within the admission budget
-    buf.heartbeat(consumer, version, stats) -> lost lease ids   # and, every lease timeout, retire_consumers()
-    buf.complete(lease, samples) -> "appended" | "empty" | "duplicate"   (atomic append + ack)
-    buf.complete_many([(lease, samples) or buf.prepare(lease, samples), ...])   # one round trip
-    buf.release(lease)                                       # give back un-done
-    buf.dead_letter(reason, producer, raw, kind="sample")
-    buf.admission_budget() -> int
-    buf.expire_leases(consumer) -> int                       # its process is known dead: reclaimable now
-    # learner
-    buf.set_learner_version(v, updates)                     # the updates its weights hold: pacing counts them
-    batch = buf.read_batch(consumer, learner_version, batch_size, timeout_s)   # Batch | None
-    buf.commit(batch) / buf.commit_ids(ids)                  # after publish + checkpoint
-    buf.pending_for(consumer) -> ids
-    # monitor / admin
-    buf.metrics() -> dict;  buf.dead_letters(n);  buf.delete_run()
+    store = Store.connect(url, run_id, cfg)      # or Store(redis_client, run_id, cfg); or XClient.connect(...)
+    # every client: run_params(), initialised(), publish_stats(component, stats), dead_letter(reason, producer, raw), close()
+    learner = LearnerClient(store)   # init_run(batch_size, group_size, max_staleness, ...), set_learner_version(v, updates),
+                                     # read_batch(consumer, version, batch_size, timeout_s) -> Batch | None,
+                                     # commit(batch) / commit_ids(ids) / discard(batch), pending_for, exhausted
+    producer = ProducerClient(store) # enqueue_prompts(prompts), fill_prompts(source_fn, epochs, low_watermark), fill_state
+    worker = WorkerClient(store)     # claim(consumer, max_prompts, block_s) -> leases, heartbeat(consumer, version, stats),
+                                     # complete(lease, samples) / complete_many([prepare(lease, samples), ...]), release
+    gateway = GatewayClient(store)   # append_group(producer, samples, kept), keep_rewarded, rewarded_kept, forget_rewarded
+    monitor = MonitorClient(store)   # metrics(), stats(component), dead_letters(n), admission_budget(),
+                                     # set_worker_target(n), expire_leases(consumer), delete_run()
 
 Design notes live in the module docstrings: the pacing rule and the replay rate limiter (in
 Python and in Lua) in :mod:`buffer.pacing`, leases in :mod:`buffer.prompts`, groups and FIFO
 consumption in :mod:`buffer.samples`, the replay table in :mod:`buffer.replay`, atomicity in
-:mod:`buffer.scripts`, retries in :mod:`buffer.connection`, the one-way layering of the modules
-under this facade in :mod:`buffer.store`.
+:mod:`buffer.scripts`, retries in :mod:`buffer.connection`, the roles in :mod:`buffer.client`,
+the one-way layering of the modules under the clients in :mod:`buffer.store`.
 """
 
-from buffer.client import Buffer, Completion, RunNotInitialised, RunParamsMismatch
+from buffer.client import BufferClient, GatewayClient, MonitorClient, ProducerClient
 from buffer.connection import BufferAuthError, BufferOutOfMemory, BufferUnavailable, CorruptStateError, redact
 from buffer.datasets import DataError, iter_prompts
 from buffer.keys import BadName, RunKeys
+from buffer.learner_client import LearnerClient, RunParamsMismatch
 from buffer.prompts import Lease, PromptsExhausted
 from buffer.samples import Batch, GroupSlice, groups_per_batch
+from buffer.store import RunNotInitialised, Store
+from buffer.worker_client import Completion, WorkerClient
 
 __all__ = [
     "Batch",
     "BadName",
-    "Buffer",
     "BufferAuthError",
+    "BufferClient",
     "BufferOutOfMemory",
     "BufferUnavailable",
     "Completion",
     "CorruptStateError",
     "DataError",
+    "GatewayClient",
     "GroupSlice",
     "Lease",
+    "LearnerClient",
+    "MonitorClient",
+    "ProducerClient",
     "PromptsExhausted",
     "RunKeys",
     "RunNotInitialised",
     "RunParamsMismatch",
+    "Store",
+    "WorkerClient",
     "groups_per_batch",
     "iter_prompts",
     "redact",

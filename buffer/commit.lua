@@ -4,7 +4,7 @@
 --       then per bad sample: reason, producer, raw
 -- Idempotent: an entry already acked (XACK returns 0) is skipped with its dead letters, so a
 -- retried or repeated commit (commit_ids after a restart) never counts twice.
--- A group committed with 0 good samples was not trained (Buffer.discard: the learner dropped
+-- A group committed with 0 good samples was not trained (LearnerClient.discard: the learner dropped
 -- every sample of its batch): its admission goes back, as drop.lua's does.
 local samples_key, counters_key, hist_key, dead_key, version_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local params_key, wake_key = KEYS[6], KEYS[7]

@@ -2,7 +2,7 @@
 
 :func:`iter_prompts` yields the prompts of one epoch in a deterministic shuffled order (seed
 and epoch), each with its ``epoch`` and ``index`` (position in that order) set, so
-:meth:`Buffer.fill_prompts` can resume at an (epoch, index) cursor. A file is read and every
+:meth:`ProducerClient.fill_prompts` can resume at an (epoch, index) cursor. A file is read and every
 row mapped to a prompt once per process, before the first prompt is yielded, and cached (the
 file's path, size and mtime and the fields read are the cache key): rows that cannot be
 prompts stop it at once with one :class:`DataError` naming the first few by line (JSONL) or

@@ -92,7 +92,7 @@ class GatewayCall:
             "min_kv_version": None if self.min_kv_version is None else int(self.min_kv_version)})
 
     @classmethod
-    def decode(cls, data: bytes) -> "GatewayCall":
+    def decode(cls, data: bytes) -> GatewayCall:
         obj = decode_record(data, KIND_CALL)
         stop = optional(obj, "stop", list, [])
         if not all(isinstance(s, str) for s in stop):
@@ -150,7 +150,7 @@ class CallChunk:
             "started_at": self.started_at, "finished_at": self.finished_at})
 
     @classmethod
-    def decode(cls, data: bytes) -> "CallChunk":
+    def decode(cls, data: bytes) -> CallChunk:
         obj = decode_record(data, KIND_CHUNK)
         chunk = cls(call_id=require(obj, "call_id", str), token_ids=_int_list(obj, "token_ids"),
                     final=bool(require(obj, "final", bool)), versions=_int_list(obj, "versions"),
@@ -336,7 +336,7 @@ async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str,
         except Exception:  # noqa: BLE001  # a garbled record is not a live worker
             continue
         if now - seen <= within_s:
-            live[name] = float(clock) - float(uptime) if all(isinstance(x, (int, float)) for x in (clock, uptime)) else 0.0
+            live[name] = float(clock) - float(uptime) if isinstance(clock, (int, float)) and isinstance(uptime, (int, float)) else 0.0
     return live
 
 

@@ -120,7 +120,7 @@ class RunKeys:
     gw_live: str
 
     @classmethod
-    def for_run(cls, run_id: str) -> "RunKeys":
+    def for_run(cls, run_id: str) -> RunKeys:
         check_run_id(run_id)
         p = f"{PREFIX}:{{{run_id}}}:"
         return cls(

@@ -33,7 +33,8 @@ Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import redis
@@ -99,7 +100,7 @@ def _num(raw: bytes | str | None, name: str, key: str) -> int | float:
 
 def read_counters(raw: dict[bytes, bytes], key: str = "counters") -> dict[str, int | float]:
     """The counters hash (``key``: its name, for the error when a field is not a number)."""
-    out = {name: 0 for name in COUNTERS}
+    out: dict[str, int | float] = {name: 0 for name in COUNTERS}
     for k, v in raw.items():
         name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
         out[name] = _num(v, name, key)
@@ -162,7 +163,7 @@ def collect(client: redis.Redis, retry: Retrying, keys: RunKeys, params: Mapping
          "dropped_stale_hist": {lag: samples}, "consumers": {name: {last_seen, age_s, version, stats, leases}},
          "retired": {"consumers": int, "stats": {stat: sum}},   # consumers retired (buffer.prompts.retire)
          "stats": {component: {...}},   # what publish_stats stored
-         "control": {"workers": int | None}}   # the worker actors asked for (Buffer.set_worker_target)
+         "control": {"workers": int | None}}   # the worker actors asked for (MonitorClient.set_worker_target)
     """
     k = keys
 

@@ -2,7 +2,7 @@
 
 This module owns the rule. It is enforced in Lua, inside the scripts that claim prompts and
 draw replay batches, because a check and the change it allows must be one atomic step; it is
-computed in Python for :meth:`Buffer.admission_budget` and the monitor. Both versions are
+computed in Python for the monitor's snapshot (:func:`buffer.metrics.collect`). Both versions are
 here: the Python functions below and their Lua twins in :data:`LUA`, which
 :mod:`buffer.scripts` puts into every script's preamble. The names the Lua reads (the run
 parameters in :data:`PARAMS` and the counters in :data:`COUNTERS`) are generated from this
@@ -46,8 +46,8 @@ Rate limiter (Reverb's ``SampleToInsertRatio``, replay mode with ``samples_per_i
 ``inserts`` is the ``rl_inserts`` counter and ``samples`` the ``rl_samples`` counter. The
 insert side blocks at admission, not after generation: the budget is also capped by
 :func:`insert_room` counting the groups still being generated (``inflight``), so a worker never
-holds a finished group it may not insert; it waits in :meth:`Buffer.claim`. The sample side
-(``replay_draw.lua``) waits in :meth:`Buffer.read_batch`. When an entry leaves the table before
+holds a finished group it may not insert; it waits in :meth:`WorkerClient.claim`. The sample side
+(``replay_draw.lua``) waits in :meth:`LearnerClient.read_batch`. When an entry leaves the table before
 it was drawn ``spi`` times (evicted at ``capacity`` in ``complete.lua``, too stale in
 ``replay_draw.lua``) the draws it still owed are forgiven (``limiter_forgive``: added to
 ``rl_samples``); otherwise a learner that can never catch up would block inserts forever.
@@ -56,7 +56,8 @@ it was drawn ``spi`` times (evicted at ``capacity`` in ``complete.lua``, too sta
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from buffer.connection import control_int
 

@@ -2,7 +2,7 @@
 
 Prompts are entries of the run's ``prompts`` stream, read through the consumer group
 ``workers``. A claim is a lease, not a pop: the entry sits in the group's pending list (PEL)
-under the worker's name until :meth:`Buffer.complete` acks it together with the samples.
+under the worker's name until :meth:`WorkerClient.complete` acks it together with the samples.
 
 * Leases: a worker's heartbeat renews its leases (``XCLAIM ... JUSTID`` resets their idle time
   without counting a delivery). A lease idle for ``lease_timeout_s`` belongs to a worker that
@@ -31,7 +31,7 @@ under the worker's name until :meth:`Buffer.complete` acks it together with the 
   a queue checked periodically does not run dry between checks however fast they are.
 
 The functions take a :class:`~buffer.store.Store` and the client-side state they update (the
-leases this process holds, the producer's open iterator), never the facade.
+leases this process holds, the producer's open iterator), never a client.
 """
 
 from __future__ import annotations
@@ -126,13 +126,11 @@ def claim(
     consumer: str,
     max_prompts: int,
     block_s: float,
-    lease_timeout_s: float,
-    run_params: Callable[[], dict[str, Any]],
     interrupt: Callable[[], bool] | None = None,
 ) -> list[Lease]:
     """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
     leases are added to ``held`` (this process's leases of ``consumer``). An undecodable prompt
-    is dead-lettered (``run_params`` is asked for the run's parameters then) and not returned.
+    is dead-lettered and not returned.
 
     ``interrupt`` (a caller with other work than prompts, e.g. gateway calls): asked after each
     claim, before waiting; the claim returns when it says True, and after the first wake-up. Asked
@@ -140,7 +138,7 @@ def claim(
     never missed."""
     K.check_consumer(consumer)
     k = store.keys
-    lease_ms = str(max(1, int(lease_timeout_s * 1000)))
+    lease_ms = str(max(1, int(store.lease_s() * 1000)))
     deadline = time.monotonic() + max(0.0, block_s)
     while True:
         res = store.retry(
@@ -156,7 +154,7 @@ def claim(
             try:
                 prompt = Prompt.decode(payload or b"", max_bytes=store.cfg.max_record_bytes)
             except WireError as exc:
-                dead_letter_prompt(store, run_params(), lease_id, consumer, str(exc), payload or b"")
+                dead_letter_prompt(store, store.run_params(), lease_id, consumer, str(exc), payload or b"")
                 held.pop(lease_id, None)
                 continue
             leases.append(Lease(prompt, lease_id, consumer, deliveries, how, version))
@@ -281,13 +279,13 @@ def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Le
     return n
 
 
-def expire(store: Store, consumer: str, lease_timeout_s: float) -> int:
+def expire(store: Store, consumer: str) -> int:
     """Expire ``consumer``'s leases now (``expire.lua``): the next claimers reclaim them as they
-    would after ``lease_timeout_s`` without its heartbeat. Returns how many."""
+    would after the lease timeout without its heartbeat. Returns how many."""
     K.check_consumer(consumer)
     k = store.keys
     return int(store.retry(store.scripts.expire, keys=[k.prompts, k.wake_prompts],
-                           args=[consumer, max(1, int(lease_timeout_s * 1000))]))
+                           args=[consumer, max(1, int(store.lease_s() * 1000))]))
 
 
 class PromptsExhausted(UserError):
@@ -350,7 +348,7 @@ def fill(
     """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
     ``high_watermark`` (default ``2 * low_watermark``), walking epochs ``0 .. epochs-1`` of
     ``source_fn(epoch)`` in order. Returns the number enqueued (0 when above the low
-    watermark or when every epoch is done; :meth:`Buffer.fill_state` says which). ``filler``
+    watermark or when every epoch is done; :meth:`ProducerClient.fill_state` says which). ``filler``
     keeps this process's open iterator of the current epoch between calls.
 
     ``lead_s`` (a caller that fills every few tenths of a second): the low watermark is at least

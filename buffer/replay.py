@@ -10,7 +10,7 @@ Table: the entries stay in the ``samples`` stream; ``replay:index`` (a sorted se
 ``replay:n`` (samples per entry), ``replay:uses`` (committed uses) and ``replay:out`` (entries
 in a learner's uncommitted batch) index them. Sampling policies: ``fifo`` (stalest first) and
 ``uniform`` (ZRANDMEMBER, without replacement within a batch). A draw never returns an entry
-that is out; :meth:`Buffer.commit` counts a use and removes entries used ``max_reuse`` times;
+that is out; :meth:`LearnerClient.commit` counts a use and removes entries used ``max_reuse`` times;
 a learner that crashes before committing gets its drawn entries put back (the draws are
 un-counted) on its first read, so nothing is lost and no use is counted twice.
 
@@ -19,7 +19,7 @@ sides, lives in :mod:`buffer.pacing`. A draw that the limiter or the table's siz
 waits in :func:`read_batch` (woken by inserts).
 
 The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
-state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), never the facade.
+state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), never a client.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from buffer.store import Store
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
                batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
     """Replay mode: draw the next batch of ``consumer`` (whose state in this process is ``st``), or
-    None on timeout. ``newest``: see :meth:`buffer.Buffer.read_batch`."""
+    None on timeout. ``newest``: see :meth:`buffer.LearnerClient.read_batch`."""
     K.check_consumer(consumer)
     if st.synced_at is None:
         return_undone(store, consumer, pending(store, consumer))

@@ -3,7 +3,7 @@
 --       id, good samples ('' = all), lag ('' = from stored version), retire (1 = remove now: it
 --       held bad samples, dead-lettered here once), bad count, then per bad: reason, producer, raw
 -- Only entries this consumer holds are counted: a repeated commit is a no-op.
--- A group's first use committed with 0 good samples trained nothing (Buffer.discard): its
+-- A group's first use committed with 0 good samples trained nothing (LearnerClient.discard): its
 -- admission goes back, as for a group dropped before any use (replay_draw.lua).
 local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local uses_key, out_key, hist_key, dead_key, version_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]

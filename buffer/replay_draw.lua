@@ -7,7 +7,7 @@
 -- buffer/pacing.py through the preamble). Drawn entries are marked out to this consumer until
 -- commit (uses count then) or return.
 -- Returns {'wait', last wake_replay id, why} or {'ok', id, fields, id, fields, ...}.
--- ARGV[5] '1': a dry run (Buffer.exhausted): {'ok'} where a draw would succeed, nothing drawn.
+-- ARGV[5] '1': a dry run (LearnerClient.exhausted): {'ok'} where a draw would succeed, nothing drawn.
 local params_key, counters_key, samples_key, index_key, n_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local uses_key, out_key, hist_key, wake_replay_key, wake_prompts_key = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local consumer, version, want, policy = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]

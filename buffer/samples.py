@@ -12,22 +12,23 @@ good ones, dead-letters the bad ones and acks the prompt. Either all of that hap
 Learner side (FIFO mode): entries are read through the consumer group ``learner`` and stay in
 its pending list until :func:`commit`, which the learner calls once the update that used them
 is published and checkpointed; a learner that crashes before that gets them again (same
-consumer name) on its first :meth:`Buffer.read_batch`. A batch is ``batch_size // group_size``
+consumer name) on its first :meth:`LearnerClient.read_batch`. A batch is ``batch_size // group_size``
 whole groups, in arrival order; a partial group (some samples dead-lettered) counts as one
 group. Groups whose staleness ``learner_version - oldest token version`` exceeds
 ``max_staleness`` are dropped (counted per lag, admission budget returned); undecodable or
 invalid samples are dead-lettered when their group is committed (or dropped).
 
 The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
-state they update (a learner consumer's :class:`LearnerState`), never the facade.
+state they update (a learner consumer's :class:`LearnerState`), never a client.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -306,14 +307,14 @@ class LearnerState:
 
     carry: list[Group] = field(default_factory=list)
     handed: dict[str, Handed] = field(default_factory=dict)
-    synced_at: int | None = None  # Buffer.retry.reconnects when last synced; None: never
+    synced_at: int | None = None  # Store.retry.reconnects when last synced; None: never
     decode_s: float = 0.0  # reading and decoding since the last batch was handed out
 
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
                batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
     """FIFO mode: the next batch of ``consumer`` (whose state in this process is ``st``), or None on
-    timeout. ``newest``: see :meth:`buffer.Buffer.read_batch`."""
+    timeout. ``newest``: see :meth:`buffer.LearnerClient.read_batch`."""
     K.check_consumer(consumer)
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)

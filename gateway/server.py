@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from buffer import Buffer
+from buffer import GatewayClient
 from buffer.gateway import LIVE_TTL_S, drop_run, hold_run
 from gateway.handlers import RECEIVED, Handlers, api_keys, redis_down
 from gateway.openai_api import INVALID, NOT_FOUND, ApiError, served_name
@@ -65,7 +65,7 @@ class Gateway:
         # what the workers' engines hold (rollout.max_prompt_tokens + the response budget), at most the model's
         self.max_context = min(int(config.get("max_position_embeddings") or 1 << 30),
                                int(cfg.rollout.max_prompt_tokens) + response_budget(cfg.rollout))
-        self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.buffer = GatewayClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.keys = self.buffer.keys
         self.sessions: Sessions | None = None  # the parts, made in start()
         self.router: CallRouter | None = None

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from buffer import Buffer
+from buffer import GatewayClient
 from gateway.openai_api import bad, finite, retry_later
 from gateway.sessions import MAX_ID_CHARS, Rewarded, Sessions
 from rlhf_core import metric_names as M
@@ -64,7 +64,7 @@ def parse_reward(obj: dict[str, Any], known: set[str]) -> RewardPost:
 class RewardSettlement:
     """The rewarded sessions of this gateway, from their reward until their group is in the buffer."""
 
-    def __init__(self, cfg: Config, buffer: Buffer, sessions: Sessions) -> None:
+    def __init__(self, cfg: Config, buffer: GatewayClient, sessions: Sessions) -> None:
         self.cfg, self.buffer, self.sessions = cfg, buffer, sessions
         self.component_names: set[str] = set()  # of the rewards taken (MAX_COMPONENTS)
         self._appending = asyncio.Lock()

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from buffer import Buffer
+from buffer import ProducerClient
 from buffer.datasets import iter_prompts
 from rlhf_core.config import Config
 from rlhf_core.errors import Unavailable, UserError
@@ -25,7 +25,7 @@ def prompt_source(cfg: Config) -> Callable[[int], Iterable[Prompt]]:
     return lambda epoch: iter_prompts(cfg.data, epoch, builtin=builtin_prompts)
 
 
-def produce_prompts(buffer: Buffer, cfg: Config, stop: threading.Event,
+def produce_prompts(buffer: ProducerClient, cfg: Config, stop: threading.Event,
                     source: Callable[[int], Iterable[Prompt]] | None = None) -> None:
     """Keep the prompt queue topped up (epoch by epoch, cursor kept in Redis) until every epoch is
     queued or ``stop`` is set. Only Redis unreachable past ``buffer.max_retry_s`` is retried (it
@@ -56,7 +56,7 @@ class PromptProducer:
     """:func:`produce_prompts` on a thread of its own; what ends it early is kept, and raised by
     the training loop at its next read (:meth:`check`)."""
 
-    def __init__(self, buffer: Buffer, cfg: Config, stop: threading.Event) -> None:
+    def __init__(self, buffer: ProducerClient, cfg: Config, stop: threading.Event) -> None:
         self.buffer, self.cfg, self.stop = buffer, cfg, stop
         self.error: Exception | None = None
         self.thread = threading.Thread(target=self._run, name="prompts", daemon=True)

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from buffer import Buffer
+from buffer import LearnerClient
 from learner.engines import TrainEngine, all_reduce_max
 from rlhf_core import lora
 from rlhf_core.config import Config
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Publishing:
     """One rank's side of publishing (rank 0 talks to the weight server and the buffer)."""
 
-    def __init__(self, cfg: Config, engine: TrainEngine, buffer: Buffer, rank0: bool) -> None:
+    def __init__(self, cfg: Config, engine: TrainEngine, buffer: LearnerClient, rank0: bool) -> None:
         self.cfg, self.engine, self.buffer = cfg, engine, buffer
         self._dtype = {"as_trained": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             cfg.learner.publish_dtype

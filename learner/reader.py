@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from buffer import Buffer
+from buffer import LearnerClient, MonitorClient
 from learner.batch import BatchError, Collator
 from learner.engines import all_reduce_max, broadcast_samples
 from rlhf_core.config import Config, ConfigError
@@ -125,11 +125,12 @@ class BatchReader:
     ``restored_version`` is the checkpoint's: the batches read before a crash and not in the
     checkpoint (pending for ``consumer``) are read against it until they are all back."""
 
-    def __init__(self, cfg: Config, buffer: Buffer, consumer: str, rank0: bool, eos_ids: frozenset[int],
+    def __init__(self, cfg: Config, buffer: LearnerClient, consumer: str, rank0: bool, eos_ids: frozenset[int],
                  collate: Collator, restored_version: int) -> None:
         self.cfg, self.buffer, self.consumer, self.rank0 = cfg, buffer, consumer, rank0
+        self.monitor = MonitorClient(buffer.store)  # the dead letters, read when no batch comes
         self.eos_ids, self.collate, self.restored_version = eos_ids, collate, restored_version
-        self.used_up = False  # rank 0: the buffer said no batch can come any more from the prompts (Buffer.exhausted)
+        self.used_up = False  # rank 0: the buffer said no batch can come any more from the prompts (LearnerClient.exhausted)
         self._misfits = FailureWindow(window=64, max_share=0.5, min_count=8)  # samples vs the learner's EOS ids
         self._last_batch_time = time.time()  # dead letters older than this are not a reason to stop
         # Read before a crash and not in the checkpoint: trained again from the restored weights.
@@ -146,7 +147,7 @@ class BatchReader:
     def read(self, version: int) -> Read | None:
         """Rank 0 reads a batch (waiting up to 1 s) for the learner at ``version``; every rank gets
         the same samples. None when nothing came: then rank 0 checks the dead letters for a
-        tokenizer mismatch, and whether any batch can still come (``Buffer.exhausted``). Collective."""
+        tokenizer mismatch, and whether any batch can still come (``LearnerClient.exhausted``). Collective."""
         # newest: while re-delivered batches are read against the checkpoint's version, the
         # version being sent on the publish thread may already have made samples
         batch = self.buffer.read_batch(self.consumer, self.read_version(version), self.cfg.learner.batch_size,
@@ -192,7 +193,7 @@ class BatchReader:
         another tokenizer and no batch will ever come; stop with a message that says so."""
         want = self.cfg.learner.batch_size
         try:
-            recent = self.buffer.dead_letters(count=want)
+            recent = self.monitor.dead_letters(count=want)
         except Exception:  # noqa: BLE001  # a diagnostic must never stop training
             log.debug("cannot read dead letters", exc_info=True)
             return

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from buffer import Buffer
+from buffer import MonitorClient
 from rlhf_core.cli import append_line
 from rlhf_core.config import Config
 from rlhf_core.dapo import FILTER_REASONS
@@ -27,7 +27,7 @@ class UpdateReporter:
     """Where rank 0's metrics of each update go. ``tracker_state``: the trackers' run ids from
     the checkpoint, which resume their runs."""
 
-    def __init__(self, cfg: Config, buffer: Buffer, output_dir: Path, tokenizer: Any,
+    def __init__(self, cfg: Config, buffer: MonitorClient, output_dir: Path, tokenizer: Any,
                  tracker_state: dict[str, str]) -> None:
         self.cfg, self.buffer, self.tokenizer = cfg, buffer, tokenizer
         self.metrics_path = output_dir / METRICS_FILE

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from buffer import Buffer
+from buffer import LearnerClient, MonitorClient, ProducerClient
 from learner.batch import Collator
 from learner.engines import all_reduce_max, shutdown_distributed
 from learner.prompts import PromptProducer
@@ -75,7 +75,7 @@ class LearnerResult:
 
 
 class Learner:
-    def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, buffer: LearnerClient | None = None, output_dir: str | Path | None = None) -> None:
         from learner.algorithms import algorithm
         from learner.checkpoint import load_latest
         from learner.engine_factory import make_engine
@@ -97,7 +97,8 @@ class Learner:
         needs_ref = (cfg.algo.kl_coef > 0 or algo.needs_reference) and cfg.rollout.ref_logprobs_on != "worker"
         self.ref = load_reference(cfg.model) if needs_ref else None
         self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic)
-        self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.buffer = buffer or LearnerClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.buffer_producer, self.buffer_monitor = ProducerClient(self.buffer.store), MonitorClient(self.buffer.store)
         self.rank0 = self.engine.is_rank0
         vocab = int(self.engine.module.config.vocab_size) if hasattr(self.engine.module, "config") else None
         if self.rank0:
@@ -123,7 +124,7 @@ class Learner:
         collate = Collator.for_model(self.engine.module, self.updater.device, cfg.algo.group_size if grouped else None)
         self.reader = BatchReader(cfg, self.buffer, self.consumer, self.rank0, eos_ids, collate, restored_version)
         self.prompts: PromptProducer | None = None  # rank 0's, from the start of the run
-        self.reporter = UpdateReporter(cfg, self.buffer, self.output_dir, self.tokenizer, tracker_state) \
+        self.reporter = UpdateReporter(cfg, self.buffer_monitor, self.output_dir, self.tokenizer, tracker_state) \
             if self.rank0 else None
         # Last: a constructor that fails before this line leaves no socket or thread behind.
         self.publishing = Publishing(cfg, self.engine, self.buffer, self.rank0)
@@ -135,7 +136,7 @@ class Learner:
         self.samples_trained = int(extra.get("samples_trained", 0))
         self.updates = self._checkpointed = int(extra.get("updates", 0))
         self.updater.load_state_dict(extra.get("updater", {}))
-        if self.rank0 and extra.get("fill") and self.buffer.restore_fill_state(
+        if self.rank0 and extra.get("fill") and self.buffer_producer.restore_fill_state(
                 extra["fill"], admitted=self.updates * self.cfg.learner.batch_size):
             log.info("a fresh buffer: prompts go on from the checkpoint's cursor (epoch %d, prompt %d)",
                      extra["fill"]["epoch"], extra["fill"]["index"])
@@ -162,7 +163,7 @@ class Learner:
             "trained_ids": [i for ids in self.uncommitted for i in ids],
             "incarnation": self.incarnation,
             # the prompt cursor: a run resumed on a fresh Redis starts its prompts here
-            "fill": self.buffer.fill_state() if self.rank0 else None,
+            "fill": self.buffer_producer.fill_state() if self.rank0 else None,
             # the trackers' run ids (rank 0 writes this record)
             "trackers": self.reporter.tracker_state() if self.reporter is not None else {},
         }
@@ -226,7 +227,7 @@ class Learner:
             self.buffer.set_learner_version(self.version, self.updates)
             if self.cfg.data.source == "none":  # samples come from rlhf-gateway's sessions only
                 return
-            self.prompts = PromptProducer(self.buffer, self.cfg, self.stop_event)
+            self.prompts = PromptProducer(self.buffer_producer, self.cfg, self.stop_event)
 
     def _train_one(self, read: Read, t_wait: float) -> dict[str, Any]:
         """One update on ``read``: train, advance the version, publish it. Returns the update's

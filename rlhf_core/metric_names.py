@@ -12,7 +12,7 @@ from __future__ import annotations
 METRICS_FILE = "metrics.jsonl"  # in the run's output folder: one JSON line per learner update
 EVAL_FILE = "eval.jsonl"  # in the run's output folder: one JSON line per evaluation (rollout_workers.evaluator)
 
-# The components whose stats `Buffer.publish_stats` stores: `Buffer.metrics()["stats"][name]`.
+# The components whose stats `BufferClient.publish_stats` stores: `MonitorClient.metrics()["stats"][name]`.
 LEARNER_STATS = "learner"
 WEIGHT_SERVER_STATS = "weight_server"
 GATEWAY_STATS = "gateway"  # rlhf-gateway's /v1/rl/stats (calls, sessions, groups, errors_<code>), every second and as it stops
@@ -58,7 +58,7 @@ STOPPED_BY = "learner/stopped_by"
 STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL = "budget", "time", "data", "signal"
 STOP_REASONS = (STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL)  # the learner's ranks agree on the last one any saw
 
-# Fields of a worker's stats record (its heartbeat: `Buffer.metrics()["consumers"][id]["stats"]`).
+# Fields of a worker's stats record (its heartbeat: `MonitorClient.metrics()["consumers"][id]["stats"]`).
 WORKER_TOKENS = "tokens"  # generated tokens of finished responses, cumulative
 WORKER_SAMPLES = "samples"
 WORKER_TOKENS_PER_S = "tokens_per_s"  # over the worker's uptime

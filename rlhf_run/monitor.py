@@ -155,14 +155,14 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
     """Show the run (``once``: one snapshot). ``prometheus_port``: also serve the run's Prometheus
     target (:mod:`rlhf_run.run_exporter`) from the live view's snapshots, for a run whose
     ``rlhf-run`` does not (``run.prometheus_port``) or that was started by hand."""
-    from buffer import Buffer, BufferUnavailable, RunNotInitialised
+    from buffer import BufferUnavailable, MonitorClient, RunNotInitialised
 
     out = out or sys.stdout
     # the live view rides a Redis outage out (the run does): a short retry budget per refresh, so
     # the view says so within seconds, then it tries again; --once fails after the full budget
     cfg = BufferConfig(url=url, run_id=run_id)
-    buf = Buffer.connect(url, run_id, cfg if once else dataclasses.replace(cfg, max_retry_s=PROBE_RETRY_S),
-                         setting="url")  # its errors name rlhf-monitor's url=, not the trainer's buffer.url
+    buf = MonitorClient.connect(url, run_id, cfg if once else dataclasses.replace(cfg, max_retry_s=PROBE_RETRY_S),
+                                setting="url")  # its errors name rlhf-monitor's url=, not the trainer's buffer.url
     try:
         buf.run_params()
     except RunNotInitialised:  # a wrong run_id would otherwise show a page of zeros
@@ -239,9 +239,9 @@ def run_monitor(url: str, run_id: str, once: bool = False, as_json: bool = False
 def set_workers(url: str, run_id: str, workers: int) -> int | None:
     """``rlhf-monitor ... workers=N``: ask the run's launcher for N worker actors (a ``launcher=ray``
     run adds or retires workers within seconds); returns the target before."""
-    from buffer import Buffer, RunNotInitialised
+    from buffer import MonitorClient, RunNotInitialised
 
-    buf = Buffer.connect(url, run_id, BufferConfig(url=url, run_id=run_id), setting="url")
+    buf = MonitorClient.connect(url, run_id, BufferConfig(url=url, run_id=run_id), setting="url")
     try:
         try:
             buf.run_params()

@@ -263,9 +263,9 @@ class RayLauncher(Launcher):
 
     def publish_worker_target(self) -> None:
         """The target the run starts with, in Redis beside where ``rlhf-monitor workers=N`` changes it."""
-        from buffer import Buffer
+        from buffer import MonitorClient
 
-        buf = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
+        buf = MonitorClient.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
         try:
             buf.set_worker_target(self.worker_target)
         finally:
@@ -518,14 +518,14 @@ class RayLauncher(Launcher):
 
     def expire_leases(self, name: str) -> None:
         """``name``'s actor died (its process or its node lost): the other workers take its leases
-        over now (:meth:`buffer.Buffer.expire_leases`) instead of after ``buffer.lease_timeout_s``.
+        over now (:meth:`buffer.MonitorClient.expire_leases`) instead of after ``buffer.lease_timeout_s``.
         On a thread, as supervision never waits on Redis; Ray's restart of the actor runs its role
         only after a model load, long after this."""
-        from buffer import Buffer
+        from buffer import MonitorClient
 
         def expire() -> None:
             try:
-                buf = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
+                buf = MonitorClient.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
                 try:
                     n = buf.expire_leases(name)
                 finally:

@@ -276,11 +276,11 @@ class Progress:
 
     def _buf(self):
         if self._buffer is None:
-            from buffer import Buffer
+            from buffer import MonitorClient
 
             # a short retry budget: an outage shows up within seconds (the children keep their own)
             cfg = dataclasses.replace(self.cfg.buffer, max_retry_s=min(self.cfg.buffer.max_retry_s, PROBE_RETRY_S))
-            self._buffer = Buffer.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, cfg)
+            self._buffer = MonitorClient.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, cfg)
         return self._buffer
 
     def update(self) -> None:
@@ -463,7 +463,7 @@ def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, 
 def every_worker(snap: dict[str, Any]) -> list[dict[str, Any]]:
     """The stats of every worker of the run, to sum running totals over (tokens generated, time
     busy): each consumer's record, and the workers the buffer retired (long dead) as one record of
-    their summed totals (``M.WORKER_SUMMED``; ``Buffer.retire_consumers``)."""
+    their summed totals (``M.WORKER_SUMMED``; ``WorkerClient.retire_consumers``)."""
     out = [w.get("stats") or {} for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
     retired = (snap.get("retired") or {}).get("stats")
     return out + [retired] if retired else out

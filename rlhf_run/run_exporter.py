@@ -78,7 +78,7 @@ class _Families:
 
 
 class RunExporter:
-    """A prometheus_client collector: :meth:`update` turns a ``Buffer.metrics()`` snapshot into
+    """A prometheus_client collector: :meth:`update` turns a ``MonitorClient.metrics()`` snapshot into
     metric families, and a scrape serves the latest ones."""
 
     def __init__(self, run_id: str) -> None:

@@ -19,7 +19,7 @@ counted failed) and records, tagged with the version evaluated:
   failed), ``eval/seconds``.
 
 The record goes to ``eval.jsonl`` in the run's output folder (the report's summary reads it) and
-to the buffer's stats (``Buffer.stats("eval")``), where the learner merges it into its next
+to the buffer's stats (``MonitorClient.stats("eval")``), where the learner merges it into its next
 metrics line (so trackers get it) and the monitor shows it. A stop request lets an evaluation in
 progress finish (a second one abandons it, also while it waits for its rewards). Its prompts are never trained on: nothing here
 touches the prompt queue, the admission budget or the sample stream.
@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from buffer import Buffer
+from buffer import BufferClient
 from buffer.datasets import iter_prompts
 from rlhf_core.cli import append_line
 from rlhf_core.config import Config, ConfigError, validate
@@ -98,7 +98,7 @@ def eval_prompts(cfg: Config) -> list[Prompt]:
 class Evaluator:
     """See the module docstring. ``run()`` evaluates until stopped (or ``max_evals``)."""
 
-    def __init__(self, cfg: Config, buffer: Buffer | None = None, output_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, buffer: BufferClient | None = None, output_dir: str | Path | None = None) -> None:
         self.cfg, ev = cfg, cfg.eval
         self.stop_event = threading.Event()
         self._abort = False
@@ -115,7 +115,7 @@ class Evaluator:
         engine_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, seed=int(ev.seed)))
         self.engine = make_engine(engine_cfg, None, self.tokenizer)
         self._own_buffer = buffer is None
-        self.buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.buffer = buffer or BufferClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.path = Path(output_dir or cfg.run.output_dir) / EVAL_FILE
         self.due = 0  # the next version to evaluate (or the first one after it that exists)
         self.records: list[dict[str, Any]] = []

@@ -209,7 +209,7 @@ class GatewayCalls:
 
     def waiting(self) -> contextlib.AbstractContextManager[Callable[[], bool]]:
         """Around an idle worker's wait for prompts: yields the ``interrupt`` of
-        :meth:`buffer.client.Buffer.claim` (calls are there to take)."""
+        :meth:`buffer.WorkerClient.claim` (calls are there to take)."""
         if isinstance(self.channel, BackgroundChannel):
             return self.channel.waiting()
         return contextlib.nullcontext(lambda: False)  # takes on this thread: nothing arrives unseen

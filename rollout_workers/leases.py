@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from buffer import Buffer, Lease
+from buffer import Lease, WorkerClient
 from rollout_workers.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class LeaseKeeper:
     """See the module docstring. ``stats_record()`` builds what each heartbeat carries; ``stats``
     counts the time spent waiting for prompts and the prompts released."""
 
-    def __init__(self, buffer: Buffer, worker_id: str, interval_s: float, stats: WorkerStats,
+    def __init__(self, buffer: WorkerClient, worker_id: str, interval_s: float, stats: WorkerStats,
                  stats_record: Callable[[], dict[str, Any]]) -> None:
         self.buffer, self.worker_id, self.interval_s = buffer, worker_id, interval_s
         self.stats, self.stats_record = stats, stats_record
@@ -40,7 +40,7 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def using(self) -> Iterator[Buffer]:
+    def using(self) -> Iterator[WorkerClient]:
         """The buffer, under the lock the heartbeat thread takes too."""
         with self._lock:
             yield self.buffer

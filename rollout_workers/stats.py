@@ -17,7 +17,7 @@ ENGINE_COUNTERS = {M.WORKER_ENGINE_STEPS: "num_steps", M.WORKER_ENGINE_PREFILLS:
 @dataclass
 class WorkerStats:
     """Throughput accounting, written with every heartbeat into the buffer's consumer record
-    (``Buffer.metrics()["consumers"][worker_id]["stats"]``) where the monitor reads it."""
+    (``MonitorClient.metrics()["consumers"][worker_id]["stats"]``) where the monitor reads it."""
 
     started: float = field(default_factory=time.monotonic)
     prompts: int = 0  # groups appended (prompts completed with >= 1 sample)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from buffer import Buffer
+from buffer import WorkerClient
 from buffer.gateway import WorkerChannel
 from buffer.keys import check_consumer
 from rlhf_core.cli import WORKER_ID_ENV, freeze_startup_heap
@@ -65,7 +65,7 @@ def default_worker_id() -> str:
 class RolloutWorker:
     """One worker. ``run()`` works until :meth:`request_stop` (or a budget); see the module docstring."""
 
-    def __init__(self, cfg: Config, worker_id: str | None = None, buffer: Buffer | None = None) -> None:
+    def __init__(self, cfg: Config, worker_id: str | None = None, buffer: WorkerClient | None = None) -> None:
         self.cfg = cfg
         self.worker_id = check_consumer(worker_id or default_worker_id())
         self.stop_event = threading.Event()
@@ -75,7 +75,7 @@ class RolloutWorker:
         env_factory = EnvFactory(cfg.rollout) if env_target(cfg.rollout) else None
         self.scorer = Scorer(cfg.reward, cfg.model, environment=env_factory is not None)
         self._own_buffer = buffer is None
-        buffer = buffer or Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        buffer = buffer or WorkerClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.stats = WorkerStats()
         self.leases = LeaseKeeper(buffer, self.worker_id, float(cfg.buffer.heartbeat_interval_s), self.stats,
                                   self._stats_record)

@@ -2,7 +2,7 @@
 
 The learner does not exist in these tests; :class:`FakeLearner` plays it against the real
 servers: ``init_run`` on the buffer, prompts enqueued, weights published through a real
-``WeightPublisher`` to a real ``WeightServer``, groups read back with ``Buffer.read_batch``.
+``WeightPublisher`` to a real ``WeightServer``, groups read back with ``LearnerClient.read_batch``.
 Worker configs are composed by Hydra from the same override strings a child process gets on
 its command line, so the in-process and the child-process tests exercise the same config path.
 """
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from buffer import Buffer
 from buffer.keys import WORKERS_GROUP
+from buffer_clients import Clients
 from rlhf_core.config import Config, ModelConfig, response_budget
 from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.records import Prompt, Sample
@@ -98,11 +98,11 @@ class FakeLearner:
         self.base = load_policy(cfg.model).eval()  # the weights on disk (what a worker starts with)
         self.published: dict[int, dict[str, torch.Tensor]] = {}
         self.threads: list[WorkerThread] = []  # stopped by the test fixture before the servers go
-        self.buffer = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+        self.buffer = Clients.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         try:
-            self.params = self.buffer.init_run(batch_size=batch_size, group_size=cfg.algo.group_size,
-                                               max_staleness=max_staleness, max_response_tokens=response_budget(cfg.rollout),
-                                               vocab_size=VOCAB)
+            self.params = self.buffer.learner.init_run(
+                batch_size=batch_size, group_size=cfg.algo.group_size, max_staleness=max_staleness,
+                max_response_tokens=response_budget(cfg.rollout), vocab_size=VOCAB)
             self.publisher = WeightPublisher(cfg.weight_server.address, cfg.weight_server)
         except BaseException:
             self.buffer.close()
@@ -143,7 +143,7 @@ class FakeLearner:
     def enqueue(self, n: int, prefix: str = "p", text: str | None = None, **metadata: Any) -> list[Prompt]:
         prompts = [Prompt(f"{prefix}{i}", text if text is not None else f"{i % 10}:", metadata={"start": i % 10, **metadata},
                           index=i) for i in range(n)]
-        self.buffer.enqueue_prompts(prompts)
+        self.buffer.producer.enqueue_prompts(prompts)
         return prompts
 
     # ---- reading
@@ -154,21 +154,21 @@ class FakeLearner:
         while len(groups) < n_groups:
             left = deadline - time.monotonic()
             assert left > 0, f"only {len(groups)} of {n_groups} groups arrived within {timeout_s} s"
-            batch = self.buffer.read_batch("learner", learner_version, self.cfg.algo.group_size, timeout_s=min(left, 1.0))
+            batch = self.buffer.learner.read_batch("learner", learner_version, self.cfg.algo.group_size, timeout_s=min(left, 1.0))
             if batch is not None:
                 groups.extend(batch.samples[g.start:g.end] for g in batch.groups)
-        assert self.buffer.read_batch("learner", learner_version, self.cfg.algo.group_size, timeout_s=0.2) is None
+        assert self.buffer.learner.read_batch("learner", learner_version, self.cfg.algo.group_size, timeout_s=0.2) is None
         return groups
 
     def counters(self) -> dict[str, Any]:
-        return self.buffer.metrics()["counters"]
+        return self.buffer.monitor.metrics()["counters"]
 
     def consumer(self, worker_id: str) -> dict[str, Any]:
-        return self.buffer.metrics()["consumers"][worker_id]
+        return self.buffer.monitor.metrics()["consumers"][worker_id]
 
     def consumer_stats_prompts(self, worker_id: str) -> int:
         """Groups the worker reported in its last heartbeat (0 before its first)."""
-        return int(self.buffer.metrics()["consumers"].get(worker_id, {}).get("stats", {}).get("prompts", 0))
+        return int(self.buffer.monitor.metrics()["consumers"].get(worker_id, {}).get("stats", {}).get("prompts", 0))
 
     def leases_of(self, worker_id: str) -> list[str]:
         """Prompt ids (stream ids) this worker holds right now, straight from Redis's pending list."""

@@ -178,17 +178,17 @@ def measure_handoff(redis_url: str, cores: float, n: int = 200) -> dict[str, flo
             "busy_handoff_s": busy, "busy_other_demand": round(demand, 3)}
 
 
-def measure_launcher(buf: Any, reps: int = 5) -> float:
+def measure_launcher(learner: Any, reps: int = 5) -> float:
     """Core-seconds per second of the run's small periodic work: the launcher's snapshot of the
     buffer (once a second), the learner's prompt top-up check (10 a second) and stats (4)."""
     times = []
     for _ in range(reps):
         t0 = time.thread_time()
-        buf.metrics()
+        learner.buffer_monitor.metrics()
         times.append(time.thread_time() - t0)
     t0 = time.thread_time()
     for _ in range(reps):
-        buf.publish_stats("calib", {"x": 1.0})
-        buf.learner_version()
+        learner.buffer.publish_stats("calib", {"x": 1.0})
+        learner.buffer.learner_version()
     small = (time.thread_time() - t0) / reps
     return (statistics.median(times) if times else 0.0) + 14 * small

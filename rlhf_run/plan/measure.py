@@ -165,10 +165,10 @@ def isolated_config(cfg: Any, url: str, address: str, pub_address: str, out: Pat
 def measure_worker(cfg: Any, prompts: int, redis_cpu: Callable[[], float]) -> tuple[Worker, list[Any]]:
     """A real worker alone (budget unlimited): its loop's costs besides the engine's steps.
     Returns the costs and the samples it appended (for the learner)."""
-    from buffer import Buffer
+    from buffer import WorkerClient
     from rollout_workers.worker import RolloutWorker
 
-    buf = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+    buf = WorkerClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
     worker = RolloutWorker(cfg, worker_id="calib-worker", buffer=buf)
     captured: list[Any] = []
     step = Timed(worker.engine.step)
@@ -311,7 +311,7 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
     import psutil
     import torch
 
-    from buffer import Buffer
+    from buffer import LearnerClient
     from buffer.local_server import RedisServer
     from learner.prompts import prompt_source
     from learner.trainer import Learner
@@ -335,16 +335,16 @@ def calibrate(cfg: Any, prompts: int = 160, quick: bool = False) -> Profile:
         gen, _ = measure_generation(cfg, reps=2 if quick else 3)
         log.info("generation: decode %.2f ms + %.3f ms/row", gen.decode_base * 1e3, gen.decode_per_row * 1e3)
         icfg = isolated_config(cfg, redis.url, ws.address, ws.pub_address, out)
-        learner = Learner(icfg, buffer=Buffer.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
+        learner = Learner(icfg, buffer=LearnerClient.connect(redis.url, icfg.buffer.run_id, icfg.buffer), output_dir=out)
         stack.callback(learner.close)
         learner.publishing.publish(learner.version, learner.updates)
         learner.buffer.set_learner_version(learner.version, learner.updates)
-        learner.buffer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
+        learner.buffer_producer.fill_prompts(prompt_source(icfg), epochs=icfg.data.epochs, low_watermark=4 * prompts)
         worker, samples = measure_worker(icfg, prompts, redis_cpu)
         batch = int(cfg.learner.batch_size)
         lstage = measure_learner(learner, max(4, len(samples) // batch - 1), redis_cpu)
         coef = measure_updates(learner, icfg, samples, reps=2 if quick else 3)
-        launcher = measure_launcher(learner.buffer)
+        launcher = measure_launcher(learner)
         handoff = measure_handoff(redis.url, float(len(os.sched_getaffinity(0))))
     sync = measure_sync(cfg, reps=3 if quick else 5)
     sync.snapshot_base = lstage["snapshot_s"]

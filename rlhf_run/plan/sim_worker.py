@@ -152,7 +152,7 @@ class SimWorker:
                 self.owed_claims, self.blocked_at = 0, None
                 n = sim.claim(self, capacity)
                 if not n and idle:
-                    # Buffer.claim(block_s=0.25) waits on the wake-up stream, which a new version or
+                    # WorkerClient.claim(block_s=0.25) waits on the wake-up stream, which a new version or
                     # returned budget wakes at once; it re-checks every 0.2 s and the loop claims
                     # again every 0.25 s, all in vain until then: sleep through those re-checks
                     # (their CPU is owed) instead of simulating each

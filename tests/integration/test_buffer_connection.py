@@ -13,7 +13,8 @@ import pytest
 import redis
 
 import factories as T
-from buffer import Buffer, BufferAuthError, BufferUnavailable, RunParamsMismatch
+from buffer import BufferAuthError, BufferUnavailable, LearnerClient, RunParamsMismatch, WorkerClient
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from servers import RedisServer, free_port
 
@@ -25,12 +26,12 @@ def test_wrong_password_gives_a_clear_error(tmp_path):
     try:
         for url in (f"redis://:wrong-pw@127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/0"):
             with pytest.raises(BufferAuthError) as err:
-                Buffer.connect(url, "x", BufferConfig(connect_timeout_s=2.0))
+                Clients.connect(url, "x", BufferConfig(connect_timeout_s=2.0))
             msg = str(err.value)
             assert f"Redis at 127.0.0.1:{server.port} refused the credentials" in msg
             assert "wrong-pw" not in msg and "s3cret-pw" not in msg  # never echo a password
-        buf = Buffer.connect(server.url, "x", BufferConfig(connect_timeout_s=2.0))
-        buf.init_run(batch_size=4, group_size=4, max_staleness=0)
+        buf = Clients.connect(server.url, "x", BufferConfig(connect_timeout_s=2.0))
+        buf.learner.init_run(batch_size=4, group_size=4, max_staleness=0)
     finally:
         server.stop()
 
@@ -44,20 +45,20 @@ def readme_acl_rule() -> list[str]:
 def test_the_readmes_acl_user_runs_the_buffer_and_a_missing_permission_is_named(tmp_path):
     server = RedisServer(tmp_path / "r", password="admin").start()
     try:
-        admin = Buffer.connect(server.url, "acl", BufferConfig()).redis
+        admin = Clients.connect(server.url, "acl", BufferConfig()).redis
         rule = readme_acl_rule()
         assert rule[0] == "rlhf" and "-@dangerous" in rule
         admin.execute_command("ACL", "SETUSER", *rule)
         admin.execute_command("ACL", "SETUSER", "outsider", "on", ">opw", "~elsewhere:*", "+@all")
-        ok = Buffer.connect(f"redis://rlhf:SECRET@127.0.0.1:{server.port}/0", "acl", BufferConfig())
-        ok.init_run(batch_size=4, group_size=4, max_staleness=0)
-        ok.enqueue_prompts(T.prompts(1))
-        [lease] = ok.claim("w", 1)
-        assert ok.complete(lease, T.group(lease.prompt, 4)) == "appended"
-        batch = ok.read_batch("learner-0", 0, 4, timeout_s=1.0)
+        ok = Clients.connect(f"redis://rlhf:SECRET@127.0.0.1:{server.port}/0", "acl", BufferConfig())
+        ok.learner.init_run(batch_size=4, group_size=4, max_staleness=0)
+        ok.producer.enqueue_prompts(T.prompts(1))
+        [lease] = ok.worker.claim("w", 1)
+        assert ok.worker.complete(lease, T.group(lease.prompt, 4)) == "appended"
+        batch = ok.learner.read_batch("learner-0", 0, 4, timeout_s=1.0)
         assert batch is not None and len(batch.samples) == 4
-        ok.commit(batch)
-        assert ok.metrics()["counters"]["samples_appended"] == 4
+        ok.learner.commit(batch)
+        assert ok.monitor.metrics()["counters"]["samples_appended"] == 4
         # the gateway's answers travel on a pub/sub channel of the run (RunKeys.gw_out): allowed too
         channel = ok.keys.gw_out("gateway-1")
         sub = ok.redis.pubsub()
@@ -68,10 +69,10 @@ def test_the_readmes_acl_user_runs_the_buffer_and_a_missing_permission_is_named(
         sub.close()
         with pytest.raises(redis.exceptions.NoPermissionError):  # not another run's or user's channel
             ok.redis.publish("elsewhere:channel", b"x")
-        assert ok.delete_run() > 0
-        denied = Buffer.connect(f"redis://outsider:opw@127.0.0.1:{server.port}/0", "acl", BufferConfig())
+        assert ok.monitor.delete_run() > 0
+        denied = Clients.connect(f"redis://outsider:opw@127.0.0.1:{server.port}/0", "acl", BufferConfig())
         with pytest.raises(BufferAuthError, match="denied a command to this ACL user"):
-            denied.init_run(batch_size=4, group_size=4, max_staleness=0)
+            denied.learner.init_run(batch_size=4, group_size=4, max_staleness=0)
     finally:
         server.stop()
 
@@ -81,7 +82,7 @@ def test_unreachable_redis_gives_a_clear_error_quickly():
     port = free_port()
     t0 = time.monotonic()
     with pytest.raises(BufferUnavailable) as err:
-        Buffer.connect(f"redis://127.0.0.1:{port}/0", "x", BufferConfig(connect_timeout_s=0.5))
+        Clients.connect(f"redis://127.0.0.1:{port}/0", "x", BufferConfig(connect_timeout_s=0.5))
     assert time.monotonic() - t0 < 3
     msg = str(err.value)
     assert f"cannot reach Redis at 127.0.0.1:{port}" in msg
@@ -90,50 +91,50 @@ def test_unreachable_redis_gives_a_clear_error_quickly():
 
 @pytest.mark.timeout(20)
 def test_redis_gone_for_longer_than_max_retry_gives_a_clear_error(redis_server):
-    buf = Buffer.connect(redis_server.url, "gone", BufferConfig(max_retry_s=0.5))
-    buf.init_run(batch_size=4, group_size=4, max_staleness=0)
+    buf = Clients.connect(redis_server.url, "gone", BufferConfig(max_retry_s=0.5))
+    buf.learner.init_run(batch_size=4, group_size=4, max_staleness=0)
     redis_server.stop(signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(BufferUnavailable, match="did not come back within buffer.max_retry_s=0.5"):
-        buf.claim("w", 1)
+        buf.worker.claim("w", 1)
     assert time.monotonic() - t0 < 2.5
 
 
 def test_two_runs_side_by_side_do_not_touch_each_other(redis_url):
-    a = Buffer.connect(redis_url, "sweep/algo.max_staleness=0", BufferConfig())
-    b = Buffer.connect(redis_url, "sweep/algo.max_staleness=2", BufferConfig())
+    a = Clients.connect(redis_url, "sweep/algo.max_staleness=0", BufferConfig())
+    b = Clients.connect(redis_url, "sweep/algo.max_staleness=2", BufferConfig())
     a.redis.set("someone-elses:key", "keep me")
-    a.init_run(batch_size=8, group_size=4, max_staleness=0)
-    b.init_run(batch_size=16, group_size=4, max_staleness=2)
-    a.enqueue_prompts(T.prompts(5))
-    b.enqueue_prompts(T.prompts(3))
-    for lease in a.claim("w", 5):
-        a.complete(lease, T.group(lease.prompt))
-    assert len(b.claim("w", 10)) == 3 and b.read_batch("L", 0, 16, timeout_s=0.05) is None
-    assert len(a.read_batch("L", 0, 8, timeout_s=0.5)) == 8
-    ca, cb = a.metrics()["counters"], b.metrics()["counters"]
+    a.learner.init_run(batch_size=8, group_size=4, max_staleness=0)
+    b.learner.init_run(batch_size=16, group_size=4, max_staleness=2)
+    a.producer.enqueue_prompts(T.prompts(5))
+    b.producer.enqueue_prompts(T.prompts(3))
+    for lease in a.worker.claim("w", 5):
+        a.worker.complete(lease, T.group(lease.prompt))
+    assert len(b.worker.claim("w", 10)) == 3 and b.learner.read_batch("L", 0, 16, timeout_s=0.05) is None
+    assert len(a.learner.read_batch("L", 0, 8, timeout_s=0.5)) == 8
+    ca, cb = a.monitor.metrics()["counters"], b.monitor.metrics()["counters"]
     assert (ca["prompts_enqueued"], ca["prompts_claimed"], ca["samples_appended"]) == (5, 2, 8)
     assert (cb["prompts_enqueued"], cb["prompts_claimed"], cb["samples_appended"]) == (3, 3, 0)
-    assert b.run_params()["batch_size"] == 16 and a.run_params()["batch_size"] == 8
+    assert b.store.run_params()["batch_size"] == 16 and a.store.run_params()["batch_size"] == 8
 
     b_keys = sorted(b.redis.scan_iter(match=b.keys.pattern()))
     a_keys = list(a.redis.scan_iter(match=a.keys.pattern()))
     assert len(a_keys) == 6 and len(b_keys) == 6  # params version counters prompts samples wake:prompts
-    assert a.delete_run() == len(a_keys)
+    assert a.monitor.delete_run() == len(a_keys)
     assert list(a.redis.scan_iter(match=a.keys.pattern())) == []
     assert sorted(b.redis.scan_iter(match=b.keys.pattern())) == b_keys
     assert a.redis.get("someone-elses:key") == b"keep me"
-    assert b.metrics()["counters"]["prompts_claimed"] == 3
+    assert b.monitor.metrics()["counters"]["prompts_claimed"] == 3
 
 
 def test_init_run_is_idempotent_and_refuses_other_parameters(redis_url):
-    buf = Buffer.connect(redis_url, "params", BufferConfig())
-    first = buf.init_run(batch_size=8, group_size=4, max_staleness=2, vocab_size=100)
-    assert Buffer.connect(redis_url, "params", BufferConfig()).init_run(
+    buf = Clients.connect(redis_url, "params", BufferConfig())
+    first = buf.learner.init_run(batch_size=8, group_size=4, max_staleness=2, vocab_size=100)
+    assert LearnerClient.connect(redis_url, "params", BufferConfig()).init_run(
         batch_size=8, group_size=4, max_staleness=2, vocab_size=100) == first
     with pytest.raises(RunParamsMismatch, match="batch_size: run has 8, you passed 16"):
-        Buffer.connect(redis_url, "params", BufferConfig()).init_run(batch_size=16, group_size=4, max_staleness=2, vocab_size=100)
-    worker = Buffer.connect(redis_url, "params", BufferConfig(max_reuse=5))  # a worker's own config does not matter
+        LearnerClient.connect(redis_url, "params", BufferConfig()).init_run(batch_size=16, group_size=4, max_staleness=2, vocab_size=100)
+    worker = WorkerClient.connect(redis_url, "params", BufferConfig(max_reuse=5))  # a worker's own config does not matter
     assert worker.run_params() == first and first["mode"] == "fifo"
 
 
@@ -150,13 +151,13 @@ def test_rediss_with_a_private_ca(tmp_path):
     )
     try:
         url = f"rediss://127.0.0.1:{port}/0"
-        buf = Buffer.connect(url, "tls", BufferConfig(ssl_ca_certs=str(ca), connect_timeout_s=5.0))
-        buf.init_run(batch_size=4, group_size=4, max_staleness=0)
-        buf.enqueue_prompts(T.prompts(1))
-        (lease,) = buf.claim("w", 1)
-        assert buf.complete(lease, T.group(lease.prompt)) == "appended"
+        buf = Clients.connect(url, "tls", BufferConfig(ssl_ca_certs=str(ca), connect_timeout_s=5.0))
+        buf.learner.init_run(batch_size=4, group_size=4, max_staleness=0)
+        buf.producer.enqueue_prompts(T.prompts(1))
+        (lease,) = buf.worker.claim("w", 1)
+        assert buf.worker.complete(lease, T.group(lease.prompt)) == "appended"
         with pytest.raises(BufferUnavailable, match="TLS"):  # a client that does not trust the CA
-            Buffer.connect(url, "tls", BufferConfig(connect_timeout_s=2.0))
+            Clients.connect(url, "tls", BufferConfig(connect_timeout_s=2.0))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)

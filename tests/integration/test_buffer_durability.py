@@ -10,8 +10,8 @@ import pytest
 import redis
 
 import factories as T
-from buffer import Buffer
 from buffer import keys as K
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from servers import wait_for
 
@@ -24,48 +24,48 @@ class SimulatedCrash(BaseException):
     """The worker process dies here (not an error the buffer may catch and retry)."""
 
 
-def _connect(url: str) -> Buffer:
-    return Buffer.connect(url, "dur", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_retry_s=20.0,
-                                                  lookahead=None))  # admission up to max_staleness
+def _connect(url: str) -> Clients:
+    return Clients.connect(url, "dur", BufferConfig(lease_timeout_s=LEASE_S, heartbeat_interval_s=0.1, max_retry_s=20.0,
+                                                   lookahead=None))  # admission up to max_staleness
 
 
-def _state(buf: Buffer) -> tuple[int, int, int]:
+def _state(buf: Clients) -> tuple[int, int, int]:
     """(groups in the sample stream, prompts still leased, prompts acked), read straight from Redis."""
     k = buf.keys
     leased = buf.redis.xpending(k.prompts, K.WORKERS_GROUP)["pending"]
-    return buf.redis.xlen(k.samples), leased, buf.metrics()["counters"]["prompts_acked"]
+    return buf.redis.xlen(k.samples), leased, buf.monitor.metrics()["counters"]["prompts_acked"]
 
 
 def test_crash_between_append_and_ack_leaves_nothing_partial(redis_url):
     buf = _connect(redis_url)
-    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
-    buf.enqueue_prompts(T.prompts(1))
-    (lease,) = buf.claim("w1", 1)
-    real = buf.scripts.complete
+    buf.learner.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.producer.enqueue_prompts(T.prompts(1))
+    (lease,) = buf.worker.claim("w1", 1)
+    real = buf.store.scripts.complete
 
     def crash_in_flight(*args, **kwargs):
         # the samples are validated and encoded, the call is about to go out: the worker dies
         raise SimulatedCrash()
 
-    buf.scripts.__dict__["complete"] = crash_in_flight
+    buf.store.scripts.__dict__["complete"] = crash_in_flight
     with pytest.raises(SimulatedCrash):
-        buf.complete(lease, T.group(lease.prompt))
-    buf.scripts.__dict__["complete"] = real
+        buf.worker.complete(lease, T.group(lease.prompt))
+    buf.store.scripts.__dict__["complete"] = real
     assert _state(buf) == (0, 1, 0)  # no samples, prompt still leased, not acked
     # the lease expires and another worker does the prompt: exactly one group lands
     other = _connect(redis_url)
-    (again,) = other.claim("w2", 1, block_s=LEASE_S * 3)
+    (again,) = other.worker.claim("w2", 1, block_s=LEASE_S * 3)
     assert again.lease_id == lease.lease_id and again.delivery_count == 2
-    assert other.complete(again, T.group(again.prompt)) == "appended"
+    assert other.worker.complete(again, T.group(again.prompt)) == "appended"
     assert _state(buf) == (1, 0, 1)
 
 
 def test_lost_reply_is_retried_without_a_duplicate(redis_url):
     buf = _connect(redis_url)
-    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
-    buf.enqueue_prompts(T.prompts(2))
-    leases = buf.claim("w1", 2)
-    real = buf.scripts.complete
+    buf.learner.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.producer.enqueue_prompts(T.prompts(2))
+    leases = buf.worker.claim("w1", 2)
+    real = buf.store.scripts.complete
     calls = {"n": 0}
 
     def reply_lost(*args, **kwargs):
@@ -75,12 +75,12 @@ def test_lost_reply_is_retried_without_a_duplicate(redis_url):
             raise redis.exceptions.ConnectionError("connection reset (injected after the script ran)")
         return result  # ...and the retry finds the prompt already completed
 
-    buf.scripts.__dict__["complete"] = reply_lost
-    assert buf.complete(leases[0], T.group(leases[0].prompt)) == "duplicate"
+    buf.store.scripts.__dict__["complete"] = reply_lost
+    assert buf.worker.complete(leases[0], T.group(leases[0].prompt)) == "duplicate"
     assert calls["n"] == 2
-    assert buf.complete(leases[1], T.group(leases[1].prompt)) == "appended"
+    assert buf.worker.complete(leases[1], T.group(leases[1].prompt)) == "appended"
     assert _state(buf) == (2, 0, 2)
-    c = buf.metrics()["counters"]
+    c = buf.monitor.metrics()["counters"]
     assert (c["samples_appended"], c["groups_appended"], c["completions_duplicate"]) == (8, 2, 1)
 
 
@@ -88,9 +88,9 @@ def test_lost_reply_is_retried_without_a_duplicate(redis_url):
 def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_server, caplog):
     n = 60
     buf = _connect(redis_server.url)
-    buf.init_run(batch_size=n * 4, group_size=4, max_staleness=0)
-    buf.enqueue_prompts(T.prompts(n))
-    leases = buf.claim("w", n)
+    buf.learner.init_run(batch_size=n * 4, group_size=4, max_staleness=0)
+    buf.producer.enqueue_prompts(T.prompts(n))
+    leases = buf.worker.claim("w", n)
     assert len(leases) == n
     midway, down = threading.Event(), threading.Event()
     results: list[str] = []
@@ -99,7 +99,7 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     def worker() -> None:
         try:
             for i, lease in enumerate(leases):
-                results.append(buf.complete(lease, T.group(lease.prompt)))
+                results.append(buf.worker.complete(lease, T.group(lease.prompt)))
                 if i == n // 3:
                     midway.set()
                     down.wait(10)  # the next completion meets the dead server, however slow this host
@@ -113,7 +113,7 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     port = redis_server.port
     redis_server.stop(signal.SIGKILL)  # crash: only what the AOF (fsync always) holds survives
     down.set()
-    wait_for(lambda: buf.retry.reconnects >= 1, 10, "the worker to meet the dead server")
+    wait_for(lambda: buf.store.retry.reconnects >= 1, 10, "the worker to meet the dead server")
     redis_server.start(port=port)
     t.join(30)
     assert not errors and len(results) == n  # the worker was mid-run when Redis died, and rode it out
@@ -122,54 +122,54 @@ def test_redis_killed_during_completions_every_prompt_lands_exactly_once(redis_s
     assert results.count("appended") + results.count("duplicate") == n
     groups, leased, acked = _state(buf)
     assert (groups, leased, acked) == (n, 0, n)
-    batch = buf.read_batch("L", 0, n * 4, timeout_s=2.0)
+    batch = buf.learner.read_batch("L", 0, n * 4, timeout_s=2.0)
     assert sorted(g.group_id for g in batch.groups) == sorted(f"g-p{i}" for i in range(n))
-    assert buf.metrics()["counters"]["samples_appended"] == n * 4
+    assert buf.monitor.metrics()["counters"]["samples_appended"] == n * 4
 
 
 @pytest.mark.timeout(60)
 def test_restart_with_aof_loses_no_sample_and_no_lease(redis_server):
-    worker = _connect(redis_server.url)
-    learner = _connect(redis_server.url)
-    learner.init_run(batch_size=8, group_size=4, max_staleness=4)
-    learner.enqueue_prompts(T.prompts(20))
-    leases = worker.claim("w", 8)
+    worker_proc = _connect(redis_server.url)
+    learner_proc = _connect(redis_server.url)
+    learner_proc.learner.init_run(batch_size=8, group_size=4, max_staleness=4)
+    learner_proc.producer.enqueue_prompts(T.prompts(20))
+    leases = worker_proc.worker.claim("w", 8)
     for lease in leases[:4]:
-        worker.complete(lease, T.group(lease.prompt))
-    in_training = learner.read_batch("L", 0, 8, timeout_s=1.0)  # read, not committed
+        worker_proc.worker.complete(lease, T.group(lease.prompt))
+    in_training = learner_proc.learner.read_batch("L", 0, 8, timeout_s=1.0)  # read, not committed
 
     redis_server.restart(signal.SIGKILL)
 
     # both clients reconnect on their next call and carry on where they were
-    assert learner.pending_for("L") == in_training.ids
-    assert worker.heartbeat("w", version=0) == []  # still holds its 4 unfinished leases
+    assert learner_proc.learner.pending_for("L") == in_training.ids
+    assert worker_proc.worker.heartbeat("w", version=0) == []  # still holds its 4 unfinished leases
     for lease in leases[4:]:
-        assert worker.complete(lease, T.group(lease.prompt)) == "appended"
-    assert learner.commit(in_training) == 2
-    rest = [learner.read_batch("L", 0, 8, timeout_s=1.0) for _ in range(3)]
-    assert [learner.commit(b) for b in rest] == [2, 2, 2]
+        assert worker_proc.worker.complete(lease, T.group(lease.prompt)) == "appended"
+    assert learner_proc.learner.commit(in_training) == 2
+    rest = [learner_proc.learner.read_batch("L", 0, 8, timeout_s=1.0) for _ in range(3)]
+    assert [learner_proc.learner.commit(b) for b in rest] == [2, 2, 2]
     seen = [g.group_id for b in [in_training, *rest] for g in b.groups]
     assert sorted(seen) == sorted(f"g-p{i}" for i in range(8))
-    c = learner.metrics()["counters"]
+    c = learner_proc.monitor.metrics()["counters"]
     assert (c["prompts_enqueued"], c["prompts_waiting"], c["prompts_acked"], c["samples_consumed"]) == (20, 12, 8, 32)
     assert (c["samples_in_buffer"], c["inflight"], c["admitted"]) == (0, 0, 32)
-    remaining = worker.claim("w", 20)
+    remaining = worker_proc.worker.claim("w", 20)
     assert sorted(lease.prompt.prompt_id for lease in remaining) == [f"p{i}" for i in range(8, 10)]  # budget (4+0+1)*8 - 32 = 8 samples = 2 prompts
 
 
 def test_complete_many_is_one_round_trip_and_survives_a_server_that_forgot_the_scripts(redis_url):
     buf = _connect(redis_url)
-    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
-    buf.enqueue_prompts(T.prompts(4))
-    leases = buf.claim("w1", 4)
-    buf.complete_many([(leases[0], T.group(leases[0].prompt))])  # the script is loaded once here
+    buf.learner.init_run(batch_size=8, group_size=4, max_staleness=4)
+    buf.producer.enqueue_prompts(T.prompts(4))
+    leases = buf.worker.claim("w1", 4)
+    buf.worker.complete_many([(leases[0], T.group(leases[0].prompt))])  # the script is loaded once here
     buf.redis.config_resetstat()
-    statuses = buf.complete_many([(lease, T.group(lease.prompt)) for lease in leases[1:3]])
+    statuses = buf.worker.complete_many([(lease, T.group(lease.prompt)) for lease in leases[1:3]])
     assert statuses == ["appended", "appended"]
     calls = {k: v["calls"] for k, v in buf.redis.info("commandstats").items()}
     # two EVALSHA in one pipeline and nothing else: no SCRIPT EXISTS before it
     assert calls.get("cmdstat_evalsha") == 2 and "cmdstat_script|exists" not in calls, calls
     # a restarted (or flushed) server has no scripts: NOSCRIPT -> load -> the same call runs once
     buf.redis.script_flush()
-    assert buf.complete_many([(leases[3], T.group(leases[3].prompt))]) == ["appended"]
+    assert buf.worker.complete_many([(leases[3], T.group(leases[3].prompt))]) == ["appended"]
     assert _state(buf) == (4, 0, 4)

@@ -14,17 +14,18 @@ import pytest
 import redis
 
 import factories as T
-from buffer import Buffer, BufferOutOfMemory
+from buffer import BufferOutOfMemory, LearnerClient
 from buffer import keys as K
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.errors import UserError
 
 pytestmark = pytest.mark.integration
 
 
-def _buffer(url: str, max_retry_s: float) -> Buffer:
-    buf = Buffer.connect(url, "oom", BufferConfig(lease_timeout_s=30.0, max_retry_s=max_retry_s, lookahead=None))
-    buf.init_run(batch_size=8, group_size=4, max_staleness=4)
+def _buffer(url: str, max_retry_s: float) -> Clients:
+    buf = Clients.connect(url, "oom", BufferConfig(lease_timeout_s=30.0, max_retry_s=max_retry_s, lookahead=None))
+    buf.learner.init_run(batch_size=8, group_size=4, max_staleness=4)
     return buf
 
 
@@ -35,22 +36,22 @@ def _fill_up(admin: redis.Redis) -> None:
     admin.config_set("maxmemory", 1)
 
 
-def _state(buf: Buffer) -> tuple[int, int, int]:
+def _state(buf: Clients) -> tuple[int, int, int]:
     """(groups in the sample stream, prompts still leased, prompts acked), straight from Redis."""
     leased = buf.redis.xpending(buf.keys.prompts, K.WORKERS_GROUP)["pending"]
-    return buf.redis.xlen(buf.keys.samples), leased, buf.metrics()["counters"]["prompts_acked"]
+    return buf.redis.xlen(buf.keys.samples), leased, buf.monitor.metrics()["counters"]["prompts_acked"]
 
 
 def test_redis_out_of_memory_is_ridden_out_and_logged(redis_url):
     buf = _buffer(redis_url, max_retry_s=60.0)
-    buf.enqueue_prompts(T.prompts(1))
-    (lease,) = buf.claim("w1", 1)
+    buf.producer.enqueue_prompts(T.prompts(1))
+    (lease,) = buf.worker.claim("w1", 1)
     admin = redis.Redis.from_url(redis_url)
     _fill_up(admin)
     seen = T.LogSeen("out of memory")
     logging.getLogger("buffer").addHandler(seen)
     result: list = []
-    done = threading.Thread(target=lambda: result.append(buf.complete(lease, T.group(lease.prompt))))
+    done = threading.Thread(target=lambda: result.append(buf.worker.complete(lease, T.group(lease.prompt))))
     try:
         done.start()
         assert seen.event.wait(30), "no log line says Redis is out of memory"
@@ -67,20 +68,20 @@ def test_redis_out_of_memory_is_ridden_out_and_logged(redis_url):
 
 def test_redis_out_of_memory_past_max_retry_s_stops_with_one_line_and_writes_nothing(redis_url):
     buf = _buffer(redis_url, max_retry_s=0.3)
-    buf.enqueue_prompts(T.prompts(2))
-    leases = buf.claim("w1", 2)
-    buf.complete(leases[1], T.group(leases[1].prompt))
-    batch = buf.read_batch("learner", 0, 4, timeout_s=5.0)
+    buf.producer.enqueue_prompts(T.prompts(2))
+    leases = buf.worker.claim("w1", 2)
+    buf.worker.complete(leases[1], T.group(leases[1].prompt))
+    batch = buf.learner.read_batch("learner", 0, 4, timeout_s=5.0)
     assert batch is not None
     admin = redis.Redis.from_url(redis_url)
     _fill_up(admin)
     calls = {
-        "complete": lambda: buf.complete(leases[0], T.group(leases[0].prompt)),
-        "heartbeat": lambda: buf.heartbeat("w1", 0, {"version": 0}),
-        "enqueue": lambda: buf.enqueue_prompts(T.prompts(1, start=5)),
-        "set_learner_version": lambda: buf.set_learner_version(1),
-        "commit": lambda: buf.commit(batch),
-        "metrics": buf.metrics,
+        "complete": lambda: buf.worker.complete(leases[0], T.group(leases[0].prompt)),
+        "heartbeat": lambda: buf.worker.heartbeat("w1", 0, {"version": 0}),
+        "enqueue": lambda: buf.producer.enqueue_prompts(T.prompts(1, start=5)),
+        "set_learner_version": lambda: buf.learner.set_learner_version(1),
+        "commit": lambda: buf.learner.commit(batch),
+        "metrics": buf.monitor.metrics,
     }
     try:
         for name, call in calls.items():
@@ -93,10 +94,10 @@ def test_redis_out_of_memory_past_max_retry_s_stops_with_one_line_and_writes_not
     finally:
         admin.config_set("maxmemory", 0)
     assert _state(buf) == (1, 1, 1)  # nothing changed: the group uncommitted, the other prompt leased
-    assert buf.learner_version() == 0
+    assert buf.learner.learner_version() == 0
     # memory back: each call goes through, once
-    assert buf.complete(leases[0], T.group(leases[0].prompt)) == "appended"
-    assert buf.commit(batch) == 1
+    assert buf.worker.complete(leases[0], T.group(leases[0].prompt)) == "appended"
+    assert buf.learner.commit(batch) == 1
     assert _state(buf) == (1, 0, 2)
 
 
@@ -106,7 +107,7 @@ def test_a_redis_that_evicts_any_key_is_refused(redis_url, policy):
     admin.config_set("maxmemory", 512 * 1024 * 1024)
     admin.config_set("maxmemory-policy", policy)
     with pytest.raises(UserError) as err:
-        Buffer.connect(redis_url, "evict", BufferConfig())
+        Clients.connect(redis_url, "evict", BufferConfig())
     msg = str(err.value)
     assert f"maxmemory-policy {policy}" in msg and "noeviction" in msg
 
@@ -115,10 +116,10 @@ def test_a_redis_that_evicts_only_keys_with_a_ttl_or_has_no_limit_is_accepted(re
     admin = redis.Redis.from_url(redis_url)
     admin.config_set("maxmemory", 512 * 1024 * 1024)
     admin.config_set("maxmemory-policy", "volatile-lru")  # the run's keys have no TTL: never evicted
-    Buffer.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
+    LearnerClient.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
     admin.config_set("maxmemory", 0)
     admin.config_set("maxmemory-policy", "allkeys-lru")  # no limit: nothing is evicted
-    Buffer.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
+    LearnerClient.connect(redis_url, "evict", BufferConfig()).init_run(batch_size=4, group_size=4, max_staleness=0)
 
 
 @pytest.fixture
@@ -159,8 +160,8 @@ def test_redis_unable_to_write_its_full_disk_is_ridden_out_then_stops_with_one_l
     # restarted them into the same refusals
     url, fill = full_disk
     buf, patient = _buffer(url, max_retry_s=0.3), _buffer(url, max_retry_s=60.0)
-    buf.enqueue_prompts(T.prompts(2))
-    leases = buf.claim("w1", 2)
+    buf.producer.enqueue_prompts(T.prompts(2))
+    leases = buf.worker.claim("w1", 2)
     admin = redis.Redis.from_url(url)
     filler = fill()
 
@@ -175,7 +176,7 @@ def test_redis_unable_to_write_its_full_disk_is_ridden_out_then_stops_with_one_l
 
     wait_for(refused, 30, "Redis to refuse writes on its full disk", 0.1)
     with pytest.raises(UserError) as err:
-        buf.complete(leases[0], T.group(leases[0].prompt))
+        buf.worker.complete(leases[0], T.group(leases[0].prompt))
     msg = str(err.value)
     assert "cannot write its data to disk and refused writes for buffer.max_retry_s=0.3 s" in msg, msg
     assert "No space left on device" in msg and "make room on the disk of its data folder" in msg and "\n" not in msg
@@ -184,7 +185,7 @@ def test_redis_unable_to_write_its_full_disk_is_ridden_out_then_stops_with_one_l
     seen = T.LogSeen("make room on the disk of its data folder")
     logging.getLogger("buffer").addHandler(seen)
     result: list = []
-    done = threading.Thread(target=lambda: result.append(patient.complete(leases[1], T.group(leases[1].prompt))))
+    done = threading.Thread(target=lambda: result.append(patient.worker.complete(leases[1], T.group(leases[1].prompt))))
     try:
         done.start()
         assert seen.event.wait(30), "no log line says Redis cannot write to its disk"

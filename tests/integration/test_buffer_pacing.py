@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from buffer import Buffer, pacing
+from buffer import pacing
 from buffer.metrics import read_counters
 from buffer.scripts import claim_keys
+from buffer_clients import Clients
 from rlhf_core.config import BufferConfig
 from rlhf_core.records import Prompt
 from servers import RedisServer
@@ -69,18 +70,18 @@ def pacing_redis_url(tmp_path_factory):
 
 
 class Rig:
-    """One run of the grid: its Buffer, a consumer whose leases never expire, prompts kept waiting."""
+    """One run of the grid: its clients, a consumer whose leases never expire, prompts kept waiting."""
 
     def __init__(self, url: str, mode: str, max_staleness: int, lookahead: int | None) -> None:
         cfg = BufferConfig(lookahead=lookahead, lease_timeout_s=3600.0, **MODES[mode])
-        self.buf = Buffer.connect(url, f"pacing-{mode}-{max_staleness}-{lookahead}", cfg)
-        self.params = self.buf.init_run(batch_size=BATCH, group_size=GROUP, max_staleness=max_staleness)
+        self.buf = Clients.connect(url, f"pacing-{mode}-{max_staleness}-{lookahead}", cfg)
+        self.params = self.buf.learner.init_run(batch_size=BATCH, group_size=GROUP, max_staleness=max_staleness)
         assert self.params["mode"] == ("fifo" if mode == "fifo" else "replay")
         self.waiting = 0
         self.enqueued = 0
 
     def set_state(self, state: dict) -> None:
-        self.buf.set_learner_version(state["version"], state["updates"])
+        self.buf.learner.set_learner_version(state["version"], state["updates"])
         if state["updates"] is None:
             self.buf.redis.delete(self.buf.keys.updates)
         counters = {n: state[n] for n in (*pacing.COUNTERS, "budget_returned")}
@@ -89,7 +90,7 @@ class Rig:
     def lua_budget(self) -> int:
         """claim.lua's budget for the state in Redis, claiming nothing (max_prompts 0)."""
         k = self.buf.keys
-        res = self.buf.scripts.claim(keys=claim_keys(k), args=["pacing-probe", 0, 3_600_000, repr(time.time()), 100])
+        res = self.buf.store.scripts.claim(keys=claim_keys(k), args=["pacing-probe", 0, 3_600_000, repr(time.time()), 100])
         assert res[0] == b"ok" and len(res) == 4, res
         return int(res[3])
 
@@ -97,10 +98,10 @@ class Rig:
         """Prompts one claim admits (with more than enough waiting)."""
         if self.waiting < MAX_PROMPTS:
             n = 4 * MAX_PROMPTS
-            self.buf.enqueue_prompts(Prompt(f"q{self.enqueued + i}", "x") for i in range(n))
+            self.buf.producer.enqueue_prompts(Prompt(f"q{self.enqueued + i}", "x") for i in range(n))
             self.enqueued += n
             self.waiting += n
-        leases = self.buf.claim("pacing-worker", MAX_PROMPTS)
+        leases = self.buf.worker.claim("pacing-worker", MAX_PROMPTS)
         self.waiting -= len(leases)
         assert all(lease.how == "new" for lease in leases)  # nothing released or expired in the way
         return len(leases)
@@ -117,7 +118,7 @@ def test_lua_and_python_pacing_agree_over_a_grid_of_states(pacing_redis_url, mod
         for state in _states(limited):
             rig.set_state(state)
             python = pacing.admission_budget(rig.params, _updates(state), state)
-            assert rig.buf.admission_budget() == python  # the facade reads the same state back
+            assert rig.buf.monitor.admission_budget() == python  # the monitor reads the same state back
             lua = rig.lua_budget()
             admitted = rig.claim()
             after = {**state, "admitted": state["admitted"] + GROUP * admitted, "inflight": state["inflight"] + GROUP * admitted}
@@ -135,7 +136,7 @@ def test_lua_and_python_pacing_agree_over_a_grid_of_states(pacing_redis_url, mod
                 pace = (pacing.ahead(max_staleness, lookahead) + _updates(state) + 1) * BATCH - state["admitted"]
                 limiter_binds += room < pace and room > 0
                 pacing_binds += pace < room and pace > 0
-        rig.buf.delete_run()
+        rig.buf.monitor.delete_run()
         rig.buf.close()
     assert not mismatches, f"{len(mismatches)} state(s) disagree:\n" + "\n".join(mismatches[:20])
     # the grid is not degenerate: empty, partial and full budgets (at most (4 + 5 + 1) * 8 = 80

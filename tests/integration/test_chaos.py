@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 import redis
 
-from buffer import Buffer, RunKeys
+from buffer import RunKeys
 from buffer.keys import WORKERS_GROUP
+from buffer_clients import Clients
 from servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -114,9 +115,9 @@ def audit(out: Path, url: str, run_id: str) -> dict:
     """After a run through faults: nothing lost, nothing trained twice, from Redis's own counters
     and the run's summary (returned)."""
     summary = json.loads((out / "summary.json").read_text())
-    buf = Buffer.connect(url, run_id)
+    buf = Clients.connect(url, run_id)
     try:
-        c = buf.metrics()["counters"]
+        c = buf.monitor.metrics()["counters"]
         in_stream = buf.redis.xlen(buf.keys.samples)
     finally:
         buf.close()

@@ -107,7 +107,7 @@ class Scripted:
 
 
 def worker_stats(learner: Any, worker_id: str) -> dict[str, Any]:
-    return learner.buffer.metrics()["consumers"].get(worker_id, {}).get("stats", {})
+    return learner.buffer.monitor.metrics()["consumers"].get(worker_id, {}).get("stats", {})
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Served:
         while name not in self.read:
             left = deadline - time.monotonic()
             assert left > 0, f"group {name!r} did not reach the buffer within {timeout_s} s (read: {sorted(self.read)})"
-            batch = self.learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=min(left, 1.0))
+            batch = self.learner.buffer.learner.read_batch("learner", VERSION, GROUP, timeout_s=min(left, 1.0))
             for g in batch.groups if batch is not None else []:
                 samples = batch.samples[g.start:g.end]
                 self.read[samples[0].prompt_id.removeprefix("gw:")] = samples
@@ -827,7 +827,7 @@ def test_the_cancellation_marks_of_calls_no_worker_will_end_do_not_pile_up(infra
     url = server.start()
     redis, keys, n = learner.buffer.redis, learner.buffer.keys, 4
     try:
-        learner.buffer.heartbeat("w-ghost")  # a worker that takes the calls and dies with them
+        learner.buffer.worker.heartbeat("w-ghost")  # a worker that takes the calls and dies with them
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             codes = list(pool.map(lambda i: httpx.post(f"{url}/chat/completions", content=_chat_body(), timeout=30,
                                                        headers={"X-Session-Id": f"ghost-{i}"}).status_code, range(n)))
@@ -1206,11 +1206,11 @@ def test_a_gateway_killed_with_a_group_half_rewarded_loses_no_reward(infra, tiny
         session(url, "c/2")
         r = httpx.post(f"{url}/rl/sessions/c/2/reward", json={"reward": 1.0}, timeout=10)
         assert r.status_code == 200 and r.json()["status"] == "appended" and r.json()["samples"] == 2, r.text
-        batch = learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=10)
+        batch = learner.buffer.learner.read_batch("learner", VERSION, GROUP, timeout_s=10)
         assert batch is not None and batch.group_sizes == [GROUP]
         assert [(s.metadata["session"], s.reward) for s in batch.samples] == [("c/0", 0.5), ("c/2", 1.0)]
-        assert learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=0.5) is None  # once
-        assert learner.buffer.rewarded_kept() == {}
+        assert learner.buffer.learner.read_batch("learner", VERSION, GROUP, timeout_s=0.5) is None  # once
+        assert learner.buffer.gateway.rewarded_kept() == {}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -1440,12 +1440,12 @@ def test_with_filter_groups_a_group_whose_rewards_are_all_equal_is_filtered_as_t
         assert reward("mixed/1", 0.0)["status"] == "appended"
         stats = httpx.get(f"{url}/rl/stats", timeout=10).json()
         assert (stats["groups_filtered"], stats["samples_filtered"], stats["groups_appended"]) == (1, 2, 1)
-        counters = learner.buffer.metrics()["counters"]
+        counters = learner.buffer.monitor.metrics()["counters"]
         assert (counters["groups_filtered_zero_variance"], counters["groups_external"]) == (1, 1)
-        assert learner.buffer.rewarded_kept() == {}  # the filtered group's kept rewards went with it
-        batch = learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=5.0)
+        assert learner.buffer.gateway.rewarded_kept() == {}  # the filtered group's kept rewards went with it
+        batch = learner.buffer.learner.read_batch("learner", VERSION, GROUP, timeout_s=5.0)
         assert [s.metadata["session"] for s in batch.samples] == ["mixed/0", "mixed/1"]
-        assert learner.buffer.read_batch("learner", VERSION, GROUP, timeout_s=0.2) is None
+        assert learner.buffer.learner.read_batch("learner", VERSION, GROUP, timeout_s=0.2) is None
 
 
 def test_a_second_gateway_of_a_live_run_is_refused_and_takes_nothing_of_it(served, infra, tiny_model_cfg, tmp_path):
@@ -1465,7 +1465,7 @@ def test_a_second_gateway_of_a_live_run_is_refused_and_takes_nothing_of_it(serve
     served.chat("two/a1", "two", max_tokens=1)
     assert served.reward("two/a1", 0.0).json()["status"] == "appended"
     assert [s.metadata["session"] for s in served.group("two")] == ["two/a0", "two/a1"]
-    assert served.learner.buffer.rewarded_kept() == {}
+    assert served.learner.buffer.gateway.rewarded_kept() == {}
 
 
 def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_again(infra, tiny_model_cfg):
@@ -1490,7 +1490,7 @@ def test_a_reward_the_buffer_cannot_keep_is_refused_with_503_and_may_be_posted_a
         r = httpx.post(f"{url}/rl/sessions/unkept/reward", json={"reward": 1.0}, timeout=10)
         assert r.status_code == 200 and r.json()["status"] == "waiting_for_group", r.text
         assert len(failures) == 1
-        kept = [Sample.decode(raw) for raw in learner.buffer.rewarded_kept().values()]
+        kept = [Sample.decode(raw) for raw in learner.buffer.gateway.rewarded_kept().values()]
         assert [s.metadata["session"] for s in kept].count("unkept") == 1  # the second post overwrote the first
 
 
@@ -1527,7 +1527,7 @@ def test_a_gateway_that_stops_publishes_its_last_counts(infra, tiny_model_cfg):
     # The run's summary takes the gateway's counts from what it last published, after the run's
     # processes stopped. It publishes every second and once more as it stops: a call and a reward
     # just before the stop are counted.
-    from buffer import Buffer
+    from buffer import MonitorClient
     from rlhf_core import metric_names as M
 
     with _run(infra, tiny_model_cfg, "gw-last-counts", "w-last", lambda engine, tokenizer: None) as (cfg, _, _, url, _):
@@ -1535,7 +1535,7 @@ def test_a_gateway_that_stops_publishes_its_last_counts(infra, tiny_model_cfg):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_headers={"X-Session-Id": "last"})
         assert httpx.post(f"{url}/rl/sessions/last/reward", json={"reward": 1.0}, timeout=10).status_code == 200
-    buf = Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
+    buf = MonitorClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
     try:
         counts = buf.stats(M.GATEWAY_STATS)
     finally:
@@ -1546,11 +1546,11 @@ def test_a_gateway_that_stops_publishes_its_last_counts(infra, tiny_model_cfg):
 @pytest.fixture
 def keyed(infra, tiny_model_cfg):
     """A gateway with API keys for a run that no worker serves."""
-    from buffer import Buffer
+    from buffer import LearnerClient
     from gateway.server import GatewayServer
 
     cfg = _cfg(infra, tiny_model_cfg, "gw-no-worker", f"gateway.api_keys=[{KEY},{'j' * 16}]")
-    with contextlib.closing(Buffer.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)) as buf:
+    with contextlib.closing(LearnerClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)) as buf:
         buf.init_run(batch_size=4, group_size=GROUP, max_staleness=1, max_response_tokens=128, vocab_size=99)
         server = GatewayServer(cfg)
         try:

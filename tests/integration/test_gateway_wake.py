@@ -15,8 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 
 import test_buffer_gateway_groups
-from buffer import Buffer, prompts
+from buffer import prompts
 from buffer.gateway import CallChunk, CallQueue, GatewayCall, LiveWorkers, WorkerChannel
+from buffer_clients import Clients
 from rollout_workers.gateway_calls import BackgroundChannel
 
 pytestmark = pytest.mark.integration
@@ -26,11 +27,11 @@ buf = test_buffer_gateway_groups.buf  # the fixture: a run of groups of 2 on the
 def test_a_claim_whose_interrupt_says_so_returns_without_waiting(buf, monkeypatch):
     monkeypatch.setattr(prompts, "WAIT_CAP_S", 60.0)  # one wait would outlast the test's timeout
     asked = []
-    assert buf.claim("w0", max_prompts=1, block_s=600, interrupt=lambda: asked.append(1) or True) == []
+    assert buf.worker.claim("w0", max_prompts=1, block_s=600, interrupt=lambda: asked.append(1) or True) == []
     assert asked == [1]  # asked once, after the claim found nothing
 
 
-def blocked_in_xread(buf: Buffer, timeout_s: float = 10.0) -> None:
+def blocked_in_xread(buf: Clients, timeout_s: float = 10.0) -> None:
     """Until a connection of the worker's waits in ``XREAD`` (the claim's wait for a wake-up)."""
     deadline = time.monotonic() + timeout_s
     while not any(c.get("cmd") == "xread" for c in buf.redis.client_list()):
@@ -51,7 +52,7 @@ def test_a_call_the_taker_fetches_while_the_worker_waits_for_prompts_ends_the_wa
         def idle_worker() -> None:
             with ch.waiting() as interrupt:
                 entered.set()
-                out["leases"] = buf.claim("w0", max_prompts=1, block_s=600, interrupt=interrupt)
+                out["leases"] = buf.worker.claim("w0", max_prompts=1, block_s=600, interrupt=interrupt)
             ended.set()
 
         threading.Thread(target=idle_worker, daemon=True).start()
@@ -105,7 +106,7 @@ def test_a_failed_round_trip_fails_every_call_in_it(buf):
     assert len(out) == 3 and all(isinstance(e, aioredis.ConnectionError) for e in out), out
 
 
-def hgetalls(buf: Buffer) -> int:
+def hgetalls(buf: Clients) -> int:
     """HGETALL commands the test's Redis has served (its own command statistics)."""
     return int(buf.redis.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
 
@@ -123,7 +124,7 @@ def test_calls_arriving_together_count_the_live_workers_once(buf, redis_url):
             none_yet = hgetalls(buf) - before  # nobody heartbeated yet: counted once for the 64
             assert await workers.count() == 0  # 0 is counted again
             zero_again = hgetalls(buf) - before - none_yet
-            buf.heartbeat("w0")  # (its first heartbeat also sweeps dead consumers: an HGETALL of its own)
+            buf.worker.heartbeat("w0")  # (its first heartbeat also sweeps dead consumers: an HGETALL of its own)
             before = hgetalls(buf)
             first = await asyncio.gather(*(workers.count() for _ in range(64)))
             counted = hgetalls(buf) - before

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from buffer import Buffer
+from buffer_clients import Clients
 from factories import LogSeen
 from rlhf_core.config import ModelConfig, WeightServerConfig
 from rlhf_core.errors import STOPPED_EARLY_EXIT
@@ -87,16 +87,16 @@ def start_learner(tmp: Path, redis_url: str, ws, cache: Path, run_id: str, *extr
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def play_worker(buf: Buffer, tokenizer, response_ids: list[int], finish_reason: str, groups: int = 2) -> None:
+def play_worker(buf: Clients, tokenizer, response_ids: list[int], finish_reason: str, groups: int = 2) -> None:
     """Claim ``groups`` prompts the learner enqueued and complete each with GROUP samples."""
     deadline = time.monotonic() + 60
-    while not buf.initialised():
+    while not buf.store.initialised():
         assert time.monotonic() < deadline, "the learner never initialised the run"
         time.sleep(0.05)
     done = 0
     while done < groups:
         assert time.monotonic() < deadline, f"only {done} of {groups} prompts claimed"
-        for lease in buf.claim("bad-worker", groups - done, block_s=1.0):
+        for lease in buf.worker.claim("bad-worker", groups - done, block_s=1.0):
             gid = f"{lease.prompt.prompt_id}:{lease.lease_id}"
             n = len(response_ids)
             group = [Sample(sample_id=f"{gid}/{i}", prompt_id=lease.prompt.prompt_id, group_id=gid,
@@ -106,16 +106,16 @@ def play_worker(buf: Buffer, tokenizer, response_ids: list[int], finish_reason: 
                             reward=float(i), finish_reason=finish_reason, worker_id="bad-worker", group_size=GROUP,
                             group_index=i)
                      for i in range(GROUP)]
-            buf.complete(lease, group)
+            buf.worker.complete(lease, group)
             done += 1
 
 
-def wait_for_version(buf: Buffer, proc: subprocess.Popen, version: int) -> None:
+def wait_for_version(buf: Clients, proc: subprocess.Popen, version: int) -> None:
     wait = time.monotonic() + 60
-    while buf.learner_version() < version and time.monotonic() < wait:
+    while buf.learner.learner_version() < version and time.monotonic() < wait:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-    assert buf.learner_version() >= version
+    assert buf.learner.learner_version() >= version
 
 
 def run_with_bad_worker(tmp, servers, model_cache, run_id, response_ids, finish_reason):
@@ -123,11 +123,11 @@ def run_with_bad_worker(tmp, servers, model_cache, run_id, response_ids, finish_
 
     redis_url, ws = servers
     proc = start_learner(tmp, redis_url, ws, model_cache, run_id)
-    buf = Buffer.connect(redis_url, run_id)
+    buf = Clients.connect(redis_url, run_id)
     try:
         play_worker(buf, load_tokenizer(ModelConfig(cache_dir=str(model_cache))), response_ids, finish_reason)
         out, err = proc.communicate(timeout=60)
-        counters = buf.metrics()["counters"]
+        counters = buf.monitor.metrics()["counters"]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -198,15 +198,15 @@ def test_a_learner_whose_data_is_used_up_stops_and_says_so(tmp_path, servers, mo
     run_id = f"used-up-{mode}"
     proc = start_learner(tmp_path, redis_url, ws, model_cache, run_id, "data.num_prompts=4", "data.epochs=1",
                          "learner.max_updates=10", "learner.checkpoint_every=100", *settings)
-    buf = Buffer.connect(redis_url, run_id)
+    buf = Clients.connect(redis_url, run_id)
     try:
         play_worker(buf, load_tokenizer(ModelConfig(cache_dir=str(model_cache))), [40, 41, EOS], "stop", groups=4)
         out, err = proc.communicate(timeout=90)
         assert proc.returncode == 0, err[-3000:]
         assert f"every prompt of data.epochs=1 is trained on (what is left makes no batch): stopping after {updates} " \
                "updates (learner.max_updates=10)" in out + err
-        assert buf.learner_version() == updates and buf.stats("learner")[STOPPED_BY] == "data"
-        assert buf.metrics()["counters"]["samples_consumed"] == 8 * updates
+        assert buf.learner.learner_version() == updates and buf.monitor.stats("learner")[STOPPED_BY] == "data"
+        assert buf.monitor.metrics()["counters"]["samples_consumed"] == 8 * updates
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -223,7 +223,7 @@ def test_a_metrics_file_the_disk_cannot_hold_stops_the_learner_with_one_line(tmp
     metrics.symlink_to("/dev/full")
     redis_url, ws = servers
     proc = start_learner(tmp_path, redis_url, ws, model_cache, "full-disk", "learner.checkpoint_every=100")
-    buf = Buffer.connect(redis_url, "full-disk")
+    buf = Clients.connect(redis_url, "full-disk")
     try:
         play_worker(buf, lambda text: {"input_ids": [40, 41, 42]}, [40, 41, EOS], "stop")  # any prompt ids will do
         out, err = proc.communicate(timeout=90)
@@ -249,8 +249,8 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
 
     cfg = Config()
     cfg.learner.batch_size, cfg.algo.group_size, cfg.data.epochs = 8, GROUP, 1
-    buf = Buffer.connect(redis_server.url, "producer", BufferConfig(max_retry_s=0.3))
-    buf.init_run(batch_size=8, group_size=GROUP, max_staleness=0)
+    buf = Clients.connect(redis_server.url, "producer", BufferConfig(max_retry_s=0.3))
+    buf.learner.init_run(batch_size=8, group_size=GROUP, max_staleness=0)
     stop = threading.Event()
     calls = []
 
@@ -263,7 +263,7 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
 
     def produce() -> None:
         try:
-            produce_prompts(buf, cfg, stop, broken)
+            produce_prompts(buf.producer, cfg, stop, broken)
         except RuntimeError as exc:
             raised.append(exc)
 
@@ -277,14 +277,14 @@ def test_the_prompt_producer_ends_on_an_error_and_tries_again_only_while_redis_i
     logging.getLogger("learner.prompts").addHandler(retried)
     try:
         redis_server.stop()  # SIGTERM: Redis writes its data, and comes back with it on the same port
-        t = threading.Thread(target=produce_prompts, args=(buf, cfg, threading.Event(),
+        t = threading.Thread(target=produce_prompts, args=(buf.producer, cfg, threading.Event(),
                                                            lambda e: (Prompt(f"p{i}", "q") for i in range(5))), daemon=True)
         t.start()
         assert retried.event.wait(30), "the producer gave up on an unreachable Redis"
         redis_server.start(port=redis_server.port)
         t.join(30)
-        assert not t.is_alive() and buf.fill_state()["done"]
-        assert buf.metrics()["counters"]["prompts_enqueued"] == 5
+        assert not t.is_alive() and buf.producer.fill_state()["done"]
+        assert buf.monitor.metrics()["counters"]["prompts_enqueued"] == 5
     finally:
         logging.getLogger("learner.prompts").removeHandler(retried)
         buf.close()
@@ -300,19 +300,19 @@ def test_a_few_samples_with_other_special_tokens_are_dead_lettered_and_training_
 
     redis_url, ws = servers
     proc = start_learner(tmp_path, redis_url, ws, model_cache, "few-misfits")
-    buf = Buffer.connect(redis_url, "few-misfits")
+    buf = Clients.connect(redis_url, "few-misfits")
     tok = load_tokenizer(ModelConfig(cache_dir=str(model_cache)))
     try:
         play_worker(buf, tok, [40, 41, 3], "stop", groups=1)        # 4 misfits ...
         play_worker(buf, tok, [40, 41, EOS], "stop", groups=3)      # ... and 12 good samples: two batches of 8
         wait_for_version(buf, proc, 2)
-        dead = buf.dead_letters()
+        dead = buf.monitor.dead_letters()
         assert len(dead) == GROUP and all("finished with 'stop' on token 3" in d["reason"] for d in dead), dead
         play_worker(buf, tok, [40, 41, 3], "stop", groups=2)        # a batch of misfits only ...
         play_worker(buf, tok, [40, 41, EOS], "stop", groups=2)      # ... then a good one
         wait_for_version(buf, proc, 3)
-        assert len(buf.dead_letters()) == 3 * GROUP
-        assert buf.metrics()["counters"]["budget_returned"] == 2 * GROUP
+        assert len(buf.monitor.dead_letters()) == 3 * GROUP
+        assert buf.monitor.metrics()["counters"]["budget_returned"] == 2 * GROUP
         assert proc.poll() is None  # still training
         # stopped by a signal long before its 1,200 updates: not exit 0, which rlhf-run took for a
         # finished run (and deleted its Redis data)

@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from buffer import Buffer
 from buffer import keys as K
+from buffer_clients import Clients
 from learner.checkpoint import latest_checkpoint, list_checkpoints
 from rlhf_core.config import WeightServerConfig
 from servers import wait_for
@@ -82,7 +82,7 @@ class Run:
             "learner.keep_checkpoints=100", f"learner.max_updates={max_updates}",
         ]
         self.procs: dict[str, subprocess.Popen] = {}
-        self.buffer = Buffer.connect(redis_url, RUN_ID)
+        self.buffer = Clients.connect(redis_url, RUN_ID)
 
     def use_weight_server(self, ws: Any) -> None:
         """Children started from now on use ``ws`` (a run restarted whole gets a fresh server)."""
@@ -144,7 +144,7 @@ class Run:
 
     # ---- state
     def counters(self) -> dict[str, Any]:
-        return self.buffer.metrics()["counters"]
+        return self.buffer.monitor.metrics()["counters"]
 
     def checkpoints(self) -> list[dict[str, Any]]:
         """The ``extra`` of every checkpoint on disk, oldest first (in the order they were written)."""
@@ -191,7 +191,7 @@ def make_run(tmp_path, redis_url, weight_server, model_cache):
 
 def buffer_version(run: Run) -> int:
     try:
-        return run.buffer.learner_version()
+        return run.buffer.learner.learner_version()
     except Exception:  # noqa: BLE001  # not initialised yet
         return -1
 
@@ -202,7 +202,7 @@ def killed(run: Run, name: str) -> dict[str, Any]:
     up to 90 s: under load a learner and its worker took over 30 s to start and reach the crash
     (the log held only its first line)."""
     assert run.wait(name, 90) == -signal.SIGKILL, run.log(name)
-    return {"ckpt": run.latest(), "newest": max(run.held()), "pending": run.buffer.pending_for(LEARNER),
+    return {"ckpt": run.latest(), "newest": max(run.held()), "pending": run.buffer.learner.pending_for(LEARNER),
             "lines": len(run.metrics()), "counters": run.counters()}
 
 
@@ -227,7 +227,7 @@ def check_resume(run: Run, before: dict[str, Any], updates: int) -> int:
     assert [int(m["learner/version"]) for m in lines] == list(range(start + 1, final + 1))
     # one number, one set of weights: every number up to the end was published once, none skipped
     assert run.held() == list(range(final + 1))
-    assert run.buffer.learner_version() == final == run.latest()["version"]
+    assert run.buffer.learner.learner_version() == final == run.latest()["version"]
     return start
 
 
@@ -238,7 +238,7 @@ def check_accounting(run: Run, updates: int) -> None:
     # The lineage: a checkpoint written but not yet named by `latest` when the learner died was not
     # resumed from; the restarted learner wrote its own for that update later (later in the list).
     ckpts = sorted({ck["updates"]: ck for ck in run.checkpoints()}.values(), key=lambda ck: ck["updates"])
-    assert run.buffer.pending_for(LEARNER) == []  # everything read was trained and acked
+    assert run.buffer.learner.pending_for(LEARNER) == []  # everything read was trained and acked
     assert [ck["updates"] for ck in ckpts] == list(range(1, updates + 1))  # the lineage, one per update
     assert [ck["samples_trained"] for ck in ckpts] == [BATCH * u for u in range(1, updates + 1)]
     ids = [i for ck in ckpts for i in ck["trained_ids"]]
@@ -255,7 +255,7 @@ def check_accounting(run: Run, updates: int) -> None:
     assert c["dead_letters"] == 0 and c["samples_dead_lettered"] == 0
     in_stream = run.stream_samples()
     assert c["samples_appended"] == c["samples_consumed"] + c["samples_dropped_stale"] + in_stream
-    assert sum(run.buffer.metrics()["staleness_hist"].values()) == c["samples_consumed"]
+    assert sum(run.buffer.monitor.metrics()["staleness_hist"].values()) == c["samples_consumed"]
 
 
 # ------------------------------------------------------------------ crash and resume
@@ -267,7 +267,7 @@ def test_crash_after_publish_before_checkpoint_retrains_the_batch_from_restored_
     before = killed(run, "learner-a")
     ck = before["ckpt"]
     assert (ck["version"], ck["updates"], before["newest"]) == (2, 2, 3)  # v3 published, not checkpointed
-    assert run.buffer.learner_version() == 3
+    assert run.buffer.learner.learner_version() == 3
     lost_batch = before["pending"]  # read and trained for v3, never acked
     assert len(lost_batch) == BATCH // GROUP
     assert not set(lost_batch) & {i for c in run.checkpoints() for i in c["trained_ids"]}
@@ -296,7 +296,7 @@ def test_a_whole_run_restarted_on_a_fresh_weight_server_numbers_its_weights_abov
     run.learner("learner-a", crash="before_checkpoint:3")
     run.worker("w0")
     before = killed(run, "learner-a")
-    assert (before["ckpt"]["version"], run.buffer.learner_version()) == (2, 3)
+    assert (before["ckpt"]["version"], run.buffer.learner.learner_version()) == (2, 3)
 
     def groups_at_v3() -> bool:
         entries = run.buffer.redis.xrange(run.buffer.keys.samples, "-", "+")
@@ -369,7 +369,7 @@ def test_sigkill_at_any_moment_resumes_with_exact_accounting(make_run):
     assert later & set(ck["trained_ids"]) == set()
     assert pending - set(ck["trained_ids"]) <= later
     check_accounting(run, updates)
-    consumers = run.buffer.metrics()["consumers"]
+    consumers = run.buffer.monitor.metrics()["consumers"]
     assert {"w0", "w1"} <= set(consumers)
     assert all(consumers[w]["stats"].get("samples", 0) > 0 for w in ("w0", "w1")), consumers
 
@@ -502,10 +502,10 @@ def test_two_process_zero3_learner_trains_publishes_and_commits_through_the_loop
     assert run.wait("learner", 240) == 0, run.log("learner", 80)
     assert run.held() == list(range(updates + 1))
     assert run.weights_hash(updates) != run.weights_hash(0)
-    assert run.buffer.learner_version() == updates == run.latest()["version"]
+    assert run.buffer.learner.learner_version() == updates == run.latest()["version"]
     c = run.counters()
     assert (c["samples_consumed"], c["groups_consumed"]) == (updates * BATCH, updates * BATCH // GROUP)
-    assert run.buffer.pending_for(LEARNER) == []
+    assert run.buffer.learner.pending_for(LEARNER) == []
     readers = run.buffer.redis.xinfo_consumers(run.buffer.keys.samples, K.LEARNER_GROUP)
     assert [r["name"].decode() if isinstance(r["name"], bytes) else r["name"] for r in readers] == [LEARNER]
     lines = run.metrics()  # rank 0 writes them

@@ -50,7 +50,7 @@ def test_a_late_worker_applies_the_newest_adapters_on_its_base_model(fake, weigh
     engines = {v: learner_at(cfg, seed=10 + v) for v in range(3)}
     for v, engine in engines.items():  # what Publishing.publish sends with model.lora: the trainable tensors
         fake.publisher.publish(v, engine.named_trainable_parameters())
-    fake.buffer.set_learner_version(2)
+    fake.buffer.learner.set_learner_version(2)
     adapters = dict(engines[2].named_trainable_parameters())
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     full_bytes = sum(t.numel() * t.element_size() for _, t in full_parameters(load_policy(tiny_model_cfg), None))

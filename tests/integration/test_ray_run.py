@@ -30,7 +30,7 @@ import redis
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed: pip install -e '.[ray]' (CI installs it)")
 
-from buffer import Buffer, RunKeys  # noqa: E402
+from buffer import MonitorClient, RunKeys, Store  # noqa: E402
 from buffer.keys import WORKERS_GROUP  # noqa: E402
 from rlhf_core import metric_names as M  # noqa: E402
 from servers import wait_for  # noqa: E402
@@ -150,7 +150,7 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     lines, procs = Lines(proc), [proc]
 
     def generating() -> set[str]:
-        snap = Buffer(r, run_id=run_id).metrics()["consumers"]
+        snap = MonitorClient(Store(r, run_id=run_id)).metrics()["consumers"]
         return {n for n, c in snap.items() if c.get("stats", {}).get(M.WORKER_TOKENS, 0) > 0}
 
     def monitor_workers(n: int) -> str:
@@ -214,7 +214,7 @@ def test_a_run_loses_nothing_to_killed_workers_scaling_hand_started_workers_and_
     # what was trained is what the buffer handed out and acked; every group appended left the
     # stream consumed or stale; nothing dead-lettered, no lease or sample in flight left
     summary = json.loads((out / "summary.json").read_text())
-    snap = Buffer(r, run_id=run_id).metrics()
+    snap = MonitorClient(Store(r, run_id=run_id)).metrics()
     c = snap["counters"]
     assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)
     assert c["groups_removed"] == c["groups_consumed"] + c["groups_dropped_stale"], c
@@ -311,7 +311,7 @@ def test_a_lost_workers_node_stalls_generation_no_longer_than_ray_takes_to_see_i
     output = "\n".join(lines.lines)
     assert "worker-0 exited with code -9 (the actor died" in output
     assert "lease(s) expired: the other workers take them over now" in output, output[-3000:]
-    snap = Buffer(r, run_id=run_id).metrics()
+    snap = MonitorClient(Store(r, run_id=run_id)).metrics()
     c = snap["counters"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_trained"] == c["samples_consumed"] > 0, (summary, c)

@@ -262,9 +262,9 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         wait_for(lambda: learner_version() >= 2, 180, "two learner updates")
         # Both workers must have reported generated tokens before the snapshot: on a loaded machine
         # one worker can start late, and two updates may be done by the other alone.
-        from buffer import Buffer
+        from buffer import MonitorClient, Store
 
-        watch = Buffer(r, run_id=run_id)
+        watch = MonitorClient(Store(r, run_id=run_id))
 
         def workers_with_tokens() -> set[str]:
             consumers = watch.metrics()["consumers"]
@@ -846,11 +846,11 @@ def test_the_live_monitor_rides_a_redis_outage_out(tmp_path, redis_server):
     # Redis down longer than the buffer's retry budget (buffer.max_retry_s, 30 s) ended the live view
     # with exit 75, though the run rides such an outage out. Now it says so and tries again: each
     # refresh waits a short budget (2 s), so the outage shows within seconds and needs no 30 s here.
-    from buffer import Buffer
+    from buffer import LearnerClient
     from rlhf_core.config import BufferConfig
     from servers import free_port
 
-    buf = Buffer.connect(redis_server.url, "down", BufferConfig())
+    buf = LearnerClient.connect(redis_server.url, "down", BufferConfig())
     buf.init_run(batch_size=8, group_size=4, max_staleness=1)
     buf.close()
     port, err = free_port(), tmp_path / "monitor.err"
@@ -872,7 +872,7 @@ def test_the_live_monitor_rides_a_redis_outage_out(tmp_path, redis_server):
         wait_for(lambda: "Redis unreachable" in err.read_text(), 30, "the monitor to see Redis gone")
         assert monitor.poll() is None, err.read_text()[-3000:]
         redis_server.start(port=redis_port)
-        buf = Buffer.connect(redis_server.url, "down", BufferConfig())
+        buf = LearnerClient.connect(redis_server.url, "down", BufferConfig())
         buf.set_learner_version(7)
         buf.close()
         assert wait_for(lambda: version() == 8, 30, "the monitor's snapshots after Redis came back")

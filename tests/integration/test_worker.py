@@ -126,7 +126,7 @@ def test_late_joiner_starts_with_the_newest_weights(run):
     cfg, learner = run()
     for v in range(4):
         learner.publish(v, seed=10 + v)
-    learner.buffer.set_learner_version(3)
+    learner.buffer.learner.set_learner_version(3)
     prompts = learner.enqueue(2)
     stats = RolloutWorker(cfg, "w-late").run(max_prompts=2)
     groups = by_prompt(learner.read_groups(2, learner_version=3))
@@ -146,13 +146,13 @@ def test_reward_failure_and_nan_go_to_dead_letters_and_the_group_goes_on(run, re
     tag = request.node.name
     prompts = [Prompt(f"p-{mode}", f"{i}:", metadata={"fail": mode, "tag": f"{tag}-{mode}"}, index=i)
                for i, mode in enumerate(["raise", "nan", "", "always"])]
-    learner.buffer.enqueue_prompts(prompts)
+    learner.buffer.producer.enqueue_prompts(prompts)
     stats = RolloutWorker(cfg, "w-flaky").run(max_prompts=4)
     groups = by_prompt(learner.read_groups(3))
     # raise / nan: the first scored sample is dead-lettered, the group is completed with the other 3
     assert {pid: len(g) for pid, g in groups.items()} == {"p-raise": 3, "p-nan": 3, "p-": 4}
     assert all(s.reward == 1.0 and s.reward_components == {"flaky": 1.0} for g in groups.values() for s in g)
-    dead = learner.buffer.dead_letters(20)
+    dead = learner.buffer.monitor.dead_letters(20)
     assert len(dead) == 2 + 4 and {d["kind"] for d in dead} == {"sample"} and {d["producer"] for d in dead} == {"w-flaky"}
     reasons: dict[str, list[str]] = {}
     for d in dead:
@@ -175,10 +175,10 @@ def test_reward_failure_and_nan_go_to_dead_letters_and_the_group_goes_on(run, re
 def test_too_long_prompt_is_dead_lettered_and_counted(run):
     cfg, learner = run(rollout__max_prompt_tokens=8)
     learner.publish(0)
-    learner.buffer.enqueue_prompts([Prompt("p-long", "0123456789abcdefghij"), Prompt("p-ok", "3:", metadata={"start": 3})])
+    learner.buffer.producer.enqueue_prompts([Prompt("p-long", "0123456789abcdefghij"), Prompt("p-ok", "3:", metadata={"start": 3})])
     stats = RolloutWorker(cfg, "w-len").run(max_prompts=2)
     assert [g[0].prompt_id for g in learner.read_groups(1)] == ["p-ok"]
-    (dead,) = learner.buffer.dead_letters(10)
+    (dead,) = learner.buffer.monitor.dead_letters(10)
     assert (dead["kind"], dead["producer"]) == ("prompt", "w-len")
     assert dead["reason"].startswith("prompt 'p-long' has 20 tokens, more than rollout.max_prompt_tokens=8")
     assert Prompt.decode(dead["raw"]).text == "0123456789abcdefghij"
@@ -192,11 +192,11 @@ def test_too_long_prompt_is_dead_lettered_and_counted(run):
 def test_too_long_prompt_is_left_truncated_and_counted(run):
     cfg, learner = run(rollout__max_prompt_tokens=8, rollout__prompt_overflow="truncate")
     learner.publish(0)
-    learner.buffer.enqueue_prompts([Prompt("p-long", "0123456789abcdefghij")])
+    learner.buffer.producer.enqueue_prompts([Prompt("p-long", "0123456789abcdefghij")])
     RolloutWorker(cfg, "w-cut").run(max_prompts=1)
     (group,) = learner.read_groups(1)
     assert {tuple(s.prompt_ids.tolist()) for s in group} == {tuple(learner.tokenizer("cdefghij")["input_ids"])}
-    assert learner.buffer.dead_letters(10) == []
+    assert learner.buffer.monitor.dead_letters(10) == []
     st = learner.consumer("w-cut")["stats"]
     assert (st["prompts_truncated"], st["prompt_tokens_cut"], st["prompts_rejected"]) == (1, 12, 0)
 
@@ -221,7 +221,7 @@ def test_stop_without_grace_releases_unfinished_prompts(run, tmp_path):
     assert learner.leases_of("w-stop") == [] and learner.consumer("w-stop")["leases"] == 0
     assert learner.counters()["prompts_released"] == 2
     # released prompts are handed out first, not counted as a failed delivery
-    again = learner.buffer.claim("other", 5, block_s=0)
+    again = learner.buffer.worker.claim("other", 5, block_s=0)
     assert sorted((lease.lease_id, lease.how, lease.delivery_count) for lease in again) == sorted((i, "released", 1) for i in held)
 
 
@@ -314,7 +314,7 @@ def test_weight_server_down_generation_goes_on_with_the_current_weights(run, wei
     wt = learner.thread(cfg, "w-alone").start()
     wait_for(lambda: wt.worker.weights.has_weights or wt.error, 30, "the first weights")
     weight_server.stop()
-    learner.buffer.set_learner_version(1)  # prompts admitted now ask for weights >= v1, which cannot be pulled
+    learner.buffer.learner.set_learner_version(1)  # prompts admitted now ask for weights >= v1, which cannot be pulled
     t0 = time.monotonic()
     learner.enqueue(3)
     wait_for(lambda: wt.worker.stats.prompts == 3 or wt.error, 30, "3 prompts generated with v0")
@@ -337,11 +337,11 @@ def test_a_heartbeat_whose_stats_fail_still_renews_the_leases(run, caplog):
     worker = RolloutWorker(cfg, "w-beat")
     try:
         worker.leases.heartbeat()
-        before = worker.leases.buffer.metrics()["consumers"]["w-beat"]
+        before = learner.buffer.monitor.metrics()["consumers"]["w-beat"]
         worker.score_share = lambda: 1 / 0  # what a stats read racing the main thread would raise
         with caplog.at_level("WARNING", logger="rollout_workers.leases"):
             worker.leases.heartbeat()
-        after = worker.leases.buffer.metrics()["consumers"]["w-beat"]
+        after = learner.buffer.monitor.metrics()["consumers"]["w-beat"]
         assert after["last_seen"] > before["last_seen"] and after["stats"] == before["stats"]
         assert "its stats failed (ZeroDivisionError: division by zero); heartbeating with the last ones" in caplog.text
     finally:
@@ -417,7 +417,7 @@ def test_when_most_prompts_are_too_long_the_worker_stops_with_the_reason(run):
 
     cfg, learner = run(rollout__max_prompt_tokens=8)
     learner.publish(0)
-    learner.buffer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
+    learner.buffer.producer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
     with pytest.raises(PromptsRejected) as err:
         RolloutWorker(cfg, "w-long").run(max_prompts=20)
     assert "16 of the last 16 prompts were rejected" in str(err.value)
@@ -439,13 +439,13 @@ def test_prompt_the_chat_template_refuses_is_dead_lettered_and_the_others_claime
     learner.publish(0)
     bad = Prompt("p-bad", "", messages=[{"role": "user", "content": "1:"}, {"role": "user", "content": "2:"}])
     good = [Prompt(f"p-{i}", f"{i}:", metadata={"start": i}) for i in range(3)]
-    learner.buffer.enqueue_prompts([bad, *good])  # the bad one first: the others come after it in the claim
+    learner.buffer.producer.enqueue_prompts([bad, *good])  # the bad one first: the others come after it in the claim
     wt = learner.thread(cfg, "w-tmpl")
     wt.worker.tokenizer.chat_template = ALTERNATING_TEMPLATE  # the renderer's tokenizer: what a chat model carries
     wt.start()
     wait_for(lambda: wt.worker.stats.prompts == 3 or wt.error, 60, "the 3 good prompts to complete")
     assert wt.error is None and wt.thread.is_alive()
-    (dead,) = learner.buffer.dead_letters(10)
+    (dead,) = learner.buffer.monitor.dead_letters(10)
     assert (dead["kind"], dead["producer"], Prompt.decode(dead["raw"]).prompt_id) == ("prompt", "w-tmpl", "p-bad")
     assert dead["reason"] == ("prompt 'p-bad' could not be rendered: TemplateError: "
                               "Conversation roles must alternate user/assistant/user/assistant/...")
@@ -455,7 +455,7 @@ def test_prompt_the_chat_template_refuses_is_dead_lettered_and_the_others_claime
         ids = learner.tokenizer(f"user: {p.text}\nassistant: ", add_special_tokens=False)["input_ids"]
         assert len(groups[p.prompt_id]) == 4 and all(s.prompt_ids.tolist() == ids for s in groups[p.prompt_id])
     # it goes on working: a prompt enqueued now is generated too
-    learner.buffer.enqueue_prompts([Prompt("p-later", "5:", metadata={"start": 5})])
+    learner.buffer.producer.enqueue_prompts([Prompt("p-later", "5:", metadata={"start": 5})])
     wait_for(lambda: wt.worker.stats.prompts == 4 or wt.error, 60, "the later prompt to complete")
     wt.stop()
     assert (wt.stats.prompts, wt.stats.prompts_empty, wt.stats.dead_letters, wt.stats.released) == (4, 1, 1, 0)
@@ -471,7 +471,7 @@ def test_a_failure_between_claim_and_start_releases_the_prompts_not_started(run)
 
     cfg, learner = run(rollout__slots=80, rollout__max_prompt_tokens=8)
     learner.publish(0)
-    learner.buffer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
+    learner.buffer.producer.enqueue_prompts([Prompt(f"p-long-{i}", "0123456789abcdefghij") for i in range(20)])
     worker = RolloutWorker(cfg, "w-fail")
     with pytest.raises(PromptsRejected, match="16 of the last 16 prompts were rejected"):
         worker.run()
@@ -480,5 +480,5 @@ def test_a_failure_between_claim_and_start_releases_the_prompts_not_started(run)
     assert (c["prompts_dead_lettered"], c["prompts_released"]) == (16, 4)
     assert worker.stats.released == 4
     # released, not expired: handed out at once to the next claimer, not counted as a failed delivery
-    again = learner.buffer.claim("other", 20, block_s=0)
+    again = learner.buffer.worker.claim("other", 20, block_s=0)
     assert len(again) == 4 and {(lease.how, lease.delivery_count) for lease in again} == {("released", 1)}

@@ -104,7 +104,7 @@ def test_an_environment_that_raises_fails_its_episode_alone_and_the_worker_goes_
     tag = request.node.name
     prompts = [Prompt(f"p-{mode or 'ok'}{i}", f"{i}:", metadata={"fail": mode, "tag": f"{tag}-{i}"}, index=i)
                for i, mode in enumerate(["step", "reset", "", ""])]
-    learner.buffer.enqueue_prompts(prompts)  # 2 groups of 4 fill the 8 slots: the last two start after the failures
+    learner.buffer.producer.enqueue_prompts(prompts)  # 2 groups of 4 fill the 8 slots: the last two start after the failures
     stats = RolloutWorker(cfg, "w-env").run(max_prompts=4)
     groups = {g[0].prompt_id: g for g in learner.read_groups(4)}
     assert {pid: len(g) for pid, g in groups.items()} == {"p-step0": 3, "p-reset1": 3, "p-ok2": 4, "p-ok3": 4}
@@ -112,7 +112,7 @@ def test_an_environment_that_raises_fails_its_episode_alone_and_the_worker_goes_
         for s in g:
             assert (s.finish_reason, s.reward, s.reward_components, s.metadata["turns"]) == ("stop", 1.0, {"env": 1.0}, 3)
             assert s.num_policy_tokens >= 3 and s.loss_mask is not None
-    dead = learner.buffer.dead_letters(20)
+    dead = learner.buffer.monitor.dead_letters(20)
     assert len(dead) == 2 and {(d["kind"], d["producer"]) for d in dead} == {("sample", "w-env")}
     by_prompt = {}
     for d in dead:
@@ -202,6 +202,6 @@ def test_a_short_prompt_does_not_stretch_the_response_past_the_episode_budget(ru
     learner.enqueue(1)  # "0:": 2 tokens, 14 short of max_prompt_tokens
     RolloutWorker(cfg, "w-budget").run(max_prompts=1)
     (group,) = learner.read_groups(1)
-    assert learner.buffer.dead_letters(10) == [] and len(group) == 4
+    assert learner.buffer.monitor.dead_letters(10) == [] and len(group) == 4
     for s in group:  # turns of 1-2 tokens, answers of 6: cut at the budget (an answer leaves one token free)
         assert s.finish_reason == "length" and 11 <= s.num_response_tokens <= 12, (s.finish_reason, s.versions)

@@ -117,9 +117,9 @@ def test_the_judge_is_asked_the_question_not_the_policy_s_rendering_of_it(run):
                                   "+reward.functions.judge._target_=rollout_workers.rewards_remote.ChatJudge",
                                   f"+reward.functions.judge.url={stub.url}", "+reward.functions.judge.model=length"])
         learner.publish(0)
-        learner.buffer.enqueue_prompts([Prompt("text", "What is 2+2?", metadata={"start": 0}),
-                                        Prompt("chat", "", [{"role": "system", "content": "Be brief."},
-                                                            {"role": "user", "content": "What is 3+3?"}], {"start": 0})])
+        learner.buffer.producer.enqueue_prompts([Prompt("text", "What is 2+2?", metadata={"start": 0}),
+                                                 Prompt("chat", "", [{"role": "system", "content": "Be brief."},
+                                                                     {"role": "user", "content": "What is 3+3?"}], {"start": 0})])
         worker = RolloutWorker(cfg, "w-judge-question")
         worker.tokenizer.chat_template = CHATML  # what an instruct policy's tokenizer carries
         worker.run(max_prompts=2)
@@ -152,7 +152,7 @@ def test_empty_responses_dead_lettered_by_choice_do_not_stop_the_worker_as_a_fai
     learner.enqueue(4)
     stats = RolloutWorker(cfg, "w-silent").run(max_prompts=4)
     assert (stats.empty_responses, stats.dead_letters) == (16, 16)
-    dead = learner.buffer.dead_letters(20)
+    dead = learner.buffer.monitor.dead_letters(20)
     assert len(dead) == 16 and all("reward.empty_response=dead_letter" in d["reason"] for d in dead)
 
 
@@ -169,7 +169,7 @@ def test_a_reward_that_keeps_timing_out_stops_the_worker_with_that_message(run):
     timeout = ("reward function 'slow' did not return within reward.timeout_s=0.2 s (a batch of 4 sample(s)); the call "
                "was abandoned and runs on in the background")
     assert "8 of the last 8 samples could not be scored" in str(err.value) and timeout in str(err.value)
-    dead = learner.buffer.dead_letters(20)
+    dead = learner.buffer.monitor.dead_letters(20)
     assert len(dead) == 8 and all(d["reason"].startswith(timeout) for d in dead)
     assert all(np.isnan(Sample.decode(d["raw"]).reward) for d in dead)
     c = learner.counters()
@@ -188,7 +188,7 @@ def test_the_evaluator_holds_a_hanging_reward_to_reward_timeout_s(run, tmp_path)
                        eval__n=2, eval__k="[1]",
                        extra=["~reward.functions.count_up", "+reward.functions.gate._target_=reward_fns.gate",
                               f"+reward.functions.gate.path='{gate}'", "+reward.functions.gate.free=0"])
-    evaluator = Evaluator(cfg, buffer=learner.buffer, output_dir=tmp_path)
+    evaluator = Evaluator(cfg, buffer=learner.buffer.monitor, output_dir=tmp_path)
     try:
         metrics = evaluator.evaluate()
     finally:

@@ -92,7 +92,7 @@ def test_preamble_carries_pacing_with_its_parameter_names():
 
 
 def test_run_parameters_read_by_lua_are_written_by_init_run():
-    from buffer.client import PARAM_NAMES
+    from buffer.store import PARAM_NAMES
 
     read = set()
     for name in scripts.SCRIPT_NAMES:

@@ -431,7 +431,7 @@ def test_kept_rewards_found_at_start_go_back_into_their_groups(tokenizer):
         rewarded_session(first, tokenizer, sid, group="g")
         r = first.end(sid, {"a": 1.0, "b": 0.5}[sid], {}, None)
         first.rewarded(r)
-        kept[r.key] = r.sample.encode()  # what Buffer.keep_rewarded stores
+        kept[r.key] = r.sample.encode()  # what GatewayClient.keep_rewarded stores
     assert first.due() == []
     second = Sessions(tokenizer, ttl_s=60, group_size=3, max_response_tokens=200)
     for key, raw in kept.items():
