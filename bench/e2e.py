@@ -56,7 +56,7 @@ def run_one(name: str, overrides: list[str], workdir: Path, cpu_warmup: int = 20
     before its CPU-per-update window opens."""
     from rlhf_core.metric_names import METRICS_FILE
     from rlhf_run.launch import run_launcher
-    from rlhf_run.report import SUMMARY_FILE
+    from rlhf_run.summary import SUMMARY_FILE
 
     cfg = compose(overrides)
     out = workdir / name

@@ -145,7 +145,7 @@ def run(mode: str, workdir: Path) -> dict:
         log.close()
         client.close()
         server.stop()
-    from rlhf_run.report import read_metrics
+    from rlhf_run.summary import read_metrics
 
     rows = read_metrics(out)
     return {"exit_code": code, "samples": samples, "rows": len(rows), "thirds": thirds(rows),

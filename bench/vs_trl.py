@@ -312,7 +312,7 @@ def run_service(name: str, spec: dict[str, Any], path: Path, seed: int, stalenes
     if row["exit_code"] != 0:
         raise SystemExit(f"rlhf-run ({name}) exited with {row['exit_code']}; see {workdir / row['mode']}")
     from rlhf_core import metric_names as M
-    from rlhf_run.report import read_metrics
+    from rlhf_run.summary import read_metrics
 
     # the learner's rows, one per update (a re-trained update's later row), each written as it ended
     metrics = read_metrics(workdir / row["mode"])

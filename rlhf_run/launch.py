@@ -194,7 +194,7 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import json
 
-        from rlhf_run.report import SUMMARY_FILE
+        from rlhf_run.summary import SUMMARY_FILE
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = []

@@ -356,7 +356,8 @@ class Launcher:
         return learner.exit_code if learner.exit_code is not None else 1
 
     def run(self) -> int:
-        from rlhf_run.report import Progress, write_report
+        from rlhf_run.progress import Progress
+        from rlhf_run.summary import write_report
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         interrupted: list[int] = []

@@ -24,7 +24,8 @@ from rlhf_core import metric_names as M
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import BufferConfig, ConfigError
 from rlhf_core.dapo import FILTER_REASONS
-from rlhf_run.report import PROBE_RETRY_S, RATE_WINDOW_S, worker_stats
+from rlhf_run.plots import RATE_WINDOW_S
+from rlhf_run.progress import PROBE_RETRY_S, worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def snapshot(buf: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]
     """One monitor snapshot: the buffer's metrics plus rates derived from the snapshots before."""
     snap = buf.metrics()
     snap["time"] = time.time()
-    # the workers heartbeating now: a record stays after its worker left (report.worker_stats)
+    # the workers heartbeating now: a record stays after its worker left (progress.worker_stats)
     workers = list(worker_stats(snap, _lease_timeout_s(buf)).values())
     snap["generated_tokens_per_s"] = sum(float(w.get(M.WORKER_TOKENS_PER_S, 0.0)) for w in workers)
     # samples appended by workers and by the gateway (whose samples no worker counts) over the

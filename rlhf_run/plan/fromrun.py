@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_run.plan.profile import Generation, Learner, Lengths, Machine, Profile, ProfileError, Sync, Worker, identity_of
-from rlhf_run.report import TIMELINE_FILE, every_worker, read_jsonl, read_timeline
+from rlhf_run.progress import TIMELINE_FILE, every_worker, read_timeline
+from rlhf_run.summary import read_jsonl
 
 
 def _config(folder: Path) -> Any:

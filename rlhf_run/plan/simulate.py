@@ -34,7 +34,7 @@ from rlhf_run.plan.profile import Lengths, Profile
 from rlhf_run.plan.records import Plan, SimResult
 from rlhf_run.plan.sim_worker import Group, SimWorker
 
-LAUNCHER_PERIOD_S = 1.0  # rlhf_run.report samples the buffer once a second
+LAUNCHER_PERIOD_S = 1.0  # rlhf_run.progress samples the buffer once a second
 
 
 class _Sampler:

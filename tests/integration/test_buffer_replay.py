@@ -186,7 +186,7 @@ def test_trained_groups_that_age_out_are_not_reported_as_dropped_untrained(redis
     import dataclasses
 
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     buf = _buf(redis_url, "aged", max_staleness=1, max_reuse=4)
     _insert(buf, 2)

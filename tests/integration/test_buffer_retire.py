@@ -15,7 +15,7 @@ from buffer import WorkerClient
 from buffer_clients import Clients
 from rlhf_core import metric_names as M
 from rlhf_core.config import BufferConfig
-from rlhf_run.report import every_worker
+from rlhf_run.progress import every_worker
 
 pytestmark = pytest.mark.integration
 

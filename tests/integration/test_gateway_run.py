@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_run.report import read_metrics
+from rlhf_run.summary import read_metrics
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_run.report import read_metrics
+from rlhf_run.summary import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from buffer import RunKeys
 from buffer.keys import WORKERS_GROUP
 from rlhf_core import metric_names as M
-from rlhf_run.report import read_metrics, read_timeline
+from rlhf_run.progress import read_timeline
+from rlhf_run.summary import read_metrics
 from servers import wait_for
 from test_chaos import RESTORED, SETTLE
 

@@ -203,7 +203,7 @@ def test_checker_sees_imports(tmp_path):
             "if TYPE_CHECKING:\n    from weight_server import WeightServer\n"
             "def later():\n    from rlhf_run import launch\n"
         ),
-        "learner/trainer.py": "from rlhf_run.report import SUMMARY_FILE\nfrom buffer import LearnerClient\n",
+        "learner/trainer.py": "from rlhf_run.summary import SUMMARY_FILE\nfrom buffer import LearnerClient\n",
     })
     assert forbidden_imports("buffer", tmp_path) == {
         "buffer/scripts.py": ["learner", "rlhf_run", "rollout_workers", "weight_server"],

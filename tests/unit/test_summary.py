@@ -1,53 +1,12 @@
-"""The live line reads the learner's metrics file incrementally: each poll parses only what was
-appended (a long run's file grows to tens of MB, and re-reading it every second once took 1.7 s)."""
+"""The summary (summary.json and its text), the monitor's rates and the throughput plot, from
+made-up metrics rows and buffer snapshots (no Redis)."""
 
 from __future__ import annotations
-
-import json
-
-from rlhf_run.report import MetricsTail
-
-
-def test_each_poll_reads_only_the_appended_bytes_and_waits_for_whole_lines(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    tail = MetricsTail(path)
-    assert tail.poll() == {}  # no file yet
-    rows = [json.dumps({"version": v, "reward": v / 10}) + "\n" for v in range(1, 4)]
-    path.write_text("".join(rows))
-    assert tail.poll() == {"version": 3, "reward": 0.3}
-    assert tail.offset == path.stat().st_size
-    with path.open("a") as f:
-        f.write('{"version": 4, "rew')  # a line the learner is still writing
-    assert tail.poll() == {"version": 3, "reward": 0.3}
-    with path.open("a") as f:
-        f.write('ard": 0.4}\n')
-    assert tail.poll() == {"version": 4, "reward": 0.4}
-    before = tail.offset
-    assert tail.poll() == {"version": 4, "reward": 0.4} and tail.offset == before  # nothing new: nothing read
-
-
-def test_the_eta_counts_from_the_first_update_seen_and_respects_the_time_budget():
-    from rlhf_run.report import Eta
-
-    eta = Eta(target=100, started=0.0)
-    assert eta.text(5.0, 0) == "eta -"  # no rate yet: start-up is not counted
-    # 10 updates in 20 s after the first sighting: 2 s an update, 90 left -> 180 s
-    assert eta.text(25.0, 10) == "eta 0:03:00"
-    assert eta.text(205.0, 100) == "eta 0:00:00"
-    # run.max_seconds=60 started at 0: at 25 s, 35 s are left, fewer than the 180 s the rate says
-    capped = Eta(target=100, started=0.0, max_seconds=60)
-    capped.text(5.0, 0)
-    assert capped.text(25.0, 10) == "eta 0:00:35"
-    assert Eta(target=100, started=0.0, max_seconds=60).text(70.0, 0) == "eta 0:00:00"
-    # a resumed run starts at its checkpoint's updates: the rate counts from there
-    resumed = Eta(target=1000, started=0.0)
-    resumed.text(3.0, 600)
-    assert resumed.text(13.0, 700) == "eta 0:00:30"
 
 
 def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     # two workers' last heartbeats: scoring threads busy 90% and 70% of the time, 20 + 5 calls/s
     workers = {"worker-0": {"stats": {"score_share": 0.9, "reward_calls_per_s": 20.0, "reward_timeouts": 1,
@@ -66,7 +25,7 @@ def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
 
 def test_the_summary_says_why_the_learner_stopped():
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     # the learner's last stats record carries its reason; a run whose data ran out before
     # learner.max_updates once waited for batches for ever, and now says so when it ends
@@ -81,7 +40,7 @@ def test_the_summary_says_why_the_learner_stopped():
 
 def test_the_summary_tells_decoding_batches_apart_from_waiting_for_them():
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     # 3 updates, each: compute 1.0 s, decoding its batch 0.5 s, waiting 2.0 s, publish 0.25 s on its thread
     rows = [{"learner/updates": i, "learner/samples_trained": 32 * i, "time": float(i), "learner/time_compute_s": 1.0,
@@ -94,7 +53,7 @@ def test_the_summary_tells_decoding_batches_apart_from_waiting_for_them():
 
 def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summary():
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     # a gateway-only run: its worker made no samples of its own (samples_per_s 0); the buffer
     # counted 0 appended at t=100, 1,000 at t=110 and 3,000 at t=120 -> (3000 - 1000) / (120 - 110)
@@ -126,7 +85,8 @@ def test_samples_the_gateway_made_and_samples_dropped_as_stale_are_in_the_summar
 
 def test_stale_drops_after_a_learner_restart_are_told_apart_and_explained():
     from rlhf_core.config import Config
-    from rlhf_run.report import RestartDrops, format_summary, summarize
+    from rlhf_run.progress import RestartDrops
+    from rlhf_run.summary import format_summary, summarize
 
     # (learner version, updates, dropped stale) a second apart: the learner dies at version 14
     # (14 updates) and restores checkpoint 10, published as version 15; 16 samples the dead
@@ -246,7 +206,7 @@ def test_the_monitor_shows_the_gateways_calls_sessions_and_errors_by_code():
 
 
 def test_a_resume_on_kept_redis_data_counts_generation_from_its_first_append_not_its_start_up():
-    from rlhf_run.report import appended_per_s
+    from rlhf_run.summary import appended_per_s
 
     # the buffer counted 1,440 samples before the stop; the resumed launch loads for 20 s, then
     # appends 1,472 -> 1,984 in 3 s: (1984 - 1472) / (24 - 21) = 170.7 samples/s. Counting from the
@@ -258,7 +218,7 @@ def test_a_resume_on_kept_redis_data_counts_generation_from_its_first_append_not
 
 def test_the_generation_rate_ends_at_the_last_append_not_at_the_end_of_the_run():
     from rlhf_core.config import Config
-    from rlhf_run.report import summarize
+    from rlhf_run.summary import summarize
 
     # 100 samples/s from t=10 to t=30 (100 -> 2,100), then 60 s of final checkpoint and drain with
     # no append: (2100 - 100) / (30 - 10) = 100 samples/s. To the last snapshot: 2000 / 80 = 25
@@ -271,7 +231,7 @@ def test_the_generation_rate_ends_at_the_last_append_not_at_the_end_of_the_run()
 
 def test_the_summarys_weight_sync_latency_is_over_the_versions_not_the_newest_alone():
     from rlhf_core.config import Config
-    from rlhf_run.report import summarize
+    from rlhf_run.summary import summarize
 
     # version 1 seen by one worker (40 ms), then both (mean 30 ms); version 2 both (50 ms); the
     # final version 3, published as the workers drained, applied by none: (30 + 50) / 2 = 40 ms,
@@ -286,7 +246,7 @@ def test_the_summarys_weight_sync_latency_is_over_the_versions_not_the_newest_al
 
 def test_workers_that_left_do_not_count_in_the_generation_rates():
     from rlhf_core.config import Config
-    from rlhf_run.report import summarize
+    from rlhf_run.summary import summarize
 
     # worker-1's record is from the launch before a resume (last heartbeat 40 s ago, over
     # buffer.lease_timeout_s=30): its rates over its uptime are not generation now
@@ -306,7 +266,7 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
 
     from learner.trainer import Learner
     from rlhf_core import metric_names as M
-    from rlhf_run.report import STOP_REASONS
+    from rlhf_run.summary import STOP_REASONS
 
     assert set(STOP_REASONS) == set(M.STOP_REASONS) and all(STOP_REASONS.values())
 
@@ -323,7 +283,7 @@ def test_every_reason_the_learner_stops_for_has_words_in_the_summary():
 
 
 def test_throughput_plot_has_one_clock_and_rates_as_they_happen():
-    from rlhf_run.report import throughput_series
+    from rlhf_run.plots import throughput_series
 
     # snapshots every second from t=100: the buffer counts 32 appended samples a second from
     # t=105, the learner 32 trained a second from t=107. Once: the generated curve counted from the
@@ -345,7 +305,7 @@ def test_throughput_plot_has_one_clock_and_rates_as_they_happen():
 
 def test_a_resume_on_a_new_redis_says_its_generated_count_is_this_launchs():
     from rlhf_core.config import Config
-    from rlhf_run.report import format_summary, summarize
+    from rlhf_run.summary import format_summary, summarize
 
     # a finished run (10 updates of 32, its Redis data removed at the clean finish) resumed at
     # t=100 for 3 more: the learner's count goes on (416), the new Redis's starts at 0 (96 appended).
