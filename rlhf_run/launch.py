@@ -1,19 +1,11 @@
-"""`rlhf-run`: a whole run, on one machine (``launcher=local``, the default) or on a Ray
-cluster (``launcher=ray``).
+"""`rlhf-run`: a whole run, on one machine (``launcher=local``, the default: the roles as child
+processes, :mod:`rlhf_run.local_backend`) or on a Ray cluster (``launcher=ray``: the roles as Ray
+actors, :mod:`rlhf_run.ray_backend`), supervised alike (:mod:`rlhf_run.supervisor`). At the end: a
+summary, ``summary.json`` and plots; a private Redis's data is removed when the run finished
+cleanly and kept otherwise, so that ``rlhf-run resume=<output folder>`` continues the run where it
+stopped (:func:`resume_config`).
 
-One machine (:mod:`rlhf_run.local_launcher`): a private redis-server when no ``buffer.url`` is
-given (random port, AOF on, its data in ``redis/`` of the output folder, stopped by PID at exit),
-the weight server (embedded, in this process), the learner and ``rollout.num_workers`` workers as
-child processes with their logs under the output folder. SIGINT/SIGTERM are forwarded, so
-everything shuts down cleanly with a final checkpoint; the children and Redis die with the
-launcher even when it is SIGKILLed. A crashed worker is reported with its log tail and restarted
-(per config); a crashed learner is restarted from its checkpoint. At the end: a summary,
-``summary.json`` and plots; the Redis data is removed when the run finished cleanly and kept
-otherwise, so that ``rlhf-run resume=<output folder>`` continues the run where it stopped
-(:func:`resume_config`). A Ray cluster (:mod:`rlhf_run.ray_launcher`): the same flow, with the
-roles placed as Ray actors.
-
-This module is the command: it picks the launcher, resumes runs and sums up sweeps.
+This module is the command: it picks the backend, resumes runs and sums up sweeps.
 """
 
 from __future__ import annotations
@@ -32,7 +24,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlhf_core.cli import hydra_entry
 from rlhf_core.config import Config, ConfigError, to_object, validate
-from rlhf_run.local_launcher import LAUNCH_CONFIG, PIDS_FILE, Launcher
+from rlhf_run.local_backend import LocalBackend
+from rlhf_run.supervisor import LAUNCH_CONFIG, PIDS_FILE, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +122,11 @@ def run_launcher(cfg: Config, output_dir: str | Path | None = None) -> int:
         log.warning("rollout.num_workers=0 with a private Redis: only workers you start yourself can join "
                     "(they need buffer.url, printed below)")
     out = Path(output_dir) if output_dir else hydra_output_dir()
-    if cfg.launcher == "ray":  # the roles as Ray actors (rlhf_run.ray_launcher); Ray is imported only then
-        from rlhf_run.ray_launcher import RayLauncher
+    if cfg.launcher == "ray":  # the roles as Ray actors; Ray is imported only then
+        from rlhf_run.ray_backend import RayBackend
 
-        return RayLauncher(cfg, out).run()
-    return Launcher(cfg, out).run()
+        return Supervisor(cfg, out, RayBackend(cfg, out)).run()
+    return Supervisor(cfg, out, LocalBackend(cfg, out)).run()
 
 
 @hydra_entry(hub_offline=False)  # it may fetch a Hub id once; its children never do

@@ -156,6 +156,11 @@ def read_timeline(path: Path, max_points: int = TIMELINE_MAX_POINTS) -> list[dic
     return rows
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every whole line of a JSON-lines file (one being written as it is read ends in a cut line)."""
+    return [row for row in map(_json_or_none, path.read_text().splitlines()) if row is not None] if path.exists() else []
+
+
 def _json_or_none(line: str) -> Any:
     try:
         return json.loads(line)

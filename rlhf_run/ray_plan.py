@@ -4,7 +4,7 @@ placement-group bundles, the workers' scheduling strategy, the torch.distributed
 the learner's ranks, and each role's options.
 
 Pure functions of the config and of what ``ray.nodes()`` reports, so they are unit-tested
-without a cluster (``tests/unit/test_ray_plan.py``); :mod:`rlhf_run.ray_launcher` applies them.
+without a cluster (``tests/unit/test_ray_plan.py``); :mod:`rlhf_run.ray_backend` applies them.
 """
 
 from __future__ import annotations

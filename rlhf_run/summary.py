@@ -15,7 +15,8 @@ from rlhf_core import metric_names as M
 from rlhf_core.config import Config
 from rlhf_core.errors import UserError, disk_writes
 from rlhf_run.plots import plot
-from rlhf_run.progress import TIMELINE_FILE, Progress, RestartDrops, read_timeline, reward_cost, worker_stats
+from rlhf_run.progress import (TIMELINE_FILE, Progress, RestartDrops, read_jsonl, read_timeline, reward_cost,
+                               worker_stats)
 
 log = logging.getLogger(__name__)
 
@@ -24,30 +25,11 @@ SUMMARY_FILE = "summary.json"
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     """Every update's metrics line (read once, at the end of a run)."""
-    path = output_dir / M.METRICS_FILE
-    if not path.exists():
-        return []
     by_update: dict[Any, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line being written as we read
-            continue
+    for row in read_jsonl(output_dir / M.METRICS_FILE):
         # an update re-trained after a crash appears twice; the later line is the real one
         by_update[row.get(M.UPDATES, len(by_update))] = row
     return list(by_update.values())
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def appended_per_s(timeline: list[dict[str, Any]], since: float | None = None) -> float | None:

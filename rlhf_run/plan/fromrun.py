@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_run.plan.profile import Generation, Learner, Lengths, Machine, Profile, ProfileError, Sync, Worker, identity_of
-from rlhf_run.progress import TIMELINE_FILE, every_worker, read_timeline
-from rlhf_run.summary import read_jsonl
+from rlhf_run.progress import TIMELINE_FILE, every_worker, read_jsonl, read_timeline
 
 
 def _config(folder: Path) -> Any:

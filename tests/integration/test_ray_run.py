@@ -371,15 +371,15 @@ def test_a_placement_a_local_ray_instance_cannot_hold_is_refused_naming_the_reso
 
 @pytest.mark.timeout(120)
 def test_sigterm_stays_the_launchers_once_ray_is_up(tmp_path):
-    """``Launcher.run`` catches SIGTERM to stop the run cleanly (final checkpoint, summary, exit
+    """``Supervisor.run`` catches SIGTERM to stop the run cleanly (final checkpoint, summary, exit
     130); ``ray.init`` installs a handler of its own (``sys.exit``) over it, which ended a
     SIGTERMed run without its summary, its roles given 5 s instead of their grace."""
     from rlhf_core.config import Config
-    from rlhf_run.ray_launcher import RayLauncher
+    from rlhf_run.ray_backend import RayBackend
 
     got: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
-    launcher = RayLauncher(Config(launcher="ray"), tmp_path)
+    launcher = RayBackend(Config(launcher="ray"), tmp_path)
     try:
         launcher.connect()  # a local Ray instance of its own
         os.kill(os.getpid(), signal.SIGTERM)
@@ -395,15 +395,17 @@ def test_a_worker_target_the_cluster_cannot_hold_is_refused_naming_the_resource(
     would be at its start, the workers it has kept, not N actors queued that no node can take
     (with a typo such as workers=1000, a thousand actors and their processes as nodes join)."""
     from rlhf_core.config import Config
-    from rlhf_run.ray_launcher import RayLauncher
+    from rlhf_run.ray_backend import RayBackend
+    from rlhf_run.supervisor import Supervisor
 
     cfg = Config(launcher="ray")
     cfg.ray.num_cpus = 2  # the local instance: room for the learner and one worker
-    launcher = RayLauncher(cfg, tmp_path)
+    launcher = RayBackend(cfg, tmp_path)
+    supervisor = Supervisor(cfg, tmp_path, launcher)
     try:
         launcher.connect()
-        launcher.scale_to(1000)
-        assert launcher.actors == [] and launcher.worker_target == 1000  # asked once, said once
+        supervisor.scale_to(1000)
+        assert supervisor.roles == [] and supervisor.worker_target == 1000  # asked once, said once
         assert "workers=1000 is refused" in caplog.text
         assert "the run asks for 1001 CPU in all (learner rank 0 1, worker-0 1, worker-1 1, worker-2 1, worker-3 1, " \
                "... 996 more) but the Ray cluster at this machine (a local instance) has 2 CPU" in caplog.text
@@ -417,13 +419,13 @@ def test_ray_address_auto_with_no_cluster_on_this_node_is_a_clear_error(tmp_path
     folder, here an empty one): with neither, a ConfigError saying what to do, not Ray's
     ConnectionError, and never a Ray instance some other program started on this machine."""
     from rlhf_core.config import Config, ConfigError
-    from rlhf_run.ray_launcher import RayLauncher
+    from rlhf_run.ray_backend import RayBackend
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     cfg = Config(launcher="ray")
     cfg.ray.address = "auto"
-    launcher = RayLauncher(cfg, tmp_path)
+    launcher = RayBackend(cfg, tmp_path)
     try:
         with pytest.raises(ConfigError) as err:
             launcher.connect()
@@ -446,7 +448,7 @@ def test_an_address_that_accepts_connections_but_is_no_ray_cluster_is_refused_wi
     from ray._private import ray_constants
 
     from rlhf_core.config import Config, ConfigError
-    from rlhf_run.ray_launcher import RayLauncher
+    from rlhf_run.ray_backend import RayBackend
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # Ray connects to 127.0.0.1 as given
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
@@ -463,7 +465,7 @@ def test_an_address_that_accepts_connections_but_is_no_ray_cluster_is_refused_wi
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     cfg = Config(launcher="ray")
     cfg.ray.address, cfg.ray.connect_timeout_s = address, 3.0
-    launcher = RayLauncher(cfg, tmp_path)
+    launcher = RayBackend(cfg, tmp_path)
     t0 = time.monotonic()
     try:
         with pytest.raises(ConfigError) as err:

@@ -1,5 +1,5 @@
 """Placement on a multi-GPU machine: the environment and command each child of `rlhf-run` gets.
-Nothing is started; the plan is what `Launcher.start_children` starts."""
+Nothing is started: the roles are the supervisor's, each one's process the local backend's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,18 @@ import pytest
 
 from rlhf_core.cli import WORKER_ID_ENV
 from rlhf_core.config import Config, ConfigError, validate
-from rlhf_run.launch import Launcher
+from rlhf_run.local_backend import LocalBackend
+from rlhf_run.supervisor import Supervisor
+
+
+class Planned(LocalBackend):
+    """Each role's process planned, not started."""
+
+    def start(self, role):
+        role.handle = self.child(role)
+
+    def write_pids(self, roles):
+        pass
 
 
 def plan(tmp_path, **settings):
@@ -19,8 +30,9 @@ def plan(tmp_path, **settings):
         section, name = key.split("__")
         setattr(getattr(cfg, section), name, value)
     validate(cfg)
-    children = Launcher(cfg, tmp_path).plan_children()
-    return {c.name: c for c in children}
+    supervisor = Supervisor(cfg, tmp_path, Planned(cfg, tmp_path))
+    supervisor.start_roles()
+    return {r.name: r.handle for r in supervisor.roles}
 
 
 def test_without_devices_every_child_inherits_the_visible_gpus(tmp_path, monkeypatch):
@@ -61,6 +73,6 @@ def test_bad_placements_are_refused(tmp_path, settings, match):
 
 def test_the_gateway_line_names_the_model_id_clients_send(tmp_path, caplog):
     # Once: it said "model 'see GET /v1/models'" unless gateway.model_name was set
-    with caplog.at_level("INFO", logger="rlhf_run.local_launcher"):
+    with caplog.at_level("INFO", logger="rlhf_run.local_backend"):
         plan(tmp_path, gateway__enabled=True, model__path="/models/Qwen2.5-0.5B-Instruct")
     assert "gateway: http://127.0.0.1:8000/v1 (model 'Qwen2.5-0.5B-Instruct';" in caplog.text

@@ -12,14 +12,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf_core.config import Config, ConfigError
-from rlhf_run.launch import LAUNCH_CONFIG, PIDS_FILE, Launcher, resume_config
+from rlhf_run.launch import LAUNCH_CONFIG, PIDS_FILE, resume_config
+from rlhf_run.supervisor import save_launch_config, write_resolved_config
 
 
 def saved_run(tmp_path, **learner) -> Config:
     cfg = Config()
     for key, value in learner.items():
         setattr(cfg.learner, key, value)
-    Launcher(cfg, tmp_path).save_launch_config()
+    save_launch_config(cfg, tmp_path)
     return cfg
 
 
@@ -43,9 +44,8 @@ def test_the_configs_a_run_keeps_are_readable_by_its_user_only(tmp_path):
     (tmp_path / "run_config.yaml").chmod(0o644)
     cfg = Config()
     cfg.weight_server.secret = "s3cret-hmac-key-of-the-run"
-    launcher = Launcher(cfg, tmp_path)
-    launcher.save_launch_config()
-    resolved = launcher.write_resolved_config()
+    save_launch_config(cfg, tmp_path)
+    resolved = write_resolved_config(cfg, tmp_path)
     assert resolved == tmp_path / "run_config.yaml" and "s3cret" in resolved.read_text()
     for path, mode in ((tmp_path / LAUNCH_CONFIG, 0o600), (resolved, 0o600), (tmp_path / ".hydra", 0o700)):
         assert path.stat().st_mode & 0o777 == mode, path

@@ -115,7 +115,7 @@ def test_pinning_a_hub_id_keeps_the_gateways_model_id_as_the_user_named_it(tmp_p
 
     from gateway.openai_api import served_name
     from rlhf_core.config import Config
-    from rlhf_run.local_launcher import pin_paths
+    from rlhf_run.supervisor import pin_paths
 
     cache = hub_cache(tmp_path, tiny_model_cfg)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -183,7 +183,7 @@ def test_bad_ray_settings_are_refused_at_start_up(settings, message):
 
 def test_no_cluster_at_the_address_is_refused_at_once(monkeypatch):
     from buffer.local_server import free_port
-    from rlhf_run.ray_launcher import probe
+    from rlhf_run.ray_cluster import probe
 
     port = free_port()  # nothing listens there
     with pytest.raises(ConfigError, match=f"ray.address=127.0.0.1:{port}: no Ray cluster answers there"):
@@ -198,7 +198,8 @@ def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
     # Both ranks' calls end between two polls: the first restarts the learner (every rank
     # anew); the second belongs to a rank that restart already replaced, so it must not count
     # as a second crash (that restarted again, or ended the run once the restarts were used up)
-    from rlhf_run.ray_launcher import RayLauncher, RoleProc
+    from rlhf_run.ray_backend import Actor, RayBackend
+    from rlhf_run.supervisor import Role, RoleKind, Supervisor
 
     class Ray:  # Ray's answers for two finished calls: both ranks exited with code 1
         def wait(self, refs, num_returns, timeout):
@@ -207,23 +208,24 @@ def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
         def get(self, ref):
             return {"code": 1, "error": "rank died"}
 
-    launcher = object.__new__(RayLauncher)
-    ranks = [RoleProc(f"learner-{r}", "learner", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"ref{r}") for r in (0, 1)]
-    launcher.ray, launcher.actors, launcher.stopping, launcher.learner_restarts = Ray(), list(ranks), False, 0
-    launcher.cfg = Config()
-    launcher.cfg.run.learner_restarts = 1
-    launcher.poll_placement = launcher.check_infrastructure = lambda: True
-    launcher.end_retired, launcher.tail = lambda: None, lambda p: ""
+    def ranks(ref):
+        return [Actor(f"learner-{r}", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"{ref}{r}") for r in (0, 1)]
+
+    cfg = Config()
+    cfg.run.learner_restarts = 1
+    backend = RayBackend(cfg, tmp_path, ray=Ray())
+    learner = Role("learner", RoleKind.LEARNER, tmp_path / "l.log", handle=ranks("ref"))
+    supervisor = Supervisor(cfg, tmp_path, backend, roles=[learner])
+    backend.infrastructure_lost, backend.tail, backend.write_pids = lambda: "", lambda ended: "", lambda roles: None
     restarts = []
 
-    def restart_learner():  # what it does to the actors: every rank replaced by a new one, running
+    def restart_learner(role):  # what it does to the actors: every rank replaced by a new one, running
         restarts.append(1)
-        launcher.actors = [RoleProc(f"learner-{r}", "learner", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"new{r}")
-                           for r in (0, 1)]
+        role.handle = ranks("new")
 
-    launcher.restart_learner = restart_learner
-    assert launcher.supervise_once() is True
-    assert restarts == [1] and launcher.learner_restarts == 1
+    backend.restart_learner = restart_learner
+    assert supervisor.supervise_once() is True
+    assert restarts == [1] and learner.restarts == 1
 
 
 def test_the_redis_restart_hint_keeps_the_password_out_of_the_log(tmp_path, caplog):
@@ -233,12 +235,16 @@ def test_the_redis_restart_hint_keeps_the_password_out_of_the_log(tmp_path, capl
     import time
     from types import SimpleNamespace
 
-    from rlhf_run.ray_launcher import ActorHandle, RayLauncher
+    from rlhf_run.ray_backend import RayBackend
+    from rlhf_run.ray_cluster import ActorHandle
+    from rlhf_run.supervisor import Supervisor
 
-    launcher = RayLauncher(Config(launcher="ray"), tmp_path)
-    launcher.redis = ActorHandle(None, None, {"url": "redis://:pw-Secret_123@10.0.0.5:6379/0", "restart_command":
-                                              "redis-server --port 6379 --dir /out/redis --requirepass pw-Secret_123"})
-    launcher.check_progress(SimpleNamespace(error=None, unreachable_since=time.time() - 60, latest=None))
+    cfg = Config(launcher="ray")
+    backend = RayBackend(cfg, tmp_path)
+    backend.redis = ActorHandle(None, None, {"url": "redis://:pw-Secret_123@10.0.0.5:6379/0", "restart_command":
+                                             "redis-server --port 6379 --dir /out/redis --requirepass pw-Secret_123"})
+    Supervisor(cfg, tmp_path, backend).check_progress(SimpleNamespace(error=None, unreachable_since=time.time() - 60,
+                                                                     latest=None))
     assert "restart it on the same data with:\n  redis-server --port 6379 --dir /out/redis --requirepass " in caplog.text
     assert "pw-Secret_123" not in caplog.text and "buffer.url in run_config.yaml" in caplog.text
 
