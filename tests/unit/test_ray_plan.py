@@ -209,7 +209,7 @@ def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
             return {"code": 1, "error": "rank died"}
 
     def ranks(ref):
-        return [Actor(f"learner-{r}", tmp_path / "l.log", {}, {}, rank=r, run_ref=f"{ref}{r}") for r in (0, 1)]
+        return [Actor(f"learner-{r}", tmp_path / "l.log", {}, rank=r, run_ref=f"{ref}{r}") for r in (0, 1)]
 
     cfg = Config()
     cfg.run.learner_restarts = 1
