@@ -93,12 +93,18 @@ class RayBackend:
         bundles, selectors = plan.learner_bundles(cfg, self.driver_node)
         self.pg = placement_group(bundles, strategy=cfg.ray.learner.strategy, bundle_label_selector=selectors)
         self.wait_placement_group(f"{cfg.ray.learner.ranks} bundle(s) of {bundles[0]}")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from rlhf_run.ray_actors import RedisActor, WeightServerActor
+
+        def pinned(role: Any) -> dict[str, Any]:  # Redis and the weight server run on this node
+            return {**plan.actor_options(role, labels=False), "runtime_env": {"env_vars": dict(plan.NORMAL_PRIORITY_ENV)},
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(self.driver_node, soft=False)}
 
         if cfg.buffer.url is None:
             workdir = self.output_dir / REDIS_DIR
-            actor = RedisActor.options(**self.pinned(cfg.ray.redis)).remote()
-            info = self.call(actor.start.remote(str(workdir), secrets.token_urlsafe(24)), "the run's redis-server")
+            actor = RedisActor.options(**pinned(cfg.ray.redis)).remote()
+            info = call(ray, actor.start.remote(str(workdir), secrets.token_urlsafe(24)), "the run's redis-server")
             self.redis = ActorHandle(ray, actor, info, workdir=workdir)
             cfg.buffer.url = info["url"]
             log.info("started private redis-server pid %d on %s at %s (data in %s)", self.redis.pid, info["ip"],
@@ -106,9 +112,9 @@ class RayBackend:
         if cfg.weight_server.address is None:
             if cfg.weight_server.auth == "none":  # other nodes connect: never without authentication
                 cfg.weight_server.auth, cfg.weight_server.secret = "hmac", secrets.token_hex(32)
-            actor = WeightServerActor.options(**self.pinned(cfg.ray.weight_server)).remote()
-            info = self.call(actor.start.remote(plan.plain_config(cfg), str(self.output_dir / "logs" / "weight-server.log")),
-                             "the weight server")
+            actor = WeightServerActor.options(**pinned(cfg.ray.weight_server)).remote()
+            info = call(ray, actor.start.remote(plan.plain_config(cfg), str(self.output_dir / "logs" / "weight-server.log")),
+                        "the weight server")
             self.weight_server = ActorHandle(ray, actor, info)
             cfg.weight_server.address, cfg.weight_server.pub_address = info["address"], info["pub_address"]
             log.info("weight server at %s (announcements %s), auth %s", info["address"], info["pub_address"],
@@ -128,13 +134,6 @@ class RayBackend:
                         spread_ranks=cfg.ray.learner.ranks if cfg.ray.learner.strategy == "STRICT_SPREAD" else 0,
                         driver_node=self.driver_node)
 
-    def pinned(self, role: Any) -> dict[str, Any]:
-        """Actor options for Redis and the weight server: on this node."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return {**plan.actor_options(role, labels=False), "runtime_env": {"env_vars": dict(plan.NORMAL_PRIORITY_ENV)},
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(self.driver_node, soft=False)}
-
     def wait_placement_group(self, what: str) -> None:
         try:
             self.ray.get(self.pg.ready(), timeout=self.cfg.ray.placement_timeout_s)
@@ -142,19 +141,6 @@ class RayBackend:
             raise UserError(f"the learner's placement group ({what}, strategy {self.cfg.ray.learner.strategy}) was not "
                             f"placed within ray.placement_timeout_s={self.cfg.ray.placement_timeout_s:g} s: no node "
                             "has that room now (other jobs hold it, or a node with it is gone)") from None
-
-    def call(self, ref: Any, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
-        """``ray.get`` a start-up call: a user error raised in the actor stays one; a timeout says what."""
-        ray = self.ray
-        try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(f"{what} did not start within {timeout:g} s (no node has room for its actor, or its node "
-                            "is overloaded)") from None
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, UserError):
-                raise exc.cause from None
-            raise
 
     def start(self, role: Role) -> None:
         if role.kind == RoleKind.LEARNER:
@@ -180,7 +166,7 @@ class RayBackend:
             a.handle = RoleActor.options(**plan.actor_options(role, labels=False), scheduling_strategy=strategy,
                                          runtime_env={"env_vars": a.env}).remote()
         learner.handle = ranks
-        placed = [self.call(a.handle.where.remote(), f"learner rank {a.rank}") for a in ranks]
+        placed = [call(self.ray, a.handle.where.remote(), f"learner rank {a.rank}") for a in ranks]
         envs = plan.rank_envs([(w["ip"], w["gpus"]) for w in placed], placed[0]["free_port"]) if role.ranks > 1 \
             else [{}]
         for a, where, env in zip(ranks, placed, envs):
@@ -242,25 +228,12 @@ class RayBackend:
         for ref in ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []:
             role, a = running[ref]
             a.run_ref = None
-            code, error, a.gone = self.outcome(ref)
+            code, error, a.gone = outcome(ray, ref)
             if role.kind == RoleKind.LEARNER and code == 0 and a.rank != 0:
                 continue  # rank 0 says when the learner is done
             if not any(e.role is role for e in exits):  # a learner's first rank to end speaks for all of them
                 exits.append(RoleExit(role, code, error, a.log_path, note=error or "no error line", lost=code == DIED))
         return exits
-
-    def outcome(self, ref: Any) -> tuple[int, str, bool]:
-        """(exit code, error line, whether the actor is gone for good) of a finished call."""
-        ray = self.ray
-        try:
-            result = ray.get(ref)
-            return int(result["code"]), str(result.get("error", "")), False
-        except ray.exceptions.ActorDiedError as exc:  # no restart left, or killed for good
-            return DIED, f"the actor died: {first_line(exc)}", True
-        except ray.exceptions.RayActorError as exc:  # its process or its node was lost: Ray restarts it
-            return DIED, f"the actor died: {first_line(exc)}", False
-        except ray.exceptions.RayError as exc:
-            return 1, first_line(exc), False
 
     def poll_placement(self, roles: list[Role]) -> list[RoleExit]:
         """Actors that answered where they are (first start, or back after a restart) run their
@@ -404,7 +377,7 @@ class RayBackend:
             for ref in ray.wait(list(running), num_returns=len(running), timeout=0.5)[0]:
                 role, a = running[ref]
                 a.run_ref = None
-                code = self.outcome(ref)[0]
+                code = outcome(ray, ref)[0]
                 if a.rank == 0 and role.exit_code is None:  # a learner's: rank 0's
                     role.exit_code = code
         for _, a in _actors(roles):
@@ -429,6 +402,32 @@ class RayBackend:
             self.pg = None
         self.ray.shutdown()
         self.ray = None
+
+
+def call(ray: Any, ref: Any, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+    """``ray.get`` a start-up call: a user error raised in the actor stays one; a timeout says what."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(f"{what} did not start within {timeout:g} s (no node has room for its actor, or its node "
+                        "is overloaded)") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserError):
+            raise exc.cause from None
+        raise
+
+
+def outcome(ray: Any, ref: Any) -> tuple[int, str, bool]:
+    """(exit code, error line, whether the actor is gone for good) of a finished call."""
+    try:
+        result = ray.get(ref)
+        return int(result["code"]), str(result.get("error", "")), False
+    except ray.exceptions.ActorDiedError as exc:  # no restart left, or killed for good
+        return DIED, f"the actor died: {first_line(exc)}", True
+    except ray.exceptions.RayActorError as exc:  # its process or its node was lost: Ray restarts it
+        return DIED, f"the actor died: {first_line(exc)}", False
+    except ray.exceptions.RayError as exc:
+        return 1, first_line(exc), False
 
 
 def _actors(roles: list[Role]) -> list[tuple[Role, Actor]]:
