@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import closing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -179,11 +180,8 @@ class Supervisor:
         if self.backend.scales:  # the target the run starts with, where `rlhf-monitor workers=N` changes it
             from buffer import MonitorClient
 
-            buf = MonitorClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
-            try:
+            with closing(MonitorClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)) as buf:
                 buf.set_worker_target(self.worker_target)
-            finally:
-                buf.close()
         self.backend.write_pids(self.roles)
 
     def add(self, role: Role) -> None:
@@ -273,11 +271,8 @@ class Supervisor:
 
         def expire() -> None:
             try:
-                buf = MonitorClient.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)
-                try:
+                with closing(MonitorClient.connect(self.cfg.buffer.url, self.cfg.buffer.run_id, self.cfg.buffer)) as buf:
                     n = buf.expire_leases(name)
-                finally:
-                    buf.close()
             except Exception as exc:  # then they come back after the lease timeout, as any dead worker's
                 log.warning("%s's leases could not be expired (%s): they come back after buffer.lease_timeout_s",
                             name, first_line(exc))
