@@ -16,9 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from gateway.openai_api import served_name
 from rlhf_core.cli import WORKER_ID_ENV, die_with_parent, say_once_when_full, write_json

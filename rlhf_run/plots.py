@@ -10,7 +10,6 @@ from typing import Any
 
 from rlhf_core import metric_names as M
 
-
 #: the span the live view's (``rlhf-monitor``) and ``throughput.png``'s rates are measured over
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import metric_names as M
+from rlhf_core.cli import append_line
 from rlhf_core.config import Config
 from rlhf_core.dapo import FilterStall
-from rlhf_core.cli import append_line
 from rlhf_core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class Progress:
         self._timeline = Timeline(output_dir / TIMELINE_FILE, self.started)
         self._restarts = RestartDrops(cfg.algo.max_staleness)
         self._last_print = 0.0
-        self._buffer = None
+        self._buffer: Any = None
         self._live = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -253,7 +253,7 @@ class Progress:
             self._live = Live("", refresh_per_second=2, transient=False)
             self._live.start()
 
-    def start(self) -> "Progress":
+    def start(self) -> Progress:
         self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
         self._thread.start()
         return self

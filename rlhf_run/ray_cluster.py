@@ -13,10 +13,11 @@ import math
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from rlhf_core.config import Config, ConfigError

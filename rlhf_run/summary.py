@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,7 @@ from rlhf_core import metric_names as M
 from rlhf_core.config import Config
 from rlhf_core.errors import UserError, disk_writes
 from rlhf_run.plots import plot
-from rlhf_run.progress import (TIMELINE_FILE, Progress, RestartDrops, read_jsonl, read_timeline, reward_cost,
-                               worker_stats)
+from rlhf_run.progress import TIMELINE_FILE, Progress, RestartDrops, read_jsonl, read_timeline, reward_cost, worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
     return total / weight if weight else None
 
 
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
+def _mean(values: Sequence[float | None]) -> float | None:
+    xs = [x for x in values if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 
