@@ -42,13 +42,14 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self) -> subprocess.Popen:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")
         # SIGKILL when the launcher dies: no child trains on unsupervised; resume restarts them
-        self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
+        self.proc = proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
         logf.close()
+        return proc
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -66,7 +67,7 @@ class Child:
         return (errors or lines or ["(no output)"])[-1]
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)  # the child and anything it started
             except ProcessLookupError:
@@ -139,8 +140,7 @@ class LocalBackend:
 
     def start(self, role: Role) -> None:
         role.handle = child = self.child(role)
-        child.start()
-        log.info("started %s (pid %d), log %s", role.name, child.proc.pid, role.log_path)
+        log.info("started %s (pid %d), log %s", role.name, child.start().pid, role.log_path)
 
     def poll(self, roles: list[Role]) -> list[RoleExit]:
         return [RoleExit(r, r.handle.proc.returncode, r.handle.last_error(), r.log_path) for r in roles

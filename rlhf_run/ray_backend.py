@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.connection import redact
+from rlhf_core.choices import WeightServerAuth
 from rlhf_core.cli import write_json
 from rlhf_core.config import Config
 from rlhf_core.errors import UserError
@@ -34,6 +35,7 @@ ACTORS_FILE = "actors.json"  # every actor of the run: pid, node, IP, restarts (
 DIED = -9  # the exit code shown for an actor whose process or node was lost
 CALL_TIMEOUT_S = 60.0  # a start-up call to an actor (model-free: Redis, the weight server, where())
 INFRA_CHECK_S = 2.0
+# (type: ignore[attr-defined] on `.options`: @ray.remote makes a class an ActorClass, which mypy cannot see)
 
 
 @dataclass
@@ -103,7 +105,7 @@ class RayBackend:
 
         if cfg.buffer.url is None:
             workdir = self.output_dir / REDIS_DIR
-            actor = RedisActor.options(**pinned(cfg.ray.redis)).remote()
+            actor = RedisActor.options(**pinned(cfg.ray.redis)).remote()  # type: ignore[attr-defined]
             info = call(ray, actor.start.remote(str(workdir), secrets.token_urlsafe(24)), "the run's redis-server")
             self.redis = ActorHandle(ray, actor, info, workdir=workdir)
             cfg.buffer.url = info["url"]
@@ -111,8 +113,8 @@ class RayBackend:
                      redact(info["url"]), workdir)
         if cfg.weight_server.address is None:
             if cfg.weight_server.auth == "none":  # other nodes connect: never without authentication
-                cfg.weight_server.auth, cfg.weight_server.secret = "hmac", secrets.token_hex(32)
-            actor = WeightServerActor.options(**pinned(cfg.ray.weight_server)).remote()
+                cfg.weight_server.auth, cfg.weight_server.secret = WeightServerAuth.hmac, secrets.token_hex(32)
+            actor = WeightServerActor.options(**pinned(cfg.ray.weight_server)).remote()  # type: ignore[attr-defined]
             info = call(ray, actor.start.remote(plan.plain_config(cfg), str(self.output_dir / "logs" / "weight-server.log")),
                         "the weight server")
             self.weight_server = ActorHandle(ray, actor, info)
@@ -163,7 +165,7 @@ class RayBackend:
                        plan.role_env(role), rank=r) for r in range(role.ranks)]
         for a in ranks:
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=a.rank)
-            a.handle = RoleActor.options(**plan.actor_options(role, labels=False), scheduling_strategy=strategy,
+            a.handle = RoleActor.options(**plan.actor_options(role, labels=False), scheduling_strategy=strategy,  # type: ignore[attr-defined]
                                          runtime_env={"env_vars": a.env}).remote()
         learner.handle = ranks
         placed = [call(self.ray, a.handle.where.remote(), f"learner rank {a.rank}") for a in ranks]
@@ -193,7 +195,7 @@ class RayBackend:
         """A new actor for a worker or the evaluator, placed on the cluster as it is now."""
         from rlhf_run.ray_actors import RoleActor
 
-        a.handle = RoleActor.options(**self.worker_options(), runtime_env={"env_vars": a.env}).remote()
+        a.handle = RoleActor.options(**self.worker_options(), runtime_env={"env_vars": a.env}).remote()  # type: ignore[attr-defined]
         self.submit(a)
 
     def submit(self, a: Actor) -> None:
@@ -320,10 +322,10 @@ class RayBackend:
                 log.warning("a learner rank died before it started (%s): placing the ranks again", first_line(exc))
 
     def stop(self, role: Role) -> bool:
-        a = role.handle[0]
-        if a.placed is None:
+        placed = role.handle[0].placed
+        if placed is None:
             return False
-        self.signal(a, signal.SIGTERM)
+        self.signal(placed, signal.SIGTERM)
         return True
 
     def kill(self, role: Role) -> None:
@@ -347,15 +349,15 @@ class RayBackend:
         except Exception as exc:  # the node is gone with the log
             return f"(its log on {a.placed['ip']} cannot be read: {first_line(exc)})"
 
-    def signal(self, a: Actor, sig: int) -> None:
-        """``sig`` to the actor's process, sent from its node (as the launcher signals a child)."""
+    def signal(self, placed: dict[str, Any], sig: int) -> None:
+        """``sig`` to a placed actor's process, sent from its node (as the launcher signals a child)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from rlhf_run.ray_actors import signal_process
 
-        strategy = NodeAffinitySchedulingStrategy(a.placed["node_id"], soft=False)
+        strategy = NodeAffinitySchedulingStrategy(placed["node_id"], soft=False)
         self._signals = [r for r in self._signals if not self.ray.wait([r], timeout=0)[0]]
-        self._signals.append(signal_process.options(scheduling_strategy=strategy).remote(int(a.placed["pid"]), sig))
+        self._signals.append(signal_process.options(scheduling_strategy=strategy).remote(int(placed["pid"]), sig))
 
     # ------------------------------------------------------------------ stop
 
@@ -364,7 +366,7 @@ class RayBackend:
         for _, a in _actors(roles):
             a.where_ref = None  # nothing more starts
             if a.run_ref is not None and a.placed is not None:
-                self.signal(a, signal.SIGTERM)
+                self.signal(a.placed, signal.SIGTERM)
         # The grace is the roles' (a worker drains, then releases its leases): it starts once the
         # signals have landed, each a Ray task started on its node, which can take seconds on busy cores.
         if self._signals:

@@ -45,8 +45,10 @@ def connect(cfg: Config) -> tuple[Any, str]:
         if address is None:
             want = sum(d.resources.get("CPU", 0.0) for d in plan.demands(cfg))
             cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(want))
+            if not float(cpus).is_integer():  # Ray refuses it with a ValueError
+                raise ConfigError(f"ray.num_cpus={cpus:g}: a local Ray instance has a whole number of CPUs; give one")
             # "local": a new instance even where RAY_ADDRESS or a `ray start` on this machine would be joined
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=int(cpus), include_dashboard=False, log_to_driver=False,
                      object_store_memory=cfg.ray.object_store_mb * 2**20)
             log.info("started a local Ray instance (%g logical CPUs)", cpus)
         else:
@@ -100,7 +102,7 @@ def gcs_connect_within(timeout: float) -> Iterator[None]:
                 "RAY_py_gcs_connect_timeout_s": step}
     ours = [k for k in settings if k not in os.environ]
     os.environ.update({k: settings[k] for k in ours})
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]  # in Ray's compiled module, not in its stubs
 
     Config.initialize("")  # Ray read its settings from the environment when imported: read them again
     try:

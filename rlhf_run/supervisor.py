@@ -137,10 +137,11 @@ class Supervisor:
             write_resolved_config(self.cfg, self.output_dir)
             self.start_roles()
             progress = Progress(self.cfg, self.output_dir, self.backend.weight_server).start()
-            url = redact(self.cfg.buffer.url)
-            where = f"; the password is buffer.url in {RESOLVED_CONFIG}.yaml" if url != self.cfg.buffer.url else ""
+            url = self.cfg.buffer.url or ""  # the backend's Redis, or the user's
+            shown = redact(url)
+            where = f"; the password is buffer.url in {RESOLVED_CONFIG}.yaml" if shown != url else ""
             print(f"run {self.cfg.buffer.run_id}: output in {self.output_dir}  "
-                  f"(monitor: rlhf-monitor url={url} run_id={self.cfg.buffer.run_id}{where})", flush=True)
+                  f"(monitor: rlhf-monitor url={shown} run_id={self.cfg.buffer.run_id}{where})", flush=True)
             while not interrupted and self.supervise_once() and not self.check_progress(progress):
                 time.sleep(0.5)
             if interrupted:

@@ -194,6 +194,16 @@ def test_no_cluster_at_the_address_is_refused_at_once(monkeypatch):
         probe("ray://head:10001", 5.0)
 
 
+def test_a_local_ray_instance_of_a_fractional_cpu_count_is_refused_in_one_line(monkeypatch):
+    # Ray refuses ray.init(num_cpus=1.5) with a ValueError (whole numbers only): a traceback once
+    pytest.importorskip("ray")
+    from rlhf_run.ray_cluster import connect
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # what connect() sets for a local instance
+    with pytest.raises(ConfigError, match=r"^ray.num_cpus=1.5: a local Ray instance has a whole number of CPUs"):
+        connect(config(ray__num_cpus=1.5))
+
+
 def test_ranks_that_died_in_the_same_poll_restart_the_learner_once(tmp_path):
     # Both ranks' calls end between two polls: the first restarts the learner (every rank
     # anew); the second belongs to a rank that restart already replaced, so it must not count
