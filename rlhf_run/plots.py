@@ -11,8 +11,6 @@ from typing import Any
 from rlhf_core import metric_names as M
 
 #: the span the live view's (``rlhf-monitor``) and ``throughput.png``'s rates are measured over
-
-
 #: (the gateway appends a group at once: over one refresh the rate jumps with every group)
 RATE_WINDOW_S = 10.0
 

@@ -28,17 +28,10 @@ TIMELINE_FILE = "timeline.jsonl"
 SAMPLE_INTERVAL_S = 1.0
 PROBE_RETRY_S = 2.0
 
-
 #: timeline.jsonl gets a snapshot once max(SAMPLE_INTERVAL_S, elapsed / TIMELINE_SPAN) passed
-
-
 #: since the one written before: about 1,000 (1 + ln(T / 1,000 s)) lines for a run of T seconds
-
-
 #: (5,500 for a day) instead of one a second
 TIMELINE_SPAN = 1000
-
-
 #: snapshots the end-of-run report reads back from timeline.jsonl at most (evenly thinned)
 TIMELINE_MAX_POINTS = 1000
 
