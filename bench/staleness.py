@@ -1,4 +1,4 @@
-"""Off-policy check: decoupled PPO + TIS vs plain PPO on artificially stale samples.
+"""Off-policy check: decoupled PPO + TIS vs plain PPO, GSPO, CISPO and IcePop on artificially stale samples.
 
 Task: ``successor``, the first step of the built-in ``count_up`` task (prompt ``"7:"``): every one
 of the first 8 response characters earns 1/8 when it is the successor digit (``"8"``). It is
@@ -15,6 +15,11 @@ with the same sample budget, the same draws of ``k``, prompts and seeds for ever
   bench also measures, before every update, the geometric means of the batch against both the token
   caps (2, band 0.5-2) and the sequence ones (1.001, band 0.999-1.001): how often each would act;
 * ``ppo``: plain PPO with old = behaviour, no correction (what a synchronous trainer does with stale data);
+* ``gspo``, ``cispo``, ``icepop``: the objectives of ``experiment=gspo | cispo | icepop``, their ``algo``
+  settings read from the preset (conf/experiment/): GSPO's sequence ratio clipped at 3e-4 / 4e-4 with a
+  sequence-level TIS weight (cap 1.001), CISPO's clipped, detached IS weight with no lower bound and the
+  token TIS weight, decoupled PPO with IcePop's token mask [0.5, 5]. The learner settings are the
+  bench's, the same for every row (the presets' 4 minibatches are not used);
 * ``on_policy`` (reference, ``--full`` only): k = 0; what staleness costs at all.
 
 The policy is evaluated every ``eval_every`` updates on fresh samples from its CURRENT weights
@@ -72,6 +77,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from _common import print_table, write_results  # noqa: E402
 from learner.algorithms.core import masked_mean  # noqa: E402
@@ -100,11 +106,22 @@ REWARDS = {
     "successor": successor_reward,
 }
 
+PRESETS = ("gspo", "cispo", "icepop")  # rows trained with the algo settings of conf/experiment/<name>.yaml
+
+
+def preset_algo(name: str) -> dict[str, Any]:
+    """The ``algo`` settings of the experiment preset ``name``, as ``{"algo.key": value}``: the bench's
+    row is the preset's objective (its learner settings are the bench's, the same for every row)."""
+    algo = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "experiment" / f"{name}.yaml")).get("algo", {})
+    return {f"algo.{key}": value for key, value in algo.items()}
+
+
 METHODS = {
     "decoupled_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis"},
     "decoupled_seq_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis", "algo.is_level": "sequence"},
     "ppo": {"algo.policy_loss": "ppo"},
     "on_policy": {"algo.policy_loss": "ppo"},
+    **{name: preset_algo(name) for name in PRESETS},
 }
 
 
@@ -112,8 +129,8 @@ def settings(full: bool) -> dict[str, Any]:
     return {
         "task": "successor",
         "updates": 150 if full else 60,
-        "seeds": [0, 1, 2] if full else [0, 1],
-        "methods": ["decoupled_tis", "decoupled_seq_tis", "ppo"] + (["on_policy"] if full else []),
+        "seeds": [0, 1, 2] if full else [0],
+        "methods": ["decoupled_tis", "decoupled_seq_tis", "ppo", *PRESETS] + (["on_policy"] if full else []),
         "k_min": 4, "k_max": 8,
         "prompts_per_batch": 8, "group_size": 4, "max_new_tokens": 8,
         "eval_every": 10, "eval_prompts": 40, "threshold": 0.15,
@@ -226,8 +243,8 @@ def run(method: str, seed: int, s: dict[str, Any], base, tok) -> dict[str, Any]:
                 kept.setdefault(key, []).append(value)
         m = updater.update(Collator.for_model(policy, updater.device)(samples), v)
         batch_rewards.append(m["reward/mean"])
-        for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/behav_prox_kl",
-                    "loss/clip_frac", "loss/ratio_max", "learner/grad_norm"):
+        for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/is_masked_frac",
+                    "staleness/behav_prox_kl", "loss/clip_frac", "loss/ratio_max", "learner/grad_norm"):
             kept.setdefault(key, []).append(m.get(key, 0.0))
     curve.append((s["updates"], evaluate(policy, tok, s, seed)))
     rewards = [r for _, r in curve]
@@ -257,6 +274,12 @@ def summarise(runs: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
     return out
 
 
+def ratios_over(summary: dict[str, dict[str, Any]], method: str, base: str = "decoupled_tis") -> dict[str, float]:
+    """``method``'s final and mean-over-the-curve eval reward as multiples of ``base``'s."""
+    m, b = summary[method], summary[base]
+    return {"final": m["final_eval"] / max(b["final_eval"], 1e-9), "mean_curve": m["mean_eval"] / max(b["mean_eval"], 1e-9)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true")
@@ -282,7 +305,8 @@ def main() -> None:
     rows = [{"method": m, "final": x["final_eval"], "mean(curve)": x["mean_eval"], "best": x["best_eval"],
              f"upd_to_{s['threshold']}": str(x["updates_to_threshold"]), "staleness": x["staleness_mean"],
              "is_w_max": x["staleness_is_weight_max"], "trunc_frac": x["staleness_is_truncated_frac"],
-             "clip_frac": x["loss_clip_frac"], "sec": x["seconds"]} for m, x in summary.items()]
+             "masked_frac": x["staleness_is_masked_frac"], "clip_frac": x["loss_clip_frac"], "sec": x["seconds"]}
+            for m, x in summary.items()]
     print_table(rows, f"{s['task']}: k ~ U[{s['k_min']}, {s['k_max']}] versions stale, {s['updates']} updates x "
                       f"{s['prompts_per_batch'] * s['group_size']} samples, seeds {s['seeds']}; eval reward of the "
                       f"current policy (initial {init:.3f})")
@@ -290,9 +314,9 @@ def main() -> None:
                   for v, _ in runs[0]["eval_curve"]] for m in s["methods"]}
     print_table([{"update": v, **{m: dict(curves[m])[v] for m in s["methods"]}} for v, _ in curves[s["methods"][0]]],
                 "eval curve (mean over seeds)")
-    d, p = summary["decoupled_tis"], summary["ppo"]
-    ratios = {"final": d["final_eval"] / max(p["final_eval"], 1e-9), "mean_curve": d["mean_eval"] / max(p["mean_eval"], 1e-9)}
-    print(f"\ndecoupled+TIS / plain PPO: final reward x{ratios['final']:.2f}, mean over the curve x{ratios['mean_curve']:.2f}")
+    ratios = {m: ratios_over(summary, m) for m in s["methods"] if m != "decoupled_tis"}
+    print_table([{"method": m, **{f"{k} / {base}": v for base in ("ppo", "decoupled_tis") for k, v in ratios_over(summary, m, base).items()}}
+                 for m in s["methods"] if m != "ppo"], "eval reward as multiples (same seeds, same staleness draws)")
     g = summary["decoupled_seq_tis"]
     a = make_cfg(s, "decoupled_seq_tis", 0).algo
     print_table([
@@ -304,7 +328,8 @@ def main() -> None:
        f"{g['geo_w_min']:.3f}, max {g['geo_w_max']:.3f} on average); fraction of responses each cap acts on")
     write_results("staleness" if not args.full else "staleness_full", {
         "mode": "full" if args.full else "quick", "config": s, "initial_eval": init, "summary": summary,
-        "ratios_decoupled_over_ppo": ratios, "eval_curves": curves, "runs": runs, "findings": FINDINGS,
+        "ratios_decoupled_over_ppo": ratios_over(summary, "decoupled_tis", "ppo"), "ratios_over_decoupled_tis": ratios,
+        "eval_curves": curves, "runs": runs, "findings": FINDINGS,
     })
 
 

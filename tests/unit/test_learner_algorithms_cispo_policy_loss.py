@@ -11,7 +11,7 @@ import torch
 
 from learner.algorithms.cispo_policy_loss import cispo_loss
 from learner.algorithms.ppo_policy_loss import ppo_clip_loss
-from learner_helpers import T, close  # noqa: E402
+from learner_helpers import T, close, random_policy_batch, shifted  # noqa: E402
 from rlhf_core.config import AlgoConfig, ConfigError, ISConfig
 
 NAN = float("nan")
@@ -29,15 +29,10 @@ ADV = [[1.0, 1.0, -1.0, -1.0, 1e9]]
 MASK = [[1, 1, 1, 1, 0]]
 
 
-def _inputs():
-    prox = T(PROX)
-    logp = (prox + T(LOG_RATIO)).requires_grad_()
-    return logp, prox
-
 
 class TestCISPO:
     def test_worked_example(self):
-        logp, prox = _inputs()
+        logp, prox = shifted(PROX, LOG_RATIO)
         loss, stats = cispo_loss(logp, prox, prox.clone(), T(ADV), T(MASK), clip_eps_low=0.2, clip_eps_high=0.2)
         # eq. 4, token-mean: (0.994654 + 0.6 - 1.2 - 1.0) / 4 = -0.151337
         close(loss, (math.exp(0.1) * 0.9 + 0.6 - 1.2 - 1.0) / 4)
@@ -57,7 +52,7 @@ class TestCISPO:
     def test_no_lower_bound(self):
         # MiniMax-M1 sets no lower bound (eps_low large): eps_low = 1 -> the clip is [0, 1.2];
         # token 2 keeps its weight r = 0.606531: gradient +0.606531 / 4 instead of +0.8 / 4
-        logp, prox = _inputs()
+        logp, prox = shifted(PROX, LOG_RATIO)
         loss, stats = cispo_loss(logp, prox, prox.clone(), T(ADV), T(MASK), clip_eps_low=1.0, clip_eps_high=0.2)
         close(loss, (math.exp(0.1) * 0.9 + 0.6 - math.exp(-0.5) * 1.5 - 1.0) / 4)
         close(stats.clip_frac, 0.25)  # token 1 only
@@ -80,12 +75,8 @@ class TestCISPO:
 
     def test_gradient_of_a_random_batch(self):
         # the gradient is -w_t clip(r_t) A_t / n_tokens on every real token (eq. 4), whatever r_t
-        g = torch.Generator().manual_seed(2)
-        prox = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
-        logp = (prox + 0.5 * torch.randn(3, 6, generator=g, dtype=torch.float64)).requires_grad_()
-        behav = prox + 0.5 * torch.randn(3, 6, generator=g, dtype=torch.float64)
-        adv = torch.randn(3, 6, generator=g, dtype=torch.float64)
-        mask = torch.rand(3, 6, generator=g) > 0.3
+        logp, prox, behav, adv = random_policy_batch(2, 3, 6, moved=0.5, stale=0.5)
+        mask = torch.rand(3, 6, generator=torch.Generator().manual_seed(2)) > 0.3
         loss, _ = cispo_loss(logp, prox, behav, adv, mask, clip_eps_low=1.0, clip_eps_high=0.2, is_config=ISConfig("tis"))
         loss.backward()
         r = torch.exp(logp.detach() - prox).clamp(max=1.2)
@@ -118,24 +109,15 @@ class TestCISPO:
         loss.backward()
         close(logp.grad, [[-0.25, -0.25], [-0.5, 0.0]])
 
-    @pytest.mark.parametrize(
-        "kwargs, match",
-        [
-            ({"clip_eps_low": 0.0}, r"clip_eps_low must be > 0 \(>= 1: no lower bound\), got 0.0"),
-            ({"clip_eps_high": -0.1}, "clip_eps_high.*-0.1"),
-            ({"dual_clip_c": 3.0}, "dual_clip_c caps PPO's clipped loss; algo.policy_loss=cispo.*has no such cap"),
-            ({"agg_mode": "mean"}, "'mean'.*'token-mean'"),
-        ],
-    )
-    def test_validation(self, kwargs, match):
-        logp, prox = _inputs()
-        with pytest.raises(ValueError, match=match):
-            cispo_loss(logp, prox, prox, T(ADV), T(MASK), **kwargs)
-
-    def test_options_are_keyword_only(self):
-        logp, prox = _inputs()
-        with pytest.raises(TypeError):
-            cispo_loss(logp, prox, prox, T(ADV), T(MASK), 0.2)
+    def test_validation(self):
+        logp, prox = shifted(PROX, LOG_RATIO)
+        refused = {"clip_eps_low": (0.0, r"clip_eps_low must be > 0 \(>= 1: no lower bound\), got 0.0"),
+                   "clip_eps_high": (-0.1, "clip_eps_high.*-0.1"),
+                   "dual_clip_c": (3.0, "dual_clip_c caps PPO's clipped loss; algo.policy_loss=cispo.*has no such cap"),
+                   "agg_mode": ("mean", "'mean'.*'token-mean'")}
+        for key, (value, match) in refused.items():
+            with pytest.raises(ValueError, match=match):
+                cispo_loss(logp, prox, prox, T(ADV), T(MASK), **{key: value})
 
 
 class TestCISPOConfig:

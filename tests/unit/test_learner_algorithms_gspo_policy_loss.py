@@ -11,7 +11,7 @@ import torch
 
 from learner.algorithms.decoupled_policy_loss import decoupled_ppo_loss
 from learner.algorithms.gspo_policy_loss import gspo_loss
-from learner_helpers import T, close  # noqa: E402
+from learner_helpers import T, close, random_policy_batch, shifted  # noqa: E402
 from rlhf_core.config import AlgoConfig, ConfigError, ISConfig
 
 NAN = float("nan")
@@ -28,15 +28,10 @@ MASK = [[1, 1, 0], [1, 1, 1]]
 ADV = [[1.0, 1.0, 1e9], [1.0, 1.0, 1.0]]
 
 
-def _inputs():
-    prox = T(PROX)
-    logp = (prox + T(LOG_RATIO)).requires_grad_()
-    return logp, prox
-
 
 class TestGSPO:
     def test_worked_example(self):
-        logp, prox = _inputs()
+        logp, prox = shifted(PROX, LOG_RATIO)
         loss, stats = gspo_loss(logp, prox, prox.clone(), T(ADV), T(MASK), is_config=SEQ, clip_eps_low=0.2, agg_mode=SEQ_MEAN)
         s0, s1 = math.exp(0.1), math.exp(0.2)
         # per token max(-A s, -A clip(s)): row 0 -s0 on both tokens, row 1 -1.2 on all three;
@@ -54,7 +49,7 @@ class TestGSPO:
 
     def test_token_mean_weighs_tokens(self):
         # the same token losses over all 5 tokens: (2 * -1.105171 + 3 * -1.2) / 5 = -1.162068
-        logp, prox = _inputs()
+        logp, prox = shifted(PROX, LOG_RATIO)
         loss, _ = gspo_loss(logp, prox, prox.clone(), T(ADV), T(MASK), is_config=SEQ, clip_eps_low=0.2)
         close(loss, (-2 * math.exp(0.1) - 3.6) / 5)
 
@@ -104,12 +99,9 @@ class TestGSPO:
     def test_one_token_responses_are_decoupled_ppo(self, dual_clip_c):
         # with |y_i| = 1 the sequence ratio is the token ratio and the geometric-mean weight the
         # token weight: GSPO is decoupled PPO exactly (loss, statistics, gradient)
-        g = torch.Generator().manual_seed(0)
-        prox = -torch.rand(6, 1, generator=g, dtype=torch.float64) * 3
-        logp = prox + 0.4 * torch.randn(6, 1, generator=g, dtype=torch.float64)
-        behav = prox + 0.6 * torch.randn(6, 1, generator=g, dtype=torch.float64)
-        adv, mask = torch.randn(6, 1, generator=g, dtype=torch.float64), T([[1]] * 6)
-        a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+        logp, prox, behav, adv = random_policy_batch(0, 6, 1, moved=0.4, stale=0.6)
+        mask = T([[1]] * 6)
+        a, b = logp.detach().clone().requires_grad_(), logp.detach().clone().requires_grad_()
         opts = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip_c": dual_clip_c}
         loss_g, st_g = gspo_loss(a, prox, behav, adv, mask, is_config=ISConfig("tis", "sequence", tis_cap=1.5), **opts)
         loss_d, st_d = decoupled_ppo_loss(b, prox, behav, adv, mask, is_config=ISConfig("tis", "token", tis_cap=1.5), **opts)
@@ -122,11 +114,7 @@ class TestGSPO:
     def test_gradient_of_a_random_batch(self):
         # no clip (eps 0.99 / 10 on ratios near 1) and no IS correction: the gradient is eq. 17,
         # -A_t s_i w_i / (|y_i| G), with G the responses that have a token
-        g = torch.Generator().manual_seed(1)
-        prox = -torch.rand(4, 5, generator=g, dtype=torch.float64) * 2
-        logp = (prox + 0.1 * torch.randn(4, 5, generator=g, dtype=torch.float64)).requires_grad_()
-        behav = prox + 0.2 * torch.randn(4, 5, generator=g, dtype=torch.float64)
-        adv = torch.randn(4, 5, generator=g, dtype=torch.float64)
+        logp, prox, behav, adv = random_policy_batch(1, 4, 5, moved=0.1, stale=0.2)
         mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
         loss, _ = gspo_loss(logp, prox, behav, adv, mask, is_config=SEQ, clip_eps_low=0.99, clip_eps_high=10.0, agg_mode=SEQ_MEAN)
         loss.backward()
@@ -150,11 +138,6 @@ class TestGSPO:
         assert torch.isfinite(logp.grad).all()
         close(logp.grad, [[-0.25, -0.25, 0.0], [-math.exp(0.1) / 4, 0.0, 0.0]])
         assert all(torch.isfinite(x).all() for x in stats)
-
-    def test_options_are_keyword_only(self):
-        logp, prox = _inputs()
-        with pytest.raises(TypeError):
-            gspo_loss(logp, prox, prox, T(ADV), T(MASK), 0.2)
 
 
 class TestGSPOConfig:
