@@ -51,7 +51,7 @@ class ISCorrection(StrEnum):
     none = "none"  # keep it
     tis = "tis"  # truncate it at the cap
     mis = "mis"  # zero it outside the band
-    icepop = "icepop"  # zero a token's outside IcePop's band (token level only)
+    icepop = "icepop"  # zero it outside IcePop's band, per token only
 
 
 class ISLevel(StrEnum):
