@@ -21,7 +21,7 @@ metrics out.
 
 With one epoch of one minibatch pi_prox is read off the training pass instead
 (:func:`prox_is_training_pass`). Metrics carry the prefixes ``learner/``, ``loss/``,
-``staleness/``, ``reward/``.
+``staleness/``, ``reward/``, ``mismatch/`` (:mod:`learner.algorithms.mismatch`).
 """
 
 from __future__ import annotations

@@ -71,13 +71,18 @@ def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
     return total / weight if weight else None
 
 
-def mismatch_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+def mismatch_summary(rows: list[dict[str, Any]], warn: float) -> dict[str, Any] | None:
     """The run's train/rollout mismatch per split (``metric_names.MISMATCH_SPLITS``): the means over
     every token (each update's mean weighted by its tokens), the largest ``abs_max``, the worst
-    update's KL (``kl_k3_max``) and the tokens counted. None when no update reported it (DPO)."""
-    if not any(M.mismatch_key(M.MISMATCH_LAG0, "tokens") in r for r in rows):
+    update's KL (``kl_k3_max``) and the tokens counted; and the updates with lag-0 tokens, and
+    those whose lag-0 KL was over ``warn`` (``algo.mismatch_warn``: the learner warned of them).
+    None when no update reported it (DPO)."""
+    tokens, kl = (M.mismatch_key(M.MISMATCH_LAG0, stat) for stat in ("tokens", "kl_k3"))
+    if not any(tokens in r for r in rows):
         return None
-    return {split: _split_summary(rows, split) for split in M.MISMATCH_SPLITS}
+    lag0 = [r for r in rows if r.get(tokens)]
+    return {**{split: _split_summary(rows, split) for split in M.MISMATCH_SPLITS}, "lag0_updates": len(lag0),
+            "lag0_updates_over_warn": sum(1 for r in lag0 if r.get(kl, 0.0) > warn)}
 
 
 def _split_summary(rows: list[dict[str, Any]], split: str) -> dict[str, Any]:
@@ -163,7 +168,7 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "staleness_mean": _mean(staleness_means),
         "staleness_max": staleness_max,
         # the workers' behaviour log-probs against the learner's, at lag 0 and lagged (None: not reported, DPO)
-        "mismatch": mismatch_summary(rows),
+        "mismatch": mismatch_summary(rows, cfg.algo.mismatch_warn),
         "wall_s": wall_s,
         "training_window_s": active_s,
         "throughput": {
@@ -218,6 +223,10 @@ def format_summary(s: dict[str, Any]) -> str:
     mm = s.get("mismatch")
     if mm:
         lines.append(f"  mismatch: lag-0 {mismatch_text(mm[M.MISMATCH_LAG0])}; lag>0 {mismatch_text(mm[M.MISMATCH_LAGGED])}")
+        if mm.get("lag0_updates_over_warn"):
+            lines.append(f"  the lag-0 mismatch was over algo.mismatch_warn in {mm['lag0_updates_over_warn']} of the "
+                         f"{mm['lag0_updates']} updates with lag-0 tokens: the workers do not sample what the learner "
+                         "computes (logs/learner.log has the learner's warning and what to check)")
     dropped, generated = s.get("samples_dropped_stale") or 0, s["samples_generated"] or 0
     restarts = [r for r in s.get("learner_restarts") or [] if r["samples_dropped_stale"]]
     if restarts:

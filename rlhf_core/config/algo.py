@@ -108,8 +108,9 @@ class AlgoConfig:
     overlong: Overlong = Overlong.none
     overlong_buffer: int = 4  # tokens at the end of the response budget where shaping's penalty ramps to -1
     # the learner warns (rate-limited) when an update's lag-0 KL(behaviour || learner), k3 per token
-    # (mismatch/lag0_kl_k3), exceeds this: the workers and the learner do not compute the same distribution
-    mismatch_warn: float = 1e-6
+    # (mismatch/lag0_kl_k3), exceeds this: the workers and the learner do not compute the same distribution.
+    # float32 reads 1e-14 with either engine, weights sent as bfloat16 1.4e-7 (docs/operations.md)
+    mismatch_warn: float = 1e-8
 
     def importance_sampling(self) -> ISConfig:
         """The decoupled loss's IS settings: correction and level, with the cap and band of that level

@@ -76,7 +76,7 @@ def test_perturbed_behaviour_logprobs_raise_the_metric_and_one_warning(trained, 
         assert len(caplog.records) == 1
         text = caplog.records[0].getMessage()
         assert "rollout.engine=hf in model.dtype=float32" in text and "the learner in model.dtype=float32" in text
-        assert "over algo.mismatch_warn=1e-06 in 1 update(s)" in text
+        assert "over algo.mismatch_warn=1e-08 in 1 update(s)" in text
         reporter.emit(update(samples), 3, [])  # over the limit again, within the window: counted, not logged
         assert len(caplog.records) == 1
     assert reporter.mismatch._over == 1

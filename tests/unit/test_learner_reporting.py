@@ -29,14 +29,14 @@ def row(kl: float, tokens: float = 40.0) -> dict[str, float]:
 
 def test_the_first_excess_warns_then_one_a_window_with_the_count_between(caplog):
     clock = Clock()
-    w = MismatchWarning(Config(), clock=clock)  # algo.mismatch_warn 1e-6
+    w = MismatchWarning(Config(), clock=clock)  # algo.mismatch_warn 1e-8
     with caplog.at_level(logging.WARNING, logger="learner.reporting"):
-        assert not w.check(row(1e-7))  # under the limit
+        assert not w.check(row(1e-9))  # under the limit
         assert w.check(row(3e-4))  # the first over it: at once
-        assert "is 0.0003 per token (k3; |dlogp| mean 0.01, max 0.2) over algo.mismatch_warn=1e-06 in 1 update(s)" \
+        assert "is 0.0003 per token (k3; |dlogp| mean 0.01, max 0.2) over algo.mismatch_warn=1e-08 in 1 update(s)" \
             in caplog.records[-1].getMessage()
         clock.now += MISMATCH_WARN_EVERY_S - 1
-        assert not w.check(row(2e-4)) and not w.check(row(1e-7)) and not w.check(row(5e-4))  # two over, within the window
+        assert not w.check(row(2e-4)) and not w.check(row(1e-9)) and not w.check(row(5e-4))  # two over, within the window
         clock.now += 1
         assert w.check(row(4e-4))  # the window is over: the third since the last warning
         assert len(caplog.records) == 2 and "in 3 update(s) since the last warning" in caplog.records[-1].getMessage()

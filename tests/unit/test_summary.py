@@ -345,13 +345,17 @@ def test_the_summary_weighs_each_updates_mismatch_by_its_tokens():
     rows = [mismatch_row(1, (30, 1e-7, 4e-7, 1e-14, 0.0), (100, 0.1, 2.0, 0.01, 0.0)),
             mismatch_row(2, (10, 5e-7, 9e-7, 5e-14, 0.0), (0, 0.0, 0.0, 0.0, 0.0)),
             mismatch_row(3, (0, 0.0, 0.0, 0.0, 0.0), (300, 0.3, 3.0, 0.03, 0.02))]
-    s = summarize(Config(), rows, [], wall_s=10.0, exit_reason="done")
+    cfg = Config()
+    cfg.algo.mismatch_warn = 3e-14  # the second update's lag-0 KL is over it
+    s = summarize(cfg, rows, [], wall_s=10.0, exit_reason="done")
     lag0, lagged = s["mismatch"]["lag0"], s["mismatch"]["lagged"]
     assert lag0["tokens"] == 40 and lag0["abs_max"] == 9e-7 and lag0["kl_k3_max"] == 5e-14
     assert abs(lag0["abs_mean"] - 2e-7) < 1e-20 and abs(lag0["kl_k3"] - 2e-14) < 1e-27
     assert lagged["tokens"] == 400 and abs(lagged["kl_k3"] - 0.025) < 1e-15 and abs(lagged["out_of_band_frac"] - 0.015) < 1e-15
     assert ("  mismatch: lag-0 |dlogp| mean 2e-07 max 9e-07, KL k3 2e-14, out of [0.5, 2] 0 (40 tokens); "
             "lag>0 |dlogp| mean 0.25 max 3, KL k3 0.025, out of [0.5, 2] 0.015 (400 tokens)") in format_summary(s).splitlines()
+    assert (s["mismatch"]["lag0_updates"], s["mismatch"]["lag0_updates_over_warn"]) == (2, 1)
+    assert format_summary(s).splitlines()[-1].startswith("  the lag-0 mismatch was over algo.mismatch_warn in 1 of the 2 updates")
     # a synchronous run has no lagged token; DPO reports no mismatch at all
     sync = summarize(Config(), rows[1:2], [], wall_s=10.0, exit_reason="done")
     assert format_summary(sync).splitlines()[-1].endswith("(10 tokens); lag>0 no tokens")
