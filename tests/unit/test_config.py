@@ -218,6 +218,8 @@ def test_a_bad_choice_on_the_command_line_says_the_key_and_the_choices():
         (["algo.estimator=gae", "algo.value_clip=0"], r"algo.value_clip must be > 0 \(or null: no clipping\), got 0.0"),
         (["algo.vtrace=true"], "algo.vtrace=true corrects the critic's targets of algo.estimator=gae; algo.estimator=grpo"),
         (["algo.kl_coef=-0.1"], r"algo.kl_coef must be >= 0 \(0: no KL term\), got -0.1"),
+        (["algo.mismatch_warn=0"], r"algo.mismatch_warn must be > 0 \(the lag-0 KL\(behaviour \|\| learner\) per token above .*, got 0.0"),
+        (["algo.mismatch_warn=-1e-6"], r"algo.mismatch_warn must be > 0 .*, got -1e-06"),
         (["algo.is_correction=mis", "algo.mis_low=2.0", "algo.mis_high=1.0"], r"mis_low < algo.mis_high, got \[2.0, 1.0\]"),
         (["algo.is_level=sequence", "algo.is_correction=mis", "algo.seq_mis_low=1.01", "algo.seq_mis_high=1.0"],
          r"algo.seq_mis_low < algo.seq_mis_high, got \[1.01, 1.0\]"),
