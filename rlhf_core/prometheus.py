@@ -16,7 +16,8 @@ the component's flat metrics dict (``learner/version``, ``reward/mean``, ``token
   observations of 0, 1, 2 ... (the learner's ``staleness/hist``); :meth:`Exporter.observe`
   feeds a histogram directly (the workers' latencies);
 * every other finite number becomes a gauge with the conventional name (``reward/mean`` ->
-  ``rlhf_reward_mean``).
+  ``rlhf_reward_mean``), its HELP text the key's entry in ``docs`` (the learner's:
+  ``metric_names.METRIC_HELP``), else the key.
 
 Names follow Prometheus's rules (``promtool check metrics``), which the records' keys, read under
 their own names by the monitor, the report, ``metrics.jsonl`` and the trackers, do not: see
@@ -118,8 +119,10 @@ class Totals:
 
 class Exporter:
     def __init__(self, prefix: str, labels: Mapping[str, str] | None = None, totals: tuple[str, ...] = (),
-                 histograms: tuple[Hist, ...] = (), sums: Mapping[str, str] | None = None) -> None:
+                 histograms: tuple[Hist, ...] = (), sums: Mapping[str, str] | None = None,
+                 docs: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
+        self._docs = dict(docs or {})  # key -> its HELP text
         self.labels = dict(labels or {})
         self.registry = CollectorRegistry()
         self._totals = frozenset(totals)
@@ -175,7 +178,7 @@ class Exporter:
         if key in self._totals:
             self._series(Counter, name, f"running total {key!r}").inc(self._growth.growth(key, x))
         else:
-            self._series(Gauge, name, f"{key!r}").set(x)
+            self._series(Gauge, name, self._docs.get(key, f"{key!r}")).set(x)
 
     def observe(self, hist: str, value: float) -> None:
         """One observation of the histogram named ``hist`` (a :class:`Hist`'s name)."""
@@ -214,7 +217,7 @@ def learner_exporter(run_id: str) -> Exporter:
              "trains", LAG_BUCKETS, key=M.STALENESS_HIST),
         Hist("learner_step_seconds", "compute time of one update (forward, backward, optimizer)", SECONDS_BUCKETS,
              key=M.TIME_COMPUTE_S),
-    ), sums={M.NUM_TOKENS: "learner/tokens_trained"})
+    ), sums={M.NUM_TOKENS: "learner/tokens_trained"}, docs=M.METRIC_HELP)
 
 
 WEIGHT_SYNC = "weight_sync_seconds"
