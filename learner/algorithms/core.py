@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from rlhf_core.choices import AggMode, ISCorrection, ISLevel, KLEstimator, check_choice
-from rlhf_core.config import ISConfig, check_clip
+from rlhf_core.config import ISConfig, check_clip, check_penalties
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over data-parallel ranks; identity when alone
 TOKEN_MEAN = AggMode["token-mean"]
@@ -168,8 +168,7 @@ def token_rewards(
     penalty, ``r_t = -kl_coef * kl_t + [t == last real token] * seq_reward`` (KL as a reward
     penalty, as in Ziegler et al. 2019 / OpenRLHF; 0 at masked positions). A sequence without
     real tokens gets no reward. ``kl``: ``[B, T]`` per-token KL estimate (:func:`kl_estimate`)."""
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    check_penalties(kl_coef=kl_coef)
     m = bool_mask(mask)
     if seq_rewards.shape != m.shape[:1]:
         raise ValueError(f"seq_rewards must have shape [B]={tuple(m.shape[:1])}, got {tuple(seq_rewards.shape)}")

@@ -29,6 +29,17 @@ def check_clip(clip_eps_low: float, clip_eps_high: float | None, dual_clip_c: fl
     return high
 
 
+def check_penalties(*, kl_coef: float = 0.0, label_smoothing: float = 0.0, value_clip: float | None = None,
+                    key: str = "") -> None:
+    """The KL coefficient, DPO's label smoothing and the critic's clip range (every one that is given)."""
+    if not kl_coef >= 0:
+        raise ConfigError(f"{key}kl_coef must be >= 0 (0: no KL term), got {kl_coef}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ConfigError(f"{key}{'dpo_' if key else ''}label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if value_clip is not None and not value_clip > 0:
+        raise ConfigError(f"{key}value_clip must be > 0 (or null: no clipping), got {value_clip}")
+
+
 def check_gamma_lam(gamma: float, lam: float = 1.0, key: str = "") -> None:
     """The discount and GAE's lambda."""
     if not 0.0 <= gamma <= 1.0:
@@ -157,12 +168,7 @@ class AlgoConfig:
             raise ConfigError("algo.policy_loss=gspo weighs whole responses, so its behaviour weight pi_prox/mu is one per "
                               "response too: set algo.is_level=sequence (experiment=gspo does)")
         check_gamma_lam(self.gamma, self.lam, key="algo.")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ConfigError(f"algo.value_clip must be > 0 (or null: no clipping), got {self.value_clip}")
-        if not self.kl_coef >= 0:
-            raise ConfigError(f"algo.kl_coef must be >= 0 (0: no KL term), got {self.kl_coef}")
+        check_penalties(kl_coef=self.kl_coef, label_smoothing=self.dpo_label_smoothing, value_clip=self.value_clip, key="algo.")
         if not self.mismatch_warn > 0:
             raise ConfigError(f"algo.mismatch_warn must be > 0 (the lag-0 KL(behaviour || learner) per token above which "
                               f"the learner warns; a large number such as 1e9 never warns), got {self.mismatch_warn}")
