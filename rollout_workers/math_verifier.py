@@ -21,6 +21,7 @@ closes, so a worker that dies leaves none behind. ``verifier`` is the dotted pat
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -45,12 +46,15 @@ _READY = "ready"
 
 def math_verify_equal(gold: str, answer: str) -> bool | None:
     """math-verify's verdict on ``answer`` against ``gold`` (both LaTeX or plain text, wrapped in
-    ``$...$`` unless they have math delimiters or a ``\\boxed``); None when either does not parse.
-    Its own time limits are off: the caller's timer is in charge."""
+    ``$...$`` unless they have math delimiters or a ``\\boxed``); None when either does not parse,
+    or the gold is mathematics and the answer only text (math-verify would keep the raw string
+    and compare it unequal). Its own time limits are off: the caller's timer is in charge."""
     from math_verify import parse, verify
+    from sympy import Basic, MatrixBase
 
     parsed_gold, parsed = parse(_math(gold), parsing_timeout=None), parse(_math(answer), parsing_timeout=None)
-    if not parsed_gold or not parsed:
+    is_math = lambda found: any(isinstance(x, (Basic, MatrixBase)) for x in found)  # noqa: E731
+    if not parsed_gold or not parsed or (is_math(parsed_gold) and not is_math(parsed)):
         return None
     return bool(verify(parsed_gold, parsed, timeout_seconds=None))
 
@@ -87,7 +91,8 @@ def serve(verifier: str) -> None:
     out = sys.stdout
     try:
         fn = _import(verifier)
-        fn("1", "1")  # warm the imports (SymPy, the LaTeX parser) before saying ready
+        if importlib.util.find_spec("math_verify") is not None:
+            math_verify_equal("1", "1")  # warm its imports (SymPy, the LaTeX parser) before saying ready
     except Exception as exc:  # noqa: BLE001 - said to the worker, which stops with it
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()

@@ -132,6 +132,7 @@ class Sandbox:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._checked = False
+        self.bwrap = shutil.which("bwrap")  # found on the worker's PATH; run by this path
         prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
         mb = 1 << 20
         self._limits = [os.path.realpath(prlimit), f"--cpu={cfg.cpu_s}:{cfg.cpu_s + 1}", f"--as={cfg.memory_mb * mb}",
@@ -158,7 +159,7 @@ class Sandbox:
 
     def _bwrap(self, fd: int) -> list[str]:
         cfg = self.cfg
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--die-with-parent",
+        argv = [self.bwrap or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--die-with-parent",
                 "--new-session", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
         for path in _ROOT_DIRS:
             if os.path.islink(path):
@@ -236,7 +237,7 @@ class Sandbox:
             log.warning("sandbox=none: the policy's programs run WITHOUT isolation, as this user (%s), able to read the "
                         "run's config and secrets and to reach the network; only the limits hold. Use the default "
                         "sandbox (bubblewrap) unless you trust the code", _user())
-        elif shutil.which("bwrap") is None:
+        elif self.bwrap is None:
             raise ConfigError("the sandbox needs bubblewrap (bwrap), which is not installed: apt-get install -y bubblewrap "
                               "(or dnf install bubblewrap); sandbox=none runs the policy's code without isolation")
         for need, what in ((cfg.python, "sandbox.python"), (self._limits[0], "prlimit (util-linux)")):

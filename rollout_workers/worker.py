@@ -366,5 +366,6 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
         if early:
             worker.request_stop()
     stats = worker.run(**budget)
-    log.info("worker %s done: %s", worker.worker_id, stats.as_dict(worker.engine.version))
+    reasons = worker.scorer.counters()
+    log.info("worker %s done: %s", worker.worker_id, stats.as_dict(worker.engine.version, {"reward_reasons": reasons} if reasons else None))
     return stats
