@@ -18,9 +18,9 @@ without one 0, ``whole`` always takes the whole response). The tests are the row
   own source can still fake a pass; stdin/stdout tests cannot be faked.
 
 A row's tests may also come as a JSON string of either shape (how a nested column reaches the
-reward). Every execution's outcome is counted (``passed``, ``wrong_output``, ``failed``,
-``timeout``, ``memory``, ``output_limit``, ``crashed``, ``error``, and ``no_code`` for a response
-without a program) in :meth:`CodeTests.counters`. A row without tests fails its completions
+reward). Every test's outcome is counted (:class:`CodeOutcome`: ``passed``, ``wrong_output``,
+the execution's status when it did not end well, ``no_code`` for a response without a program) in
+:meth:`CodeTests.counters`. A row without tests fails its completions
 with a message naming the column.
 """
 
@@ -31,6 +31,7 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from rlhf_core.choices import CodeExtract
@@ -40,6 +41,20 @@ from rollout_workers.sandbox import Sandbox, SandboxResult, SandboxStatus, share
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
 _CODE_LANGS = ("", "python", "py", "python3")
+
+
+class CodeOutcome(StrEnum):
+    """How one test of a program went: passed, or why not (how its execution ended)."""
+
+    passed = "passed"
+    wrong_output = "wrong_output"  # it ran to the end, but printed something else (or not the assert's token)
+    failed = SandboxStatus.failed.value
+    timeout = SandboxStatus.timeout.value
+    memory = SandboxStatus.memory.value
+    output_limit = SandboxStatus.output_limit.value
+    crashed = SandboxStatus.crashed.value
+    error = SandboxStatus.error.value
+    no_code = "no_code"  # the response holds no program (extract=fenced and no fenced block): nothing ran
 
 
 @dataclass(frozen=True)
@@ -98,13 +113,15 @@ def _lines(text: str) -> list[str]:
     return lines
 
 
-def judge(test: CodeTest, result: SandboxResult, token: str = "") -> str:
-    """``passed`` or why not (a :class:`SandboxStatus` value, or ``wrong_output``)."""
+def judge(test: CodeTest, result: SandboxResult, token: str = "") -> CodeOutcome:
+    """How the test went, from its execution's result (``token``: what an assert test prints last)."""
     if result.status != SandboxStatus.ok:
-        return result.status.value
+        return CodeOutcome(result.status.value)
     if test.assertion is not None:
-        return "passed" if _lines(result.stdout)[-1:] == [token] else "wrong_output"
-    return "passed" if _lines(result.stdout) == _lines(test.expected or "") else "wrong_output"
+        right = _lines(result.stdout)[-1:] == [token]
+    else:
+        right = _lines(result.stdout) == _lines(test.expected or "")
+    return CodeOutcome.passed if right else CodeOutcome.wrong_output
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,7 @@ def plan(program: str, tests: Sequence[CodeTest]) -> list[PlannedRun]:
     return runs
 
 
-def run_planned(sandbox: Sandbox, runs: Sequence[PlannedRun]) -> list[str]:
+def run_planned(sandbox: Sandbox, runs: Sequence[PlannedRun]) -> list[CodeOutcome]:
     """Each run's verdict (:func:`judge`), the runs ``sandbox.pool_size`` at a time."""
     results = sandbox.run_all([(r.source, r.stdin) for r in runs])
     return [judge(r.test, result, r.token) for r, result in zip(runs, results)]
@@ -175,17 +192,17 @@ class CodeTests:
                 continue
             program = extract_program(completion_text(completion), self.extract)
             if program is None:
-                self.reasons.add(["no_code"])
+                self.reasons.add([CodeOutcome.no_code.value])
                 out[i] = 0.0
                 continue
             planned = plan(program, tests[: self.max_tests])
             runs += planned
             owners += [i] * len(planned)
         verdicts = run_planned(self.sandbox, runs)
-        self.reasons.add(verdicts)
+        self.reasons.add(v.value for v in verdicts)
         passed: dict[int, list[bool]] = {}
         for i, verdict in zip(owners, verdicts):
-            passed.setdefault(i, []).append(verdict == "passed")
+            passed.setdefault(i, []).append(verdict == CodeOutcome.passed)
         for i, flags in passed.items():
             out[i] = sum(flags) / len(flags)
         return [0.0 if v is None else v for v in out]

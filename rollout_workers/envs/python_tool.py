@@ -25,8 +25,8 @@ from typing import Any
 from rlhf_core.choices import CodeExtract
 from rlhf_core.config import SandboxConfig
 from rlhf_core.records import Prompt
-from rollout_workers.code_reward import extract_program, parse_tests, plan, run_planned
-from rollout_workers.environment import AssistantTurn, StepResult
+from rollout_workers.code_reward import CodeOutcome, extract_program, parse_tests, plan, run_planned
+from rollout_workers.environment import HERMES_TOOL_CALL, AssistantTurn, StepResult, string_tool
 from rollout_workers.sandbox import SandboxResult, shared_sandbox
 
 
@@ -43,20 +43,9 @@ def describe(result: SandboxResult, limit: int) -> str:
 class PythonTool:
     """See the module docstring. ``sandbox``: the run's sandbox settings (``${sandbox}``)."""
 
-    tools = [{
-        "type": "function",
-        "function": {
-            "name": "run_python",
-            "description": "Run a Python 3 program in a sandbox (no network, no files but /tmp) and return its output.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string", "description": "the whole program"}},
-                "required": ["code"],
-            },
-        },
-    }]
-    #: where the chat template has no tool format: the Hermes tags, written as plain text
-    tool_call_pattern = r"<tool_call>(.*?)</tool_call>"
+    tools = [string_tool("run_python", "Run a Python 3 program in a sandbox (no network, no files but /tmp) and return its output.",
+                         "code", "the whole program")]
+    tool_call_pattern = HERMES_TOOL_CALL
 
     def __init__(self, sandbox: Any = None, tests_field: str = "tests", max_observation_chars: int = 2000) -> None:
         self.sandbox = shared_sandbox(SandboxConfig.of(sandbox))
@@ -98,4 +87,4 @@ class PythonTool:
         if self.last_program is None:
             return 0.0
         verdicts = run_planned(self.sandbox, plan(self.last_program, self.tests))
-        return sum(v == "passed" for v in verdicts) / len(verdicts)
+        return sum(v == CodeOutcome.passed for v in verdicts) / len(verdicts)
