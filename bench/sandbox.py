@@ -44,7 +44,7 @@ def load() -> float:
 
 
 def sandbox_for(pool: int, backend: str = "bwrap"):
-    from rlhf_core.config import SandboxConfig
+    from rlhf_core.config.sandbox import SandboxConfig
     from rollout_workers.sandbox import Sandbox
 
     return Sandbox(SandboxConfig.of({"pool_size": pool, "backend": backend, "wall_s": 60.0, "cpu_s": 30}))

@@ -35,7 +35,8 @@ from enum import StrEnum
 from typing import Any
 
 from rlhf_core.choices import CodeExtract
-from rlhf_core.config import ConfigError, SandboxConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.sandbox import SandboxConfig
 from rollout_workers.reward_tools import ReasonCounts, completion_text
 from rollout_workers.sandbox import Sandbox, SandboxResult, SandboxStatus, shared_sandbox
 

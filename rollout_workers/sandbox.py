@@ -56,7 +56,8 @@ from dataclasses import astuple, dataclass
 from enum import StrEnum
 
 from rlhf_core.choices import SandboxBackend
-from rlhf_core.config import ConfigError, SandboxConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.sandbox import SandboxConfig
 
 log = logging.getLogger(__name__)
 

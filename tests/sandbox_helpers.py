@@ -10,7 +10,8 @@ import time
 import psutil
 import pytest
 
-from rlhf_core.config import ConfigError, SandboxConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.sandbox import SandboxConfig
 from rollout_workers.sandbox import Sandbox
 
 #: the limits of the tests: small, so a hostile program hits them fast, and a wall clock that a

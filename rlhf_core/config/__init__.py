@@ -18,13 +18,12 @@ from rlhf_core.config.reward import ENV_COMPONENT, RewardConfig, active_reward_f
 from rlhf_core.config.rollout import RolloutConfig, env_target, response_budget
 from rlhf_core.config.rules import validate
 from rlhf_core.config.run import RayRoleConfig
-from rlhf_core.config.sandbox import SandboxConfig
 from rlhf_core.config.schema import SECRET_FIELDS, Config, register_configs, to_object
 from rlhf_core.config.weight_server import LOOPBACK_HOSTS, WeightServerConfig
 from rlhf_core.errors import ConfigError
 
 __all__ = ["AlgoConfig", "BufferConfig", "Config", "ConfigError", "DataConfig", "ENV_COMPONENT", "EvalConfig", "ISConfig",
            "LOOPBACK_HOSTS", "LearnerConfig", "LoraConfig", "ModelConfig", "RayRoleConfig", "RewardConfig", "RolloutConfig",
-           "SECRET_FIELDS", "SandboxConfig", "TinyModelConfig", "VLLM_LORA_RANKS", "WeightServerConfig", "active_reward_functions",
+           "SECRET_FIELDS", "TinyModelConfig", "VLLM_LORA_RANKS", "WeightServerConfig", "active_reward_functions",
            "check_clip", "check_gamma_lam", "env_target", "register_configs", "replay_mode", "response_budget",
            "to_object", "to_plain", "validate"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_core.choices import CodeExtract
-from rlhf_core.config import SandboxConfig
+from rlhf_core.config.sandbox import SandboxConfig
 from rlhf_core.records import Prompt
 from rollout_workers.code_reward import CodeOutcome, extract_program, parse_tests, plan, run_planned
 from rollout_workers.environment import HERMES_TOOL_CALL, AssistantTurn, StepResult, string_tool

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from rlhf_core.config import ConfigError, SandboxConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.sandbox import SandboxConfig
 from rlhf_core.records import Prompt
 from rlhf_core.tool_calls import ToolCall
 from rollout_workers.code_reward import CodeTests

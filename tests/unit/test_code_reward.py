@@ -8,7 +8,8 @@ import json
 import pytest
 
 from rlhf_core.choices import CodeExtract, SandboxBackend
-from rlhf_core.config import ConfigError, SandboxConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.sandbox import SandboxConfig
 from rollout_workers.code_reward import CodeTest, extract_program, judge, parse_tests, plan
 from rollout_workers.sandbox import SandboxResult, SandboxStatus
 
