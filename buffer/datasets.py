@@ -8,7 +8,8 @@ file's path, size and mtime and the fields read are the cache key): rows that ca
 prompts stop it at once with one :class:`DataError` naming the first few by line (JSONL) or
 row and saying how many there are, instead of when the shuffled walk reaches them.
 
-Row mapping: the prompt text is ``row[data.text_field]`` (default ``prompt``); when a row has
+Row mapping: the prompt text is ``row[data.text_field]`` (default ``prompt``; a row without one
+may hold it as ``question`` or ``problem``, GSM8K's and MATH's shapes); when a row has
 ``row[data.messages_field]`` (default ``messages``, a list of ``{"role", "content"}``), those
 chat turns are the prompt instead. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
 ``"<file name>:<row number>"``. Every other field goes to ``metadata`` (reaching the reward
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_core.config import DataConfig
+from rlhf_core.config.data import TEXT_FIELD_FALLBACKS
 from rlhf_core.errors import UserError
 from rlhf_core.records import Prompt
 from rlhf_core.wire import pack
@@ -163,7 +165,8 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str) ->
     saying what is wrong with it (the caller names the row)."""
     messages = None
     mf = data_cfg.messages_field
-    text = row.get(data_cfg.text_field)
+    tf = text_field(row, data_cfg.text_field)
+    text = row.get(tf)
     if mf and row.get(mf) is not None:
         messages = row[mf]
         if not (isinstance(messages, list) and all(
@@ -181,14 +184,22 @@ def row_to_prompt(row: dict[str, Any], data_cfg: DataConfig, default_id: str) ->
         )
     pid = row.get("id", row.get("prompt_id"))
     prompt_id = str(pid) if pid is not None else default_id
-    skip = {data_cfg.text_field, mf, "id", "prompt_id"}
+    skip = {tf, mf, "id", "prompt_id"}
     metadata = {k: _meta_value(v) for k, v in row.items() if k not in skip and isinstance(k, str)}
     prompt = Prompt(prompt_id, text, messages, metadata)
     try:
         prompt.encode()
     except (OverflowError, UnicodeEncodeError):  # msgpack's: an integer beyond 64 bits, a lone surrogate
-        raise DataError(_unencodable({"id": prompt_id, data_cfg.text_field: text, mf: messages, **metadata})) from None
+        raise DataError(_unencodable({"id": prompt_id, tf: text, mf: messages, **metadata})) from None
     return prompt
+
+
+def text_field(row: dict[str, Any], configured: str) -> str:
+    """The field holding the row's prompt: ``configured``, or for the default ``prompt`` a row
+    without one may have GSM8K's ``question`` or MATH's ``problem`` instead."""
+    if configured != "prompt" or "prompt" in row:
+        return configured
+    return next((f for f in TEXT_FIELD_FALLBACKS if isinstance(row.get(f), str)), configured)
 
 
 def _unencodable(fields: dict[Any, Any]) -> str:

@@ -81,6 +81,9 @@ ShmMode = StrEnum("ShmMode", "auto off")  # weight_server.shm: same-host peers m
 Logger = StrEnum("Logger", "tensorboard wandb mlflow")  # run.loggers: trackers, each also the module it needs
 WandbMode = StrEnum("WandbMode", "online offline disabled")  # run.wandb_mode
 Launcher = StrEnum("Launcher", "local ray")  # launcher: child processes on this machine, or Ray actors on a cluster
+SandboxBackend = StrEnum("SandboxBackend", "bwrap none")  # sandbox.backend: bubblewrap, or no isolation at all
+AnswerExtract = StrEnum("AnswerExtract", "boxed answer_is last_number")  # reward=math: where a response's answer is read
+CodeExtract = StrEnum("CodeExtract", "auto fenced whole")  # reward=code_tests: where a response's program is read
 
 
 class LearnerPlacement(StrEnum):  # ray.learner.strategy: Ray's placement-group strategies

@@ -378,13 +378,19 @@ def weight_server_stats(metrics: dict[str, Any], name: str = "policy") -> dict[s
 def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
     """What scoring costs, from the workers' heartbeat stats: the share of their scoring threads'
     time spent scoring (mean over workers; near 1: the reward is the bottleneck), reward calls/s
-    (summed), and the calls abandoned after reward.timeout_s and empty responses so far."""
+    (summed), and the calls abandoned after reward.timeout_s and empty responses so far; with
+    ``reasons``, why the built-in rewards scored what they did (``math/no_answer``: count, summed)."""
     shares = [float(w[M.WORKER_SCORE_SHARE]) for w in workers if w.get(M.WORKER_SCORE_SHARE) is not None]
+    reasons: dict[str, int] = {}
+    for w in workers:
+        for reason, n in (w.get("reward_reasons") or {}).items():
+            reasons[reason] = reasons.get(reason, 0) + int(n)
     return {
         "scoring_share": sum(shares) / len(shares) if shares else None,
         "reward_calls_per_s": sum(float(w.get(M.WORKER_REWARD_CALLS_PER_S, 0.0)) for w in workers),
         "reward_timeouts": sum(int(w.get("reward_timeouts", 0)) for w in workers),
         "empty_responses": sum(int(w.get("empty_responses", 0)) for w in workers),
+        **({"reasons": dict(sorted(reasons.items()))} if reasons else {}),
     }
 
 

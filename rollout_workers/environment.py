@@ -85,6 +85,19 @@ class Environment(Protocol):
     def step(self, turn: AssistantTurn) -> StepResult | tuple | Awaitable[StepResult | tuple]: ...
 
 
+#: an environment's ``tool_call_pattern`` where the chat template has no tool format: the Hermes tags, as plain text
+HERMES_TOOL_CALL = r"<tool_call>(.*?)</tool_call>"
+
+
+def string_tool(name: str, description: str, argument: str, about: str) -> dict[str, Any]:
+    """The JSON schema of a tool taking one string argument, for an environment's ``tools``."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": about}},
+                       "required": [argument]},
+    }}
+
+
 def as_step_result(value: Any) -> StepResult:
     """Normalise what ``step`` returned: a StepResult, ``(obs, reward, done)`` or ``(obs, done)``."""
     if isinstance(value, StepResult):

@@ -437,6 +437,16 @@ class Scorer:
         kinds = [f"{f.name} ({'batched' if isinstance(f, _BatchedFn) else 'per sample'})" for f in self.functions]
         return ", ".join(kinds + [f"{m.name} (reward model on {m.device})" for m in self.models])
 
+    def counters(self) -> dict[str, int]:
+        """``{"<reward>/<reason>": count}`` of the rewards that count why they scored what they did
+        (a ``counters()`` method: :mod:`rollout_workers.reward_tools`), for the heartbeat."""
+        out: dict[str, int] = {}
+        for f in self.functions:
+            count = getattr(f.fn, "counters", None)
+            if callable(count):
+                out.update({f"{f.name}/{reason}": n for reason, n in count().items()})
+        return out
+
     def score_batch(self, items: Sequence[ScoreItem], watch: CallWatch | None = None
                     ) -> list[tuple[float, dict[str, float]] | RewardError]:
         """Per item ``(total reward, {component: value})`` or the RewardError that fails it.

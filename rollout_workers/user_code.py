@@ -28,10 +28,20 @@ def import_reward_target(name: str, path: str) -> Any:
 
 def check_reward_targets(reward: Any) -> None:
     """Import every reward function the run will use, so a typo stops ``rlhf-run`` before any
-    process starts (the workers would otherwise exit on it one after the other)."""
+    process starts (the workers would otherwise exit on it one after the other), and run the
+    start-up check of those that have one (:func:`check_at_start`)."""
     for name, spec in active_reward_functions(reward).items():
         if isinstance(spec, Mapping) and isinstance(spec.get("_target_"), str):
-            import_reward_target(name, spec["_target_"])
+            check_at_start(import_reward_target(name, spec["_target_"]), spec)
+
+
+def check_at_start(target: Any, spec: Mapping[str, Any]) -> None:
+    """A reward or environment class may say, before any process starts, that the run cannot work
+    here: its ``check_at_start(spec)`` (a static method, given its config node) raises
+    :class:`ConfigError` with one line (the sandbox cannot start; math-verify is not installed)."""
+    check = getattr(target, "check_at_start", None)
+    if callable(check):
+        check(spec)
 
 
 def import_env_target(rollout: Any) -> Any | None:
@@ -59,4 +69,6 @@ def import_env_target(rollout: Any) -> Any | None:
         raise ConfigError(f"rollout.env._target_={path!r}: the class {obj.__name__} has no {' and no '.join(missing)} "
                           "method; an environment needs reset(prompt) -> first observation and step(turn) -> "
                           "StepResult (docs/multi_turn.md)")
+    env = rollout.env
+    check_at_start(obj, env if isinstance(env, Mapping) else {})
     return obj

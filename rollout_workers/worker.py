@@ -209,6 +209,9 @@ class RolloutWorker:
         extra.update(active=self.engine.num_active(), waiting=self.engine.num_waiting(), groups=len(self.groups),
                      weight_pulls=pulls["pulls"], weight_timeouts=pulls["timeouts"],
                      score_share=self.score_share(), scoring_threads=self.cfg.reward.num_threads)
+        reasons = self.scorer.counters()  # why the built-in rewards scored what they did (reward=math, code_tests)
+        if reasons:
+            extra["reward_reasons"] = reasons
         for name, attr in ENGINE_COUNTERS.items():  # forward passes (hf), prompt tokens reused and in all
             if hasattr(self.engine, attr):
                 extra[name] = getattr(self.engine, attr)
@@ -363,5 +366,6 @@ def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool 
         if early:
             worker.request_stop()
     stats = worker.run(**budget)
-    log.info("worker %s done: %s", worker.worker_id, stats.as_dict(worker.engine.version))
+    reasons = worker.scorer.counters()
+    log.info("worker %s done: %s", worker.worker_id, stats.as_dict(worker.engine.version, {"reward_reasons": reasons} if reasons else None))
     return stats

@@ -232,3 +232,25 @@ def trl_boom(prompts: list[str], completions: list[str], **kwargs: Any) -> list[
 
 def trl_cancelled(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
     raise asyncio.CancelledError()
+
+
+def verify_hangs(gold: str, answer: str) -> bool | None:
+    """A math verifier (``reward=math``'s ``verifier``) that hangs where no signal reaches it on
+    the answer ``hang``: SIGALRM blocked, then a wait forever (what C code that never returns to
+    the interpreter, such as a huge integer power, looks like to the child's own timer); else
+    math-verify."""
+    import signal
+
+    if answer == "hang":
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        while True:
+            time.sleep(60)
+    from rollout_workers.math_verifier import math_verify_equal
+
+    return math_verify_equal(gold, answer)
+
+
+def verify_loops(gold: str, answer: str) -> bool | None:
+    """A math verifier that loops forever in Python (interruptible by the child's own timer)."""
+    while True:
+        pass

@@ -4,7 +4,7 @@ The YAML groups under ``conf/`` fill these dataclasses, so a misspelt key, a wro
 choice that is not one of its Enum's values (``rlhf_core/choices.py``) fails at composition.
 Each section is a module with its dataclass and ``check()``, the rules within that section
 (``model``, ``algo``, ``buffer``, ``rollout``, ``learner``, ``weight_server``, ``reward``,
-``data`` with ``eval``, ``run`` with ``ray`` and ``gateway``); ``schema`` is the whole tree; ``rules``
+``data`` with ``eval``, ``run`` with ``ray`` and ``gateway``, ``sandbox``); ``schema`` is the whole tree; ``rules``
 holds the rules between sections and :func:`validate`, which runs them all once at start-up,
 before any model is built, with errors that name the numbers.
 """

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from rlhf_core.choices import DataSource
 from rlhf_core.errors import ConfigError
 
+#: where a row's prompt is when ``data.text_field`` is the default ``prompt`` and the row has none:
+#: GSM8K's ``question`` (with ``answer``), MATH's ``problem`` (with ``solution``)
+TEXT_FIELD_FALLBACKS = ("question", "problem")
+
 
 @dataclass
 class DataConfig:
@@ -15,7 +19,7 @@ class DataConfig:
     path: str | None = None
     task: str = "count_up"  # builtin task name
     num_prompts: int = 256  # builtin only
-    text_field: str = "prompt"
+    text_field: str = "prompt"  # the default also reads TEXT_FIELD_FALLBACKS when a row has no `prompt`
     messages_field: str | None = "messages"  # chat turns, used when a row has them (null: never)
     # passes over the prompts, each in another shuffled order; the run ends once every prompt of the
     # last one is trained on (or earlier, at learner.max_updates / run.max_seconds)

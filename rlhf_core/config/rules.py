@@ -23,7 +23,7 @@ def validate(cfg: Any) -> None:
     cfg.algo.check()
     batch_holds_whole_groups(cfg)  # before the learner's micro-batches: what a batch size must fit first
     for section in (cfg.learner, cfg.rollout, cfg.model, cfg.data, cfg.buffer, cfg.weight_server, cfg.run,
-                    cfg.reward, cfg.eval, cfg.ray, cfg.gateway):
+                    cfg.reward, cfg.eval, cfg.ray, cfg.gateway, cfg.sandbox):
         section.check()
     for rule in (tiny_model_holds_context, lora_rank_runs_on_vllm, float16_has_loss_scaling, buffer_holds_a_batch,
                  no_reward_hides_the_environment, overlong_buffer_fits_the_budget, evaluation_runs_single_turn,

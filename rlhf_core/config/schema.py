@@ -17,6 +17,7 @@ from rlhf_core.config.model import ModelConfig
 from rlhf_core.config.reward import RewardConfig
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run import GatewayConfig, RayConfig, RunConfig
+from rlhf_core.config.sandbox import SandboxConfig
 from rlhf_core.config.weight_server import WeightServerConfig
 from rlhf_core.errors import ConfigError
 
@@ -41,6 +42,7 @@ class Config:
     launcher: Launcher = Launcher.local  # rlhf-run: child processes on this machine, or Ray actors on a cluster
     ray: RayConfig = field(default_factory=RayConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where a policy's programs run (sandbox=none: unisolated)
     # rlhf-run resume=<output folder>: continue that run (its saved config, run id, Redis data, checkpoint)
     resume: str | None = None
 

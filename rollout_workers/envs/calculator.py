@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_core.records import Prompt
-from rollout_workers.environment import AssistantTurn, StepResult
+from rollout_workers.environment import HERMES_TOOL_CALL, AssistantTurn, StepResult, string_tool
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
@@ -95,20 +95,9 @@ class Calculator:
     """See the module docstring. ``answer_key``: the metadata field holding the answer;
     ``tolerance``: how close the answer's number must be."""
 
-    tools = [{
-        "type": "function",
-        "function": {
-            "name": "calculate",
-            "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. (12 + 3) * 7"}},
-                "required": ["expression"],
-            },
-        },
-    }]
-    #: where the chat template has no tool format: the Hermes tags, written as plain text
-    tool_call_pattern = r"<tool_call>(.*?)</tool_call>"
+    tools = [string_tool("calculate", "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+                         "expression", "e.g. (12 + 3) * 7")]
+    tool_call_pattern = HERMES_TOOL_CALL
 
     def __init__(self, answer_key: str = "answer", tolerance: float = 1e-6) -> None:
         self.answer_key, self.tolerance = answer_key, float(tolerance)

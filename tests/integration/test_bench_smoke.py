@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ BENCHES = {
     "multi_turn": (["--quick", "--episodes", "64", "--skip-learning"], {"latency"}),  # the learning run: test_multi_turn_run
     "rewards": (["--quick", "--updates", "4"], {"runs", "batched_over_per_sample", "ratios_per_seed", "target",
                                                  "reward_model_ms_per_completion"}),
+    "sandbox": (["--quick", "--updates", "4"], {"load", "executions", "overhead", "math_reward_alone", "runs", "ratios_over_default",
+                                                 "targets", "met", "notes"}),
     "staleness": (["--quick", "--updates", "20", "--seeds", "1"],
                   {"initial_eval", "summary", "ratios_decoupled_over_ppo", "eval_curves", "runs"}),
     "weight_sync": (["--quick", "--size-mb", "32", "--reps", "2"], {"results", "ratios", "targets", "rounds"}),
@@ -84,13 +87,16 @@ def _digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
-NEEDS = {"engines": "vllm"}  # bench -> the optional package it needs (installed by ./quickstart.sh)
+NEEDS = {"engines": "vllm", "sandbox": "math_verify"}  # bench -> the optional package it needs (installed by ./quickstart.sh)
+NEEDS_PROGRAM = {"sandbox": "bwrap"}  # bench -> the program it needs (./quickstart.sh installs it as root)
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_bench_quick_mode_runs_and_writes_its_json(name, tmp_path, model_cache):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])
+    if name in NEEDS_PROGRAM and shutil.which(NEEDS_PROGRAM[name]) is None:
+        pytest.skip(f"bench/{name}.py needs {NEEDS_PROGRAM[name]} (apt-get install -y bubblewrap)")
     args, keys = BENCHES[name]
     result = RESULT.get(name, name)
     committed = BENCH / "results" / f"{result}.json"

@@ -104,8 +104,8 @@ def test_errors_name_the_file_row_and_field(tmp_path):
     empty = _write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(DataError, match="empty.jsonl' has no rows"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(empty)), 0))
-    nofield = _write_jsonl(tmp_path / "nofield.jsonl", [{"question": "x"}])
-    with pytest.raises(DataError, match=r"no string field 'prompt' \(fields: question\); set data.text_field"):
+    nofield = _write_jsonl(tmp_path / "nofield.jsonl", [{"query": "x"}])  # (question and problem are read: GSM8K, MATH)
+    with pytest.raises(DataError, match=r"no string field 'prompt' \(fields: query\); set data.text_field"):
         list(iter_prompts(DataConfig(source="jsonl", path=str(nofield)), 0))
 
 
@@ -113,17 +113,17 @@ def test_bad_rows_are_refused_at_load_before_any_prompt(tmp_path):
     # once found only when the shuffled walk reached them (939 prompts produced before row 700
     # raised), so a run trained for a while, stopped, and a resume stopped again at once
     rows = [{"prompt": f"q{i}"} for i in range(1000)]
-    rows[700] = {"question": "no prompt field"}
+    rows[700] = {"query": "no prompt field"}
     rows[900] = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}  # OpenAI's parts
-    rows[950] = {"question": "again"}
-    rows[990] = {"question": "and again"}
+    rows[950] = {"query": "again"}
+    rows[990] = {"query": "and again"}
     cfg = DataConfig(source="jsonl", path=str(_write_jsonl(tmp_path / "p.jsonl", rows)))
     it = iter_prompts(cfg, 0)
     with pytest.raises(DataError) as err:
         next(it)
     msg = str(err.value)
     assert msg.startswith("4 of the 1000 rows of ") and "p.jsonl cannot be prompts; fix or remove them (the first 3: " in msg
-    assert "line 701: no string field 'prompt' (fields: question)" in msg
+    assert "line 701: no string field 'prompt' (fields: query)" in msg
     assert "line 901: field 'messages' must be a list of {'role': str, 'content': str} turns" in msg
     assert "line 951: " in msg and "line 991" not in msg
 
