@@ -46,7 +46,7 @@ all of these names through the preamble built in :mod:`buffer.scripts`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from rlhf_core.errors import UserError
 
@@ -123,34 +123,8 @@ class RunKeys:
     def for_run(cls, run_id: str) -> RunKeys:
         check_run_id(run_id)
         p = f"{PREFIX}:{{{run_id}}}:"
-        return cls(
-            run_id=run_id,
-            prefix=p,
-            params=p + "params",
-            version=p + "version",
-            updates=p + "updates",
-            counters=p + "counters",
-            prompts=p + "prompts",
-            samples=p + "samples",
-            dead=p + "dead",
-            wake_prompts=p + "wake:prompts",
-            wake_replay=p + "wake:replay",
-            hist_consumed=p + "hist:consumed",
-            hist_dropped=p + "hist:dropped",
-            consumers=p + "consumers",
-            retired=p + "retired",
-            stats=p + "stats",
-            fill=p + "fill",
-            replay_index=p + "replay:index",
-            replay_n=p + "replay:n",
-            replay_uses=p + "replay:uses",
-            replay_out=p + "replay:out",
-            control=p + "control",
-            gw_calls=p + "gw:calls",
-            gw_cancel=p + "gw:cancel",
-            gw_rewarded=p + "gw:rewarded",
-            gw_live=p + "gw:live",
-        )
+        # each key is its field's name with ':' for '_' (wake_prompts -> P wake:prompts)
+        return cls(run_id, p, *(p + f.name.replace("_", ":") for f in fields(cls)[2:]))
 
     def gw_out(self, gateway_id: str) -> str:
         """The pub/sub channel of one gateway's call chunks (a channel, so not in :meth:`all`)."""
@@ -187,7 +161,7 @@ D_RAW_BYTES = "raw_bytes"  # the record's full size
 D_RAW_SHA1 = "raw_sha1"  # SHA-1 of the whole record (when the stored bytes are a prefix)
 D_SOURCE = "source"  # stream id of the prompt or sample entry it came from, if any
 D_TIME = "ts"
-#: bytes of a dead record kept in the dead-letter stream (a 10 MB record once went in whole)
+#: bytes of a dead record kept in the dead-letter stream
 DEAD_RAW_MAX = 64 * 1024
 #: wake streams are notifications only; keep the last few hundred
 WAKE_MAXLEN = 256
