@@ -1,9 +1,7 @@
-"""One DEALER connection to the weight server, shared by the publisher and the subscriber.
-
-Request/reply with ids (a late reply to an abandoned request is recognised and discarded),
-timeouts on every wait (a client call can fail but never hang), HMAC framing, and a socket
-monitor that tells "server down" from "wrong key": a CURVE handshake the server refuses shows up
-as a monitor event long before any timeout, and becomes a :class:`WeightAuthError` at once.
+"""What the publisher and the subscriber share: their :class:`Client` base and the :class:`Channel`,
+one DEALER connection to the server with request ids (a late reply to an abandoned request is
+discarded), timeouts on every wait (a call can fail but never hang), HMAC framing, and a socket
+monitor that turns a refused CURVE handshake into a :class:`WeightAuthError` at once.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,6 +21,8 @@ from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, configure_client_socket, signer_for
 from weight_server.errors import WeightAuthError
+from weight_server.shm_map import ShmMaps
+from weight_server.sockets import Context
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,45 @@ _MONITORED = (
 
 class NoReply(Exception):
     """No reply (or no connection to send on) within the timeout: the server is down or busy."""
+
+
+class Client:
+    """The config, the shared-memory mappings and a context of its own unless given one; the
+    publisher and the subscriber add their sockets (:meth:`_close_sockets`). Not thread-safe."""
+
+    def __init__(self, cfg: WeightServerConfig, ctx: zmq.Context | None) -> None:
+        self.cfg = cfg
+        cfg.check_shm()
+        self._maps = ShmMaps() if cfg.shm == "auto" else None
+        self._own_ctx: Context | None = None
+        if ctx is None:
+            ctx = self._own_ctx = Context()
+        self.ctx = ctx
+
+    def _close_sockets(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the sockets (linger 0), the mappings and an own context."""
+        try:
+            self._close_sockets()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Close the mappings and an own context; also after a failed constructor."""
+        try:
+            if self._maps is not None:
+                self._maps.close()
+        finally:
+            if self._own_ctx is not None:
+                self._own_ctx.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class Channel:

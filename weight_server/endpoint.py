@@ -1,10 +1,8 @@
 """The weight server's two sockets: the ROUTER it answers requests on and the PUB it announces on.
 
-Binding (port 0: a random free one), the addresses clients connect to, reading a request's
-remaining frames, the HMAC check of a request (``auth=hmac``) and every outgoing frame: replies
-(a chunk's data zero-copy and tracked), ERROR replies and announcements. It is the
-:class:`~weight_server.handlers.Replies` port the handlers answer through. Owned by the server's
-loop thread (ZeroMQ sockets are not thread-safe).
+Binding, the addresses clients connect to, a request's remaining frames, the HMAC check, and
+every outgoing frame (replies, a chunk's data zero-copy and tracked, errors, announcements): the
+:class:`~weight_server.handlers.Replies` port of the handlers. Owned by the server's loop thread.
 """
 
 from __future__ import annotations

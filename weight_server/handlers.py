@@ -1,9 +1,7 @@
 """The server's request handlers: what each client message does to the store and what it answers.
 
-Socket-free: replies go through a :class:`Replies` port (the server's sockets in production:
-:class:`~weight_server.endpoint.Endpoint`), so each handler reads as the protocol table in
-:mod:`weight_server.protocol` says. A handler raises ``WireError`` for an invalid request and
-``Refused`` for a valid one the store declines; the server turns both into ERROR replies.
+Socket-free: replies go through a :class:`Replies` port. A handler raises ``WireError`` for an
+invalid request and ``Refused`` for one the store declines; the server answers both with ERROR.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The weight server: a ROUTER for publish/pull requests and a PUB for announcements.
 
-One thread owns both sockets (ZeroMQ sockets are not thread-safe) and runs a poll loop:
-requests are answered in arrival order, announcements of the newest versions are repeated every
-``announce_interval_s`` (late joiners and restarted subscribers catch up), idle uploads expire.
-
-Data path, kept zero-copy where pyzmq allows:
-
-* upload: data frames of a PUB_CHUNK are received with ``recv_into`` straight into the upload's
-  slab (one memcpy out of ZeroMQ's buffer, no intermediate bytes object);
-* pull: a CHUNK reply sends a memoryview of the version's slab with ``copy=False, track=True``;
-  the tracker tells the slab pool when the bytes may be recycled;
-* same host (``shm=auto``): slabs are files in a private shared-memory folder
-  (:mod:`weight_server.shm`); a publisher copies into the upload's file and a puller reads the
-  version's file under a lease, so those bytes never touch a socket.
-
-Any frame that fails to decode or validate gets an ERROR reply; the loop never dies of a
-malformed message. Embeddable: :meth:`start` runs the loop on a background thread (launcher,
-tests); :meth:`serve_forever` runs it in the caller's thread until SIGTERM/SIGINT (the CLI).
+One thread owns both sockets and runs a poll loop: requests are answered in arrival order, the
+newest versions re-announced every ``announce_interval_s``, idle uploads expired. Upload chunks
+are received with ``recv_into`` straight into the upload's slab and pulled chunks sent zero-copy
+(tracked); on the same host slabs are files of a private shared-memory folder
+(:mod:`weight_server.shm`). A frame that fails to decode or validate gets an ERROR reply; the
+loop never dies of it. :meth:`start` runs the loop on a thread, :meth:`serve_forever` in the
+caller's until SIGTERM/SIGINT (the CLI).
 """
 
 from __future__ import annotations
@@ -53,10 +43,7 @@ _MAX_BATCH = 64  # messages handled per poll wake-up before ZAP and timers get a
 
 class WeightServer:
     """Versioned parameter store served over ZeroMQ. Binds in the constructor (port 0 = random).
-
-    ``shm_free_space(path)`` says how many bytes the shm filesystem can still take (tests pass a
-    small number to see the anonymous-slab fallback; the default asks statvfs).
-    """
+    ``shm_free_space(path)``: the bytes the shm filesystem can still take (tests pass a small number)."""
 
     def __init__(
         self, cfg: WeightServerConfig, ctx: zmq.Context | None = None, shm_free_space: Callable[[str], int] = free_bytes,
@@ -77,8 +64,7 @@ class WeightServer:
             raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
         self._own_ctx: Context | None = None
         if ctx is None:
-            # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
-            # followers run on different connections, so they need not queue behind each other.
+            # two I/O threads: an upload arriving and chunks leaving for followers need not queue behind each other
             ctx = self._own_ctx = Context(io_threads=2)
         self.ctx = ctx
         self.zap: ZapHandler | None = None
@@ -210,8 +196,7 @@ class WeightServer:
 
     @property
     def _end(self) -> Endpoint:
-        """The endpoint, which a constructed server always has (None only while it is built or
-        after a failed constructor)."""
+        """The endpoint (None only while the server is built, or after a failed constructor)."""
         assert self.endpoint is not None
         return self.endpoint
 
@@ -253,10 +238,8 @@ class WeightServer:
                 self._close()
 
     def _check_open_files(self) -> None:
-        """Count a second in which this process has no file descriptor left, and say it once:
-        ZeroMQ then fails every accept and retries it, so a new subscriber or puller connects,
-        sends and waits without an error (its worker keeps old weights) while the peers already
-        connected are served."""
+        """Count a second in which this process has no file descriptor left, and say it once: ZeroMQ
+        then fails every accept silently, so new subscribers wait without an error."""
         try:
             os.close(os.open(os.devnull, os.O_RDONLY))
             return

@@ -61,14 +61,6 @@ def named_tensors(source: Any) -> list[tuple[str, torch.Tensor]]:
     return sorted(out.items())
 
 
-def to_wire(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous CPU tensor in the transfer dtype (floating tensors only are cast). No copy when
-    the tensor already is one."""
-    t = t.detach()
-    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return t.to(device="cpu", dtype=target).contiguous()
-
-
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, zero-copy (works for bfloat16 and bool)."""
     flat = t.reshape(-1)
@@ -118,13 +110,9 @@ def readonly_tensor(data: np.ndarray) -> torch.Tensor:
 
 
 def target_of(into: Any) -> dict[str, torch.Tensor]:
-    """The tensors a pull writes into: an nn.Module's state_dict (shares storage with its
-    parameters and buffers) or a dict of preallocated tensors.
-
-    A module's tied weights (e.g. ``lm_head.weight`` sharing ``embed_tokens.weight``, as in
-    Qwen2-0.5B) appear once, under their first name: ``named_parameters`` order, which is what a
-    learner publishes, so an alias is never asked for and is updated through the tensor it shares.
-    """
+    """The tensors a pull writes into: an nn.Module's state_dict or a dict of preallocated tensors.
+    A module's tied weights (``lm_head.weight`` sharing ``embed_tokens.weight``) appear once, under
+    their first name in ``named_parameters`` order, as a learner publishes them."""
     if isinstance(into, torch.nn.Module):
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         out = {}
