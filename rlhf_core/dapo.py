@@ -1,18 +1,14 @@
 """DAPO's two sample-level rules (Yu et al. 2025, "DAPO: an open-source LLM reinforcement
 learning system at scale"): the group filter and the over-long reward shaping.
 
-* **Group filter** (dynamic sampling, ``algo.filter_groups``). A group whose rewards are all
-  equal has zero group-relative advantage everywhere: it costs a batch slot and teaches nothing
-  (on an easy or a hard task, that is most groups). :func:`filter_reason` names why a finished
-  group is dropped; the worker completes such a group as *filtered* (its prompt acked, its
-  admission budget returned, so pacing admits another prompt and batches stay full), and the
-  buffer counts it per reason (``groups_filtered_<reason>``). The reasons are :data:`FILTER_REASONS`.
-* **Over-long shaping** (``algo.overlong=shaping``). A soft length penalty added to the reward
-  of responses that run into the last ``buffer`` tokens of the ``max_len`` budget
-  (:func:`overlong_penalty`, DAPO eq. 13), applied by the learner to the rewards before the
-  advantages. ``algo.overlong=mask`` instead gives truncated responses zero loss weight.
+* **Group filter** (``algo.filter_groups``): a group whose rewards are all equal has zero
+  group-relative advantage and teaches nothing. :func:`filter_reason` names why a finished group
+  is dropped (:data:`FILTER_REASONS`); the worker completes it as *filtered* (its admission
+  returned, so batches stay full) and the buffer counts it per reason.
+* **Over-long shaping** (``algo.overlong=shaping``): a soft length penalty for responses that run
+  into the last ``buffer`` tokens of ``max_len`` (:func:`overlong_penalty`, DAPO eq. 13).
 
-Both worker and learner import this module, so it lives in the shared leaf.
+The worker, the learner and the gateway import it, so it lives in the shared leaf.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Model and tokenizer loading: HF-format directories or Hub ids, or the `tiny` builder.
-
-A model path is a local folder written by ``save_pretrained`` or a Hugging Face Hub id
-(``Qwen/Qwen2.5-0.5B-Instruct``), resolved by the Hub client to its snapshot folder in the local
-cache (``HF_HOME`` / ``HF_HUB_CACHE``; see :mod:`rlhf_core.model_paths`); ``rlhf-run`` fetches
-what is missing once and pins every process to that folder (vLLM included).
-The `tiny` model (a small random-initialised Llama-style causal LM with a character-level
-tokenizer) is built once, saved with ``save_pretrained`` under the cache dir, and then loaded
-through the same ``from_pretrained`` path as a real model.
+"""Model and tokenizer loading: HF-format directories or Hub ids (:mod:`rlhf_core.model_paths`),
+or the `tiny` builder: a small random-initialised Llama-style causal LM with a character-level
+tokenizer, built once under the cache dir and loaded through ``from_pretrained`` like a real model.
 """
 
 from __future__ import annotations
@@ -123,13 +117,9 @@ def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
 
 
 def save_model_dir(model: PreTrainedModel, tokenizer: Any, out: Path) -> None:
-    """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically: written into a
-    temporary sibling folder and renamed, so a concurrent builder either wins or finds it done.
-
-    Every process writes its own copy, torch.distributed or not: ``save_pretrained`` alone writes
-    nothing on a rank other than 0, and a folder holding only the tokenizer renamed into place
-    could be loaded by no process (two learner ranks building on a cold cache).
-    """
+    """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically (a temporary sibling
+    renamed: a concurrent builder wins or finds it done). Every process writes its own copy,
+    torch.distributed or not (``save_pretrained`` alone writes nothing on a rank other than 0)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

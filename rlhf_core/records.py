@@ -9,7 +9,6 @@ types, dtypes, shapes that agree with each other); :func:`validate_sample` check
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -338,10 +337,5 @@ def _min_max(values: Any) -> tuple[float, float]:
     if any(x != x for x in items):  # Python's min/max skip NaN instead of returning it
         return math.nan, math.nan
     return min(items), max(items)
-
-
-def now() -> float:
-    """Wall-clock timestamp used in records (seconds since the epoch)."""
-    return time.time()
 
 

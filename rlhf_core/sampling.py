@@ -1,11 +1,9 @@
 """Logit processing shared by the rollout engines and the learner.
 
 The behaviour log-prob a worker records for a token must be the log-prob under the exact
-distribution that token was sampled from; the learner recomputes the same distribution from
-its own forward pass to form the importance ratio pi_prox / mu. Both sides therefore go
-through these functions, so the processing cannot drift between them (the "logprob mismatch"
-that RLHF frameworks keep rediscovering is mostly a worker returning raw-softmax log-probs
-while sampling from a temperature/top-p distribution, or the other way round).
+distribution that token was sampled from; the learner recomputes the same distribution from its
+own forward pass to form the importance ratio pi_prox / mu. Both sides go through these
+functions, so the processing cannot drift between them.
 
 Order of operations (the same as transformers' default warpers and vLLM's sampler):
 
@@ -17,10 +15,8 @@ Order of operations (the same as transformers' default warpers and vLLM's sample
    tokens sorted by probability whose mass reaches ``top_p``, and the tokens tied with the last
    one kept (the most likely token is always kept; ``top_p`` held as float32 ``>= 1`` = off).
 
-Filtered entries become ``-inf``. Every setting may be a Python number (one value for the
-whole batch) or a tensor of shape ``[B]`` (one value per row, broadcast over the remaining
-leading dims), which is how a continuous-batching engine mixes requests with different
-settings in one decoding step.
+Filtered entries become ``-inf``. Every setting may be a number (one value for the batch) or a
+``[B]`` tensor (one per row), which is how a continuous-batching engine mixes requests.
 """
 
 from __future__ import annotations

@@ -2,15 +2,8 @@
 
 The default task, ``count_up``, is designed so that a random-initialised tiny model visibly
 learns it on a CPU in minutes: the prompt is a digit, and the response should count up from it
-(``"7:"`` -> ``"890123..."``, wrapping after 9). A random policy over the ~100-token character
-vocabulary scores about 0.01; a policy that has learned the successor bigram scores 1.0.
-Learning needs the model to condition on the prompt and on its own previous token.
-
-Two earlier rewards taught us what to avoid: a small bonus for any digit was scaled up by
-group-normalised advantages to the size of the real signal, and the model collapsed onto
-repeating one digit; crediting "successor of the previous character" let ``"898989..."``
-collect half the reward without reading the prompt. Per-position credit anchored to the
-prompt has neither exploit.
+(``"7:"`` -> ``"890123..."``, wrapping after 9). A random policy scores about 0.01; a policy
+that has learned the successor bigram conditioned on the prompt scores 1.0.
 
 A reward function takes ``(prompt, response_text, response_ids, metadata)`` and returns a float
 or a dict of named components whose weighted sum is the reward (see ``conf/reward``).

@@ -3,26 +3,16 @@
 An episode's context is token ids (:class:`rlhf_core.episode.Transcript`): the policy's turns as
 sampled and, after each, the ids this module gives for the observation. Two formats:
 
-* **Chat template** (:class:`TemplateConversation`, the tokenizer has one). The conversation is
-  kept as messages too. After a turn, the template renders the conversation with the turn (its
-  text as the assistant message) and the observation (``add_generation_prompt=True``). When that
-  rendering starts with the rendering before the turn followed by the turn's own text (special
-  tokens included), the rest is exactly what the template puts between the turn and the next
-  one: the end-of-turn tokens the policy did not write (e.g. the ``\\n`` after ``<|im_end|>``),
-  the observation's message and the next generation prompt. Those characters are tokenised and
-  appended. When the template re-renders history differently (it trims the assistant's text,
-  drops reasoning, formats tool calls its own way) the delta is taken from a fixed two-message
-  conversation instead: the end of an assistant message, then the observation's messages.
-  Either way the template's rendering of the WHOLE conversation, tokenised, is compared with the
-  context ids; a difference is counted as **retokenisation drift** (per turn, in the worker's
-  stats) and the episode still trains on its own ids: the tokens the policy sampled, never
-  others. The comparison tokenises only the text from the last added token (``<|im_end|>``,
-  the end-of-sequence token) that an earlier comparison placed: a tokenizer matches added tokens
-  whole and tokenises the text between them apart, so what lies before it cannot change, and a
-  turn costs its own length instead of the whole conversation's (a gateway session's calls, an
-  agent's long context). Once a comparison found drift, later ones count it without tokenising:
-  the context keeps the ids that differed (token in, token out) and later text does not tokenise
-  them back (``tests/unit/test_turns.py`` holds both shortcuts to the whole-text comparison).
+* **Chat template** (:class:`TemplateConversation`). After a turn, the template renders the
+  conversation with the turn and the observation; when that starts with the rendering before the
+  turn followed by the turn's own text, the rest is what the template puts between the turn and
+  the next one (end-of-turn tokens the policy did not write, the observation, the next generation
+  prompt), tokenised and appended. A template that re-renders history otherwise gets the delta
+  from a fixed two-message conversation. Either way the whole conversation's rendering, tokenised,
+  is compared with the context ids; a difference counts as **retokenisation drift** and the
+  episode still trains on its own ids. The comparison tokenises only the text since the last
+  added token it placed (text between added tokens tokenises apart), and once drift is found
+  later checks count it without tokenising (:meth:`TemplateConversation._drift`).
 * **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
   text is tokenised as it is and appended; the task's environment writes its own separators.
 """
