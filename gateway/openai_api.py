@@ -243,11 +243,6 @@ def normal_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
-
-
 def response(kind: str, call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
              completion_tokens: int) -> dict[str, Any]:
     """A plain call's answer; ``kind``: ``chat.completion`` or ``text_completion``."""

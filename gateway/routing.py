@@ -36,9 +36,8 @@ LOST: Any = None
 
 
 class ClientGone(Exception):
-    """The client went away while sending its request, or before its plain (not streamed) call
-    returned (its calls are cancelled): nobody is left to answer (not a server error: no
-    traceback in the log)."""
+    """The client went away before its request was read or its plain call returned: nobody is left
+    to answer (not a server error: no traceback)."""
 
 
 @dataclass
@@ -256,11 +255,9 @@ class CallRouter:
             waiting.put_nowait((index, LOST))
 
     def _cancel(self, call_ids: list[str]) -> None:
-        """Ask the workers to abort these calls. They are owed until Redis takes them: the
-        gateway's housekeeping sends what is owed every second (a call nobody waits for would
-        otherwise hold its worker's slot until its last token). They are sent on a task of their
-        own, so a Redis that does not answer holds no call's answer; while the channel is down,
-        Redis most likely with it, they wait for the housekeeping."""
+        """Ask the workers to abort these calls, on a task of their own (a Redis that does not
+        answer holds no call's answer); owed until Redis takes them, the housekeeping sends them
+        again every second (and alone while the channel is down)."""
         self.cancels_owed.update(call_ids)
         if self.channel_up:
             task = asyncio.create_task(self.send_cancels())
@@ -280,10 +277,8 @@ class CallRouter:
         await forget_old_cancels(self.redis, self.keys, self.cfg.gateway.call_timeout_s)
 
     async def _check_holders(self, choices: list[Choice]) -> None:
-        """Fail the call when the worker holding one of its unfinished choices died with it: it
-        stopped heartbeating (for ``buffer.lease_timeout_s``, as for the run's prompts), or a
-        worker of its name started after it took the call (a restart). The call would
-        otherwise wait for ``gateway.call_timeout_s``."""
+        """Fail the call when the worker holding one of its unfinished choices died: no heartbeat for
+        ``buffer.lease_timeout_s``, or a process of its name started after it took the call."""
         held = [c for c in choices if c.worker and c.final is None]
         if not held:
             return

@@ -1,23 +1,14 @@
 """Sessions: an agent's calls as one episode, token in and token out; rewarded sessions as groups.
 
-A session holds a :class:`~rlhf_core.episode.Transcript`: the prompt's ids, then each call's
-sampled ids exactly as the worker sampled them (behaviour log-probs, per-token versions, loss
-mask 1) and, between calls, the ids of what the agent added (tool results, user turns) with
-mask 0. A chat call **extends** its session when its messages start with the session's
-previous call's messages followed by the assistant message the gateway returned (compared as
-:func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
-template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`,
-retokenisation drift counted), with the tools of the session's first call (a call may leave
-them out; other tools restart the session). A call that does not extend its session (the agent
-edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
-A completions call extends its session when its prompt starts with the session's text so far:
-the sampled text, or the text the client got (a stop string cut off).
-
-``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
-together once ``group_size`` of them are rewarded (a group still short of that is appended as
-it is ``session_ttl_s`` after its last reward); a session without a group is a group of one,
-appended as it is rewarded (:mod:`gateway.settlement` keeps and appends them).
-A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
+A session holds a :class:`~rlhf_core.episode.Transcript`: each call's sampled ids exactly as the
+worker sampled them (loss mask 1) and, between calls, the ids of what the agent added (mask 0).
+A chat call **extends** its session when its messages start with the previous call's messages and
+the assistant message the gateway returned (compared as
+:func:`~gateway.openai_api.normal_message` shapes), its new messages rendered by the chat
+template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`); a
+completions call when its prompt starts with the session's text so far. Any other call restarts
+the session. A rewarded session joins its group, appended once ``group_size`` are rewarded or
+``session_ttl_s`` after the last (:mod:`gateway.settlement`). docs/gateway.md tells the rules.
 """
 
 from __future__ import annotations
