@@ -52,9 +52,8 @@ class BufferClient:
         """Store a component's latest stats (e.g. the learner's metrics) for the monitor: ``metrics()["stats"][component]``."""
         self.retry(self.redis.hset, self.keys.stats, component, metrics.pack_stats(stats))
 
-    def dead_letter(self, reason: str, producer: str, raw: bytes, kind: str = "sample") -> None:
-        """Record a bad record (e.g. a sample whose reward function raised) in the dead-letter stream."""
-        counter = {"sample": "samples_dead_lettered", "prompt": "prompts_dead_lettered"}.get(kind, "entries_dead_lettered")
+    def dead_letter(self, reason: str, producer: str, raw: bytes) -> None:
+        """Record a bad sample (e.g. one whose reward function raised) in the dead-letter stream."""
         k = self.keys
 
         size, sha = len(raw), hashlib.sha1(raw).hexdigest() if len(raw) > K.DEAD_RAW_MAX else ""
@@ -62,11 +61,11 @@ class BufferClient:
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(k.dead, {K.D_KIND: kind, K.D_REASON: reason[:4096], K.D_PRODUCER: producer, K.D_RAW: raw,
+            pipe.xadd(k.dead, {K.D_KIND: "sample", K.D_REASON: reason[:4096], K.D_PRODUCER: producer, K.D_RAW: raw,
                                K.D_RAW_BYTES: size, K.D_RAW_SHA1: sha, K.D_SOURCE: "", K.D_TIME: repr(time.time())},
                       maxlen=self.store.dead_maxlen, approximate=True)
             pipe.hincrby(k.counters, "dead_letters", 1)
-            pipe.hincrby(k.counters, counter, 1)
+            pipe.hincrby(k.counters, "samples_dead_lettered", 1)
             pipe.execute()
 
         self.retry(send)

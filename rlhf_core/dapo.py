@@ -28,24 +28,16 @@ FILTER_REASONS = ("zero_variance", "all_truncated")
 REWARD_TOLERANCE = 1e-6
 
 
-def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlong: str = "none",
-                  tol: float = REWARD_TOLERANCE) -> str | None:
-    """Why a finished group teaches nothing (one of :data:`FILTER_REASONS`), or None to keep it.
-
-    Args:
-        rewards: the rewards of the group's scored samples (dead-lettered ones are not there).
-        truncated: per sample, whether it was cut by the length limit (finish reason ``length``).
-        overlong: ``algo.overlong``; ``mask`` makes an all-truncated group worthless.
-        tol: rewards within ``tol`` of each other are equal.
-
-    A group with no sample is not filtered (it is completed as empty anyway). A group of one
-    sample has zero variance: it has no baseline, so its group-relative advantage is 0.
-    """
+def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlong: str = "none") -> str | None:
+    """Why a finished group teaches nothing (one of :data:`FILTER_REASONS`), or None to keep it:
+    ``rewards`` of its scored samples, ``truncated`` per sample (finish reason ``length``),
+    ``overlong``: ``algo.overlong``. An empty group is kept (completed as empty anyway); a group of
+    one sample has no baseline, so zero variance."""
     if not rewards:
         return None
     if overlong == "mask" and all(truncated):
         return "all_truncated"
-    if max(rewards) - min(rewards) <= tol:
+    if max(rewards) - min(rewards) <= REWARD_TOLERANCE:
         return "zero_variance"
     return None
 
@@ -84,11 +76,9 @@ STALL_WARN_S = 60.0
 
 
 class FilterStall:
-    """Notices a run whose every finished group is filtered (``algo.filter_groups``): the learner
-    then gets no batch and the run would stall silently. Fed the buffer's counters, one snapshot
-    at a time; :meth:`observe` returns the warning once per such stretch of ``stretch_s`` seconds
-    (none while some group is appended), then again after the next appended group and a new stretch.
-    """
+    """Notices a run whose every finished group is filtered (the learner gets no batch and the run
+    would stall silently): fed the buffer's counters, :meth:`observe` returns the warning once per
+    such stretch of ``stretch_s`` seconds, and again after the next appended group and a new stretch."""
 
     def __init__(self, stretch_s: float = STALL_WARN_S) -> None:
         self.stretch_s = float(stretch_s)

@@ -70,12 +70,8 @@ class Unavailable(UserError):
 
 
 class FailureWindow:
-    """The share of failures over the last ``window`` events (scorings, samples checked).
-
-    :meth:`record` returns True once at least ``min_count`` events (default: a full window) are
-    in the window and more than ``max_share`` of them failed: the caller then stops with its own
-    error. Failures now and then stay under the share.
-    """
+    """The share of failures over the last ``window`` events: :meth:`record` returns True once at
+    least ``min_count`` events (default: a full window) are in and more than ``max_share`` failed."""
 
     def __init__(self, window: int, max_share: float, min_count: int | None = None) -> None:
         from collections import deque

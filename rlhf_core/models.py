@@ -73,10 +73,8 @@ def _tiny_key(tiny: TinyModelConfig, head: str) -> str:
 
 
 def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: str = "causal") -> Path:
-    """Build the tiny model + tokenizer into ``out_dir`` (atomically). ``head``: causal | sequence.
-
-    ``sequence`` gives an AutoModelForSequenceClassification with one label (a reward model).
-    """
+    """Build the tiny model + tokenizer into ``out_dir`` (atomically). ``head``: causal, or sequence
+    (an AutoModelForSequenceClassification with one label: a reward model)."""
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     out = Path(out_dir).expanduser()
@@ -217,13 +215,9 @@ def load_reference(cfg: ModelConfig) -> PreTrainedModel:
 
 
 def load_critic(cfg: ModelConfig) -> PreTrainedModel:
-    """A value model: one scalar per token (AutoModelForTokenClassification, num_labels=1).
-
-    From ``model.critic_path`` when set, else the policy's trunk with a fresh value head. Its dropout
-    is off (transformers' token-classification heads drop 10% when the config names no rate): the
-    update's ``old_values`` come from an eval-mode pass, and a train-mode pass that dropped features
-    would clip values that have not moved and give a noisy value gradient.
-    """
+    """A value model, one scalar per token (AutoModelForTokenClassification, num_labels=1), from
+    ``model.critic_path`` or the policy's trunk with a fresh head. Its dropout is off: ``old_values``
+    come from an eval-mode pass, and dropped features would clip values that have not moved."""
     from transformers import AutoModelForTokenClassification
 
     path = resolve_path(str(cfg.critic_path), "model.critic_path") if cfg.critic_path else model_dir(cfg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -71,12 +71,8 @@ def _check_metadata(meta: Any, field_name: str) -> dict[str, Any]:
 
 @dataclass
 class Prompt:
-    """One prompt of the dataset, as a worker claims it.
-
-    ``text`` is the raw prompt; ``messages`` (chat turns) wins over ``text`` when the
-    tokenizer has a chat template. ``metadata`` reaches the reward function unchanged
-    (e.g. the reference answer).
-    """
+    """One prompt of the dataset, as a worker claims it. ``messages`` (chat turns) wins over
+    ``text`` when the tokenizer has a chat template; ``metadata`` reaches the reward function."""
 
     prompt_id: str
     text: str
@@ -86,17 +82,7 @@ class Prompt:
     index: int = 0
 
     def encode(self) -> bytes:
-        return encode_record(
-            KIND_PROMPT,
-            {
-                "prompt_id": self.prompt_id,
-                "text": self.text,
-                "messages": self.messages,
-                "metadata": self.metadata,
-                "epoch": self.epoch,
-                "index": self.index,
-            },
-        )
+        return encode_record(KIND_PROMPT, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Prompt:

@@ -36,18 +36,9 @@ def _rows(value: torch.Tensor, ndim: int) -> torch.Tensor:
 def process_logits(
     logits: torch.Tensor, temperature: Setting = 1.0, top_k: Setting = 0, top_p: Setting = 1.0
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p. Returns float32 logits with filtered entries at -inf.
-
-    Args:
-        logits: ``[..., V]`` raw model logits (any float dtype; the rows are the leading dims).
-        temperature: ``>= 0``; a number or a ``[B]`` tensor (B = ``logits.shape[0]``).
-        top_k: ``>= 0``, 0 = off; a number or a ``[B]`` integer tensor.
-        top_p: in ``(0, 1]``, 1 = off; a number or a ``[B]`` tensor.
-
-    Returns:
-        ``[..., V]`` float32. Differentiable with respect to ``logits`` (the learner backprops
-        through it); the filtering masks themselves carry no gradient.
-    """
+    """Temperature (>= 0), then top-k (0 = off), then top-p (1 = off) on ``[..., V]`` logits of any
+    float dtype, each setting a number or a ``[B]`` tensor (B = ``logits.shape[0]``). Returns
+    ``[..., V]`` float32 with filtered entries at -inf, differentiable with respect to ``logits``."""
     if any(isinstance(s, torch.Tensor) for s in (temperature, top_k, top_p)):
         rows, device = logits.shape[0], logits.device
         t, k, p = (_per_row(s, rows, dtype, device) for s, dtype in
@@ -116,13 +107,9 @@ def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(processed: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``softmax(processed)``: ``[..., V]`` -> ``[...]`` int64.
-
-    ``argmax(p / q)`` with ``q ~ Exp(1)`` per entry: the exponential race, which is how
-    ``torch.multinomial`` draws one sample (the same draws for the same generator state), but
-    without its host-side validity check, so it can run inside a captured CUDA graph. Entries at
-    -inf have probability exactly 0 and are never drawn.
-    """
+    """One token per row from ``softmax(processed)``: ``[..., V]`` -> ``[...]`` int64, as
+    ``torch.multinomial`` draws it (``argmax(p / q)``, ``q ~ Exp(1)``: the same draws for the same
+    generator state) but without its host-side check, so it runs inside a captured CUDA graph."""
     probs = processed.softmax(dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return probs.div_(race).argmax(dim=-1)
@@ -141,15 +128,7 @@ def response_logprobs(
     top_k: Setting = 0,
     top_p: Setting = 1.0,
 ) -> torch.Tensor:
-    """The learner-side recomputation: log-probs of ``tokens`` given the logits that predicted them.
-
-    Args:
-        logits: ``[B, T, V]`` where ``logits[:, t]`` is the model output that predicts ``tokens[:, t]``
-            (i.e. the forward pass over prompt + response, shifted by one).
-        tokens: ``[B, T]`` sampled token ids.
-
-    Returns:
-        ``[B, T]`` float32, the same numbers the engine recorded as behaviour log-probs when the
-        weights and settings are the same (up to float rounding of the forward pass).
-    """
+    """The learner-side recomputation: ``[B, T]`` float32 log-probs of ``tokens`` ``[B, T]`` given
+    ``logits`` ``[B, T, V]`` (``logits[:, t]`` predicts ``tokens[:, t]``): what the engine recorded
+    as behaviour log-probs for the same weights and settings, up to float rounding."""
     return token_logprobs(process_logits(logits, temperature, top_k, top_p), tokens)

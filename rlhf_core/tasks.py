@@ -38,13 +38,9 @@ def count_up_prompts(num_prompts: int, seed: int, epoch: int) -> Iterator[Prompt
 
 def count_up_reward(prompt: str, response_text: str, response_ids: Sequence[int], metadata: dict[str, Any],
                     target_len: int = 6) -> float:
-    """Fraction of the first ``target_len`` positions that hold the right digit of the count.
-
-    Position i should hold ``(start + 1 + i) % 10``. ``"7:"`` -> ``"8901"`` scores 4/6 (a
-    short answer earns only what it says); ``"8x01"`` scores 3/6. The credit is per position,
-    so every right digit is rewarded (a dense signal a small model can climb), and it is
-    anchored to the prompt, so a pattern that ignores the prompt (``"898989..."``) earns little.
-    """
+    """Fraction of the first ``target_len`` positions that hold the right digit of the count:
+    position i should hold ``(start + 1 + i) % 10`` (``"7:"`` -> ``"8901"`` scores 4/6). Per-position
+    credit is a dense signal, and anchored to the prompt (``"898989..."`` earns little)."""
     start = int(metadata.get("start", int(prompt[0]) if prompt[:1].isdigit() else 0))
     text = response_text[:target_len]
     correct = sum(ch == str((start + 1 + i) % 10) for i, ch in enumerate(text))

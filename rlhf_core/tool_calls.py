@@ -73,13 +73,8 @@ def call_from_object(obj: Any, index: int, text: str = "") -> ToolCall | str:
 
 
 class ToolCallParser:
-    """Parses tool calls in the format the tokenizer (or else the environment) defines.
-
-    Args:
-        tokenizer: the policy's tokenizer (its ``response_template`` and ``chat_template`` decide the format).
-        pattern: the environment's ``tool_call_pattern``, or None.
-        tools: the environment's tool descriptions (for ``parse_response``'s argument casting).
-    """
+    """Parses tool calls in the format the tokenizer's ``response_template`` or ``chat_template``
+    defines, else the environment's ``pattern``; ``tools`` serve ``parse_response``'s argument casting."""
 
     def __init__(self, tokenizer: Any, pattern: str | None = None, tools: Sequence[dict] | None = None) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
@@ -123,10 +118,8 @@ class ToolCallParser:
 
     def _parse_pattern(self, text: str) -> tuple[list[ToolCall], list[str]]:
         assert self.pattern is not None
-        found: list[ToolCall | str] = []
-        for i, m in enumerate(self.pattern.finditer(text)):
-            found.append(call_from_json(m.group(1) if m.groups() else m.group(0), i))
-        return self._split(found)
+        return self._split([call_from_json(m.group(1) if m.groups() else m.group(0), i)
+                            for i, m in enumerate(self.pattern.finditer(text))])
 
     def _parse_template(self, text: str, prefix: str) -> tuple[list[ToolCall], list[str]]:
         message = self.tokenizer.parse_response(text, prefix=prefix, tools=self.tools)

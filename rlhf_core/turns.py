@@ -71,13 +71,8 @@ class PlainConversation:
 
 
 class TemplateConversation:
-    """One episode's conversation through the tokenizer's chat template (see the module docstring).
-
-    Args:
-        tokenizer: with a ``chat_template``.
-        messages: the conversation so far (the prompt's messages, or what ``reset`` returned).
-        tools: the environment's tool descriptions (rendered by the template), or None.
-    """
+    """One episode's conversation through the tokenizer's chat template (see the module
+    docstring), from ``messages`` so far, with the environment's ``tools`` (or None)."""
 
     def __init__(self, tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None = None) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
@@ -127,13 +122,11 @@ class TemplateConversation:
         return ids, lambda: self._drift(full, previous, context)
 
     def _drift(self, full: str, previous: str, context: list[int]) -> bool:
-        """Whether ``full`` (the whole conversation's rendering), tokenised, differs from
-        ``context``. Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds:
-        an added token starts there, so the text before it tokenises as it did when it was checked
-        (to ``context[:ids]``), as long as the template renders it as before (``previous``, the
-        rendering the last turn was generated from). A difference there
-        is confirmed on the whole text before it counts (a place wrongly taken costs time, not a
-        false count); after that every check answers True at once (see the module docstring)."""
+        """Whether ``full`` (the whole conversation's rendering), tokenised, differs from ``context``.
+        Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds: an added token
+        starts there, so the text before it tokenises as when checked, as long as the template
+        renders it as before (``previous``). A difference is confirmed on the whole text before it
+        counts; after that every check answers True at once."""
         if self.drifted:
             return True
         chars, n = self._checked

@@ -22,10 +22,6 @@ class WeightAuthError(UserError):
 class StaleVersionError(UserError, ValueError):
     """A publish of a version that is not newer than the newest one the server holds."""
 
-    def __init__(self, message: str, newest: int | None = None) -> None:
-        super().__init__(message)
-        self.newest = newest
-
 
 class WeightServerUnavailable(Unavailable, TimeoutError):
     """No reply from the weight server within the retry budget."""

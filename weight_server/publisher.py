@@ -84,7 +84,7 @@ class WeightPublisher(Client):
     # -- queries -------------------------------------------------------------------------------------
     def latest_version(self, name: str = "policy") -> int | None:
         """The newest version the server holds (None: none yet). Retries while the server is down."""
-        rep = self._with_retries(lambda: self._request(P.LATEST, name=name), f"asking for the latest {name!r}")
+        rep = self._with_retries(lambda: self.channel.request(P.LATEST, name=name), f"asking for the latest {name!r}")
         return rep.get("version")
 
     # -- publish ------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class WeightPublisher(Client):
     def _attempt(
         self, name: str, version: int, layout: P.Layout, views: list[memoryview], base: int | None, changed: list[int] | None,
     ) -> dict[str, Any]:
-        rep = self._request(
+        rep = self.channel.request(
             P.PUB_BEGIN, name=name, version=version, tensors=[t.to_wire() for t in layout.tensors],
             content_hash=layout.content_hash(), delta_base=base, changed=changed, shm=self._maps is not None,
         )
@@ -172,7 +172,7 @@ class WeightPublisher(Client):
             for seq, (segments, frames) in enumerate(plan_chunks(layout, views, indices, self.cfg.chunk_bytes)):
                 self.channel.send(P.PUB_CHUNK, data=frames, upload=upload, seq=seq, segments=segments)
         # The server re-hashes every byte before answering: allow for it beyond the usual timeout.
-        rep = self._request(
+        rep = self.channel.request(
             P.PUB_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, upload=upload, shm=via_shm,
         )
         if rep["kind"] == P.ERROR:
@@ -217,9 +217,6 @@ class WeightPublisher(Client):
         if segments:
             self.channel.send(P.PUB_CHUNK, upload=upload, seq=seq, segments=segments, shm=True)
         return True
-
-    def _request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        return self.channel.request(kind, timeout_s=timeout_s, **fields)
 
     def _with_retries(self, fn: Any, what: str) -> dict[str, Any]:
         backoff = Backoff(0.1, _MAX_BACKOFF_S, self.cfg.retry_timeout_s)
