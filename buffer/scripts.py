@@ -24,21 +24,8 @@ from buffer.connection import CORRUPT_MARK
 
 _DIR = Path(__file__).resolve().parent
 
-SCRIPT_NAMES = (
-    "init_run",
-    "claim",
-    "heartbeat",
-    "retire",
-    "release",
-    "expire",
-    "complete",
-    "append",
-    "commit",
-    "drop",
-    "replay_draw",
-    "replay_commit",
-    "replay_return",
-)
+SCRIPT_NAMES = ("init_run", "claim", "heartbeat", "retire", "release", "expire", "complete", "append", "commit", "drop",
+                "replay_draw", "replay_commit", "replay_return")
 
 
 def _lua_str(s: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,6 @@ class CompletionRequest:
     prompt: str | list[int]
     sampling: Sampling
     user: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
