@@ -48,9 +48,6 @@ PARAMS = ("batch_size", "max_staleness", "lookahead", "samples_per_insert", "min
 COUNTERS = ("admitted", "inflight", "rl_inserts", "rl_samples")
 
 
-# ---- admission -----------------------------------------------------------------------------
-
-
 def ahead(max_staleness: int, lookahead: int | None) -> int:
     """Batches admitted beyond the one the learner reads next."""
     return max_staleness if lookahead is None else min(max_staleness, lookahead)
@@ -72,9 +69,6 @@ def admission_budget(params: Mapping[str, Any], updates: int, counters: Mapping[
         ins = counters["rl_inserts"] + counters["inflight"]
         budget = min(budget, insert_room(ins, counters["rl_samples"], spi, params["min_size_to_sample"], params["error_buffer"]))
     return int(max(0, budget))
-
-
-# ---- the limiter -----------------------------------------------------------------------------
 
 
 def max_diff(spi: float, min_size: int, error_buffer: float) -> float:
@@ -102,8 +96,6 @@ def insert_room(inserts: float, samples: float, spi: float, min_size: int, error
     room = math.floor((max_diff(spi, min_size, error_buffer) + samples) / spi) - inserts
     return int(max(room, min_size - inserts))
 
-
-# ---- the Lua twins -------------------------------------------------------------------------
 
 _LUA = """
 -- Pacing and the replay rate limiter: the Lua twins of buffer/pacing.py (read the rule there).

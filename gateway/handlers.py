@@ -128,8 +128,6 @@ class Handlers:
         self.sessions, self.router, self.settlement, self.counts = sessions, router, settlement, counts
         self.replies = Replies(tokenizer)
 
-    # ------------------------------------------------------------------ guards
-
     async def body(self, request: Request) -> bytes:
         self.authorize(request)
         cap = self.cfg.gateway.max_request_bytes
@@ -167,8 +165,6 @@ class Handlers:
             raise bad(f"a group id is at most {MAX_ID_CHARS} characters", "X-Group-Id")
         return sid, group
 
-    # ------------------------------------------------------------------ a call's sessions
-
     async def _begin(self, request: Request, user: str | None, sampling: Sampling,
                      context: Callable[[Session], list[int]]) -> tuple[str, list[Choice]]:
         """Open the call's sessions, render their contexts (``context(session)``), make the calls;
@@ -204,8 +200,6 @@ class Handlers:
                 self.sessions.restore(c.session, c.snapshot)
         if not ok:
             self.sessions.counters.calls_failed += 1
-
-    # ------------------------------------------------------------------ calls
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
@@ -357,8 +351,6 @@ class Handlers:
 
     def count_error(self, code: str | None) -> None:
         self.sessions.counters.errors[code or "error"] += 1
-
-    # ------------------------------------------------------------------ rewards, models, health
 
     async def reward(self, request: Request) -> Response:
         post = parse_reward(parse_json(await self.body(request)), self.settlement.component_names)

@@ -75,8 +75,6 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
 
-    # ------------------------------------------------------------------ the run
-
     def claim(self) -> None:
         """Take the run for this gateway, or refuse to: one gateway per run (a second one would
         take up the first one's kept rewards and its ``gateway.json``). A record whose gateway
@@ -118,8 +116,6 @@ class Gateway:
                 log.error("gateway: gateway %s took run %s while this one could not refresh its record for %g s "
                           "(Redis away); both now serve it: stop one", held[0], self.cfg.buffer.run_id, LIVE_TTL_S)
             taken = held is not None
-
-    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Wait for the run (its parameters), make the parts, take up the rewards kept before,

@@ -146,8 +146,6 @@ class Sessions:
         self.counters = GatewayCounters()
         self._flush_seq = itertools.count()
 
-    # ------------------------------------------------------------------ calls
-
     def open(self, session_id: str, group: str | None) -> Session:
         if session_id in self.ended:
             raise SessionError(409, f"session '{session_id}' was {self.ended[session_id]} already; start a new one "
@@ -260,8 +258,6 @@ class Sessions:
         s.turns += 1
         s.finish_reason = finish_reason
         s.last_used = time.monotonic()
-
-    # ------------------------------------------------------------------ rewards, groups, expiry
 
     def end(self, session_id: str, reward: float, components: dict[str, float], group: str | None) -> Rewarded:
         """Check that ``session_id`` may be rewarded and make its sample; the session is held (busy)

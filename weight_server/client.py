@@ -95,7 +95,6 @@ class Channel:
         self._handshaken = False
         self._open()
 
-    # -- socket lifecycle ------------------------------------------------------------------------
     def _open(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         monitor: zmq.Socket | None = None
@@ -127,7 +126,6 @@ class Channel:
         """Close the socket and its monitor; idempotent. :meth:`reset` opens new ones."""
         _close(self.sock, self.monitor)
 
-    # -- waiting -----------------------------------------------------------------------------------
     def _wait(self, event: int, timeout_s: float) -> None:
         """Block until the socket is readable/writable; NoReply on timeout, WeightAuthError on a
         refused handshake."""
@@ -172,7 +170,6 @@ class Channel:
                 "(check weight_server.curve_server_public and the client key pair)"
             )
 
-    # -- messages ------------------------------------------------------------------------------------
     def send(self, kind: str, data: Sequence[Any] = (), timeout_s: float | None = None, **fields: Any) -> int:
         """Send one message; returns its request id. NoReply if it cannot be queued in time."""
         rid = next(self._rids)

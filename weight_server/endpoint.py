@@ -82,7 +82,6 @@ class Endpoint:
         for sock in self._sockets:
             sock.close(linger=0)
 
-    # -- receiving ----------------------------------------------------------------------------------
     def recv_rest(self) -> list[bytes] | None:
         """The request's remaining frames; None (and the rest drained) when there are too many."""
         frames: list[bytes] = []
@@ -126,7 +125,6 @@ class Endpoint:
         self.error(ident, obj.get("rid"), P.E_AUTH, reason)
         return False
 
-    # -- sending ------------------------------------------------------------------------------------
     def send(self, ident: bytes, header: bytes, data: memoryview | None = None, slab: Any = None) -> None:
         frames: list[Any] = [header] if data is None else [header, data]
         mac = self.signer.sign(frames) if self.signer is not None else None

@@ -64,7 +64,6 @@ class Handlers:
         log.log(logging.INFO if quiet else logging.WARNING, "refused %s: %s", obj["kind"], exc)
         self.out.error(ident, obj.get("rid"), exc.code, str(exc))
 
-    # -- publishing ---------------------------------------------------------------------------------
     def latest(self, ident: bytes, obj: dict[str, Any]) -> None:
         name = P.req_name(obj)
         ver = self.store.newest(name)
@@ -164,7 +163,6 @@ class Handlers:
             wire_bytes=wire_bytes, duration_s=duration_s, content_hash=ver.content_hash, duplicate=duplicate,
         )
 
-    # -- pulling ------------------------------------------------------------------------------------
     def manifest_req(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version = P.req_name(obj), P.optional_int(obj, "version")
         want_shm = optional(obj, "shm", bool, False)
@@ -286,7 +284,6 @@ class Handlers:
         rid: Any = obj.get("rid")  # echoed back as the client sent it
         up.waiters.append((ident, rid))
 
-    # -- metrics ------------------------------------------------------------------------------------
     def applied(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version = P.req_name(obj), P.req_int(obj, "version")
         worker = require(obj, "worker", str)[:256]

@@ -291,7 +291,6 @@ def content_hash(tensors: Iterable[TensorSpec]) -> bytes:
     return h.digest()
 
 
-# ---------------------------------------------------------------------------------------------
 # Headers: encode, and decode untrusted bytes with caps.
 
 

@@ -81,13 +81,11 @@ class WeightPublisher(Client):
     def _close_sockets(self) -> None:
         self.channel.close()
 
-    # -- queries -------------------------------------------------------------------------------------
     def latest_version(self, name: str = "policy") -> int | None:
         """The newest version the server holds (None: none yet). Retries while the server is down."""
         rep = self._with_retries(lambda: self.channel.request(P.LATEST, name=name), f"asking for the latest {name!r}")
         return rep.get("version")
 
-    # -- publish ------------------------------------------------------------------------------------
     def publish(
         self, version: int, tensors: Any, name: str = "policy", dtype: torch.dtype | str | None = None, delta: bool = False,
     ) -> PublishStats:

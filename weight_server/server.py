@@ -12,7 +12,6 @@ caller's until SIGTERM/SIGINT (the CLI).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from rlhf_core.cli import write_json
 from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
@@ -86,7 +86,9 @@ class WeightServer:
             self._said_out_of_files = False
             self.handlers = Handlers(cfg, self.store, self._metrics, self.endpoint, self._committed, self.metrics, self.shm)
             if cfg.address_file:
-                _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+                target = Path(cfg.address_file).expanduser()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                write_json(target, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
         except BaseException:
             self._close()
             raise
@@ -122,7 +124,6 @@ class WeightServer:
             log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, persist_dir)
         self._held = self.store.held()
 
-    # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> WeightServer:
         """Run the loop on a daemon thread; returns self."""
         if self._thread is not None:
@@ -200,7 +201,6 @@ class WeightServer:
         assert self.endpoint is not None
         return self.endpoint
 
-    # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
         router = self._end.router
@@ -310,7 +310,6 @@ class WeightServer:
         except Refused as exc:
             self.handlers.refused(ident, obj, exc)
 
-    # -- receiving a chunk of an upload ------------------------------------------------------------
     def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
         """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
         has none and says the publisher wrote those bytes into the slab file itself. Either way
@@ -359,10 +358,3 @@ def _loose_rid(data: bytes) -> int | None:
         return None
     return rid if isinstance(rid, int) else None
 
-
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, target)

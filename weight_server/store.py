@@ -115,7 +115,6 @@ class VersionStore:
         self.uploads: dict[int, Upload] = {}
         self.aborted: list[Upload] = []
 
-    # -- reading ---------------------------------------------------------------------------
     def newest(self, name: str) -> Version | None:
         held = self.versions.get(name)
         return held[max(held)] if held else None
@@ -128,7 +127,6 @@ class VersionStore:
     def held(self) -> dict[str, list[int]]:
         return {name: sorted(vs) for name, vs in self.versions.items() if vs}
 
-    # -- publishing --------------------------------------------------------------------------
     def begin(
         self,
         name: str,

@@ -79,7 +79,6 @@ class WeightSubscriber(Client):
         self.channel.close()
         self.announcements.close()
 
-    # -- announcements ------------------------------------------------------------------------------
     def poll_announcement(self, timeout_ms: int = 0, pending: bool = False) -> int | None:
         """The newest version announced so far (None: none heard yet). Non-blocking by default;
         cheap enough to call between decoding steps. ``pending=True`` also counts versions whose
@@ -87,7 +86,6 @@ class WeightSubscriber(Client):
         it is committed and verified."""
         return self.announcements.poll(timeout_ms, pending)
 
-    # -- pull ---------------------------------------------------------------------------------------------
     def pull(
         self, version: int | None = None, into: Any = None, skip_unchanged: bool = True, follow: bool = True,
     ) -> tuple[int, dict[str, torch.Tensor] | None] | None:
