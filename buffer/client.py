@@ -93,10 +93,8 @@ class ProducerClient(BufferClient):
         return {"epoch": int(raw.get(b"epoch", 0)), "index": int(raw.get(b"index", 0)), "done": raw.get(b"done") == b"1"}
 
     def restore_fill_state(self, state: dict[str, Any], admitted: int = 0) -> bool:
-        """Set the producer cursor to ``state`` (a learner checkpoint's) when this run has none: a
-        run resumed on a fresh Redis goes on from where its prompts had reached. ``admitted``: the
-        samples the checkpoint's updates took, counted as admitted there too (pacing counts from
-        the learner's updates). Returns whether it was set."""
+        """Set the producer cursor to a learner checkpoint's ``state`` when this run has none (a resume
+        on a fresh Redis), with the ``admitted`` samples its updates took. Returns whether it was set."""
         def once() -> bool:
             with self.redis.pipeline(transaction=True) as pipe:
                 pipe.watch(self.keys.fill)

@@ -71,8 +71,7 @@ class GatewayCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     created_at: float = field(default_factory=time.time)
-    # the oldest policy version of the session's tokens so far (None on its first call): the worker's
-    # engine may reuse K/V of the session's last turn written by that version or a later one
+    # the oldest policy version of the session's tokens (None at first): the K/V the engine may reuse
     min_kv_version: int | None = None
 
     def encode(self) -> bytes:
@@ -121,9 +120,8 @@ class CallChunk:
     finish_reason: str | None = None  # stop | length | abort, on the final chunk
     error: str | None = None  # the call could not run (e.g. longer than the worker's context)
     worker_id: str = ""
-    # on a final chunk of a call that ran: when the worker queued it in its engine and when it
-    # finished (wall clock, time.time(); the gateway's "where a call's time goes"); on a started
-    # chunk: when the worker took the call
+    # wall clock: when the worker queued the call in its engine and when it finished (a final chunk),
+    # or took it (a started chunk)
     started_at: float | None = None
     finished_at: float | None = None
 
@@ -182,10 +180,8 @@ class WorkerChannel:
 
     def send(self, chunks: list[tuple[str, CallChunk]], running: list[tuple[str, str]]) -> list[str]:
         """Send ``chunks`` (``(gateway id, chunk)`` pairs) and return the calls among ``running``
-        (``(call id, gateway id)`` pairs) to abort, in one round trip: those whose client gave up on
-        them (marked in ``P gw:cancel``), and those whose gateway is gone (nobody listens on its
-        channel: it stopped or died, and a gateway started since has an id of its own, so nobody
-        would ever read them). A call that ends aborted takes its mark with it."""
+        (``(call id, gateway id)`` pairs) to abort, in one round trip: those marked in ``P gw:cancel``
+        and those whose gateway is gone (nobody listens on its channel). An aborted call takes its mark."""
         if not chunks and not running:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -288,9 +284,8 @@ async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
 
 
 async def forget_old_cancels(client: Any, keys: RunKeys, older_than_s: float) -> None:
-    """Drop the marks older than ``older_than_s`` (a call's timeout): nobody waits for their calls
-    any more, and some calls never end where a mark is taken out (a worker died holding them, or
-    the mark landed after the call's final chunk)."""
+    """Drop the marks older than ``older_than_s`` (a call's timeout): nobody waits for their calls,
+    some of which never end (a worker died holding them)."""
     cutoff = time.time() - older_than_s
     old = [call_id for call_id, at in (await client.hgetall(keys.gw_cancel)).items() if not _time(at) >= cutoff]
     if old:

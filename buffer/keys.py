@@ -60,10 +60,9 @@ RELEASED_CONSUMER = "__released__"
 #: The field of the ``retired`` hash counting the consumers retired (its other fields are stats).
 RETIRED_COUNT = "consumers"
 
-# A run id is part of every key and of a SCAN pattern: no glob characters, no braces (hash tag),
-# no whitespace. Hydra multirun names such as ``sweep/algo.max_staleness=2`` are fine.
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
-_CONSUMER = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
+# A run id or consumer name is part of keys and of a SCAN pattern: no glob characters, no braces
+# (hash tag), no whitespace. Hydra multirun names such as ``sweep/algo.max_staleness=2`` are fine.
+_NAME = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
 
 
 class BadName(UserError, ValueError):
@@ -71,7 +70,7 @@ class BadName(UserError, ValueError):
 
 
 def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _NAME.match(run_id):
         raise BadName(
             f"run id {run_id!r} cannot be used as a Redis key prefix: use 1-200 characters from "
             "letters, digits and _ . , = + @ / : - (no spaces, braces or glob characters * ? [ ])"
@@ -80,7 +79,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def check_consumer(name: str) -> str:
-    if not isinstance(name, str) or not _CONSUMER.match(name) or name == RELEASED_CONSUMER:
+    if not isinstance(name, str) or not _NAME.match(name) or name == RELEASED_CONSUMER:
         raise BadName(
             f"consumer name {name!r} is not usable: use 1-200 characters from letters, digits and "
             f"_ . , = + @ / : - (and not the reserved {RELEASED_CONSUMER!r})"

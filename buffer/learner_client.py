@@ -88,19 +88,16 @@ class LearnerClient(BufferClient):
     def read_batch(self, consumer: str, learner_version: int, batch_size: int, timeout_s: float,
                    newest: int = 0) -> Batch | None:
         """``batch_size // group_size`` whole groups no staler than ``max_staleness``, or None on
-        timeout; nothing is acked until :meth:`commit`, and a process's first call re-delivers what
-        this consumer read and did not commit. ``newest``: the newest version the caller has
-        published, when above ``learner_version`` (after a restart); samples up to it are valid."""
+        timeout; unacked until :meth:`commit` (a process's first call re-delivers the uncommitted).
+        ``newest``: the newest version the caller published, when above ``learner_version``."""
         params = self.run_params()
         st = self._learners.setdefault(consumer, samples.LearnerState())
         read = replay.read_batch if params["mode"] == "replay" else samples.read_batch
         return read(self.store, st, params, consumer, learner_version, batch_size, timeout_s, newest)
 
     def exhausted(self, consumer: str, learner_version: int, batch_size: int, epochs: int) -> bool:
-        """True when no batch for ``consumer`` can come any more from the run's prompts: every
-        prompt of ``epochs`` completed (:func:`buffer.prompts.drained`), then what is left makes no
-        batch (checked in that order, so a group appended meanwhile is seen). Groups no prompt
-        produced (rlhf-gateway's) are not foreseen: a run they feed must not ask."""
+        """True when no batch for ``consumer`` can come any more from the run's prompts (every prompt
+        completed, then what is left makes no batch). A run that rlhf-gateway feeds must not ask."""
         if not prompts.drained(self.store, epochs):
             return False
         params = self.run_params()

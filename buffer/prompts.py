@@ -102,11 +102,9 @@ def claim(
     block_s: float,
     interrupt: Callable[[], bool] | None = None,
 ) -> list[Lease]:
-    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
-    leases join ``held``, an undecodable prompt is dead-lettered. ``interrupt`` (a caller with
-    other work, e.g. gateway calls): asked after each claim and before waiting (so nothing that
-    wakes the stream after it is missed); the claim returns when it says True, and after the
-    first wake-up."""
+    """Lease up to ``max_prompts`` prompts (``claim.lua``) into ``held``, waiting up to ``block_s``
+    (an undecodable prompt is dead-lettered). ``interrupt`` (a caller with other work, e.g. gateway
+    calls): asked after each claim, before waiting; True, or the first wake-up, ends the claim."""
     K.check_consumer(consumer)
     k = store.keys
     lease_ms = str(max(1, int(store.lease_s() * 1000)))
@@ -308,10 +306,9 @@ def fill(
     lead_s: float = 0.0,
 ) -> int:
     """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
-    ``high_watermark`` (default twice the low), walking epochs ``0 .. epochs-1`` of
-    ``source_fn(epoch)`` in order; the cursor advances in the same WATCHed MULTI. Returns the
-    number enqueued. ``lead_s``: the low watermark is at least what workers take in ``lead_s`` at
-    their recent rate (:meth:`Filler.observe`), the high one rising in proportion."""
+    ``high_watermark`` (default twice the low) from epochs ``0 .. epochs-1`` of ``source_fn(epoch)``,
+    the cursor moving in the same WATCHed MULTI; returns the number enqueued. ``lead_s``: the
+    watermarks cover what workers take in ``lead_s`` at their recent rate (:meth:`Filler.observe`)."""
     high = max(low_watermark, high_watermark if high_watermark is not None else 2 * low_watermark)
     while True:
         try:

@@ -223,10 +223,8 @@ def complete_keys(keys: K.RunKeys, mode: str) -> list[str]:
 
 def run_many(client: redis.Redis, script: redis.commands.core.Script, keys: list[str],
              arg_lists: list[list[Any]]) -> list[Any]:
-    """Run ``script`` once per argument list in ONE round trip: a non-transactional pipeline of
-    EVALSHA, each call atomic on its own. (redis-py's pipeline sends SCRIPT EXISTS before every
-    execute, a second round trip per call.) The script is loaded only when Redis answers
-    NOSCRIPT (a restarted or flushed server), and just those calls run again."""
+    """Run ``script`` once per argument list in ONE round trip (redis-py's pipeline would send
+    SCRIPT EXISTS first): EVALSHA each, loading the script and running again only on NOSCRIPT."""
     results: list[Any] = [None] * len(arg_lists)
     todo = list(range(len(arg_lists)))
     for _ in range(3):

@@ -57,10 +57,8 @@ class Choice:
 
 @dataclass
 class CallPhases:
-    """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` until
-    the push, ``to_worker`` until a worker's engine has the call, ``engine``, ``to_gateway`` back
-    (``call_phases_s`` of ``/v1/rl/stats``: docs/gateway.md). The middle two compare the worker's
-    clock with the gateway's: across hosts they hold the clocks' offset, their sum does not."""
+    """Where the calls that ran spent their time, summed (``call_phases_s`` of ``/v1/rl/stats``,
+    docs/gateway.md): ``gateway_in``, ``to_worker``, ``engine``, ``to_gateway``."""
 
     calls: int = 0
     gateway_in_s: float = 0.0
@@ -92,8 +90,7 @@ async def cancel_tasks(tasks: list[asyncio.Task]) -> None:
 
 class CallRouter:
     """The calls of this gateway: made, pushed to the workers, their chunks routed back, watched,
-    cancelled when nobody waits for them. :meth:`connect` opens its asyncio Redis client and
-    channel; until then it makes calls but routes none."""
+    cancelled when nobody waits for them (routed once :meth:`connect` opened its channel)."""
 
     def __init__(self, cfg: Config, keys: RunKeys, gateway_id: str, sessions: Sessions, max_context: int) -> None:
         self.cfg, self.keys, self.gateway_id = cfg, keys, gateway_id
@@ -247,9 +244,8 @@ class CallRouter:
         self.channel_up = True
 
     def _channel_lost(self) -> None:
-        """Pub/sub keeps nothing for a subscriber that is away: a call running while the channel
-        was down may have lost chunks (its final one: it would wait for gateway.call_timeout_s).
-        Each fails at once (:data:`LOST`); no call is taken until the channel is back."""
+        """Pub/sub keeps nothing for a subscriber that is away: each call running may have lost chunks,
+        so it fails at once (:data:`LOST`); no call is taken until the channel is back."""
         self.channel_up = False
         for waiting, index in self.pending.values():
             waiting.put_nowait((index, LOST))
@@ -296,9 +292,8 @@ class CallRouter:
                               "s, or a new process of its name); retry", "worker_stopped")
 
     def _check_drift(self, choices: list[Choice]) -> asyncio.Task | None:
-        """The calls' drift checks on a thread while they are generated (they tokenise up to a
-        whole conversation, which would hold the event loop; tokenising releases the GIL). A session
-        that drifted stays so (rlhf_core/turns.py): counted at once, no thread."""
+        """The calls' drift checks, on a thread while they are generated (they may tokenise a whole
+        conversation); a session that drifted stays so: counted at once."""
         for c in choices:
             conv = c.session.conversation
             if c.session.drift_check is not None:

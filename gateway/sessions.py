@@ -80,9 +80,8 @@ class Session:
 
 @dataclass
 class Rewarded:
-    """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until
-    its group is appended; its group fields are filled in then. Its group and session are read
-    off the sample, so one kept by an earlier gateway says them the same way."""
+    """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until its
+    group is appended; its group and session are read off the sample (one an earlier gateway kept too)."""
 
     key: str
     sample: Sample
@@ -125,8 +124,7 @@ class GatewayCounters:
     calls_aborted: int = 0
     calls_failed: int = 0
     rewards_recovered: int = 0  # rewarded sessions a gateway before this one kept, found at start
-    # requests answered with an error, by its code (worker_stopped, channel_lost, timeout, session, ...;
-    # client_gone: a plain call's client that went away), shown as errors_<code>
+    # requests answered with an error, by its code (worker_stopped, timeout, client_gone, ...): errors_<code>
     errors: collections.Counter = field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, int]:
@@ -275,8 +273,7 @@ class Sessions:
             raise SessionError(400, f"session '{session_id}' has no completed call to reward")
         name = group or s.group or session_id
         alone = {} if group or s.group else {ALONE: True}
-        # a reward posted again after a failed keep (which may have reached Redis) overwrites that
-        # one: the session is in its group once
+        # a reward posted again after a failed keep overwrites that one: the session is in its group once
         key = s.reward_key = s.reward_key or uuid.uuid4().hex
         sample = s.transcript.to_sample(
             sample_id=key, prompt_id=GROUP_PREFIX + name, group_id=GROUP_PREFIX + name, reward=reward, reward_components=components,

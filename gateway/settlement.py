@@ -133,9 +133,8 @@ class RewardSettlement:
         return appended_with, filtered
 
     async def recover(self) -> None:
-        """Take up the rewarded sessions a gateway before this one kept and did not append (it
-        stopped or died while their groups were filling): back in their groups, appended when
-        full or due. A kept record that does not decode is dead-lettered."""
+        """Take up the rewarded sessions an earlier gateway kept and did not append: back in their
+        groups (a kept record that does not decode is dead-lettered)."""
         for key, raw in (await asyncio.to_thread(self.buffer.rewarded_kept)).items():
             try:
                 sample = Sample.decode(raw, max_bytes=self.cfg.buffer.max_record_bytes)

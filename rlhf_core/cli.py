@@ -49,10 +49,8 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
 
 
 def quiet_libraries(hub_offline: bool = True) -> None:
-    """Offline, quiet libraries; set through the environment so nothing heavy is imported here.
-    ``hub_offline``: the Hugging Face Hub is read from the local cache only unless the user set
-    ``HF_HUB_OFFLINE`` (rlhf-run passes False: it fetches a Hub id once and pins its children to
-    the folder, which never touch the network)."""
+    """Offline, quiet libraries, through the environment (nothing heavy imported here).
+    ``hub_offline``: the Hub's local cache only, unless the user set ``HF_HUB_OFFLINE`` (rlhf-run passes False)."""
     if hub_offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -81,9 +79,8 @@ def collect_less_while_starting(young: int = 50_000) -> None:
 
 def freeze_startup_heap() -> None:
     """Collect the garbage of a service's start, then move every object still alive (some 400,000
-    after torch and transformers) to the collector's permanent generation, which its full
-    collections skip (a full collection held the gateway's event loop for hundreds of ms). Call it
-    once from the entry point, when the service is built and before it serves."""
+    after torch and transformers) to the permanent generation, which full collections skip. Call
+    it once from the entry point, when the service is built and before it serves."""
     global _GC_THRESHOLDS
     import gc
 
@@ -200,8 +197,7 @@ def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` and a newline to ``path``, opened for this line alone: a full disk raises
-    :class:`~rlhf_core.errors.DiskFull` naming ``path`` here, and leaves no buffered line for a
-    later close to fail on."""
+    """Append ``line`` and a newline to ``path``, opened for this line alone (a full disk raises
+    :class:`~rlhf_core.errors.DiskFull` here, not at a later close)."""
     with disk_writes(path), open(path, "a") as f:
         f.write(line + "\n")

@@ -43,9 +43,8 @@ def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlo
 
 
 def group_filter(algo: Any, samples: Sequence[Any]) -> str | None:
-    """Why a finished group of ``samples`` (records with ``reward`` and ``finish_reason``) is dropped
-    under ``algo`` (``filter_groups``, ``overlong``): :func:`filter_reason`, or None when the filter
-    is off. The workers apply it to the run's own groups, rlhf-gateway to agents' groups."""
+    """:func:`filter_reason` for a finished group of ``samples`` (with ``reward`` and
+    ``finish_reason``) under ``algo``, or None when ``algo.filter_groups`` is off."""
     if not algo.filter_groups:
         return None
     return filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],

@@ -48,10 +48,8 @@ def import_peft() -> Any:
 
 
 def target_modules(lora: LoraConfig, model: PreTrainedModel) -> str | list[str]:
-    """peft's ``target_modules`` for ``model.lora.target_modules``: ``[all-linear]`` is peft's
-    ``all-linear`` (every linear layer but the output head); ``all-linear`` beside other names
-    is every linear layer's name but the head's, plus those names (``[all-linear, lm_head]``
-    adapts the head too)."""
+    """peft's ``target_modules`` for ``model.lora.target_modules``: ``all-linear`` is every linear
+    layer but the output head, plus the other names listed (``[all-linear, lm_head]``: the head too)."""
     names = [str(t) for t in lora.target_modules]
     if names == [ALL_LINEAR]:
         return ALL_LINEAR

@@ -50,9 +50,8 @@ def resolve_path(value: str, setting: str, need: str = "config.json") -> Path:
 
 
 def pin_model_paths(model: ModelConfig) -> ModelConfig:
-    """``model`` with every Hub id among its paths replaced by the local snapshot folder it resolves
-    to now: the learner and the workers then load the very same files, even if the Hub's
-    ``main`` moves during the run, and none of them touches the network."""
+    """``model`` with every Hub id among its paths replaced by its local snapshot folder now: every
+    process loads the very same files, even if the Hub's ``main`` moves, without the network."""
     pinned: dict[str, Any] = {}
     for key, need in (("path", "config.json"), ("tokenizer_path", "tokenizer_config.json"),
                       ("ref_path", "config.json"), ("critic_path", "config.json")):

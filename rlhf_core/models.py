@@ -190,9 +190,8 @@ def load_policy(cfg: ModelConfig) -> PreTrainedModel:
 
 
 def check_lora(cfg: ModelConfig) -> tuple[int, int] | None:
-    """Apply ``model.lora`` to a weightless copy of the policy (meta device; the tiny model's is
-    not even built): a ConfigError now instead of in every process later. Returns (adapter
-    parameters, all parameters), or None when LoRA is off."""
+    """Apply ``model.lora`` to a weightless copy of the policy: a ConfigError now instead of in every
+    process later. Returns (adapter parameters, all parameters), or None when LoRA is off."""
     if not lora.enabled(cfg.lora):
         return None
     from transformers import AutoConfig

@@ -12,9 +12,8 @@ An :class:`Exporter` owns its own ``CollectorRegistry`` and serves it at
   :meth:`Exporter.observe` feeds one directly;
 * every other finite number becomes a gauge (``reward/mean`` -> ``rlhf_reward_mean``).
 
-Names follow Prometheus's rules (:func:`prometheus_key`: ``time_compute_s`` ->
-``time_compute_seconds``; a rate such as ``tokens_per_s`` is not exported). Off unless a port is
-configured; the run's own target is ``rlhf_run.run_exporter``.
+Names follow Prometheus's rules (:func:`prometheus_key`); a rate such as ``tokens_per_s`` is not
+exported. The run's own target is ``rlhf_run.run_exporter``.
 """
 
 from __future__ import annotations
@@ -87,9 +86,8 @@ class Hist:
 
 
 class Totals:
-    """Running totals -> how much their counter grows: the first total is the base (adds nothing),
-    later ones add their growth; a total below the last one (a restart) adds nothing and is the
-    new base."""
+    """Running totals -> how much their counter grows: the first total is the base, a total below
+    the last (a restart) adds nothing and is the new base."""
 
     def __init__(self) -> None:
         self._last: dict[Hashable, float] = {}

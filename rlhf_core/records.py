@@ -107,15 +107,11 @@ class Sample:
     """One scored response. A GRPO/RLOO group is the ``group_size`` samples of one prompt.
 
     Shapes: ``prompt_ids`` int32 [P], ``response_ids`` int32 [R], ``behaviour_logprobs``
-    float32 [R] (log-prob of each sampled token under the exact distribution it was sampled
-    from), ``ref_logprobs`` float32 [R] or None. ``versions`` is the policy version of each
-    response token, run-length encoded as ``[[version, count], ...]`` summing to R.
-
-    ``loss_mask`` uint8 [R] or None (None: every response token is the policy's). A multi-turn
-    episode is one response: the tokens the policy sampled (1) with the environment's and the
-    chat template's tokens between turns (0), see :mod:`rlhf_core.episode`. A token under 0 has
-    behaviour log-prob 0 and the version of the policy token before it, never enters a loss, and
-    is not counted by :attr:`oldest_version` (staleness is a property of policy tokens).
+    float32 [R] (under the exact distribution each token was sampled from), ``ref_logprobs``
+    float32 [R] or None; ``versions``: each response token's policy version, run-length encoded as
+    ``[[version, count], ...]``. ``loss_mask`` uint8 [R] or None (all the policy's): 0 on a
+    multi-turn episode's tokens between the policy's turns (:mod:`rlhf_core.episode`), which never
+    enter a loss nor :attr:`oldest_version`.
     """
 
     sample_id: str

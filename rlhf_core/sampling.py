@@ -63,11 +63,9 @@ def process_logits_rows(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     *, use_top_k: bool = True, use_top_p: bool = True,
 ) -> torch.Tensor:
-    """:func:`process_logits` with one ``[B]`` tensor per setting and no data-dependent control
-    flow: no host sync, so it can run inside a captured CUDA graph. ``use_top_k`` / ``use_top_p``
-    say (from what the caller knows on the host) whether any row filters by top-k (greedy rows
-    included) or top-p; a False flag skips that sort, a True one is exact for every row.
-    """
+    """:func:`process_logits` with one ``[B]`` tensor per setting and no host sync (it runs inside a
+    captured CUDA graph). ``use_top_k`` / ``use_top_p``: whether any row filters by top-k (greedy
+    rows included) or top-p; False skips that sort."""
     x = logits.float()
     ndim, vocab = x.ndim, x.shape[-1]
     greedy = temperature == 0
@@ -91,14 +89,9 @@ def _per_row(value: Setting, rows: int, dtype: torch.dtype, device: torch.device
 
 def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Nucleus filter on ``softmax(x)``: drop the least likely tokens while their mass stays within
-    ``1 - p``, and keep every token tied with the least likely one kept (the most likely token is
-    always kept; rows with ``p >= 1`` keep everything).
-
-    The arithmetic is vLLM's (an ascending sort, ``cumsum <= 1 - p`` in float32), so its engine and
-    this function cut at the same value. The cut is then a value, as top-k's is: which of several
-    equal logits a sort puts first is arbitrary (a bfloat16 model's logits tie often), and vLLM
-    keeps some of a tie and drops the rest; here all of it stays, so no token vLLM may sample is
-    -inf in the learner's recomputation. ``p``: float32, 0-d (a CPU scalar, so no device sync) or per row."""
+    ``1 - p`` (rows with ``p >= 1`` keep everything), with vLLM's arithmetic (an ascending sort,
+    ``cumsum <= 1 - p`` in float32), so both cut at the same value; every token tied with the least
+    likely one kept stays (vLLM may keep any of a tie). ``p``: float32, 0-d (a CPU scalar) or per row."""
     sorted_x = x.sort(dim=-1).values
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     dropped = (cum <= 1 - p).sum(dim=-1, keepdim=True).clamp(max=x.shape[-1] - 1)

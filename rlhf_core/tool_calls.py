@@ -1,19 +1,12 @@
 """Reading the tool calls a policy turn wrote. Never raises: a call it cannot read becomes an
-error message for the environment (which answers with an error observation), never a crash.
+error message for the environment, never a crash.
 
-Which format, in order:
-
-1. the tokenizer's ``response_template`` (transformers' chat response parsing,
-   ``tokenizer.parse_response``), when it has one: the model's own format, whatever it is;
-2. the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, when
-   the chat template writes ``<tool_call>`` (Qwen2.5, Qwen3, Hermes and the many templates that
-   copied them);
-3. the environment's ``tool_call_pattern`` (a regular expression; group 1, or the whole match,
-   holds the call's JSON), when the template has no tool format or there is no template;
-4. none: the turn has no tool calls and the environment reads ``turn.text`` itself.
-
-A call's JSON is ``{"name": str, "arguments": object}`` (``arguments`` may also be a JSON string,
-as OpenAI's API sends it; ``parameters`` is accepted for ``arguments``).
+The format, the first that applies: the tokenizer's ``response_template``
+(``tokenizer.parse_response``); the Hermes / Qwen ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` when the chat template writes ``<tool_call>``; the environment's
+``tool_call_pattern`` (group 1, or the whole match, holds the call's JSON); else none. A call's
+JSON is ``{"name": str, "arguments": object}`` (``arguments`` may be a JSON string, as OpenAI
+sends it; ``parameters`` is accepted for ``arguments``).
 """
 
 from __future__ import annotations

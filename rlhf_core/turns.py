@@ -102,10 +102,8 @@ class TemplateConversation:
 
     def next_turn(self, context_ids: Sequence[int], turn_ids: Sequence[int], content: str, observation: Observation,
                   role: str) -> tuple[list[int], Callable[[], bool]]:
-        """:meth:`after_turn` with its drift check as a function, to run before the next turn: it
-        tokenises the text since the last checked place (a whole conversation when the template
-        re-renders history or the session drifted), and tokenising releases the GIL, so a server
-        runs it on a thread while the turn is generated."""
+        """:meth:`after_turn` with its drift check as a function to run before the next turn (it may
+        tokenise a whole conversation, releasing the GIL: a server runs it on a thread)."""
         turn_text = self.tokenizer.decode(list(turn_ids), skip_special_tokens=False)
         obs = observation_messages(observation, role)
         self.messages.append({"role": "assistant", "content": content})

@@ -79,10 +79,7 @@ class Client:
 
 
 class Channel:
-    """A DEALER socket to ``address`` with request ids, timeouts, HMAC and auth diagnosis.
-
-    Not thread-safe: one Channel per thread (ZeroMQ sockets are single-threaded).
-    """
+    """A DEALER socket to ``address`` with request ids, timeouts, HMAC and auth diagnosis (one per thread)."""
 
     def __init__(self, address: str, cfg: WeightServerConfig, ctx: zmq.Context, rcvhwm: int = 64) -> None:
         self.address = address
@@ -100,8 +97,7 @@ class Channel:
         monitor: zmq.Socket | None = None
         try:
             sock.linger = 0
-            # immediate: never queue a request for a connection that is not up (or not authenticated),
-            # so a request sent while the server is down is refused at once instead of replayed later.
+            # immediate: a request sent while the server is down is refused at once, not replayed later
             sock.immediate = True
             sock.sndhwm = max(2, self.cfg.max_inflight_chunks)
             sock.rcvhwm = self.rcvhwm

@@ -17,8 +17,7 @@ from typing import Any
 
 log = logging.getLogger("weight_server")
 
-#: Seconds between two INFO lines about the same recurring event (a version published; a worker
-#: applying one); the versions between go to DEBUG.
+#: Seconds between two INFO lines about the same recurring event; the ones between go to DEBUG.
 LOG_EVERY_S = 10.0
 
 #: Counter names (defined once; the launcher forwards them to Redis/Prometheus).

@@ -2,11 +2,9 @@
 
 Every message is a multipart ZeroMQ message ``[header, *data, (mac)]``:
 
-* ``header``: one :mod:`rlhf_core.wire` record (msgpack map with ``schema_version`` and
-  ``kind``), capped at ``max_header_bytes`` (``max_manifest_bytes`` for the two kinds that carry a
-  tensor list, :data:`PUB_BEGIN` and :data:`MANIFEST`);
-* ``data``: raw tensor bytes, never serialised (zero-copy out of torch/numpy memory);
-* ``mac``: only with ``auth=hmac``: HMAC-SHA256 over the preceding frames (see ``auth.Signer``).
+``header`` is one :mod:`rlhf_core.wire` record, capped at ``max_header_bytes`` (``max_manifest_bytes``
+for :data:`MANIFEST_KINDS`); ``data`` raw tensor bytes, never serialised; ``mac`` (``auth=hmac``
+only) an HMAC-SHA256 over the preceding frames (``auth.Signer``).
 
 Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply echoes it::
 
@@ -28,11 +26,9 @@ Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply
     WAIT_COMMIT {rid, name, version}                         -> COMMITTED {rid, name, version, content_hash}
                                                                 once the version is visible | ERROR (aborted)
     SHM_RELEASE {rid, lease, via: "shm"|"tcp"|nil}           -> SHM_RELEASED {rid, lease} | ERROR (unknown_lease)
-                (via: how the pull got its bytes, after the offer; nil: it got none, e.g. an aborted upload)
+                (via: how the pull got its bytes after the offer; nil: none)
     APPLIED     {name, version, worker, apply_s, lease: int|nil}
-                                                             -> nothing (a metric; with a lease: a pull that read
-                                                                the slab and applied it releases it so, as SHM_RELEASE
-                                                                via shm would, without waiting for an answer)
+                                                             -> nothing (a metric; releases ``lease`` as SHM_RELEASE via shm)
     METRICS_REQ {rid}                                        -> METRICS {rid, metrics}
 
 Server -> subscribers (PUB -> SUB), topic frame = the parameter-set name::
@@ -231,11 +227,8 @@ def lease_seconds(request_timeout_s: float, nbytes: int) -> float:
 
 
 def parse_shm_offer(obj: dict[str, Any], field: str, total_bytes: int, leased: bool) -> ShmOffer | None:
-    """Validate the ``shm`` field of a PUB_READY (``leased=False``) or MANIFEST (``leased=True``).
-
-    Only the shape is checked here (a slab file of the server's folder, beside its token file);
-    the client proves it sees that folder by reading the token before it maps anything.
-    """
+    """Validate the shape of the ``shm`` field of a PUB_READY (``leased=False``) or MANIFEST
+    (``leased=True``): a slab file of a server's folder, beside its token file."""
     raw = obj.get(field)
     if raw is None:
         return None
@@ -277,10 +270,7 @@ def tensor_hasher() -> Any:
 
 
 def content_hash(tensors: Iterable[TensorSpec]) -> bytes:
-    """The hash of a version: xxh3-128 over (name, dtype, shape, tensor hash) of every tensor in order.
-
-    Length-prefixed fields so no two different manifests share a byte string.
-    """
+    """The hash of a version: xxh3-128 over the length-prefixed (name, dtype, shape, tensor hash) of every tensor."""
     h = xxhash.xxh3_128()
     for t in tensors:
         name = t.name.encode()

@@ -89,12 +89,9 @@ class WeightPublisher(Client):
     def publish(
         self, version: int, tensors: Any, name: str = "policy", dtype: torch.dtype | str | None = None, delta: bool = False,
     ) -> PublishStats:
-        """Publish ``tensors`` (mapping, (name, tensor) pairs, or nn.Module) as ``version``.
-
-        ``dtype`` casts floating tensors for transfer; ``delta`` sends only the tensors whose hash
-        changed since this publisher's previous version. Raises StaleVersionError when ``version``
-        is not newer than the newest held, WeightServerUnavailable when the server stays away.
-        """
+        """Publish ``tensors`` (mapping, (name, tensor) pairs, or nn.Module) as ``version``; ``dtype``
+        casts floating tensors for transfer, ``delta`` sends only those whose hash changed since the
+        previous version. StaleVersionError when ``version`` is not newer than the newest held."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         t0 = time.monotonic()

@@ -311,9 +311,8 @@ class WeightServer:
             self.handlers.refused(ident, obj, exc)
 
     def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
-        """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
-        has none and says the publisher wrote those bytes into the slab file itself. Either way
-        the watermark advances, tensors complete are hashed, and parked followers are answered."""
+        """A chunk of an upload: its data frames land in the upload's slab (``shm: true``: the publisher
+        wrote them there); the watermark advances and parked followers are answered."""
         end = self._end
         try:
             upload = P.req_int(obj, "upload")

@@ -132,9 +132,8 @@ class ShmDir:
 
 
 def private_dir(parent: str, prefix: str) -> tuple[Path, BinaryIO]:
-    """A new folder ``<parent>/<prefix><pid>-<random>`` (0700) holding its ``lock`` file, locked
-    (``flock``) while the returned file stays open: at most this process's life. The folders of
-    ``prefix`` that dead owners left are removed first (:func:`remove_stale`)."""
+    """A new folder ``<parent>/<prefix><pid>-<random>`` (0700) with its ``lock`` file, locked while
+    the returned file stays open, after :func:`remove_stale`."""
     remove_stale(parent, prefix)
     path = Path(parent) / f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
     path.mkdir(mode=0o700)
@@ -148,10 +147,8 @@ def private_dir(parent: str, prefix: str) -> tuple[Path, BinaryIO]:
 
 
 def remove_stale(parent: str, prefix: str = P.SHM_DIR_PREFIX) -> list[str]:
-    """Remove the folders that dead owners left in ``parent``: named <prefix><pid>-<hex>, owned by
-    this user, whose pid is not running here and whose lock no process holds (an owner in another
-    PID namespace that shares this /dev/shm, or a new process that took a dead owner's pid, still
-    holds it or is running: such folders are kept)."""
+    """Remove the folders dead owners left in ``parent``: named <prefix><pid>-<hex>, this user's,
+    whose pid is not running and whose lock no process holds (an owner in another PID namespace holds it)."""
     removed: list[str] = []
     name = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]+$")
     try:

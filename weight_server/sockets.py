@@ -49,8 +49,7 @@ class Context(zmq.Context):
 
     def close(self, timeout_s: float = TERM_TIMEOUT_S) -> bool:
         """Close every socket made here (linger 0), then terminate the context, waiting at most
-        ``timeout_s``. True when terminated; False (logged) when something still holds a socket
-        open and the context is left to it."""
+        ``timeout_s``; False (logged) when a socket made elsewhere keeps it open."""
         if self.closed:
             return True
         for sock in self._open:

@@ -76,9 +76,8 @@ class Upload:
         return k < len(self._starts) and self._starts[k] < end
 
     def advance(self, segments: list[tuple[int, int]]) -> None:
-        """Move the watermark over received segments and hash every tensor now complete, so the
-        commit has (almost) nothing left to hash. A segment below the watermark (overlap or
-        reorder) turns streaming off, and the commit re-hashes everything."""
+        """Move the watermark over received segments and hash every tensor now complete; a segment
+        below it (overlap or reorder) turns streaming off, and the commit hashes everything."""
         for o, n in segments:
             if not self.streamable:
                 return
@@ -239,9 +238,8 @@ class VersionStore:
     def chunk_targets(
         self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None, shm: bool = False,
     ) -> list[memoryview]:
-        """Where the data frames of a PUB_CHUNK go (writable views of the upload's slab). With
-        ``shm`` the chunk carries no data: the publisher says those bytes are already in the slab
-        file it was offered (none for an upload that was not offered shared memory)."""
+        """Where the data frames of a PUB_CHUNK go (views of the upload's slab); none with ``shm``: the
+        publisher wrote those bytes into the slab file it was offered."""
         up = self._upload(upload_id)
         if shm and not up.shm:
             raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as data frames")

@@ -80,10 +80,8 @@ class WeightSubscriber(Client):
         self.announcements.close()
 
     def poll_announcement(self, timeout_ms: int = 0, pending: bool = False) -> int | None:
-        """The newest version announced so far (None: none heard yet). Non-blocking by default;
-        cheap enough to call between decoding steps. ``pending=True`` also counts versions whose
-        upload has only started: a pull then follows the upload (cut-through) and returns once
-        it is committed and verified."""
+        """The newest version announced so far (None: none yet); non-blocking by default, cheap between
+        decoding steps. ``pending=True`` also counts uploads that have only started (a pull follows them)."""
         return self.announcements.poll(timeout_ms, pending)
 
     def pull(
@@ -266,9 +264,8 @@ class WeightSubscriber(Client):
 
     def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int],
                 lease: int | None = None) -> Any:
-        """Verified bytes in ``source`` (an owned staging tensor, or the slab mapping for an in-place
-        pull): return them (``into=None``) or apply them into the target and report it (releasing
-        ``lease``, the slab's, with the report)."""
+        """Verified bytes in ``source`` (a staging tensor, or the slab mapping): returned (``into=None``)
+        or applied into the target and reported (releasing the slab's ``lease`` with the report)."""
         self.stats["pulls"] += 1
         if target is None:
             self.version = v

@@ -160,14 +160,12 @@ class Staging:
             spec = layout.tensors[i]
             dest = target[spec.name].detach()
             if dest.device.type == "cpu" and dest.is_contiguous() and TORCH_TO_WIRE.get(dest.dtype) == spec.dtype:
-                # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
-                # splits big copies across intra-op threads, which is slower on a busy small box.
+                # same bytes: a single-threaded numpy memcpy (torch's copy_ splits it across threads)
                 if spec.nbytes:
                     copy_bytes(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
                 continue
             if dest.is_cuda:
-                # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
-                # already are (a TCP pull received into the pinned staging buffer).
+                # host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they are
                 cuda = True
                 stage = self.buffer(layout.total_bytes, target)
                 if stage.data_ptr() != source.ctypes.data:
