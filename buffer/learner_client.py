@@ -127,11 +127,7 @@ class LearnerClient(BufferClient):
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
         if not ids:
             return 0
-        known: dict[str, tuple[str, samples.Handed]] = {}
-        for consumer, st in self._learners.items():
-            for i in ids:
-                if i in st.handed:
-                    known[i] = (consumer, st.handed[i])
+        known = {i: (consumer, st.handed[i]) for consumer, st in self._learners.items() for i in ids if i in st.handed}
         unknown = samples.Handed("", "", False, [])  # type: ignore[arg-type]  # '' = let the script derive it
         if self.run_params()["mode"] == "replay":
             missing = [i for i in ids if i not in known]

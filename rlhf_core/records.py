@@ -50,12 +50,8 @@ def rle_encode(per_token: Iterable[int]) -> list[list[int]]:
 
 def rle_decode(runs: Iterable[Iterable[int]]) -> np.ndarray:
     """Inverse of :func:`rle_encode`, as an int64 array."""
-    pairs = [tuple(r) for r in runs]
-    if not pairs:
-        return np.zeros(0, dtype=np.int64)
-    values = np.array([r[0] for r in pairs], dtype=np.int64)
-    counts = np.array([r[1] for r in pairs], dtype=np.int64)
-    return np.repeat(values, counts)
+    pairs = np.array([tuple(r) for r in runs], dtype=np.int64).reshape(-1, 2)
+    return np.repeat(pairs[:, 0], pairs[:, 1])
 
 
 def _check_metadata(meta: Any, field_name: str) -> dict[str, Any]:

@@ -224,16 +224,11 @@ class VersionStore:
         """The upload of ``name`` newer than the newest held version, if any (a follower's chunks
         are served as they arrive when it is streamable, else at its commit)."""
         newest = self.newest(name)
-        for up in self.uploads.values():
-            if up.name == name and (newest is None or up.version > newest.version):
-                return up
-        return None
+        return next((up for up in self.uploads.values()
+                     if up.name == name and (newest is None or up.version > newest.version)), None)
 
     def upload_of(self, name: str, version: int) -> Upload | None:
-        for up in self.uploads.values():
-            if up.name == name and up.version == version:
-                return up
-        return None
+        return next((up for up in self.uploads.values() if up.name == name and up.version == version), None)
 
     def chunk_targets(
         self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None, shm: bool = False,
