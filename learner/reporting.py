@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,24 @@ from buffer import MonitorClient
 from rlhf_core.cli import append_line
 from rlhf_core.config import Config
 from rlhf_core.dapo import FILTER_REASONS
-from rlhf_core.metric_names import EVAL_PREFIX, EVAL_STATS, EVAL_VERSION, METRICS_FILE, SAMPLES_TRAINED, STOPPED_BY, UPDATES
+from rlhf_core.metric_names import (
+    EVAL_PREFIX,
+    EVAL_STATS,
+    EVAL_VERSION,
+    METRICS_FILE,
+    MISMATCH_LAG0,
+    SAMPLES_TRAINED,
+    STOPPED_BY,
+    UPDATES,
+    mismatch_key,
+)
 from rlhf_core.records import Sample
 
 log = logging.getLogger(__name__)
 
 EVAL_CHECK_S = 1.0  # the learner looks for a new evaluation this often (when eval.every > 0)
 STATS_EVERY_S = 0.25  # the learner's stats in Redis (monitor, run exporter) are refreshed at most this often
+MISMATCH_WARN_EVERY_S = 600.0  # a train/rollout mismatch warning, then none for this long (the updates over it counted)
 
 
 class UpdateReporter:
@@ -44,6 +56,7 @@ class UpdateReporter:
 
             self.exporter = learner_exporter(cfg.buffer.run_id)
             self.exporter.serve(cfg.learner.prometheus_port, setting="learner.prometheus_port")
+        self.mismatch = MismatchWarning(cfg)
         self.trackers = None
         if cfg.run.loggers:
             from learner.trackers import Trackers
@@ -65,6 +78,7 @@ class UpdateReporter:
             self._merge_filter_counts(metrics)
         append_line(self.metrics_path, json.dumps(metrics))
         self._last_metrics = metrics
+        self.mismatch.check(metrics)
         now = time.monotonic()
         if now - self._stats_at >= STATS_EVERY_S:  # its readers sample once a second; a Redis write per update is waste
             self._stats_at = now
@@ -148,3 +162,39 @@ class UpdateReporter:
             self.exporter.close()
         if self.trackers is not None:
             self.trackers.close()
+
+
+class MismatchWarning:
+    """A WARNING when an update's lag-0 train/rollout mismatch, its KL(behaviour || learner) per token
+    (``mismatch/lag0_kl_k3``), exceeds ``algo.mismatch_warn``: the first at once, then at most one
+    every ``every_s``, counting the updates over the limit since the last. The KL, not the mean
+    ``|dlogp|``: it is what the importance weights and the loss feel (a few far-off tokens weigh
+    in as they do there), in nats per token, the figure published comparisons of engines report."""
+
+    def __init__(self, cfg: Config, every_s: float = MISMATCH_WARN_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.every_s, self.clock = cfg.algo.mismatch_warn, every_s, clock
+        sent = "" if cfg.learner.publish_dtype == "as_trained" else f", weights sent as {cfg.learner.publish_dtype}"
+        self.sides = (f"the workers' rollout.engine={cfg.rollout.engine} in model.dtype={cfg.model.dtype}{sent}; "
+                      f"the learner in model.dtype={cfg.model.dtype}{' with learner.bf16' if cfg.learner.bf16 else ''}")
+        self._warned_at: float | None = None
+        self._over = 0  # updates over the limit since the last warning
+
+    def check(self, metrics: dict[str, Any]) -> bool:
+        """Look at one update's metrics; True when it warned."""
+        kl = metrics.get(mismatch_key(MISMATCH_LAG0, "kl_k3"))
+        if kl is None or not metrics.get(mismatch_key(MISMATCH_LAG0, "tokens")) or not kl > self.limit:
+            return False
+        self._over += 1
+        now = self.clock()
+        if self._warned_at is not None and now - self._warned_at < self.every_s:
+            return False
+        dlogp = (metrics.get(mismatch_key(MISMATCH_LAG0, s), 0.0) for s in ("abs_mean", "abs_max"))
+        log.warning("train/rollout mismatch: the lag-0 KL(behaviour || learner) is %.3g per token (k3; |dlogp| mean "
+                    "%.3g, max %.3g) over algo.mismatch_warn=%g in %d update(s) since the last warning (%s): tokens "
+                    "sampled by the very weights the learner holds should match its recomputation; check that both "
+                    "sides run the same model, dtype and rollout.temperature/top_k/top_p, or raise "
+                    "algo.mismatch_warn if this is expected (docs/operations.md: mismatch)",
+                    kl, *dlogp, self.limit, self._over, self.sides)
+        self._warned_at, self._over = now, 0
+        return True

@@ -71,8 +71,9 @@ class MetricSums:
     """Weighted means and maxima gathered over micro-batches, reducible across ranks.
 
     ``add(key, value, weight)`` accumulates ``value * weight`` and ``weight``; ``result()``
-    gives ``sum / weight``. ``add_max`` keeps the maximum. ``set`` stores a value as is
-    (e.g. batch statistics every rank computed identically).
+    gives ``sum / weight``. ``add_max`` keeps the maximum, ``add_total`` the sum (a count over
+    micro-batches and ranks). ``set`` stores a value as is (e.g. batch statistics every rank
+    computed identically).
 
     Values and weights may be 0-d tensors. One on a GPU is not read when it is recorded: it and
     everything recorded after it wait, in order, until ``reduce`` or ``result`` reads them all
@@ -85,6 +86,7 @@ class MetricSums:
         self._sum: dict[str, float] = {}
         self._weight: dict[str, float] = {}
         self._max: dict[str, float] = {}
+        self._total: dict[str, float] = {}
         self._set: dict[str, float] = {}
         self._pending: list[tuple[str, str, Any, Any]] = []  # (kind, key, value, weight) not read yet
 
@@ -93,6 +95,9 @@ class MetricSums:
 
     def add_max(self, key: str, value: float | torch.Tensor) -> None:
         self._record("max", key, value, 1.0)
+
+    def add_total(self, key: str, value: float | torch.Tensor) -> None:
+        self._record("total", key, value, 1.0)
 
     def set(self, key: str, value: float | torch.Tensor) -> None:
         self._record("set", key, value, 1.0)
@@ -109,6 +114,8 @@ class MetricSums:
             self._weight[key] = self._weight.get(key, 0.0) + w
         elif kind == "max":
             self._max[key] = max(self._max.get(key, -math.inf), v)
+        elif kind == "total":
+            self._total[key] = self._total.get(key, 0.0) + v
         else:
             self._set[key] = v
 
@@ -128,15 +135,18 @@ class MetricSums:
                        read[id(weight)] if _on_device(weight) else float(weight))
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], Any], all_reduce_max: Callable[[torch.Tensor], Any]) -> None:
-        """Sum the weighted sums and weights, and max the maxima, over data-parallel ranks
+        """Sum the weighted sums, weights and totals, and max the maxima, over data-parallel ranks
         (every rank must have added the same keys, which the same code path guarantees)."""
         self._settle()
-        keys = sorted(self._sum)
-        if keys:
-            t = torch.tensor([self._sum[k] for k in keys] + [self._weight[k] for k in keys], dtype=torch.float64)
+        keys, tkeys = sorted(self._sum), sorted(self._total)
+        if keys or tkeys:
+            t = torch.tensor([self._sum[k] for k in keys] + [self._weight[k] for k in keys]
+                             + [self._total[k] for k in tkeys], dtype=torch.float64)
             all_reduce_sum(t)
             for i, k in enumerate(keys):
                 self._sum[k], self._weight[k] = float(t[i]), float(t[len(keys) + i])
+            for i, k in enumerate(tkeys):
+                self._total[k] = float(t[2 * len(keys) + i])
         mkeys = sorted(self._max)
         if mkeys:
             t = torch.tensor([self._max[k] for k in mkeys], dtype=torch.float64)
@@ -148,6 +158,7 @@ class MetricSums:
         self._settle()
         out = {k: self._sum[k] / self._weight[k] if self._weight[k] else 0.0 for k in self._sum}
         out.update(self._max)
+        out.update(self._total)
         out.update(self._set)
         return out
 

@@ -21,7 +21,7 @@ metrics out.
 
 With one epoch of one minibatch pi_prox is read off the training pass instead
 (:func:`prox_is_training_pass`). Metrics carry the prefixes ``learner/``, ``loss/``,
-``staleness/``, ``reward/``.
+``staleness/``, ``reward/``, ``mismatch/`` (:mod:`learner.algorithms.mismatch`).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class PolicyUpdater:
         # built once (the rules on the config are validate's: rlhf_core.config)
         self.is_config = self.algo.importance_sampling() if self.policy_loss.importance_sampling else None
         self.prox_from_training_pass = prox_is_training_pass(cfg, engine.module)
+        self.version = 0  # the version of the weights held: set by each update (tokens of it have lag 0)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -118,6 +119,7 @@ class PolicyUpdater:
     def update(self, batch: TrainBatch, learner_version: int) -> dict[str, float]:
         """One learner version's optimisation on ``batch`` (the same batch on every rank)."""
         t_start = time.perf_counter()
+        self.version = learner_version
         m = MetricSums()
         batch_metrics(batch, learner_version, self.algo.group_size, m)
         rewards = self._rewards(batch, m)

@@ -53,6 +53,29 @@ STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch
 KL_KEYS = ("loss/kl", "loss/approx_kl")  # KL against the reference when there is one, else vs pi_prox
+# Train/rollout mismatch (learner/algorithms/mismatch.py): the workers' behaviour log-probs against the
+# learner's of the same tokens, per split: lag 0 (sampled by the weights the learner holds, context
+# included: numerics or an engine bug) and lagged (older weights or context: staleness too).
+MISMATCH_LAG0, MISMATCH_LAGGED = "lag0", "lagged"
+MISMATCH_SPLITS = {MISMATCH_LAG0: "tokens at lag 0 (sampled by the weights the learner holds)",
+                   MISMATCH_LAGGED: "tokens at lag > 0 (sampled by older weights, or after older context)"}
+MISMATCH_STATS = {  # stat -> what it is, for Prometheus's HELP text
+    "abs_mean": "mean |log pi_learner - log mu_behaviour| in nats",
+    "abs_max": "max |log pi_learner - log mu_behaviour| in nats",
+    "kl_k3": "KL(behaviour || learner) per token, k3 estimate (r - 1 - log r, r = pi_learner / mu_behaviour)",
+    "out_of_band_frac": "share of tokens whose ratio pi_learner / mu_behaviour is outside [0.5, 2]",
+    "tokens": "loss-mask tokens counted",
+}
+
+
+def mismatch_key(split: str, stat: str) -> str:
+    """``("lag0", "kl_k3")`` -> ``mismatch/lag0_kl_k3``: a learner row's key."""
+    return f"mismatch/{split}_{stat}"
+
+
+#: a learner row's key -> what it means (Prometheus's HELP text); a key not here is described by its name
+METRIC_HELP = {mismatch_key(split, stat): f"train/rollout mismatch over the update's {where}: {what}"
+               for split, where in MISMATCH_SPLITS.items() for stat, what in MISMATCH_STATS.items()}
 # In the learner's last stats record only (`_finish`): why it stopped, one of STOP_REASONS
 STOPPED_BY = "learner/stopped_by"
 STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL = "budget", "time", "data", "signal"

@@ -10,7 +10,8 @@ An :class:`Exporter` owns its own ``CollectorRegistry`` and serves it at
 * a key of ``sums`` also feeds a counter that adds up its values;
 * the key of a :class:`Hist` feeds a histogram (a list counts the observations of 0, 1, 2 ...);
   :meth:`Exporter.observe` feeds one directly;
-* every other finite number becomes a gauge (``reward/mean`` -> ``rlhf_reward_mean``).
+* every other finite number becomes a gauge (``reward/mean`` -> ``rlhf_reward_mean``), its HELP
+  text the key's entry in ``docs`` (the learner's: ``metric_names.METRIC_HELP``), else the key.
 
 Names follow Prometheus's rules (:func:`prometheus_key`); a rate such as ``tokens_per_s`` is not
 exported. The run's own target is ``rlhf_run.run_exporter``.
@@ -106,8 +107,10 @@ class Totals:
 
 class Exporter:
     def __init__(self, prefix: str, labels: Mapping[str, str] | None = None, totals: tuple[str, ...] = (),
-                 histograms: tuple[Hist, ...] = (), sums: Mapping[str, str] | None = None) -> None:
+                 histograms: tuple[Hist, ...] = (), sums: Mapping[str, str] | None = None,
+                 docs: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
+        self._docs = dict(docs or {})  # key -> its HELP text
         self.labels = dict(labels or {})
         self.registry = CollectorRegistry()
         self._totals = frozenset(totals)
@@ -163,7 +166,7 @@ class Exporter:
         if key in self._totals:
             self._series(Counter, name, f"running total {key!r}").inc(self._growth.growth(key, x))
         else:
-            self._series(Gauge, name, f"{key!r}").set(x)
+            self._series(Gauge, name, self._docs.get(key, f"{key!r}")).set(x)
 
     def observe(self, hist: str, value: float) -> None:
         """One observation of the histogram named ``hist`` (a :class:`Hist`'s name)."""
@@ -202,7 +205,7 @@ def learner_exporter(run_id: str) -> Exporter:
              "trains", LAG_BUCKETS, key=M.STALENESS_HIST),
         Hist("learner_step_seconds", "compute time of one update (forward, backward, optimizer)", SECONDS_BUCKETS,
              key=M.TIME_COMPUTE_S),
-    ), sums={M.NUM_TOKENS: "learner/tokens_trained"})
+    ), sums={M.NUM_TOKENS: "learner/tokens_trained"}, docs=M.METRIC_HELP)
 
 
 WEIGHT_SYNC = "weight_sync_seconds"

@@ -26,6 +26,7 @@ from rlhf_core.config import BufferConfig, ConfigError
 from rlhf_core.dapo import FILTER_REASONS
 from rlhf_run.plots import RATE_WINDOW_S
 from rlhf_run.progress import PROBE_RETRY_S, worker_stats
+from rlhf_run.summary import mismatch_text
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,11 @@ def render(snap: dict[str, Any]):
                      "sessions open, rewarded, expired",
                      f"{gw.get('sessions_open')}, {gw.get('sessions_rewarded')}, {gw.get('sessions_expired')}",
                      "gateway errors", errors or "none")
+    learner = snap.get("stats", {}).get(M.LEARNER_STATS, {})
+    if M.mismatch_key(M.MISMATCH_LAG0, "tokens") in learner:  # the newest update's (none with DPO)
+        split = {s: {stat: learner.get(M.mismatch_key(s, stat)) for stat in M.MISMATCH_STATS} for s in M.MISMATCH_SPLITS}
+        head.add_row("mismatch lag 0", mismatch_text(split[M.MISMATCH_LAG0]), "lag > 0",
+                     mismatch_text(split[M.MISMATCH_LAGGED]), "", "")
     ev = snap.get("stats", {}).get(M.EVAL_STATS)
     if ev:  # the newest evaluation (eval.every > 0)
         passes = "  ".join(f"{k.removeprefix(M.EVAL_PREFIX)} {_fmt(v)}" for k, v in ev.items() if k.startswith("eval/pass@"))

@@ -156,4 +156,5 @@ class RunExporter:
             # the weight server's counters arrive as ws/<name> (rlhf_run.progress.weight_server_stats)
             total = key in M.LEARNER_TOTALS or key.startswith("ws/") or (gateway and key not in M.GATEWAY_LEVELS)
             short = exported.removeprefix(f"{component}/")
-            f.add("counter" if total else "gauge", metric_name(prefix, short), f"{component} stats {key!r}", value)
+            f.add("counter" if total else "gauge", metric_name(prefix, short),
+                  M.METRIC_HELP.get(key, f"{component} stats {key!r}"), value)

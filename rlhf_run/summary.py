@@ -71,6 +71,47 @@ def sync_latency_s(timeline: list[dict[str, Any]]) -> float | None:
     return total / weight if weight else None
 
 
+def mismatch_summary(rows: list[dict[str, Any]], warn: float) -> dict[str, Any] | None:
+    """The run's train/rollout mismatch per split (``metric_names.MISMATCH_SPLITS``): the means over
+    every token (each update's mean weighted by its tokens), the largest ``abs_max``, the worst
+    update's KL (``kl_k3_max``) and the tokens counted; and the updates with lag-0 tokens, and
+    those whose lag-0 KL was over ``warn`` (``algo.mismatch_warn``: the learner warned of them).
+    None when no update reported it (DPO)."""
+    tokens, kl = (M.mismatch_key(M.MISMATCH_LAG0, stat) for stat in ("tokens", "kl_k3"))
+    if not any(tokens in r for r in rows):
+        return None
+    lag0 = [r for r in rows if r.get(tokens)]
+    return {**{split: _split_summary(rows, split) for split in M.MISMATCH_SPLITS}, "lag0_updates": len(lag0),
+            "lag0_updates_over_warn": sum(1 for r in lag0 if r.get(kl, 0.0) > warn)}
+
+
+def _split_summary(rows: list[dict[str, Any]], split: str) -> dict[str, Any]:
+    key = {stat: M.mismatch_key(split, stat) for stat in M.MISMATCH_STATS}
+    counted = [(r, float(r[key["tokens"]])) for r in rows if r.get(key["tokens"])]
+    total = sum(n for _, n in counted)
+
+    def mean(stat: str) -> float | None:
+        return sum(r.get(key[stat], 0.0) * n for r, n in counted) / total if total else None
+
+    def worst(stat: str) -> float | None:
+        return max((r.get(key[stat], 0.0) for r, _ in counted), default=None)
+
+    return {"tokens": int(total), "abs_mean": mean("abs_mean"), "abs_max": worst("abs_max"), "kl_k3": mean("kl_k3"),
+            "kl_k3_max": worst("kl_k3"), "out_of_band_frac": mean("out_of_band_frac")}
+
+
+def mismatch_text(stats: dict[str, Any]) -> str:
+    """One split's mismatch in words: ``|dlogp| mean 1.2e-07 max 9.5e-07, KL k3 8.1e-15, ... (N tokens)``."""
+    if not stats.get("tokens"):
+        return "no tokens"
+
+    def g(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.2g}"
+
+    return (f"|dlogp| mean {g(stats.get('abs_mean'))} max {g(stats.get('abs_max'))}, KL k3 {g(stats.get('kl_k3'))}, "
+            f"out of [0.5, 2] {g(stats.get('out_of_band_frac'))} ({int(stats['tokens'])} tokens)")
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     xs = [x for x in values if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -126,6 +167,8 @@ def summarize(cfg: Config, rows: list[dict[str, Any]], timeline: list[dict[str, 
         "reward_max": max((r for r in rewards if r is not None), default=None),
         "staleness_mean": _mean(staleness_means),
         "staleness_max": staleness_max,
+        # the workers' behaviour log-probs against the learner's, at lag 0 and lagged (None: not reported, DPO)
+        "mismatch": mismatch_summary(rows, cfg.algo.mismatch_warn),
         "wall_s": wall_s,
         "training_window_s": active_s,
         "throughput": {
@@ -177,6 +220,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"reading batches {t['learner_read_s']:.1f} s, waiting {t['learner_wait_s']:.0f} s, "
         f"publishing {t['learner_publish_s']:.1f} s (on its own thread)",
     ]
+    mm = s.get("mismatch")
+    if mm:
+        lines.append(f"  mismatch: lag-0 {mismatch_text(mm[M.MISMATCH_LAG0])}; lag>0 {mismatch_text(mm[M.MISMATCH_LAGGED])}")
+        if mm.get("lag0_updates_over_warn"):
+            lines.append(f"  the lag-0 mismatch was over algo.mismatch_warn in {mm['lag0_updates_over_warn']} of the "
+                         f"{mm['lag0_updates']} updates with lag-0 tokens: the workers do not sample what the learner "
+                         "computes (logs/learner.log has the learner's warning and what to check)")
     dropped, generated = s.get("samples_dropped_stale") or 0, s["samples_generated"] or 0
     restarts = [r for r in s.get("learner_restarts") or [] if r["samples_dropped_stale"]]
     if restarts:

@@ -54,6 +54,7 @@ class Updater(Protocol):
     policy_loss: PolicyLossEntry  # algo.policy_loss, looked up
     is_config: ISConfig | None  # its IS settings (None: a loss without importance sampling)
     prox_from_training_pass: bool
+    version: int  # the version of the weights the update starts from (pi_prox's): a token of it has lag 0
     passes: ModelPasses  # this rank's rows, the loss mask, the models' per-token outputs
 
 

@@ -27,6 +27,7 @@ from learner.algorithms.core import (
     masked_max,
     masked_mean,
 )
+from learner.algorithms.mismatch import mismatch_metrics
 from learner.batch import TrainBatch
 from learner.engines import all_reduce_sum
 from rlhf_core.config import AlgoConfig, response_budget
@@ -108,6 +109,7 @@ class PolicyGradient:
             behav=local.behaviour_logprobs, prox=prox))
         if prox is not None:
             staleness_metrics(local, prox, mask, m)
+            mismatch_metrics(local, prox, mask, up.version, m)
         n_tok = float(mask.sum())
         m.add("loss/advantage_mean", masked_mean(adv, mask), n_tok)
         m.add("loss/advantage_abs_mean", masked_mean(adv.abs(), mask), n_tok)
@@ -145,6 +147,7 @@ class PolicyGradient:
         if prox is None:  # the weights before the update are these: pi_prox is this pass, detached
             prox = torch.where(mask, logp.detach(), torch.zeros_like(logp))
             staleness_metrics(mb, prox, mask, m)
+            mismatch_metrics(mb, prox, mask, up.version, m)
         loss, st = up.policy_loss.fn(logp, prox, mb.behaviour_logprobs, adv, mask, clip_eps_low=a.clip_eps_low,
                                      clip_eps_high=a.clip_eps_high, dual_clip_c=a.dual_clip_c, agg_mode=a.agg_mode,
                                      norm_len=norm_len, is_config=up.is_config)

@@ -107,6 +107,10 @@ class AlgoConfig:
     filter_groups: bool = False
     overlong: Overlong = Overlong.none
     overlong_buffer: int = 4  # tokens at the end of the response budget where shaping's penalty ramps to -1
+    # the learner warns (rate-limited) when an update's lag-0 KL(behaviour || learner), k3 per token
+    # (mismatch/lag0_kl_k3), exceeds this: the workers and the learner do not compute the same distribution.
+    # float32 reads 1e-14 with either engine, weights sent as bfloat16 1.4e-7 (docs/operations.md)
+    mismatch_warn: float = 1e-8
 
     def importance_sampling(self) -> ISConfig:
         """The decoupled loss's IS settings: correction and level, with the cap and band of that level
@@ -136,6 +140,9 @@ class AlgoConfig:
             raise ConfigError(f"algo.value_clip must be > 0 (or null: no clipping), got {self.value_clip}")
         if not self.kl_coef >= 0:
             raise ConfigError(f"algo.kl_coef must be >= 0 (0: no KL term), got {self.kl_coef}")
+        if not self.mismatch_warn > 0:
+            raise ConfigError(f"algo.mismatch_warn must be > 0 (the lag-0 KL(behaviour || learner) per token above which "
+                              f"the learner warns; a large number such as 1e9 never warns), got {self.mismatch_warn}")
         if self.vtrace and estimator != Estimator.gae:
             raise ConfigError(f"algo.vtrace=true corrects the critic's targets of algo.estimator=gae; algo.estimator="
                               f"{estimator} has no critic, so it would change nothing: set algo.vtrace=false")

@@ -83,6 +83,11 @@ class LearnerConfig:
         if self.compile is True and self.engine != LearnerEngine.torch:
             raise ConfigError("learner.compile=true works with learner.engine=torch only (DeepSpeed wraps and partitions "
                               "the model itself); drop learner.compile or use the torch engine")
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"learner.zero_stage must be 1, 2 or 3 (DeepSpeed's ZeRO stages), got {self.zero_stage}")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas) or not self.adam_eps > 0:
+            raise ConfigError(f"learner.adam_betas must be two numbers in [0, 1) and learner.adam_eps > 0, got "
+                              f"{list(self.adam_betas)}, {self.adam_eps}")
         check_devices("learner.devices", self.devices)
         if self.devices is not None and len(self.devices) > 1 and self.engine != LearnerEngine.deepspeed:
             raise ConfigError(f"learner.devices={list(self.devices)} runs the learner on {len(self.devices)} GPUs, "

@@ -290,7 +290,7 @@ def test_monitor_snapshot_of_a_live_run_and_ctrl_c_leaves_nothing(tmp_path, redi
         assert learner[M.VERSION] >= 2
         read_by_the_app = {M.VERSION, M.UPDATES, M.SAMPLES_TRAINED, M.SAMPLES_PER_S, M.TOKENS_PER_S, M.TIME_WAIT_S,
                            M.TIME_READ_S, M.TIME_COMPUTE_S, M.TIME_PUBLISH_S, M.TIME, M.REWARD_MEAN, M.STALENESS_MEAN,
-                           M.STALENESS_MAX, M.STALENESS_HIST}
+                           M.STALENESS_MAX, M.STALENESS_HIST, *M.METRIC_HELP}
         assert read_by_the_app - set(learner) == set(), "the learner no longer writes what the report reads"
         assert any(k in learner for k in M.KL_KEYS), sorted(learner)
         pids = json.loads((out / "children.json").read_text())

@@ -206,6 +206,11 @@ def test_a_bad_choice_on_the_command_line_says_the_key_and_the_choices():
         (["learner.batch_size=0"], r"learner.batch_size must be >= 1 \(samples per update\), got 0"),
         # 0 checkpointed after every update (the learner's max(1, 0)) and meant 'never' to rlhf-plan
         (["learner.checkpoint_every=0"], "learner.checkpoint_every must be >= 1 update, got 0: a checkpoint is where"),
+        # zero_stage was checked only when the DeepSpeed engine was built; adam_betas of the wrong length at the first step
+        (["learner.engine=deepspeed", "learner.zero_stage=4"], "learner.zero_stage must be 1, 2 or 3 \\(DeepSpeed's ZeRO stages\\), got 4"),
+        (["learner.adam_betas=[0.9]"], r"learner.adam_betas must be two numbers in \[0, 1\) and learner.adam_eps > 0, got \[0.9\], 1e-08"),
+        (["learner.adam_betas=[0.9,1.0]"], r"learner.adam_betas must be two numbers in \[0, 1\)"),
+        (["learner.adam_eps=0"], r"learner.adam_betas must be two numbers in \[0, 1\) and learner.adam_eps > 0, got \[0.9, 0.999\], 0.0"),
         (["algo.group_size=1"], "algo.estimator=grpo compares responses of one prompt"),
         (["algo.max_staleness=-1"], "algo.max_staleness must be >= 0, got -1"),
         # passed validate, then value_loss raised at the first update / V-trace did nothing but force a pi_prox pass /
@@ -213,6 +218,8 @@ def test_a_bad_choice_on_the_command_line_says_the_key_and_the_choices():
         (["algo.estimator=gae", "algo.value_clip=0"], r"algo.value_clip must be > 0 \(or null: no clipping\), got 0.0"),
         (["algo.vtrace=true"], "algo.vtrace=true corrects the critic's targets of algo.estimator=gae; algo.estimator=grpo"),
         (["algo.kl_coef=-0.1"], r"algo.kl_coef must be >= 0 \(0: no KL term\), got -0.1"),
+        (["algo.mismatch_warn=0"], r"algo.mismatch_warn must be > 0 \(the lag-0 KL\(behaviour \|\| learner\) per token above .*, got 0.0"),
+        (["algo.mismatch_warn=-1e-6"], r"algo.mismatch_warn must be > 0 .*, got -1e-06"),
         (["algo.is_correction=mis", "algo.mis_low=2.0", "algo.mis_high=1.0"], r"mis_low < algo.mis_high, got \[2.0, 1.0\]"),
         (["algo.is_level=sequence", "algo.is_correction=mis", "algo.seq_mis_low=1.01", "algo.seq_mis_high=1.0"],
          r"algo.seq_mis_low < algo.seq_mis_high, got \[1.01, 1.0\]"),

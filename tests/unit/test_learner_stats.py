@@ -40,6 +40,17 @@ def test_metric_sums_weighted_means_max_and_reduce():
     assert m.result() == {"a": (13.0 + 20.0) / 8.0, "b": 9.0, "c": 7.0}
 
 
+def test_metric_sums_totals_add_up_over_records_and_ranks():
+    m = MetricSums()
+    m.add("a", 2.0, 1.0)
+    m.add_total("n", 3.0)
+    m.add_total("n", torch.tensor(4.0))  # 3 + 4 = 7 (a mean would say 3.5)
+    assert m.result() == {"a": 2.0, "n": 7.0}
+    # a second "rank" with a = 2 (weight 1) and n = 5: the totals are summed after the means' sums and weights
+    m.reduce(lambda t: t.add_(torch.tensor([2.0, 1.0, 5.0], dtype=torch.float64)), lambda t: t)
+    assert m.result() == {"a": 2.0, "n": 12.0}
+
+
 @pytest.mark.parametrize("as_if_on_gpu", [False, True])
 def test_metric_sums_take_tensors_and_read_device_ones_at_the_end(monkeypatch, as_if_on_gpu):
     # Values and weights may be 0-d tensors. On a GPU they wait (with everything recorded after

@@ -21,6 +21,7 @@ from learner.engine_factory import make_engine
 from learner.passes import MissingReferenceError
 from learner.update import PolicyUpdater
 from learner_helpers import batch_of, digit_reward, generate_samples, tiny_config, train
+from rlhf_core import metric_names as M
 from rlhf_core.config import AlgoConfig, ConfigError, validate
 from rlhf_core.models import load_critic, load_policy
 
@@ -533,6 +534,13 @@ def test_prox_from_the_training_pass_gives_the_update_of_a_separate_pass(stale, 
         assert m_reuse[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7), key
     if stale:
         assert m_pass["staleness/behav_prox_kl"] > 1e-4  # the check compares real IS weights
+    # the mismatch, over 3 micro-batches or in one pass, is the same; every token is in one split
+    # (all lagged when stale), whose KL is staleness/behav_prox_kl's (float64 here, float32 there)
+    split, other = ("lagged", "lag0") if stale else ("lag0", "lagged")
+    for key in M.METRIC_HELP:
+        assert m_reuse[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-9), key
+    assert (m_pass[f"mismatch/{split}_tokens"], m_pass[f"mismatch/{other}_tokens"]) == (m_pass[M.NUM_TOKENS], 0.0)
+    assert m_pass[f"mismatch/{split}_kl_k3"] == pytest.approx(m_pass["staleness/behav_prox_kl"], rel=1e-4, abs=1e-9)
 
 
 @pytest.mark.slow

@@ -256,6 +256,21 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
+def test_the_mismatch_gauges_say_what_they_measure():
+    # the learner's own target and the run's (from the learner's stats in Redis) take their HELP
+    # text from metric_names.METRIC_HELP; other gauges keep their key
+    learner, run = families(targets()["learner"]), families(targets()["run"])
+    assert len(M.METRIC_HELP) == 10
+    for key, doc in M.METRIC_HELP.items():
+        short = key.removeprefix("mismatch/")
+        assert learner[f"rlhf_mismatch_{short}"].type == "gauge" and learner[f"rlhf_mismatch_{short}"].documentation == doc
+        assert run[f"rlhf_run_learner_mismatch_{short}"].documentation == doc
+    assert learner["rlhf_mismatch_lag0_kl_k3"].documentation.startswith(
+        "train/rollout mismatch over the update's tokens at lag 0 (sampled by the weights the learner holds): KL(behaviour")
+    assert value(learner, "rlhf_mismatch_lagged_tokens", "rlhf_mismatch_lagged_tokens") == 168
+    assert learner["rlhf_reward_mean"].documentation == "'reward/mean'"
+
+
 def test_promql_names_are_extracted():
     expr = 'histogram_quantile(0.95, sum by (le, worker) (rate(a_bucket{run=~"$run", x="y{z}"}[5m]))) / b_total offset 5m'
     assert promql_metric_names(expr) == {"a_bucket", "b_total"}

@@ -321,3 +321,60 @@ def test_a_resume_on_a_new_redis_says_its_generated_count_is_this_launchs():
     kept = [{"time": 100.0, "counters": {"samples_appended": 200}}, {"time": 105.0, "counters": {"samples_appended": 296}}]
     s = summarize(Config(), rows, kept, wall_s=10.0, exit_reason="done", since=99.0)
     assert format_summary(s).splitlines()[1] == "  steps 13, samples trained 416, generated 296"
+
+
+def mismatch_row(update: int, lag0: tuple[float, ...], lagged: tuple[float, ...]) -> dict:
+    """A learner row with the mismatch of each split: (tokens, abs_mean, abs_max, kl_k3, out_of_band_frac)."""
+    from rlhf_core import metric_names as M
+
+    row = {"learner/updates": update, "learner/samples_trained": 32 * update, "time": float(update)}
+    for split, values in ((M.MISMATCH_LAG0, lag0), (M.MISMATCH_LAGGED, lagged)):
+        row.update({M.mismatch_key(split, s): v
+                    for s, v in zip(("tokens", "abs_mean", "abs_max", "kl_k3", "out_of_band_frac"), values)})
+    return row
+
+
+def test_the_summary_weighs_each_updates_mismatch_by_its_tokens():
+    from rlhf_core.config import Config
+    from rlhf_run.summary import format_summary, summarize
+
+    # lag 0: 30 tokens at |dlogp| mean 1e-7 and 10 at 5e-7 -> (3e-6 + 5e-6) / 40 = 2e-7; KL (30 * 1e-14 + 10 * 5e-14)
+    # / 40 = 2e-14; max of the maxima 9e-7. The third update has no lag-0 token: its zeros weigh nothing.
+    # lagged: 100 and 300 tokens at |dlogp| mean 0.1 and 0.3 -> 0.25, KL 0.01 and 0.03 -> 0.025, out of band 0.0
+    # and 0.02 -> 0.015
+    rows = [mismatch_row(1, (30, 1e-7, 4e-7, 1e-14, 0.0), (100, 0.1, 2.0, 0.01, 0.0)),
+            mismatch_row(2, (10, 5e-7, 9e-7, 5e-14, 0.0), (0, 0.0, 0.0, 0.0, 0.0)),
+            mismatch_row(3, (0, 0.0, 0.0, 0.0, 0.0), (300, 0.3, 3.0, 0.03, 0.02))]
+    cfg = Config()
+    cfg.algo.mismatch_warn = 3e-14  # the second update's lag-0 KL is over it
+    s = summarize(cfg, rows, [], wall_s=10.0, exit_reason="done")
+    lag0, lagged = s["mismatch"]["lag0"], s["mismatch"]["lagged"]
+    assert lag0["tokens"] == 40 and lag0["abs_max"] == 9e-7 and lag0["kl_k3_max"] == 5e-14
+    assert abs(lag0["abs_mean"] - 2e-7) < 1e-20 and abs(lag0["kl_k3"] - 2e-14) < 1e-27
+    assert lagged["tokens"] == 400 and abs(lagged["kl_k3"] - 0.025) < 1e-15 and abs(lagged["out_of_band_frac"] - 0.015) < 1e-15
+    assert ("  mismatch: lag-0 |dlogp| mean 2e-07 max 9e-07, KL k3 2e-14, out of [0.5, 2] 0 (40 tokens); "
+            "lag>0 |dlogp| mean 0.25 max 3, KL k3 0.025, out of [0.5, 2] 0.015 (400 tokens)") in format_summary(s).splitlines()
+    assert (s["mismatch"]["lag0_updates"], s["mismatch"]["lag0_updates_over_warn"]) == (2, 1)
+    assert format_summary(s).splitlines()[-1].startswith("  the lag-0 mismatch was over algo.mismatch_warn in 1 of the 2 updates")
+    # a synchronous run has no lagged token; DPO reports no mismatch at all
+    sync = summarize(Config(), rows[1:2], [], wall_s=10.0, exit_reason="done")
+    assert format_summary(sync).splitlines()[-1].endswith("(10 tokens); lag>0 no tokens")
+    dpo = summarize(Config(), [{"learner/updates": 1, "time": 1.0}], [], wall_s=10.0, exit_reason="done")
+    assert dpo["mismatch"] is None and "mismatch" not in format_summary(dpo)
+
+
+def test_the_monitor_shows_the_newest_updates_mismatch():
+    import io
+
+    from rich.console import Console
+
+    from rlhf_run import monitor
+
+    out = io.StringIO()
+    learner = mismatch_row(5, (40, 2e-7, 9e-7, 2e-14, 0.0), (0, 0.0, 0.0, 0.0, 0.0))
+    Console(file=out, width=300).print(monitor.render({"run_id": "r", "stats": {"learner": learner}}))
+    text = out.getvalue()
+    assert "mismatch lag 0" in text and "|dlogp| mean 2e-07 max 9e-07, KL k3 2e-14" in text and "no tokens" in text
+    out = io.StringIO()
+    Console(file=out, width=300).print(monitor.render({"run_id": "r", "stats": {"learner": {"learner/updates": 1}}}))
+    assert "mismatch" not in out.getvalue()  # DPO's rows have none
