@@ -1,4 +1,4 @@
-"""Off-policy check: decoupled PPO + TIS vs plain PPO on artificially stale samples.
+"""Off-policy check: decoupled PPO + TIS vs plain PPO, GSPO, CISPO and IcePop on artificially stale samples.
 
 Task: ``successor``, the first step of the built-in ``count_up`` task (prompt ``"7:"``): every one
 of the first 8 response characters earns 1/8 when it is the successor digit (``"8"``). It is
@@ -15,13 +15,19 @@ with the same sample budget, the same draws of ``k``, prompts and seeds for ever
   bench also measures, before every update, the geometric means of the batch against both the token
   caps (2, band 0.5-2) and the sequence ones (1.001, band 0.999-1.001): how often each would act;
 * ``ppo``: plain PPO with old = behaviour, no correction (what a synchronous trainer does with stale data);
+* ``gspo``, ``cispo``, ``icepop``: the objectives of ``experiment=gspo | cispo | icepop``, their ``algo``
+  settings read from the preset (conf/experiment/): GSPO's sequence ratio clipped at 3e-4 / 4e-4 with a
+  sequence-level TIS weight (cap 1.001), CISPO's clipped, detached IS weight with no lower bound and the
+  token TIS weight, decoupled PPO with IcePop's token mask [0.5, 5]. The learner settings are the
+  bench's, the same for every row (the presets' 4 minibatches are not used);
 * ``on_policy`` (reference, ``--full`` only): k = 0; what staleness costs at all.
 
 The policy is evaluated every ``eval_every`` updates on fresh samples from its CURRENT weights
 (fixed prompts and sampling seed), so the curves show what each method has learned, not the
 rewards of the stale batches it trained on.
 
-Findings (this machine, 2026-11; numbers in bench/results/staleness*.json):
+Findings (this machine, 2026-11 and 2026-12; numbers in bench/results/staleness*.json, the full
+run's unless said):
 
 * ``count_up`` itself is too sparse for the budget: even on-policy, 200 updates of 32 samples
   only learned the ``digits`` shaping term (eval reward 0.02 -> 0.15). Hence ``successor``.
@@ -29,28 +35,55 @@ Findings (this machine, 2026-11; numbers in bench/results/staleness*.json):
   NOT separate them, in fact the other way round: decoupled+TIS 0.19 final (peaks ~0.25 at
   update 90, then wobbles), plain PPO 0.31. With a single step the decoupled ratio pi/pi_prox
   is exactly 1, so there is no trust region at all: it is a truncated-IS policy gradient; plain
-  PPO's clip around the stale mu acts as a brake that happens to help.
+  PPO's clip around the stale mu acts as a brake that happens to help. (The same holds for GSPO
+  and CISPO: at a batch's first step pi = pi_prox, so their clips act only from the second.)
 * Several steps per batch (the usual PPO regime, and what the defaults below use: 4 epochs x 2
   minibatches, lr 1e-3) separate them clearly: decoupled+TIS learns almost as fast as on-policy
-  early on (reward 0.15 after 40-60 updates vs 40-50 on-policy) while plain PPO needs 100-140
-  updates; over 150 updates the mean reward along the curve is 2.35x higher for decoupled+TIS,
-  the final reward 1.21x (0.35 vs 0.29; on-policy 0.60). Plain PPO does not collapse: its
-  clipping around a policy 4-8 versions old limits how far it can move, so it learns slowly.
+  early on (reward 0.15 after 40-70 updates vs 40-60 on-policy) while plain PPO needs 110-120
+  updates; over 150 updates the mean reward along the curve is 2.48x higher for decoupled+TIS
+  (0.228 vs 0.092), the final reward 1.21x (0.340 vs 0.280; on-policy 0.478). Plain PPO does not
+  collapse: its clipping around a policy 4-8 versions old limits how far it can move, so it
+  learns slowly.
 * With lr 3e-3 and 8 steps per batch both are unstable (final 0.12 vs 0.06).
-* Staleness also costs decoupled+TIS: its curve flattens at ~0.3 while on-policy goes on to
-  0.6 (the IS weight reaches ~18 and ~5% of tokens are truncated at C = 2).
-* Sequence level (quick run: 60 updates, 2 seeds). A response's geometric-mean weight averages
-  0.79 (batch min 0.41, max 1.33 on average): staleness pulls it below 1, since
-  E_mu[log w] = -KL(mu || pi_prox). The token caps would almost never act on it: TIS at 2 on 0.08%
-  of responses (the band 0.5-2 on 16%, nearly all below 0.5). The sequence defaults act: TIS at
-  1.001 truncates 19.5% of responses, and the band 0.999-1.001 would drop 98% of them: with 8-token
-  responses 4-8 versions stale, MIS at the sequence defaults trains on almost nothing (for short
-  responses widen it to about 2 ** (1 / max_new_tokens), here 0.917-1.09). decoupled_seq_tis
-  learns a little slower than token-level TIS (final 0.19 vs 0.23; 0.15 reached in 1 of 2 seeds)
-  and far faster than plain PPO (0.02).
+* Staleness also costs decoupled+TIS: its curve flattens at ~0.33 from update 90 on while
+  on-policy goes on to 0.45-0.49 (the IS weight reaches ~20 and 4% of tokens are truncated at
+  C = 2).
+* Sequence level. A response's geometric-mean weight averages 0.72 (batch min 0.27, max 1.24 on
+  average): staleness pulls it below 1, since E_mu[log w] = -KL(mu || pi_prox). The token caps
+  would almost never act on it: TIS at 2 on 0.01% of responses (the band 0.5-2 on 25%, nearly all
+  below 0.5). The sequence defaults act: TIS at 1.001 truncates 19% of responses, and the band
+  0.999-1.001 would drop 95% of them: with 8-token responses 4-8 versions stale, MIS at the
+  sequence defaults trains on almost nothing (for short responses widen it to about
+  2 ** (1 / max_new_tokens), here 0.917-1.09). decoupled_seq_tis learns a little slower than
+  token-level TIS (mean over the curve 0.178 vs 0.228, final 0.316 vs 0.340) and far faster than
+  plain PPO.
+* GSPO (its preset's clip 3e-4 / 4e-4, sequence TIS at 1.001) starts slower and ends highest:
+  0.15 after 70-80 updates (decoupled+TIS 40-70), mean over the curve 0.209 (0.92x
+  decoupled+TIS, 2.27x plain PPO), final 0.527 (1.55x decoupled+TIS, above on-policy's 0.478;
+  per seed 0.65, 0.53, 0.41 against 0.30, 0.24, 0.48: ahead in 2 of 3 seeds), still climbing at
+  update 150. Its clip acts on 43% of the tokens (whole responses), so a batch's 8 steps move the
+  policy little: the behaviour/proximal KL it sees is 0.24 against decoupled+TIS's 0.58 (its
+  samples are less stale in KL, not in versions), and it does not overshoot where the others,
+  with the PPO range 0.2, plateau. What this shows is a small step per batch paying off late on
+  this task with these aggressive steps (8 per batch at lr 1e-3), not that sequence-level ratios
+  beat token-level ones on 8-token responses.
+* CISPO (no lower bound, eps_high 0.2, token TIS) loses: as fast as on-policy for 20 updates,
+  then flat from about update 70 on in every seed (at 0.20, 0.11, 0.22, each below its
+  decoupled+TIS); mean over the curve 0.121 (0.53x decoupled+TIS), final 0.176 (0.52x). What I think
+  happens: it has no trust region. Its clip caps a token's weight but keeps its gradient, so 8
+  steps on one stale batch keep pushing the same tokens (pi/pi_prox reaches 118 within an update,
+  the behaviour/proximal KL 0.73 is the highest of all) and the policy commits early to what the
+  first batches rewarded. MiniMax-M1 trains with far smaller steps; here the decoupled clip's
+  dropped gradients are a brake the task needs.
+* IcePop (token mask [0.5, 5] on pi_prox / mu) masks 26% of the tokens at staleness 4-8 (nearly
+  all below 0.5: the tokens mu liked much more than the learner now does), against the 1-2 per
+  mille the paper reports for engine mismatch alone: at this staleness it is a staleness filter.
+  It learns about as decoupled+TIS does, a little below: mean over the curve 0.196 (0.86x), final
+  0.285 (0.84x; per seed 0.12, 0.38, 0.35, two of them falling back at the end from 0.26 and
+  0.50, as decoupled+TIS's seeds wobble by 0.1 too).
 
-    .venv/bin/python bench/staleness.py            # quick: 60 updates, 2 seeds, 3 methods (~50 s of CPU)
-    .venv/bin/python bench/staleness.py --full     # 150 updates, 3 seeds, on-policy reference
+    .venv/bin/python bench/staleness.py            # quick: 60 updates, 1 seed, 6 methods (~47 s of CPU)
+    .venv/bin/python bench/staleness.py --full     # 150 updates, 3 seeds, on-policy reference (~7 min of CPU)
 """
 
 from __future__ import annotations
@@ -72,6 +105,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from _common import print_table, write_results  # noqa: E402
 from learner.algorithms.core import masked_mean  # noqa: E402
@@ -100,11 +134,22 @@ REWARDS = {
     "successor": successor_reward,
 }
 
+PRESETS = ("gspo", "cispo", "icepop")  # rows trained with the algo settings of conf/experiment/<name>.yaml
+
+
+def preset_algo(name: str) -> dict[str, Any]:
+    """The ``algo`` settings of the experiment preset ``name``, as ``{"algo.key": value}``: the bench's
+    row is the preset's objective (its learner settings are the bench's, the same for every row)."""
+    algo = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "experiment" / f"{name}.yaml")).get("algo", {})
+    return {f"algo.{key}": value for key, value in algo.items()}
+
+
 METHODS = {
     "decoupled_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis"},
     "decoupled_seq_tis": {"algo.policy_loss": "decoupled", "algo.is_correction": "tis", "algo.is_level": "sequence"},
     "ppo": {"algo.policy_loss": "ppo"},
     "on_policy": {"algo.policy_loss": "ppo"},
+    **{name: preset_algo(name) for name in PRESETS},
 }
 
 
@@ -112,8 +157,8 @@ def settings(full: bool) -> dict[str, Any]:
     return {
         "task": "successor",
         "updates": 150 if full else 60,
-        "seeds": [0, 1, 2] if full else [0, 1],
-        "methods": ["decoupled_tis", "decoupled_seq_tis", "ppo"] + (["on_policy"] if full else []),
+        "seeds": [0, 1, 2] if full else [0],
+        "methods": ["decoupled_tis", "decoupled_seq_tis", "ppo", *PRESETS] + (["on_policy"] if full else []),
         "k_min": 4, "k_max": 8,
         "prompts_per_batch": 8, "group_size": 4, "max_new_tokens": 8,
         "eval_every": 10, "eval_prompts": 40, "threshold": 0.15,
@@ -226,8 +271,8 @@ def run(method: str, seed: int, s: dict[str, Any], base, tok) -> dict[str, Any]:
                 kept.setdefault(key, []).append(value)
         m = updater.update(Collator.for_model(policy, updater.device)(samples), v)
         batch_rewards.append(m["reward/mean"])
-        for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/behav_prox_kl",
-                    "loss/clip_frac", "loss/ratio_max", "learner/grad_norm"):
+        for key in ("staleness/mean", "staleness/is_weight_max", "staleness/is_truncated_frac", "staleness/is_masked_frac",
+                    "staleness/behav_prox_kl", "loss/clip_frac", "loss/ratio_max", "learner/grad_norm"):
             kept.setdefault(key, []).append(m.get(key, 0.0))
     curve.append((s["updates"], evaluate(policy, tok, s, seed)))
     rewards = [r for _, r in curve]
@@ -257,6 +302,12 @@ def summarise(runs: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
     return out
 
 
+def ratios_over(summary: dict[str, dict[str, Any]], method: str, base: str = "decoupled_tis") -> dict[str, float]:
+    """``method``'s final and mean-over-the-curve eval reward as multiples of ``base``'s."""
+    m, b = summary[method], summary[base]
+    return {"final": m["final_eval"] / max(b["final_eval"], 1e-9), "mean_curve": m["mean_eval"] / max(b["mean_eval"], 1e-9)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true")
@@ -282,7 +333,8 @@ def main() -> None:
     rows = [{"method": m, "final": x["final_eval"], "mean(curve)": x["mean_eval"], "best": x["best_eval"],
              f"upd_to_{s['threshold']}": str(x["updates_to_threshold"]), "staleness": x["staleness_mean"],
              "is_w_max": x["staleness_is_weight_max"], "trunc_frac": x["staleness_is_truncated_frac"],
-             "clip_frac": x["loss_clip_frac"], "sec": x["seconds"]} for m, x in summary.items()]
+             "masked_frac": x["staleness_is_masked_frac"], "clip_frac": x["loss_clip_frac"], "sec": x["seconds"]}
+            for m, x in summary.items()]
     print_table(rows, f"{s['task']}: k ~ U[{s['k_min']}, {s['k_max']}] versions stale, {s['updates']} updates x "
                       f"{s['prompts_per_batch'] * s['group_size']} samples, seeds {s['seeds']}; eval reward of the "
                       f"current policy (initial {init:.3f})")
@@ -290,9 +342,9 @@ def main() -> None:
                   for v, _ in runs[0]["eval_curve"]] for m in s["methods"]}
     print_table([{"update": v, **{m: dict(curves[m])[v] for m in s["methods"]}} for v, _ in curves[s["methods"][0]]],
                 "eval curve (mean over seeds)")
-    d, p = summary["decoupled_tis"], summary["ppo"]
-    ratios = {"final": d["final_eval"] / max(p["final_eval"], 1e-9), "mean_curve": d["mean_eval"] / max(p["mean_eval"], 1e-9)}
-    print(f"\ndecoupled+TIS / plain PPO: final reward x{ratios['final']:.2f}, mean over the curve x{ratios['mean_curve']:.2f}")
+    ratios = {m: ratios_over(summary, m) for m in s["methods"] if m != "decoupled_tis"}
+    print_table([{"method": m, **{f"{k} / {base}": v for base in ("ppo", "decoupled_tis") for k, v in ratios_over(summary, m, base).items()}}
+                 for m in s["methods"] if m != "ppo"], "eval reward as multiples (same seeds, same staleness draws)")
     g = summary["decoupled_seq_tis"]
     a = make_cfg(s, "decoupled_seq_tis", 0).algo
     print_table([
@@ -304,7 +356,8 @@ def main() -> None:
        f"{g['geo_w_min']:.3f}, max {g['geo_w_max']:.3f} on average); fraction of responses each cap acts on")
     write_results("staleness" if not args.full else "staleness_full", {
         "mode": "full" if args.full else "quick", "config": s, "initial_eval": init, "summary": summary,
-        "ratios_decoupled_over_ppo": ratios, "eval_curves": curves, "runs": runs, "findings": FINDINGS,
+        "ratios_decoupled_over_ppo": ratios_over(summary, "decoupled_tis", "ppo"), "ratios_over_decoupled_tis": ratios,
+        "eval_curves": curves, "runs": runs, "findings": FINDINGS,
     })
 
 

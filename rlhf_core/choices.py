@@ -41,14 +41,17 @@ class PolicyLoss(StrEnum):
 
     decoupled = "decoupled"  # AReaL's decoupled PPO with IS correction (learner/algorithms/decoupled_policy_loss.py)
     ppo = "ppo"  # plain PPO, behaviour policy as old (learner/algorithms/ppo_policy_loss.py)
+    gspo = "gspo"  # sequence-level ratio and clip (learner/algorithms/gspo_policy_loss.py)
+    cispo = "cispo"  # clipped IS weight, every token keeps its gradient (learner/algorithms/cispo_policy_loss.py)
 
 
 class ISCorrection(StrEnum):
-    """``algo.is_correction``: what the decoupled loss does with its weight ``w = pi_prox / mu``."""
+    """``algo.is_correction``: what a loss with importance sampling does with its weight ``w = pi_prox / mu``."""
 
     none = "none"  # keep it
     tis = "tis"  # truncate it at the cap
     mis = "mis"  # zero it outside the band
+    icepop = "icepop"  # zero it outside IcePop's band, per token only
 
 
 class ISLevel(StrEnum):

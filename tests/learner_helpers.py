@@ -36,6 +36,22 @@ def T(x) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float64)
 
 
+def shifted(base, log_ratio) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, base)`` of a worked example: float64 ``base`` log-probs and ``logp = base + log_ratio``
+    with a gradient."""
+    base = T(base)
+    return (base + T(log_ratio)).requires_grad_(), base
+
+
+def random_policy_batch(seed: int, b: int, t: int, *, moved: float, stale: float):
+    """``(logp, prox, behav, adv)`` ``[b, T]`` float64: pi_prox, the current policy ``moved`` away from
+    it (with a gradient), the behaviour policy ``stale`` away, advantages (every position real)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda: torch.randn(b, t, generator=g, dtype=torch.float64)  # noqa: E731
+    prox = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    return (prox + moved * rnd()).requires_grad_(), prox, prox + stale * rnd(), rnd()
+
+
 def random_episode_batch(seed: int, b: int = 5, t: int = 8):
     """Random rewards/values/log-probs; masks with holes, right padding and an empty row."""
     g = torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from rlhf_core.choices import AggMode, ISCorrection, ISLevel, KLEstimator, check_choice
-from rlhf_core.config import ISConfig, check_clip
+from rlhf_core.config import ISConfig, check_clip, check_penalties
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # in-place sum over data-parallel ranks; identity when alone
 TOKEN_MEAN = AggMode["token-mean"]
@@ -168,8 +168,7 @@ def token_rewards(
     penalty, ``r_t = -kl_coef * kl_t + [t == last real token] * seq_reward`` (KL as a reward
     penalty, as in Ziegler et al. 2019 / OpenRLHF; 0 at masked positions). A sequence without
     real tokens gets no reward. ``kl``: ``[B, T]`` per-token KL estimate (:func:`kl_estimate`)."""
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    check_penalties(kl_coef=kl_coef)
     m = bool_mask(mask)
     if seq_rewards.shape != m.shape[:1]:
         raise ValueError(f"seq_rewards must have shape [B]={tuple(m.shape[:1])}, got {tuple(seq_rewards.shape)}")
@@ -241,7 +240,10 @@ class ISWeights(NamedTuple):
 @torch.no_grad()
 def is_weights(prox: torch.Tensor, behav: torch.Tensor, m: torch.Tensor, cfg: ISConfig) -> ISWeights:
     """IS weights ``pi_prox / pi_behav`` of sanitised ``[B, T]`` log-probs under the bool mask ``m``,
-    at ``cfg.level`` and corrected as ``cfg.correction`` says (:class:`ISConfig`)."""
+    at ``cfg.level`` and corrected as ``cfg.correction`` says (:class:`ISConfig`). ``mis`` and
+    ``icepop`` are the same mask, ``M(w) = w`` inside the band and 0 outside (IcePop, Ling Team
+    2025, eq. of ``M(k)``), each with its own band; dropped tokens keep their place in every
+    denominator."""
     log_w_tokens = prox - behav
     if cfg.level == ISLevel.sequence:
         log_w = masked_mean(log_w_tokens, m, dim=-1).unsqueeze(-1).expand_as(log_w_tokens)
@@ -252,8 +254,9 @@ def is_weights(prox: torch.Tensor, behav: torch.Tensor, m: torch.Tensor, cfg: IS
     if cfg.correction == ISCorrection.tis:
         truncated = raw_w > cfg.tis_cap
         w = torch.clamp(raw_w, max=cfg.tis_cap)
-    elif cfg.correction == ISCorrection.mis:
-        dropped = (raw_w < cfg.mis_low) | (raw_w > cfg.mis_high)
+    elif cfg.correction in (ISCorrection.mis, ISCorrection.icepop):
+        low, high = (cfg.mis_low, cfg.mis_high) if cfg.correction == ISCorrection.mis else (cfg.icepop_low, cfg.icepop_high)
+        dropped = (raw_w < low) | (raw_w > high)
         w = torch.where(dropped, torch.zeros_like(raw_w), raw_w)
     else:
         w = raw_w
@@ -320,27 +323,37 @@ def clip_loss(
     if isw is not None:
         pg_losses = isw.w * pg_losses
     loss = aggregate(where_real(pg_losses, m), m, mode=agg_mode, norm_len=norm_len)
+    return loss, policy_loss_stats(loss, log_ratio, m, clipped=pg_loss2 > pg_loss1, dual_clipped=dual_clipped, importance=isw)
 
-    with torch.no_grad():
-        ratio_d, log_ratio_d = ratio.detach(), log_ratio.detach()
-        if isw is None:
-            zero = torch.zeros_like(ratio_d)
-            isw = ISWeights(zero, zero + 1.0, zero, zero, zero)
-        to_f = lambda b: b.to(ratio_d.dtype)  # noqa: E731
-        stats = PolicyLossStats(
-            loss=loss.detach(),
-            clip_frac=masked_mean(to_f(pg_loss2 > pg_loss1), m),
-            dual_clip_frac=masked_mean(to_f(dual_clipped), m),
-            # KL(old || pi) with x ~ old, r = pi / old: k3 = (r - 1) - log r; over the tokens pi
-            # has (a token top-k/top-p filters out under pi has log r = -inf: k3 = inf)
-            approx_kl=masked_mean(ratio_d - 1.0 - log_ratio_d, m & torch.isfinite(log_ratio_d)),
-            ratio_mean=masked_mean(ratio_d, m),
-            ratio_max=masked_max(ratio_d, m),
-            is_weight_mean=masked_mean(isw.raw_w, m),
-            is_weight_max=masked_max(isw.raw_w, m),
-            is_truncated_frac=masked_mean(to_f(isw.truncated), m),
-            is_masked_frac=masked_mean(to_f(isw.dropped), m),
-            # KL(behav || prox) with x ~ behav, r = prox / behav = w.
-            behav_approx_kl=masked_mean(torch.exp(isw.log_w_tokens) - 1.0 - isw.log_w_tokens, m),
-        )
-    return loss, stats
+
+@torch.no_grad()
+def policy_loss_stats(
+    loss: torch.Tensor, log_ratio: torch.Tensor, m: torch.Tensor, *, clipped: torch.Tensor,
+    dual_clipped: torch.Tensor | None = None, importance: ISWeights | None = None,
+) -> PolicyLossStats:
+    """A policy loss's detached statistics over the real tokens of the bool mask ``m``: ``[B, T]``
+    ``log_ratio`` (log pi - log old), the bool tokens its clip acts on (``clipped``) and the dual
+    clip caps, and its IS weights (None: on-policy, weight 1)."""
+    log_ratio_d = log_ratio.detach()
+    ratio_d = torch.exp(log_ratio_d)
+    isw = importance
+    if isw is None:
+        zero = torch.zeros_like(ratio_d)
+        isw = ISWeights(zero, zero + 1.0, zero, zero, zero)
+    to_f = lambda b: b.to(ratio_d.dtype)  # noqa: E731
+    return PolicyLossStats(
+        loss=loss.detach(),
+        clip_frac=masked_mean(to_f(clipped), m),
+        dual_clip_frac=masked_mean(to_f(torch.zeros_like(m) if dual_clipped is None else dual_clipped), m),
+        # KL(old || pi) with x ~ old, r = pi / old: k3 = (r - 1) - log r; over the tokens pi
+        # has (a token top-k/top-p filters out under pi has log r = -inf: k3 = inf)
+        approx_kl=masked_mean(ratio_d - 1.0 - log_ratio_d, m & torch.isfinite(log_ratio_d)),
+        ratio_mean=masked_mean(ratio_d, m),
+        ratio_max=masked_max(ratio_d, m),
+        is_weight_mean=masked_mean(isw.raw_w, m),
+        is_weight_max=masked_max(isw.raw_w, m),
+        is_truncated_frac=masked_mean(to_f(isw.truncated), m),
+        is_masked_frac=masked_mean(to_f(isw.dropped), m),
+        # KL(behav || prox) with x ~ behav, r = prox / behav = w.
+        behav_approx_kl=masked_mean(torch.exp(isw.log_w_tokens) - 1.0 - isw.log_w_tokens, m),
+    )

@@ -17,6 +17,7 @@ from learner.algorithms import Work, register_algorithm
 from learner.algorithms.core import bool_mask, check_groups, check_same_shape, masked_mean, masked_sum, rows_by_size, where_real
 from learner.batch import TrainBatch
 from rlhf_core.choices import Estimator
+from rlhf_core.config import check_penalties
 
 if TYPE_CHECKING:
     from learner.algorithms import Updater
@@ -109,8 +110,7 @@ def dpo_loss(
     """
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    check_penalties(label_smoothing=label_smoothing)
     pc, pr = policy_chosen_logp_sum, policy_rejected_logp_sum
     rc, rr = ref_chosen_logp_sum, ref_rejected_logp_sum
     v = torch.ones_like(pc, dtype=torch.bool) if valid is None else bool_mask(valid)

@@ -29,7 +29,7 @@ from learner.algorithms.core import (
 )
 from learner.algorithms.policy_gradient import AdvantageInputs, PolicyGradient
 from rlhf_core.choices import AggMode, Estimator, check_choice
-from rlhf_core.config import AlgoConfig, check_gamma_lam
+from rlhf_core.config import AlgoConfig, check_gamma_lam, check_penalties
 
 
 @torch.no_grad()
@@ -155,8 +155,7 @@ def value_loss(
     ``clip_eps=None`` it is ``0.5 * vf_loss1``.
     """
     check_choice("agg_mode", agg_mode, AggMode)
-    if clip_eps is not None and not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0 (or None to disable), got {clip_eps}")
+    check_penalties(value_clip=clip_eps)
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     m = bool_mask(mask)
     values = where_real(values, m)

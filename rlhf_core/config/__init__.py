@@ -9,7 +9,7 @@ holds the rules between sections and :func:`validate`, which runs them all once 
 before any model is built, with errors that name the numbers.
 """
 
-from rlhf_core.config.algo import AlgoConfig, ISConfig, check_clip, check_gamma_lam
+from rlhf_core.config.algo import AlgoConfig, ISConfig, check_clip, check_gamma_lam, check_penalties
 from rlhf_core.config.buffer import BufferConfig, replay_mode
 from rlhf_core.config.data import DataConfig, EvalConfig
 from rlhf_core.config.learner import LearnerConfig
@@ -25,5 +25,5 @@ from rlhf_core.errors import ConfigError
 __all__ = ["AlgoConfig", "BufferConfig", "Config", "ConfigError", "DataConfig", "ENV_COMPONENT", "EvalConfig", "ISConfig",
            "LOOPBACK_HOSTS", "LearnerConfig", "LoraConfig", "ModelConfig", "RayRoleConfig", "RewardConfig", "RolloutConfig",
            "SECRET_FIELDS", "TinyModelConfig", "VLLM_LORA_RANKS", "WeightServerConfig", "active_reward_functions",
-           "check_clip", "check_gamma_lam", "env_target", "register_configs", "replay_mode", "response_budget",
+           "check_clip", "check_gamma_lam", "check_penalties", "env_target", "register_configs", "replay_mode", "response_budget",
            "to_object", "to_plain", "validate"]

@@ -10,16 +10,34 @@ from rlhf_core.choices import AggMode, Estimator, ISCorrection, ISLevel, KLEstim
 from rlhf_core.errors import ConfigError
 
 
-def check_clip(clip_eps_low: float, clip_eps_high: float | None, dual_clip_c: float | None, key: str = "") -> float:
-    """The PPO clip range: the upper bound (``clip_eps_low`` when None), after checking all three."""
-    if not 0.0 < clip_eps_low < 1.0:
-        raise ConfigError(f"{key}clip_eps_low must be in (0, 1), got {clip_eps_low}")
+def check_clip(clip_eps_low: float, clip_eps_high: float | None, dual_clip_c: float | None, key: str = "", *,
+               weight_clip: bool = False) -> float:
+    """The PPO clip range: the upper bound (``clip_eps_low`` when None), after checking all three.
+    ``weight_clip``: CISPO's clip of the IS weight, which may have no lower bound (``clip_eps_low``
+    >= 1: ``1 - clip_eps_low <= 0``, MiniMax-M1's setting) and has no dual clip."""
+    if weight_clip and dual_clip_c is not None:
+        raise ConfigError(f"{key}dual_clip_c caps PPO's clipped loss; algo.policy_loss=cispo clips the IS weight and "
+                          f"has no such cap: set {key}dual_clip_c=null, got {dual_clip_c}")
+    if not (clip_eps_low > 0.0 if weight_clip else 0.0 < clip_eps_low < 1.0):
+        span = "> 0 (>= 1: no lower bound)" if weight_clip else "in (0, 1) (>= 1, no lower bound, only with algo.policy_loss=cispo)"
+        raise ConfigError(f"{key}clip_eps_low must be {span}, got {clip_eps_low}")
     high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if not high > 0.0:
         raise ConfigError(f"{key}clip_eps_high must be > 0, got {clip_eps_high}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ConfigError(f"{key}dual_clip_c must be > 1 (Ye et al. use 3; null: no dual clip), got {dual_clip_c}")
     return high
+
+
+def check_penalties(*, kl_coef: float = 0.0, label_smoothing: float = 0.0, value_clip: float | None = None,
+                    key: str = "") -> None:
+    """The KL coefficient, DPO's label smoothing and the critic's clip range (every one that is given)."""
+    if not kl_coef >= 0:
+        raise ConfigError(f"{key}kl_coef must be >= 0 (0: no KL term), got {kl_coef}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ConfigError(f"{key}{'dpo_' if key else ''}label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if value_clip is not None and not value_clip > 0:
+        raise ConfigError(f"{key}value_clip must be > 0 (or null: no clipping), got {value_clip}")
 
 
 def check_gamma_lam(gamma: float, lam: float = 1.0, key: str = "") -> None:
@@ -33,14 +51,17 @@ def check_gamma_lam(gamma: float, lam: float = 1.0, key: str = "") -> None:
 @dataclass(frozen=True)
 class ISConfig:
     """How a policy loss weights token losses by ``w = pi_prox / pi_behav``: per token or the geometric
-    mean of a sequence's (``level``), kept, truncated at ``tis_cap`` (``inf`` allowed) or zeroed outside
-    ``[mis_low, mis_high]`` (``correction``; dropped tokens still count in the denominator)."""
+    mean of a sequence's (``level``), kept, truncated at ``tis_cap`` (``inf`` allowed), zeroed outside
+    ``[mis_low, mis_high]`` or, per token only, outside IcePop's ``[icepop_low, icepop_high]``
+    (``correction``; dropped tokens still count in the denominator)."""
 
     correction: ISCorrection = ISCorrection.none
     level: ISLevel = ISLevel.token
     tis_cap: float = 2.0
     mis_low: float = 0.5
     mis_high: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
     key: str = field(default="", compare=False, repr=False)  # prefix of the settings errors name: algo. or algo.seq_
 
     def __post_init__(self) -> None:
@@ -51,14 +72,21 @@ class ISConfig:
         if not 0.0 <= self.mis_low < self.mis_high:
             raise ConfigError(f"masked IS needs 0 <= {self.key}mis_low < {self.key}mis_high, "
                               f"got [{self.mis_low}, {self.mis_high}]")
+        if not 0.0 <= self.icepop_low < self.icepop_high:
+            raise ConfigError(f"IcePop needs 0 <= algo.icepop_low < algo.icepop_high, got [{self.icepop_low}, {self.icepop_high}]")
+        if self.correction == ISCorrection.icepop and self.level != ISLevel.token:
+            raise ConfigError("algo.is_correction=icepop masks single tokens; with algo.is_level=sequence use "
+                              "algo.is_correction=mis (whole responses) or set algo.is_level=token")
 
 
 @dataclass
 class AlgoConfig:
     """Advantage estimator, policy loss and off-policy correction.
 
-    The decoupled loss weights each token by ``w = pi_prox / mu`` (proximal over behaviour
-    policy), truncated (``is_correction=tis``) or masked outside a band (``mis``).
+    The losses with importance sampling (decoupled, gspo, cispo) weight each token by
+    ``w = pi_prox / mu`` (proximal over behaviour policy), truncated (``is_correction=tis``),
+    masked outside a band (``mis``) or, per token only, outside IcePop's band ``icepop_low``-
+    ``icepop_high`` (0.5-5, Ring-1T's; ``icepop``: docs/usage.md#algorithms says how it differs).
     ``is_level=token`` takes ``w`` per token and uses ``tis_cap`` / ``mis_low``-``mis_high``.
     ``is_level=sequence`` takes the geometric mean of a response's token weights,
     ``exp(mean_t log w_t)``, and uses ``seq_tis_cap`` / ``seq_mis_low``-``seq_mis_high``: a
@@ -86,6 +114,8 @@ class AlgoConfig:
     seq_tis_cap: float = 1.001  # is_level=sequence: caps on the geometric mean (see the docstring)
     seq_mis_low: float = 0.999
     seq_mis_high: float = 1.001
+    icepop_low: float = 0.5  # is_correction=icepop: the band per token (Ring-1T's alpha, beta)
+    icepop_high: float = 5.0
     agg_mode: AggMode = AggMode["token-mean"]
     gamma: float = 1.0
     lam: float = 0.95
@@ -118,7 +148,7 @@ class AlgoConfig:
         seq = "seq_" if self.is_level == ISLevel.sequence else ""
         return ISConfig(correction=self.is_correction, level=self.is_level, tis_cap=getattr(self, f"{seq}tis_cap"),
                         mis_low=getattr(self, f"{seq}mis_low"), mis_high=getattr(self, f"{seq}mis_high"),
-                        key=f"algo.{seq}")
+                        icepop_low=self.icepop_low, icepop_high=self.icepop_high, key=f"algo.{seq}")
 
     def check(self) -> None:
         """Groups, staleness bound, clip range, importance-sampling caps, discounting and the options
@@ -131,15 +161,14 @@ class AlgoConfig:
                               f"must be >= 2, got {self.group_size}")
         if self.max_staleness < 0:
             raise ConfigError(f"algo.max_staleness must be >= 0, got {self.max_staleness}")
-        check_clip(self.clip_eps_low, self.clip_eps_high, self.dual_clip_c, key="algo.")
+        check_clip(self.clip_eps_low, self.clip_eps_high, self.dual_clip_c, key="algo.",
+                   weight_clip=self.policy_loss == PolicyLoss.cispo)
         self.importance_sampling()
+        if self.policy_loss == PolicyLoss.gspo and self.is_level != ISLevel.sequence:
+            raise ConfigError("algo.policy_loss=gspo weighs whole responses, so its behaviour weight pi_prox/mu is one per "
+                              "response too: set algo.is_level=sequence (experiment=gspo does)")
         check_gamma_lam(self.gamma, self.lam, key="algo.")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            raise ConfigError(f"algo.dpo_label_smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ConfigError(f"algo.value_clip must be > 0 (or null: no clipping), got {self.value_clip}")
-        if not self.kl_coef >= 0:
-            raise ConfigError(f"algo.kl_coef must be >= 0 (0: no KL term), got {self.kl_coef}")
+        check_penalties(kl_coef=self.kl_coef, label_smoothing=self.dpo_label_smoothing, value_clip=self.value_clip, key="algo.")
         if not self.mismatch_warn > 0:
             raise ConfigError(f"algo.mismatch_warn must be > 0 (the lag-0 KL(behaviour || learner) per token above which "
                               f"the learner warns; a large number such as 1e9 never warns), got {self.mismatch_warn}")

@@ -1,5 +1,6 @@
 """learner.algorithms.core: masked reductions and aggregation, whitening over ranks, per-token
-rewards, KL estimators and the entropy bonus. Tiny tensors, arithmetic in the comments."""
+rewards, KL estimators, the entropy bonus and IcePop's importance weights. Tiny tensors,
+arithmetic in the comments."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from learner.algorithms.core import (
     aggregate,
     entropy_bonus,
     global_whiten,
+    is_weights,
     kl_estimate,
     masked_max,
     masked_mean,
@@ -20,6 +22,7 @@ from learner.algorithms.core import (
     token_rewards,
 )
 from learner_helpers import T, close  # noqa: E402
+from rlhf_core.config import ConfigError, ISConfig
 
 NAN = float("nan")
 
@@ -209,3 +212,29 @@ class TestEntropyBonus:
         loss, stats = entropy_bonus(T([[1.0, 2.0, NAN]]), T([[1, 1, 0]]), coef=0.01)
         close(loss, -0.015)
         close(stats.entropy, 1.5)
+
+
+class TestIcePopWeights:
+    # pi_prox / mu per token: 0.3, 0.5, 1.5, 3, 6 (+ padding garbage). IcePop (Ring-1T's alpha 0.5,
+    # beta 5): M(k) = k inside [0.5, 5], 0 outside -> 0, 0.5, 1.5, 3, 0; MIS [0.5, 2] would also drop 3
+    W = [[0.3, 0.5, 1.5, 3.0, 6.0, 1.0]]
+    MASK = [[1, 1, 1, 1, 1, 0]]
+
+    def _weights(self, correction):
+        prox = T([[-1.0] * 6])
+        return is_weights(prox, prox - torch.log(T(self.W)), T(self.MASK) > 0, ISConfig(correction))
+
+    def test_band_keeps_and_reweights(self):
+        w = self._weights("icepop")
+        close(w.w[:, :5], [[0.0, 0.5, 1.5, 3.0, 0.0]])  # kept tokens keep their weight k (not 1)
+        assert w.dropped[0].tolist() == [True, False, False, False, True, False]
+        close(w.raw_w[:, :5], [self.W[0][:5]])
+        assert not w.truncated.any()
+        mis = self._weights("mis")
+        close(mis.w[:, :5], [[0.0, 0.5, 1.5, 0.0, 0.0]])
+
+    def test_token_level_only(self):
+        with pytest.raises(ConfigError, match="algo.is_correction=icepop masks single tokens; with algo.is_level=sequence"):
+            ISConfig("icepop", "sequence")
+        with pytest.raises(ConfigError, match=r"0 <= algo.icepop_low < algo.icepop_high, got \[5.0, 0.5\]"):
+            ISConfig("icepop", icepop_low=5.0, icepop_high=0.5)

@@ -32,8 +32,8 @@ def _random_batch(seed: int, b: int = 3, t: int = 6):
 
 
 class TestDecoupledPPO:
-    @pytest.mark.parametrize("is_correction", ["none", "tis", "mis"])
-    @pytest.mark.parametrize("is_level", ["token", "sequence"])
+    @pytest.mark.parametrize("is_correction, is_level", [(c, lv) for c in ("none", "tis", "mis") for lv in ("token", "sequence")]
+                             + [("icepop", "token")])  # IcePop is a token mask
     @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
     @pytest.mark.parametrize("dual_clip_c", [None, 3.0])
     def test_equals_ppo_when_behav_is_prox(self, is_correction, is_level, agg_mode, dual_clip_c):
@@ -92,6 +92,25 @@ class TestDecoupledPPO:
         # d(-w * ratio)/dlogp = -w * ratio / 4 -> 0, 0, -0.375, -0.25, 0
         close(logp.grad, [[0.0, 0.0, -0.375, -0.25, 0.0]])
 
+    def test_icepop_masks_outside_its_band_and_reweights_inside(self):
+        # IcePop (Ring-1T: alpha 0.5, beta 5), its objective M(k) * PPO-clip term with k = pi_prox / mu:
+        # k = 0.3, 0.5, 4, 6 (+ padding garbage) -> M = 0, 0.5, 4, 0; ratio 1, A = 1: token losses
+        # 0, -0.5, -4, 0; the masked tokens stay in the denominator (the paper's 1/|y_i|): -4.5 / 4
+        prox = T([[-1.0, -1.0, -1.0, -1.0, NAN]])
+        behav = prox - torch.log(T([[0.3, 0.5, 4.0, 6.0, 1.0]]))
+        behav[0, 4] = INF
+        adv, mask = T([[1.0, 1.0, 1.0, 1.0, NAN]]), T([[1, 1, 1, 1, 0]])
+        logp = prox.clone().requires_grad_()
+        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, is_config=ISConfig("icepop"))
+        close(loss, -4.5 / 4)
+        close(stats.is_masked_frac, 0.5)  # counted as staleness/is_masked_frac
+        close(stats.is_weight_max, 6.0)
+        loss.backward()
+        # d(-M * ratio)/dlogp = -M / 4: 0, -0.125, -1, 0, padding 0 (MIS [0.5, 2] would drop k = 4 too)
+        close(logp.grad, [[0.0, -0.125, -1.0, 0.0, 0.0]])
+        mis, _ = decoupled_ppo_loss(prox, prox, behav, adv, mask, is_config=ISConfig("mis"))
+        close(mis, -0.5 / 4)
+
     def test_sequence_level_geometric_mean(self):
         prox = T([[-1.0, -1.0], [-1.0, NAN]])
         # row 0: w = 4, 1 -> geometric mean sqrt(4 * 1) = 2 on both tokens
@@ -132,7 +151,7 @@ class TestDecoupledPPO:
             ({"tis_cap": -1.0}, "tis_cap.*-1.0"),
             ({"mis_low": 2.0, "mis_high": 1.0}, r"mis_low < mis_high, got \[2.0, 1.0\]"),
             ({"mis_low": 1.0, "mis_high": 1.0}, r"mis_low < mis_high, got \[1.0, 1.0\]"),
-            ({"correction": "clip"}, "'clip'.*'none', 'tis', 'mis'"),
+            ({"correction": "clip"}, "'clip'.*'none', 'tis', 'mis', 'icepop'"),
             ({"level": "batch"}, "'batch'.*'token', 'sequence'"),
         ],
     )

@@ -170,7 +170,7 @@ class TestValueLoss:
         close(stats.explained_variance, 0.0)
 
     def test_bad_clip(self):
-        with pytest.raises(ValueError, match="clip_eps.*-0.2"):
+        with pytest.raises(ValueError, match="value_clip.*-0.2"):
             value_loss(T(self.V), T(self.OLD), T(self.RET), T(self.MASK), clip_eps=-0.2)
 
 
