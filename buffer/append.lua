@@ -31,9 +31,7 @@ if n_good > 0 then
   incr(counters_key, C.groups_external, 1)
   incr(counters_key, C.admitted, tonumber(redis.call('HGET', params_key, 'group_size')))
 elseif filter_reason ~= '' then
-  incr(counters_key, C.groups_filtered, 1)
-  incr(counters_key, C.samples_filtered, n_filtered)
-  incr(counters_key, C['groups_filtered_' .. filter_reason], 1)
+  count_filtered(counters_key, filter_reason, n_filtered)
 end
 for i = 0, n_bad - 1 do
   local b = first_bad + 3 * i

@@ -1,11 +1,9 @@
-"""The buffer's role clients (the package docstring lists them), each with only what its role calls.
+"""The buffer's role clients, each with only what its role calls (docs/architecture.md, Buffer).
 
-The clients of a process share its :class:`~buffer.store.Store` (``ProducerClient(learner.store)``)
-and each holds only its own client-side state, a cache or a courtesy (a worker's leases, the
-learner's unacked reads, the producer's open iterator): every fact that matters after a crash is
-in Redis. The redis-py client underneath is thread-safe, so the clients of one store may serve
-different threads (the learner reads batches while its producer thread fills the prompt queue);
-one consumer name must not be driven from two threads at once: give each its own, or a lock.
+The clients of a process share its :class:`~buffer.store.Store` and hold only their own
+client-side state; every fact that matters after a crash is in Redis. The redis-py client is
+thread-safe, so they may serve different threads, but one consumer name must not be driven from
+two threads at once.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ class BufferClient:
         """Store a component's latest stats (e.g. the learner's metrics) for the monitor: ``metrics()["stats"][component]``."""
         self.retry(self.redis.hset, self.keys.stats, component, metrics.pack_stats(stats))
 
-    def dead_letter(self, reason: str, producer: str, raw: bytes, kind: str = "sample") -> None:
-        """Record a bad record (e.g. a sample whose reward function raised) in the dead-letter stream."""
-        counter = {"sample": "samples_dead_lettered", "prompt": "prompts_dead_lettered"}.get(kind, "entries_dead_lettered")
+    def dead_letter(self, reason: str, producer: str, raw: bytes) -> None:
+        """Record a bad sample (e.g. one whose reward function raised) in the dead-letter stream."""
         k = self.keys
 
         size, sha = len(raw), hashlib.sha1(raw).hexdigest() if len(raw) > K.DEAD_RAW_MAX else ""
@@ -64,11 +61,11 @@ class BufferClient:
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(k.dead, {K.D_KIND: kind, K.D_REASON: reason[:4096], K.D_PRODUCER: producer, K.D_RAW: raw,
+            pipe.xadd(k.dead, {K.D_KIND: "sample", K.D_REASON: reason[:4096], K.D_PRODUCER: producer, K.D_RAW: raw,
                                K.D_RAW_BYTES: size, K.D_RAW_SHA1: sha, K.D_SOURCE: "", K.D_TIME: repr(time.time())},
                       maxlen=self.store.dead_maxlen, approximate=True)
             pipe.hincrby(k.counters, "dead_letters", 1)
-            pipe.hincrby(k.counters, counter, 1)
+            pipe.hincrby(k.counters, "samples_dead_lettered", 1)
             pipe.execute()
 
         self.retry(send)
@@ -96,14 +93,8 @@ class ProducerClient(BufferClient):
         return {"epoch": int(raw.get(b"epoch", 0)), "index": int(raw.get(b"index", 0)), "done": raw.get(b"done") == b"1"}
 
     def restore_fill_state(self, state: dict[str, Any], admitted: int = 0) -> bool:
-        """Set the producer cursor to ``state`` (a learner checkpoint's) when this run has none, so
-        a run resumed on a fresh Redis goes on from where its prompts had reached, not from the
-        first one (the prompts queued but untrained at that checkpoint are skipped, never trained
-        twice). Returns whether it was set.
-
-        ``admitted``: the samples the checkpoint's updates took (updates x batch size), counted as
-        admitted on that fresh Redis too: pacing's bound counts from the learner's updates, and
-        from 0 admitted it let about ``updates`` batches be generated at once, most then too stale."""
+        """Set the producer cursor to a learner checkpoint's ``state`` when this run has none (a resume
+        on a fresh Redis), with the ``admitted`` samples its updates took. Returns whether it was set."""
         def once() -> bool:
             with self.redis.pipeline(transaction=True) as pipe:
                 pipe.watch(self.keys.fill)
@@ -125,17 +116,11 @@ class GatewayClient(BufferClient):
 
     def append_group(self, producer: str, group: list[Sample], kept: Sequence[str] = (),
                      filtered: str | None = None) -> str | None:
-        """Append a group that no prompt lease produced (rlhf-gateway's episodes) to the sample
-        stream, its invalid samples to the dead-letter stream, in one atomic step. Returns the
-        stream entry id, or "" when no sample was valid or the group was ``filtered`` (a reason
-        of :data:`rlhf_core.dapo.FILTER_REASONS`: counted as a worker's filtered group, nothing
-        appended). An appended group counts as admitted, as a prompt's does (it takes a
-        prompt's place in the learner's batches: pacing holds the run's own prompts back by as
-        much), and a drop gives it back.
-
-        ``kept``: the fields in ``P gw:rewarded`` (:meth:`keep_rewarded`) holding the group's
-        samples until now; they are deleted in the same step, and when one of them is gone the
-        group was appended before (a retry whose first reply was lost) and None is returned."""
+        """Append a group that no prompt lease produced (rlhf-gateway's episodes), its invalid
+        samples dead-lettered, in one atomic step (``append.lua``). Returns the stream entry id, ""
+        when no sample was valid or the group was ``filtered`` (a reason of
+        :data:`rlhf_core.dapo.FILTER_REASONS`), or None when one of ``kept`` (its fields in ``P
+        gw:rewarded``, deleted in the same step) is gone: the group was appended before."""
         K.check_consumer(producer)
         args = samples.prepare_external(self.store, self.run_params(), producer, group, kept, filtered)
         k = self.keys
@@ -143,8 +128,7 @@ class GatewayClient(BufferClient):
         return None if res is None else res.decode() if isinstance(res, bytes) else str(res)
 
     def keep_rewarded(self, field: str, sample: Sample) -> None:
-        """Keep a rewarded gateway session's sample until its group is appended (``kept`` of
-        :meth:`append_group`): a gateway that stops or dies meanwhile loses no reward it accepted."""
+        """Keep a rewarded gateway session's sample until its group is appended (``kept`` of :meth:`append_group`)."""
         self.retry(self.redis.hset, self.keys.gw_rewarded, field, sample.encode())
 
     def rewarded_kept(self, fields: Sequence[str] | None = None) -> dict[str, bytes]:
@@ -177,9 +161,7 @@ class MonitorClient(BufferClient):
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters, oldest first: ``{"id", "kind", "reason", "producer", "raw",
-        "raw_bytes", "raw_sha1", "source", "ts"}``. ``raw`` is the record's first
-        ``keys.DEAD_RAW_MAX`` bytes; ``raw_bytes`` its full size, ``raw_sha1`` (when ``raw`` is a
-        prefix) the SHA-1 of the whole record."""
+        "raw_bytes", "raw_sha1", "source", "ts"}`` (``raw``: the first ``keys.DEAD_RAW_MAX`` bytes)."""
         entries = self.retry(self.redis.xrevrange, self.keys.dead, count=count) or []
         out = []
         for entry_id, got in reversed(entries):
@@ -207,14 +189,12 @@ class MonitorClient(BufferClient):
         return None if old is None else control_int(old, self.keys.control, K.CONTROL_WORKERS)
 
     def expire_leases(self, consumer: str) -> int:
-        """``consumer`` is known dead (its process or its node lost): its leases go to the next
-        claimers now, as they would after ``lease_timeout_s`` without its heartbeat (a delivery
-        counted, nothing returned to the budget). Returns how many it held."""
+        """``consumer`` is known dead: its leases go to the next claimers now, as after
+        ``lease_timeout_s`` (:func:`buffer.prompts.expire`). Returns how many it held."""
         return prompts.expire(self.store, consumer)
 
     def delete_run(self) -> int:
-        """Delete this run's keys (SCAN by prefix + UNLINK); other runs and keys are untouched.
-        The other clients of this process over the run hold stale leases and batches then: close them."""
+        """Delete this run's keys (SCAN by prefix + UNLINK), no other; close this process's other clients of the run."""
         found = self.retry(lambda: list(self.redis.scan_iter(match=self.keys.pattern(), count=1000)))
         n = sum(self.retry(self.redis.unlink, *found[i:i + 500]) for i in range(0, len(found), 500))
         self.store.cached_params = None

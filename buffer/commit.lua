@@ -14,25 +14,14 @@ local pos, done, untrained = 4, 0, 0
 for _ = 1, n_entries do
   local id, good, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
   pos = pos + 4
-  if redis.call('XACK', samples_key, LEARNER, id) == 1 then
-    local e = redis.call('XRANGE', samples_key, id, id)
-    local n, entry_version = 0, version
-    if #e == 1 then
-      n = field_int(field(e[1][2], F_COUNT), 0)
-      entry_version = field_int(field(e[1][2], F_VERSION), version)
-    end
+  local fields, n = take_entry(samples_key, counters_key, id)
+  if fields then
     local n_good = num(good, n)
-    local entry_lag = num(lag, version - entry_version)
-    redis.call('XDEL', samples_key, id)
+    local entry_lag = num(lag, version - field_int(field(fields, F_VERSION), version))
     incr(counters_key, C.samples_consumed, n_good)
     incr(counters_key, C.groups_consumed, 1)
-    incr(counters_key, C.samples_removed, n)
-    incr(counters_key, C.groups_removed, 1)
     if n_good > 0 then incr(hist_key, entry_lag, n_good) else untrained = untrained + 1 end
-    for i = 0, n_bad - 1 do
-      local b = pos + 3 * i
-      dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
-    end
+    sample_dead_letters(dead_key, counters_key, dead_maxlen, pos, n_bad, id, now)
     done = done + 1
   end
   pos = pos + 3 * n_bad

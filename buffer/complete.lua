@@ -80,9 +80,7 @@ else
   -- every sample was bad, or the group was filtered: the prompt produced nothing to train on,
   -- so its reservation goes back and pacing admits another prompt in its place
   if filter_reason ~= '' then
-    incr(counters_key, C.groups_filtered, 1)
-    incr(counters_key, C.samples_filtered, n_filtered)
-    incr(counters_key, C['groups_filtered_' .. filter_reason], 1)
+    count_filtered(counters_key, filter_reason, n_filtered)
   else
     incr(counters_key, C.completions_empty, 1)
   end

@@ -1,21 +1,12 @@
 """Connecting to Redis: URLs (redis://, rediss://, unix://, ACL user:password), TLS, retries.
 
-Three kinds of failure a user can fix get their own errors, with a message that says what to do:
-
-* :class:`BufferUnavailable`: Redis cannot be reached (not started, wrong host/port, TLS
-  misconfigured, or it stayed down longer than ``buffer.max_retry_s`` during a run).
-* :class:`BufferAuthError`: Redis answered but refused the credentials.
-* :class:`BufferOutOfMemory`: Redis stayed out of memory (``maxmemory``) past ``buffer.max_retry_s``.
-  Its refusals are retried like a lost connection until then (nothing ran, so a retry is safe).
-  So is Redis refusing writes because it cannot write its append-only file or snapshot
-  (``MISCONF``: its disk is full): :class:`BufferDiskError` past ``buffer.max_retry_s``.
-
-A Redis whose ``maxmemory-policy`` may evict the run's keys is refused at :func:`connect`.
-
-Transient connection errors during a run (a Redis restart, a network blip, Redis still loading
-its AOF) are retried with capped exponential backoff and one log line per attempt, so workers
-and the learner ride out a restart instead of dying. redis-py's own silent retries are turned
-off, so every retry is ours and logged.
+Failures a user can fix get their own error saying what to do: :class:`BufferUnavailable`
+(Redis unreachable, or down longer than ``buffer.max_retry_s`` during a run),
+:class:`BufferAuthError` (credentials refused), :class:`BufferOutOfMemory` and
+:class:`BufferDiskError` (Redis refused writes past ``buffer.max_retry_s`` for want of memory or
+disk; until then they are retried, as nothing ran). A Redis whose ``maxmemory-policy`` may evict
+the run's keys is refused at :func:`connect`. Transient errors are retried with capped exponential
+backoff and one log line per attempt; redis-py's own silent retries are off.
 """
 
 from __future__ import annotations
@@ -38,12 +29,10 @@ log = logging.getLogger("buffer")
 
 T = TypeVar("T")
 
-#: First and largest pause between retries (seconds). Doubling from 50 ms reaches the cap after
-#: five attempts, so a Redis restart of a second or two is ridden out within ~2 s of its end.
+#: First and largest pause between retries (seconds): a Redis restart is ridden out within ~2 s of its end.
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
-#: Socket read timeout. Every blocking command we send blocks for at most a few seconds, so a
-#: read that takes longer means a hung server or a dead network path.
+#: Socket read timeout: every blocking command we send blocks for a few seconds at most.
 SOCKET_TIMEOUT_S = 30.0
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError, TimeoutError)
@@ -69,9 +58,8 @@ class BufferDiskError(UserError):
 
 
 class CorruptStateError(UserError):
-    """A key the service keeps for itself (counters, version, fill cursor, wake streams,
-    histograms) holds a value or type the service never writes: another client changed it.
-    Processes stop with this message (no restart helps); nothing is repaired behind the user."""
+    """A key the service keeps for itself holds a value or type the service never writes (another
+    client changed it). Processes stop with it; nothing is repaired behind the user."""
 
 
 #: Prefix of the error the Lua scripts raise on a corrupt control value (``ctl`` in the preamble).
@@ -233,13 +221,9 @@ def check_no_eviction(client: redis.Redis, url: str) -> None:
 
 
 class Retrying:
-    """Runs Redis calls, retrying transient connection errors with capped exponential backoff.
-
-    ``max_retry_s`` bounds the total time spent retrying one call; past it the call raises
-    :class:`BufferUnavailable`. ``reconnects`` counts calls that needed a retry, so callers
-    that keep client-side state about server state (the learner's delivered entries) know to
-    re-sync after a reconnect.
-    """
+    """Runs Redis calls, retrying transient errors for up to ``max_retry_s`` per call.
+    ``reconnects`` counts the retried connection errors, so a caller that keeps client-side state
+    about server state (the learner's delivered entries) knows to re-sync."""
 
     def __init__(self, url: str, max_retry_s: float) -> None:
         self.url = url
@@ -259,31 +243,23 @@ class Retrying:
                     f"Redis at {address(self.url)[0]} denied a command to this ACL user ({exc}): grant it "
                     "+@all on the run's keys (~rlhf:*), or use a user with more permissions"
                 ) from None
-            except redis.exceptions.OutOfMemoryError:
-                # refused before anything ran (our scripts are flagged, a MULTI is refused whole):
-                # sending it again is safe, and the learner or an operator may free memory meanwhile
+            except redis.exceptions.ResponseError as exc:
+                # Out of memory, or of disk (MISCONF): refused before anything ran (our scripts are
+                # flagged, a MULTI is refused whole), so sending it again is safe.
+                oom = isinstance(exc, redis.exceptions.OutOfMemoryError)
+                if not oom and not _disk_refusal(exc):
+                    corrupt = _corrupt_reply(exc, keys)
+                    if corrupt is None:
+                        raise
+                    raise corrupt from None
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise out_of_memory(self.url, self.max_retry_s) from None
-                log.warning("redis at %s is out of memory (used memory > maxmemory) and refused %s; retrying in %.2f s "
-                            "(attempt %d, giving up after %g s): raise its maxmemory or free memory in it",
-                            address(self.url)[0], _keys_of(fn, args, kwargs) or "a command", delay, backoff.attempts,
-                            self.max_retry_s)
+                    raise (out_of_memory(self.url, self.max_retry_s) if oom else disk_refused(self.url, exc, self.max_retry_s)) from None
+                what = ("is out of memory (used memory > maxmemory)", "raise its maxmemory or free memory in it") if oom else \
+                    (f"cannot write to disk ({exc})", "make room on the disk of its data folder")
+                log.warning("redis at %s %s and refused %s; retrying in %.2f s (attempt %d, giving up after %g s): %s",
+                            address(self.url)[0], what[0], keys or "a command", delay, backoff.attempts, self.max_retry_s, what[1])
                 time.sleep(delay)
-            except redis.exceptions.ResponseError as exc:
-                if _disk_refusal(exc):  # refused before anything ran, as out of memory above
-                    delay = backoff.next_delay()
-                    if delay is None:
-                        raise disk_refused(self.url, exc, self.max_retry_s) from None
-                    log.warning("redis at %s refused %s: %s; retrying in %.2f s (attempt %d, giving up after %g s): "
-                                "make room on the disk of its data folder", address(self.url)[0], keys or "a command",
-                                exc, delay, backoff.attempts, self.max_retry_s)
-                    time.sleep(delay)
-                    continue
-                corrupt = _corrupt_reply(exc, keys)
-                if corrupt is None:
-                    raise
-                raise corrupt from None
             except _TRANSIENT as exc:
                 delay = backoff.next_delay()
                 if delay is None:
@@ -302,12 +278,8 @@ class Retrying:
 
 
 def connect(url: str, cfg: BufferConfig, setting: str = "buffer.url") -> redis.Redis:
-    """Open a client and check Redis answers, within ``cfg.connect_timeout_s``.
-
-    Raises :class:`BufferUnavailable` (with the command to start a server) when nothing
-    answers, and :class:`BufferAuthError` when the credentials are refused; both name
-    ``setting``, the setting ``url`` came from (``rlhf-monitor``'s is ``url``).
-    """
+    """Open a client and check Redis answers within ``cfg.connect_timeout_s``; the errors name
+    ``setting``, the setting ``url`` came from (``rlhf-monitor``'s is ``url``)."""
     client = redis.Redis.from_url(url, **client_kwargs(url, cfg, setting))
     where, cmd = address(url)
     backoff = Backoff(BACKOFF_START_S, BACKOFF_CAP_S, cfg.connect_timeout_s)

@@ -1,21 +1,13 @@
 """Prompt data sets on local files: JSONL, Parquet, HF ``datasets`` saved with ``save_to_disk``.
 
-:func:`iter_prompts` yields the prompts of one epoch in a deterministic shuffled order (seed
-and epoch), each with its ``epoch`` and ``index`` (position in that order) set, so
-:meth:`ProducerClient.fill_prompts` can resume at an (epoch, index) cursor. A file is read and every
-row mapped to a prompt once per process, before the first prompt is yielded, and cached (the
-file's path, size and mtime and the fields read are the cache key): rows that cannot be
-prompts stop it at once with one :class:`DataError` naming the first few by line (JSONL) or
-row and saying how many there are, instead of when the shuffled walk reaches them.
-
-Row mapping: the prompt text is ``row[data.text_field]`` (default ``prompt``; a row without one
-may hold it as ``question`` or ``problem``, GSM8K's and MATH's shapes); when a row has
-``row[data.messages_field]`` (default ``messages``, a list of ``{"role", "content"}``), those
-chat turns are the prompt instead. ``prompt_id`` is ``row["id"]`` (or ``row["prompt_id"]``) if present, else
-``"<file name>:<row number>"``. Every other field goes to ``metadata`` (reaching the reward
-function), nested values as JSON strings since metadata holds scalars and lists only. A prompt
-must cross the wire (msgpack): an integer beyond 64 bits or a lone surrogate (half of a
-``\\uXXXX`` pair, e.g. an emoji's escape cut in two) is a :class:`DataError` naming its field.
+:func:`iter_prompts` yields the prompts of one epoch in a deterministic shuffled order (seed and
+epoch), each with its ``epoch`` and ``index`` set, so the producer can resume at a cursor. A file
+is read and every row mapped once per process and cached, so rows that cannot be prompts stop it
+at once with one :class:`DataError` naming the first few. A row's prompt is
+``row[data.messages_field]`` (chat turns) when present, else ``row[data.text_field]`` (or, without
+one, ``question`` or ``problem``: GSM8K's and MATH's shapes); its id is
+``row["id"]`` or ``row["prompt_id"]``, else ``"<file name>:<row>"``; every other field goes to
+``metadata`` (nested values as JSON strings).
 """
 
 from __future__ import annotations

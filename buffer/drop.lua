@@ -10,13 +10,8 @@ local pos, returned = 4, 0
 for _ = 1, n_entries do
   local id, why, lag, n_bad = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
   pos = pos + 4
-  if redis.call('XACK', samples_key, LEARNER, id) == 1 then
-    local e = redis.call('XRANGE', samples_key, id, id)
-    local n = 0
-    if #e == 1 then n = field_int(field(e[1][2], F_COUNT), 0) end
-    redis.call('XDEL', samples_key, id)
-    incr(counters_key, C.samples_removed, n)
-    incr(counters_key, C.groups_removed, 1)
+  local fields, n = take_entry(samples_key, counters_key, id)
+  if fields then
     if why == 'stale' then
       incr(counters_key, C.samples_dropped_stale, n)
       incr(counters_key, C.groups_dropped_stale, 1)

@@ -1,25 +1,17 @@
 """rlhf-gateway's traffic through Redis: its generation calls to the workers, their tokens back,
-cancellations. The records and keys are defined here, once; the gateway (``gateway/``) and the
-worker (``rollout_workers/gateway_calls.py``) both use them.
+cancellations. The records and keys are defined here, once, for the gateway (``gateway/``) and
+the worker (``rollout_workers/gateway_calls.py``).
 
     gateway --LPUSH P gw:calls--> any worker with a free slot (RPOP, between decoding steps)
     worker  --PUBLISH P gw:out:<gateway id>--> the gateway that made the call (stream deltas, then the result)
     gateway --HSET P gw:cancel--> the worker serving it aborts the call at its next step (and removes the mark)
 
-A call is a :class:`GatewayCall` (token ids: the gateway renders chat templates and keeps the
-session's context, so a worker only generates); a worker answers with :class:`CallChunk` records:
-one without tokens when it takes the call off the list (:attr:`CallChunk.started`: the gateway
-then knows which worker holds the call, and fails it when that worker stops heartbeating or a
-new process of its name starts), for a streamed call one per decoding step with the new token
-ids, and always one ``final`` chunk with every token id, behaviour log-prob and policy version
-(or an error). Pushing a call also wakes workers blocked waiting for prompts (``P wake:prompts``), so an idle worker takes it at once;
-a worker whose own taker thread fetched calls while its main thread waits there wakes it the same way.
-
-One gateway serves a run at a time: it holds ``P gw:live`` (:func:`hold_run`), and a gateway
-started while another holds it is refused.
-
-Nothing here is pickled or evaluated: records are msgpack maps checked field by field
-(:mod:`rlhf_core.wire`), since anything may write into Redis.
+A call is a :class:`GatewayCall` (token ids); a worker answers with :class:`CallChunk` records: a
+``started`` one when it takes the call (the gateway then fails the call if that worker dies), one
+per decoding step of a streamed call, and a ``final`` one with every token id, log-prob and
+version (or an error). Pushing a call wakes workers blocked waiting for prompts (``P
+wake:prompts``). One gateway serves a run at a time: it holds ``P gw:live`` (:func:`hold_run`).
+Records are msgpack maps checked field by field (:mod:`rlhf_core.wire`), never pickled.
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ MAX_CALL_TOKENS = 1 << 20
 
 
 def _int_list(obj: dict[str, Any], name: str) -> list[int]:
-    # types and bound checked in C (map, min): a call carries its session's whole context, and a
-    # check per element in Python took 1.6 ms of a worker's main thread for 32k tokens (now 0.6)
+    # types and bound checked in C (map, min): a call carries its session's whole context
     values = require(obj, name, list)
     if len(values) > MAX_CALL_TOKENS or (values and (set(map(type, values)) != {int} or min(values) < 0)):
         raise WireError(f"field {name!r}: expected at most {MAX_CALL_TOKENS} integers >= 0")
@@ -80,8 +71,7 @@ class GatewayCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     created_at: float = field(default_factory=time.time)
-    # the oldest policy version of the session's tokens so far (None on its first call): the worker's
-    # engine may reuse K/V of the session's last turn written by that version or a later one
+    # the oldest policy version of the session's tokens (None at first): the K/V the engine may reuse
     min_kv_version: int | None = None
 
     def encode(self) -> bytes:
@@ -130,9 +120,8 @@ class CallChunk:
     finish_reason: str | None = None  # stop | length | abort, on the final chunk
     error: str | None = None  # the call could not run (e.g. longer than the worker's context)
     worker_id: str = ""
-    # on a final chunk of a call that ran: when the worker queued it in its engine and when it
-    # finished (wall clock, time.time(); the gateway's "where a call's time goes"); on a started
-    # chunk: when the worker took the call
+    # wall clock: when the worker queued the call in its engine and when it finished (a final chunk),
+    # or took it (a started chunk)
     started_at: float | None = None
     finished_at: float | None = None
 
@@ -191,10 +180,8 @@ class WorkerChannel:
 
     def send(self, chunks: list[tuple[str, CallChunk]], running: list[tuple[str, str]]) -> list[str]:
         """Send ``chunks`` (``(gateway id, chunk)`` pairs) and return the calls among ``running``
-        (``(call id, gateway id)`` pairs) to abort, in one round trip: those whose client gave up on
-        them (marked in ``P gw:cancel``), and those whose gateway is gone (nobody listens on its
-        channel: it stopped or died, and a gateway started since has an id of its own, so nobody
-        would ever read them). A call that ends aborted takes its mark with it."""
+        (``(call id, gateway id)`` pairs) to abort, in one round trip: those marked in ``P gw:cancel``
+        and those whose gateway is gone (nobody listens on its channel). An aborted call takes its mark."""
         if not chunks and not running:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -217,9 +204,7 @@ class WorkerChannel:
 class CallQueue:
     """The gateway's side of ``P gw:calls`` (async redis client): :meth:`submit` queues calls and
     wakes workers waiting for prompts. Calls submitted while a round trip is under way go together
-    in the next one, one ``LPUSH`` and one wake-up for all (agents' turns that come back together
-    cost one round trip, not one each: a push per call was about a quarter of the gateway's CPU
-    per call). Order is kept: workers pop calls in the order they were submitted."""
+    in the next one (one ``LPUSH`` and one wake-up), in the order they were submitted."""
 
     def __init__(self, client: Any, keys: RunKeys) -> None:
         self.client, self.keys = client, keys
@@ -299,9 +284,8 @@ async def forget_cancel(client: Any, keys: RunKeys, call_id: str) -> None:
 
 
 async def forget_old_cancels(client: Any, keys: RunKeys, older_than_s: float) -> None:
-    """Drop the marks older than ``older_than_s`` (a call's timeout): nobody waits for their calls
-    any more, and some calls never end where a mark is taken out (a worker died holding them, or
-    the mark landed after the call's final chunk)."""
+    """Drop the marks older than ``older_than_s`` (a call's timeout): nobody waits for their calls,
+    some of which never end (a worker died holding them)."""
     cutoff = time.time() - older_than_s
     old = [call_id for call_id, at in (await client.hgetall(keys.gw_cancel)).items() if not _time(at) >= cutoff]
     if old:
@@ -316,12 +300,9 @@ def _time(value: bytes) -> float:
 
 
 async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str, float]:
-    """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds, each
-    with when its process started (on its own clock: the time of its last heartbeat less its
-    uptime; 0 when its record does not say). A worker restarted under its name (``rlhf-run``
-    restarts a crashed ``worker-<i>`` as ``worker-<i>``) is live again at once, but started after
-    the calls its dead predecessor held. Silence is measured on Redis's clock, which stamped the
-    heartbeats."""
+    """Workers (not learners, not the evaluator) that heartbeated within ``within_s`` seconds on
+    Redis's clock, each with when its process started (its own clock; 0 when its record does not
+    say): a worker restarted under its name started after the calls its predecessor held."""
     async with client.pipeline(transaction=False) as pipe:
         raw, (sec, usec) = await pipe.hgetall(keys.consumers).time().execute()
     now, live = sec + usec / 1e6, {}
@@ -342,9 +323,7 @@ async def live_workers(client: Any, keys: RunKeys, within_s: float) -> dict[str,
 
 class LiveWorkers:
     """:func:`live_workers`, read again once it is ``max_age_s`` old (at once while there are
-    none), and once however many calls ask together: the 64 turns of agents in step arrive
-    together, and each asking on its own would send its own ``HGETALL`` of every consumer's
-    record (and open its own connection) before its call could go."""
+    none), and once however many calls ask together (agents' turns arrive together)."""
 
     def __init__(self, client: Any, keys: RunKeys, within_s: float, max_age_s: float = 1.0) -> None:
         self.client, self.keys, self.within_s, self.max_age_s = client, keys, within_s, max_age_s

@@ -46,7 +46,7 @@ all of these names through the preamble built in :mod:`buffer.scripts`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from rlhf_core.errors import UserError
 
@@ -60,10 +60,9 @@ RELEASED_CONSUMER = "__released__"
 #: The field of the ``retired`` hash counting the consumers retired (its other fields are stats).
 RETIRED_COUNT = "consumers"
 
-# A run id is part of every key and of a SCAN pattern: no glob characters, no braces (hash tag),
-# no whitespace. Hydra multirun names such as ``sweep/algo.max_staleness=2`` are fine.
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
-_CONSUMER = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
+# A run id or consumer name is part of keys and of a SCAN pattern: no glob characters, no braces
+# (hash tag), no whitespace. Hydra multirun names such as ``sweep/algo.max_staleness=2`` are fine.
+_NAME = re.compile(r"^[A-Za-z0-9_.,=+@/:-]{1,200}$")
 
 
 class BadName(UserError, ValueError):
@@ -71,7 +70,7 @@ class BadName(UserError, ValueError):
 
 
 def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _NAME.match(run_id):
         raise BadName(
             f"run id {run_id!r} cannot be used as a Redis key prefix: use 1-200 characters from "
             "letters, digits and _ . , = + @ / : - (no spaces, braces or glob characters * ? [ ])"
@@ -80,7 +79,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def check_consumer(name: str) -> str:
-    if not isinstance(name, str) or not _CONSUMER.match(name) or name == RELEASED_CONSUMER:
+    if not isinstance(name, str) or not _NAME.match(name) or name == RELEASED_CONSUMER:
         raise BadName(
             f"consumer name {name!r} is not usable: use 1-200 characters from letters, digits and "
             f"_ . , = + @ / : - (and not the reserved {RELEASED_CONSUMER!r})"
@@ -123,34 +122,8 @@ class RunKeys:
     def for_run(cls, run_id: str) -> RunKeys:
         check_run_id(run_id)
         p = f"{PREFIX}:{{{run_id}}}:"
-        return cls(
-            run_id=run_id,
-            prefix=p,
-            params=p + "params",
-            version=p + "version",
-            updates=p + "updates",
-            counters=p + "counters",
-            prompts=p + "prompts",
-            samples=p + "samples",
-            dead=p + "dead",
-            wake_prompts=p + "wake:prompts",
-            wake_replay=p + "wake:replay",
-            hist_consumed=p + "hist:consumed",
-            hist_dropped=p + "hist:dropped",
-            consumers=p + "consumers",
-            retired=p + "retired",
-            stats=p + "stats",
-            fill=p + "fill",
-            replay_index=p + "replay:index",
-            replay_n=p + "replay:n",
-            replay_uses=p + "replay:uses",
-            replay_out=p + "replay:out",
-            control=p + "control",
-            gw_calls=p + "gw:calls",
-            gw_cancel=p + "gw:cancel",
-            gw_rewarded=p + "gw:rewarded",
-            gw_live=p + "gw:live",
-        )
+        # each key is its field's name with ':' for '_' (wake_prompts -> P wake:prompts)
+        return cls(run_id, p, *(p + f.name.replace("_", ":") for f in fields(cls)[2:]))
 
     def gw_out(self, gateway_id: str) -> str:
         """The pub/sub channel of one gateway's call chunks (a channel, so not in :meth:`all`)."""
@@ -187,7 +160,7 @@ D_RAW_BYTES = "raw_bytes"  # the record's full size
 D_RAW_SHA1 = "raw_sha1"  # SHA-1 of the whole record (when the stored bytes are a prefix)
 D_SOURCE = "source"  # stream id of the prompt or sample entry it came from, if any
 D_TIME = "ts"
-#: bytes of a dead record kept in the dead-letter stream (a 10 MB record once went in whole)
+#: bytes of a dead record kept in the dead-letter stream
 DEAD_RAW_MAX = 64 * 1024
 #: wake streams are notifications only; keep the last few hundred
 WAKE_MAXLEN = 256

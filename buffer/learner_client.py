@@ -28,12 +28,9 @@ class LearnerClient(BufferClient):
 
     def init_run(self, batch_size: int, group_size: int, max_staleness: int, max_response_tokens: int | None = None,
                  vocab_size: int | None = None) -> dict[str, Any]:
-        """Store the run parameters once (the first caller's win) and create the consumer groups.
-
-        Calling it again with the same values is a no-op; with different values it raises
-        :class:`RunParamsMismatch` (a new run needs a new ``buffer.run_id``, or ``delete_run``).
-        Replay/limiter and lookahead settings come from this process's ``BufferConfig``.
-        """
+        """Store the run parameters once (the first caller's win; other values raise
+        :class:`RunParamsMismatch`) and create the consumer groups. Replay, limiter and lookahead
+        settings come from this process's ``BufferConfig``."""
         cfg = self.store.cfg
         if group_size < 1 or batch_size < group_size:
             raise UserError(f"batch_size {batch_size} must be >= group_size {group_size} >= 1: a batch holds whole groups")
@@ -72,9 +69,8 @@ class LearnerClient(BufferClient):
         return dict(stored)
 
     def set_learner_version(self, version: int, updates: int | None = None) -> None:
-        """Publish the learner's version and the updates its weights hold (``updates``; None: as
-        many as the version), together: pacing admits one more batch per update, and a learner
-        restarted from a checkpoint numbers its weights past the versions published before."""
+        """Publish the learner's version and the updates its weights hold (None: the version),
+        together: pacing counts the updates (:mod:`buffer.pacing`)."""
         k = self.keys
 
         def send() -> None:
@@ -91,25 +87,17 @@ class LearnerClient(BufferClient):
 
     def read_batch(self, consumer: str, learner_version: int, batch_size: int, timeout_s: float,
                    newest: int = 0) -> Batch | None:
-        """``batch_size // group_size`` whole groups no staler than ``max_staleness``, or None on timeout.
-
-        Nothing is acked until :meth:`commit`. The first call of a process re-delivers what this
-        consumer name read before a crash and did not commit. ``newest``: the newest version the
-        caller has published or is publishing, when above ``learner_version`` (a learner reading
-        against an older version after a restart); samples up to it are not "newer than the learner".
-        """
+        """``batch_size // group_size`` whole groups no staler than ``max_staleness``, or None on
+        timeout; unacked until :meth:`commit` (a process's first call re-delivers the uncommitted).
+        ``newest``: the newest version the caller published, when above ``learner_version``."""
         params = self.run_params()
         st = self._learners.setdefault(consumer, samples.LearnerState())
         read = replay.read_batch if params["mode"] == "replay" else samples.read_batch
         return read(self.store, st, params, consumer, learner_version, batch_size, timeout_s, newest)
 
     def exhausted(self, consumer: str, learner_version: int, batch_size: int, epochs: int) -> bool:
-        """True when no batch for ``consumer`` can come any more from the run's prompts: each of
-        ``epochs`` is enqueued and every prompt completed (:func:`buffer.prompts.drained`), and what is
-        left makes no batch (FIFO: the groups not yet handed out; replay: a draw now is refused,
-        and without inserts nothing lifts that). Checked in that order, so a group a worker
-        appends meanwhile is seen. Groups no prompt produced (rlhf-gateway's) are not foreseen:
-        a run they feed is never exhausted, and must not ask."""
+        """True when no batch for ``consumer`` can come any more from the run's prompts (every prompt
+        completed, then what is left makes no batch). A run that rlhf-gateway feeds must not ask."""
         if not prompts.drained(self.store, epochs):
             return False
         params = self.run_params()
@@ -124,9 +112,8 @@ class LearnerClient(BufferClient):
         return self.commit_ids(batch.ids)
 
     def discard(self, batch: Batch) -> int:
-        """Ack a batch of which nothing was trained (the learner dropped every sample): its groups
-        leave the buffer with no sample consumed and their admission goes back, so pacing does not
-        lose a batch of room for good. Returns the number of groups newly acked."""
+        """Ack a batch of which nothing was trained: its groups leave with no sample consumed and
+        their admission goes back. Returns the number of groups newly acked."""
         for st in self._learners.values():
             for i in batch.ids:
                 if i in st.handed:
@@ -134,21 +121,13 @@ class LearnerClient(BufferClient):
         return self.commit_ids(batch.ids)
 
     def commit_ids(self, ids: Iterable[str]) -> int:
-        """Ack entries by id: what :meth:`commit` does, for a learner that keeps ids (several
-        batches, or ids stored in its checkpoint and acked after a restart). Idempotent.
-
-        For ids this process handed out, the read-time staleness and the batch's dead letters
-        are recorded; for ids from before a restart, the staleness is taken against the stored
-        learner version.
-        """
+        """Ack entries by id (ids kept in a checkpoint, acked after a restart). Idempotent. Ids this
+        process handed out record their read-time staleness and dead letters; others are taken
+        against the stored learner version."""
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
         if not ids:
             return 0
-        known: dict[str, tuple[str, samples.Handed]] = {}
-        for consumer, st in self._learners.items():
-            for i in ids:
-                if i in st.handed:
-                    known[i] = (consumer, st.handed[i])
+        known = {i: (consumer, st.handed[i]) for consumer, st in self._learners.items() for i in ids if i in st.handed}
         unknown = samples.Handed("", "", False, [])  # type: ignore[arg-type]  # '' = let the script derive it
         if self.run_params()["mode"] == "replay":
             missing = [i for i in ids if i not in known]

@@ -1,34 +1,9 @@
 """Counters and gauges kept in Redis for the monitor, and :func:`collect` that reads them.
 
-Every counter lives in the run's ``counters`` hash and is changed only inside the Lua script
-or MULTI/EXEC block that does the work it counts, so counts are exact even across crashes
-(a script's writes and its counter updates reach the AOF together). The Lua scripts refer to
-these names through the ``C`` table of their preamble (:mod:`buffer.scripts`), generated from
-:data:`COUNTERS`; a misspelt name fails loudly in Lua instead of counting into a new field.
-
-Counters (monotonic):
-    prompts_enqueued, prompts_claimed (first deliveries), prompts_reclaimed (re-delivered after a
-    lease expired), prompts_released (given back un-done), prompts_dead_lettered,
-    completions_empty (completed with no valid sample), completions_duplicate (a completion for
-    a prompt already completed), groups_filtered and samples_filtered (completed without being
-    appended because the group teaches nothing: ``algo.filter_groups``), groups_filtered_<reason>
-    per reason of :data:`rlhf_core.dapo.FILTER_REASONS`, groups_external (appended without a prompt
-    lease: rlhf-gateway's episodes; counted in groups_appended too), groups_appended, samples_appended, groups_consumed,
-    samples_consumed, groups_dropped_stale and samples_dropped_stale (too stale when read, never
-    trained on), groups_aged_out and samples_aged_out (replay mode: trained on, then too stale to be
-    drawn again), samples_evicted,
-    samples_dead_lettered, entries_dead_lettered, dead_letters (all kinds), groups_removed and
-    samples_removed (left the sample stream: consumed, dropped, evicted or used up),
-    budget_returned (admission budget given back, in samples), rl_inserts, rl_samples (replay
-    rate limiter; rl_samples may be fractional), replay_seq
-Gauges (go up and down):
-    prompts_waiting (enqueued, never delivered), admitted (samples admitted by pacing, group_size
-    per prompt or rlhf-gateway group, net of give-backs), inflight (samples being generated),
-    replay_size (samples in the replay table)
-Derived by :func:`read_counters` (not stored, so the worker's hot path writes less):
-    prompts_acked = groups_appended + completions_empty + groups_filtered,
-    samples_in_buffer = samples_appended - samples_removed, groups_in_buffer likewise.
-Histograms (hashes lag -> samples): ``hist:consumed`` and ``hist:dropped``.
+Every counter lives in the run's ``counters`` hash and is changed only inside the Lua script or
+MULTI/EXEC block that does the work it counts, so counts are exact even across crashes. The Lua
+scripts name them through the preamble's ``C`` table (generated from :data:`COUNTERS`), so a
+misspelt name fails loudly. Histograms (hashes lag -> samples): ``hist:consumed``, ``hist:dropped``.
 """
 
 from __future__ import annotations
@@ -46,37 +21,37 @@ from rlhf_core.dapo import FILTER_REASONS
 
 COUNTERS = (
     "prompts_enqueued",
-    "prompts_claimed",
-    "prompts_reclaimed",
-    "prompts_released",
+    "prompts_claimed",  # first deliveries
+    "prompts_reclaimed",  # re-delivered after a lease expired
+    "prompts_released",  # given back un-done
     "prompts_dead_lettered",
-    "prompts_waiting",
-    "completions_empty",
-    "completions_duplicate",
-    "admitted",
-    "inflight",
-    "budget_returned",
-    "groups_appended",
+    "prompts_waiting",  # gauge: enqueued, never delivered
+    "completions_empty",  # completed with no valid sample
+    "completions_duplicate",  # a completion of a prompt already completed
+    "admitted",  # gauge: samples admitted by pacing (group_size per prompt or gateway group), net of give-backs
+    "inflight",  # gauge: samples being generated
+    "budget_returned",  # admission given back, in samples
+    "groups_appended",  # samples_appended likewise
     "samples_appended",
     "groups_consumed",
     "samples_consumed",
-    "groups_dropped_stale",
+    "groups_dropped_stale",  # too stale when read, never trained on
     "samples_dropped_stale",
-    "groups_aged_out",
+    "groups_aged_out",  # replay: trained on, then too stale to be drawn again
     "samples_aged_out",
     "samples_evicted",
     "samples_dead_lettered",
     "entries_dead_lettered",
-    "dead_letters",
-    "groups_removed",
+    "dead_letters",  # all kinds
+    "groups_removed",  # left the sample stream: consumed, dropped, evicted or used up
     "samples_removed",
-    "replay_size",
+    "replay_size",  # gauge: samples in the replay table
     "replay_seq",
-    "rl_inserts",
+    "rl_inserts",  # the replay rate limiter's (rl_samples may be fractional)
     "rl_samples",
-    "groups_filtered",
+    "groups_filtered",  # completed without being appended: algo.filter_groups
     "samples_filtered",
-    "groups_external",
+    "groups_external",  # appended without a prompt lease (rlhf-gateway's), in groups_appended too
     *(f"groups_filtered_{reason}" for reason in FILTER_REASONS),
 )
 
@@ -99,7 +74,8 @@ def _num(raw: bytes | str | None, name: str, key: str) -> int | float:
 
 
 def read_counters(raw: dict[bytes, bytes], key: str = "counters") -> dict[str, int | float]:
-    """The counters hash (``key``: its name, for the error when a field is not a number)."""
+    """The counters hash (``key``: its name, for errors) and the values derived from it (not
+    stored, so the worker's hot path writes less): ``prompts_acked``, ``samples_in_buffer``, ``groups_in_buffer``."""
     out: dict[str, int | float] = {name: 0 for name in COUNTERS}
     for k, v in raw.items():
         name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
@@ -119,10 +95,8 @@ def read_hist(raw: dict[bytes, bytes], key: str = "histogram") -> dict[int, int]
 
 
 def pack_consumer(clock: float, version: int | None, stats: dict[str, Any] | None, leases: int) -> bytes:
-    """The per-consumer record the monitor shows (policy version, free-form stats, leases held;
-    ``clock``: the consumer's own time, compared only with other times it gave), less its
-    ``last_seen``: its map header counts one entry more, which ``heartbeat.lua`` appends with
-    Redis's clock."""
+    """The per-consumer record the monitor shows, less its ``last_seen``: the map header counts one
+    entry more, which ``heartbeat.lua`` appends with Redis's clock (``clock`` is the consumer's own)."""
     fields = {"clock": clock, "version": version, "stats": stats or {}, "leases": leases}
     packer = msgpack.Packer(use_bin_type=True)
     return packer.pack_map_header(len(fields) + 1) + b"".join(packer.pack(k) + packer.pack(v) for k, v in fields.items())

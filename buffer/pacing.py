@@ -1,40 +1,23 @@
 """Pacing: how far generation may run ahead of training, and the replay rate limiter.
 
-This module owns the rule. It is enforced in Lua, inside the scripts that claim prompts and
-draw replay batches, because a check and the change it allows must be one atomic step; it is
-computed in Python for the monitor's snapshot (:func:`buffer.metrics.collect`). Both versions are
-here: the Python functions below and their Lua twins in :data:`LUA`, which
-:mod:`buffer.scripts` puts into every script's preamble. The names the Lua reads (the run
-parameters in :data:`PARAMS` and the counters in :data:`COUNTERS`) are generated from this
-module too. ``tests/integration/test_buffer_pacing.py`` runs the Lua on a real Redis over a
-grid of states and checks it agrees with :func:`admission_budget`.
+This module owns the rule. It is enforced in Lua, inside the scripts that claim prompts and draw
+replay batches (a check and the change it allows must be one atomic step), and computed in
+Python for the monitor's snapshot. Both are here: the Python functions and their Lua twins
+(:func:`lua`, put into every script's preamble by :mod:`buffer.scripts` with the names in
+:data:`PARAMS` and :data:`COUNTERS`); ``tests/integration/test_buffer_pacing.py`` checks they agree.
 
 Admission (AReaL's staleness control), counted in samples::
 
     ahead  = min(max_staleness, lookahead)         (lookahead None: max_staleness)
     budget = (ahead + updates + 1) * batch_size - admitted
 
-``updates``: the updates the learner's published weights hold (the ``updates`` key, which the
-learner writes with its version), not the version. The two are equal until a learner restarts
-from a checkpoint older than the versions it had published: it numbers its restored weights
-above those, so the version runs ahead of what was trained, and a budget counted from it would
-admit that many batches more for the rest of the run, each then too stale to train on (a drop
-gives its budget back, so the surplus never drains). ``admitted`` counts what the updates took,
-so what was trained is the one count to set it against. A run's Redis data written before the
-learner told its updates has only the version, which stands in for them.
-
-``claim.lua`` admits a prompt while ``budget >= group_size`` and reserves ``group_size`` of
-``admitted`` for it. ``append.lua`` admits a group no prompt produced (rlhf-gateway's episodes)
-as it appends it, also ``group_size``: the learner's batches are whole groups, so such a group
-takes a prompt's place in one. Prompts re-delivered after an expired lease were admitted once
-and need nothing. Budget comes back when a reservation produces nothing to train on:
-``release.lua`` (a prompt given back), ``complete.lua`` (every sample invalid), ``drop.lua`` (a
-group too stale or unusable), in replay mode a group that leaves the table before any use (too
-stale in ``replay_draw.lua``, evicted in ``complete.lua``; a used group was trained on, as a
-committed one, and keeps its place) and ``claim.lua`` itself (a prompt dead-lettered after
-``max_deliveries``); all but ``claim.lua`` through the preamble's ``give_back``. With ``max_staleness = 0`` this is synchronous training. The lookahead
-keeps workers that outpace the learner from generating batches that would only wait in the
-buffer and age.
+``updates``: the updates the learner's published weights hold (the ``updates`` key), not its
+version, which runs ahead of them after a restart from an older checkpoint; data without the key
+counts the version. ``claim.lua`` admits a prompt while ``budget >= group_size`` and reserves
+``group_size`` of ``admitted`` for it; ``append.lua`` admits a gateway group as it appends it.
+Budget comes back (the preamble's ``give_back``) when a reservation yields nothing to train on:
+a prompt released, completed empty or dead-lettered, a group dropped, or in replay mode one that
+leaves the table before any use.
 
 Rate limiter (Reverb's ``SampleToInsertRatio``, replay mode with ``samples_per_insert`` set)::
 
@@ -43,14 +26,11 @@ Rate limiter (Reverb's ``SampleToInsertRatio``, replay mode with ``samples_per_i
     can_insert(n): inserts + n <= min_size_to_sample  or  (inserts + n) * spi - samples <= max_diff
     can_sample(n): size >= min_size_to_sample  and  inserts * spi - (samples + n) >= min_diff
 
-``inserts`` is the ``rl_inserts`` counter and ``samples`` the ``rl_samples`` counter. The
-insert side blocks at admission, not after generation: the budget is also capped by
-:func:`insert_room` counting the groups still being generated (``inflight``), so a worker never
-holds a finished group it may not insert; it waits in :meth:`WorkerClient.claim`. The sample side
-(``replay_draw.lua``) waits in :meth:`LearnerClient.read_batch`. When an entry leaves the table before
-it was drawn ``spi`` times (evicted at ``capacity`` in ``complete.lua``, too stale in
-``replay_draw.lua``) the draws it still owed are forgiven (``limiter_forgive``: added to
-``rl_samples``); otherwise a learner that can never catch up would block inserts forever.
+``inserts`` and ``samples`` are the ``rl_inserts`` and ``rl_samples`` counters. The insert side
+blocks at admission (:func:`insert_room` counts the groups in flight too), the sample side in
+``replay_draw.lua``. An entry that leaves the table before it was drawn ``spi`` times has the
+draws it owed forgiven (``limiter_forgive``), or a learner that can never catch up would block
+inserts forever.
 """
 
 from __future__ import annotations
@@ -68,9 +48,6 @@ PARAMS = ("batch_size", "max_staleness", "lookahead", "samples_per_insert", "min
 COUNTERS = ("admitted", "inflight", "rl_inserts", "rl_samples")
 
 
-# ---- admission -----------------------------------------------------------------------------
-
-
 def ahead(max_staleness: int, lookahead: int | None) -> int:
     """Batches admitted beyond the one the learner reads next."""
     return max_staleness if lookahead is None else min(max_staleness, lookahead)
@@ -83,13 +60,8 @@ def trained_updates(raw: bytes | str | None, version: int, key: str) -> int:
 
 
 def admission_budget(params: Mapping[str, Any], updates: int, counters: Mapping[str, float]) -> int:
-    """Samples that may be admitted for generation now: pacing, capped by the limiter if on.
-
-    ``params``: the run parameters (:data:`PARAMS` are read); ``updates``: the updates the
-    learner's published weights hold (:func:`trained_updates`); ``counters``: at least
-    :data:`COUNTERS`. Never negative (the Lua's budget can be: the learner's updates, after a
-    restart from a checkpoint, or a limiter draw can lag what was admitted).
-    """
+    """Samples that may be admitted for generation now: pacing, capped by the limiter if on
+    (``params``: :data:`PARAMS`; ``counters``: :data:`COUNTERS`). Never negative (the Lua's can be)."""
     budget = (ahead(params["max_staleness"], params.get("lookahead")) + updates + 1) * params["batch_size"]
     budget -= counters["admitted"]
     spi = params["samples_per_insert"]
@@ -97,9 +69,6 @@ def admission_budget(params: Mapping[str, Any], updates: int, counters: Mapping[
         ins = counters["rl_inserts"] + counters["inflight"]
         budget = min(budget, insert_room(ins, counters["rl_samples"], spi, params["min_size_to_sample"], params["error_buffer"]))
     return int(max(0, budget))
-
-
-# ---- the limiter -----------------------------------------------------------------------------
 
 
 def max_diff(spi: float, min_size: int, error_buffer: float) -> float:
@@ -127,8 +96,6 @@ def insert_room(inserts: float, samples: float, spi: float, min_size: int, error
     room = math.floor((max_diff(spi, min_size, error_buffer) + samples) / spi) - inserts
     return int(max(room, min_size - inserts))
 
-
-# ---- the Lua twins -------------------------------------------------------------------------
 
 _LUA = """
 -- Pacing and the replay rate limiter: the Lua twins of buffer/pacing.py (read the rule there).

@@ -1,37 +1,12 @@
-"""The prompt queue: enqueue, fill by epochs, leased claims, heartbeats, release, expiry.
+"""The prompt queue: enqueue, fill by epochs, leased claims, heartbeats, release, expiry, retiring.
 
 Prompts are entries of the run's ``prompts`` stream, read through the consumer group
-``workers``. A claim is a lease, not a pop: the entry sits in the group's pending list (PEL)
-under the worker's name until :meth:`WorkerClient.complete` acks it together with the samples.
-
-* Leases: a worker's heartbeat renews its leases (``XCLAIM ... JUSTID`` resets their idle time
-  without counting a delivery). A lease idle for ``lease_timeout_s`` belongs to a worker that
-  died or hung; the next claimer takes it over (``claim.lua``: ``XPENDING IDLE`` + ``XCLAIM``,
-  which re-checks the idle time atomically) and gets ``delivery_count`` + 1. A prompt
-  delivered more than ``max_deliveries`` times goes to the dead-letter stream instead. A
-  consumer known dead (a launcher saw its process or node go) has its leases expired at once
-  (:func:`expire`), so they are taken over without waiting for the timeout.
-* Pacing: a claim admits new prompts only within the admission budget (the rule is in
-  :mod:`buffer.pacing`); re-delivered prompts were admitted once and need none.
-* Retiring: a consumer silent for :data:`RETIRE_AFTER_LEASES` lease timeouts that owns no lease
-  any more is retired (:func:`retire`, which each worker's heartbeats run every lease timeout):
-  the running totals of its stats join the run's ``retired`` totals and its record and group
-  consumer are deleted, so a run whose workers come and go (a hand-started ``rlhf-worker`` gets
-  a new name per process) keeps the live ones and the recently dead, and sums over its workers
-  stay exact.
-* Blocking: when nothing can be claimed, :func:`claim` waits on the ``wake:prompts`` stream
-  with ``XREAD BLOCK`` from the id the claim script returned, so an enqueue, a returned budget
-  or a new learner version wakes it at once and no wake-up is lost between the check and the
-  wait. Waits are capped at :data:`WAIT_CAP_S` so expired leases (which send no wake-up) are
-  noticed within that time. No busy loop: one script call per wake-up or per cap.
-* Filling: :func:`fill` keeps the queue topped up epoch by epoch; its cursor (epoch, index,
-  done) is in Redis and advances in the same MULTI/EXEC as the enqueued prompts (WATCHed, so
-  two producers never enqueue the same slice), so a restarted producer continues where the
-  last one stopped. With ``lead_s`` its watermarks rise with the rate workers take prompts, so
-  a queue checked periodically does not run dry between checks however fast they are.
-
-The functions take a :class:`~buffer.store.Store` and the client-side state they update (the
-leases this process holds, the producer's open iterator), never a client.
+``workers``: a claim is a lease (the entry sits in the group's pending list until
+:meth:`WorkerClient.complete` acks it with the samples), renewed by heartbeats and taken over by
+the next claimer once idle for ``lease_timeout_s`` (docs/architecture.md, Buffer, tells the
+rules). A blocked :func:`claim` waits on ``wake:prompts`` from the id the claim script returned,
+so no wake-up is lost, capped at :data:`WAIT_CAP_S`. :func:`fill` keeps the queue topped up with
+its cursor in Redis.
 """
 
 from __future__ import annotations
@@ -59,24 +34,18 @@ from rlhf_core.wire import WireError
 
 log = logging.getLogger("buffer")
 
-#: Longest single wait on a wake-up stream. Expired leases produce no wake-up, so a blocked
-#: claimer re-checks at least this often; 200 ms keeps that cheap (5 script calls/s per idle worker).
+#: Longest single wait on a wake-up stream: expired leases send none, so a blocked claimer re-checks this often.
 WAIT_CAP_S = 0.2
 ENQUEUE_CHUNK = 512
 #: The producer's estimate of the rate prompts leave the queue keeps its peak, halving every this
-#: often; it measures over at least RATE_MIN_WINDOW_S (a retried top-up a millisecond later would
-#: turn one claim into a huge rate).
+#: often, measured over at least RATE_MIN_WINDOW_S.
 RATE_HALF_LIFE_S = 5.0
 RATE_MIN_WINDOW_S = 0.05
-#: A consumer is retired once it has not heartbeated for this many lease timeouts (and owns no
-#: lease): long after a claimer could take its leases over. Its ``last_seen`` and the sweep's
-#: cut-off are both Redis's clock, so hosts whose clocks differ retire no live worker. A worker
-#: cut off from Redis exits after ``buffer.max_retry_s``; one paused that long (SIGSTOP) and
-#: resumed is told by its next heartbeat, which then counts its totals from the sweep on
-#: (:class:`Beats`).
+#: A consumer is retired once it has not heartbeated for this many lease timeouts and owns no
+#: lease; ``last_seen`` and the cut-off are both Redis's clock. A paused worker that was retired
+#: learns it at its next heartbeat (:class:`Beats`).
 RETIRE_AFTER_LEASES = 10
-#: Consumers retired by one script call at most (a run resumed with many stale records: the rest
-#: go at the next sweeps, without one long script blocking Redis).
+#: Consumers retired by one script call at most (the rest go at the next sweeps: no long script).
 RETIRE_BATCH = 500
 
 
@@ -108,16 +77,21 @@ def enqueue(store: Store, prompts: Iterable[Prompt]) -> int:
 
         def send(payloads=payloads) -> None:
             pipe = store.redis.pipeline(transaction=True)
-            for data in payloads:
-                pipe.xadd(k.prompts, {K.PROMPT_FIELD: data})
-            pipe.hincrby(k.counters, "prompts_enqueued", len(payloads))
-            pipe.hincrby(k.counters, "prompts_waiting", len(payloads))
-            pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
+            _queue(pipe, k, payloads)
             pipe.execute()
 
         store.retry(send)
         total += len(payloads)
     return total
+
+
+def _queue(pipe: Any, k: K.RunKeys, payloads: list[bytes]) -> None:
+    """Add the encoded prompts to ``pipe``'s MULTI with their counters and a wake-up."""
+    for data in payloads:
+        pipe.xadd(k.prompts, {K.PROMPT_FIELD: data})
+    pipe.hincrby(k.counters, "prompts_enqueued", len(payloads))
+    pipe.hincrby(k.counters, "prompts_waiting", len(payloads))
+    pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
 
 
 def claim(
@@ -128,14 +102,9 @@ def claim(
     block_s: float,
     interrupt: Callable[[], bool] | None = None,
 ) -> list[Lease]:
-    """Lease up to ``max_prompts`` prompts (``claim.lua``), waiting up to ``block_s``; the new
-    leases are added to ``held`` (this process's leases of ``consumer``). An undecodable prompt
-    is dead-lettered and not returned.
-
-    ``interrupt`` (a caller with other work than prompts, e.g. gateway calls): asked after each
-    claim, before waiting; the claim returns when it says True, and after the first wake-up. Asked
-    after the script read the last wake-up, so whatever it checks for and then wakes the stream is
-    never missed."""
+    """Lease up to ``max_prompts`` prompts (``claim.lua``) into ``held``, waiting up to ``block_s``
+    (an undecodable prompt is dead-lettered). ``interrupt`` (a caller with other work, e.g. gateway
+    calls): asked after each claim, before waiting; True, or the first wake-up, ends the claim."""
     K.check_consumer(consumer)
     k = store.keys
     lease_ms = str(max(1, int(store.lease_s() * 1000)))
@@ -185,9 +154,8 @@ def dead_letter_prompt(store: Store, params: dict[str, Any], lease_id: str, cons
 
 @dataclass
 class Beats:
-    """This process's heartbeats of one consumer: the running totals (:data:`M.WORKER_SUMMED`)
-    the last one sent, and the part of them the run's ``retired`` sums hold already (the consumer
-    was retired while silent; its records then count from that sweep on)."""
+    """This process's heartbeats of one consumer: the running totals (:data:`M.WORKER_SUMMED`) the
+    last one sent, and the part the run's ``retired`` sums hold (it was retired while silent)."""
 
     sent: dict[str, float] | None = None  # None: no heartbeat yet
     base: dict[str, float] = field(default_factory=dict)
@@ -228,9 +196,8 @@ def redis_time(store: Store) -> float:
 
 
 def retire(store: Store, before: float) -> list[str]:
-    """Retire the consumers last seen before ``before`` (Redis's clock, :func:`redis_time`) that own no
-    lease (``retire.lua``: their stats' running totals, :data:`M.WORKER_SUMMED`, join the run's
-    ``retired`` hash; their record and group consumer are deleted, atomically). Returns their names."""
+    """Retire the consumers last seen before ``before`` (Redis's clock) that own no lease
+    (``retire.lua``: their running totals join the ``retired`` hash, their records go). Returns their names."""
     k = store.keys
     args: list[Any] = []
     picked = 0
@@ -280,8 +247,7 @@ def release(store: Store, held: dict[str, dict[str, Lease]], leases: Iterable[Le
 
 
 def expire(store: Store, consumer: str) -> int:
-    """Expire ``consumer``'s leases now (``expire.lua``): the next claimers reclaim them as they
-    would after the lease timeout without its heartbeat. Returns how many."""
+    """Expire ``consumer``'s leases now (``expire.lua``): the next claimers reclaim them as after the lease timeout."""
     K.check_consumer(consumer)
     k = store.keys
     return int(store.retry(store.scripts.expire, keys=[k.prompts, k.wake_prompts],
@@ -293,12 +259,8 @@ class PromptsExhausted(UserError):
 
 
 class Filler:
-    """State of :func:`fill` in one process: the open iterator of the current epoch.
-
-    Re-creating the source iterator for every top-up would re-read (and re-shuffle) the whole
-    data set each time; the open one is reused as long as its position matches the cursor in
-    Redis (another producer may have advanced it).
-    """
+    """State of :func:`fill` in one process: the open iterator of the current epoch, reused (no
+    re-read of the data set) while its position matches the cursor in Redis."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.epoch = -1
@@ -310,9 +272,7 @@ class Filler:
 
     def observe(self, taken: int) -> float:
         """Update :attr:`rate` from ``taken``, the run's count of prompts taken from the queue so
-        far (enqueued - waiting), and return it. A rate measured while the queue ran dry is low
-        (workers could take only what there was), but the higher watermark it sets lets the next
-        interval show the real one."""
+        far (enqueued - waiting), and return it."""
         now = self.clock()
         if self._taken is not None:
             then, before = self._taken
@@ -346,16 +306,9 @@ def fill(
     lead_s: float = 0.0,
 ) -> int:
     """Top up the queue once: if fewer than ``low_watermark`` prompts wait, enqueue up to
-    ``high_watermark`` (default ``2 * low_watermark``), walking epochs ``0 .. epochs-1`` of
-    ``source_fn(epoch)`` in order. Returns the number enqueued (0 when above the low
-    watermark or when every epoch is done; :meth:`ProducerClient.fill_state` says which). ``filler``
-    keeps this process's open iterator of the current epoch between calls.
-
-    ``lead_s`` (a caller that fills every few tenths of a second): the low watermark is at least
-    what workers take in ``lead_s`` at the rate they took prompts since this process's previous
-    call (:meth:`Filler.observe`), and the high one rises in proportion; the queue then lasts
-    until the next call.
-    """
+    ``high_watermark`` (default twice the low) from epochs ``0 .. epochs-1`` of ``source_fn(epoch)``,
+    the cursor moving in the same WATCHed MULTI; returns the number enqueued. ``lead_s``: the
+    watermarks cover what workers take in ``lead_s`` at their recent rate (:meth:`Filler.observe`)."""
     high = max(low_watermark, high_watermark if high_watermark is not None else 2 * low_watermark)
     while True:
         try:
@@ -364,10 +317,7 @@ def fill(
             filler.forget()  # another producer moved the cursor; re-read it
             log.debug("fill cursor of run %s moved under us; retrying", store.keys.run_id)
         except BaseException:
-            # nothing was enqueued, and the open iterator may have ended on the error (a generator
-            # that raised is done): the next call re-opens it at the cursor instead of taking the
-            # dead one for the end of the epoch
-            filler.forget()
+            filler.forget()  # nothing was enqueued; a generator that raised is done: re-open it at the cursor
             raise
 
 
@@ -405,23 +355,16 @@ def _fill_once(store: Store, filler: Filler, source_fn, epochs: int, low: int, h
                 filler.forget()
         done = epoch >= epochs
         pipe.multi()
-        for prompt in batch:
-            pipe.xadd(k.prompts, {K.PROMPT_FIELD: prompt.encode()})
-        pipe.hset(k.fill, mapping={"epoch": epoch, "index": index, "done": int(done)})
         if batch:
-            pipe.hincrby(k.counters, "prompts_enqueued", len(batch))
-            pipe.hincrby(k.counters, "prompts_waiting", len(batch))
-            pipe.xadd(k.wake_prompts, {"e": "enqueue"}, maxlen=K.WAKE_MAXLEN, approximate=True)
+            _queue(pipe, k, [prompt.encode() for prompt in batch])
+        pipe.hset(k.fill, mapping={"epoch": epoch, "index": index, "done": int(done)})
         pipe.execute()
         return len(batch)
 
 
 def drained(store: Store, epochs: int) -> bool:
-    """Every one of ``epochs`` is enqueued (the fill cursor is at or past the last; its stored flag
-    may be from a run resumed with other epochs, before this run's first top-up) and every prompt
-    completed or dead-lettered (none waits, none is leased: both delete it from the stream). Read
-    in one MULTI, as the last top-up enqueues its prompts and moves the cursor in one. Once true it
-    stays true: no prompt's group can be appended any more."""
+    """Every one of ``epochs`` is enqueued (the fill cursor is at or past the last) and every
+    prompt completed or dead-lettered (the stream is empty), read in one MULTI. Once true it stays true."""
     k = store.keys
 
     def read() -> list[Any]:

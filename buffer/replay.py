@@ -1,25 +1,13 @@
 """Replay mode: samples reused up to ``max_reuse`` times under a Reverb-style rate limiter.
 
-The run is in replay mode when ``max_reuse > 1``, ``samples_per_insert`` is set or
-``sampling`` is not ``fifo`` (decided once by ``init_run`` and stored in the run parameters).
-Otherwise the FIFO consumer-group path of :mod:`buffer.samples` runs and none of this costs
-anything. Workers do not see the difference: ``complete.lua`` also indexes the new entry.
-
-Table: the entries stay in the ``samples`` stream; ``replay:index`` (a sorted set, score
-``version * 2**32 + insertion seq``, so ascending = stalest first, FIFO within a version),
-``replay:n`` (samples per entry), ``replay:uses`` (committed uses) and ``replay:out`` (entries
-in a learner's uncommitted batch) index them. Sampling policies: ``fifo`` (stalest first) and
-``uniform`` (ZRANDMEMBER, without replacement within a batch). A draw never returns an entry
-that is out; :meth:`LearnerClient.commit` counts a use and removes entries used ``max_reuse`` times;
-a learner that crashes before committing gets its drawn entries put back (the draws are
-un-counted) on its first read, so nothing is lost and no use is counted twice.
-
-The draws obey the sample side of the rate limiter (``samples_per_insert``); the rule, both
-sides, lives in :mod:`buffer.pacing`. A draw that the limiter or the table's size refuses
-waits in :func:`read_batch` (woken by inserts).
-
-The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
-state they update (a learner consumer's :class:`~buffer.samples.LearnerState`), never a client.
+The run is in replay mode when ``max_reuse > 1``, ``samples_per_insert`` is set or ``sampling``
+is not ``fifo`` (decided by ``init_run``); else the FIFO path of :mod:`buffer.samples` runs.
+Entries stay in the ``samples`` stream, indexed by ``replay:index`` (score ``version * 2**32 +
+insertion seq``: ascending is stalest first), ``replay:n``, ``replay:uses`` and ``replay:out``
+(drawn into a learner's uncommitted batch; never drawn again until committed or returned).
+Policies: ``fifo`` and ``uniform`` (ZRANDMEMBER). A commit counts a use and removes entries used
+``max_reuse`` times; a learner that crashes gets its drawn entries put back on its first read.
+The limiter's rule lives in :mod:`buffer.pacing`; a refused draw waits in :func:`read_batch`.
 """
 
 from __future__ import annotations
@@ -33,13 +21,10 @@ from buffer.prompts import WAIT_CAP_S
 from buffer.samples import Batch, Group, LearnerState, build_batch, decode_entry, groups_per_batch, handed_of, newest_version
 from buffer.store import Store
 
-# ---- learner side ------------------------------------------------------------------------
-
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
                batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
-    """Replay mode: draw the next batch of ``consumer`` (whose state in this process is ``st``), or
-    None on timeout. ``newest``: see :meth:`buffer.LearnerClient.read_batch`."""
+    """Replay mode: the next batch of ``consumer`` (see :meth:`buffer.LearnerClient.read_batch`), or None on timeout."""
     K.check_consumer(consumer)
     if st.synced_at is None:
         return_undone(store, consumer, pending(store, consumer))

@@ -28,10 +28,7 @@ for _ = 1, n_entries do
     incr(counters_key, C.samples_consumed, n_good)
     incr(counters_key, C.groups_consumed, 1)
     if n_good > 0 then incr(hist_key, entry_lag, n_good) elseif uses == 1 then untrained = untrained + 1 end
-    for i = 0, n_bad - 1 do
-      local b = pos + 3 * i
-      dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
-    end
+    sample_dead_letters(dead_key, counters_key, dead_maxlen, pos, n_bad, id, now)
     if uses >= max_reuse or retire == '1' then
       replay_remove(index_key, n_key, uses_key, samples_key, counters_key, id, n)
     end

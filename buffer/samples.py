@@ -1,25 +1,11 @@
 """The sample stream: atomic group completion by workers, FIFO batch consumption by the learner.
 
-One stream entry holds one completed group (the samples of one prompt), so a group is
-appended, read, dropped and acked as a unit and can never be split between batches. Field
-layout (names in :mod:`buffer.keys`): group id, prompt id, oldest token version, sample
-count, producer, time, and ``s0 .. s{n-1}`` holding the encoded samples.
-
-Worker side: :func:`complete` validates each sample (``rlhf_core.records.validate_sample`` with
-the run's ``vocab_size`` / ``max_response_tokens``), then one ``complete.lua`` call appends the
-good ones, dead-letters the bad ones and acks the prompt. Either all of that happens or none.
-
-Learner side (FIFO mode): entries are read through the consumer group ``learner`` and stay in
-its pending list until :func:`commit`, which the learner calls once the update that used them
-is published and checkpointed; a learner that crashes before that gets them again (same
-consumer name) on its first :meth:`LearnerClient.read_batch`. A batch is ``batch_size // group_size``
-whole groups, in arrival order; a partial group (some samples dead-lettered) counts as one
-group. Groups whose staleness ``learner_version - oldest token version`` exceeds
-``max_staleness`` are dropped (counted per lag, admission budget returned); undecodable or
-invalid samples are dead-lettered when their group is committed (or dropped).
-
-The functions take a :class:`~buffer.store.Store`, the run parameters and the client-side
-state they update (a learner consumer's :class:`LearnerState`), never a client.
+One stream entry holds one completed group (fields in :mod:`buffer.keys`), so a group is
+appended, read, dropped and acked as a unit. A worker's :func:`prepare` validates each sample
+and one ``complete.lua`` call appends the good ones, dead-letters the bad ones and acks the
+prompt. In FIFO mode the learner reads entries through the consumer group ``learner``; they stay
+pending until :func:`commit` (after the update is published and checkpointed), so a learner
+that crashes gets them again. Groups staler than ``max_staleness`` are dropped (``drop.lua``).
 """
 
 from __future__ import annotations
@@ -77,13 +63,9 @@ class Group:
 
 @dataclass
 class Batch:
-    """Whole groups for one update.
-
-    ``samples``: the samples, each group contiguous; ``groups``: one :class:`GroupSlice` per
-    group (its actual size is ``end - start``, which is below group_size for a partial group);
-    ``ids``: opaque ids to pass to ``commit_ids`` (a restarted learner may store them in its
-    checkpoint); ``staleness``: ``{"min", "max", "mean", "hist": {lag: samples}}`` over samples.
-    """
+    """Whole groups for one update: ``samples`` (each group contiguous), one :class:`GroupSlice`
+    per group (a partial group is shorter), ``ids`` for ``commit_ids``, and ``staleness``:
+    ``{"min", "max", "mean", "hist": {lag: samples}}`` over the samples."""
 
     samples: list[Sample]
     groups: list[GroupSlice]
@@ -93,9 +75,7 @@ class Batch:
     staleness: dict[str, Any]
     dead: dict[str, list[tuple[str, str, str, bytes]]] = field(default_factory=dict, repr=False)
     retire: set[str] = field(default_factory=set, repr=False)
-    # seconds this process spent since the batch before decoding and validating records (and, after
-    # a restart, re-reading those delivered before), apart from waiting for new ones: the learner's
-    # ``learner/time_read_s``
+    # seconds spent decoding and validating since the batch before, not waiting (learner/time_read_s)
     decode_s: float = 0.0
 
     @property
@@ -111,21 +91,10 @@ def groups_per_batch(batch_size: int, group_size: int) -> int:
     return max(1, batch_size // group_size)
 
 
-# ---- worker side ---------------------------------------------------------------------------
-
-
 def prepare(store: Store, params: Mapping[str, Any], lease: Lease, samples: list[Sample],
             rejected: Iterable[tuple[str, str, bytes]] = (), filtered: str | None = None) -> list[Any]:
-    """Validate and encode a group; return the ``complete.lua`` arguments.
-
-    ``rejected``: ``(kind, reason, raw)`` records the caller already refused (a sample whose
-    reward function raised, a prompt too long to generate from); they reach the dead-letter
-    stream in the same atomic step as the append and the ack.
-
-    ``filtered``: the group teaches nothing (``algo.filter_groups``; one of
-    :data:`rlhf_core.dapo.FILTER_REASONS`): its prompt is acked and its admission budget
-    returned, nothing is appended, and ``groups_filtered_<reason>`` counts it.
-    """
+    """Validate and encode a group; return the ``complete.lua`` arguments (``rejected``,
+    ``filtered``: see :meth:`buffer.WorkerClient.complete`)."""
     n_filtered, samples = _filtered(filtered, samples)
     good, bad = _check_group(store, params, samples, "complete()")
     for kind, reason, raw in rejected:
@@ -164,9 +133,7 @@ def _check_group(store: Store, params: Mapping[str, Any], samples: list[Sample],
 def prepare_external(store: Store, params: Mapping[str, Any], producer: str, samples: list[Sample],
                      kept: Sequence[str] = (), filtered: str | None = None) -> list[Any]:
     """Validate and encode a group that no prompt lease produced; return the ``append.lua``
-    arguments (FIFO mode: a replay table is filled by leased prompts only). ``kept``: the fields
-    of the records in ``P gw:rewarded`` the group is made of (deleted with the append);
-    ``filtered``: as for :func:`prepare` (nothing is appended, the kept records are deleted)."""
+    arguments (FIFO mode only; ``kept``, ``filtered``: see :meth:`buffer.GatewayClient.append_group`)."""
     if params["mode"] != "fifo":
         raise ValueError(f"groups without a prompt lease need buffer.mode=fifo, this run uses {params['mode']}")
     if not samples:
@@ -198,24 +165,17 @@ def complete_status(res: list[Any]) -> str:
     return "appended" if res[1] else "empty"
 
 
-# ---- learner side (FIFO) -----------------------------------------------------------------
-
-
 def newest_version(store: Store, learner_version: int) -> int:
-    """The newest policy version that can exist: the learner's, or the one it stored in Redis
-    when that is newer (a restarted learner reads against its checkpoint's older version while
-    the workers already sampled with the versions it published before the crash)."""
+    """The newest policy version that can exist: the learner's, or the one stored in Redis when
+    newer (a restarted learner reads against its checkpoint's older version)."""
     stored = store.retry(store.redis.get, store.keys.version)
     return max(int(learner_version), control_int(stored, store.keys.version, ""))
 
 
 def decode_entry(entry_id: str, fields: dict[bytes, bytes] | None, params: Mapping[str, Any], max_record_bytes: int,
                  newest: int | None = None) -> Group:
-    """Decode and validate one stream entry against the run parameters (``vocab_size``,
-    ``max_response_tokens``) and, when given, the newest version that exists (a sample cannot
-    carry a newer one: see :func:`newest_version`). Never raises: what is wrong goes to
-    ``Group.bad`` (and is logged once per entry), so the Lua scripts and the learner see only
-    records that passed."""
+    """Decode and validate one stream entry against the run parameters and ``newest``
+    (:func:`newest_version`). Never raises: what is wrong goes to ``Group.bad`` (logged once)."""
     fields = fields or {}
     producer = _text(fields.get(K.F_PRODUCER.encode()), "?")
     try:
@@ -301,9 +261,8 @@ def handed_of(batch: Batch) -> dict[str, Handed]:
 
 @dataclass
 class LearnerState:
-    """What one process knows about one learner consumer: read-but-unbatched groups (``carry``),
-    entries handed out in uncommitted batches, and whether the pending list was re-read since
-    the last (re)connect."""
+    """One learner consumer in this process: read-but-unbatched groups, entries handed out in
+    uncommitted batches, and when its pending list was last re-read."""
 
     carry: list[Group] = field(default_factory=list)
     handed: dict[str, Handed] = field(default_factory=dict)
@@ -313,8 +272,7 @@ class LearnerState:
 
 def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consumer: str, learner_version: int,
                batch_size: int, timeout_s: float, newest: int = 0) -> Batch | None:
-    """FIFO mode: the next batch of ``consumer`` (whose state in this process is ``st``), or None on
-    timeout. ``newest``: see :meth:`buffer.LearnerClient.read_batch`."""
+    """FIFO mode: the next batch of ``consumer`` (see :meth:`buffer.LearnerClient.read_batch`), or None on timeout."""
     K.check_consumer(consumer)
     want = groups_per_batch(batch_size, params["group_size"])
     deadline = time.monotonic() + max(0.0, timeout_s)
@@ -346,17 +304,15 @@ def read_batch(store: Store, st: LearnerState, params: Mapping[str, Any], consum
 
 
 def can_form_batch(store: Store, st: LearnerState, params: Mapping[str, Any], batch_size: int) -> bool:
-    """FIFO mode: whether the groups in the sample stream that ``st``'s consumer has not handed
-    out in a batch (unread, or read and carried) make a batch. Groups too stale or unusable count
-    until a read drops them (committed, dropped and trained groups are deleted from the stream)."""
+    """FIFO mode: whether the groups in the sample stream not handed out by ``st``'s consumer make
+    a batch (groups too stale or unusable count until a read drops them)."""
     groups = int(store.retry(store.redis.xlen, store.keys.samples))
     return groups - len(st.handed) >= groups_per_batch(batch_size, params["group_size"])
 
 
 def _read_new(client: Any, consumer: str, count: int, block_ms: int, keys: list[str]) -> list[Any]:
-    """The stored learner version (``keys[0]``, see :func:`newest_version`) and up to ``count``
-    new entries of the sample stream (``keys[1]``) for ``consumer``, in one round trip (a
-    pipeline is built per call: a retried one would have forgotten its commands)."""
+    """The stored learner version (``keys[0]``) and up to ``count`` new entries of the sample
+    stream (``keys[1]``), in one round trip (a pipeline per call: a retried one forgets its commands)."""
     pipe = client.pipeline(transaction=False)
     pipe.get(keys[0])
     pipe.xreadgroup(K.LEARNER_GROUP, consumer, {keys[1]: ">"}, count=count, block=block_ms)

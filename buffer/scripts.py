@@ -1,26 +1,18 @@
 """Loads the Lua scripts (``buffer/*.lua``) with a preamble generated from the Python constants.
 
-Each multi-key state change of the buffer is one Lua script, so it is atomic: no other client
-sees it half done, a client that dies mid-call either ran all of it or none of it, and with
-AOF the script's writes are logged together after it ran (a crash mid-script loses the whole
-script, never half of it). Every script starts with ``#!lua`` (Redis 7 script flags): Redis
-then refuses a write script up front when it is out of memory, instead of failing at the first
-write after earlier writes already happened.
+Each multi-key state change is one Lua script, so it is atomic (with AOF a crash loses a whole
+script, never half). Every script starts with ``#!lua`` (Redis 7 flags): Redis refuses a write
+script up front when out of memory, instead of failing after earlier writes happened.
 
-Names are defined once in Python and reach Lua through the preamble: stream fields and
-consumer groups from :mod:`buffer.keys`, counter names from :mod:`buffer.metrics` (as the
-table ``C``, which raises on an unknown name), the shared ``append_entry`` and ``dead_letter`` helpers, and the
-pacing rule and rate limiter of :mod:`buffer.pacing` (the Lua twins of its Python functions,
-with the parameter names they read). Each script gives its ``KEYS`` entries names in locals on
-its first lines; the caller passes them in that order (:func:`claim_keys` and
-:func:`complete_keys` build the lists of the scripts called from more than one place).
-Redis caches scripts by SHA; redis-py's ``Script`` reloads a script transparently after a
-Redis restart (NOSCRIPT).
+The preamble brings the names defined once in Python (stream fields and groups of
+:mod:`buffer.keys`, the counters of :mod:`buffer.metrics` as the table ``C``, which raises on an
+unknown name), the shared helpers, and the Lua twins of :mod:`buffer.pacing`. Each script names
+its ``KEYS`` in locals on its first lines; :func:`claim_keys` and :func:`complete_keys` build the
+lists of the scripts called from more than one place.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +24,8 @@ from buffer.connection import CORRUPT_MARK
 
 _DIR = Path(__file__).resolve().parent
 
-SCRIPT_NAMES = (
-    "init_run",
-    "claim",
-    "heartbeat",
-    "retire",
-    "release",
-    "expire",
-    "complete",
-    "append",
-    "commit",
-    "drop",
-    "replay_draw",
-    "replay_commit",
-    "replay_return",
-)
+SCRIPT_NAMES = ("init_run", "claim", "heartbeat", "retire", "release", "expire", "complete", "append", "commit", "drop",
+                "replay_draw", "replay_commit", "replay_return")
 
 
 def _lua_str(s: str) -> str:
@@ -154,6 +133,12 @@ local function num(x, default)
   if x == false or x == nil or x == '' then return default end
   return tonumber(x)
 end
+-- a group filtered by algo.filter_groups: counted, and per reason
+local function count_filtered(counters_key, reason, n)
+  incr(counters_key, C.groups_filtered, 1)
+  incr(counters_key, C.samples_filtered, n)
+  incr(counters_key, C['groups_filtered_' .. reason], 1)
+end
 -- give_back for `groups` whole groups of the run's group_size (read only when there are some)
 local function give_back_groups(params_key, counters_key, wake_key, groups, why)
   if groups > 0 then
@@ -178,6 +163,26 @@ local function field_int(x, default)
   local v = tonumber(x)
   if v == nil or v ~= math.floor(v) or v < 0 or v > 9007199254740991 then return default end
   return v
+end
+-- ack and delete an entry the learner read from the sample stream, counted as removed: its
+-- fields ({} when the entry is gone) and sample count; nil when it was acked already
+local function take_entry(samples_key, counters_key, id)
+  if redis.call('XACK', samples_key, LEARNER, id) == 0 then return nil, 0 end
+  local e = redis.call('XRANGE', samples_key, id, id)
+  local fields = {}
+  if #e == 1 then fields = e[1][2] end
+  redis.call('XDEL', samples_key, id)
+  local n = field_int(field(fields, F_COUNT), 0)
+  incr(counters_key, C.samples_removed, n)
+  incr(counters_key, C.groups_removed, 1)
+  return fields, n
+end
+-- the dead letters of a committed entry: n_bad samples as (reason, producer, raw) from ARGV[first]
+local function sample_dead_letters(dead_key, counters_key, dead_maxlen, first, n_bad, id, now)
+  for i = 0, n_bad - 1 do
+    local b = first + 3 * i
+    dead_letter(dead_key, counters_key, dead_maxlen, 'sample', ARGV[b], ARGV[b + 1], ARGV[b + 2], id, now)
+  end
 end
 -- take one group of n samples out of the replay table (index, sizes, use counts, stream entry)
 local function replay_remove(index_key, n_key, uses_key, samples_key, counters_key, id, n)
@@ -218,10 +223,8 @@ def complete_keys(keys: K.RunKeys, mode: str) -> list[str]:
 
 def run_many(client: redis.Redis, script: redis.commands.core.Script, keys: list[str],
              arg_lists: list[list[Any]]) -> list[Any]:
-    """Run ``script`` once per argument list in ONE round trip: a non-transactional pipeline of
-    EVALSHA, each call atomic on its own. (redis-py's pipeline sends SCRIPT EXISTS before every
-    execute, a second round trip per call.) The script is loaded only when Redis answers
-    NOSCRIPT (a restarted or flushed server), and just those calls run again."""
+    """Run ``script`` once per argument list in ONE round trip (redis-py's pipeline would send
+    SCRIPT EXISTS first): EVALSHA each, loading the script and running again only on NOSCRIPT."""
     results: list[Any] = [None] * len(arg_lists)
     todo = list(range(len(arg_lists)))
     for _ in range(3):
@@ -244,62 +247,14 @@ def run_many(client: redis.Redis, script: redis.commands.core.Script, keys: list
 
 
 class Scripts:
-    """The registered scripts of one client: ``scripts.claim(keys=[...], args=[...])``."""
+    """The registered scripts of one client, each made on first use: ``scripts.claim(keys=[...], args=[...])``."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
 
-    def _get(self, name: str) -> redis.commands.core.Script:
-        return self._client.register_script(source(name))
-
-    @cached_property
-    def init_run(self):
-        return self._get("init_run")
-
-    @cached_property
-    def append(self):
-        return self._get("append")
-
-    @cached_property
-    def claim(self):
-        return self._get("claim")
-
-    @cached_property
-    def heartbeat(self):
-        return self._get("heartbeat")
-
-    @cached_property
-    def retire(self):
-        return self._get("retire")
-
-    @cached_property
-    def release(self):
-        return self._get("release")
-
-    @cached_property
-    def expire(self):
-        return self._get("expire")
-
-    @cached_property
-    def complete(self):
-        return self._get("complete")
-
-    @cached_property
-    def commit(self):
-        return self._get("commit")
-
-    @cached_property
-    def drop(self):
-        return self._get("drop")
-
-    @cached_property
-    def replay_draw(self):
-        return self._get("replay_draw")
-
-    @cached_property
-    def replay_commit(self):
-        return self._get("replay_commit")
-
-    @cached_property
-    def replay_return(self):
-        return self._get("replay_return")
+    def __getattr__(self, name: str) -> redis.commands.core.Script:
+        if name not in SCRIPT_NAMES:
+            raise AttributeError(f"no buffer script {name!r}")
+        script = self._client.register_script(source(name))
+        setattr(self, name, script)  # found as an attribute from now on
+        return script

@@ -1,18 +1,6 @@
-"""One process's connection to one run: the :class:`Store` every role client and every module below them share.
-
-:mod:`buffer.prompts`, :mod:`buffer.samples`, :mod:`buffer.replay` and :mod:`buffer.metrics`
-take a :class:`Store` (or, for ``metrics``, the parts of one it reads) and the plain values they
-need (the run parameters, the client-side state they update), never a client, so imports in
-the package run one way, each module importing only ones below it::
-
-    client, worker_client, learner_client   the role clients: their client-side state, delegation
-    replay -> samples -> prompts            the work, as functions of a Store
-    store                                   client + retry policy + keys + scripts + config + run parameters
-    scripts                                 the Lua, with names generated from metrics, pacing and keys
-    metrics -> pacing                       counter names and the snapshot; the pacing rule
-    keys, connection                        key names; connecting and retrying
-
-As in rq, the Redis client is injected by whoever builds the store, never global.
+"""One process's connection to one run: the :class:`Store` every role client and every module
+below them share (the injected Redis client, retry policy, keys, scripts, config, run parameters).
+The modules import one way (docs/architecture.md, Buffer; ``tests/unit/test_import_rules.py``).
 """
 
 from __future__ import annotations

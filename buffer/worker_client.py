@@ -36,24 +36,15 @@ class WorkerClient(BufferClient):
 
     def claim(self, consumer: str, max_prompts: int, block_s: float = 0.0,
               interrupt: Callable[[], bool] | None = None) -> list[Lease]:
-        """Lease up to ``max_prompts`` prompts within the admission budget, waiting up to ``block_s``
-        (``interrupt``: return when it says True before a wait, or at the first wake-up, even with
-        nothing leased; a worker serving the gateway is woken so for its calls, which are not prompts).
-
-        Prompts of dead consumers (no heartbeat for ``lease_timeout_s``) come back here with a
-        higher ``delivery_count``. Generate with weights of version >= ``lease.learner_version``
-        to keep pacing's staleness bound.
-        """
+        """Lease up to ``max_prompts`` prompts within the admission budget, waiting up to
+        ``block_s`` (``interrupt``: see :func:`buffer.prompts.claim`). Generate with weights of
+        version >= ``lease.learner_version`` to keep pacing's staleness bound."""
         held = self._leases.setdefault(consumer, {})
         return prompts.claim(self.store, held, consumer, max_prompts, block_s, interrupt)
 
     def heartbeat(self, consumer: str, version: int | None = None, stats: dict | None = None) -> list[str]:
-        """Renew this process's leases of ``consumer`` and record it for the monitor; once every
-        lease timeout, also retire the run's long-dead consumers (:meth:`retire_consumers`).
-
-        Call every ``heartbeat_interval_s``. Returns the lease ids lost to other workers (this
-        one was silent for longer than ``lease_timeout_s``): stop working on those.
-        """
+        """Renew this process's leases of ``consumer`` and record it for the monitor (once a lease
+        timeout, also :meth:`retire_consumers`). Returns the lease ids lost to other workers: stop those."""
         beats = self._beats.setdefault(consumer, prompts.Beats())
         lost = prompts.heartbeat(self.store, self._leases.get(consumer, {}), beats, consumer, version, stats)
         if time.monotonic() >= self._next_retire:
@@ -61,9 +52,8 @@ class WorkerClient(BufferClient):
         return lost
 
     def retire_consumers(self, before: float | None = None) -> list[str]:
-        """Retire the consumers silent since ``before`` (seconds since the epoch on Redis's clock;
-        default ``prompts.RETIRE_AFTER_LEASES`` lease timeouts ago) that own no lease: their stats'
-        running totals join ``metrics()["retired"]``, their records go (:func:`buffer.prompts.retire`).
+        """Retire the consumers silent since ``before`` (Redis's clock; default
+        ``prompts.RETIRE_AFTER_LEASES`` lease timeouts ago) that own no lease (:func:`buffer.prompts.retire`).
         Returns their names."""
         lease_s = self.store.lease_s()
         self._next_retire = time.monotonic() + lease_s
@@ -77,12 +67,10 @@ class WorkerClient(BufferClient):
 
     def complete(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = (),
                  filtered: str | None = None) -> str:
-        """Append the group and ack the prompt atomically. Returns ``appended``, ``empty`` (no
-        valid sample: the prompt is acked, its budget returned), ``filtered`` (``filtered`` names
-        why the group teaches nothing: acked and budget returned like an empty one, nothing
-        appended, counted per reason) or ``duplicate`` (the prompt was already completed; nothing
-        written). Invalid samples go to the dead-letter stream, and so do the ``(kind, reason,
-        raw)`` records in ``rejected``, in the same atomic step."""
+        """Append the group and ack the prompt atomically, invalid samples and the ``(kind, reason,
+        raw)`` records of ``rejected`` dead-lettered. Returns ``appended``, ``empty`` (no valid
+        sample: budget returned), ``filtered`` (``filtered`` names why the group teaches nothing:
+        as empty, counted per reason) or ``duplicate`` (already completed; nothing written)."""
         params = self.run_params()
         args = samples.prepare(self.store, params, lease, group, rejected, filtered)
         res = self.retry(self.store.scripts.complete, keys=complete_keys(self.keys, params["mode"]), args=args)
@@ -91,8 +79,7 @@ class WorkerClient(BufferClient):
 
     def prepare(self, lease: Lease, group: list[Sample], rejected: Iterable[tuple[str, str, bytes]] = (),
                 filtered: str | None = None) -> Completion:
-        """Validate and encode a group for :meth:`complete_many` ahead of sending (e.g. in a
-        scoring thread, so the thread that talks to Redis only sends). Nothing is written yet."""
+        """Validate and encode a group for :meth:`complete_many` ahead of sending (in a scoring thread)."""
         return Completion(lease, samples.prepare(self.store, self.run_params(), lease, group, rejected, filtered))
 
     def complete_many(self, items: Iterable[Completion | tuple[Lease, list[Sample]]]) -> list[str]:

@@ -1,12 +1,15 @@
-"""The gateway's HTTP endpoints, each parsing its request, routing its calls, formatting the answer:
-OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``; the gateway's own
-``/v1/rl/sessions/{id}/reward`` and ``/v1/rl/stats``; ``/health``.
+"""The gateway's HTTP endpoints, each parsing its request, routing its calls, formatting the answer
+(a reply's text, tool calls and finish reason: :class:`Replies`): OpenAI's ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models``; the gateway's own ``/v1/rl/sessions/{id}/reward`` and
+``/v1/rl/stats``; ``/health``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,11 +20,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.openai_api import AUTH, RETRY_AFTER_S, ApiError, Sampling, bad, normal_message, parse_chat, parse_completion, parse_json, response, retry_later, sse, usage
-from gateway.replies import Replies, failed, token_counts
 from gateway.routing import REDIS_DOWN, CallRouter, Choice, ClientGone
 from gateway.sessions import MAX_ID_CHARS, Session, Sessions
 from gateway.settlement import RewardSettlement, parse_reward
 from rlhf_core.config import Config, ConfigError
+from rlhf_core.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser
 
 SESSION_HEADER = "x-session-id"
 GROUP_HEADER = "x-group-id"
@@ -46,6 +49,75 @@ def redis_down(exc: BaseException) -> ApiError:
     return retry_later(f"the run's Redis did not answer ({type(exc).__name__}); retry shortly", "unavailable")
 
 
+_TOOL_BLOCK = re.compile(re.escape(HERMES_OPEN) + r".*?(" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+
+
+class Replies:
+    """The choices' tokens as text, through the served model's tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.parser = tokenizer, ToolCallParser(tokenizer)
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def finish(self, c: Choice, stops: list[str], tools: bool) -> tuple[str, list[dict[str, Any]], str]:
+        """The returned content (stop string and tool-call blocks cut), tool calls, finish reason."""
+        assert c.final is not None
+        text = self.text(c.final.token_ids)
+        reason = "length" if c.final.finish_reason == "length" else "stop"
+        if reason == "stop" and stops:
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        calls: list[dict[str, Any]] = []
+        if tools:
+            found, _errors = self.parser.parse(self.tokenizer.decode(c.final.token_ids, skip_special_tokens=False))
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": f.name, "arguments": json.dumps(f.arguments)}} for f in found]
+            if calls:
+                text, reason = _TOOL_BLOCK.sub("", text).strip(), "tool_calls"
+        return text, calls, reason
+
+    def stream_text(self, c: Choice, tokens: list[int], stops: list[str]) -> str:
+        """The new text of a streamed choice that can be sent now: not what could still become a
+        stop string (cut from the reply), not a character whose bytes are incomplete."""
+        c.tokens += tokens
+        text = self.text(c.tokens)
+        safe = len(text) - max(len(x) for x in stops) + 1 if stops else len(text)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe <= c.sent_chars:
+            return ""
+        piece, c.sent_chars = text[c.sent_chars:safe], safe
+        return piece
+
+    def chat_logprobs(self, c: Choice) -> dict[str, Any]:
+        assert c.final is not None
+        tokens = self.tokenizer.convert_ids_to_tokens(c.final.token_ids)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(tokens, c.final.logprobs)]}
+
+    def completion_logprobs(self, c: Choice) -> dict[str, Any]:
+        assert c.final is not None
+        return {"tokens": self.tokenizer.convert_ids_to_tokens(c.final.token_ids), "token_logprobs": c.final.logprobs,
+                "top_logprobs": None, "text_offset": None}
+
+
+def failed(choices: list[Choice]) -> ApiError | None:
+    """The error of the first choice a worker could not finish (None: none)."""
+    for c in choices:
+        if c.final is not None and c.final.error:
+            return bad(f"the worker could not run the call: {c.final.error}", "messages", "context_length_exceeded")
+        if c.final is not None and c.final.finish_reason == "abort":
+            return retry_later("the worker serving the call stopped before it finished; retry", "worker_stopped")
+    return None
+
+
+def token_counts(choices: list[Choice]) -> tuple[int, int]:
+    """(prompt, completion) tokens of a call: its prompt once, every finished choice's reply."""
+    return len(choices[0].call.prompt_ids), sum(len(c.final.token_ids) for c in choices if c.final)
+
+
 class Handlers:
     """The endpoints over one gateway's sessions, call router and reward settlement."""
 
@@ -55,8 +127,6 @@ class Handlers:
         self.cfg, self.model_name, self.keys_allowed, self.started = cfg, model_name, keys_allowed, started
         self.sessions, self.router, self.settlement, self.counts = sessions, router, settlement, counts
         self.replies = Replies(tokenizer)
-
-    # ------------------------------------------------------------------ guards
 
     async def body(self, request: Request) -> bytes:
         self.authorize(request)
@@ -95,8 +165,6 @@ class Handlers:
             raise bad(f"a group id is at most {MAX_ID_CHARS} characters", "X-Group-Id")
         return sid, group
 
-    # ------------------------------------------------------------------ a call's sessions
-
     async def _begin(self, request: Request, user: str | None, sampling: Sampling,
                      context: Callable[[Session], list[int]]) -> tuple[str, list[Choice]]:
         """Open the call's sessions, render their contexts (``context(session)``), make the calls;
@@ -132,8 +200,6 @@ class Handlers:
                 self.sessions.restore(c.session, c.snapshot)
         if not ok:
             self.sessions.counters.calls_failed += 1
-
-    # ------------------------------------------------------------------ calls
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(parse_json(await self.body(request)), self.model_name, self.cfg.gateway.max_tokens,
@@ -285,8 +351,6 @@ class Handlers:
 
     def count_error(self, code: str | None) -> None:
         self.sessions.counters.errors[code or "error"] += 1
-
-    # ------------------------------------------------------------------ rewards, models, health
 
     async def reward(self, request: Request) -> Response:
         post = parse_reward(parse_json(await self.body(request)), self.settlement.component_names)

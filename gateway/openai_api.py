@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,6 @@ class CompletionRequest:
     prompt: str | list[int]
     sampling: Sampling
     user: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -241,11 +240,6 @@ def normal_message(m: dict[str, Any]) -> dict[str, Any]:
     if m.get("name"):
         out["name"] = str(m["name"])
     return out
-
-
-def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
 
 
 def response(kind: str, call_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,

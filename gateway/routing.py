@@ -36,9 +36,8 @@ LOST: Any = None
 
 
 class ClientGone(Exception):
-    """The client went away while sending its request, or before its plain (not streamed) call
-    returned (its calls are cancelled): nobody is left to answer (not a server error: no
-    traceback in the log)."""
+    """The client went away before its request was read or its plain call returned: nobody is left
+    to answer (not a server error: no traceback)."""
 
 
 @dataclass
@@ -58,10 +57,8 @@ class Choice:
 
 @dataclass
 class CallPhases:
-    """Where the calls that ran spent their time, summed over them (seconds): ``gateway_in`` until
-    the push, ``to_worker`` until a worker's engine has the call, ``engine``, ``to_gateway`` back
-    (``call_phases_s`` of ``/v1/rl/stats``: docs/gateway.md). The middle two compare the worker's
-    clock with the gateway's: across hosts they hold the clocks' offset, their sum does not."""
+    """Where the calls that ran spent their time, summed (``call_phases_s`` of ``/v1/rl/stats``,
+    docs/gateway.md): ``gateway_in``, ``to_worker``, ``engine``, ``to_gateway``."""
 
     calls: int = 0
     gateway_in_s: float = 0.0
@@ -93,8 +90,7 @@ async def cancel_tasks(tasks: list[asyncio.Task]) -> None:
 
 class CallRouter:
     """The calls of this gateway: made, pushed to the workers, their chunks routed back, watched,
-    cancelled when nobody waits for them. :meth:`connect` opens its asyncio Redis client and
-    channel; until then it makes calls but routes none."""
+    cancelled when nobody waits for them (routed once :meth:`connect` opened its channel)."""
 
     def __init__(self, cfg: Config, keys: RunKeys, gateway_id: str, sessions: Sessions, max_context: int) -> None:
         self.cfg, self.keys, self.gateway_id = cfg, keys, gateway_id
@@ -248,19 +244,16 @@ class CallRouter:
         self.channel_up = True
 
     def _channel_lost(self) -> None:
-        """Pub/sub keeps nothing for a subscriber that is away: a call running while the channel
-        was down may have lost chunks (its final one: it would wait for gateway.call_timeout_s).
-        Each fails at once (:data:`LOST`); no call is taken until the channel is back."""
+        """Pub/sub keeps nothing for a subscriber that is away: each call running may have lost chunks,
+        so it fails at once (:data:`LOST`); no call is taken until the channel is back."""
         self.channel_up = False
         for waiting, index in self.pending.values():
             waiting.put_nowait((index, LOST))
 
     def _cancel(self, call_ids: list[str]) -> None:
-        """Ask the workers to abort these calls. They are owed until Redis takes them: the
-        gateway's housekeeping sends what is owed every second (a call nobody waits for would
-        otherwise hold its worker's slot until its last token). They are sent on a task of their
-        own, so a Redis that does not answer holds no call's answer; while the channel is down,
-        Redis most likely with it, they wait for the housekeeping."""
+        """Ask the workers to abort these calls, on a task of their own (a Redis that does not
+        answer holds no call's answer); owed until Redis takes them, the housekeeping sends them
+        again every second (and alone while the channel is down)."""
         self.cancels_owed.update(call_ids)
         if self.channel_up:
             task = asyncio.create_task(self.send_cancels())
@@ -280,10 +273,8 @@ class CallRouter:
         await forget_old_cancels(self.redis, self.keys, self.cfg.gateway.call_timeout_s)
 
     async def _check_holders(self, choices: list[Choice]) -> None:
-        """Fail the call when the worker holding one of its unfinished choices died with it: it
-        stopped heartbeating (for ``buffer.lease_timeout_s``, as for the run's prompts), or a
-        worker of its name started after it took the call (a restart). The call would
-        otherwise wait for ``gateway.call_timeout_s``."""
+        """Fail the call when the worker holding one of its unfinished choices died: no heartbeat for
+        ``buffer.lease_timeout_s``, or a process of its name started after it took the call."""
         held = [c for c in choices if c.worker and c.final is None]
         if not held:
             return
@@ -301,9 +292,8 @@ class CallRouter:
                               "s, or a new process of its name); retry", "worker_stopped")
 
     def _check_drift(self, choices: list[Choice]) -> asyncio.Task | None:
-        """The calls' drift checks on a thread while they are generated (they tokenise up to a
-        whole conversation, which would hold the event loop; tokenising releases the GIL). A session
-        that drifted stays so (rlhf_core/turns.py): counted at once, no thread."""
+        """The calls' drift checks, on a thread while they are generated (they may tokenise a whole
+        conversation); a session that drifted stays so: counted at once."""
         for c in choices:
             conv = c.session.conversation
             if c.session.drift_check is not None:

@@ -75,13 +75,9 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
 
-    # ------------------------------------------------------------------ the run
-
     def claim(self) -> None:
-        """Take the run for this gateway, or refuse to: one gateway per run (a second one would
-        take up the first one's kept rewards and its ``gateway.json``). A record whose gateway
-        died lapses within :data:`LIVE_TTL_S`, so this waits that long at most; a record
-        refreshed meanwhile is a live gateway's."""
+        """Take the run for this gateway, or refuse to: one gateway per run. A dead gateway's record
+        lapses within :data:`LIVE_TTL_S`, so this waits that long at most."""
         deadline, seen = time.monotonic() + LIVE_TTL_S + 1, None
         while (held := self.buffer.retry(hold_run, self.buffer.redis, self.keys, self.gateway_id)) is not None:
             if (seen is not None and held[0] == seen[0] and held[1] > seen[1]) or time.monotonic() > deadline:
@@ -118,8 +114,6 @@ class Gateway:
                 log.error("gateway: gateway %s took run %s while this one could not refresh its record for %g s "
                           "(Redis away); both now serve it: stop one", held[0], self.cfg.buffer.run_id, LIVE_TTL_S)
             taken = held is not None
-
-    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Wait for the run (its parameters), make the parts, take up the rewards kept before,
@@ -241,9 +235,8 @@ HEAD_TIMEOUT_S = 20.0
 
 
 def _http_protocol() -> Any:
-    """uvicorn's httptools protocol with the request head bounded in size and time (httptools
-    buffers it without a limit, before any key is checked): a head over :data:`MAX_HEAD_BYTES` is
-    answered 431, one not in within :data:`HEAD_TIMEOUT_S` 408, and its connection closed.
+    """uvicorn's httptools protocol with the request head bounded (httptools buffers it without a
+    limit): over :data:`MAX_HEAD_BYTES` it is answered 431, not in within :data:`HEAD_TIMEOUT_S` 408.
     Without httptools uvicorn speaks h11, which bounds the head's size itself."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

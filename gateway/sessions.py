@@ -1,23 +1,14 @@
 """Sessions: an agent's calls as one episode, token in and token out; rewarded sessions as groups.
 
-A session holds a :class:`~rlhf_core.episode.Transcript`: the prompt's ids, then each call's
-sampled ids exactly as the worker sampled them (behaviour log-probs, per-token versions, loss
-mask 1) and, between calls, the ids of what the agent added (tool results, user turns) with
-mask 0. A chat call **extends** its session when its messages start with the session's
-previous call's messages followed by the assistant message the gateway returned (compared as
-:func:`~gateway.openai_api.normal_message` shapes); its new messages are rendered by the chat
-template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`,
-retokenisation drift counted), with the tools of the session's first call (a call may leave
-them out; other tools restart the session). A call that does not extend its session (the agent
-edited or dropped history) restarts it: what came before is dropped, counted as ``sessions_restarted``.
-A completions call extends its session when its prompt starts with the session's text so far:
-the sampled text, or the text the client got (a stop string cut off).
-
-``POST /v1/rl/sessions/{id}/reward`` ends a session. Sessions of one ``group`` are appended
-together once ``group_size`` of them are rewarded (a group still short of that is appended as
-it is ``session_ttl_s`` after its last reward); a session without a group is a group of one,
-appended as it is rewarded (:mod:`gateway.settlement` keeps and appends them).
-A call with ``n`` > 1 makes ``n`` sessions ``<id>/0 .. <id>/<n-1>``, one group ``<id>``.
+A session holds a :class:`~rlhf_core.episode.Transcript`: each call's sampled ids exactly as the
+worker sampled them (loss mask 1) and, between calls, the ids of what the agent added (mask 0).
+A chat call **extends** its session when its messages start with the previous call's messages and
+the assistant message the gateway returned (compared as
+:func:`~gateway.openai_api.normal_message` shapes), its new messages rendered by the chat
+template as what follows the previous turn (:class:`rlhf_core.turns.TemplateConversation`); a
+completions call when its prompt starts with the session's text so far. Any other call restarts
+the session. A rewarded session joins its group, appended once ``group_size`` are rewarded or
+``session_ttl_s`` after the last (:mod:`gateway.settlement`). docs/gateway.md tells the rules.
 """
 
 from __future__ import annotations
@@ -89,9 +80,8 @@ class Session:
 
 @dataclass
 class Rewarded:
-    """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until
-    its group is appended; its group fields are filled in then. Its group and session are read
-    off the sample, so one kept by an earlier gateway says them the same way."""
+    """A rewarded session's sample, kept in the buffer (field ``key`` of ``P gw:rewarded``) until its
+    group is appended; its group and session are read off the sample (one an earlier gateway kept too)."""
 
     key: str
     sample: Sample
@@ -134,8 +124,7 @@ class GatewayCounters:
     calls_aborted: int = 0
     calls_failed: int = 0
     rewards_recovered: int = 0  # rewarded sessions a gateway before this one kept, found at start
-    # requests answered with an error, by its code (worker_stopped, channel_lost, timeout, session, ...;
-    # client_gone: a plain call's client that went away), shown as errors_<code>
+    # requests answered with an error, by its code (worker_stopped, timeout, client_gone, ...): errors_<code>
     errors: collections.Counter = field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, int]:
@@ -154,8 +143,6 @@ class Sessions:
         self.groups: dict[str, _Group] = {}
         self.counters = GatewayCounters()
         self._flush_seq = itertools.count()
-
-    # ------------------------------------------------------------------ calls
 
     def open(self, session_id: str, group: str | None) -> Session:
         if session_id in self.ended:
@@ -270,8 +257,6 @@ class Sessions:
         s.finish_reason = finish_reason
         s.last_used = time.monotonic()
 
-    # ------------------------------------------------------------------ rewards, groups, expiry
-
     def end(self, session_id: str, reward: float, components: dict[str, float], group: str | None) -> Rewarded:
         """Check that ``session_id`` may be rewarded and make its sample; the session is held (busy)
         until :meth:`rewarded` ends it, once the sample is kept, or :meth:`reopen` gives it back."""
@@ -288,8 +273,7 @@ class Sessions:
             raise SessionError(400, f"session '{session_id}' has no completed call to reward")
         name = group or s.group or session_id
         alone = {} if group or s.group else {ALONE: True}
-        # a reward posted again after a failed keep (which may have reached Redis) overwrites that
-        # one: the session is in its group once
+        # a reward posted again after a failed keep overwrites that one: the session is in its group once
         key = s.reward_key = s.reward_key or uuid.uuid4().hex
         sample = s.transcript.to_sample(
             sample_id=key, prompt_id=GROUP_PREFIX + name, group_id=GROUP_PREFIX + name, reward=reward, reward_components=components,

@@ -94,12 +94,10 @@ class RewardSettlement:
             self.sessions.rewarded(rewarded)
 
     async def append_due(self, rewarded: Rewarded | None = None) -> tuple[int, str | None]:
-        """Add ``rewarded`` (kept) to its group, then append every group that is due (full, or its
-        TTL over), each with the deletion of its kept samples (a group that teaches nothing, with
-        ``algo.filter_groups``, only the deletion); a group the buffer cannot take now stays and is
-        tried again at the next round. Returns the group of ``rewarded``: how many samples it
-        appended (0: it waits for more sessions, or was filtered), and why it was filtered (None:
-        it was not)."""
+        """Add ``rewarded`` (kept) to its group, then append every group that is due, each with the
+        deletion of its kept samples (a filtered group: the deletion alone); a group the buffer cannot
+        take now is tried again at the next round. Returns, for the group of ``rewarded``, how many
+        samples it appended (0: waiting, or filtered) and why it was filtered (None: it was not)."""
         counters, appended_with, filtered = self.sessions.counters, 0, None
         async with self._appending:  # one round at a time: a group is appended by the round that saw it due
             if rewarded is not None:
@@ -135,9 +133,8 @@ class RewardSettlement:
         return appended_with, filtered
 
     async def recover(self) -> None:
-        """Take up the rewarded sessions a gateway before this one kept and did not append (it
-        stopped or died while their groups were filling): back in their groups, appended when
-        full or due. A kept record that does not decode is dead-lettered."""
+        """Take up the rewarded sessions an earlier gateway kept and did not append: back in their
+        groups (a kept record that does not decode is dead-lettered)."""
         for key, raw in (await asyncio.to_thread(self.buffer.rewarded_kept)).items():
             try:
                 sample = Sample.decode(raw, max_bytes=self.cfg.buffer.max_record_bytes)

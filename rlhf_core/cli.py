@@ -31,10 +31,8 @@ VERSION_BASE = "1.3"
 
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A ``preexec_fn`` for ``subprocess.Popen``: the kernel sends ``sig`` to the child when the
-    process that started it dies, even by SIGKILL (Linux's ``PR_SET_PDEATHSIG``), so a killed
-    ``rlhf-run`` leaves no learner training unsupervised and no redis-server holding the run's
-    data. ``None`` (no such guarantee) on other systems. Start children from the main thread:
-    the signal is tied to the thread that forked them."""
+    process that started it dies, even by SIGKILL (Linux's ``PR_SET_PDEATHSIG``); None elsewhere.
+    Start children from the main thread: the signal is tied to the thread that forked them."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -51,10 +49,8 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
 
 
 def quiet_libraries(hub_offline: bool = True) -> None:
-    """Offline, quiet libraries; set through the environment so nothing heavy is imported here.
-    ``hub_offline``: the Hugging Face Hub is read from the local cache only unless the user set
-    ``HF_HUB_OFFLINE`` (rlhf-run passes False: it fetches a Hub id once and pins its children to
-    the folder, which never touch the network)."""
+    """Offline, quiet libraries, through the environment (nothing heavy imported here).
+    ``hub_offline``: the Hub's local cache only, unless the user set ``HF_HUB_OFFLINE`` (rlhf-run passes False)."""
     if hub_offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -71,13 +67,8 @@ _GC_THRESHOLDS: tuple[int, ...] | None = None
 
 def collect_less_while_starting(young: int = 50_000) -> None:
     """Let the garbage collector run rarely while a service imports its libraries and builds its
-    model: importing torch and transformers triggers half a dozen full collections, each scanning
-    every object made so far, and the start keeps nearly all of them (ad hoc, the imports and the
-    tiny model of a worker: 4.4 s with the default thresholds, 4.1 s with this, both counting
-    :func:`freeze_startup_heap`'s collection; where several processes start at once on two
-    cores, more: four tests of ``tests/integration/test_run.py`` that start runs and restart
-    learners took 72.5-75.8 s before these two functions and 58.0-60.7 s with them, four
-    alternated runs each). That function sets the thresholds back."""
+    model: importing torch and transformers triggers full collections that scan every object made
+    so far, and the start keeps nearly all of them. :func:`freeze_startup_heap` sets the thresholds back."""
     global _GC_THRESHOLDS
     import gc
 
@@ -87,14 +78,9 @@ def collect_less_while_starting(young: int = 50_000) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Collect the garbage of a service's start, then move every object still alive (modules,
-    the model, the tokenizer: some 400,000 in a process that imported torch and transformers) to
-    the collector's permanent generation, which its full collections skip. They then look at what
-    the service made since: in the gateway, whose sessions keep objects until they end, a full
-    collection of the whole heap took 190-380 ms on a 2-core machine, and its one event loop
-    answered nothing meanwhile (after this, a worker's and a learner's took under 1 ms). Call it
-    once, from the process's entry point, when the service is built and before it serves (as
-    vLLM's engine does after its start)."""
+    """Collect the garbage of a service's start, then move every object still alive (some 400,000
+    after torch and transformers) to the permanent generation, which full collections skip. Call
+    it once from the entry point, when the service is built and before it serves."""
     global _GC_THRESHOLDS
     import gc
 
@@ -106,10 +92,8 @@ def freeze_startup_heap() -> None:
 
 
 def raise_open_files_limit() -> None:
-    """Raise this process's soft limit of open files to its hard limit (its children inherit it).
-    Every ZeroMQ peer and Redis connection holds descriptors: a weight server at the usual soft
-    limit of 1,024 stops accepting subscribers past a few hundred (it says so once, and its
-    workers keep old weights)."""
+    """Raise this process's soft limit of open files to its hard limit (its children inherit it):
+    every ZeroMQ peer and Redis connection holds descriptors."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -123,9 +107,8 @@ def raise_open_files_limit() -> None:
 
 
 def say_once_when_full(handler: logging.FileHandler) -> logging.FileHandler:
-    """A log file the disk cannot hold: ``logging`` printed a traceback to stderr for every record
-    it could not write (``--- Logging error ---``). Say it once, in one line, and let the records
-    go (the file is opened again for the next one, and takes them once there is room)."""
+    """A log file the disk cannot hold: say it once, in one line, instead of ``logging``'s traceback
+    per record, and let the records go (the file is opened again once there is room)."""
     plain = handler.handleError
     said: list[bool] = []
 
@@ -214,8 +197,7 @@ def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` and a newline to ``path``, opened for this line alone: a full disk raises
-    :class:`~rlhf_core.errors.DiskFull` naming ``path`` here, and leaves no buffered line for a
-    later close to fail on."""
+    """Append ``line`` and a newline to ``path``, opened for this line alone (a full disk raises
+    :class:`~rlhf_core.errors.DiskFull` here, not at a later close)."""
     with disk_writes(path), open(path, "a") as f:
         f.write(line + "\n")

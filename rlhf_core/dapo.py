@@ -1,18 +1,14 @@
 """DAPO's two sample-level rules (Yu et al. 2025, "DAPO: an open-source LLM reinforcement
 learning system at scale"): the group filter and the over-long reward shaping.
 
-* **Group filter** (dynamic sampling, ``algo.filter_groups``). A group whose rewards are all
-  equal has zero group-relative advantage everywhere: it costs a batch slot and teaches nothing
-  (on an easy or a hard task, that is most groups). :func:`filter_reason` names why a finished
-  group is dropped; the worker completes such a group as *filtered* (its prompt acked, its
-  admission budget returned, so pacing admits another prompt and batches stay full), and the
-  buffer counts it per reason (``groups_filtered_<reason>``). The reasons are :data:`FILTER_REASONS`.
-* **Over-long shaping** (``algo.overlong=shaping``). A soft length penalty added to the reward
-  of responses that run into the last ``buffer`` tokens of the ``max_len`` budget
-  (:func:`overlong_penalty`, DAPO eq. 13), applied by the learner to the rewards before the
-  advantages. ``algo.overlong=mask`` instead gives truncated responses zero loss weight.
+* **Group filter** (``algo.filter_groups``): a group whose rewards are all equal has zero
+  group-relative advantage and teaches nothing. :func:`filter_reason` names why a finished group
+  is dropped (:data:`FILTER_REASONS`); the worker completes it as *filtered* (its admission
+  returned, so batches stay full) and the buffer counts it per reason.
+* **Over-long shaping** (``algo.overlong=shaping``): a soft length penalty for responses that run
+  into the last ``buffer`` tokens of ``max_len`` (:func:`overlong_penalty`, DAPO eq. 13).
 
-Both worker and learner import this module, so it lives in the shared leaf.
+The worker, the learner and the gateway import it, so it lives in the shared leaf.
 """
 
 from __future__ import annotations
@@ -32,32 +28,23 @@ FILTER_REASONS = ("zero_variance", "all_truncated")
 REWARD_TOLERANCE = 1e-6
 
 
-def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlong: str = "none",
-                  tol: float = REWARD_TOLERANCE) -> str | None:
-    """Why a finished group teaches nothing (one of :data:`FILTER_REASONS`), or None to keep it.
-
-    Args:
-        rewards: the rewards of the group's scored samples (dead-lettered ones are not there).
-        truncated: per sample, whether it was cut by the length limit (finish reason ``length``).
-        overlong: ``algo.overlong``; ``mask`` makes an all-truncated group worthless.
-        tol: rewards within ``tol`` of each other are equal.
-
-    A group with no sample is not filtered (it is completed as empty anyway). A group of one
-    sample has zero variance: it has no baseline, so its group-relative advantage is 0.
-    """
+def filter_reason(rewards: Sequence[float], truncated: Sequence[bool], *, overlong: str = "none") -> str | None:
+    """Why a finished group teaches nothing (one of :data:`FILTER_REASONS`), or None to keep it:
+    ``rewards`` of its scored samples, ``truncated`` per sample (finish reason ``length``),
+    ``overlong``: ``algo.overlong``. An empty group is kept (completed as empty anyway); a group of
+    one sample has no baseline, so zero variance."""
     if not rewards:
         return None
     if overlong == "mask" and all(truncated):
         return "all_truncated"
-    if max(rewards) - min(rewards) <= tol:
+    if max(rewards) - min(rewards) <= REWARD_TOLERANCE:
         return "zero_variance"
     return None
 
 
 def group_filter(algo: Any, samples: Sequence[Any]) -> str | None:
-    """Why a finished group of ``samples`` (records with ``reward`` and ``finish_reason``) is dropped
-    under ``algo`` (``filter_groups``, ``overlong``): :func:`filter_reason`, or None when the filter
-    is off. The workers apply it to the run's own groups, rlhf-gateway to agents' groups."""
+    """:func:`filter_reason` for a finished group of ``samples`` (with ``reward`` and
+    ``finish_reason``) under ``algo``, or None when ``algo.filter_groups`` is off."""
     if not algo.filter_groups:
         return None
     return filter_reason([s.reward for s in samples], [s.finish_reason == "length" for s in samples],
@@ -88,11 +75,9 @@ STALL_WARN_S = 60.0
 
 
 class FilterStall:
-    """Notices a run whose every finished group is filtered (``algo.filter_groups``): the learner
-    then gets no batch and the run would stall silently. Fed the buffer's counters, one snapshot
-    at a time; :meth:`observe` returns the warning once per such stretch of ``stretch_s`` seconds
-    (none while some group is appended), then again after the next appended group and a new stretch.
-    """
+    """Notices a run whose every finished group is filtered (the learner gets no batch and the run
+    would stall silently): fed the buffer's counters, :meth:`observe` returns the warning once per
+    such stretch of ``stretch_s`` seconds, and again after the next appended group and a new stretch."""
 
     def __init__(self, stretch_s: float = STALL_WARN_S) -> None:
         self.stretch_s = float(stretch_s)

@@ -1,26 +1,15 @@
 """A multi-turn episode as one token sequence with a loss mask: token in, token out.
 
-An episode alternates the policy's turns with what the policy did not write (an environment's
-observation, the chat template's tokens that close one turn and open the next). It is trained
-as ONE sample whose response is everything after the prompt::
+An episode is trained as ONE sample whose response is everything after the prompt::
 
     prompt | policy turn 1 | observation 1 | policy turn 2 | ... | policy turn n
     mask     1 1 1 1 1       0 0 0 0 0 0     1 1 1 1          ...   1 1 1
 
-* The policy's tokens are kept exactly as sampled, with their behaviour log-probs and the
-  version that sampled each; they are never decoded and re-tokenised (a re-tokenisation can
-  merge or split tokens differently, and the learner would then train on tokens the policy
-  never sampled, with log-probs that belong to other tokens).
-* Tokens the policy did not sample get mask 0, behaviour log-prob 0 and the version of the
-  policy token before them. With that rule the oldest version over all response tokens is the
-  oldest over the policy's tokens, so a reader that ignores the mask still computes the right
-  staleness; :attr:`rlhf_core.records.Sample.oldest_version` looks at policy tokens anyway.
-* Tokens added before the first policy turn (a first observation) belong to the prompt.
-
-:class:`Transcript` is the builder; it knows nothing of engines, environments or chat
-templates, so anything that holds (context ids, sampled turns, observations) can make such a
-sample with it: the rollout worker's episodes (:mod:`rollout_workers.episodes`), or a gateway
-that records an external agent's calls.
+The policy's tokens are kept exactly as sampled (never decoded and re-tokenised). Tokens it did
+not sample get mask 0, behaviour log-prob 0 and the version of the policy token before them, so
+the oldest version over all response tokens is the oldest over the policy's. Tokens before the
+first policy turn belong to the prompt. :class:`Transcript` knows nothing of engines or templates:
+the worker's episodes and the gateway's sessions both build samples with it (docs/multi_turn.md).
 """
 
 from __future__ import annotations
@@ -36,12 +25,9 @@ from rlhf_core.records import Sample, rle_encode
 
 @dataclass
 class Transcript:
-    """The token sequence of one episode, built turn by turn (see the module docstring).
-
-    ``prompt_ids`` grows until the first policy token; after it, every token goes to the
-    response with its mask, log-prob and version. ``turns`` holds ``(start, end)`` of each policy
-    turn in the response (``response_ids[start:end]``).
-    """
+    """The token sequence of one episode, built turn by turn: ``prompt_ids`` grows until the first
+    policy token, then every token goes to the response with its mask, log-prob and version;
+    ``turns``: ``(start, end)`` of each policy turn in the response."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)

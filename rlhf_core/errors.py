@@ -1,12 +1,9 @@
 """The base class of errors a user can cause and fix (bad config, unreachable server, wrong key).
 
-Entry points catch it and print its message without a traceback; anything else is a bug and
-keeps its traceback. The exit code tells a supervisor (``rlhf-run``) whether a restart can help:
-2 for an error that needs a fix (a restart would repeat it), 75 (EX_TEMPFAIL) for a server that
-stayed unreachable past the retry budget (a restart later may find it back). A learner stopped
-by a signal before its budget was spent exits ``STOPPED_EARLY_EXIT`` (128 + SIGTERM, the shell's
-code for it), not 0: its supervisor must not take the run for finished. A file the disk cannot
-hold is a :class:`DiskFull` (exit 2): restarted, the process would meet the same full disk.
+Entry points print its message without a traceback; anything else is a bug. The exit code tells a
+supervisor whether a restart can help: 2 for an error that needs a fix (:class:`DiskFull` too),
+75 (EX_TEMPFAIL) for a server that stayed unreachable, ``STOPPED_EARLY_EXIT`` (128 + SIGTERM) for
+a learner stopped by a signal before its budget was spent (not finished).
 """
 
 from __future__ import annotations
@@ -73,12 +70,8 @@ class Unavailable(UserError):
 
 
 class FailureWindow:
-    """The share of failures over the last ``window`` events (scorings, samples checked).
-
-    :meth:`record` returns True once at least ``min_count`` events (default: a full window) are
-    in the window and more than ``max_share`` of them failed: the caller then stops with its own
-    error. Failures now and then stay under the share.
-    """
+    """The share of failures over the last ``window`` events: :meth:`record` returns True once at
+    least ``min_count`` events (default: a full window) are in and more than ``max_share`` failed."""
 
     def __init__(self, window: int, max_share: float, min_count: int | None = None) -> None:
         from collections import deque

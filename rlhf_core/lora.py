@@ -1,26 +1,10 @@
 """LoRA adapters on the policy (``model.lora``; extra ``lora``: peft).
 
-How LoRA runs in this service:
-
-* **One module on every side.** The learner and every worker load the base model from
-  ``model.path`` (or build the tiny one), then :func:`apply_lora` lets peft replace each target
-  linear layer by a LoRA layer *in place* (``peft.inject_adapter_in_model``). Nothing wraps the
-  model (no ``PeftModel``): its class, ``config``, ``model.model``, ``lm_head`` and the hf
-  engine's attention plug-in stay those of the base model. A target layer's frozen weight is
-  renamed ``<layer>.base_layer.weight``; its adapter is ``<layer>.lora_A.default.weight``
-  ``[r, in]`` and ``<layer>.lora_B.default.weight`` ``[out, r]``, and it computes
-  ``base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r`` (``alpha / sqrt(r)``
-  with rslora). B starts at zero, so the initial policy is the base model exactly.
-* **Only the adapters train**: peft freezes everything else; the engines optimise the
-  parameters that require grad.
-* **Only the adapters cross the weight server** (:func:`adapter_parameters`, peft's own rule:
-  the parameters whose name holds ``lora_``). Every version is complete (all adapter tensors),
-  so a worker that joins late needs that version alone: its base weights come from
-  ``model.path`` as the learner's did.
-* **Export merges** (:func:`merged_state_dict`): ``W = W0 + scaling * B @ A`` under the base
-  model's names, a plain HF checkpoint that ``from_pretrained`` loads without peft.
-* vLLM applies adapters through its LoRA API, from a PEFT adapter directory
-  (:func:`save_adapter`).
+The learner and every worker apply the same adapters in place (:func:`apply_lora`, peft's
+``inject_adapter_in_model``: no ``PeftModel`` wrapper), so they hold the same module names; only
+the adapters train and cross the weight server (:func:`adapter_parameters`), export merges them
+(:func:`merged_state_dict`), and vLLM loads them from a PEFT adapter directory
+(:func:`save_adapter`). docs/architecture.md (LoRA) tells the design.
 """
 
 from __future__ import annotations
@@ -64,10 +48,8 @@ def import_peft() -> Any:
 
 
 def target_modules(lora: LoraConfig, model: PreTrainedModel) -> str | list[str]:
-    """peft's ``target_modules`` for ``model.lora.target_modules``: ``[all-linear]`` is peft's
-    ``all-linear`` (every linear layer but the output head); ``all-linear`` beside other names
-    is every linear layer's name but the head's, plus those names (``[all-linear, lm_head]``
-    adapts the head too)."""
+    """peft's ``target_modules`` for ``model.lora.target_modules``: ``all-linear`` is every linear
+    layer but the output head, plus the other names listed (``[all-linear, lm_head]``: the head too)."""
     names = [str(t) for t in lora.target_modules]
     if names == [ALL_LINEAR]:
         return ALL_LINEAR
@@ -87,11 +69,8 @@ def peft_config(lora: LoraConfig, model: PreTrainedModel) -> Any:
 
 
 def apply_lora(model: PreTrainedModel, lora: LoraConfig, what: str = "the policy") -> PreTrainedModel:
-    """Put adapters into ``model`` in place (see the module docstring); returns ``model``.
-
-    Raises ConfigError when the target modules match nothing, name layers other than linear
-    ones, or peft cannot wrap the model.
-    """
+    """Put adapters into ``model`` in place; returns ``model``. ConfigError when the target
+    modules match nothing, name layers other than linear ones, or peft cannot wrap the model."""
     peft = import_peft()
     config = peft_config(lora, model)
     head = model.get_output_embeddings()
@@ -155,14 +134,10 @@ def counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def merged_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter merged in: for each LoRA layer ``L`` of
-    ``model``, ``L.weight = L.base_layer.weight + scaling * (L.lora_B @ L.lora_A)`` (transposed
-    for fan-in-fan-out layers such as GPT-2's Conv1D), computed in float32 and stored in the base
-    weight's dtype; ``L.base_layer.<x>`` becomes ``L.<x>`` and the adapter tensors are dropped.
-
-    ``state``: ``model``'s full state under its own (adapter-carrying) names, e.g. the CPU
-    copies an engine gathers; nothing is read from ``model`` but each layer's scaling.
-    """
+    """The base model's state dict with every adapter merged in: for each LoRA layer ``L``,
+    ``L.weight = L.base_layer.weight + scaling * (L.lora_B @ L.lora_A)`` (transposed for
+    fan-in-fan-out layers), in float32 stored in the base weight's dtype, under the base names.
+    ``state``: ``model``'s full state under its own names; only each layer's scaling is read from ``model``."""
     out = dict(state)
     for name, layer in lora_layers(model).items():
         base_key, a_key, b_key = (f"{name}.base_layer.weight", f"{name}.lora_A.{ADAPTER}.weight",

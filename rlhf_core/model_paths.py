@@ -16,13 +16,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def resolve_path(value: str, setting: str, need: str = "config.json") -> Path:
-    """A local folder, or the cached snapshot folder of a Hub id; ``need`` is a file it must hold.
-
-    A path that exists locally wins over a Hub id of the same spelling. A Hub id is resolved by
-    ``huggingface_hub.snapshot_download`` (the Hub client's cache layout, ``HF_HUB_OFFLINE``,
-    ``HF_TOKEN``); with ``HF_HUB_OFFLINE=1`` only the cache is read. :class:`ConfigError` when it
-    is neither, saying where it looked.
-    """
+    """A local folder (it wins over a Hub id of the same spelling), or the snapshot folder of a
+    Hub id (``huggingface_hub.snapshot_download``: the cache only with ``HF_HUB_OFFLINE=1``), that
+    holds the file ``need``; :class:`ConfigError` saying where it looked otherwise."""
     path = Path(value).expanduser()
     if path.exists():
         if not (path / need).exists():
@@ -54,9 +50,8 @@ def resolve_path(value: str, setting: str, need: str = "config.json") -> Path:
 
 
 def pin_model_paths(model: ModelConfig) -> ModelConfig:
-    """``model`` with every Hub id among its paths replaced by the local snapshot folder it resolves
-    to now: the learner and the workers then load the very same files, even if the Hub's
-    ``main`` moves during the run, and none of them touches the network."""
+    """``model`` with every Hub id among its paths replaced by its local snapshot folder now: every
+    process loads the very same files, even if the Hub's ``main`` moves, without the network."""
     pinned: dict[str, Any] = {}
     for key, need in (("path", "config.json"), ("tokenizer_path", "tokenizer_config.json"),
                       ("ref_path", "config.json"), ("critic_path", "config.json")):

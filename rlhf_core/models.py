@@ -1,12 +1,6 @@
-"""Model and tokenizer loading: HF-format directories or Hub ids, or the `tiny` builder.
-
-A model path is a local folder written by ``save_pretrained`` or a Hugging Face Hub id
-(``Qwen/Qwen2.5-0.5B-Instruct``), resolved by the Hub client to its snapshot folder in the local
-cache (``HF_HOME`` / ``HF_HUB_CACHE``; see :mod:`rlhf_core.model_paths`); ``rlhf-run`` fetches
-what is missing once and pins every process to that folder (vLLM included).
-The `tiny` model (a small random-initialised Llama-style causal LM with a character-level
-tokenizer) is built once, saved with ``save_pretrained`` under the cache dir, and then loaded
-through the same ``from_pretrained`` path as a real model.
+"""Model and tokenizer loading: HF-format directories or Hub ids (:mod:`rlhf_core.model_paths`),
+or the `tiny` builder: a small random-initialised Llama-style causal LM with a character-level
+tokenizer, built once under the cache dir and loaded through ``from_pretrained`` like a real model.
 """
 
 from __future__ import annotations
@@ -79,10 +73,8 @@ def _tiny_key(tiny: TinyModelConfig, head: str) -> str:
 
 
 def build_tiny_model(tiny: TinyModelConfig, out_dir: str | os.PathLike, head: str = "causal") -> Path:
-    """Build the tiny model + tokenizer into ``out_dir`` (atomically). ``head``: causal | sequence.
-
-    ``sequence`` gives an AutoModelForSequenceClassification with one label (a reward model).
-    """
+    """Build the tiny model + tokenizer into ``out_dir`` (atomically). ``head``: causal, or sequence
+    (an AutoModelForSequenceClassification with one label: a reward model)."""
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     out = Path(out_dir).expanduser()
@@ -123,13 +115,9 @@ def tiny_model_config(tiny: TinyModelConfig, tokenizer: Any = None) -> Any:
 
 
 def save_model_dir(model: PreTrainedModel, tokenizer: Any, out: Path) -> None:
-    """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically: written into a
-    temporary sibling folder and renamed, so a concurrent builder either wins or finds it done.
-
-    Every process writes its own copy, torch.distributed or not: ``save_pretrained`` alone writes
-    nothing on a rank other than 0, and a folder holding only the tokenizer renamed into place
-    could be loaded by no process (two learner ranks building on a cold cache).
-    """
+    """Save ``model`` and ``tokenizer`` in HF format as ``out``, atomically (a temporary sibling
+    renamed: a concurrent builder wins or finds it done). Every process writes its own copy,
+    torch.distributed or not (``save_pretrained`` alone writes nothing on a rank other than 0)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -202,9 +190,8 @@ def load_policy(cfg: ModelConfig) -> PreTrainedModel:
 
 
 def check_lora(cfg: ModelConfig) -> tuple[int, int] | None:
-    """Apply ``model.lora`` to a weightless copy of the policy (meta device; the tiny model's is
-    not even built): a ConfigError now instead of in every process later. Returns (adapter
-    parameters, all parameters), or None when LoRA is off."""
+    """Apply ``model.lora`` to a weightless copy of the policy: a ConfigError now instead of in every
+    process later. Returns (adapter parameters, all parameters), or None when LoRA is off."""
     if not lora.enabled(cfg.lora):
         return None
     from transformers import AutoConfig
@@ -227,13 +214,9 @@ def load_reference(cfg: ModelConfig) -> PreTrainedModel:
 
 
 def load_critic(cfg: ModelConfig) -> PreTrainedModel:
-    """A value model: one scalar per token (AutoModelForTokenClassification, num_labels=1).
-
-    From ``model.critic_path`` when set, else the policy's trunk with a fresh value head. Its dropout
-    is off (transformers' token-classification heads drop 10% when the config names no rate): the
-    update's ``old_values`` come from an eval-mode pass, and a train-mode pass that dropped features
-    would clip values that have not moved and give a noisy value gradient.
-    """
+    """A value model, one scalar per token (AutoModelForTokenClassification, num_labels=1), from
+    ``model.critic_path`` or the policy's trunk with a fresh head. Its dropout is off: ``old_values``
+    come from an eval-mode pass, and dropped features would clip values that have not moved."""
     from transformers import AutoModelForTokenClassification
 
     path = resolve_path(str(cfg.critic_path), "model.critic_path") if cfg.critic_path else model_dir(cfg)

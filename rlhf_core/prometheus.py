@@ -1,31 +1,20 @@
 """Prometheus endpoints on ``prometheus_client``: the learner's, each worker's, and the run's.
 
-An :class:`Exporter` owns its own ``CollectorRegistry`` (several live in one process in tests)
-and serves it with prometheus_client's HTTP server at ``http://host:port/metrics``. It is fed
-the component's flat metrics dict (``learner/version``, ``reward/mean``, ``tokens`` ...):
+An :class:`Exporter` owns its own ``CollectorRegistry`` and serves it at
+``http://host:port/metrics``. It is fed the component's flat metrics dict:
 
 * keys named as running totals become counters (``learner/samples_trained`` ->
   ``rlhf_learner_samples_trained_total``), raised by how much the total grew since the first
-  value this process saw (the base: a learner restored from a checkpoint starts at its totals,
-  and the checkpoint's count is no growth; the learner feeds the totals it starts from before its
-  first update). A total that goes down (its process restarted) raises nothing until it grows
-  again from there, so a counter never goes down, and a new process's counter starts at 0, which
-  Prometheus reads as a reset, not as the restored totals trained again;
-* a key of ``sums`` (the learner's ``learner/num_tokens``) also feeds a counter that adds up its values;
-* the key of a :class:`Hist` feeds a histogram: a number is one observation, a list counts the
-  observations of 0, 1, 2 ... (the learner's ``staleness/hist``); :meth:`Exporter.observe`
-  feeds a histogram directly (the workers' latencies);
-* every other finite number becomes a gauge with the conventional name (``reward/mean`` ->
-  ``rlhf_reward_mean``), its HELP text the key's entry in ``docs`` (the learner's:
-  ``metric_names.METRIC_HELP``), else the key.
+  value this process saw (a restored learner's totals are no growth); a total that goes down
+  (its process restarted) raises nothing until it grows again, so a counter never goes down;
+* a key of ``sums`` also feeds a counter that adds up its values;
+* the key of a :class:`Hist` feeds a histogram (a list counts the observations of 0, 1, 2 ...);
+  :meth:`Exporter.observe` feeds one directly;
+* every other finite number becomes a gauge (``reward/mean`` -> ``rlhf_reward_mean``), its HELP
+  text the key's entry in ``docs`` (the learner's: ``metric_names.METRIC_HELP``), else the key.
 
-Names follow Prometheus's rules (``promtool check metrics``), which the records' keys, read under
-their own names by the monitor, the report, ``metrics.jsonl`` and the trackers, do not: see
-:func:`prometheus_key` (``time_compute_s`` -> ``time_compute_seconds``; a rate such as
-``tokens_per_s`` is not exported, Prometheus's ``rate()`` of its counter is that rate).
-
-Off unless a port is configured (``learner.prometheus_port`` / ``rollout.prometheus_port``,
-worker i on port + i); the run's own target (``run.prometheus_port``) is ``rlhf_run.run_exporter``.
+Names follow Prometheus's rules (:func:`prometheus_key`); a rate such as ``tokens_per_s`` is not
+exported. The run's own target is ``rlhf_run.run_exporter``.
 """
 
 from __future__ import annotations
@@ -98,9 +87,8 @@ class Hist:
 
 
 class Totals:
-    """Running totals -> how much their counter grows: the first total is the base (adds nothing),
-    later ones add their growth; a total below the last one (a restart) adds nothing and is the
-    new base."""
+    """Running totals -> how much their counter grows: the first total is the base, a total below
+    the last (a restart) adds nothing and is the new base."""
 
     def __init__(self) -> None:
         self._last: dict[Hashable, float] = {}

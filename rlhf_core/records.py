@@ -9,9 +9,8 @@ types, dtypes, shapes that agree with each other); :func:`validate_sample` check
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -51,12 +50,8 @@ def rle_encode(per_token: Iterable[int]) -> list[list[int]]:
 
 def rle_decode(runs: Iterable[Iterable[int]]) -> np.ndarray:
     """Inverse of :func:`rle_encode`, as an int64 array."""
-    pairs = [tuple(r) for r in runs]
-    if not pairs:
-        return np.zeros(0, dtype=np.int64)
-    values = np.array([r[0] for r in pairs], dtype=np.int64)
-    counts = np.array([r[1] for r in pairs], dtype=np.int64)
-    return np.repeat(values, counts)
+    pairs = np.array([tuple(r) for r in runs], dtype=np.int64).reshape(-1, 2)
+    return np.repeat(pairs[:, 0], pairs[:, 1])
 
 
 def _check_metadata(meta: Any, field_name: str) -> dict[str, Any]:
@@ -72,12 +67,8 @@ def _check_metadata(meta: Any, field_name: str) -> dict[str, Any]:
 
 @dataclass
 class Prompt:
-    """One prompt of the dataset, as a worker claims it.
-
-    ``text`` is the raw prompt; ``messages`` (chat turns) wins over ``text`` when the
-    tokenizer has a chat template. ``metadata`` reaches the reward function unchanged
-    (e.g. the reference answer).
-    """
+    """One prompt of the dataset, as a worker claims it. ``messages`` (chat turns) wins over
+    ``text`` when the tokenizer has a chat template; ``metadata`` reaches the reward function."""
 
     prompt_id: str
     text: str
@@ -87,17 +78,7 @@ class Prompt:
     index: int = 0
 
     def encode(self) -> bytes:
-        return encode_record(
-            KIND_PROMPT,
-            {
-                "prompt_id": self.prompt_id,
-                "text": self.text,
-                "messages": self.messages,
-                "metadata": self.metadata,
-                "epoch": self.epoch,
-                "index": self.index,
-            },
-        )
+        return encode_record(KIND_PROMPT, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def decode(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Prompt:
@@ -122,15 +103,11 @@ class Sample:
     """One scored response. A GRPO/RLOO group is the ``group_size`` samples of one prompt.
 
     Shapes: ``prompt_ids`` int32 [P], ``response_ids`` int32 [R], ``behaviour_logprobs``
-    float32 [R] (log-prob of each sampled token under the exact distribution it was sampled
-    from), ``ref_logprobs`` float32 [R] or None. ``versions`` is the policy version of each
-    response token, run-length encoded as ``[[version, count], ...]`` summing to R.
-
-    ``loss_mask`` uint8 [R] or None (None: every response token is the policy's). A multi-turn
-    episode is one response: the tokens the policy sampled (1) with the environment's and the
-    chat template's tokens between turns (0), see :mod:`rlhf_core.episode`. A token under 0 has
-    behaviour log-prob 0 and the version of the policy token before it, never enters a loss, and
-    is not counted by :attr:`oldest_version` (staleness is a property of policy tokens).
+    float32 [R] (under the exact distribution each token was sampled from), ``ref_logprobs``
+    float32 [R] or None; ``versions``: each response token's policy version, run-length encoded as
+    ``[[version, count], ...]``. ``loss_mask`` uint8 [R] or None (all the policy's): 0 on a
+    multi-turn episode's tokens between the policy's turns (:mod:`rlhf_core.episode`), which never
+    enter a loss nor :attr:`oldest_version`.
     """
 
     sample_id: str
@@ -338,10 +315,5 @@ def _min_max(values: Any) -> tuple[float, float]:
     if any(x != x for x in items):  # Python's min/max skip NaN instead of returning it
         return math.nan, math.nan
     return min(items), max(items)
-
-
-def now() -> float:
-    """Wall-clock timestamp used in records (seconds since the epoch)."""
-    return time.time()
 
 

@@ -7,18 +7,8 @@ import time
 
 
 class Backoff:
-    """Delays ``start, 2*start, 4*start, ...`` capped at ``cap``, until ``budget_s`` is spent.
-
-        backoff = Backoff(0.05, 2.0, budget_s=30)
-        while True:
-            try:
-                return call()
-            except TransientError:
-                delay = backoff.next_delay()
-                if delay is None:
-                    raise GaveUp(...)
-                time.sleep(delay)
-    """
+    """Delays ``start, 2*start, 4*start, ...`` capped at ``cap``, until ``budget_s`` is spent: a
+    caller sleeps each :meth:`next_delay` between tries and gives up when it is None."""
 
     def __init__(self, start: float, cap: float, budget_s: float) -> None:
         self.start, self.cap, self.budget_s = start, cap, budget_s

@@ -1,11 +1,9 @@
 """Logit processing shared by the rollout engines and the learner.
 
 The behaviour log-prob a worker records for a token must be the log-prob under the exact
-distribution that token was sampled from; the learner recomputes the same distribution from
-its own forward pass to form the importance ratio pi_prox / mu. Both sides therefore go
-through these functions, so the processing cannot drift between them (the "logprob mismatch"
-that RLHF frameworks keep rediscovering is mostly a worker returning raw-softmax log-probs
-while sampling from a temperature/top-p distribution, or the other way round).
+distribution that token was sampled from; the learner recomputes the same distribution from its
+own forward pass to form the importance ratio pi_prox / mu. Both sides go through these
+functions, so the processing cannot drift between them.
 
 Order of operations (the same as transformers' default warpers and vLLM's sampler):
 
@@ -17,10 +15,8 @@ Order of operations (the same as transformers' default warpers and vLLM's sample
    tokens sorted by probability whose mass reaches ``top_p``, and the tokens tied with the last
    one kept (the most likely token is always kept; ``top_p`` held as float32 ``>= 1`` = off).
 
-Filtered entries become ``-inf``. Every setting may be a Python number (one value for the
-whole batch) or a tensor of shape ``[B]`` (one value per row, broadcast over the remaining
-leading dims), which is how a continuous-batching engine mixes requests with different
-settings in one decoding step.
+Filtered entries become ``-inf``. Every setting may be a number (one value for the batch) or a
+``[B]`` tensor (one per row), which is how a continuous-batching engine mixes requests.
 """
 
 from __future__ import annotations
@@ -40,18 +36,9 @@ def _rows(value: torch.Tensor, ndim: int) -> torch.Tensor:
 def process_logits(
     logits: torch.Tensor, temperature: Setting = 1.0, top_k: Setting = 0, top_p: Setting = 1.0
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p. Returns float32 logits with filtered entries at -inf.
-
-    Args:
-        logits: ``[..., V]`` raw model logits (any float dtype; the rows are the leading dims).
-        temperature: ``>= 0``; a number or a ``[B]`` tensor (B = ``logits.shape[0]``).
-        top_k: ``>= 0``, 0 = off; a number or a ``[B]`` integer tensor.
-        top_p: in ``(0, 1]``, 1 = off; a number or a ``[B]`` tensor.
-
-    Returns:
-        ``[..., V]`` float32. Differentiable with respect to ``logits`` (the learner backprops
-        through it); the filtering masks themselves carry no gradient.
-    """
+    """Temperature (>= 0), then top-k (0 = off), then top-p (1 = off) on ``[..., V]`` logits of any
+    float dtype, each setting a number or a ``[B]`` tensor (B = ``logits.shape[0]``). Returns
+    ``[..., V]`` float32 with filtered entries at -inf, differentiable with respect to ``logits``."""
     if any(isinstance(s, torch.Tensor) for s in (temperature, top_k, top_p)):
         rows, device = logits.shape[0], logits.device
         t, k, p = (_per_row(s, rows, dtype, device) for s, dtype in
@@ -76,11 +63,9 @@ def process_logits_rows(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     *, use_top_k: bool = True, use_top_p: bool = True,
 ) -> torch.Tensor:
-    """:func:`process_logits` with one ``[B]`` tensor per setting and no data-dependent control
-    flow: no host sync, so it can run inside a captured CUDA graph. ``use_top_k`` / ``use_top_p``
-    say (from what the caller knows on the host) whether any row filters by top-k (greedy rows
-    included) or top-p; a False flag skips that sort, a True one is exact for every row.
-    """
+    """:func:`process_logits` with one ``[B]`` tensor per setting and no host sync (it runs inside a
+    captured CUDA graph). ``use_top_k`` / ``use_top_p``: whether any row filters by top-k (greedy
+    rows included) or top-p; False skips that sort."""
     x = logits.float()
     ndim, vocab = x.ndim, x.shape[-1]
     greedy = temperature == 0
@@ -104,14 +89,9 @@ def _per_row(value: Setting, rows: int, dtype: torch.dtype, device: torch.device
 
 def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Nucleus filter on ``softmax(x)``: drop the least likely tokens while their mass stays within
-    ``1 - p``, and keep every token tied with the least likely one kept (the most likely token is
-    always kept; rows with ``p >= 1`` keep everything).
-
-    The arithmetic is vLLM's (an ascending sort, ``cumsum <= 1 - p`` in float32), so its engine and
-    this function cut at the same value. The cut is then a value, as top-k's is: which of several
-    equal logits a sort puts first is arbitrary (a bfloat16 model's logits tie often), and vLLM
-    keeps some of a tie and drops the rest; here all of it stays, so no token vLLM may sample is
-    -inf in the learner's recomputation. ``p``: float32, 0-d (a CPU scalar, so no device sync) or per row."""
+    ``1 - p`` (rows with ``p >= 1`` keep everything), with vLLM's arithmetic (an ascending sort,
+    ``cumsum <= 1 - p`` in float32), so both cut at the same value; every token tied with the least
+    likely one kept stays (vLLM may keep any of a tie). ``p``: float32, 0-d (a CPU scalar) or per row."""
     sorted_x = x.sort(dim=-1).values
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     dropped = (cum <= 1 - p).sum(dim=-1, keepdim=True).clamp(max=x.shape[-1] - 1)
@@ -120,13 +100,9 @@ def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(processed: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``softmax(processed)``: ``[..., V]`` -> ``[...]`` int64.
-
-    ``argmax(p / q)`` with ``q ~ Exp(1)`` per entry: the exponential race, which is how
-    ``torch.multinomial`` draws one sample (the same draws for the same generator state), but
-    without its host-side validity check, so it can run inside a captured CUDA graph. Entries at
-    -inf have probability exactly 0 and are never drawn.
-    """
+    """One token per row from ``softmax(processed)``: ``[..., V]`` -> ``[...]`` int64, as
+    ``torch.multinomial`` draws it (``argmax(p / q)``, ``q ~ Exp(1)``: the same draws for the same
+    generator state) but without its host-side check, so it runs inside a captured CUDA graph."""
     probs = processed.softmax(dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return probs.div_(race).argmax(dim=-1)
@@ -145,15 +121,7 @@ def response_logprobs(
     top_k: Setting = 0,
     top_p: Setting = 1.0,
 ) -> torch.Tensor:
-    """The learner-side recomputation: log-probs of ``tokens`` given the logits that predicted them.
-
-    Args:
-        logits: ``[B, T, V]`` where ``logits[:, t]`` is the model output that predicts ``tokens[:, t]``
-            (i.e. the forward pass over prompt + response, shifted by one).
-        tokens: ``[B, T]`` sampled token ids.
-
-    Returns:
-        ``[B, T]`` float32, the same numbers the engine recorded as behaviour log-probs when the
-        weights and settings are the same (up to float rounding of the forward pass).
-    """
+    """The learner-side recomputation: ``[B, T]`` float32 log-probs of ``tokens`` ``[B, T]`` given
+    ``logits`` ``[B, T, V]`` (``logits[:, t]`` predicts ``tokens[:, t]``): what the engine recorded
+    as behaviour log-probs for the same weights and settings, up to float rounding."""
     return token_logprobs(process_logits(logits, temperature, top_k, top_p), tokens)

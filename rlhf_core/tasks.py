@@ -2,15 +2,8 @@
 
 The default task, ``count_up``, is designed so that a random-initialised tiny model visibly
 learns it on a CPU in minutes: the prompt is a digit, and the response should count up from it
-(``"7:"`` -> ``"890123..."``, wrapping after 9). A random policy over the ~100-token character
-vocabulary scores about 0.01; a policy that has learned the successor bigram scores 1.0.
-Learning needs the model to condition on the prompt and on its own previous token.
-
-Two earlier rewards taught us what to avoid: a small bonus for any digit was scaled up by
-group-normalised advantages to the size of the real signal, and the model collapsed onto
-repeating one digit; crediting "successor of the previous character" let ``"898989..."``
-collect half the reward without reading the prompt. Per-position credit anchored to the
-prompt has neither exploit.
+(``"7:"`` -> ``"890123..."``, wrapping after 9). A random policy scores about 0.01; a policy
+that has learned the successor bigram conditioned on the prompt scores 1.0.
 
 A reward function takes ``(prompt, response_text, response_ids, metadata)`` and returns a float
 or a dict of named components whose weighted sum is the reward (see ``conf/reward``).
@@ -45,13 +38,9 @@ def count_up_prompts(num_prompts: int, seed: int, epoch: int) -> Iterator[Prompt
 
 def count_up_reward(prompt: str, response_text: str, response_ids: Sequence[int], metadata: dict[str, Any],
                     target_len: int = 6) -> float:
-    """Fraction of the first ``target_len`` positions that hold the right digit of the count.
-
-    Position i should hold ``(start + 1 + i) % 10``. ``"7:"`` -> ``"8901"`` scores 4/6 (a
-    short answer earns only what it says); ``"8x01"`` scores 3/6. The credit is per position,
-    so every right digit is rewarded (a dense signal a small model can climb), and it is
-    anchored to the prompt, so a pattern that ignores the prompt (``"898989..."``) earns little.
-    """
+    """Fraction of the first ``target_len`` positions that hold the right digit of the count:
+    position i should hold ``(start + 1 + i) % 10`` (``"7:"`` -> ``"8901"`` scores 4/6). Per-position
+    credit is a dense signal, and anchored to the prompt (``"898989..."`` earns little)."""
     start = int(metadata.get("start", int(prompt[0]) if prompt[:1].isdigit() else 0))
     text = response_text[:target_len]
     correct = sum(ch == str((start + 1 + i) % 10) for i, ch in enumerate(text))

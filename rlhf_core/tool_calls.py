@@ -1,19 +1,12 @@
 """Reading the tool calls a policy turn wrote. Never raises: a call it cannot read becomes an
-error message for the environment (which answers with an error observation), never a crash.
+error message for the environment, never a crash.
 
-Which format, in order:
-
-1. the tokenizer's ``response_template`` (transformers' chat response parsing,
-   ``tokenizer.parse_response``), when it has one: the model's own format, whatever it is;
-2. the Hermes / Qwen format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, when
-   the chat template writes ``<tool_call>`` (Qwen2.5, Qwen3, Hermes and the many templates that
-   copied them);
-3. the environment's ``tool_call_pattern`` (a regular expression; group 1, or the whole match,
-   holds the call's JSON), when the template has no tool format or there is no template;
-4. none: the turn has no tool calls and the environment reads ``turn.text`` itself.
-
-A call's JSON is ``{"name": str, "arguments": object}`` (``arguments`` may also be a JSON string,
-as OpenAI's API sends it; ``parameters`` is accepted for ``arguments``).
+The format, the first that applies: the tokenizer's ``response_template``
+(``tokenizer.parse_response``); the Hermes / Qwen ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` when the chat template writes ``<tool_call>``; the environment's
+``tool_call_pattern`` (group 1, or the whole match, holds the call's JSON); else none. A call's
+JSON is ``{"name": str, "arguments": object}`` (``arguments`` may be a JSON string, as OpenAI
+sends it; ``parameters`` is accepted for ``arguments``).
 """
 
 from __future__ import annotations
@@ -73,13 +66,8 @@ def call_from_object(obj: Any, index: int, text: str = "") -> ToolCall | str:
 
 
 class ToolCallParser:
-    """Parses tool calls in the format the tokenizer (or else the environment) defines.
-
-    Args:
-        tokenizer: the policy's tokenizer (its ``response_template`` and ``chat_template`` decide the format).
-        pattern: the environment's ``tool_call_pattern``, or None.
-        tools: the environment's tool descriptions (for ``parse_response``'s argument casting).
-    """
+    """Parses tool calls in the format the tokenizer's ``response_template`` or ``chat_template``
+    defines, else the environment's ``pattern``; ``tools`` serve ``parse_response``'s argument casting."""
 
     def __init__(self, tokenizer: Any, pattern: str | None = None, tools: Sequence[dict] | None = None) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
@@ -123,10 +111,8 @@ class ToolCallParser:
 
     def _parse_pattern(self, text: str) -> tuple[list[ToolCall], list[str]]:
         assert self.pattern is not None
-        found: list[ToolCall | str] = []
-        for i, m in enumerate(self.pattern.finditer(text)):
-            found.append(call_from_json(m.group(1) if m.groups() else m.group(0), i))
-        return self._split(found)
+        return self._split([call_from_json(m.group(1) if m.groups() else m.group(0), i)
+                            for i, m in enumerate(self.pattern.finditer(text))])
 
     def _parse_template(self, text: str, prefix: str) -> tuple[list[ToolCall], list[str]]:
         message = self.tokenizer.parse_response(text, prefix=prefix, tools=self.tools)

@@ -3,26 +3,16 @@
 An episode's context is token ids (:class:`rlhf_core.episode.Transcript`): the policy's turns as
 sampled and, after each, the ids this module gives for the observation. Two formats:
 
-* **Chat template** (:class:`TemplateConversation`, the tokenizer has one). The conversation is
-  kept as messages too. After a turn, the template renders the conversation with the turn (its
-  text as the assistant message) and the observation (``add_generation_prompt=True``). When that
-  rendering starts with the rendering before the turn followed by the turn's own text (special
-  tokens included), the rest is exactly what the template puts between the turn and the next
-  one: the end-of-turn tokens the policy did not write (e.g. the ``\\n`` after ``<|im_end|>``),
-  the observation's message and the next generation prompt. Those characters are tokenised and
-  appended. When the template re-renders history differently (it trims the assistant's text,
-  drops reasoning, formats tool calls its own way) the delta is taken from a fixed two-message
-  conversation instead: the end of an assistant message, then the observation's messages.
-  Either way the template's rendering of the WHOLE conversation, tokenised, is compared with the
-  context ids; a difference is counted as **retokenisation drift** (per turn, in the worker's
-  stats) and the episode still trains on its own ids: the tokens the policy sampled, never
-  others. The comparison tokenises only the text from the last added token (``<|im_end|>``,
-  the end-of-sequence token) that an earlier comparison placed: a tokenizer matches added tokens
-  whole and tokenises the text between them apart, so what lies before it cannot change, and a
-  turn costs its own length instead of the whole conversation's (a gateway session's calls, an
-  agent's long context). Once a comparison found drift, later ones count it without tokenising:
-  the context keeps the ids that differed (token in, token out) and later text does not tokenise
-  them back (``tests/unit/test_turns.py`` holds both shortcuts to the whole-text comparison).
+* **Chat template** (:class:`TemplateConversation`). After a turn, the template renders the
+  conversation with the turn and the observation; when that starts with the rendering before the
+  turn followed by the turn's own text, the rest is what the template puts between the turn and
+  the next one (end-of-turn tokens the policy did not write, the observation, the next generation
+  prompt), tokenised and appended. A template that re-renders history otherwise gets the delta
+  from a fixed two-message conversation. Either way the whole conversation's rendering, tokenised,
+  is compared with the context ids; a difference counts as **retokenisation drift** and the
+  episode still trains on its own ids. The comparison tokenises only the text since the last
+  added token it placed (text between added tokens tokenises apart), and once drift is found
+  later checks count it without tokenising (:meth:`TemplateConversation._drift`).
 * **Plain text** (:class:`PlainConversation`, no template: the tiny model). The observation's
   text is tokenised as it is and appended; the task's environment writes its own separators.
 """
@@ -81,13 +71,8 @@ class PlainConversation:
 
 
 class TemplateConversation:
-    """One episode's conversation through the tokenizer's chat template (see the module docstring).
-
-    Args:
-        tokenizer: with a ``chat_template``.
-        messages: the conversation so far (the prompt's messages, or what ``reset`` returned).
-        tools: the environment's tool descriptions (rendered by the template), or None.
-    """
+    """One episode's conversation through the tokenizer's chat template (see the module
+    docstring), from ``messages`` so far, with the environment's ``tools`` (or None)."""
 
     def __init__(self, tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None = None) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
@@ -117,10 +102,8 @@ class TemplateConversation:
 
     def next_turn(self, context_ids: Sequence[int], turn_ids: Sequence[int], content: str, observation: Observation,
                   role: str) -> tuple[list[int], Callable[[], bool]]:
-        """:meth:`after_turn` with its drift check as a function, to run before the next turn: it
-        tokenises the text since the last checked place (a whole conversation when the template
-        re-renders history or the session drifted), and tokenising releases the GIL, so a server
-        runs it on a thread while the turn is generated."""
+        """:meth:`after_turn` with its drift check as a function to run before the next turn (it may
+        tokenise a whole conversation, releasing the GIL: a server runs it on a thread)."""
         turn_text = self.tokenizer.decode(list(turn_ids), skip_special_tokens=False)
         obs = observation_messages(observation, role)
         self.messages.append({"role": "assistant", "content": content})
@@ -137,13 +120,11 @@ class TemplateConversation:
         return ids, lambda: self._drift(full, previous, context)
 
     def _drift(self, full: str, previous: str, context: list[int]) -> bool:
-        """Whether ``full`` (the whole conversation's rendering), tokenised, differs from
-        ``context``. Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds:
-        an added token starts there, so the text before it tokenises as it did when it was checked
-        (to ``context[:ids]``), as long as the template renders it as before (``previous``, the
-        rendering the last turn was generated from). A difference there
-        is confirmed on the whole text before it counts (a place wrongly taken costs time, not a
-        false count); after that every check answers True at once (see the module docstring)."""
+        """Whether ``full`` (the whole conversation's rendering), tokenised, differs from ``context``.
+        Only ``full[chars:]`` is tokenised, from the last place ``_checked`` holds: an added token
+        starts there, so the text before it tokenises as when checked, as long as the template
+        renders it as before (``previous``). A difference is confirmed on the whole text before it
+        counts; after that every check answers True at once."""
         if self.drifted:
             return True
         chars, n = self._checked

@@ -1,16 +1,9 @@
-"""Wire format: msgpack records with a schema version, a kind and raw tensors.
+"""Wire format: msgpack records ``{"schema_version": 2, "kind": "<kind>", ...fields}`` with raw
+tensors ``{"dtype": "float32", "shape": [3], "data": <raw little-endian bytes>}``.
 
-Every record that crosses Redis or the network is a msgpack map::
-
-    {"schema_version": 2, "kind": "<kind>", ...fields}
-
-Tensors travel as ``{"dtype": "float32", "shape": [3], "data": <raw little-endian bytes>}``.
-Nothing is ever unpickled or evaluated. Decoding untrusted bytes raises :class:`WireError`
-(one typed error, a ``ValueError``) whose message says what was wrong; never a bare KeyError.
-
-The record kinds and their fields are defined by the modules that own them (samples and
-prompts in :mod:`rlhf_core.records`, weight-server messages in ``weight_server.protocol``);
-this module only knows the envelope and the tensor encoding.
+Nothing is ever unpickled or evaluated; decoding untrusted bytes raises :class:`WireError` (a
+``ValueError``) saying what was wrong. The kinds are defined by the modules that own them
+(:mod:`rlhf_core.records`, ``weight_server.protocol``); this module knows the envelope and tensors.
 """
 
 from __future__ import annotations
@@ -34,9 +27,8 @@ READABLE_SCHEMA_VERSIONS = (1, 2)
 #: anything near this cap is a bug or an attack. Callers may pass their own cap.
 DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
 #: Maps and arrays one record may hold: ``CONTAINERS_BASE`` and one per ``BYTES_PER_CONTAINER``
-#: bytes of it. An empty map or array is one byte on the wire and some 60 in Python, so without
-#: a bound a record of nested empty ones became 70x its size in memory (8 MB: 590 MB); real
-#: records hold far fewer (a weight manifest, the densest, about one per 50 bytes).
+#: bytes of it (an empty one is a byte on the wire and some 60 in Python; a weight manifest, the
+#: densest real record, holds about one per 50 bytes).
 CONTAINERS_BASE = 1024
 BYTES_PER_CONTAINER = 16
 

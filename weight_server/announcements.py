@@ -1,9 +1,8 @@
 """A worker's ear on the server's announcements: the newest version of one parameter set.
 
-The server repeats the newest committed version of each set on its PUB socket (late joiners
-and restarted subscribers catch up) and announces an upload as soon as it starts (``pending``:
-a follower may fetch its chunks as they arrive). A SUB socket never blocks its owner: while the
-server is down nothing arrives and the newest version heard stays the answer.
+The server repeats the newest committed version on its PUB socket and announces an upload as it
+starts (``pending``: cut-through). A SUB socket never blocks: while the server is down the newest
+version heard stays the answer.
 """
 
 from __future__ import annotations

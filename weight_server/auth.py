@@ -71,13 +71,8 @@ def check_auth_mode(cfg: WeightServerConfig) -> None:
 
 
 def generate_keys(directory: str | os.PathLike) -> dict[str, str]:
-    """Write a server and a client CURVE key pair into ``directory``; return the config overrides.
-
-    Files: ``server.key`` / ``server.key_secret`` and ``client.key`` / ``client.key_secret``
-    (ZeroMQ certificate format). Give the secret files mode 0600 and copy only what each side
-    needs: the server its secret and the client's public key; clients the server's public key
-    and the client pair.
-    """
+    """Write a server and a client CURVE key pair into ``directory`` (``server.key`` /
+    ``server.key_secret``, ``client.key`` / ``client.key_secret``, secrets 0600); return the config overrides."""
     import zmq.auth
 
     out = Path(directory).expanduser()
@@ -170,11 +165,8 @@ REFUSAL_LOG_S = 10.0
 
 
 class ZapHandler:
-    """ZeroMQ's authentication hook (ZAP, RFC 27) served from the server's own poll loop.
-
-    Bound before any CURVE socket binds, so no handshake can slip past it. Accepts a CURVE
-    client only if its public key is authorised; logs every refusal (rate-limited per peer).
-    """
+    """ZeroMQ's authentication hook (ZAP, RFC 27), served from the server's poll loop and bound
+    before any CURVE socket binds: accepts a client whose public key is authorised, logs refusals."""
 
     def __init__(self, ctx: zmq.Context, cfg: WeightServerConfig) -> None:
         self.allowed = authorized_client_keys(cfg)

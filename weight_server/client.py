@@ -1,9 +1,7 @@
-"""One DEALER connection to the weight server, shared by the publisher and the subscriber.
-
-Request/reply with ids (a late reply to an abandoned request is recognised and discarded),
-timeouts on every wait (a client call can fail but never hang), HMAC framing, and a socket
-monitor that tells "server down" from "wrong key": a CURVE handshake the server refuses shows up
-as a monitor event long before any timeout, and becomes a :class:`WeightAuthError` at once.
+"""What the publisher and the subscriber share: their :class:`Client` base and the :class:`Channel`,
+one DEALER connection to the server with request ids (a late reply to an abandoned request is
+discarded), timeouts on every wait (a call can fail but never hang), HMAC framing, and a socket
+monitor that turns a refused CURVE handshake into a :class:`WeightAuthError` at once.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,6 +21,8 @@ from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.auth import MAC_BYTES, configure_client_socket, signer_for
 from weight_server.errors import WeightAuthError
+from weight_server.shm_map import ShmMaps
+from weight_server.sockets import Context
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,47 @@ class NoReply(Exception):
     """No reply (or no connection to send on) within the timeout: the server is down or busy."""
 
 
-class Channel:
-    """A DEALER socket to ``address`` with request ids, timeouts, HMAC and auth diagnosis.
+class Client:
+    """The config, the shared-memory mappings and a context of its own unless given one; the
+    publisher and the subscriber add their sockets (:meth:`_close_sockets`). Not thread-safe."""
 
-    Not thread-safe: one Channel per thread (ZeroMQ sockets are single-threaded).
-    """
+    def __init__(self, cfg: WeightServerConfig, ctx: zmq.Context | None) -> None:
+        self.cfg = cfg
+        cfg.check_shm()
+        self._maps = ShmMaps() if cfg.shm == "auto" else None
+        self._own_ctx: Context | None = None
+        if ctx is None:
+            ctx = self._own_ctx = Context()
+        self.ctx = ctx
+
+    def _close_sockets(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the sockets (linger 0), the mappings and an own context."""
+        try:
+            self._close_sockets()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Close the mappings and an own context; also after a failed constructor."""
+        try:
+            if self._maps is not None:
+                self._maps.close()
+        finally:
+            if self._own_ctx is not None:
+                self._own_ctx.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Channel:
+    """A DEALER socket to ``address`` with request ids, timeouts, HMAC and auth diagnosis (one per thread)."""
 
     def __init__(self, address: str, cfg: WeightServerConfig, ctx: zmq.Context, rcvhwm: int = 64) -> None:
         self.address = address
@@ -56,14 +92,12 @@ class Channel:
         self._handshaken = False
         self._open()
 
-    # -- socket lifecycle ------------------------------------------------------------------------
     def _open(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         monitor: zmq.Socket | None = None
         try:
             sock.linger = 0
-            # immediate: never queue a request for a connection that is not up (or not authenticated),
-            # so a request sent while the server is down is refused at once instead of replayed later.
+            # immediate: a request sent while the server is down is refused at once, not replayed later
             sock.immediate = True
             sock.sndhwm = max(2, self.cfg.max_inflight_chunks)
             sock.rcvhwm = self.rcvhwm
@@ -88,7 +122,6 @@ class Channel:
         """Close the socket and its monitor; idempotent. :meth:`reset` opens new ones."""
         _close(self.sock, self.monitor)
 
-    # -- waiting -----------------------------------------------------------------------------------
     def _wait(self, event: int, timeout_s: float) -> None:
         """Block until the socket is readable/writable; NoReply on timeout, WeightAuthError on a
         refused handshake."""
@@ -133,7 +166,6 @@ class Channel:
                 "(check weight_server.curve_server_public and the client key pair)"
             )
 
-    # -- messages ------------------------------------------------------------------------------------
     def send(self, kind: str, data: Sequence[Any] = (), timeout_s: float | None = None, **fields: Any) -> int:
         """Send one message; returns its request id. NoReply if it cannot be queued in time."""
         rid = next(self._rids)

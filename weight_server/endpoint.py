@@ -1,10 +1,8 @@
 """The weight server's two sockets: the ROUTER it answers requests on and the PUB it announces on.
 
-Binding (port 0: a random free one), the addresses clients connect to, reading a request's
-remaining frames, the HMAC check of a request (``auth=hmac``) and every outgoing frame: replies
-(a chunk's data zero-copy and tracked), ERROR replies and announcements. It is the
-:class:`~weight_server.handlers.Replies` port the handlers answer through. Owned by the server's
-loop thread (ZeroMQ sockets are not thread-safe).
+Binding, the addresses clients connect to, a request's remaining frames, the HMAC check, and
+every outgoing frame (replies, a chunk's data zero-copy and tracked, errors, announcements): the
+:class:`~weight_server.handlers.Replies` port of the handlers. Owned by the server's loop thread.
 """
 
 from __future__ import annotations
@@ -84,7 +82,6 @@ class Endpoint:
         for sock in self._sockets:
             sock.close(linger=0)
 
-    # -- receiving ----------------------------------------------------------------------------------
     def recv_rest(self) -> list[bytes] | None:
         """The request's remaining frames; None (and the rest drained) when there are too many."""
         frames: list[bytes] = []
@@ -128,7 +125,6 @@ class Endpoint:
         self.error(ident, obj.get("rid"), P.E_AUTH, reason)
         return False
 
-    # -- sending ------------------------------------------------------------------------------------
     def send(self, ident: bytes, header: bytes, data: memoryview | None = None, slab: Any = None) -> None:
         frames: list[Any] = [header] if data is None else [header, data]
         mac = self.signer.sign(frames) if self.signer is not None else None

@@ -1,8 +1,5 @@
-"""Errors raised by the weight-server clients.
-
-Errors a user can cause and fix (wrong key, stale version, names that do not match, a server
-that is not running) subclass :class:`~rlhf_core.errors.UserError`, so entry points print the
-message without a traceback. Each message says what was wrong and what to do.
+"""Errors raised by the weight-server clients; those a user can cause and fix subclass
+:class:`~rlhf_core.errors.UserError`, and their messages say what to do.
 """
 
 from __future__ import annotations
@@ -24,10 +21,6 @@ class WeightAuthError(UserError):
 
 class StaleVersionError(UserError, ValueError):
     """A publish of a version that is not newer than the newest one the server holds."""
-
-    def __init__(self, message: str, newest: int | None = None) -> None:
-        super().__init__(message)
-        self.newest = newest
 
 
 class WeightServerUnavailable(Unavailable, TimeoutError):

@@ -1,9 +1,7 @@
 """The server's request handlers: what each client message does to the store and what it answers.
 
-Socket-free: replies go through a :class:`Replies` port (the server's sockets in production:
-:class:`~weight_server.endpoint.Endpoint`), so each handler reads as the protocol table in
-:mod:`weight_server.protocol` says. A handler raises ``WireError`` for an invalid request and
-``Refused`` for a valid one the store declines; the server turns both into ERROR replies.
+Socket-free: replies go through a :class:`Replies` port. A handler raises ``WireError`` for an
+invalid request and ``Refused`` for one the store declines; the server answers both with ERROR.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ class Handlers:
         log.log(logging.INFO if quiet else logging.WARNING, "refused %s: %s", obj["kind"], exc)
         self.out.error(ident, obj.get("rid"), exc.code, str(exc))
 
-    # -- publishing ---------------------------------------------------------------------------------
     def latest(self, ident: bytes, obj: dict[str, Any]) -> None:
         name = P.req_name(obj)
         ver = self.store.newest(name)
@@ -166,7 +163,6 @@ class Handlers:
             wire_bytes=wire_bytes, duration_s=duration_s, content_hash=ver.content_hash, duplicate=duplicate,
         )
 
-    # -- pulling ------------------------------------------------------------------------------------
     def manifest_req(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version = P.req_name(obj), P.optional_int(obj, "version")
         want_shm = optional(obj, "shm", bool, False)
@@ -288,7 +284,6 @@ class Handlers:
         rid: Any = obj.get("rid")  # echoed back as the client sent it
         up.waiters.append((ident, rid))
 
-    # -- metrics ------------------------------------------------------------------------------------
     def applied(self, ident: bytes, obj: dict[str, Any]) -> None:
         name, version = P.req_name(obj), P.req_int(obj, "version")
         worker = require(obj, "worker", str)[:256]

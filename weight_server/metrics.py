@@ -1,12 +1,8 @@
 """Weight-server metrics: per version bytes, publish duration, pulls and per-worker sync latency.
 
-Updated by the server thread, read by :meth:`WeightServer.metrics` from any thread (a lock
-and a deep copy). Weight-sync latency is measured on the server's own monotonic clock, from the
-publisher's PUB_BEGIN to the worker's APPLIED report, so clocks of other machines never enter it.
-
-The log says what happens per version at a pace a person can read (:class:`PacedLog`): on a small
-model a learner publishes tens of versions a second, and a line for each version and each worker
-applying it would fill gigabytes a day.
+Updated by the server thread, read from any thread (a lock and a deep copy). Weight-sync latency
+is taken on the server's monotonic clock, from PUB_BEGIN to the worker's APPLIED report. The log
+is paced (:class:`PacedLog`): a small model publishes tens of versions a second.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ from typing import Any
 
 log = logging.getLogger("weight_server")
 
-#: Seconds between two INFO lines about the same recurring event (a version published; a worker
-#: applying one); the versions between go to DEBUG.
+#: Seconds between two INFO lines about the same recurring event; the ones between go to DEBUG.
 LOG_EVERY_S = 10.0
 
 #: Counter names (defined once; the launcher forwards them to Redis/Prometheus).
@@ -74,11 +69,9 @@ class _Pace:
 
 
 class PacedLog:
-    """INFO lines for an event that recurs many times a second, per key (a parameter set's
-    publishes; a worker's applies): the first at once, then at most one each ``every_s``, saying
-    how many came between it and the line before and the slowest of those; the others go to
-    DEBUG (so with DEBUG on, every event has its line). :meth:`flush` writes each key's last event not yet at INFO, so a log ends on the final
-    state (the server flushes when it stops). Thread-safe."""
+    """INFO lines for an event that recurs many times a second, per key: the first at once, then at
+    most one each ``every_s`` saying how many came between and the slowest; the others go to DEBUG.
+    :meth:`flush` writes each key's last event not yet at INFO (the log ends on the final state). Thread-safe."""
 
     def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
         self.logger, self.every_s, self.clock = logger, float(every_s), clock

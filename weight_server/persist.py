@@ -1,11 +1,7 @@
 """Persisting the newest version of each parameter set as a safetensors file, so a restarted
-server serves it again.
-
-The file is plain safetensors (``safetensors.torch.load_file`` reads it), written without torch:
-an 8-byte header length, a JSON header, then each tensor's raw bytes in name order. The
-``__metadata__`` map records the version and content hash; :func:`load_all` re-hashes the bytes
-and skips a file that does not match (a torn or tampered file is never served). Writes go to a
-temporary file, are fsynced and renamed into place, on a background thread (newest wins).
+server serves it again. Written without torch (``safetensors.torch.load_file`` reads it), with the
+version and content hash in ``__metadata__``: :func:`load_all` re-hashes and skips a file that
+does not match. Writes go tmp + fsync + rename, on a background thread (newest wins).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -114,8 +111,6 @@ def read_version(
     if digest.hex() != meta.get("content_hash"):
         slab.discard()
         raise ValueError("content hash does not match the stored bytes (torn or modified file)")
-    import time
-
     now = time.monotonic()
     return Version(str(meta["name"]), int(meta["version"]), layout, slab, digest, now, now)
 

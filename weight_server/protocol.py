@@ -2,11 +2,9 @@
 
 Every message is a multipart ZeroMQ message ``[header, *data, (mac)]``:
 
-* ``header``: one :mod:`rlhf_core.wire` record (msgpack map with ``schema_version`` and
-  ``kind``), capped at ``max_header_bytes`` (``max_manifest_bytes`` for the two kinds that carry a
-  tensor list, :data:`PUB_BEGIN` and :data:`MANIFEST`);
-* ``data``: raw tensor bytes, never serialised (zero-copy out of torch/numpy memory);
-* ``mac``: only with ``auth=hmac``: HMAC-SHA256 over the preceding frames (see ``auth.Signer``).
+``header`` is one :mod:`rlhf_core.wire` record, capped at ``max_header_bytes`` (``max_manifest_bytes``
+for :data:`MANIFEST_KINDS`); ``data`` raw tensor bytes, never serialised; ``mac`` (``auth=hmac``
+only) an HMAC-SHA256 over the preceding frames (``auth.Signer``).
 
 Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply echoes it::
 
@@ -28,11 +26,9 @@ Client -> server (DEALER -> ROUTER); every request carries ``rid`` and its reply
     WAIT_COMMIT {rid, name, version}                         -> COMMITTED {rid, name, version, content_hash}
                                                                 once the version is visible | ERROR (aborted)
     SHM_RELEASE {rid, lease, via: "shm"|"tcp"|nil}           -> SHM_RELEASED {rid, lease} | ERROR (unknown_lease)
-                (via: how the pull got its bytes, after the offer; nil: it got none, e.g. an aborted upload)
+                (via: how the pull got its bytes after the offer; nil: none)
     APPLIED     {name, version, worker, apply_s, lease: int|nil}
-                                                             -> nothing (a metric; with a lease: a pull that read
-                                                                the slab and applied it releases it so, as SHM_RELEASE
-                                                                via shm would, without waiting for an answer)
+                                                             -> nothing (a metric; releases ``lease`` as SHM_RELEASE via shm)
     METRICS_REQ {rid}                                        -> METRICS {rid, metrics}
 
 Server -> subscribers (PUB -> SUB), topic frame = the parameter-set name::
@@ -41,33 +37,14 @@ Server -> subscribers (PUB -> SUB), topic frame = the parameter-set name::
                 pending=false: the version is visible (re-sent every announce_interval_s);
                 pending=true: an upload of it has started (sent once, at PUB_BEGIN)
 
-Cut-through: a follower may ask for the manifest of a *pending* upload (``pending=true``) and
-FETCH its chunks while they arrive; the server answers each FETCH as soon as the chunk's bytes
-are in (parking it until then; a delta or out-of-order upload answers at its commit). The follower applies nothing before its own hash check of every
-tensor and a COMMITTED reply, i.e. the server's own verification; an aborted upload answers
-ERROR ``aborted`` and the follower keeps its weights. Both hops overlap instead of adding up.
-
-A version is laid out as one flat byte range: tensors in name order, each starting at a
-multiple of :data:`ALIGN` bytes (so any dtype view of it is aligned). Pulls fetch it in fixed
-``chunk_bytes`` pieces; the puller keeps at most ``max_inflight_chunks`` FETCHes outstanding
-(credit-based flow control), so the server only ever queues a bounded number of chunks per peer.
-
-Shared memory (same host): a client that asks (``shm: true``) may be offered the slab file of an
-upload or a version (:class:`ShmOffer`): the file's path, the byte range, and the path and bytes
-of the server's token file. The client trusts the path only after reading the same token bytes
-from that file (proof that it sees the server's files, not a namesake on another host or in
-another container); otherwise it moves the bytes over TCP as above. A publisher copies the
-tensors into the upload's slab and sends PUB_COMMIT with ``shm: true`` (the server then checks
-coverage and every hash as for chunks). A puller's offer carries a *lease*: the server pins the
-slab (never recycled for another version) until SHM_RELEASE, or until ``lease_s`` seconds pass
-with no release (a dead client); a slab whose lease expired is never recycled at all, since its
-reader may still be mapping it.
-
-Cut-through works over shared memory too: the publisher reports each stretch it copied with a
-data-less PUB_CHUNK (``shm: true``), so the server hashes tensors as they complete, and a
-follower holding a lease FETCHes with ``shm: true`` to be told (no data) when each chunk's bytes
-are in, hashing them from its mapping while the rest is still being copied. It applies nothing
-before the commit, as over TCP.
+A version is one flat byte range: tensors in name order, each starting at a multiple of
+:data:`ALIGN` bytes; pulls fetch it in ``chunk_bytes`` pieces with at most
+``max_inflight_chunks`` FETCHes outstanding (credit-based flow control). Cut-through: a follower
+may FETCH a *pending* upload's chunks as they arrive (answered when the bytes are in) and applies
+nothing before its own hash check and COMMITTED. Shared memory (same host, ``shm: true``): a
+client may be offered the slab file (:class:`ShmOffer`), trusted only once it read the same token
+bytes from the server's token file; a puller's offer carries a lease, released with SHM_RELEASE
+(or APPLIED) and expired after ``lease_s``. docs/architecture.md (Weight server) tells the rest.
 """
 
 from __future__ import annotations
@@ -250,11 +227,8 @@ def lease_seconds(request_timeout_s: float, nbytes: int) -> float:
 
 
 def parse_shm_offer(obj: dict[str, Any], field: str, total_bytes: int, leased: bool) -> ShmOffer | None:
-    """Validate the ``shm`` field of a PUB_READY (``leased=False``) or MANIFEST (``leased=True``).
-
-    Only the shape is checked here (a slab file of the server's folder, beside its token file);
-    the client proves it sees that folder by reading the token before it maps anything.
-    """
+    """Validate the shape of the ``shm`` field of a PUB_READY (``leased=False``) or MANIFEST
+    (``leased=True``): a slab file of a server's folder, beside its token file."""
     raw = obj.get(field)
     if raw is None:
         return None
@@ -296,10 +270,7 @@ def tensor_hasher() -> Any:
 
 
 def content_hash(tensors: Iterable[TensorSpec]) -> bytes:
-    """The hash of a version: xxh3-128 over (name, dtype, shape, tensor hash) of every tensor in order.
-
-    Length-prefixed fields so no two different manifests share a byte string.
-    """
+    """The hash of a version: xxh3-128 over the length-prefixed (name, dtype, shape, tensor hash) of every tensor."""
     h = xxhash.xxh3_128()
     for t in tensors:
         name = t.name.encode()
@@ -310,7 +281,6 @@ def content_hash(tensors: Iterable[TensorSpec]) -> bytes:
     return h.digest()
 
 
-# ---------------------------------------------------------------------------------------------
 # Headers: encode, and decode untrusted bytes with caps.
 
 

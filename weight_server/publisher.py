@@ -1,18 +1,10 @@
 """The learner's side: publish a version of named tensors to the weight server.
 
-``publish`` hashes every tensor (xxh3-128 over its bytes in the transfer dtype), sends a
-PUB_BEGIN with the manifest, streams PUB_CHUNK messages whose data frames are zero-copy views
-of the tensors (small tensors are packed into one frame), and waits for the PUB_COMMIT reply:
-the server makes the version visible only after it re-hashed every byte. The number of chunks
-queued is bounded by the socket's high-water mark (``max_inflight_chunks``), so memory stays flat.
-
-Same host (``shm=auto`` on both sides): the server offers the upload's slab file in PUB_READY;
-after checking the server's token the publisher copies the tensors straight into that file and
-commits with ``shm: true``, so no tensor byte crosses a socket. Any problem with the offer (no
-such file here, other token, cannot map) sends the bytes as chunks instead, logged once.
-
-When the server is down or restarts mid-push, the whole publish is retried with exponential
-backoff for ``retry_timeout_s``; a retry of a version that did land is recognised by its hash.
+``publish`` hashes every tensor, sends PUB_BEGIN with the manifest, then the bytes: PUB_CHUNKs of
+zero-copy frames (small tensors packed together), bounded by the socket's high-water mark, or on
+the same host a copy into the upload's slab file the server offered (:mod:`weight_server.protocol`
+tells both). A publish that fails for want of the server is retried whole with backoff for
+``retry_timeout_s``; a retry of a version that did land is recognised by its hash.
 """
 
 from __future__ import annotations
@@ -30,10 +22,9 @@ from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.retry import Backoff
 from rlhf_core.wire import WireError
 from weight_server import protocol as P
-from weight_server.client import Channel, NoReply
+from weight_server.client import Channel, Client, NoReply
 from weight_server.errors import StaleVersionError, WeightIntegrityError, WeightServerError, WeightServerUnavailable
-from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_bytes
-from weight_server.sockets import Context
+from weight_server.shm_map import ShmUnavailable, copy_bytes
 from weight_server.tensors import TORCH_TO_WIRE, byte_view, named_tensors, transfer_dtype
 
 log = logging.getLogger(__name__)
@@ -70,19 +61,14 @@ class _Busy(Exception):
     """The server's upload budget is held by other uploads: retried until they finish or expire."""
 
 
-class WeightPublisher:
+class WeightPublisher(Client):
     """Publishes versions to the server at ``address``. Not thread-safe (one per thread)."""
 
     def __init__(self, address: str, cfg: WeightServerConfig | None = None, ctx: zmq.Context | None = None) -> None:
-        self.cfg = cfg or WeightServerConfig()
-        if self.cfg.chunk_bytes > self.cfg.max_frame_bytes:
-            raise ConfigError(f"weight_server.chunk_bytes {self.cfg.chunk_bytes} exceeds max_frame_bytes {self.cfg.max_frame_bytes}")
-        self.cfg.check_shm()
-        self._maps = ShmMaps() if self.cfg.shm == "auto" else None
-        self._own_ctx: Context | None = None
-        if ctx is None:
-            ctx = self._own_ctx = Context()
-        self.ctx = ctx
+        cfg = cfg or WeightServerConfig()
+        if cfg.chunk_bytes > cfg.max_frame_bytes:
+            raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
+        super().__init__(cfg, ctx)
         try:
             self.channel = Channel(address, self.cfg, self.ctx)
         except BaseException:
@@ -92,45 +78,20 @@ class WeightPublisher:
         self._last: dict[str, tuple[int, tuple, list[bytes]]] = {}
         self._scratch: dict[str, torch.Tensor] = {}
 
-    def close(self) -> None:
-        """Close the socket (linger 0), the mappings and an own context; also after a failure."""
-        try:
-            self.channel.close()
-        finally:
-            self._release()
+    def _close_sockets(self) -> None:
+        self.channel.close()
 
-    def _release(self) -> None:
-        """Close the mappings and an own context."""
-        try:
-            if self._maps is not None:
-                self._maps.close()
-        finally:
-            if self._own_ctx is not None:
-                self._own_ctx.close()
-
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # -- queries -------------------------------------------------------------------------------------
     def latest_version(self, name: str = "policy") -> int | None:
         """The newest version the server holds (None: none yet). Retries while the server is down."""
-        rep = self._with_retries(lambda: self._request(P.LATEST, name=name), f"asking for the latest {name!r}")
+        rep = self._with_retries(lambda: self.channel.request(P.LATEST, name=name), f"asking for the latest {name!r}")
         return rep.get("version")
 
-    # -- publish ------------------------------------------------------------------------------------
     def publish(
         self, version: int, tensors: Any, name: str = "policy", dtype: torch.dtype | str | None = None, delta: bool = False,
     ) -> PublishStats:
-        """Publish ``tensors`` (mapping, iterable of (name, tensor) pairs, or nn.Module) as ``version``.
-
-        ``dtype`` casts floating tensors for transfer (e.g. torch.bfloat16 halves the bytes);
-        ``delta`` sends only tensors whose hash changed since this publisher's previous version
-        (the server fills in the rest). Raises StaleVersionError when ``version`` is not newer
-        than the newest held, WeightServerUnavailable when the server stays unreachable.
-        """
+        """Publish ``tensors`` (mapping, (name, tensor) pairs, or nn.Module) as ``version``; ``dtype``
+        casts floating tensors for transfer, ``delta`` sends only those whose hash changed since the
+        previous version. StaleVersionError when ``version`` is not newer than the newest held."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         t0 = time.monotonic()
@@ -184,16 +145,14 @@ class WeightPublisher:
     def _attempt(
         self, name: str, version: int, layout: P.Layout, views: list[memoryview], base: int | None, changed: list[int] | None,
     ) -> dict[str, Any]:
-        rep = self._request(
+        rep = self.channel.request(
             P.PUB_BEGIN, name=name, version=version, tensors=[t.to_wire() for t in layout.tensors],
             content_hash=layout.content_hash(), delta_base=base, changed=changed, shm=self._maps is not None,
         )
         if rep["kind"] == P.PUB_DONE:
             return rep  # the server already holds exactly this version
         if rep["kind"] == P.ERROR:
-            code, message = P.error_code(rep), str(rep.get("message"))
-            if code == P.E_STALE:
-                raise StaleVersionError(f"publish refused: {message}")
+            code, message = _refusal(rep)
             if code == P.E_BAD_DELTA and base is not None:
                 raise _DeltaRefused(message)
             if code == P.E_BUSY:  # other uploads hold the server's upload budget until they finish or expire
@@ -208,13 +167,11 @@ class WeightPublisher:
             for seq, (segments, frames) in enumerate(plan_chunks(layout, views, indices, self.cfg.chunk_bytes)):
                 self.channel.send(P.PUB_CHUNK, data=frames, upload=upload, seq=seq, segments=segments)
         # The server re-hashes every byte before answering: allow for it beyond the usual timeout.
-        rep = self._request(
+        rep = self.channel.request(
             P.PUB_COMMIT, timeout_s=self.cfg.request_timeout_s + layout.total_bytes / 1e9, upload=upload, shm=via_shm,
         )
         if rep["kind"] == P.ERROR:
-            code, message = P.error_code(rep), str(rep.get("message"))
-            if code == P.E_STALE:
-                raise StaleVersionError(f"publish refused: {message}")
+            code, message = _refusal(rep)
             if code in _RETRYABLE:
                 raise _Transient(f"{code}: {message}")
             raise WeightServerError(f"publish of {name!r} v{version} failed: {message}", code)
@@ -224,10 +181,8 @@ class WeightPublisher:
         return rep
 
     def _copy_to_shm(self, ready: dict[str, Any], upload: int, layout: P.Layout, views: list[memoryview], indices: Any) -> bool:
-        """Copy the tensors into the upload's slab file when the server offered one that this
-        process can prove is the server's, telling the server every ``chunk_bytes`` or so which
-        bytes are in (data-less PUB_CHUNKs: it hashes them, and followers read them, meanwhile).
-        False: send them as chunks."""
+        """Copy the tensors into the upload's slab file, when offered one this process can prove is
+        the server's, with a data-less PUB_CHUNK every ``chunk_bytes`` or so. False: send chunks."""
         if self._maps is None:
             return False
         try:
@@ -258,9 +213,6 @@ class WeightPublisher:
             self.channel.send(P.PUB_CHUNK, upload=upload, seq=seq, segments=segments, shm=True)
         return True
 
-    def _request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        return self.channel.request(kind, timeout_s=timeout_s, **fields)
-
     def _with_retries(self, fn: Any, what: str) -> dict[str, Any]:
         backoff = Backoff(0.1, _MAX_BACKOFF_S, self.cfg.retry_timeout_s)
         integrity_failures = 0
@@ -286,15 +238,20 @@ class WeightPublisher:
                 time.sleep(delay)
 
 
+def _refusal(rep: dict[str, Any]) -> tuple[str, str]:
+    """An ERROR reply's code and message; :class:`StaleVersionError` for a stale version."""
+    code, message = P.error_code(rep), str(rep.get("message"))
+    if code == P.E_STALE:
+        raise StaleVersionError(f"publish refused: {message}")
+    return code, message
+
+
 def plan_chunks(
     layout: P.Layout, views: Sequence[memoryview], indices: Any, chunk_bytes: int, small: int = SMALL_TENSOR_BYTES,
 ) -> Iterator[tuple[list[list[int]], list[Any]]]:
-    """Split the bytes of tensors ``indices`` into chunks of at most ``chunk_bytes``.
-
-    Yields ``(segments, frames)``: segment ``[offset, length]`` of the flat layout for each data
-    frame. Large tensors go as zero-copy slices; runs of small neighbours are packed (with their
-    alignment padding) into one copied frame, so a model of many tiny tensors is not thousands of frames.
-    """
+    """Split the bytes of tensors ``indices`` into chunks of at most ``chunk_bytes``: yields
+    ``(segments, frames)``, a ``[offset, length]`` of the flat layout per data frame. Large tensors
+    go as zero-copy slices, runs of small neighbours packed (with their padding) into one frame."""
     segments: list[list[int]] = []
     frames: list[Any] = []
     size = 0

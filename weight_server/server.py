@@ -1,28 +1,17 @@
 """The weight server: a ROUTER for publish/pull requests and a PUB for announcements.
 
-One thread owns both sockets (ZeroMQ sockets are not thread-safe) and runs a poll loop:
-requests are answered in arrival order, announcements of the newest versions are repeated every
-``announce_interval_s`` (late joiners and restarted subscribers catch up), idle uploads expire.
-
-Data path, kept zero-copy where pyzmq allows:
-
-* upload: data frames of a PUB_CHUNK are received with ``recv_into`` straight into the upload's
-  slab (one memcpy out of ZeroMQ's buffer, no intermediate bytes object);
-* pull: a CHUNK reply sends a memoryview of the version's slab with ``copy=False, track=True``;
-  the tracker tells the slab pool when the bytes may be recycled;
-* same host (``shm=auto``): slabs are files in a private shared-memory folder
-  (:mod:`weight_server.shm`); a publisher copies into the upload's file and a puller reads the
-  version's file under a lease, so those bytes never touch a socket.
-
-Any frame that fails to decode or validate gets an ERROR reply; the loop never dies of a
-malformed message. Embeddable: :meth:`start` runs the loop on a background thread (launcher,
-tests); :meth:`serve_forever` runs it in the caller's thread until SIGTERM/SIGINT (the CLI).
+One thread owns both sockets and runs a poll loop: requests are answered in arrival order, the
+newest versions re-announced every ``announce_interval_s``, idle uploads expired. Upload chunks
+are received with ``recv_into`` straight into the upload's slab and pulled chunks sent zero-copy
+(tracked); on the same host slabs are files of a private shared-memory folder
+(:mod:`weight_server.shm`). A frame that fails to decode or validate gets an ERROR reply; the
+loop never dies of it. :meth:`start` runs the loop on a thread, :meth:`serve_forever` in the
+caller's until SIGTERM/SIGINT (the CLI).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import signal
@@ -34,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from rlhf_core.cli import write_json
 from rlhf_core.config import ConfigError, WeightServerConfig
 from rlhf_core.wire import WireError, optional, unpack
 from weight_server import protocol as P
@@ -53,10 +43,7 @@ _MAX_BATCH = 64  # messages handled per poll wake-up before ZAP and timers get a
 
 class WeightServer:
     """Versioned parameter store served over ZeroMQ. Binds in the constructor (port 0 = random).
-
-    ``shm_free_space(path)`` says how many bytes the shm filesystem can still take (tests pass a
-    small number to see the anonymous-slab fallback; the default asks statvfs).
-    """
+    ``shm_free_space(path)``: the bytes the shm filesystem can still take (tests pass a small number)."""
 
     def __init__(
         self, cfg: WeightServerConfig, ctx: zmq.Context | None = None, shm_free_space: Callable[[str], int] = free_bytes,
@@ -77,8 +64,7 @@ class WeightServer:
             raise ConfigError(f"weight_server.chunk_bytes {cfg.chunk_bytes} exceeds max_frame_bytes {cfg.max_frame_bytes}")
         self._own_ctx: Context | None = None
         if ctx is None:
-            # Two I/O threads: the kernel copies of an upload arriving and of chunks leaving for
-            # followers run on different connections, so they need not queue behind each other.
+            # two I/O threads: an upload arriving and chunks leaving for followers need not queue behind each other
             ctx = self._own_ctx = Context(io_threads=2)
         self.ctx = ctx
         self.zap: ZapHandler | None = None
@@ -100,7 +86,9 @@ class WeightServer:
             self._said_out_of_files = False
             self.handlers = Handlers(cfg, self.store, self._metrics, self.endpoint, self._committed, self.metrics, self.shm)
             if cfg.address_file:
-                _write_json(cfg.address_file, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
+                target = Path(cfg.address_file).expanduser()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                write_json(target, {"address": self.address, "pub_address": self.pub_address, "pid": os.getpid()})
         except BaseException:
             self._close()
             raise
@@ -136,7 +124,6 @@ class WeightServer:
             log.info("serving %s v%d (%d bytes) restored from %s", ver.name, ver.version, lay.data_bytes, persist_dir)
         self._held = self.store.held()
 
-    # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> WeightServer:
         """Run the loop on a daemon thread; returns self."""
         if self._thread is not None:
@@ -210,12 +197,10 @@ class WeightServer:
 
     @property
     def _end(self) -> Endpoint:
-        """The endpoint, which a constructed server always has (None only while it is built or
-        after a failed constructor)."""
+        """The endpoint (None only while the server is built, or after a failed constructor)."""
         assert self.endpoint is not None
         return self.endpoint
 
-    # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
         router = self._end.router
@@ -253,10 +238,8 @@ class WeightServer:
                 self._close()
 
     def _check_open_files(self) -> None:
-        """Count a second in which this process has no file descriptor left, and say it once:
-        ZeroMQ then fails every accept and retries it, so a new subscriber or puller connects,
-        sends and waits without an error (its worker keeps old weights) while the peers already
-        connected are served."""
+        """Count a second in which this process has no file descriptor left, and say it once: ZeroMQ
+        then fails every accept silently, so new subscribers wait without an error."""
         try:
             os.close(os.open(os.devnull, os.O_RDONLY))
             return
@@ -327,11 +310,9 @@ class WeightServer:
         except Refused as exc:
             self.handlers.refused(ident, obj, exc)
 
-    # -- receiving a chunk of an upload ------------------------------------------------------------
     def _on_pub_chunk(self, ident: bytes, obj: dict[str, Any], head: Any) -> None:
-        """A chunk of an upload: its data frames land in the upload's slab, or (``shm: true``) it
-        has none and says the publisher wrote those bytes into the slab file itself. Either way
-        the watermark advances, tensors complete are hashed, and parked followers are answered."""
+        """A chunk of an upload: its data frames land in the upload's slab (``shm: true``: the publisher
+        wrote them there); the watermark advances and parked followers are answered."""
         end = self._end
         try:
             upload = P.req_int(obj, "upload")
@@ -376,10 +357,3 @@ def _loose_rid(data: bytes) -> int | None:
         return None
     return rid if isinstance(rid, int) else None
 
-
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, target)

@@ -1,19 +1,12 @@
 """The server's side of the same-host data path: slab files in a private shared-memory folder, and
 the leases that keep a slab from being recycled while a puller maps it.
 
-The folder is ``<shm_dir>/rlhf-ws-<pid>-<random>/`` (mode 0700) holding
-
-* ``token``: random bytes (0600). A client that reads the same bytes from that path sees this
-  server's files; a remote host or another container sees no such file, or other bytes;
-* ``lock``: held with ``flock`` for the server's lifetime, so a later server can tell a dead
-  server's folder (lock free) from a live one in another PID namespace;
-* ``slab-<n>``: one file per slab (0600), its pages reserved up front with ``posix_fallocate``
-  so a full tmpfs is an error at creation, never a SIGBUS while bytes are written.
-
-The folder is removed on close; a server that starts removes the folders of servers that died
-(SIGKILL leaves them behind). :func:`private_dir` makes such a folder under any prefix (the vllm
-engine's ``rlhf-vllm-`` folders too). Nothing here reads or writes tensors: :mod:`weight_server.store`
-keeps the bytes, :mod:`weight_server.handlers` decides what to offer.
+The folder ``<shm_dir>/rlhf-ws-<pid>-<random>/`` (0700) holds ``token`` (random bytes: a client
+that reads the same bytes there sees this server's files), ``lock`` (``flock``-ed for the
+server's life, so a later server tells a dead server's folder from a live one) and ``slab-<n>``
+files (0600, pages reserved with ``posix_fallocate``: a full tmpfs fails at creation, never with
+a SIGBUS). Removed on close; a starting server removes dead servers' folders. :func:`private_dir`
+makes such folders under any prefix (the vllm engine's too).
 """
 
 from __future__ import annotations
@@ -139,9 +132,8 @@ class ShmDir:
 
 
 def private_dir(parent: str, prefix: str) -> tuple[Path, BinaryIO]:
-    """A new folder ``<parent>/<prefix><pid>-<random>`` (0700) holding its ``lock`` file, locked
-    (``flock``) while the returned file stays open: at most this process's life. The folders of
-    ``prefix`` that dead owners left are removed first (:func:`remove_stale`)."""
+    """A new folder ``<parent>/<prefix><pid>-<random>`` (0700) with its ``lock`` file, locked while
+    the returned file stays open, after :func:`remove_stale`."""
     remove_stale(parent, prefix)
     path = Path(parent) / f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
     path.mkdir(mode=0o700)
@@ -155,10 +147,8 @@ def private_dir(parent: str, prefix: str) -> tuple[Path, BinaryIO]:
 
 
 def remove_stale(parent: str, prefix: str = P.SHM_DIR_PREFIX) -> list[str]:
-    """Remove the folders that dead owners left in ``parent``: named <prefix><pid>-<hex>, owned by
-    this user, whose pid is not running here and whose lock no process holds (an owner in another
-    PID namespace that shares this /dev/shm, or a new process that took a dead owner's pid, still
-    holds it or is running: such folders are kept)."""
+    """Remove the folders dead owners left in ``parent``: named <prefix><pid>-<hex>, this user's,
+    whose pid is not running and whose lock no process holds (an owner in another PID namespace holds it)."""
     removed: list[str] = []
     name = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]+$")
     try:

@@ -1,14 +1,10 @@
-"""The clients' side of the same-host data path: map a server's slab file, once it is proven to be
-the server's, and move tensor bytes in or out of it.
+"""The clients' side of the same-host data path: map a server's slab file, once proven to be the
+server's, and move tensor bytes in or out of it.
 
-An offer (:class:`weight_server.protocol.ShmOffer`) names a slab file and the server's token
-file. :meth:`ShmMaps.open` reads the token file and compares its bytes with the offer's before it
-opens anything else: a client on another host, in another container or under another user sees no
-such file or other bytes, and the caller falls back to TCP. Files are opened without following
-links, must be regular files of this user, and large enough for the range; mappings are cached
-per file (a recycled slab is the same file with new bytes), so pages are faulted in once.
-
-Nothing read from a mapping is trusted before its tensor hashes match the manifest.
+:meth:`ShmMaps.open` compares the offer's token with the server's token file before it opens
+anything else (another host, container or user sees no such file or other bytes, and the caller
+falls back to TCP); files are opened without following links, must be regular files of this
+user, and are mapped once per file. Nothing read is trusted before its tensor hashes match.
 """
 
 from __future__ import annotations
@@ -38,10 +34,7 @@ class ShmUnavailable(Exception):
 
 class ShmMaps:
     """Verified, cached mappings of weight-server slab files (one per client; not thread-safe).
-
-    A cached mapping of a file the server has since removed would keep its memory alive, so
-    such entries are dropped at the next open (each keeps its file open to see that).
-    """
+    Mappings of files the server removed are dropped at the next open (each keeps its file open)."""
 
     def __init__(self, max_files: int = 4) -> None:
         self.max_files = max_files
@@ -59,9 +52,7 @@ class ShmMaps:
             raise ShmUnavailable(f"cannot open {offer.path}: {exc.strerror}") from None
         keep = False
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise ShmUnavailable(f"{offer.path} is not a regular file of this user")
+            st = _own_file(fd, offer.path)
             if st.st_size < offer.offset + offer.size:
                 raise ShmUnavailable(f"{offer.path} holds {st.st_size} bytes, fewer than the offered {offer.offset + offer.size}")
             key = (st.st_dev, st.st_ino, st.st_size, writable)
@@ -125,14 +116,19 @@ def check_token(offer: P.ShmOffer) -> None:
     except OSError as exc:
         raise ShmUnavailable(f"cannot read {offer.token_path}: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise ShmUnavailable(f"{offer.token_path} is not a regular file of this user")
+        _own_file(fd, offer.token_path)
         data = os.read(fd, P.SHM_TOKEN_BYTES + 1)
     finally:
         os.close(fd)
     if not hmac.compare_digest(data, offer.token):
         raise ShmUnavailable(f"token mismatch: {offer.token_path} belongs to another server (another host or container)")
+
+
+def _own_file(fd: int, path: str) -> os.stat_result:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise ShmUnavailable(f"{path} is not a regular file of this user")
+    return st
 
 
 COPY_BLOCK = 8 << 20  # one memcpy of hundreds of MB out of a shm mapping runs at half the speed of 8 MB pieces

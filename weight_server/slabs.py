@@ -1,12 +1,9 @@
 """Memory for versions: one contiguous slab per version, recycled once nothing reads it.
 
-Evicted slabs are recycled for later uploads of the same size once ZeroMQ has finished sending
-from them (tracked zero-copy sends) and no shared-memory reader holds a lease on them (pins),
-because touching fresh pages costs more than the transfer itself on small VMs. A slab is
-anonymous memory, or a file mapping made by an injected factory (``weight_server.shm``) that
-same-host peers map too; a file slab that a reader may still map without a lease (its lease
-expired, or its upload was aborted while the publisher wrote into it) is *tainted*: never
-recycled, its file removed once nothing sends from it.
+An evicted slab is reused for a later upload of its size once ZeroMQ has sent from it (tracked
+zero-copy sends) and no shared-memory lease pins it: fresh pages cost more than the transfer.
+A slab is anonymous memory or a file mapping (``weight_server.shm``); a file slab a reader may map
+without a lease is *tainted*: never recycled, its file removed once nothing sends from it.
 """
 
 from __future__ import annotations
@@ -70,11 +67,8 @@ SlabFactory = Callable[[int], "Slab | None"]
 
 
 class SlabPool:
-    """Recycles slabs of evicted versions once nothing reads them any more.
-
-    ``factory(nbytes)`` makes a file-backed slab, or returns None when it cannot (no room in the
-    shared-memory filesystem): that version then lives in anonymous memory.
-    """
+    """Recycles slabs of evicted versions once nothing reads them. ``factory(nbytes)`` makes a
+    file-backed slab, or None (no room in shared memory: the version lives in anonymous memory)."""
 
     def __init__(self, max_free: int = 2, factory: SlabFactory | None = None) -> None:
         self.max_free = max_free
@@ -87,9 +81,8 @@ class SlabPool:
         self._lock = threading.Lock()
 
     def prepare(self, nbytes: int) -> None:
-        """Make a file slab for the next upload of ``nbytes`` on a background thread unless a free
-        one fits: reserving and mapping a fresh file of a large model takes long enough to stall
-        every request behind a PUB_BEGIN that had to do it."""
+        """Make a file slab for the next upload of ``nbytes`` on a background thread unless a free one
+        fits (making one for a large model would stall the requests behind its PUB_BEGIN)."""
         self.collect()
         if self.factory is None or self._making or any(s.path is not None and self._fits(s, nbytes) for s in self.free):
             return

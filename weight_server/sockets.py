@@ -1,17 +1,10 @@
 """A ZeroMQ context that closes the sockets made from it and never blocks for ever doing so.
 
-A plain ``zmq.Context`` that the garbage collector finds in a reference cycle with its own
-open sockets (an object that owns both and sits in a traceback, or points back at itself)
-hangs the collecting thread for good: ``Context.__del__`` runs before the sockets' finalizers,
-and pyzmq's ``destroy()`` finds nothing to close because it tracks sockets in a WeakSet,
-which the collector clears first; ``term()`` then waits for sockets that nothing will close.
-:class:`Context` holds its open sockets strongly instead, so ``close()`` (and the collector,
-and ``with``) closes them all with linger 0 first, and it waits for termination at most
-``timeout_s``: a socket opened behind its back (``zmq.Socket(ctx, ...)``) costs that long and
-a warning, never a hung process.
-
-Sockets are not thread-safe: close a context from the thread that used its sockets, or after
-that thread has ended.
+A plain ``zmq.Context`` that the garbage collector finds in a reference cycle with its open
+sockets hangs the collecting thread: its ``term()`` runs before the sockets' finalizers, and
+pyzmq tracks them in a WeakSet the collector clears first. :class:`Context` holds its sockets
+strongly, closes them with linger 0 on ``close()`` (and ``with``, and collection), and waits for
+termination at most ``timeout_s``. Close it from the thread that used its sockets, or after it ended.
 """
 
 from __future__ import annotations
@@ -56,8 +49,7 @@ class Context(zmq.Context):
 
     def close(self, timeout_s: float = TERM_TIMEOUT_S) -> bool:
         """Close every socket made here (linger 0), then terminate the context, waiting at most
-        ``timeout_s``. True when terminated; False (logged) when something still holds a socket
-        open and the context is left to it."""
+        ``timeout_s``; False (logged) when a socket made elsewhere keeps it open."""
         if self.closed:
             return True
         for sock in self._open:

@@ -1,14 +1,9 @@
 """The server's versioned parameter store: uploads in progress and the newest K versions.
 
-Pure bookkeeping (numpy buffers, no sockets, no torch), so its rules are testable on their own:
-
-* a version becomes visible only at :meth:`VersionStore.commit`, after every tensor's bytes are
-  covered by received segments and every tensor hash matches the publisher's claim;
-* versions only grow: a push of an older or equal version is refused (:class:`Refused`);
-* the newest ``keep`` versions per name are held; older ones are evicted.
-
-Each version lives in one contiguous slab (:mod:`weight_server.slabs`); evicted versions give
-theirs back to the pool for later uploads.
+Pure bookkeeping (no sockets, no torch): a version becomes visible only at
+:meth:`VersionStore.commit`, once its bytes are all there and every tensor hash matches; versions
+only grow (an older push is :class:`Refused`); the newest ``keep`` per name are held, each in one
+slab (:mod:`weight_server.slabs`) that eviction gives back to the pool.
 """
 
 from __future__ import annotations
@@ -61,9 +56,8 @@ class Upload:
     grace_s: float = 0.0  # added to the idle timeout (a shm publisher sends nothing while it copies)
     segments: list[tuple[int, int]] = field(default_factory=list)
     wire_bytes: int = 0
-    # Cut-through: a full upload arrives in layout order, so every tensor byte below `watermark`
-    # is present and followers may be sent those chunks before the commit (they apply nothing
-    # until the commit and their own hash check). Out-of-order data or a delta turns it off.
+    # cut-through: every tensor byte below `watermark` is in (a full upload arriving in order),
+    # so followers may get those chunks before the commit; out-of-order data or a delta turns it off
     streamable: bool = False
     followers: int = 0  # pending-manifest requests (pulls that followed this upload)
     watermark: int = 0
@@ -82,9 +76,8 @@ class Upload:
         return k < len(self._starts) and self._starts[k] < end
 
     def advance(self, segments: list[tuple[int, int]]) -> None:
-        """Move the watermark over received segments and hash every tensor now complete, so the
-        commit has (almost) nothing left to hash. A segment below the watermark (overlap or
-        reorder) turns streaming off, and the commit re-hashes everything."""
+        """Move the watermark over received segments and hash every tensor now complete; a segment
+        below it (overlap or reorder) turns streaming off, and the commit hashes everything."""
         for o, n in segments:
             if not self.streamable:
                 return
@@ -121,7 +114,6 @@ class VersionStore:
         self.uploads: dict[int, Upload] = {}
         self.aborted: list[Upload] = []
 
-    # -- reading ---------------------------------------------------------------------------
     def newest(self, name: str) -> Version | None:
         held = self.versions.get(name)
         return held[max(held)] if held else None
@@ -134,7 +126,6 @@ class VersionStore:
     def held(self) -> dict[str, list[int]]:
         return {name: sorted(vs) for name, vs in self.versions.items() if vs}
 
-    # -- publishing --------------------------------------------------------------------------
     def begin(
         self,
         name: str,
@@ -205,8 +196,7 @@ class VersionStore:
         return up
 
     def _check_upload_budget(self, nbytes: int) -> None:
-        """Uploads pin memory (shared memory when offered) until they commit, abort or expire:
-        cap how many run at once and their bytes, so unauthenticated starts cannot pin the RAM."""
+        """Cap the uploads in progress and their bytes: they pin memory until they commit, abort or expire."""
         busy = self.upload_bytes()
         if len(self.uploads) >= self.max_uploads:
             raise Refused(P.E_BUSY, f"{len(self.uploads)} uploads are in progress (weight_server.max_uploads="
@@ -220,9 +210,7 @@ class VersionStore:
 
     def upload_byte_cap(self) -> int:
         """The most bytes the uploads in progress may hold together: ``max_upload_bytes`` when set,
-        else twice the largest version held (at least 1 GiB), or while nothing is held yet one
-        version's worth (``max_version_bytes``): the first publish fits, also retried or
-        superseded by a newer version (both end the unfinished upload of their name first)."""
+        else twice the largest version held (at least 1 GiB), or while nothing is held ``max_version_bytes``."""
         if self.max_upload_bytes is not None:
             return self.max_upload_bytes
         held = [v.layout.total_bytes for vs in self.versions.values() for v in vs.values()]
@@ -236,26 +224,18 @@ class VersionStore:
         """The upload of ``name`` newer than the newest held version, if any (a follower's chunks
         are served as they arrive when it is streamable, else at its commit)."""
         newest = self.newest(name)
-        for up in self.uploads.values():
-            if up.name == name and (newest is None or up.version > newest.version):
-                return up
-        return None
+        return next((up for up in self.uploads.values()
+                     if up.name == name and (newest is None or up.version > newest.version)), None)
 
     def upload_of(self, name: str, version: int) -> Upload | None:
-        for up in self.uploads.values():
-            if up.name == name and up.version == version:
-                return up
-        return None
+        return next((up for up in self.uploads.values() if up.name == name and up.version == version), None)
 
     def chunk_targets(
         self, upload_id: int, segments: list[tuple[int, int]], now: float | None = None, shm: bool = False,
     ) -> list[memoryview]:
-        """Where the data frames of a PUB_CHUNK go (writable views of the upload's slab). With
-        ``shm`` the chunk carries no data: the publisher says those bytes are already in the slab
-        file it was offered (none for an upload that was not offered shared memory)."""
-        up = self.uploads.get(upload_id)
-        if up is None:
-            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        """Where the data frames of a PUB_CHUNK go (views of the upload's slab); none with ``shm``: the
+        publisher wrote those bytes into the slab file it was offered."""
+        up = self._upload(upload_id)
         if shm and not up.shm:
             raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as data frames")
         up.last_activity = time.monotonic() if now is None else now
@@ -263,20 +243,21 @@ class VersionStore:
         up.wire_bytes += sum(n for _, n in segments)
         return [] if shm else [up.slab.view[o : o + n] for o, n in segments]
 
+    def _upload(self, upload_id: int) -> Upload:
+        up = self.uploads.get(upload_id)
+        if up is None:
+            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        return up
+
     def offer_shm(self, upload_id: int, grace_s: float) -> None:
-        """The publisher was offered the upload's slab file: it may write there without sending
-        anything for ``grace_s`` extra seconds, and the slab is never recycled if the upload fails
-        (the publisher may still be writing into it)."""
+        """The publisher was offered the upload's slab file: it may send nothing for ``grace_s`` extra seconds."""
         up = self.uploads[upload_id]
         up.shm, up.grace_s = True, grace_s
 
     def shm_written(self, upload_id: int) -> None:
-        """The publisher says it copied every changed tensor into the slab file. Unless it already
-        said so piece by piece (PUB_CHUNKs with ``shm``), count their bytes as received now (the
-        commit still checks coverage and every hash)."""
-        up = self.uploads.get(upload_id)
-        if up is None:
-            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        """The publisher copied every changed tensor into the slab file: unless PUB_CHUNKs with
+        ``shm`` said so piece by piece, count their bytes as received now."""
+        up = self._upload(upload_id)
         if not up.shm:
             raise Refused(P.E_MALFORMED, f"upload {upload_id} was not offered shared memory; send its bytes as PUB_CHUNKs")
         if up.segments:
@@ -296,9 +277,8 @@ class VersionStore:
     def commit(self, upload_id: int, now: float | None = None) -> tuple[Version, list[Version]]:
         """Verify coverage and hashes, make the version visible; returns (version, evicted)."""
         now = time.monotonic() if now is None else now
-        up = self.uploads.pop(upload_id, None)
-        if up is None:
-            raise Refused(P.E_UNKNOWN_UPLOAD, f"upload {upload_id} is unknown (finished, aborted or the server restarted)")
+        up = self._upload(upload_id)
+        del self.uploads[upload_id]
         try:
             self._check_coverage(up)
             done = up.computed if up.streamable else []
@@ -331,9 +311,7 @@ class VersionStore:
     def abort(self, upload_id: int) -> None:
         up = self.uploads.pop(upload_id, None)
         if up is not None:
-            # Never recycled: its publisher may still be copying into the file, and an aborted
-            # upload's size says nothing about the next (three expired 512 MB starts once stayed
-            # held as free slabs). Freed once nothing reads it.
+            # never recycled: its publisher may still be copying into the file; freed once nothing reads it
             up.slab.tainted = True
             self._retire(up)
 

@@ -1,23 +1,10 @@
 """The worker's side: hear announcements, pull a version, verify it, apply it in place.
 
-A pull asks for the manifest (tensor names, dtypes, shapes, per-tensor hashes), then fetches
-the version's chunks with at most ``max_inflight_chunks`` requests outstanding (credit-based flow
-control: the server sends a chunk only when asked, so many workers pulling at once share it
-fairly and server memory never grows with the number of pullers). Chunk bytes are received with
-``recv_into`` straight into one staging buffer; only after every tensor hash matches are they
-copied into the target (``copy_``, on the GPU when the target lives there). A half-received or
-mismatched version is never applied: the worker keeps running its current weights.
-
-Same host (``shm=auto`` on both sides): the manifest may offer the version's slab file with a
-lease. After checking the server's token the worker maps the file read-only (cached per file),
-hashes every needed tensor straight from the mapping, copies into the target only when all match
-(through the pinned staging buffer for GPU targets), and releases the lease (with its APPLIED
-report when it applied the version: one message, no answer awaited); no tensor byte crosses a
-socket. A token or mapping problem falls back to the TCP pull above, logged once.
-
-Calls never hang: while the server is down, ``pull`` returns None after ``request_timeout_s``
-and ``poll_announcement`` keeps returning the newest version seen; both work again once the
-server is back on the same address.
+A pull asks for the manifest, then fetches the chunks with at most ``max_inflight_chunks``
+requests outstanding (credit-based flow control) straight into one staging buffer, or on the same
+host reads the version's slab file under a lease (:mod:`weight_server.protocol`). Nothing reaches
+the target before every tensor hash matches: a worker keeps its weights otherwise. Calls never
+hang: while the server is down ``pull`` returns None after ``request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -35,9 +22,8 @@ from rlhf_core.config import WeightServerConfig
 from rlhf_core.wire import WireError
 from weight_server import protocol as P
 from weight_server.announcements import Announcements
-from weight_server.client import Channel, NoReply
-from weight_server.shm_map import ShmMaps, ShmUnavailable, copy_and_hash, copy_bytes, hash_tensors
-from weight_server.sockets import Context
+from weight_server.client import Channel, Client, NoReply
+from weight_server.shm_map import ShmUnavailable, copy_and_hash, copy_bytes, hash_tensors
 from weight_server.tensors import Staging, check_target, staged, target_of
 
 log = logging.getLogger(__name__)
@@ -59,22 +45,16 @@ class PullStats(TypedDict):
     last_pull_s: float | None
 
 
-class WeightSubscriber:
+class WeightSubscriber(Client):
     """Pulls versions of the parameter set ``name``. Not thread-safe (one per thread)."""
 
     def __init__(
         self, address: str, pub_address: str, cfg: WeightServerConfig | None = None, worker_id: str = "w0",
         name: str = "policy", ctx: zmq.Context | None = None,
     ) -> None:
-        self.cfg = cfg or WeightServerConfig()
-        self.cfg.check_shm()
+        super().__init__(cfg or WeightServerConfig(), ctx)
         self.worker_id = worker_id
         self.name = name
-        self._maps = ShmMaps() if self.cfg.shm == "auto" else None
-        self._own_ctx: Context | None = None
-        if ctx is None:
-            ctx = self._own_ctx = Context()
-        self.ctx = ctx
         channel = None
         try:
             channel = Channel(address, self.cfg, self.ctx, rcvhwm=2 * self.cfg.max_inflight_chunks + 16)
@@ -95,51 +75,26 @@ class WeightSubscriber:
             "integrity_failures": 0, "timeouts": 0, "last_pull_s": None,
         }
 
-    def close(self) -> None:
-        """Close the sockets (linger 0), the mappings and an own context."""
-        try:
-            self.channel.close()
-            self.announcements.close()
-        finally:
-            self._release()
+    def _close_sockets(self) -> None:
+        self.channel.close()
+        self.announcements.close()
 
-    def _release(self) -> None:
-        """Close the mappings and an own context; also after a failed constructor."""
-        try:
-            if self._maps is not None:
-                self._maps.close()
-        finally:
-            if self._own_ctx is not None:
-                self._own_ctx.close()
-
-    def __enter__(self) -> WeightSubscriber:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # -- announcements ------------------------------------------------------------------------------
     def poll_announcement(self, timeout_ms: int = 0, pending: bool = False) -> int | None:
-        """The newest version announced so far (None: none heard yet). Non-blocking by default;
-        cheap enough to call between decoding steps. ``pending=True`` also counts versions whose
-        upload has only started: a pull then follows the upload (cut-through) and returns once
-        it is committed and verified."""
+        """The newest version announced so far (None: none yet); non-blocking by default, cheap between
+        decoding steps. ``pending=True`` also counts uploads that have only started (a pull follows them)."""
         return self.announcements.poll(timeout_ms, pending)
 
-    # -- pull ---------------------------------------------------------------------------------------------
     def pull(
         self, version: int | None = None, into: Any = None, skip_unchanged: bool = True, follow: bool = True,
     ) -> tuple[int, dict[str, torch.Tensor] | None] | None:
         """Fetch the newest (or the named) version, verify it, and apply it.
 
-        ``into``: an nn.Module or a dict of preallocated tensors, updated in place with ``copy_``
-        (names must match exactly; dtypes may differ). With ``skip_unchanged``, tensors whose
-        hash equals what this subscriber last applied into the same target are not fetched.
-        With ``follow`` (and ``version`` None), an upload in progress that is newer than the
-        newest visible version is followed as its bytes arrive, and applied after its commit.
+        ``into``: an nn.Module or a dict of preallocated tensors, updated in place (names must
+        match; dtypes may differ). ``skip_unchanged``: tensors whose hash equals what was last
+        applied into the same target are not fetched. ``follow`` (``version`` None): an upload in
+        progress newer than the newest version is followed as its bytes arrive (cut-through).
         Returns ``(version, None)`` after an in-place pull, ``(version, {name: tensor})`` when
-        ``into`` is None, or None when nothing was applied (server down, no version yet, or a
-        verification failure; the current weights stay in use).
+        ``into`` is None, or None when nothing was applied (the current weights stay in use).
         """
         t0 = time.monotonic()
         try:
@@ -168,9 +123,8 @@ class WeightSubscriber:
             return self._pull_tcp(man, layout, v, chunk_bytes, into, skip_unchanged, follow, retry_newest)
         lease = offer.lease
         assert lease is not None  # parse_shm_offer(leased=True) refuses an offer without one
-        # A lease pins the slab on the server until released: release it on every way out (an
-        # applied shm pull does so with its APPLIED report), except when the server stopped
-        # answering (it expires the lease by itself).
+        # the lease pins the slab on the server: released on every way out (with the APPLIED report
+        # of an applied shm pull) but when the server stopped answering (it expires the lease)
         via, released = None, False
         try:
             plan = self._plan(layout, v, into, skip_unchanged)
@@ -231,12 +185,9 @@ class WeightSubscriber:
         self, man: dict[str, Any], layout: P.Layout, v: int, chunk_bytes: int, slab: np.ndarray, into: Any,
         lease: int, target: Any, needed: list[int],
     ) -> tuple[Any, str | None, bool]:
-        """Read version ``v`` from the leased slab mapping: every needed tensor is hashed there (or
-        while it is copied into the staging buffer) and nothing reaches the target unless all
-        match. ``into=None`` gets its own copy, never a view of a slab the server may recycle.
-        A followed upload is hashed as its bytes land and applied after the commit.
-        Returns (result, how the bytes came: "shm", or None when none were read, and whether
-        the APPLIED report of bytes applied into a target released ``lease``)."""
+        """Read version ``v`` from the leased slab mapping, hashing every needed tensor there (or as it
+        is copied into the staging buffer; ``into=None`` gets its own copy, never a view of a slab).
+        Returns (result, "shm" or None when no bytes were read, whether the APPLIED report released ``lease``)."""
         staging = None
         if target is None or any(t.is_cuda for t in target.values()):
             staging = self._staging.buffer(layout.total_bytes, target)  # owned (into=None) or pinned (GPU)
@@ -313,9 +264,8 @@ class WeightSubscriber:
 
     def _finish(self, layout: P.Layout, v: int, source: Any, target: Any, into: Any, needed: list[int],
                 lease: int | None = None) -> Any:
-        """Verified bytes in ``source`` (an owned staging tensor, or the slab mapping for an in-place
-        pull): return them (``into=None``) or apply them into the target and report it (releasing
-        ``lease``, the slab's, with the report)."""
+        """Verified bytes in ``source`` (a staging tensor, or the slab mapping): returned (``into=None``)
+        or applied into the target and reported (releasing the slab's ``lease`` with the report)."""
         self.stats["pulls"] += 1
         if target is None:
             self.version = v
@@ -331,11 +281,10 @@ class WeightSubscriber:
     def _fetch(
         self, layout: P.Layout, v: int, chunk_bytes: int, needed: list[int], buf: Any, notices: bool = False,
     ) -> tuple[dict[str, Any] | None, dict[int, bytes]]:
-        """Fetch the chunks holding tensors ``needed`` into ``buf`` with at most
-        ``max_inflight_chunks`` requests outstanding. Each tensor is hashed as soon as all its bytes
-        are in, while later chunks are still arriving. With ``notices`` ``buf`` is the mapping of
-        the upload's slab: the server only says (no data) when each chunk's bytes are there.
-        Returns (the ERROR reply that stopped it, if any; {tensor index: hash})."""
+        """Fetch the chunks holding tensors ``needed`` into ``buf`` with at most ``max_inflight_chunks``
+        requests outstanding, hashing each tensor once its bytes are in (``notices``: ``buf`` is the
+        upload's slab mapping, the server only says when each chunk is there). Returns (the ERROR
+        reply that stopped it, if any; {tensor index: hash})."""
         order = P.chunks_covering(layout, needed, chunk_bytes)
         chunks = deque(order)
         outstanding: dict[int, int] = {}  # request id -> chunk index
@@ -392,9 +341,8 @@ class WeightSubscriber:
         return layout, v, chunk_bytes
 
     def report_applied(self, version: int, apply_s: float | None = None, lease: int | None = None) -> None:
-        """Tell the server this worker applied ``version`` (the weight-sync latency metric), and
-        release ``lease`` (a slab the bytes were read from) with it: one message, no answer
-        awaited. Best effort: dropped silently when the server is down (a lease then expires)."""
+        """Tell the server this worker applied ``version`` (the weight-sync latency metric), releasing
+        ``lease`` with it; no answer awaited, dropped when the server is down (a lease then expires)."""
         try:
             self.channel.send(P.APPLIED, timeout_s=0.2, name=self.name, version=int(version), worker=self.worker_id,
                               apply_s=apply_s, lease=lease)

@@ -61,14 +61,6 @@ def named_tensors(source: Any) -> list[tuple[str, torch.Tensor]]:
     return sorted(out.items())
 
 
-def to_wire(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous CPU tensor in the transfer dtype (floating tensors only are cast). No copy when
-    the tensor already is one."""
-    t = t.detach()
-    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return t.to(device="cpu", dtype=target).contiguous()
-
-
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, zero-copy (works for bfloat16 and bool)."""
     flat = t.reshape(-1)
@@ -118,13 +110,9 @@ def readonly_tensor(data: np.ndarray) -> torch.Tensor:
 
 
 def target_of(into: Any) -> dict[str, torch.Tensor]:
-    """The tensors a pull writes into: an nn.Module's state_dict (shares storage with its
-    parameters and buffers) or a dict of preallocated tensors.
-
-    A module's tied weights (e.g. ``lm_head.weight`` sharing ``embed_tokens.weight``, as in
-    Qwen2-0.5B) appear once, under their first name: ``named_parameters`` order, which is what a
-    learner publishes, so an alias is never asked for and is updated through the tensor it shares.
-    """
+    """The tensors a pull writes into: an nn.Module's state_dict or a dict of preallocated tensors.
+    A module's tied weights (``lm_head.weight`` sharing ``embed_tokens.weight``) appear once, under
+    their first name in ``named_parameters`` order, as a learner publishes them."""
     if isinstance(into, torch.nn.Module):
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         out = {}
@@ -172,14 +160,12 @@ class Staging:
             spec = layout.tensors[i]
             dest = target[spec.name].detach()
             if dest.device.type == "cpu" and dest.is_contiguous() and TORCH_TO_WIRE.get(dest.dtype) == spec.dtype:
-                # Same bytes: a single-threaded numpy memcpy (releases the GIL). torch's copy_
-                # splits big copies across intra-op threads, which is slower on a busy small box.
+                # same bytes: a single-threaded numpy memcpy (torch's copy_ splits it across threads)
                 if spec.nbytes:
                     copy_bytes(dest.reshape(-1).view(torch.uint8).numpy(), source[spec.offset : spec.offset + spec.nbytes])
                 continue
             if dest.is_cuda:
-                # Host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they
-                # already are (a TCP pull received into the pinned staging buffer).
+                # host->GPU from pinned memory is asynchronous DMA: stage the bytes there unless they are
                 cuda = True
                 stage = self.buffer(layout.total_bytes, target)
                 if stage.data_ptr() != source.ctypes.data:

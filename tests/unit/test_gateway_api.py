@@ -536,7 +536,7 @@ def test_restore_puts_back_what_a_failed_call_changed(tokenizer):
 @pytest.fixture(scope="module")
 def finisher(tokenizer):
     """The gateway's reply builder (``Replies.finish``) on the tiny tokenizer, without a server."""
-    from gateway.replies import Replies
+    from gateway.handlers import Replies
     from gateway.routing import Choice
 
     replies = Replies(tokenizer)
