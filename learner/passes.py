@@ -1,7 +1,7 @@
 """What an algorithm asks of the models during an update (``PolicyUpdater.passes``): this rank's
 rows of the batch, the tokens that enter the losses, and per-token outputs: log-probs under the
-policy (with gradients, for the loss) or the reference, and the no-grad passes before training
-(pi_prox, reference log-probs, critic values), micro-batched (:mod:`learner.lm_head`)."""
+policy (with gradients, for the loss), the reference or the teacher, and the no-grad passes before
+training (pi_prox, reference and teacher log-probs, critic values), micro-batched (:mod:`learner.lm_head`)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ class MissingReferenceError(UserError):
 
 class ModelPasses:
     """The passes of one rank through the policy (``engine``), the frozen reference model
-    (``ref_model``, or None) and the critic (``critic``, or None)."""
+    (``ref_model``, or None), the critic (``critic``, or None) and the frozen teacher of
+    ``distill.teacher.path`` (``teacher``, or None)."""
 
     def __init__(self, cfg: Config, engine: TrainEngine, ref_model: torch.nn.Module | None,
-                 critic: TrainEngine | None) -> None:
+                 critic: TrainEngine | None, teacher: torch.nn.Module | None = None) -> None:
         self.algo, self.lcfg, self.rollout = cfg.algo, cfg.learner, cfg.rollout
-        self.engine, self.ref_model, self.critic = engine, ref_model, critic
+        self.engine, self.ref_model, self.critic, self.teacher = engine, ref_model, critic, teacher
         self.device = next(engine.module.parameters()).device
 
     def loss_mask(self, batch: TrainBatch) -> torch.Tensor:
@@ -47,15 +48,15 @@ class ModelPasses:
         fill = per_rank - len(rows)
         return rows + [0] * fill, [False] * len(rows) + [True] * fill
 
-    def logprobs(self, mb: TrainBatch, entropy: bool, ref: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[b, T]`` log-probs of ``mb``'s responses (and entropies) under the policy (or, with ``ref``,
-        the reference model) with the rollout's sampling settings, so they compare with the workers'
-        behaviour log-probs (:func:`learner.lm_head.response_logprobs`)."""
+    def logprobs(self, mb: TrainBatch, entropy: bool,
+                 frozen: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[b, T]`` log-probs of ``mb``'s responses (and entropies) under the policy (or ``frozen``, a
+        plain module: the reference model or the teacher) with the rollout's sampling settings, so
+        they compare with the workers' behaviour log-probs (:func:`learner.lm_head.response_logprobs`)."""
         model: torch.nn.Module = self.engine.module
         forward: Callable[..., Any] = self.engine.forward
-        if ref:
-            assert self.ref_model is not None  # reference_logprobs checked
-            forward = model = self.ref_model
+        if frozen is not None:
+            forward = model = frozen
         return response_logprobs(forward, model, mb, self.rollout, chunk_tokens=self.lcfg.logits_chunk_tokens,
                                  entropy=entropy, entropy_grad=bool(self.algo.entropy_coef),
                                  compiled=self.engine.compiled, keep_logits=self.lcfg.keep_head_logits)
@@ -99,4 +100,10 @@ class ModelPasses:
                 "the samples carry none and the learner has no reference model: set rollout.ref_logprobs_on=worker "
                 "or give the learner a reference model (rlhf_core.models.load_reference)"
             )
-        return self._recompute(batch, lambda mb: self.logprobs(mb, False, ref=True)[0])
+        return self._recompute(batch, lambda mb: self.logprobs(mb, False, self.ref_model)[0])
+
+    def teacher_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` the teacher's log-probs of the sampled tokens: the rows, loss mask and sampling
+        settings of every other pass (:mod:`learner.algorithms.distill`)."""
+        assert self.teacher is not None  # asked only when distill.teacher.path loaded one (PolicyGradient.prepare)
+        return self._recompute(batch, lambda mb: self.logprobs(mb, False, self.teacher)[0])

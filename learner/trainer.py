@@ -60,7 +60,7 @@ from rlhf_core.metric_names import (
     UPDATES,
     VERSION,
 )
-from rlhf_core.models import load_critic, load_policy, load_reference, load_tokenizer
+from rlhf_core.models import load_critic, load_policy, load_reference, load_teacher, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Learner:
         self.critic = make_engine(cfg, load_critic(cfg.model)) if algo.needs_critic else None
         needs_ref = (cfg.algo.kl_coef > 0 or algo.needs_reference) and cfg.rollout.ref_logprobs_on != "worker"
         self.ref = load_reference(cfg.model) if needs_ref else None
-        self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic)
+        self.teacher = load_teacher(cfg) if cfg.distill.enabled else None  # one copy per rank, beside the reference
+        self.updater = PolicyUpdater(cfg, self.engine, self.ref, self.critic, self.teacher)
         self.buffer = buffer or LearnerClient.connect(cfg.buffer.url, cfg.buffer.run_id, cfg.buffer)
         self.buffer_producer, self.buffer_monitor = ProducerClient(self.buffer.store), MonitorClient(self.buffer.store)
         self.rank0 = self.engine.is_rank0

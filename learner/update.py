@@ -12,8 +12,8 @@ metrics out.
    ``algo.estimator``): this rank's rows (every rank is given the SAME batch; rank ``r``
    trains rows ``r, r + W, ...``, padded with blank filler rows so every rank makes the same
    number of forward/backward calls, which ZeRO-3 requires), the no-grad passes it needs
-   (:class:`learner.passes.ModelPasses`: pi_prox, reference log-probs, critic values) and its
-   advantages;
+   (:class:`learner.passes.ModelPasses`: pi_prox, reference and teacher log-probs, critic values)
+   and its advantages;
 4. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each accumulating the algorithm's
    ``loss`` over sort-by-length micro-batches. Every micro-batch loss is scaled by its share of
    the minibatch (tokens, sequences or pairs, counted over all ranks), so the accumulated
@@ -84,16 +84,18 @@ class PolicyUpdater:
         engine: the policy's :class:`learner.engines.TrainEngine`.
         ref_model: frozen reference policy (plain module on this rank's device) or None.
         critic_engine: the critic's engine (``rlhf_core.models.load_critic``) or None.
+        teacher: frozen teacher of ``distill.teacher.path`` (``rlhf_core.models.load_teacher``) or None.
     """
 
     def __init__(self, cfg: Config, engine: TrainEngine, ref_model: torch.nn.Module | None = None,
-                 critic_engine: TrainEngine | None = None) -> None:
+                 critic_engine: TrainEngine | None = None, teacher: torch.nn.Module | None = None) -> None:
         self.cfg, self.algo, self.lcfg, self.rollout = cfg, cfg.algo, cfg.learner, cfg.rollout
+        self.distill = cfg.distill
         self.engine, self.critic = engine, critic_engine
         self.algorithm = algorithms.algorithm(cfg.algo.estimator)
         self.policy_loss = algorithms.policy_loss(cfg.algo.policy_loss)
         self.reward_stats = RunningMoments()
-        self.passes = ModelPasses(cfg, engine, ref_model, critic_engine)  # what the algorithm asks of the models
+        self.passes = ModelPasses(cfg, engine, ref_model, critic_engine, teacher)  # what the algorithm asks of the models
         self.device = self.passes.device
         # ds_numel: under ZeRO-3 a parameter here is an empty placeholder for its partitions
         self.trainable_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()

@@ -76,6 +76,12 @@ def mismatch_key(split: str, stat: str) -> str:
 #: a learner row's key -> what it means (Prometheus's HELP text); a key not here is described by its name
 METRIC_HELP = {mismatch_key(split, stat): f"train/rollout mismatch over the update's {where}: {what}"
                for split, where in MISMATCH_SPLITS.items() for stat, what in MISMATCH_STATS.items()}
+# on-policy distillation (distill.teacher.path): the student's reverse KL to the teacher per token of the
+# loss mask, KL(mu || teacher) on the samples of mu (k1: the mean of log mu - log teacher, the negative
+# mean teacher advantage; k3: Schulman's low-variance estimate), and the teacher's no-grad pass time
+DISTILL_REVERSE_KL = "distill/reverse_kl"
+DISTILL_REVERSE_KL_K3 = "distill/reverse_kl_k3"
+DISTILL_TEACHER_S = "distill/time_teacher_s"
 # In the learner's last stats record only (`_finish`): why it stopped, one of STOP_REASONS
 STOPPED_BY = "learner/stopped_by"
 STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL = "budget", "time", "data", "signal"

@@ -18,7 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from rlhf_core import lora
-from rlhf_core.config import ConfigError, ModelConfig, TinyModelConfig
+from rlhf_core.config import Config, ConfigError, ModelConfig, TinyModelConfig, response_budget
+from rlhf_core.config.rollout import budget_setting
 from rlhf_core.model_paths import resolve_path
 
 if TYPE_CHECKING:
@@ -194,13 +195,68 @@ def check_lora(cfg: ModelConfig) -> tuple[int, int] | None:
     process later. Returns (adapter parameters, all parameters), or None when LoRA is off."""
     if not lora.enabled(cfg.lora):
         return None
+    config = policy_config(cfg)
+    return lora.check_targets(config, cfg.lora, trust_remote_code=cfg.trust_remote_code)
+
+
+def policy_config(cfg: ModelConfig) -> Any:
+    """The policy's transformers config, read without its weights (the tiny model's not even built)."""
+    if cfg.path is None and cfg.name == "tiny":
+        return tiny_model_config(cfg.tiny)
     from transformers import AutoConfig
 
-    if cfg.path is None and cfg.name == "tiny":
-        config = tiny_model_config(cfg.tiny)
-    else:
-        config = AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=cfg.trust_remote_code)
-    return lora.check_targets(config, cfg.lora, trust_remote_code=cfg.trust_remote_code)
+    return AutoConfig.from_pretrained(model_dir(cfg), trust_remote_code=cfg.trust_remote_code)
+
+
+def check_teacher(cfg: Config) -> Path:
+    """The folder of ``distill.teacher.path`` once its files show it can score the student's
+    samples: it exists, its tokenizer gives every token of the student's the student's id, its vocabulary
+    covers the student's (a larger one is padding no token the student samples reaches, e.g.
+    Qwen2.5-7B's 152,064 rows beside 0.5B's 151,936) and its context holds a prompt and a
+    response of this run. A :class:`ConfigError` naming both sides otherwise. Reads configs and
+    tokenizers, no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    value, model = str(cfg.distill.teacher.path), cfg.model
+    path = resolve_path(value, "distill.teacher.path")
+    key = f"distill.teacher.path={value}"
+    student = f"model.path={model.path}" if model.path else f"model={model.name}"
+    if not (path / "tokenizer_config.json").exists():
+        raise ConfigError(f"{key} has no tokenizer (tokenizer_config.json): save the teacher's tokenizer beside it "
+                          "(tokenizer.save_pretrained), so that it can be checked against the student's")
+    teacher_vocab = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code).get_vocab()
+    student_vocab = load_tokenizer(model).get_vocab()
+    moved = [t for t, i in student_vocab.items() if teacher_vocab.get(t) != i]
+    if moved:
+        example = moved[0]
+        raise ConfigError(f"{key}: its tokenizer ({len(teacher_vocab)} tokens) is not the student's ({student}, "
+                          f"{len(student_vocab)} tokens): {len(moved)} of the student's tokens have another id or none "
+                          f"there (e.g. {example!r}: {student_vocab.get(example)} vs {teacher_vocab.get(example)}); "
+                          "distillation compares the two models' log-probs of the same token ids")
+    teacher = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code).get_text_config()
+    mine = policy_config(model).get_text_config()
+    if teacher.vocab_size < mine.vocab_size:
+        raise ConfigError(f"{key} has vocab_size {teacher.vocab_size}, the student ({student}) {mine.vocab_size}: the "
+                          "teacher has no log-prob for the student's last ids; distil from a teacher whose vocabulary "
+                          "covers the student's")
+    context = getattr(teacher, "max_position_embeddings", None)
+    need = cfg.rollout.max_prompt_tokens + response_budget(cfg.rollout)
+    if context is not None and context < need:
+        raise ConfigError(f"{key} holds max_position_embeddings {context} tokens, but a sample of this run takes up to "
+                          f"rollout.max_prompt_tokens {cfg.rollout.max_prompt_tokens} + {budget_setting(cfg.rollout)} "
+                          f"{response_budget(cfg.rollout)} = {need}; shorten them or distil from a teacher with a "
+                          "longer context")
+    return path
+
+
+def load_teacher(cfg: Config) -> PreTrainedModel:
+    """The frozen teacher of ``distill.teacher.path`` (checked by :func:`check_teacher` first),
+    at ``model.dtype`` on ``model.device``, as the reference model is."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, check_teacher(cfg), cfg.model)
+    model.eval().requires_grad_(False)
+    return model
 
 
 def load_reference(cfg: ModelConfig) -> PreTrainedModel:

@@ -365,7 +365,8 @@ class Supervisor:
 
 def check_before_start(cfg: Config) -> None:
     """What would fail a role after it started fails the run before anything starts: reward
-    targets, the environment, data files, LoRA targets. Hub ids are pinned to their folders."""
+    targets, the environment, data files, LoRA targets, a teacher that does not fit the student.
+    Hub ids are pinned to their folders."""
     check_reward_targets(cfg.reward)
     import_env_target(cfg.rollout)
     for name, data in (("data", cfg.data), ("eval.data", cfg.eval.data if cfg.eval.every else None)):
@@ -376,6 +377,10 @@ def check_before_start(cfg: Config) -> None:
         from rlhf_core.models import check_lora  # torch and transformers: only when there is something to check
 
         check_lora(cfg.model)  # LoRA targets on a weightless copy of the model: a typo stops here
+    if cfg.distill.enabled:
+        from rlhf_core.models import check_teacher
+
+        cfg.distill.teacher.path = str(check_teacher(cfg).absolute())  # its files against the student's; a Hub id pinned
 
 
 def pin_paths(cfg: Config) -> None:

@@ -48,6 +48,7 @@ class Updater(Protocol):
 
     algo: Any  # AlgoConfig
     rollout: Any  # RolloutConfig: the sampling settings log-probs are computed under
+    distill: Any  # DistillConfig: on-policy distillation's settings (its teacher is passes.teacher)
     engine: TrainEngine
     critic: TrainEngine | None
     device: torch.device

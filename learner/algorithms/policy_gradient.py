@@ -1,6 +1,7 @@
 """The body every policy-gradient family shares (grpo, dr_grpo, rloo, reinforce_pp, gae): its
-own advantages, then the configured policy loss (``algo.policy_loss``) with the entropy bonus,
-the KL to the reference and, with a critic, the value loss.
+own advantages (with a teacher, ``distill.teacher.path``, beside the teacher's per-token ones:
+:mod:`learner.algorithms.distill`), then the configured policy loss (``algo.policy_loss``) with
+the entropy bonus, the KL to the reference and, with a critic, the value loss.
 
 The loss mask of every loss, KL, entropy, advantage and statistic is ``TrainBatch.policy_mask``
 (the tokens the policy sampled: a multi-turn episode's observations are out), AND finite
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.algorithms import Work
+from learner.algorithms import Work, distill
 from learner.algorithms.core import (
     AllReduce,
     aggregate,
@@ -88,11 +89,14 @@ class PolicyGradient:
         m.set("learner/prox_pass", float(prox is not None))
         need_ref = a.kl_coef > 0
         ref = up.passes.reference_logprobs(local) if need_ref else None
+        teacher = distill.teacher_logprobs(up, local, m)  # None without distill.teacher.path
         # A token that top-k/top-p now filters out has log-prob -inf under pi_prox (or the
-        # reference): no ratio exists for it, so it leaves the loss (counted in a metric).
+        # reference, or the teacher): no ratio exists for it, so it leaves the loss (counted in a metric).
         finite = torch.isfinite(local.behaviour_logprobs)
         if prox is not None:
             finite &= torch.isfinite(prox)
+        if teacher is not None:
+            finite &= torch.isfinite(teacher)
         if ref is not None:
             finite &= torch.isfinite(ref)
             ref = torch.where(finite, ref, torch.zeros_like(ref))
@@ -107,6 +111,8 @@ class PolicyGradient:
         adv, returns = self.normalized_advantages(a, AdvantageInputs(
             rewards, batch.group_sizes, torch.tensor(rows, device=up.device), mask, kl=kl, values=old_values,
             behav=local.behaviour_logprobs, prox=prox))
+        if teacher is not None:  # on-policy distillation: the teacher's per-token advantage beside (or instead of) the rewards'
+            adv = distill.add_teacher_advantages(up, adv, teacher, local, mask, m)
         if prox is not None:
             staleness_metrics(local, prox, mask, m)
             mismatch_metrics(local, prox, mask, up.version, m)

@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlhf_core.choices import DataSource, Dtype, LearnerEngine, Overlong, RolloutEngine
+from rlhf_core.choices import DataSource, Dtype, Estimator, LearnerEngine, Overlong, RolloutEngine
 from rlhf_core.config.buffer import replay_mode
 from rlhf_core.config.model import VLLM_LORA_RANKS
 from rlhf_core.config.reward import ENV_COMPONENT, reward_names
@@ -23,11 +23,12 @@ def validate(cfg: Any) -> None:
     cfg.algo.check()
     batch_holds_whole_groups(cfg)  # before the learner's micro-batches: what a batch size must fit first
     for section in (cfg.learner, cfg.rollout, cfg.model, cfg.data, cfg.buffer, cfg.weight_server, cfg.run,
-                    cfg.reward, cfg.eval, cfg.ray, cfg.gateway, cfg.sandbox):
+                    cfg.reward, cfg.eval, cfg.distill, cfg.ray, cfg.gateway, cfg.sandbox):
         section.check()
     for rule in (tiny_model_holds_context, lora_rank_runs_on_vllm, float16_has_loss_scaling, buffer_holds_a_batch,
                  no_reward_hides_the_environment, overlong_buffer_fits_the_budget, evaluation_runs_single_turn,
-                 learner_ranks_have_an_engine, something_makes_samples, gateway_fills_a_fifo):
+                 learner_ranks_have_an_engine, something_makes_samples, gateway_fills_a_fifo,
+                 distillation_trains_a_policy_gradient, distillation_keeps_equal_reward_groups):
         rule(cfg)
 
 
@@ -106,3 +107,17 @@ def gateway_fills_a_fifo(cfg: Config) -> None:
     if cfg.gateway.enabled and replay_mode(cfg.buffer):
         raise ConfigError("the gateway appends its episodes to a FIFO buffer; it does not fill a replay table "
                           "(buffer.max_reuse=1, buffer.samples_per_insert=null, buffer.sampling=fifo)")
+
+
+def distillation_trains_a_policy_gradient(cfg: Config) -> None:
+    if cfg.distill.enabled and cfg.algo.estimator == Estimator.dpo:
+        raise ConfigError("distill.teacher.path with algo.estimator=dpo: the teacher's per-token advantage is trained by a "
+                          "policy gradient, which DPO's pair loss has none of; use algo.estimator=grpo (or another "
+                          "policy-gradient estimator) or drop distill.teacher.path")
+
+
+def distillation_keeps_equal_reward_groups(cfg: Config) -> None:
+    if cfg.distill.enabled and cfg.distill.reward_weight == 0 and cfg.algo.filter_groups:
+        raise ConfigError("algo.filter_groups=true with pure distillation (distill.reward_weight=0): the filter would drop "
+                          "every group whose rewards are equal, though the teacher's advantage does not come from the "
+                          "rewards; set algo.filter_groups=false or distill.reward_weight > 0")

@@ -12,6 +12,7 @@ from rlhf_core.choices import Launcher
 from rlhf_core.config.algo import AlgoConfig
 from rlhf_core.config.buffer import BufferConfig
 from rlhf_core.config.data import DataConfig, EvalConfig
+from rlhf_core.config.distill import DistillConfig
 from rlhf_core.config.learner import LearnerConfig
 from rlhf_core.config.model import ModelConfig
 from rlhf_core.config.reward import RewardConfig
@@ -39,6 +40,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
     launcher: Launcher = Launcher.local  # rlhf-run: child processes on this machine, or Ray actors on a cluster
     ray: RayConfig = field(default_factory=RayConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
