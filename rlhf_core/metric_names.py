@@ -52,7 +52,14 @@ REWARD_STATS = frozenset({
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 STALENESS_HIST = "staleness/hist"  # samples per lag 0, 1, ... in this update's batch
-KL_KEYS = ("loss/kl", "loss/approx_kl")  # KL against the reference when there is one, else vs pi_prox
+# on-policy distillation (distill.teacher.path): the student's reverse KL to the teacher per token of the
+# loss mask, KL(mu || teacher) on the samples of mu (k1: the mean of log mu - log teacher, the negative
+# mean teacher advantage; k3: Schulman's low-variance estimate), and the teacher's no-grad pass time
+DISTILL_REVERSE_KL = "distill/reverse_kl"
+DISTILL_REVERSE_KL_K3 = "distill/reverse_kl_k3"
+DISTILL_TEACHER_S = "distill/time_teacher_s"
+# kl.png's: the KL to the teacher when distilling, else against the reference when there is one, else vs pi_prox
+KL_KEYS = (DISTILL_REVERSE_KL, "loss/kl", "loss/approx_kl")
 # Train/rollout mismatch (learner/algorithms/mismatch.py): the workers' behaviour log-probs against the
 # learner's of the same tokens, per split: lag 0 (sampled by the weights the learner holds, context
 # included: numerics or an engine bug) and lagged (older weights or context: staleness too).
@@ -76,12 +83,6 @@ def mismatch_key(split: str, stat: str) -> str:
 #: a learner row's key -> what it means (Prometheus's HELP text); a key not here is described by its name
 METRIC_HELP = {mismatch_key(split, stat): f"train/rollout mismatch over the update's {where}: {what}"
                for split, where in MISMATCH_SPLITS.items() for stat, what in MISMATCH_STATS.items()}
-# on-policy distillation (distill.teacher.path): the student's reverse KL to the teacher per token of the
-# loss mask, KL(mu || teacher) on the samples of mu (k1: the mean of log mu - log teacher, the negative
-# mean teacher advantage; k3: Schulman's low-variance estimate), and the teacher's no-grad pass time
-DISTILL_REVERSE_KL = "distill/reverse_kl"
-DISTILL_REVERSE_KL_K3 = "distill/reverse_kl_k3"
-DISTILL_TEACHER_S = "distill/time_teacher_s"
 # In the learner's last stats record only (`_finish`): why it stopped, one of STOP_REASONS
 STOPPED_BY = "learner/stopped_by"
 STOP_BUDGET, STOP_TIME, STOP_DATA, STOP_SIGNAL = "budget", "time", "data", "signal"

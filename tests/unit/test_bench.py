@@ -104,3 +104,16 @@ def test_vs_trl_cpu_window_opens_at_the_end_of_the_warm_up():
     samples = [(0.5 * i, 0.1 * i) for i in range(12)]
     assert vs_trl.trl_cpu_per_update(samples, [1.0, 2.0, 3.0, 4.0, 5.0], warmup=2) == pytest.approx(
         {"trl": 200.0, "total": 200.0})
+
+
+def test_distill_tenths_of_a_runs_metrics():
+    import distill
+
+    # 20 updates with reverse KL 20, 19, ..., 1 (one row without it): a tenth is 2 rows;
+    # first tenth (20 + 19) / 2 = 19.5, last (2 + 1) / 2 = 1.5, the ratio 1.5 / 19.5 = 0.0769: halved
+    rows = [{"distill/reverse_kl": float(20 - i)} for i in range(20)] + [{"reward/mean": 0.1}]
+    assert distill.tenth(rows, "distill/reverse_kl", last=False) == 19.5
+    assert distill.tenth(rows, "distill/reverse_kl", last=True) == 1.5
+    assert distill.tenth(rows, "missing", last=True) is None
+    # fewer than 10 rows: a "tenth" is the one row at that end
+    assert distill.tenth(rows[:5], "distill/reverse_kl", last=True) == 16.0
