@@ -5,6 +5,7 @@ reverse-KL metrics, the default path untouched without one)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from learner.engine_factory import make_engine
 from learner.update import PolicyUpdater
 from learner_helpers import T, batch_of, close, digit_reward, generate_samples, tiny_config, train
 from rlhf_core import metric_names as M
-from rlhf_core.models import load_policy
+from rlhf_core.models import load_policy, load_reference
 
 NAN = float("nan")
 
@@ -136,6 +137,27 @@ def test_without_a_teacher_there_is_no_teacher_pass_nor_metric(models, tiny_mode
     cfg = tiny_config(tiny_model_cfg, **{"learner.batch_size": 4})
     m = train(PolicyUpdater(cfg, make_engine(cfg, copy.deepcopy(student))), smp, 0)
     assert not any(k.startswith("distill/") for k in m)
+
+
+def test_a_lora_student_distils_unchanged(models, tiny_model_cfg):
+    # the teacher is a model of its own: the student's adapters train, its base and the teacher stay
+    from rlhf_core.config import LoraConfig
+
+    _, teacher = models
+    lora_cfg = dataclasses.replace(tiny_model_cfg, lora=LoraConfig(r=2, target_modules=["all-linear", "lm_head"]))
+    student = load_policy(lora_cfg)
+    cfg = tiny_config(lora_cfg, **{"distill.teacher.path": "teacher", "learner.lr": 1e-2, "algo.kl_coef": 0.01})
+    up = PolicyUpdater(cfg, make_engine(cfg, student), load_reference(lora_cfg), None, teacher)
+    smp = generate_samples(student, [[20, 30], [21, 30, 4, 5, 6]], group_size=4, max_new_tokens=6, seed=3,
+                           reward_fn=digit_reward)
+    batch = batch_of(up, smp)
+    teacher_before = up.passes.teacher_logprobs(batch)
+    base_before = {n: p.detach().clone() for n, p in student.named_parameters() if not p.requires_grad}
+    for v in range(3):
+        m = train(up, smp, v)
+    assert all(torch.equal(p, base_before[n]) for n, p in student.named_parameters() if not p.requires_grad)
+    torch.testing.assert_close(up.passes.teacher_logprobs(batch), teacher_before, rtol=0, atol=0)
+    assert m[M.DISTILL_REVERSE_KL] > 0 and "loss/kl" in m  # the KL to the reference (the base) beside it
 
 
 def _sums():
