@@ -256,6 +256,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  rewards: scoring busy {r['scoring_share']:.0%} of the workers' scoring-thread time, "
                      f"{r['reward_calls_per_s']:.1f} reward calls/s, {r['reward_timeouts']} call(s) timed out, "
                      f"{r['empty_responses']} empty response(s)")
+    if r.get("reasons"):  # why the built-in verifiers scored what they did (math/no_answer, code/timeout, ...)
+        lines.append("  reward reasons: " + ", ".join(f"{k} {n}" for k, n in r["reasons"].items()))
     g = s.get("gateway") or {}
     if g:
         errors = ", ".join(f"{code} {n}" for code, n in M.gateway_errors(g).items())

@@ -18,6 +18,12 @@ def test_the_cost_of_scoring_reaches_summary_json_and_the_console():
     assert s["rewards"] == {"scoring_share": 0.8, "reward_calls_per_s": 25.0, "reward_timeouts": 1, "empty_responses": 5}
     assert ("  rewards: scoring busy 80% of the workers' scoring-thread time, 25.0 reward calls/s, 1 call(s) timed out, "
             "5 empty response(s)") in format_summary(s).splitlines()
+    assert "reward reasons" not in format_summary(s)
+    # the verifiers' reasons, summed over workers (math/wrong 3 + 4), one line
+    workers["worker-0"]["stats"]["reward_reasons"] = {"math/wrong": 3, "math/correct": 5}
+    workers["worker-1"]["stats"]["reward_reasons"] = {"math/wrong": 4, "math/timeout": 1}
+    s = summarize(Config(), rows, [{"consumers": workers, "counters": {}}], wall_s=10.0, exit_reason="done")
+    assert "  reward reasons: math/correct 5, math/timeout 1, math/wrong 7" in format_summary(s).splitlines()
     # workers of an older version (no score_share) leave the line out, not a misleading 0%
     old = summarize(Config(), rows, [{"consumers": {"w": {"stats": {}}}, "counters": {}}], wall_s=10.0, exit_reason="done")
     assert old["rewards"]["scoring_share"] is None and "rewards:" not in format_summary(old)
