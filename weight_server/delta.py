@@ -32,11 +32,13 @@ _COUNT = struct.Struct("<III")  # sparse: elements in the tensor, changed elemen
 
 
 class DeltaCodec(StrEnum):
+    same = "same"  # unchanged: no payload
     sparse = "sparse"
     xor = "xor"
+    whole = "whole"  # the new bytes as they are (a delta would not be smaller)
 
 
-_TAGS = {DeltaCodec.sparse: 1, DeltaCodec.xor: 2}
+_TAGS = {DeltaCodec.same: 0, DeltaCodec.sparse: 1, DeltaCodec.xor: 2, DeltaCodec.whole: 3}
 _CODECS = {tag: codec for codec, tag in _TAGS.items()}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -119,8 +121,24 @@ def decode_xor(old: bytes | memoryview, payload: bytes | memoryview, itemsize: i
 
 def encode(old: bytes | memoryview, new: bytes | memoryview, itemsize: int, codec: DeltaCodec = DeltaCodec.xor) -> bytes:
     """A tagged delta turning ``old`` into ``new``."""
+    if codec == DeltaCodec.same:
+        return bytes([_TAGS[codec]])
+    if codec == DeltaCodec.whole:
+        return bytes([_TAGS[codec]]) + bytes(new)
     fn = encode_sparse if codec == DeltaCodec.sparse else encode_xor
     return bytes([_TAGS[codec]]) + fn(old, new, itemsize)
+
+
+def encode_entry(old: bytes | memoryview, new: bytes | memoryview, itemsize: int, try_delta: bool) -> bytes:
+    """One tensor's entry in a version delta: ``same`` when the bits are equal, else the xor delta
+    when ``try_delta`` and it is smaller than the tensor, else ``whole``."""
+    if len(old) == len(new) and np.array_equal(np.frombuffer(old, np.uint8), np.frombuffer(new, np.uint8)):
+        return encode(old, new, itemsize, DeltaCodec.same)
+    if try_delta and len(old) == len(new):
+        blob = encode(old, new, itemsize, DeltaCodec.xor)
+        if len(blob) < len(new) + 1:
+            return blob
+    return encode(old, new, itemsize, DeltaCodec.whole)
 
 
 def codec_of(delta: bytes | memoryview) -> DeltaCodec:
@@ -133,5 +151,11 @@ def decode(old: bytes | memoryview, delta: bytes | memoryview, itemsize: int) ->
     """The new tensor's bytes from the base ``old`` and a delta made by :func:`encode`."""
     codec = codec_of(delta)
     payload = memoryview(delta)[1:]
+    if codec == DeltaCodec.same:
+        return bytearray(old)
+    if codec == DeltaCodec.whole:
+        if len(payload) % itemsize:
+            raise DeltaError(f"whole entry of {len(payload)} bytes is not a whole number of {itemsize}-byte elements")
+        return bytearray(payload)
     fn = decode_sparse if codec == DeltaCodec.sparse else decode_xor
     return fn(old, payload, itemsize)
