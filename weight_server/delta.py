@@ -47,7 +47,7 @@ class DeltaError(ValueError):
     """A delta that cannot be applied to the base it is given (wrong size, corrupt payload)."""
 
 
-def _elements(raw: bytes | memoryview | np.ndarray, itemsize: int) -> np.ndarray:
+def _elements(raw: bytes | bytearray | memoryview | np.ndarray, itemsize: int) -> np.ndarray:
     """The bytes as unsigned integers of ``itemsize`` bytes (bit patterns: NaN == NaN here)."""
     buf = np.frombuffer(raw, dtype=np.uint8)
     if itemsize not in _UINT or buf.size % itemsize:
