@@ -11,12 +11,16 @@ checks the tensor hashes of the layout the learner published; a mismatch means a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlhf_core.choices import DeltaMode
 from rlhf_core.config import WeightServerConfig
 from weight_server import delta as D
+from weight_server import protocol as P
+
+log = logging.getLogger(__name__)
 
 _DELTA_DTYPES = {DeltaMode.auto: frozenset({"bfloat16", "float16"}),
                  DeltaMode.on: frozenset({"bfloat16", "float16", "float32", "float64"})}
@@ -76,6 +80,26 @@ def apply(old: Sequence[bytes | memoryview], delta: VersionDelta, itemsizes: Seq
     if len(old) != len(delta.entries):
         raise D.DeltaError(f"v{delta.version} delta has {len(delta.entries)} tensors, the base {len(old)}")
     return [D.decode(o, e, size) for o, e, size in zip(old, delta.entries, itemsizes)]
+
+
+def apply_verified(held: Sequence[bytes | memoryview], deltas: Sequence[VersionDelta], layout: P.Layout) -> list[bytearray] | None:
+    """The tensors of ``layout``'s version from those of the version ``held`` and the chain of
+    ``deltas`` after it, each tensor checked against the hash the learner published; None (logged:
+    pull the whole version instead) when an entry does not decode or a hash differs."""
+    sizes = [P.DTYPE_ITEMSIZE[t.dtype] for t in layout.tensors]
+    got: Sequence[bytes | memoryview] = held
+    try:
+        for d in deltas:
+            got = apply(got, d, sizes)
+    except D.DeltaError as exc:
+        log.warning("a delta did not apply (%s); pulling the whole version", exc)
+        return None
+    bad = [t.name for t, b in zip(layout.tensors, got) if P.tensor_hash(b) != t.hash]
+    if bad or len(got) != len(layout.tensors):
+        log.warning("%d tensor(s) differ from the published hashes after applying deltas (e.g. %r); pulling the whole version",
+                    len(bad), bad[:1])
+        return None
+    return [b if isinstance(b, bytearray) else bytearray(b) for b in got]
 
 
 def plan_pull(held: int | None, newest: int, keyframe: int | None, deltas: Sequence[int]) -> PullPlan:

@@ -10,7 +10,7 @@ from rlhf_core.choices import DeltaMode
 from rlhf_core.config import WeightServerConfig
 from weight_server import delta as D
 from weight_server import protocol as P
-from weight_server.keyframes import KeyframePolicy, PullPlan, VersionDelta, apply, plan_pull
+from weight_server.keyframes import KeyframePolicy, PullPlan, VersionDelta, apply, apply_verified, plan_pull
 from weight_server.tensors import TORCH_TO_WIRE, byte_view
 
 
@@ -159,3 +159,30 @@ def test_a_corrupted_delta_fails_the_hash_check():
     assert P.tensor_hash(got[1]) != _version(new)[0].hashes()[1]
     with pytest.raises(D.DeltaError, match="2 tensors"):
         apply([b""], d, [4])
+
+
+def test_apply_verified_lands_on_the_hashes_or_refuses(caplog):
+    # v0 -> v1 -> v2 (bf16, 5% of elements nudged each): the chain from v0 lands on v2's published
+    # hashes; a chain with one flipped byte (in a decodable `whole` entry, so only the hash can
+    # tell) or one that does not decode gives None and a log line: pull the whole version
+    g = torch.Generator().manual_seed(2)
+    v0 = {"a": torch.randn(2048, generator=g).to(torch.bfloat16), "b": torch.randn(8, generator=g).to(torch.bfloat16)}
+    v1 = _nudge(v0, g, 0.05)
+    v2 = _nudge(v1, g, 0.05)
+    dtypes, sizes = _meta(v0)
+    policy = KeyframePolicy(DeltaMode.auto, max_share=0.9)
+    d1 = policy.encode(0, 1, 0, _version(v0)[1], _version(v1)[1], dtypes, sizes)
+    d2 = policy.encode(1, 2, 1, _version(v1)[1], _version(v2)[1], dtypes, sizes)
+    assert d1 is not None and d2 is not None
+    layout2, views2 = _version(v2)
+    got = apply_verified(_version(v0)[1], [d1, d2], layout2)
+    assert got is not None and [bytes(b) for b in got] == [bytes(v) for v in views2]
+    assert apply_verified(_version(v0)[1], [d2], layout2) is None  # v1's delta skipped: hashes differ
+    assert D.codec_of(d2.entries[1]) == D.DeltaCodec.whole  # 8 bf16 values: the xor is not smaller
+    flipped = bytearray(d2.entries[1])
+    flipped[3] ^= 0x40
+    bad = VersionDelta(1, 2, (d2.entries[0], bytes(flipped)))
+    with caplog.at_level("WARNING", logger="weight_server.keyframes"):
+        assert apply_verified(_version(v0)[1], [d1, bad], layout2) is None
+        assert apply_verified(_version(v0)[1], [d1, VersionDelta(1, 2, (d2.entries[0][:-3], d2.entries[1]))], layout2) is None
+    assert "differ from the published hashes" in caplog.text and "did not apply" in caplog.text
