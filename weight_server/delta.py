@@ -76,7 +76,7 @@ def encode_sparse(old: bytes | memoryview, new: bytes | memoryview, itemsize: in
     return _COUNT.pack(a.size, idx.size, len(packed_gaps)) + packed_gaps + values
 
 
-def decode_sparse(old: bytes | memoryview, payload: bytes | memoryview, itemsize: int) -> bytearray:
+def decode_sparse(old: bytes | bytearray | memoryview, payload: bytes | memoryview, itemsize: int) -> bytearray:
     out = bytearray(old)
     if len(payload) < _COUNT.size:
         raise DeltaError("sparse delta shorter than its header")
@@ -107,7 +107,7 @@ def encode_xor(old: bytes | memoryview, new: bytes | memoryview, itemsize: int) 
     return zlib.compress(np.ascontiguousarray(planes).tobytes(), _LEVEL)
 
 
-def decode_xor(old: bytes | memoryview, payload: bytes | memoryview, itemsize: int) -> bytearray:
+def decode_xor(old: bytes | bytearray | memoryview, payload: bytes | memoryview, itemsize: int) -> bytearray:
     base = np.frombuffer(old, dtype=np.uint8)
     try:
         flat = np.frombuffer(zlib.decompress(payload), dtype=np.uint8)
@@ -147,7 +147,7 @@ def codec_of(delta: bytes | memoryview) -> DeltaCodec:
     return _CODECS[delta[0]]
 
 
-def decode(old: bytes | memoryview, delta: bytes | memoryview, itemsize: int) -> bytearray:
+def decode(old: bytes | bytearray | memoryview, delta: bytes | memoryview, itemsize: int) -> bytearray:
     """The new tensor's bytes from the base ``old`` and a delta made by :func:`encode`."""
     codec = codec_of(delta)
     payload = memoryview(delta)[1:]

@@ -75,7 +75,7 @@ class KeyframePolicy:
         return delta if delta.nbytes < self.max_share * whole else None
 
 
-def apply(old: Sequence[bytes | memoryview], delta: VersionDelta, itemsizes: Sequence[int]) -> list[bytearray]:
+def apply(old: Sequence[bytes | bytearray | memoryview], delta: VersionDelta, itemsizes: Sequence[int]) -> list[bytearray]:
     """The tensors of ``delta.version`` from those of ``delta.base`` (the caller verifies the hashes)."""
     if len(old) != len(delta.entries):
         raise D.DeltaError(f"v{delta.version} delta has {len(delta.entries)} tensors, the base {len(old)}")
@@ -87,7 +87,7 @@ def apply_verified(held: Sequence[bytes | memoryview], deltas: Sequence[VersionD
     ``deltas`` after it, each tensor checked against the hash the learner published; None (logged:
     pull the whole version instead) when an entry does not decode or a hash differs."""
     sizes = [P.DTYPE_ITEMSIZE[t.dtype] for t in layout.tensors]
-    got: Sequence[bytes | memoryview] = held
+    got: Sequence[bytes | bytearray | memoryview] = held
     try:
         for d in deltas:
             got = apply(got, d, sizes)
