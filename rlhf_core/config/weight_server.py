@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf_core.choices import ShmMode, WeightServerAuth
+from rlhf_core.choices import DeltaMode, ShmMode, WeightServerAuth
 from rlhf_core.errors import ConfigError
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -46,6 +46,13 @@ class WeightServerConfig:
     # (either side's "off" means TCP).
     shm: ShmMode = ShmMode.auto
     shm_dir: str = "/dev/shm"  # a tmpfs; the server makes a private rlhf-ws-<pid>-<random>/ folder in it
+    # Versions as deltas against the version before (weight_server/keyframes.py decides): off; auto =
+    # 16-bit float tensors only (fp32 changes in every element each step: xor+zlib saves about half
+    # at a cost of ~40 MB/s of encoding); on = every floating tensor. A keyframe (whole version)
+    # every keyframe_every versions, or whenever the delta is not below delta_max_share of the whole.
+    delta: DeltaMode = DeltaMode.off
+    keyframe_every: int = 10
+    delta_max_share: float = 0.5
 
     def check(self) -> None:
         """Versions kept, exposure without authentication, shared memory, the HMAC secret. The weight
@@ -57,12 +64,25 @@ class WeightServerConfig:
             raise ConfigError(f"weight_server.host={self.host} exposes the weight server beyond this machine; set "
                               "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret")
         self.check_shm()
+        self.check_delta()
         if self.max_uploads < 1 or (self.max_upload_bytes is not None and self.max_upload_bytes < 1):
             raise ConfigError(f"weight_server.max_uploads must be >= 1 and weight_server.max_upload_bytes >= 1 (or null), "
                               f"got {self.max_uploads}, {self.max_upload_bytes}")
         if self.auth == WeightServerAuth.hmac and not self.secret:
             raise ConfigError("weight_server.auth=hmac needs weight_server.secret (a long random string shared by all "
                               "processes)")
+
+    def check_delta(self) -> None:
+        """The delta settings."""
+        if self.delta not in list(DeltaMode):
+            raise ConfigError(f"weight_server.delta must be one of {', '.join(DeltaMode)}, got {self.delta!r} "
+                              "(auto: 16-bit float tensors travel as deltas; on: every floating tensor; off: whole versions)")
+        if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
+            raise ConfigError(f"weight_server.keyframe_every must be an int >= 1 (1 = every version whole), "
+                              f"got {self.keyframe_every!r}")
+        if not 0.0 < self.delta_max_share <= 1.0:
+            raise ConfigError(f"weight_server.delta_max_share must be in (0, 1] (a delta at least this share of the whole "
+                              f"version goes as a keyframe instead), got {self.delta_max_share!r}")
 
     def check_shm(self) -> None:
         """The shared-memory settings (the server and its clients check them too)."""
