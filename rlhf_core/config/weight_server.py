@@ -77,6 +77,9 @@ class WeightServerConfig:
         if self.delta not in list(DeltaMode):
             raise ConfigError(f"weight_server.delta must be one of {', '.join(DeltaMode)}, got {self.delta!r} "
                               "(auto: 16-bit float tensors travel as deltas; on: every floating tensor; off: whole versions)")
+        if self.delta != DeltaMode.off:  # the codec and the keyframe policy exist; the server and subscriber do not use them yet
+            raise ConfigError(f"weight_server.delta={self.delta} is not available yet: versions travel whole "
+                              "(docs/architecture.md, Version deltas); leave weight_server.delta=off")
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise ConfigError(f"weight_server.keyframe_every must be an int >= 1 (1 = every version whole), "
                               f"got {self.keyframe_every!r}")

@@ -257,6 +257,7 @@ def test_a_bad_choice_on_the_command_line_says_the_key_and_the_choices():
         (["weight_server.keyframe_every=0"], r"weight_server.keyframe_every must be an int >= 1 \(1 = every version whole\), got 0"),
         (["weight_server.delta_max_share=1.5"], r"weight_server.delta_max_share must be in \(0, 1\] .*, got 1.5"),
         (["weight_server.delta_max_share=0"], r"weight_server.delta_max_share must be in \(0, 1\]"),
+        (["weight_server.delta=auto"], r"weight_server.delta=auto is not available yet: versions travel whole"),
         (["buffer.capacity=8"], "buffer.capacity 8 is smaller than one batch"),
         # numpy's shuffle of every epoch raised on them, and the producer retried it for ever: no prompt, no word
         # nothing was ever enqueued, and the producer and the learner waited for ever
