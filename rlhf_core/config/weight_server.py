@@ -65,6 +65,9 @@ class WeightServerConfig:
                               "weight_server.auth=curve (preferred) or weight_server.auth=hmac with weight_server.secret")
         self.check_shm()
         self.check_delta()
+        if self.delta != DeltaMode.off:  # the codec and the keyframe policy exist; the server and subscriber do not use them yet
+            raise ConfigError(f"weight_server.delta={self.delta} is not available yet: versions travel whole "
+                              "(docs/architecture.md, Version deltas); leave weight_server.delta=off")
         if self.max_uploads < 1 or (self.max_upload_bytes is not None and self.max_upload_bytes < 1):
             raise ConfigError(f"weight_server.max_uploads must be >= 1 and weight_server.max_upload_bytes >= 1 (or null), "
                               f"got {self.max_uploads}, {self.max_upload_bytes}")
@@ -77,9 +80,6 @@ class WeightServerConfig:
         if self.delta not in list(DeltaMode):
             raise ConfigError(f"weight_server.delta must be one of {', '.join(DeltaMode)}, got {self.delta!r} "
                               "(auto: 16-bit float tensors travel as deltas; on: every floating tensor; off: whole versions)")
-        if self.delta != DeltaMode.off:  # the codec and the keyframe policy exist; the server and subscriber do not use them yet
-            raise ConfigError(f"weight_server.delta={self.delta} is not available yet: versions travel whole "
-                              "(docs/architecture.md, Version deltas); leave weight_server.delta=off")
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise ConfigError(f"weight_server.keyframe_every must be an int >= 1 (1 = every version whole), "
                               f"got {self.keyframe_every!r}")
