@@ -1,9 +1,8 @@
 """The generation-engine protocol the worker loop drives and its request/result records.
 
-Two real implementations: :class:`rollout_workers.hf_engine.HFEngine` (transformers, CPU or
-GPU, continuous batching over a fixed number of slots) and
-:class:`rollout_workers.vllm_engine.VLLMEngine` (vLLM, GPU, when installed); both import this
-module, and :func:`rollout_workers.engine_factory.make_engine` picks one.
+Two implementations: :class:`rollout_workers.hf_engine.HFEngine` (transformers, CPU or GPU) and
+:class:`rollout_workers.vllm_engine.VLLMEngine` (vLLM, when installed);
+:func:`rollout_workers.engine_factory.make_engine` picks one.
 
 How the worker drives an engine (one thread; engines are not thread-safe)::
 
@@ -15,21 +14,18 @@ How the worker drives an engine (one thread; engines are not thread-safe)::
         if (new := weights.poll()) is not None:
             engine.update_weights(new.tensors, new.version)   # between steps, KV cache kept
 
-Per-token versions: every token carries the ``engine.version`` current when it was sampled,
-so a weight update that lands mid-generation shows up as a change in ``GenResult.versions``
-at exactly the step after ``update_weights`` (the in-flight update of PipelineRL: the KV cache
-of running sequences, computed by the old weights, is kept). A response's first token carries
-at most the version current when its prompt's prefill may have begun (hf: the request's
-admission into a slot; vllm: its ``add``, as the engine core admits it unseen): a prompt
-prefilled in chunks across an update was partly written by older weights, and a sample's
-staleness, counted from its oldest token, must not start at weights newer than its prompt's
-(that one token over-counted at most, never under).
+Per-token versions: every token carries the ``engine.version`` current when it was sampled, so a
+weight update that lands mid-generation shows in ``GenResult.versions`` from the step after
+``update_weights`` on (the in-flight update of PipelineRL: running sequences keep their KV cache).
+A response's first token carries at most the version current when its prompt's prefill may have
+begun: a prompt prefilled in chunks across an update was partly written by older weights, and a
+sample's staleness, counted from its oldest token, must not start at newer ones.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -106,11 +102,9 @@ class GenRequest:
     """One response to generate. A group of n responses is n requests with distinct ids.
 
     ``min_kv_version``: the oldest policy version whose K/V (a finished turn's, kept by the engine)
-    the request may reuse. A continued conversation passes the oldest version of its tokens so
-    far: the sample's staleness is counted from that version already, so reusing K/V that the
-    weights of that version or later computed hides nothing (an engine at an older version reads
-    it as its own: the turn's tokens will say that one). None: the engine's current version only
-    (a new prompt, whose tokens will all say the version that samples them)."""
+    the request may reuse. A continued conversation passes the oldest version of its tokens so far
+    (its staleness counts from there already, so the reuse hides nothing); None: the engine's
+    current version only (a new prompt)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -145,15 +139,8 @@ class GenResult:
         return int(self.token_ids.shape[0])
 
 
-def make_result(
-    request_id: str,
-    prompt_ids: list[int] | np.ndarray,
-    token_ids: list[int],
-    logprobs: list[float],
-    versions: list[int],
-    finish_reason: FinishReason,
-    text: str,
-) -> GenResult:
+def make_result(request_id: str, prompt_ids: list[int] | np.ndarray, token_ids: list[int], logprobs: list[float],
+                versions: list[int], finish_reason: FinishReason, text: str) -> GenResult:
     """Build a :class:`GenResult` with the documented dtypes."""
     return GenResult(
         request_id=request_id,
@@ -164,6 +151,44 @@ def make_result(
         finish_reason=finish_reason,
         text=text,
     )
+
+
+class Generation:
+    """An admitted request's record in an engine: the tokens sampled so far, their log-probs and versions."""
+
+    __slots__ = ("request", "tokens", "logprobs", "versions")
+
+    def __init__(self, request: GenRequest) -> None:
+        self.request = request
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def result(self, reason: FinishReason, tokenizer: Any, versions: list[int] | None = None) -> GenResult:
+        """The request's :class:`GenResult`, its text decoded by ``tokenizer``; ``versions`` replace the recorded ones."""
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return make_result(self.request.request_id, self.request.prompt_ids, self.tokens, self.logprobs,
+                           self.versions if versions is None else versions, reason, text)
+
+
+def check_request(request: GenRequest, known: Container[str], vocab_size: int, max_model_len: int) -> None:
+    """Refuse a request an engine cannot serve (a :class:`RequestError` saying what is wrong) and
+    make its prompt a list of ints. ``known``: the ids queued or running."""
+    rid = request.request_id
+    if not isinstance(request.params, SamplingParams):
+        raise RequestError(f"request {rid}: params must be a SamplingParams, got {type(request.params).__name__}")
+    if rid in known:
+        raise RequestError(f"request id {rid!r} is already queued or running; ids must be unique")
+    prompt = [int(t) for t in request.prompt_ids]
+    if not prompt:
+        raise RequestError(f"request {rid}: empty prompt; a prompt needs at least one token (e.g. BOS)")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RequestError(f"request {rid}: token ids must lie in [0, {vocab_size}), got min {min(prompt)} max "
+                           f"{max(prompt)}; was the prompt tokenized with another tokenizer?")
+    if len(prompt) >= max_model_len:
+        raise RequestError(f"request {rid}: prompt has {len(prompt)} tokens but the model's context is {max_model_len}; "
+                           "lower rollout.max_prompt_tokens or use rollout.prompt_overflow=truncate")
+    request.prompt_ids = prompt
 
 
 def check_weight_update(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], version: int) -> None:

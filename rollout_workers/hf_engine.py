@@ -1,78 +1,42 @@
 """The `hf` generation engine: a transformers causal LM, continuous batching over a static slot cache.
 
-Design (sample-level streaming, RLHFuse): up to ``slots`` sequences run at once, each owning one
-row ("slot") of a preallocated KV cache (:mod:`rollout_workers.slot_kv`); a sequence that
-finishes frees its slot and the next waiting request takes it, so one long response never holds
-a whole batch. The same code runs on a CPU and on a GPU; on a GPU the decoding step is also
-captured once per batch-size bucket as a CUDA graph and replayed.
+Up to ``slots`` sequences run at once, each owning one row ("slot") of a preallocated KV cache
+(:mod:`rollout_workers.slot_kv`); a finished sequence frees its slot for the next waiting request.
+The same code runs on a CPU and a GPU; on a GPU the decoding step is also captured once per
+batch-size bucket as a CUDA graph and replayed. docs/architecture.md (Rollout workers: Engines)
+describes the design; per :meth:`HFEngine.step`:
 
-Per :meth:`HFEngine.step`:
+1. release the slots of finished (or aborted) sequences and pack the running ones into slots
+   ``0..n-1`` (:meth:`HFEngine._pack`), so a decoding pass reads the cache as views;
+2. admit waiting requests into free slots; one whose prompt extends the ids a parked slot holds
+   takes that slot and prefills only the rest (:meth:`HFEngine._slot_for`);
+3. prefill newcomers' prompts in batched passes of at most ``prefill_chunk`` tokens, padded on the
+   left, so a prompt completed in the pass samples its first token from it;
+4. one decoding pass over slots ``0..n-1``: one token per slot at its own position; slots that do
+   not decode feed a pad token into the scratch column. Sampling and log-probs go through
+   :mod:`rlhf_core.sampling` for all rows at once, with one host sync for the sampled ids.
 
-1. release the slots of sequences that finished (or were aborted) since the last step, and
-   keep the running ones packed at the front: the highest running sequence moves into a freed
-   slot below it (its K/V columns copied once; one indexed copy per cache tensor moves them
-   all, :meth:`SlotKVCache.relocate`), so a decoding pass reads rows ``0..n-1`` as views
-   instead of gathering scattered rows at every step (agents' turns arrive and end at any time)
-   and a GPU graph's bucket stays as small as the batch;
-2. admit waiting requests into free slots (lowest free slot first: above the running ones); a
-   newcomer whose prompt extends the ids a finished sequence left in its slot (an agent's next
-   turn: its context so far, the reply, what it added) takes that slot and prefills only the
-   rest (see "Parked slots" below); packing as in 1 follows;
-3. prefill: newcomers' prompts are written into their slots by batched forward passes of at
-   most ``prefill_chunk`` tokens per step (a long prompt takes several steps, so an admission
-   never stalls decoding for long). Rows are padded on the left, so the pass's last column is
-   every row's last real token: a sequence whose prompt completes in the pass samples its first
-   token from it (a response of n tokens takes n forward passes, not n + 1) and decodes from
-   this step on;
-4. one decoding pass over slots ``0..n-1`` (``n`` covers every decoding slot; on a GPU the next
-   power of two, the bucket its graph was captured for): one token per slot at its own
-   position, written in place into its own column; free, parked or still-prefilling slots inside
-   the batch feed a pad token into the scratch column (embedded at position 0: the scratch column
-   may lie past the model's context) and are ignored. Then temperature/top-k/top-p,
-   sampling and log-probs for all rows at once through :mod:`rlhf_core.sampling`, and one host
-   sync for the sampled ids.
+Positions count only a sequence's real tokens, so RoPE sees the positions of an unpadded forward
+pass: that makes the behaviour log-probs reproducible by the learner.
 
-Positions count only a sequence's real tokens, so RoPE sees exactly the positions of an
-unpadded forward pass: that is what makes the behaviour log-probs reproducible by the learner
-(see ``tests/unit/test_hf_engine.py``).
+Parked slots: a finished sequence's K/V stays in its slot with the ids it holds and the oldest
+version that wrote any of it; a request reuses it only when that version is at least its
+``GenRequest.min_kv_version`` (by default the current one). Weights that replace a version
+without a newer number drop every parked slot. ``num_reused_tokens`` counts the prompt tokens not
+prefilled, ``num_prompt_tokens`` all of them.
 
-Parked slots: a sequence that finished (or was aborted) leaves its K/V in its slot, parked, with
-the ids they hold. A request whose prompt extends those ids takes the slot and prefills from
-there, so a multi-turn conversation (the gateway's sessions, the worker's episodes) costs the
-new tokens a turn, not its whole context. A parked slot is the last free slot taken for
-anything else (least recently parked first); packing moves a running sequence into it and the
-parked K/V up into the running one's slot. Parked K/V outlives weight updates, as running
-sequences' K/V does (the in-flight update), and remembers the oldest version that wrote any of
-it (the version at its sequence's admission, or the K/V that sequence reused): a request reuses
-it only when that version is at least its ``GenRequest.min_kv_version`` (by default the current
-one), so the K/V a continued conversation reuses is never older than its own oldest token, the
-version its staleness is counted from, and a new prompt reuses only K/V of the weights it is
-generated with (to float rounding: one pass over a prompt and one per token sum in another
-order). Weights that replace a version without a newer number (a reload) drop every parked slot.
-A sequence's first token carries at most the version at its admission (a chunked prefill may
-span updates: the first columns are then older weights'), the rest the version that sampled them.
-``num_reused_tokens`` counts the prompt tokens not prefilled, ``num_prompt_tokens`` all of them.
+CUDA graphs read their inputs from static buffers refilled before each replay; weight updates
+``copy_`` into the same storage, so a replay computes with the new weights. A failed capture is
+logged once and that bucket runs eagerly.
 
-CUDA graphs: the captured step reads its inputs from static buffers (ids, positions, sampling
-settings) that are refilled before each replay; weight updates ``copy_`` into the same parameter
-storage, so a replay after an update computes with the new weights. A capture that fails (a
-model whose forward syncs with the host) is logged once and that bucket runs eagerly.
+LoRA (``model.lora.r`` > 0): the model carries peft's LoRA layers, unmerged, and a version holds
+the adapter tensors only (:meth:`HFEngine.weights_target`). Unmerged on purpose: every pass
+computes ``base(x) + scaling * B(A(x))`` as the learner's forward does, so the behaviour log-probs
+match its recomputation to float rounding, an update computes nothing, and CUDA graphs stay valid.
 
-LoRA (``model.lora.r`` > 0): the model carries peft's LoRA layers (:mod:`rlhf_core.lora`), the
-very module the learner trains, and a version holds the adapter tensors only, which
-:meth:`HFEngine.weights_target` offers and a pull copies in place into the adapter parameters.
-Merge-free on purpose: every pass computes ``base(x) + scaling * B(A(x))`` exactly as the
-learner's forward does, so the behaviour log-probs match its recomputation to float rounding
-(a merged ``W0 + scaling * B @ A`` rounds differently, by far more in bf16); an update moves a
-few MB and computes nothing (merging would mean a GEMM per layer and a kept copy of ``W0`` to
-merge the next version into); and the adapters' storage never moves, so CUDA graphs stay
-valid. The price is two thin matmuls per adapted layer and step (``bench/lora.py`` measures it).
-
-Models whose cache is not plain full attention (sliding-window or linear attention layers) are
-refused with a clear error; so are models whose own forward does not run the slot attention in
-every layer (their attention code bypasses transformers' attention interface: Falcon, GPT-J, MPT,
-Bloom, ...) or fails on the slot cache (multi-head latent attention), found by a one-token pass at
-construction (:func:`rollout_workers.slot_kv.check_slot_attention`). Use the vllm engine for them.
+Models the slot cache cannot run (sliding-window or linear attention, attention that bypasses
+transformers' attention interface, multi-head latent attention) are refused at construction
+(:func:`rollout_workers.slot_kv.check_slot_attention`); the vllm engine runs them.
 """
 
 from __future__ import annotations
@@ -88,7 +52,7 @@ import torch
 
 from rlhf_core.lora import adapter_parameters
 from rlhf_core.sampling import process_logits_rows, sample_tokens, token_logprobs
-from rollout_workers.engine import EngineError, FinishReason, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
+from rollout_workers.engine import EngineError, FinishReason, Generation, GenRequest, GenResult, check_request, check_weight_update, make_result
 from rollout_workers.slot_kv import SlotKVCache, check_slot_attention, direct_forward, direct_forward_supported, round_up, slot_attention_for
 
 if TYPE_CHECKING:
@@ -97,27 +61,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class _Seq:
+class _Seq(Generation):
     """One running sequence and the slot it owns."""
 
-    __slots__ = ("request", "params", "prompt", "tokens", "logprobs", "versions", "slot", "n_cached", "next_input",
-                 "stop_ids", "stop_window", "done", "parkable", "kv_version", "admitted_version")
+    __slots__ = ("params", "prompt", "slot", "n_cached", "next_input", "stop_ids", "stop_window", "done", "parkable",
+                 "kv_version", "admitted_version")
 
     def __init__(self, request: GenRequest, stop_ids: frozenset[int], slot: int, kv_version: int,
                  admitted_version: int) -> None:
-        self.request = request
+        super().__init__(request)
         self.params = request.params
         self.prompt = request.prompt_ids
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
         self.slot = slot
         self.n_cached = 0  # columns of the slot holding this sequence's K/V (= position of the next input)
         self.next_input = -1  # the last sampled token, fed at the next decoding pass
         self.stop_ids = stop_ids
-        # A stop string of n UTF-8 bytes spans at most n tokens when each token decodes to >= 1
-        # byte (byte-level and byte-fallback vocabularies spell a character in up to 4 tokens);
-        # the margin covers tokenizers that merge a leading space into a word.
+        # A stop string of n UTF-8 bytes spans at most n tokens (+ a margin for a merged leading space).
         longest = max((len(s.encode("utf-8", "surrogatepass")) for s in self.params.stop_strings), default=0)
         self.stop_window = longest + 8
         self.done = False
@@ -139,9 +98,8 @@ class HFEngine:
         tokenizer: its tokenizer (EOS ids, pad id, decoding of texts and stop strings).
         slots: sequences decoded together at most (rows of the KV cache).
         seed: seed of the engine's sampling generator (on the model's device).
-        max_model_len: longest prompt + response; sizes the KV cache. Defaults to
-            ``config.max_position_embeddings``: pass the run's real limit for models with a long
-            context, whose cache would otherwise be sized for it.
+        max_model_len: longest prompt + response; sizes the KV cache (default: the model's
+            ``max_position_embeddings``).
         prefill_chunk: prompt tokens prefilled per step at most (a longer prompt is chunked).
         cuda_graphs: capture the decoding step as CUDA graphs (used only on a CUDA device).
     """
@@ -200,22 +158,7 @@ class HFEngine:
     # ----------------------------------------------------------------------------- protocol
 
     def add(self, request: GenRequest) -> None:
-        if not isinstance(request.params, SamplingParams):
-            raise RequestError(f"request {request.request_id}: params must be a SamplingParams, got {type(request.params).__name__}")
-        if request.request_id in self._known:
-            raise RequestError(f"request id {request.request_id!r} is already queued or running; ids must be unique")
-        prompt = [int(t) for t in request.prompt_ids]
-        if not prompt:
-            raise RequestError(f"request {request.request_id}: empty prompt; a prompt needs at least one token (e.g. BOS)")
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                f"request {request.request_id}: prompt has {len(prompt)} tokens but the model's context is "
-                f"{self.max_model_len}; lower rollout.max_prompt_tokens or use rollout.prompt_overflow=truncate"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise RequestError(f"request {request.request_id}: token ids must lie in [0, {self.vocab_size}), "
-                               f"got min {min(prompt)} max {max(prompt)}")
-        request.prompt_ids = prompt
+        check_request(request, self._known, self.vocab_size, self.max_model_len)
         self._waiting.append(request)
         self._known[request.request_id] = request
 
@@ -237,7 +180,7 @@ class HFEngine:
 
     def sampled(self, request_id: str) -> list[int]:
         entry = self._known.get(request_id)
-        return entry.tokens if isinstance(entry, _Seq) else []
+        return entry.tokens if isinstance(entry, Generation) else []
 
     def abort(self, request_id: str) -> GenResult | None:
         entry = self._known.pop(request_id, None)
@@ -247,23 +190,21 @@ class HFEngine:
             self._waiting.remove(entry)
             return make_result(request_id, entry.prompt_ids, [], [], [], "abort", "")
         entry.done = True  # its slot is released at the next step
-        return self._result(entry, "abort")
+        return entry.result("abort", self.tokenizer)
 
     def abort_all(self) -> list[GenResult]:
         return [r for rid in list(self._known) if (r := self.abort(rid)) is not None]
 
     def weights_target(self) -> torch.nn.Module | Mapping[str, torch.Tensor]:
-        """What a version is pulled into, in place: the model, or with LoRA its adapter parameters
-        (a version then holds those alone)."""
+        """What a version is pulled into, in place: the model, or with LoRA its adapter parameters."""
         return self._adapters if self._adapters else self.model
 
     def close(self) -> None:
         pass  # everything lives in this process
 
     def update_weights(self, tensors: Mapping[str, torch.Tensor] | None, version: int) -> None:
-        """Copy ``tensors`` (state-dict names; with LoRA the adapters') into the model in place
-        (the storage CUDA graphs read); all names and shapes are checked before the first copy,
-        so a mismatch never leaves half-updated weights."""
+        """Copy ``tensors`` into the model (with LoRA: its adapters) in place, the storage CUDA graphs
+        read; names and shapes are all checked before the first copy."""
         if tensors is not None:
             own = self._adapters or self.model.state_dict(keep_vars=True)
             check_weight_update(tensors, {n: tuple(t.shape) for n, t in own.items()}, version)
@@ -343,12 +284,10 @@ class HFEngine:
     def _slot_for(self, prompt: list[int], floor: int) -> tuple[int, int, int]:
         """A slot for ``prompt``, how many of its first tokens that slot's K/V already holds, and
         the oldest version that wrote them: the parked slot written by version ``floor`` or later
-        whose ids ``prompt`` extends, the most of them, all but the prompt's last token at most
-        (its pass gives the first sampled token); else the lowest free slot, else the least
-        recently parked one. A prompt that only starts a parked sequence's ids (a group's next
-        sample of the same prompt, a call asked again) takes its slot only when none is free:
-        the rest of that K/V may be a conversation's that goes on. A prompt that only shares a
-        start with a parked sequence (a system prompt) does not take its slot from it."""
+        whose ids ``prompt`` extends the most (all but the prompt's last token at most: its pass
+        gives the first sampled token); else the lowest free slot, else the least recently parked
+        one. A prompt that is only a prefix of a parked sequence's ids takes its slot only when
+        none is free (that K/V may be a conversation's that goes on)."""
         best, reused = -1, 0
         for slot, (_, kv_version, ids) in self._parked.items():
             m = min(len(ids), len(prompt))  # the last token first: sessions that share a system prompt part there
@@ -473,11 +412,8 @@ class HFEngine:
         return self._filters
 
     def _record(self, decoding: list[_Seq], token_list: list[int], logprob_list: list[float]) -> list[GenResult]:
-        """Append each sequence's sampled token. A token carries the version now, a sequence's
-        first one at most the version at its admission: a chunked prefill may span updates, and
-        the sample's staleness must count from the oldest weights of its context (one token
-        over-counted at most). Older K/V that a conversation reuses needs no such stamp: its
-        ``min_kv_version`` says its staleness counts from there already."""
+        """Append each sequence's sampled token, stamped with the version now; a sequence's first
+        one at most with the version at its admission (module :mod:`rollout_workers.engine`)."""
         version, finished = self.version, []
         for seq, token, logprob in zip(decoding, token_list, logprob_list):
             seq.next_input = token
@@ -488,7 +424,7 @@ class HFEngine:
             if reason is not None:
                 seq.done = True
                 del self._known[seq.request.request_id]
-                finished.append(self._result(seq, reason))
+                finished.append(seq.result(reason, self.tokenizer))
         return finished
 
     def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
@@ -502,19 +438,11 @@ class HFEngine:
             return "length"
         return None
 
-    def _result(self, seq: _Seq, reason: FinishReason) -> GenResult:
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return make_result(seq.request.request_id, seq.prompt, seq.tokens, seq.logprobs, seq.versions, reason, text)
-
 
 class _DecodeGraphs:
-    """The decoding pass captured as one CUDA graph per (batch bucket, top-k used, top-p used).
-
-    Buckets are powers of two up to the engine's slots (and the slot count itself). Graphs are
-    captured on first use, after two eager warm-up passes on a side stream, and share one memory
-    pool. The engine's sampling generator is registered with each graph, so replays draw fresh
-    random numbers.
-    """
+    """The decoding pass captured as one CUDA graph per (batch bucket, top-k used, top-p used),
+    on first use; buckets are powers of two up to the slot count. The sampling generator is
+    registered with each graph, so replays draw fresh random numbers."""
 
     def __init__(self, engine: HFEngine) -> None:
         self.engine = engine
@@ -538,8 +466,7 @@ class _DecodeGraphs:
 
     def _capture(self, n: int, use_top_k: bool, use_top_p: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
         engine, columns = self.engine, self.engine.cache.columns
-        # Warm-up passes run for real on the current inputs: they write the same K/V the replay
-        # will write (or into the scratch column) and only advance the sampling generator.
+        # Warm-up passes run for real: they write the K/V the replay will write and advance the generator.
         stream = torch.cuda.Stream(device=engine.device)
         stream.wait_stream(torch.cuda.current_stream(engine.device))
         with torch.cuda.stream(stream):
