@@ -1,35 +1,16 @@
 """The environment protocol of multi-turn episodes, and the records that cross it.
 
-An environment is a class named by ``rollout.env._target_`` (checked at start-up by
-:func:`rollout_workers.user_code.import_env_target`); the other keys of ``rollout.env`` are its
-constructor's keyword arguments. The worker makes one instance per episode and calls, off its
-main thread::
+An environment is a class named by ``rollout.env._target_``; the other keys of ``rollout.env`` are
+its constructor's keyword arguments. The worker makes one instance per episode and calls, off its
+main thread (a thread pool, or one event loop for ``async def`` methods)::
 
     first = env.reset(prompt)        # Prompt -> first observation (None: the prompt as it is)
     result = env.step(turn)          # AssistantTurn -> StepResult(observation, reward, done)
     ...                              # until done, or rollout.max_turns turns
     env.close()                      # if it has one, when the episode ends however it ends
 
-Either method may be ``async def``: async environments run on one event loop in a thread of
-their own, sync ones on a thread pool (``rollout.env_threads``). ``step`` may also return a tuple
-``(observation, reward, done)`` or ``(observation, done)``.
-
-Observations: ``None`` (nothing to add), a string (a message of role ``tool`` when the turn made
-tool calls, else ``user``; without a chat template, the text as it is), a message dict
-(``{"role": "tool", "content": ...}``) or a list of them. What :meth:`reset` returns replaces the
-prompt: a string is the first user message, a list the messages.
-
-Optional attributes an environment may have:
-
-* ``tools``: JSON-schema tool descriptions, rendered by the tokenizer's chat template
-  (``apply_chat_template(..., tools=env.tools)``); the turn's tool calls are parsed in the
-  template's format (:mod:`rlhf_core.tool_calls`);
-* ``tool_call_pattern``: a regular expression for tool calls, used when the template has no tool
-  format (group 1, or the whole match, holds ``{"name": ..., "arguments": {...}}``);
-* ``close()``.
-
-Rewards: the episode's reward is the sum of the rewards ``step`` returned (component ``env``)
-plus the run's reward functions and models on the whole conversation, if any are configured.
+Observations (:data:`rlhf_core.turns.Observation`), the optional ``tools`` and
+``tool_call_pattern`` attributes and how the episode's reward is made up: docs/multi_turn.md.
 """
 
 from __future__ import annotations
@@ -49,14 +30,10 @@ from rollout_workers.user_code import import_env_target
 
 @dataclass
 class AssistantTurn:
-    """One policy turn, as the environment sees it.
-
-    ``text``: decoded without special tokens; ``raw_text``: with them; ``token_ids``: as sampled;
-    ``finish_reason``: ``stop`` (end of turn) or ``length`` (cut at ``rollout.max_new_tokens``);
-    ``index``: 0 for the first turn. ``tool_calls`` are the calls the parser read;
-    ``tool_call_errors`` one message per call it could not read (the environment should answer
-    with an error observation: the policy learns from it, nothing crashes).
-    """
+    """One policy turn, as the environment sees it. ``text``: decoded without special tokens;
+    ``raw_text``: with them; ``finish_reason``: ``stop`` or ``length``; ``index``: 0 for the first
+    turn; ``tool_call_errors``: one message per call the parser could not read (answer it with an
+    error observation)."""
 
     text: str
     raw_text: str
@@ -123,12 +100,8 @@ def as_step_result(value: Any) -> StepResult:
 
 
 class EnvFactory:
-    """Makes one environment per episode from ``rollout.env`` (class and keyword arguments).
-
-    Built by the worker before the model loads: an unimportable path, a class without
-    ``reset``/``step`` and keyword arguments the constructor does not take are
-    :class:`ConfigError` here, naming the path.
-    """
+    """Makes one environment per episode from ``rollout.env`` (class and keyword arguments). Built
+    before the model loads: a path or keyword arguments that do not fit are a :class:`ConfigError`."""
 
     def __init__(self, rollout: Any) -> None:
         cls = import_env_target(rollout)

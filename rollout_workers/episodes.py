@@ -5,24 +5,17 @@ An :class:`Episode` is a small state machine driven by the worker's main thread:
 
     reset (env call) -> turn (engine request) -> step (env call) -> turn -> step ... -> finished
 
-* **reset / step** run on :class:`EnvCalls`: a thread pool for plain methods, one asyncio event
-  loop in a thread of its own for ``async def`` ones. Their answers come back through a queue
-  the main thread drains between decoding steps (:meth:`EpisodeRunner.poll`), so while one
-  episode's environment works, every other episode keeps decoding in the same batch, and weight
-  updates still land between steps (each token carries the version that sampled it).
-* **turn**: one engine request whose prompt is the whole context so far (the hf engine
-  prefills it; vLLM's prefix cache, salted by version, makes that cheap on GPUs), with
-  ``max_new_tokens`` capped by the room left in the context. The sampled tokens are appended to
-  the episode's :class:`~rlhf_core.episode.Transcript` exactly as sampled, the turn's tool calls
-  are parsed (:mod:`rlhf_core.tool_calls`), and ``env.step`` gets it.
-* After a step the observation's tokens (and the chat template's between turns,
-  :mod:`rlhf_core.turns`) are appended with loss mask 0 and the next turn is queued.
+Environment calls run on :class:`EnvCalls` (a thread pool, or one event loop for ``async def``)
+and come back through a queue the main thread drains between decoding steps, so other episodes
+keep decoding meanwhile. A turn is one engine request over the whole context so far (the engines
+reuse the previous turn's K/V); its tokens go into the episode's
+:class:`~rlhf_core.episode.Transcript` as sampled, the observation's (and the chat template's
+between turns, :mod:`rlhf_core.turns`) with loss mask 0.
 
-An episode finishes ``stop`` (the environment said done), ``max_turns`` (``rollout.max_turns``
-turns without done), ``length`` (the context is full; an observation that would overflow it is
-cut to fit) or fails: an environment that raises, answers in the wrong shape or runs past
-``rollout.env_timeout_s``, and a first observation too long for the prompt limit, fail that
-episode alone with the reason (the worker dead-letters it) and everything else goes on.
+An episode finishes ``stop`` (the environment said done), ``max_turns``, ``length`` (the context
+is full; an observation that would overflow it is cut to fit) or fails (an environment that
+raises, answers in the wrong shape or runs past ``rollout.env_timeout_s``): that episode alone,
+with the reason, which the worker dead-letters.
 """
 
 from __future__ import annotations
@@ -319,9 +312,6 @@ class EpisodeRunner:
         """Environment calls waiting for a free thread (``rollout.env_threads``)."""
         return self.calls.queued()
 
-    def has_work(self) -> bool:
-        return bool(self.episodes)
-
     def close(self) -> None:
         self.abort_all()
         self.calls.close()
@@ -395,16 +385,15 @@ class EpisodeRunner:
         ep.drift_turns += int(drift)
         self.stats.drift += int(drift)
         room = self._room(ep) - 1  # the next turn needs at least one token
-        if len(ids) > room:  # cut to fit: what the policy would see is the context, full
-            ids = ids[: max(room, 0)]
-            ep.transcript.add_observation(ids)
-            self.stats.observation_tokens += len(ids)
-            self.stats.observations_cut += 1
-            self._finish(ep, "length")
-            return
+        cut = len(ids) > room  # cut to fit: what the policy would see is the context, full
+        ids = ids[: max(room, 0)] if cut else ids
         ep.transcript.add_observation(ids)
         self.stats.observation_tokens += len(ids)
-        self._next_turn(ep)
+        self.stats.observations_cut += int(cut)
+        if cut:
+            self._finish(ep, "length")
+        else:
+            self._next_turn(ep)
 
     def _room(self, ep: Episode) -> int:
         """Tokens the episode may still add: the context's room, and the response budget's."""

@@ -1,28 +1,14 @@
-"""Periodic evaluation: the policy of the newest version once loaded (version 0 if the learner
-has published no other by then) and of every ``eval.every``-th version after it, sampled
-``eval.n`` times on held-out prompts, scored by the run's own rewards.
+"""Periodic evaluation: the policy of the newest version once loaded and of every
+``eval.every``-th version after it, sampled ``eval.n`` times on the first ``eval.num_prompts``
+held-out prompts of ``eval.data``, scored by the run's own rewards.
 
-The evaluator is a rollout worker without the buffer's prompt queue: the same engine (hf or
-vllm), prompt renderer and :class:`~rollout_workers.rewards.Scorer`, weights from the weight
-server. It follows the announcements; when a version at or past the next due one exists, it
-pulls the newest, generates ``n`` responses to each of the first ``eval.num_prompts`` prompts of
-``eval.data`` (continuous batching over ``rollout.slots``), scores them as a worker does (a
-:class:`~rollout_workers.scoring.ScoringPool`: batches of ``reward.batch_size`` on
-``reward.num_threads`` threads, a reward call past ``reward.timeout_s`` abandoned and its samples
-counted failed) and records, tagged with the version evaluated:
-
-* ``eval/reward_mean``, ``eval/reward_std`` over the scored samples;
-* ``eval/pass@k`` for each ``k`` of ``eval.k``: the unbiased estimate (Chen et al. 2021, "Evaluating
-  Large Language Models Trained on Code") of the chance that at least one of ``k`` samples
-  passes (reward >= ``eval.pass_threshold``), averaged over prompts;
-* ``eval/response_len_mean``, ``eval/prompts``, ``eval/samples``, ``eval/failed`` (rewards that
-  failed), ``eval/seconds``.
-
-The record goes to ``eval.jsonl`` in the run's output folder (the report's summary reads it) and
-to the buffer's stats (``MonitorClient.stats("eval")``), where the learner merges it into its next
-metrics line (so trackers get it) and the monitor shows it. A stop request lets an evaluation in
-progress finish (a second one abandons it, also while it waits for its rewards). Its prompts are never trained on: nothing here
-touches the prompt queue, the admission budget or the sample stream.
+A rollout worker without the prompt queue (the same engine, renderer, :class:`~rollout_workers.rewards.Scorer`
+and :class:`~rollout_workers.scoring.ScoringPool`), so its prompts are never trained on. Each
+evaluation, tagged with its version, records ``eval/reward_mean``, ``eval/reward_std``,
+``eval/pass@k`` for each ``k`` of ``eval.k`` (:func:`pass_at_k`, a pass being a reward >=
+``eval.pass_threshold``, averaged over prompts) and counts, into ``eval.jsonl`` and the buffer's
+stats (``MonitorClient.stats("eval")``). docs/architecture.md (Rollout workers: Evaluation) says
+who reads them. A stop request lets an evaluation in progress finish; a second one abandons it.
 """
 
 from __future__ import annotations
@@ -61,8 +47,8 @@ SCORE_WAIT_S = 0.1  # how long one wait for scores blocks (a second stop request
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples of which ``c`` pass: ``1 - C(n - c, k) / C(n, k)``, the
-    chance that a draw of ``k`` of the ``n`` without replacement holds at least one that passes."""
+    """Unbiased pass@k (Chen et al. 2021) from ``n`` samples of which ``c`` pass: ``1 - C(n - c, k) / C(n, k)``,
+    the chance that a draw of ``k`` of the ``n`` without replacement holds at least one that passes."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:

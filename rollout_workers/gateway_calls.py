@@ -1,21 +1,16 @@
 """The worker's side of rlhf-gateway: its calls share the continuous batch with the run's prompts.
 
-After each decoding step the worker hands over the new tokens of streamed calls and the
-result of every finished call (token ids, behaviour log-probs and per-token policy versions,
-exactly as for the run's own samples; a weight update between steps shows in the versions),
-takes queued calls up to its free slots (before it claims prompts: a client is waiting on
-them; each becomes engine request ``gw/<call id>``), and, every :data:`CANCEL_CHECK_S`, asks
-which running calls were cancelled (their client went away) or lost their gateway (it stopped or
-died: nobody would read their tokens): those are aborted at once, freeing their slots. An idle
-worker takes calls with :meth:`GatewayCalls.take` (it is woken for them).
+After each decoding step the worker hands over the new tokens of streamed calls and the result
+of every finished call (token ids, behaviour log-probs and per-token versions, as for the run's
+own samples), takes queued calls up to its free slots (before it claims prompts: a client is
+waiting; each becomes engine request ``gw/<call id>``), and, every :data:`CANCEL_CHECK_S`, aborts
+the running calls that were cancelled or lost their gateway. An idle worker takes calls with
+:meth:`GatewayCalls.take` (it is woken for them).
 
-The Redis traffic runs off the decoding loop (:class:`BackgroundChannel`): a taker thread waits
-on the call list (``BRPOP``) while the worker wants calls, a sender thread publishes chunks and
-reads cancellations, and the main thread only moves records through in-memory queues (the
-per-step round trip was 16% of a busy worker's main thread). An idle worker's main thread waits
-for prompts on Redis (:meth:`GatewayCalls.waiting`); calls the taker fetches meanwhile end that
-wait (it asks the inbox before waiting, and the taker wakes the prompt stream after), or they
-would sit in the inbox until the wait timed out (0.2 s: seen as 250-300 ms turns with one agent).
+The Redis traffic runs off the decoding loop (:class:`BackgroundChannel`): a taker thread waits on
+the call list (``BRPOP``) while the worker wants calls, a sender thread publishes chunks and reads
+cancellations, and the main thread only moves records through in-memory queues. Calls the taker
+fetches while the idle main thread waits for prompts end that wait (:meth:`GatewayCalls.waiting`).
 Records and keys: :mod:`buffer.gateway`.
 """
 
@@ -58,10 +53,9 @@ def read_calls(raws: list[bytes]) -> list[Taken]:
 
 class BackgroundChannel:
     """What :class:`GatewayCalls` asks of Redis (``take``, ``send``, ``exchange``), served by two
-    threads over a :class:`~buffer.gateway.WorkerChannel` so that no call waits on Redis (see the
-    module docstring). ``take`` and ``exchange`` return what the threads have already fetched; chunks are sent in
-    order, as soon as the sender thread gets to them. :meth:`close` sends what is left, then gives calls
-    taken and never started back to the list (another worker serves them)."""
+    threads over a :class:`~buffer.gateway.WorkerChannel`: ``take`` and ``exchange`` return what the
+    threads have fetched already; chunks are sent in order. :meth:`close` sends what is left, then
+    gives calls taken and never started back to the list (another worker serves them)."""
 
     BLOCK_S = 0.1  # a taker's BRPOP waits this long before it looks at the demand again
 
@@ -92,9 +86,8 @@ class BackgroundChannel:
     @contextlib.contextmanager
     def waiting(self) -> Iterator[Callable[[], bool]]:
         """Around the main thread's wait for prompts: yields what to ask before waiting (calls
-        fetched already?); calls fetched during the wait wake it (:meth:`WorkerChannel.wake`).
-        Either the main thread sees the inbox filled, or the taker sees it waiting (the flag is
-        set before it asks, the inbox filled before the taker looks)."""
+        fetched already?); calls fetched during the wait wake it (:meth:`WorkerChannel.wake`). The
+        flag is set before it asks and the inbox filled before the taker looks, so neither misses."""
         self.main_waiting = True
         try:
             yield lambda: bool(self.inbox)
@@ -172,8 +165,7 @@ class BackgroundChannel:
         self._want.set()
         self._threads[0].join(timeout=2 * self.BLOCK_S + 5)
         left = self._pop(len(self.inbox))
-        # held by nobody, said before they are back on the list: another worker may take one at
-        # once, and what it says must come last
+        # held by nobody, said before they are back on the list (another worker's word must come last)
         self.send(self._held(left, "", None))
         self.outbox.put(None)
         self._threads[1].join(timeout=10)
@@ -186,9 +178,7 @@ class BackgroundChannel:
     @staticmethod
     def _held(taken: list[Taken], worker_id: str, at: float | None) -> list[tuple[str, CallChunk]]:
         """The chunks that tell the calls' gateways which worker holds them (:attr:`CallChunk.started`),
-        sent as the taker fetches them, before they wait in the inbox for the main thread: a worker
-        killed with calls it has not started yet fails them too (unreadable ones are the main
-        thread's to count)."""
+        sent as the taker fetches them: a worker killed with calls it has not started fails them too."""
         return [(call.reply_to, CallChunk(call.call_id, [], worker_id=worker_id, started_at=at))
                 for _, call in taken if isinstance(call, GatewayCall)]
 

@@ -146,9 +146,8 @@ class GroupAssembly:
         prompt = lease.prompt
         held = self.groups.get(lease.lease_id)
         if held is not None:
-            # its own lease, expired while this process was paused (SIGSTOP, swapping) and claimed
-            # back by this worker: the prompt is still being generated here, so that goes on under
-            # the new delivery (adding its requests again would fail on their ids, dead-lettering it)
+            # its own lease, expired while this process was paused and claimed back: generation goes on
+            # under the new delivery (adding its requests again would fail on their ids)
             log.info("worker %s: prompt %s came back to this worker, which still generates it (its lease expired "
                      "while the process was paused)", self.worker_id, prompt.prompt_id)
             held.lease = lease
@@ -307,8 +306,7 @@ class GroupAssembly:
             else:
                 self.stats.prompts_empty += 1
         for kept, died in zip(samples, dead):  # after the groups are stored: a stop loses nothing scored
-            # empty responses dead-lettered by reward.empty_response=dead_letter are the user's choice, not
-            # a failing reward: a policy that mostly answers nothing must not stop the run blaming the reward
+            # empty responses dead-lettered by reward.empty_response=dead_letter are the user's choice, not a failing reward
             failed = [(False, "")] * len(kept) + [(True, o.reason) for o in died if o.reason != EMPTY_DEAD_LETTER]
             if any([self.reward_failures.record(f, reason) for f, reason in failed]):
                 raise reward_failing(self.reward_failures)

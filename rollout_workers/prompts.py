@@ -43,13 +43,8 @@ class PromptCounters:
     tokens_cut: int = 0  # prompt tokens removed by truncation, summed
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "prompts_rendered": self.rendered,
-            "prompts_truncated": self.truncated,
-            "prompts_rejected": self.rejected,
-            "prompts_empty_text": self.empty,
-            "prompt_tokens_cut": self.tokens_cut,
-        }
+        return {"prompts_rendered": self.rendered, "prompts_truncated": self.truncated, "prompts_rejected": self.rejected,
+                "prompts_empty_text": self.empty, "prompt_tokens_cut": self.tokens_cut}
 
 
 @dataclass
@@ -89,8 +84,7 @@ class PromptRenderer:
     def render(self, prompt: Prompt, tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """Return ``(text, ids)``: the text as the model sees it (before any truncation) and its
         token ids ``[P]``, ``P <= max_prompt_tokens``. Raises :class:`PromptRejected`, also when
-        the chat template refuses the prompt (``raise_exception``, as Llama-2/Mistral/Gemma
-        templates do for a system turn or roles that do not alternate) or its messages are malformed."""
+        the chat template refuses the prompt or its messages are malformed."""
         try:
             text = self.text_of(prompt, tools)
         except Exception as exc:  # noqa: BLE001 - this prompt cannot be rendered; the caller goes on with others

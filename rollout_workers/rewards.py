@@ -8,49 +8,18 @@
     models:
       rm: {path: /models/my-rm, weight: 0.5}
 
-Two signatures, told apart by the parameter names (``batched: true|false`` in the function's
-node overrides the guess):
-
-* per sample, ``fn(prompt, response_text, response_ids, metadata, **kwargs)``: ``prompt`` is the
-  prompt text as the model saw it (chat template applied), ``response_ids`` a list of ints,
-  ``metadata`` the prompt's data columns (e.g. the reference answer); it returns a number or a
-  dict of named numbers;
-* batched, TRL's ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list``: a
-  function with a ``prompts``, ``completions`` or ``completion_ids`` parameter gets the whole
-  batch as TRL's ``GRPOTrainer`` passes it: a prompt that came as text is that text (no chat
-  template) and its completion a string; a prompt that came as chat turns (``messages``; an
-  episode's always) is that list of ``{"role", "content"}`` turns and its completion
-  ``[{"role": "assistant", "content": text}]``. Every data column comes as a keyword argument
-  holding one value per completion (None where a prompt lacks it; a column the function names
-  without a default comes so even when no prompt of the batch has it). It returns one number per
-  completion: None where it does not apply (TRL's multi-task rewards: left out of that sample's
-  sum and components; a sample no reward applies to fails), an exception object to fail that one
-  completion (how :class:`~rollout_workers.rewards_remote.ChatJudge` reports a bad reply). TRL's
-  ``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are not passed, and NaN
-  fails where TRL's sum skips it.
-
-An ``async def`` function (or one returning an awaitable) is awaited on an event loop in a thread
-of its own, as TRL runs them.
-
-Every other key of a function's node is passed as a keyword argument (it wins over a data column
-of the same name). A ``_target_`` that names a class is instantiated once with those keyword
-arguments and the instance is called (for rewards that load something expensive once).
+The two signatures (per sample, and TRL's batched one, told apart by the parameter names unless
+``batched: true|false`` says), how TRL's arguments are built, ``async def`` rewards and empty
+responses are described in docs/rewards.md. Every other key of a function's node is passed as a
+keyword argument (it wins over a data column of the same name); a ``_target_`` that names a class
+is instantiated once with them and the instance is called.
 
 Every value is kept in ``Sample.reward_components``, unweighted: a number as ``<name>``, a dict
-entry as ``<name>/<key>``, a reward model as ``<name>``. The reward is the weighted sum
-(``weight`` per function or model, default 1; a dict's entries share their function's weight).
-
-A reward value is any real number a library gives: Python ``int``/``float``/``Fraction``/
-``Decimal``, NumPy scalars, 0-d or one-element NumPy arrays and torch tensors. Booleans (Python,
-NumPy or torch) and everything else are refused with the type named. A function that raises
-(anything but ``KeyboardInterrupt``: ``asyncio.CancelledError`` and ``SystemExit`` too), returns
-a refused value, a value that cannot be read (its ``float()`` or ``item()`` raises), NaN/inf, or
-(batched) a list of the wrong length, and a reward model that fails or scores NaN, make
-:class:`RewardError` for the samples concerned; the worker dead-letters them with the message and
-keeps going.
-
-Empty responses (nothing but end-of-sequence or whitespace) follow ``reward.empty_response``:
-``zero`` (the default: reward 0, no reward called), ``dead_letter`` or ``score`` (call the rewards).
+entry as ``<name>/<key>``, a reward model as ``<name>``. The reward is the weighted sum (``weight``
+per function or model, default 1; a dict's entries share their function's weight). A value is any
+real number a library gives (:func:`as_number`); a reward that raises, returns anything else,
+NaN/inf or (batched) a list of the wrong length makes :class:`RewardError` for the samples
+concerned, which the worker dead-letters.
 """
 
 from __future__ import annotations
@@ -82,8 +51,7 @@ _SECRET_WORDS = ("key", "secret", "token", "password")
 
 
 class RewardFailing(UserError):
-    """Scoring fails for most samples (a reward function that always raises, returns NaN or
-    times out): no batch could ever form, so the worker stops the run with the reward's error."""
+    """Scoring fails for most samples: no batch could ever form, so the worker stops the run."""
 
 
 def reward_failing(window: FailureWindow) -> RewardFailing:
@@ -162,10 +130,9 @@ class CallWatch:
 
 @contextlib.contextmanager
 def _user_code(failed: str) -> Iterator[None]:
-    """Runs a user's reward (or reads what it returned): anything the block raises becomes a
-    RewardError ``"<failed> <exception>"`` for the samples concerned, but ``KeyboardInterrupt``.
-    ``asyncio.CancelledError`` and ``SystemExit`` are no Exceptions: once they escaped to the
-    worker's main thread and killed it, and its restart took the same prompt again."""
+    """Runs a user's reward (or reads what it returned): anything the block raises but
+    ``KeyboardInterrupt`` becomes a RewardError ``"<failed> <exception>"`` for the samples concerned
+    (``asyncio.CancelledError`` and ``SystemExit`` too: they must not end the worker's thread)."""
     try:
         yield
     except KeyboardInterrupt:
@@ -178,9 +145,8 @@ _LOOP = UserLoop("reward-asyncio")  # where async rewards run, one loop for ever
 
 
 def _awaited(value: Any) -> Any:
-    """``value``, or what it resolves to when it is awaitable (an ``async def`` reward's coroutine),
-    awaited on the rewards' event loop while this scoring thread waits: a client a reward keeps
-    stays on its loop."""
+    """``value``, or what it resolves to when it is awaitable, awaited on the rewards' one event loop
+    (a client a reward keeps stays on its loop)."""
     return _LOOP.submit(value).result() if inspect.isawaitable(value) else value
 
 
@@ -271,8 +237,7 @@ class _BatchedFn:
             params = {}
         self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.names = set(params)
-        # the columns it cannot go without: a batch where no prompt has one gets None for each
-        # completion, as a batch where some prompt has it (a parameter with a default keeps it)
+        # the columns it cannot go without get None for each completion even when no prompt has them
         keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         self.required = [k for k, p in params.items() if p.kind in keyword and p.default is p.empty and k not in _BATCH_ARGS]
 
@@ -327,8 +292,7 @@ class _RewardModel:
         tok_limit = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
         self.max_length = min(x for x in (limit, tok_limit, 1 << 30) if x > 0)
         self.chat_template = bool(getattr(self.tokenizer, "chat_template", None))
-        # A fast tokenizer sets its padding/truncation state on each call ("Already borrowed" from
-        # two threads at once): tokenizing takes turns, the forward passes run side by side.
+        # A fast tokenizer cannot be called from two threads at once; the forward passes run side by side.
         self._tokenizer_lock = threading.Lock()
 
     def text(self, it: ScoreItem) -> str:
@@ -387,21 +351,16 @@ def is_batched(name: str, fn: Callable[..., Any], declared: Any = None) -> bool:
 
 
 class Scorer:
-    """Weighted reward functions and reward models (see the module docstring).
-
-    Built once per worker; :meth:`score_batch` runs on the worker's scoring threads (several at
-    once when ``reward.num_threads`` > 1: user functions must then be thread-safe).
-    Configuration errors (missing ``_target_``, unimportable path, no reward at all, a
-    reward-model directory that is not one) raise :class:`ConfigError` here, before any
-    generation starts.
-    """
+    """Weighted reward functions and reward models (see the module docstring). Built once per
+    worker, so configuration errors raise :class:`ConfigError` before any generation starts;
+    :meth:`score_batch` runs on the worker's scoring threads, several at once when
+    ``reward.num_threads`` > 1."""
 
     def __init__(self, cfg: RewardConfig, model_cfg: ModelConfig, environment: bool = False) -> None:
         self.empty_response = cfg.empty_response
         self.functions: list[_PerSampleFn | _BatchedFn] = []
         self.models: list[_RewardModel] = []
-        # environment: episodes get the environment's reward, so a run may have no reward of its own
-        # (and the built-in task's default reward, which scores a single reply, steps aside)
+        # environment: episodes get the environment's reward (the built-in task's default reward steps aside)
         for name, spec in active_reward_functions(cfg, drop_defaults=environment).items():
             if not isinstance(spec, Mapping):
                 raise ConfigError(f"reward.functions.{name} must be a mapping with _target_: dotted.path, got {spec!r}")
@@ -450,9 +409,7 @@ class Scorer:
     def score_batch(self, items: Sequence[ScoreItem], watch: CallWatch | None = None
                     ) -> list[tuple[float, dict[str, float]] | RewardError]:
         """Per item ``(total reward, {component: value})`` or the RewardError that fails it.
-
-        ``watch`` is told which reward is being called (the worker's timeout watchdog reads it).
-        """
+        ``watch`` is told which reward is being called (the worker's timeout watchdog reads it)."""
         watch = watch or CallWatch()
         scores: list[dict[str, float]] = [{} for _ in items]
         errors: dict[int, RewardError] = {}  # item -> why it has no reward

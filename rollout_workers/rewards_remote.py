@@ -1,35 +1,30 @@
 """A remote reward: an LLM judge behind an OpenAI-compatible chat API (``POST .../chat/completions``).
 
-``conf/reward/judge.yaml``; a reward function like any other, batched (TRL's signature), so a
-batch's requests go out at once (up to ``concurrency``)::
+``conf/reward/judge.yaml``; a batched reward function (TRL's signature) whose requests go out at
+once, up to ``concurrency``::
 
     rlhf-run reward=judge reward.functions.judge.url=http://127.0.0.1:8000/v1 \\
         reward.functions.judge.model=Qwen2.5-7B-Instruct
 
-``model`` is the server's model name (left out of the request when null: a server that serves
-one model uses it). For each completion it fills ``template``: ``{prompt}`` is the question (a text
-prompt as it is, before any chat template; a chat prompt's last user turn), ``{response}`` the
-completion's text, and any data column, e.g. ``{reference}`` (a completion whose prompt lacks a
-column the template names, or holds null there, fails with a :class:`JudgeError` and is not
-sent). It sends it as the user turn (after ``system``, if given), reads
-``choices[0].message.content`` of the reply, takes the first number in it (``pattern``; its
-first group when it has groups, e.g. ``Score: *(\\d+)``) and returns it times ``scale``.
-Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501
-and 505 (Cloudflare's 520-524 and 529 included) are retried ``max_retries`` times with
-exponential backoff (``backoff_s``, doubling, at most ``max_backoff_s``; a 429's or 503's
-``Retry-After`` is waited for, up to ``max_backoff_s``); a reply that is not the chat API's JSON
-or holds no number, and other statuses, are not retried. A completion whose request fails, or
-whose judging fails in any other way, gets a :class:`JudgeError` in place of its number: that one
-sample is dead-lettered with the message, the rest of the batch is kept.
+``model``: the server's model name (null: left out of the request). ``template`` is filled per
+completion: ``{prompt}`` the question (a text prompt as it is; a chat prompt's last user turn),
+``{response}`` the completion's text, and any data column, e.g. ``{reference}`` (a completion whose
+prompt lacks a named column, or holds null there, fails unsent). It is sent as the user turn (after
+``system``, if given); the first number of ``choices[0].message.content`` (``pattern``; its first
+group when it has one, e.g. ``Score: *(\\d+)``) times ``scale`` is the reward.
+Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501 and
+505 are retried ``max_retries`` times with exponential backoff (``backoff_s``, doubling, at most
+``max_backoff_s``; a 429's or 503's ``Retry-After`` is waited for, up to ``max_backoff_s``); other
+failures are not. A completion whose judging fails gets a :class:`JudgeError` in place of its
+number: that sample alone is dead-lettered.
 
 The API key comes from ``api_key`` or, better (config files are saved with the run), from the
-environment variable named by ``api_key_env``; without either no ``Authorization`` header is sent
-(a local server). Replies are parsed as JSON only and capped at 1 MiB; nothing from the network
-is executed. Loopback URLs bypass any HTTP proxy of the environment. Only the standard library.
+environment variable named ``api_key_env``; without either no ``Authorization`` header is sent.
+Replies are parsed as JSON only and capped at 1 MiB. Loopback URLs bypass any HTTP proxy.
 
 ``reward.timeout_s`` limits a whole call (one batch): keep it above ``timeout_s x (max_retries + 1)``
-plus the waits between attempts (up to ``max_backoff_s`` each), times the batch's rounds of
-``concurrency`` requests (``conf/reward/judge.yaml``: 32 / 8 x (3 x 30 + 2 x 8) = 424 s).
+plus the waits between attempts, times the batch's rounds of ``concurrency`` requests
+(``conf/reward/judge.yaml`` works it out).
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Batched scoring off the generation thread, with a time limit per reward call.
 
-The worker's main thread hands finished samples over a whole group at a time
-(:meth:`ScoringPool.submit`) and calls :meth:`ScoringPool.poll` between decoding steps to collect
-the answers. ``num_threads`` scoring threads each loop on: take up to ``batch_size`` waiting
-samples once ``batch_size`` wait, the oldest has waited ``max_wait_s``, or the main thread said
-nothing more is coming soon (``poll(flush=True)``: generation is idle); score them with
-``job(items, watch)``; hand the answers back. A thread takes a batch only when it is free, so
-while the reward is the bottleneck batches grow to ``batch_size`` by themselves, and a cheap
-reward is called without delay.
+The main thread hands finished samples over (:meth:`ScoringPool.submit`) and collects the answers
+between decoding steps (:meth:`ScoringPool.poll`). Each of ``num_threads`` scoring threads takes up
+to ``batch_size`` waiting samples once ``batch_size`` wait, the oldest has waited ``max_wait_s``,
+or generation is idle (``poll(flush=True)``), and scores them with ``job(items, watch)``; a thread
+takes a batch only when it is free, so while the reward is the bottleneck batches grow by themselves.
 
-``poll`` also abandons every batch whose current reward call (``watch``) has run past
-``timeout_s``: its samples get the ``on_timeout`` outcome at once (the worker dead-letters them
-with the reason), a fresh thread takes the abandoned one's place, and the abandoned thread,
-which Python cannot kill, throws its result away when the call returns and ends. More than
-``MAX_ABANDONED`` abandoned calls still running at once stop the worker: threads would pile up.
+``poll`` abandons every batch whose current reward call (``watch``) has run past ``timeout_s``: its
+samples get the ``on_timeout`` outcome at once and a fresh thread takes the abandoned one's place
+(Python cannot kill it; it drops its result when the call returns). More than ``MAX_ABANDONED``
+abandoned calls still running stop the worker.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """The hf engine's KV cache: one preallocated row ("slot") per running sequence, written in place.
 
 Every layer's keys and values live in ``[slots, kv_heads, columns, head_dim]`` tensors allocated
-once. Column ``j`` of a slot holds the K/V of that sequence's token at position ``j``, so a
-decoding step writes exactly one column per slot and a newcomer's prefill writes its prompt's
-columns into a free slot: no concatenation, no re-alignment, no allocation per step (which is
-also what lets a decoding step be captured in a CUDA graph and replayed).
+once; column ``j`` of a slot holds the K/V of that sequence's token at position ``j``, so a step
+allocates nothing (which also lets it be captured in a CUDA graph). The attention of a token at
+position ``p`` sees columns ``0..p`` of its own slot. The last column is a scratch column no real
+token reaches: inputs that only fill a batch write there, fed at position 0
+(:meth:`SlotKVCache.positions`).
 
-Each forward pass names the slots it feeds and, per input token, its position (= the column it
-writes); the attention of a token at position ``p`` sees columns ``0..p`` of its own slot. The
-last column is a scratch column no real token ever reaches: inputs that only fill a batch (a
-free slot inside a decoding batch, the padding of a prefill chunk) write there, and are fed to
-the model at position 0 (:meth:`SlotKVCache.positions`), since the scratch column may lie past
-the model's context.
-
-The attention itself is :func:`slot_attention`; it folds grouped-query heads into the query axis
-so SDPA reads each K/V head once instead of a repeated copy. Llama and Qwen2 models run through
-:func:`direct_forward`, which calls the model's own modules in the order its forward does,
-without the work around them (argument handling, mask building, output capture) that on a small
-model costs more than its arithmetic; any other model runs its own forward with
-:func:`slot_attention` plugged in for the duration of the engine's passes
-(:func:`slot_attention_for`), once :func:`check_slot_attention` has seen it reach every layer.
+Llama and Qwen2 models run through :func:`direct_forward` (their own modules in their forward's
+order, without the work around them); any other model runs its own forward with
+:func:`slot_attention` plugged in (:func:`slot_attention_for`), once :func:`check_slot_attention`
+has seen it reach every layer. docs/architecture.md (Rollout workers: Engines) says more.
 """
 
 from __future__ import annotations
@@ -110,12 +101,10 @@ class SlotKVCache:
         return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
 
     def relocate(self, moves: list[tuple[int, int, int]], swaps: list[tuple[int, int, int, int]]) -> None:
-        """Apply a packing in one indexed copy per cache tensor, not a few per sequence: each
-        ``(src, dst, columns)`` of ``moves`` copies slot ``src``'s first ``columns`` columns into
-        slot ``dst``; each ``(a, b, columns_a, columns_b)`` of ``swaps`` exchanges slot ``a``'s
-        first ``columns_a`` columns with slot ``b``'s first ``columns_b``. Every slot named appears
-        once (as packing makes them: each target lies below every slot still to move), so the
-        copies commute. Columns past a slot's count are copied too and never read."""
+        """Apply a packing in one indexed copy per cache tensor: each ``(src, dst, columns)`` of
+        ``moves`` copies slot ``src``'s first ``columns`` columns into slot ``dst``; each ``(a, b,
+        columns_a, columns_b)`` of ``swaps`` exchanges slot ``a``'s first ``columns_a`` columns with
+        slot ``b``'s first ``columns_b``. Every slot named appears once, so the copies commute."""
         if not moves and not swaps:
             return
         src = torch.tensor([m[0] for m in moves] + [w[0] for w in swaps], device=self._all_rows.device)
@@ -130,10 +119,8 @@ class SlotKVCache:
                 cache[back_dst, :, :back_width] = kept
 
     def positions(self, columns: torch.Tensor) -> torch.Tensor:
-        """The position ids the model embeds for inputs writing ``columns``: a real token's column
-        is its position; the scratch column, which may lie past the model's context (a learned
-        position table's end; dynamic RoPE sizing itself from the largest position of the pass),
-        is fed at position 0."""
+        """The position ids the model embeds for inputs writing ``columns``: a real token's column is
+        its position; the scratch column, which may lie past the model's context, is fed at 0."""
         return columns.masked_fill(columns == self.scratch, 0)
 
     def attention_mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
@@ -242,11 +229,9 @@ def _counted_slot_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) 
 def check_slot_attention(model: PreTrainedModel, one_pass: Callable[[], Any]) -> None:
     """Refuse a model the slot attention plug-in does not reach: ``one_pass`` (the engine's pass of
     one token) must run :func:`slot_attention` once in each layer. Families whose attention code
-    does not dispatch through transformers' attention interface (Falcon, GPT-J, MPT, Bloom, most
-    remote-code models) run their own attention instead: they would add the boolean mask to the
-    scores (nothing masked, a slot's earlier K/V read) and give wrong log-probs without a word.
-    A pass that fails (a cache layout the slot cache does not hold: multi-head latent attention's
-    keys and values of other widths) is refused the same way."""
+    bypasses transformers' attention interface (Falcon, GPT-J, MPT, Bloom, ...) would ignore the
+    slot mask and give wrong log-probs silently; a pass that fails (a cache layout the slot cache
+    does not hold) is refused the same way."""
     layers = kv_shape(model.config)[0]
     _probe.layers = []
     try:

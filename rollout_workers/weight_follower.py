@@ -3,10 +3,8 @@
 A first version before any work; then, between decoding steps, a newer one when it is announced or
 when claimed prompts were admitted at a version the engine lacks (pacing's staleness bound assumes
 generation with weights at least that new). An update lands in place: later tokens carry the new
-version, sampled on top of the K/V the old weights computed, with exactly that distribution's
-behaviour log-probs (tested). A failed pull (the server down: it costs
-``weight_server.request_timeout_s``) is retried only after WEIGHT_RETRY_S or for a newer version;
-meanwhile generation goes on with the current weights.
+version. A failed pull is retried only after WEIGHT_RETRY_S or for a newer version; meanwhile
+generation goes on with the current weights.
 """
 
 from __future__ import annotations
@@ -77,9 +75,7 @@ class WeightFollower:
         tried: int | None = None
         logged = False
         while not self.stop_event.is_set():
-            # Pull at once (a late joiner gets the newest version), then when a new version is
-            # announced, and every few seconds in case announcements cannot reach us: no request
-            # storm while the learner starts.
+            # Pull at once, then on an announcement, and every few seconds in case announcements do not arrive.
             announced = self.subscriber.poll_announcement(timeout_ms=100)
             if announced != tried or time.monotonic() >= retry_at:
                 tried, retry_at = announced, time.monotonic() + WEIGHT_RETRY_S

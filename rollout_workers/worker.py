@@ -1,19 +1,13 @@
 """The rollout worker: a main-thread loop over its parts that claims, generates, scores and appends.
 
-A worker holds no state that matters: prompts are leased, so killing it at any moment loses
-nothing (its leases expire and another worker reclaims them), and a new worker anywhere with the
-Redis URL and the weight server's address joins the run with the newest weights.
-
-The main thread drives the engine (engines are single-threaded): claim within the admission
-budget, ``engine.step`` (one decoding step), follow the weights between steps, complete the groups
-that are scored. Its parts: :mod:`~rollout_workers.leases` (claims, releases, the heartbeat
-thread), :mod:`~rollout_workers.weight_follower`, :mod:`~rollout_workers.groups` (a prompt's
-requests to its completed group, scored on the scoring threads by :mod:`~rollout_workers.samples`)
-and, with ``rollout.env``, :mod:`~rollout_workers.episodes` (environments on threads of their own).
+A worker holds no state that matters: prompts are leased, so killing it loses nothing, and a new
+worker anywhere with the Redis URL and the weight server's address joins the run. The main thread
+drives the engine (engines are single-threaded); its parts, one module each, are described in
+docs/architecture.md (Rollout workers).
 
 Shutdown (SIGTERM/SIGINT, or a budget in tests): stop claiming, finish in-flight prompts for
-``rollout.shutdown_grace_s`` while heartbeating, release the rest (re-delivered at once, not
-counted as a failed delivery), exit 0. A second signal skips the grace period.
+``rollout.shutdown_grace_s`` while heartbeating, release the rest, exit 0. A second signal skips
+the grace period.
 """
 
 from __future__ import annotations
@@ -142,15 +136,12 @@ class RolloutWorker:
         return int(self.cfg.rollout.slots) - self.engine.num_active() - self.engine.num_waiting()
 
     def _free_prompt_capacity(self) -> int:
-        """Prompts to claim now: fill the slots plus up to one group waiting, so a freed slot is
-        refilled at the next step (continuous batching) without holding many idle leases.
-
-        Responses still waiting to be scored count as busy slots: when scoring is the bottleneck
-        the worker stops claiming instead of piling up leases (and admission budget) behind it."""
+        """Prompts to claim now: enough to fill the free slots, so a freed slot is refilled at the next
+        step. Responses still waiting to be scored count as busy slots: when scoring is the
+        bottleneck the worker stops claiming instead of piling up leases behind it."""
         free = self._free_slots() - self.scoring.in_flight()
         if self.episodes is not None:
-            # An episode whose environment is working holds no slot: the engine decodes others
-            # meanwhile, which is how environment latency is hidden. Calls still waiting for an
+            # An episode whose environment is working holds no slot; calls still waiting for an
             # environment thread count as busy, so the episodes in flight stay bounded.
             free -= self.episodes.queued_for_env()
         # ceil(free / G): an idle worker always takes at least one prompt, even when a group is
@@ -177,9 +168,7 @@ class RolloutWorker:
                 self.groups.start(lease)
                 started += 1
         except BaseException:
-            # _release_all gives back only the open groups: the leases of this claim not started yet
-            # would stay pending until they expire (and come back to the next worker oldest first).
-            # A lease completed meanwhile (a rejected prompt) is no longer held: its release is a no-op.
+            # _release_all gives back only the open groups: release this claim's leases not started yet
             self.leases.release([lease for lease in leases[started:] if lease.lease_id not in self.groups],
                                 "failed before starting them", "claimed")
             raise
@@ -320,8 +309,7 @@ class RolloutWorker:
 
 def _set_threads() -> int:
     """Intra-op threads: OMP_NUM_THREADS when set (rlhf-run divides the cores among its children),
-    else 1. The engine's per-step work is small; on a shared CPU extra threads mostly spin against
-    the other processes (the hf engine tests measured 20x slower steps with the default)."""
+    else 1: the engine's per-step work is small, and on a shared CPU extra threads mostly spin."""
     raw = os.environ.get("OMP_NUM_THREADS", "")
     n = int(raw) if raw.isdigit() and int(raw) > 0 else 1
     torch.set_num_threads(n)
