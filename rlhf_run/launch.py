@@ -1,11 +1,7 @@
-"""`rlhf-run`: a whole run, on one machine (``launcher=local``, the default: the roles as child
-processes, :mod:`rlhf_run.local_backend`) or on a Ray cluster (``launcher=ray``: the roles as Ray
-actors, :mod:`rlhf_run.ray_backend`), supervised alike (:mod:`rlhf_run.supervisor`). At the end: a
-summary, ``summary.json`` and plots; a private Redis's data is removed when the run finished
-cleanly and kept otherwise, so that ``rlhf-run resume=<output folder>`` continues the run where it
-stopped (:func:`resume_config`).
-
-This module is the command: it picks the backend, resumes runs and sums up sweeps.
+"""`rlhf-run`: a whole run, on one machine (``launcher=local``, the default,
+:mod:`rlhf_run.local_backend`) or on a Ray cluster (``launcher=ray``, :mod:`rlhf_run.ray_backend`),
+supervised alike (:mod:`rlhf_run.supervisor`). This module is the command: it picks the backend,
+resumes runs (``rlhf-run resume=<output folder>``, :func:`resume_config`) and sums up sweeps.
 """
 
 from __future__ import annotations
@@ -40,11 +36,9 @@ def hydra_output_dir() -> Path:
 
 
 def resume_config(resume: str, overrides: Sequence[str] = ()) -> tuple[Config, Path]:
-    """The config and output folder of the run ``rlhf-run resume=<folder>`` continues: the
-    folder's saved config (same run id, data, model, algorithm), changed only by the ``key=value``
-    overrides given with ``resume=`` (``learner.max_updates=2000`` to train on). The learner
-    restores its checkpoint, the private Redis its data (or, where that is gone, the learner the
-    prompt cursor), the trackers their runs."""
+    """The config and output folder of the run ``rlhf-run resume=<folder>`` continues: the folder's
+    saved config, changed only by the ``key=value`` overrides given with ``resume=``
+    (``learner.max_updates=2000`` to train on)."""
     out = resume_folder(resume)
     saved = out / LAUNCH_CONFIG
     changes = []
@@ -151,10 +145,9 @@ from hydra.experimental.callback import Callback  # noqa: E402
 
 
 class StartChecks(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): what must hold before Hydra
-    makes the output folder and writes its ``.hydra/`` and log there, said in one line (exit 2),
-    not as Hydra's traceback of the ``mkdir`` or after writing into a folder that is no run: a
-    ``resume=`` folder that is not a run's, an output folder that cannot be made."""
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): before Hydra makes the output
+    folder, refuse in one line (exit 2) a ``resume=`` folder that is not a run's and an output
+    folder that cannot be made."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         with _exit_on_config_error():
@@ -177,12 +170,13 @@ def _exit_on_config_error() -> Iterator[None]:
         sys.exit(exc.exit_code)
 
 
-class SweepSummary(Callback):
-    """Hydra callback: at the end of a multirun, a comparison table across the jobs.
+SWEEP_KEYS = ("run_id", "max_staleness", "steps", "reward_start", "reward_end", "wall_s")
+SWEEP_THROUGHPUT = ("trained_samples_per_s", "generated_tokens_per_s")
 
-    Registered in ``conf/config.yaml`` under ``hydra.callbacks``; reads each job's
-    ``summary.json`` and writes ``sweep_summary.json`` in the sweep folder.
-    """
+
+class SweepSummary(Callback):
+    """Hydra callback: at the end of a multirun, a comparison table of the jobs' ``summary.json``,
+    also written to ``sweep_summary.json`` in the sweep folder."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import json
@@ -193,17 +187,8 @@ class SweepSummary(Callback):
         rows = []
         for path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}")):
             s = json.loads(path.read_text())
-            rows.append({
-                "job": path.parent.name,
-                "run_id": s.get("run_id"),
-                "max_staleness": s.get("max_staleness"),
-                "steps": s.get("steps"),
-                "reward_start": s.get("reward_start"),
-                "reward_end": s.get("reward_end"),
-                "wall_s": s.get("wall_s"),
-                "trained_samples_per_s": s.get("throughput", {}).get("trained_samples_per_s"),
-                "generated_tokens_per_s": s.get("throughput", {}).get("generated_tokens_per_s"),
-            })
+            rows.append({"job": path.parent.name, **{k: s.get(k) for k in SWEEP_KEYS},
+                         **{k: s.get("throughput", {}).get(k) for k in SWEEP_THROUGHPUT}})
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(format_table(rows), flush=True)
 

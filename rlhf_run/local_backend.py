@@ -1,11 +1,7 @@
-"""The one-machine backend (``launcher=local``, the default): the roles as child processes, a
-private redis-server when no ``buffer.url`` is given (random port, AOF on, its data in ``redis/``
-of the output folder) and the weight server embedded in this process.
-
-Each child is ``python -m <module>`` with the resolved config, its output in ``logs/<name>.log``,
-in a session of its own and SIGKILLed when the launcher dies (``PR_SET_PDEATHSIG``).
-``learner.devices`` / ``rollout.devices`` set each child's ``CUDA_VISIBLE_DEVICES``; a learner on
-several GPUs runs under ``torchrun``. Workers are processes: the launcher loads no model.
+"""The one-machine backend (``launcher=local``, the default): the roles as child processes
+(``python -m <module>`` with the resolved config, SIGKILLed when the launcher dies), a private
+redis-server when no ``buffer.url`` is given and the weight server embedded in this process.
+docs/architecture.md (The run app) describes the placement.
 """
 
 from __future__ import annotations
@@ -94,8 +90,7 @@ class LocalBackend:
             from buffer.local_server import RedisServer
 
             workdir = self.output_dir / REDIS_DIR
-            # everysec: at most one second of appends is at risk if the machine dies; the test
-            # fixture uses `always`
+            # everysec: at most one second of appends is at risk if the machine dies
             self.redis = RedisServer(workdir, fsync="everysec", die_with_parent=True).start()
             cfg.buffer.url = self.redis.url
             log.info("started private redis-server pid %d at %s (data in %s)", self.redis.pid, self.redis.url, workdir)
@@ -201,10 +196,8 @@ class LocalBackend:
 
 
 def own_log_file(logger_name: str, path: Path) -> Callable[[], None]:
-    """Send ``logger_name``'s records to ``path`` instead of the console, warnings and errors
-    to both: a component running inside the launcher (the weight server logs two lines per
-    version) keeps its chatter in its own log like the children, and the console shows the live
-    line. Returns the function that undoes it."""
+    """Send ``logger_name``'s records to ``path`` instead of the console, warnings and errors to
+    both, as a child's go to its log. Returns the function that undoes it."""
     logger = logging.getLogger(logger_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     to_file = say_once_when_full(logging.FileHandler(path))

@@ -67,7 +67,6 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     axes[1].set_xlabel("samples trained")
     axes[1].set_ylabel("mean reward of the batch")
     fig.suptitle("Reward")
-    fig.tight_layout()
     written.append(_save(fig, output_dir / "reward.png"))
 
     kl_key = next((k for k in M.KL_KEYS if k in rows[-1]), None)
@@ -77,7 +76,6 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         ax.set_xlabel("learner version")
         ax.set_ylabel(kl_key)
         ax.set_title("KL")
-        fig.tight_layout()
         written.append(_save(fig, output_dir / "kl.png"))
 
     hists = [r.get(M.STALENESS_HIST) for r in rows]
@@ -95,7 +93,6 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
         ax.set_ylabel("staleness (versions)")
         ax.set_title("Staleness of trained samples over time")
         fig.colorbar(im, ax=ax, label="samples")
-        fig.tight_layout()
         written.append(_save(fig, output_dir / "staleness.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -105,7 +102,6 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
     ax.set_ylabel(f"samples/s (over the last {RATE_WINDOW_S:.0f} s)")
     ax.set_title("Throughput per stage")
     ax.legend()
-    fig.tight_layout()
     written.append(_save(fig, output_dir / "throughput.png"))
     return written
 
@@ -113,6 +109,7 @@ def plot(output_dir: Path, rows: list[dict[str, Any]], timeline: list[dict[str, 
 def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
+    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

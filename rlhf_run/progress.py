@@ -1,8 +1,7 @@
 """The live view of a run: a thread samples the buffer once a second, keeps the snapshots in
-``timeline.jsonl`` (ever more sparsely as the run goes on: :class:`Timeline`) and shows the live
-line from them and from the learner's ``metrics.jsonl`` (read incrementally). This module owns
-``timeline.jsonl``: its writer, its reader and the views of one snapshot the summary and the
-monitor share. The keys both sides use are named in :mod:`rlhf_core.metric_names`.
+``timeline.jsonl`` and shows the live line from them and from the learner's ``metrics.jsonl``.
+This module owns ``timeline.jsonl``: its writer, its reader and the views of one snapshot the
+summary and the monitor share.
 """
 
 from __future__ import annotations
@@ -91,12 +90,9 @@ class Eta:
 
 
 class Timeline:
-    """``timeline.jsonl``, thinned as the run goes on: a snapshot (its ``time``, seconds since the
-    epoch) is written when at least max(SAMPLE_INTERVAL_S, elapsed / TIMELINE_SPAN) passed since
-    the one written before (within half a sampling interval; elapsed: since ``started``), and the
-    newest one held back is written at :meth:`close`. The buffer's counters and the workers'
-    totals only grow, so a rate between any two lines is right; sparser lines are rates over
-    longer windows."""
+    """``timeline.jsonl``, thinned as the run goes on (:data:`TIMELINE_SPAN`); the newest snapshot
+    held back is written at :meth:`close`. The buffer's counters and the workers' totals only grow,
+    so a rate between any two lines is right."""
 
     def __init__(self, path: Path, started: float) -> None:
         self.started = started
@@ -162,14 +158,11 @@ def _json_or_none(line: str) -> Any:
 
 
 class RestartDrops:
-    """Samples dropped as too stale right after a learner restart that numbered its weights past
-    the updates they hold, told apart from the run's other drops (fed the buffer's snapshots in
-    order). Such a learner restored a checkpoint older than the versions it had published, and
-    publishes it above them (no number names two sets of weights): the samples generated before
-    the restart, by the weights the crash lost or older ones, are then that many versions further
-    behind it, and some are too stale to train on. Pacing counts the updates, so this stops once
-    they are read: a restart's drops are those counted until its learner has trained
-    ``max_staleness + 2`` updates past where the dead one was (all that was admitted before it)."""
+    """Samples dropped as too stale right after a learner restart that numbered its weights past the
+    updates they hold (a checkpoint older than the versions it had published), told apart from the
+    run's other drops (fed the buffer's snapshots in order): the samples generated before the
+    restart are that many versions further behind it. A restart's drops are those counted until its
+    learner has trained ``max_staleness + 2`` updates past where the dead one was."""
 
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
@@ -205,14 +198,10 @@ class RestartDrops:
 
 class Progress:
     """Samples the buffer once a second on its own thread (so the launcher's supervision never
-    waits on Redis), writes the snapshots to ``timeline.jsonl`` (ever more sparsely: :class:`Timeline`)
-    and shows a live line (rich, when stdout is a terminal; a plain line every 10 s otherwise).
-    Memory stays bounded: the first and the latest snapshots are kept, the rest is on disk.
-
-    ``error``: a :class:`~rlhf_core.errors.UserError` the sampling met other than Redis being
-    unreachable (corrupt control state, a full disk under ``timeline.jsonl``): the launcher ends
-    the run with it.
-    """
+    waits on Redis), writes the snapshots to ``timeline.jsonl`` and shows a live line (rich on a
+    terminal; a plain line every 10 s otherwise). Only the first and the latest snapshots stay in
+    memory. ``error``: a :class:`~rlhf_core.errors.UserError` the sampling met other than Redis
+    being unreachable (the launcher ends the run with it)."""
 
     def __init__(self, cfg: Config, output_dir: Path, weight_server: Any = None) -> None:
         self.cfg = cfg
@@ -363,15 +352,9 @@ def weight_server_stats(metrics: dict[str, Any], name: str = "policy") -> dict[s
         newest = max(versions, key=int)
         rec = versions[newest]
         lat = [a["latency_s"] for a in rec.get("applied", {}).values() if a.get("latency_s") is not None]
-        out.update({
-            "version": int(newest),
-            "bytes": rec.get("bytes"),
-            "publish_duration_s": rec.get("publish_duration_s"),
-            "pulls": rec.get("pulls"),
-            "sync_latency_s": sum(lat) / len(lat) if lat else None,
-            "sync_latency_max_s": max(lat) if lat else None,
-            "workers_applied": len(lat),
-        })
+        out.update({"version": int(newest), **{k: rec.get(k) for k in ("bytes", "publish_duration_s", "pulls")},
+                    "sync_latency_s": sum(lat) / len(lat) if lat else None,
+                    "sync_latency_max_s": max(lat) if lat else None, "workers_applied": len(lat)})
     return out
 
 
@@ -396,16 +379,14 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
 
 def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
     """The stats of the consumers that heartbeated within ``timeout_s`` (``buffer.lease_timeout_s``):
-    a worker's record stays in the buffer for a while after it left (a resumed run's workers of
-    the launch before, one scaled down), and its rate over its uptime is not generation now."""
+    a worker's record stays in the buffer for a while after it left."""
     return {n: w.get("stats", {}) for n, w in snap.get("consumers", {}).items()
             if isinstance(w, dict) and float(w.get("age_s", 0.0)) <= timeout_s}
 
 
 def every_worker(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stats of every worker of the run, to sum running totals over (tokens generated, time
-    busy): each consumer's record, and the workers the buffer retired (long dead) as one record of
-    their summed totals (``M.WORKER_SUMMED``; ``WorkerClient.retire_consumers``)."""
+    """The stats of every worker of the run, to sum running totals over: each consumer's record, and
+    the workers the buffer retired as one record of their summed totals (``WorkerClient.retire_consumers``)."""
     out = [w.get("stats") or {} for w in snap.get("consumers", {}).values() if isinstance(w, dict)]
     retired = (snap.get("retired") or {}).get("stats")
     return out + [retired] if retired else out

@@ -1,16 +1,11 @@
 """The Ray actors of a ``launcher=ray`` run, and two small tasks that act on an actor's node.
 
-Each role runs in its actor's own process exactly as in a child of the one-machine launcher:
-:class:`RoleActor` calls the same entry function (``run_worker``, ``run_learner``,
-``run_evaluator``) on the process's main thread, so the role installs its own SIGTERM/SIGINT
-handlers and a stop request is a signal, sent by :func:`signal_process` on the actor's node.
-The config arrives as plain data (:func:`rlhf_run.ray_plan.plain_config`) and the process's
-stdout and stderr go to ``<output>/logs/<name>.log`` on the actor's node, as a child's do.
-The weight server and the run's private redis-server run in :class:`WeightServerActor` and
-:class:`RedisActor`, bound to their node's IP so that other nodes reach them, never without
-authentication (an HMAC secret and a Redis password made for the run).
-
-This module imports Ray; nothing else of the app imports it unless ``launcher=ray``.
+:class:`RoleActor` runs a role in its own process as a child of the one-machine launcher does:
+the same entry function on the process's main thread (so a stop request is a signal, sent by
+:func:`signal_process` on the actor's node), the config as plain data
+(:func:`rlhf_run.ray_plan.plain_config`), its output in ``<output>/logs/<name>.log`` on its node.
+:class:`WeightServerActor` and :class:`RedisActor` are bound to their node's IP, always
+authenticated. This module imports Ray; nothing else of the app imports it unless ``launcher=ray``.
 """
 
 from __future__ import annotations
@@ -121,8 +116,7 @@ class RoleActor:
 
 @ray.remote
 class WeightServerActor:
-    """The run's weight server, on its node's IP, serving from a thread (``metrics()`` answers
-    while it serves, for the live line and the monitor)."""
+    """The run's weight server, on its node's IP, serving from a thread (``metrics()`` answers while it serves)."""
 
     def __init__(self) -> None:
         self.server: Any = None
@@ -180,8 +174,7 @@ class RedisActor:
 
 @ray.remote(num_cpus=0, max_retries=0)
 def signal_process(pid: int, sig: int) -> bool:
-    """Send ``sig`` to ``pid`` (scheduled on the node the process runs on): how the launcher stops
-    a role gracefully, as it SIGTERMs a child on one machine."""
+    """Send ``sig`` to ``pid`` (scheduled on the node the process runs on)."""
     try:
         os.kill(pid, sig)
         return True

@@ -1,12 +1,6 @@
 """The Ray backend (``launcher=ray``): the run's roles as Ray actors, on one machine or a cluster
 (reached by :mod:`rlhf_run.ray_cluster`; what each actor asks of it: :mod:`rlhf_run.ray_plan`).
-
-The learner's ranks run in a placement group (rank 0 on this node by default, beside the output
-folder); the weight server (HMAC unless told otherwise) and a private redis-server (bound to the
-node's IP, with a password) on this node; workers and the evaluator wherever their demand fits,
-spread over the nodes that can hold one (``ray.worker.strategy``). An actor whose process or node
-died is restarted by Ray and runs its role again once it says where it is; the learner is restarted
-with all its ranks; a stop is SIGTERM sent from the actor's node. The gateway is started by hand.
+docs/architecture.md (The run app) and docs/cluster.md describe the placement and the restarts.
 """
 
 from __future__ import annotations
@@ -178,8 +172,7 @@ class RayBackend:
 
     def worker_options(self) -> dict[str, Any]:
         """A worker's (or the evaluator's) actor options, placed as ``ray.worker.strategy`` says
-        (:func:`rlhf_run.ray_plan.worker_strategy`, on the cluster as it is now); a cluster of
-        several nodes of which one can hold a worker is said once."""
+        (:func:`rlhf_run.ray_plan.worker_strategy`, on the cluster as it is now)."""
         nodes = self.ray.nodes()
         strategy, fit = plan.worker_strategy(self.cfg, nodes)
         alive = sum(1 for n in nodes if n.get("Alive", True))
@@ -304,10 +297,8 @@ class RayBackend:
 
     def restart_learner(self, learner: Role) -> None:
         """All ranks anew (a torch.distributed group does not survive one rank), in the placement
-        group Ray re-places when a node was lost; the learner resumes from its checkpoint. A lost
-        node is seen by the launcher (its actors' calls fail) before Ray declares it dead, so a
-        rank may first land on it again and die unstarted: it is placed again, until
-        ``ray.placement_timeout_s``."""
+        group Ray re-places when a node was lost. A rank that lands on a node Ray has not declared
+        dead yet and dies unstarted is placed again, until ``ray.placement_timeout_s``."""
         deadline = time.monotonic() + self.cfg.ray.placement_timeout_s
         while True:
             self.kill(learner)
@@ -367,8 +358,7 @@ class RayBackend:
             a.where_ref = None  # nothing more starts
             if a.run_ref is not None and a.placed is not None:
                 self.signal(a.placed, signal.SIGTERM)
-        # The grace is the roles' (a worker drains, then releases its leases): it starts once the
-        # signals have landed, each a Ray task started on its node, which can take seconds on busy cores.
+        # The roles' grace starts once the signals (Ray tasks on their nodes) have landed.
         if self._signals:
             ray.wait(list(self._signals), num_returns=len(self._signals), timeout=grace_s)
         deadline = time.monotonic() + grace_s

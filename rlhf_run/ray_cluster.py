@@ -93,10 +93,9 @@ def resolve(address: str) -> str:
 
 @contextmanager
 def gcs_connect_within(timeout: float) -> Iterator[None]:
-    """Make ``ray.init`` give up on an address that accepts connections but is no Ray GCS (a Redis,
-    any other server) after about ``timeout`` s, with Ray's own settings: one connect attempt
-    instead of 20 of ~40 s each, its gRPC connect, pubsub connect and cluster id request each
-    bounded by a third of ``timeout``. An operator's own RAY_* setting of these wins."""
+    """Make ``ray.init`` give up on an address that accepts connections but is no Ray GCS after about
+    ``timeout`` s, with Ray's own settings (one connect attempt, each of its waits a third of
+    ``timeout``). An operator's own RAY_* setting of these wins."""
     step = str(max(1, round(timeout / 3)))
     settings = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_gcs_rpc_server_connect_timeout_s": step,
                 "RAY_py_gcs_connect_timeout_s": step}

@@ -1,10 +1,7 @@
 """What a ``launcher=ray`` run asks of the cluster, worked out without Ray: each actor's demand,
-whether the cluster can hold them (checked before any actor starts), the learner's
-placement-group bundles, the workers' scheduling strategy, the torch.distributed environment of
-the learner's ranks, and each role's options.
-
-Pure functions of the config and of what ``ray.nodes()`` reports, so they are unit-tested
-without a cluster (``tests/unit/test_ray_plan.py``); :mod:`rlhf_run.ray_backend` applies them.
+whether the cluster can hold them, the learner's placement-group bundles, the workers' scheduling
+strategy, the torch.distributed environment of the learner's ranks, and each role's options. Pure
+functions of the config and of ``ray.nodes()``; :mod:`rlhf_run.ray_backend` applies them.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ from rlhf_core.config import Config, ConfigError, RayRoleConfig, to_object
 
 #: the label Ray gives every node: its id (a bundle's label selector pins it to that node)
 NODE_ID_LABEL = "ray.io/node-id"
-#: Ray starts an actor's process at niceness 15 unless its runtime_env says otherwise: the run's
-#: learner, workers, Redis and weight server would then yield the CPU to any other process of
-#: the node (a hand-started ``rlhf-worker``, the driver, another job; beside two busy loops on
-#: two cores each got 3-4% of a core). They are the job: they run at the normal priority, as the
-#: one-machine launcher's children do.
+#: Ray starts an actor's process at niceness 15 unless its runtime_env says otherwise, and the
+#: run's roles would yield the CPU to any other process of the node: they run at the normal priority.
 NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
@@ -71,12 +65,10 @@ def demands(cfg: Config, workers: int | None = None) -> list[Demand]:
 
 def check_fits(wanted: Sequence[Demand], nodes: Sequence[Mapping[str, Any]], address: str,
                spread_ranks: int = 0, driver_node: str | None = None) -> None:
-    """Refuse, naming the resource, a placement the cluster cannot hold: more of a resource in
-    all than its alive nodes have, one actor no single node can hold (GPUs, custom resources,
-    labels), the actors pinned to the node running rlhf-run (``driver_node``, its id) more than
-    it holds, or ``spread_ranks`` ranks that must each be on another node (STRICT_SPREAD) with
-    fewer nodes. Not a full bin packing: what it lets through Ray may still leave pending,
-    which the launcher reports after ``ray.placement_timeout_s``."""
+    """Refuse, naming the resource, a placement the cluster cannot hold: more of a resource in all
+    than its alive nodes have, one actor no single node can hold, the actors pinned to the node
+    running rlhf-run (``driver_node``) more than it holds, or ``spread_ranks`` STRICT_SPREAD ranks
+    with fewer nodes. Not a full bin packing: Ray may still leave what passes pending."""
     alive = [n for n in nodes if n.get("Alive", True)]
     have = _sum(n.get("Resources", {}) for n in alive)
     total = _sum(d.resources for d in wanted)
@@ -188,11 +180,9 @@ def rank_envs(placed: Sequence[tuple[str, Sequence[int | str]]], master_port: in
 
 
 def role_env(role: RayRoleConfig, worker_id: str | None = None) -> dict[str, str]:
-    """The environment an actor's process starts with (Ray's ``runtime_env``), as each child of
-    the one-machine launcher gets it: torch threads = the role's CPUs (unless OMP_NUM_THREADS is
-    set here), the worker id, unbuffered output, the normal CPU priority (:data:`NORMAL_PRIORITY_ENV`)
-    and this PYTHONPATH (every node runs the same code tree, as Ray requires).
-    CUDA_VISIBLE_DEVICES is Ray's (``num_gpus``)."""
+    """The environment an actor's process starts with (Ray's ``runtime_env``), as a child of the
+    one-machine launcher gets it: torch threads = the role's CPUs (unless OMP_NUM_THREADS is set
+    here), the worker id, unbuffered output, the normal CPU priority and this PYTHONPATH."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(role.num_cpus))),
            "PYTHONUNBUFFERED": "1", **NORMAL_PRIORITY_ENV}
     if os.environ.get("PYTHONPATH"):

@@ -20,16 +20,9 @@ series has the label ``run``:
   ``rlhf_run_gateway_errors_total`` with the label ``code``).
 
 A record's key is named as the learner's and the workers' own targets name it
-(:func:`~rlhf_core.prometheus.prometheus_key`: ``sync_latency_s`` ->
-``rlhf_run_weight_server_sync_latency_seconds``; no ``*_per_s`` rate, which ``rate()`` of its
-counter is).
-
-Totals go through :class:`~rlhf_core.prometheus.Totals`, as the learner's and the workers' own:
-the first snapshot this process takes is the base (a resumed run's Redis counts the launch before,
-a monitor attaches mid-run), and a record that restarts (a worker's, the learner's after a resume)
-adds nothing until it grows again, so the counters start at 0 and never go down. The histograms
-are Redis's, read whole: they count every sample of the run's Redis data (a resume on a fresh
-Redis starts them again, which Prometheus reads as a reset).
+(:func:`~rlhf_core.prometheus.prometheus_key`). Totals go through
+:class:`~rlhf_core.prometheus.Totals`, as theirs do: counters start at 0 in this process and
+never go down (docs/architecture.md, Observability). The histograms are Redis's, read whole.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One run from start to exit code over a :class:`Backend` that places and watches its roles:
 child processes on this machine (:mod:`rlhf_run.local_backend`) or Ray actors
-(:mod:`rlhf_run.ray_backend`). The supervisor decides (which roles a run has, what ends it, what
-is restarted and how often, leases of a worker that was lost, the worker target), the backend
-does. Supervision never waits on Redis (the progress thread samples it, lease expiry runs on
-threads of its own), so a Redis outage cannot stop it restarting roles.
+(:mod:`rlhf_run.ray_backend`). The supervisor decides, the backend does (docs/architecture.md,
+The run app). Supervision never waits on Redis, so a Redis outage cannot stop it restarting roles.
 """
 
 from __future__ import annotations
@@ -207,17 +205,14 @@ class Supervisor:
         return True
 
     def on_learner_exit(self, ended: RoleExit) -> bool:
-        """Exit codes decide: 0 ends the run, 2 (a ``UserError``) fails it, any other (a crash, 75: a
-        server unreachable past its retry budget, 143: a signal it alone got) restarts it from its
-        checkpoint, up to ``run.learner_restarts``."""
+        """Exit codes decide: 0 ends the run, 2 (a ``UserError``) fails it, any other restarts it from
+        its checkpoint, up to ``run.learner_restarts``."""
         learner, code = ended.role, ended.code
         if code != 0:
             how = "was stopped by a signal" if code == STOPPED_EARLY_EXIT else "crashed"
             log.error("learner %s (exit %d%s); last lines of %s:\n%s", how, code, f": {ended.note}" if ended.note else "",
                       ended.log_path, self.backend.tail(ended))
         if code not in (0, UserError.exit_code) and learner.restarts < self.cfg.run.learner_restarts:
-            # an OOM kill, a crash, a signal to the learner alone: the learner resumes from its
-            # last checkpoint, the buffer re-delivers what it had read and not committed
             learner.restarts += 1
             log.info("restarting the learner from its last checkpoint (restart %d of %d)", learner.restarts,
                      self.cfg.run.learner_restarts)
@@ -265,9 +260,8 @@ class Supervisor:
 
     def expire_leases(self, name: str) -> None:
         """``name``'s process or node was lost: the other workers take its leases over now
-        (:meth:`buffer.MonitorClient.expire_leases`) instead of after ``buffer.lease_timeout_s``. On a
-        thread, as supervision never waits on Redis; a restarted worker runs its role only after a
-        model load, long after this."""
+        (:meth:`buffer.MonitorClient.expire_leases`) instead of after ``buffer.lease_timeout_s``; on a
+        thread, as supervision never waits on Redis."""
         from buffer import MonitorClient
 
         def expire() -> None:
@@ -285,9 +279,8 @@ class Supervisor:
         self._expiring[-1].start()
 
     def check_progress(self, progress: Any) -> bool:
-        """True when the run must end on what the progress thread met (corrupt control state, a full
-        disk); says how to bring back a Redis the run started when it stays unreachable; follows the
-        worker target."""
+        """True when the run must end on what the progress thread met; says how to bring back the
+        run's Redis when it stays unreachable; follows the worker target."""
         redis = self.backend.redis
         if progress.error is not None:
             self.failure = self.exit_reason = str(progress.error)
@@ -384,9 +377,8 @@ def check_before_start(cfg: Config) -> None:
 
 
 def pin_paths(cfg: Config) -> None:
-    """Hub ids become their cached snapshot folders: one download at most, the same files
-    everywhere. The gateway's model id is named first, from the path as given (not the
-    snapshot folder, named by a commit hash)."""
+    """Hub ids become their cached snapshot folders: one download at most, the same files everywhere.
+    The gateway's model id is named first, from the path as given."""
     if cfg.gateway.enabled:
         cfg.gateway.model_name = served_name(cfg)
     cfg.model = pin_model_paths(cfg.model)
@@ -413,8 +405,7 @@ def write_resolved_config(cfg: Config, output_dir: Path) -> Path:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable by this user only from its first byte (a run's configs
-    may hold the weight server's secret, API keys and the Redis password)."""
+    """Write ``text`` to ``path``, readable by this user only from its first byte (a run's configs hold secrets)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
     with os.fdopen(fd, "w") as f:

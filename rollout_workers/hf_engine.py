@@ -487,12 +487,7 @@ class _DecodeGraphs:
 
 
 def _eos_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    """The tokenizer's EOS id and the model's generation config's (one id or a list)."""
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif gen_eos:
-        ids.update(int(t) for t in gen_eos)
-    return ids
+    ids = [tokenizer.eos_token_id, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])]
+    return {int(t) for t in ids if t is not None}

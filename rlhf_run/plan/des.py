@@ -6,29 +6,22 @@ Each process is a generator that yields commands and is resumed with their resul
   how long it takes depends on how many threads are busy at the same time (below);
 * ``(STEPS, n, per_step)``: ``n`` steps of ``per_step`` work each, as one job that
   :meth:`Kernel.interrupt` can cut short at the end of the step in progress; resumed with the
-  number of steps done (a worker decodes several steps at once until something it would react
-  to between steps happens);
+  number of steps done;
 * ``(SLEEP, seconds)``: wall-clock wait;
 * ``(WAIT, signal, timeout)``: until ``signal`` fires (resumed with True, a hand-off later:
   below) or ``timeout`` seconds pass (False; ``None``: no timeout).
 
-Processor sharing. In ``cpu`` mode every busy thread gets an equal share of ``cores`` (as the
-kernel's scheduler gives runnable threads), and a core runs slower while the other one is busy
-(shared caches, memory bandwidth, SMT siblings): with ``k`` of our threads and ``background``
-other threads busy, each progresses at ``min(1, cores / n) / slowdown(n)``, ``n = k +
-background``, where ``slowdown`` rises linearly from 1 (one thread) to ``contention`` (two or
-more). The equal share lets one global counter of work done per busy thread stand for every
-job's progress: a job started at counter ``v`` with ``w`` to do ends when the counter reaches
-``v + w``, so jobs sit in a heap by that number and rate changes cost nothing. In ``device``
-mode each process owns its device (one per GPU) and runs at full speed.
+Processor sharing. In ``cpu`` mode every busy thread gets an equal share of ``cores``, slowed
+while others are busy: with ``k`` of our threads and ``background`` other threads busy, each
+progresses at ``min(1, cores / n) / slowdown(n)``, ``n = k + background``, ``slowdown`` rising
+linearly from 1 (one thread) to ``contention`` (two or more). The equal share lets one global
+counter of work done per busy thread stand for every job's progress: a job started at counter
+``v`` with ``w`` to do ends when the counter reaches ``v + w``, so jobs sit in a heap by that
+number and rate changes cost nothing. In ``device`` mode each process runs at full speed.
 
-Hand-offs. A thread woken by another (a signal, a reply from Redis or the weight server) runs
-only once the scheduler gives it a core: :meth:`Kernel.handoff_s` is ``handoff`` when a core is
-free, plus ``handoff_busy`` for each thread beyond the cores that is runnable (ours computing,
-the background's demand, and the woken one). Processor sharing says what share a running
-thread gets; the wait for a core is what it leaves out, and with more runnable threads than
-cores every hand-off of the pipeline pays it (a synchronous run hands off a dozen times per
-update, each on its critical path).
+Hand-offs. A thread woken by another (a signal, a reply) runs only once it gets a core:
+:meth:`Kernel.handoff_s` is ``handoff`` when a core is free, plus ``handoff_busy`` for each
+runnable thread beyond the cores (ours computing, the background's demand, and the woken one).
 """
 
 from __future__ import annotations

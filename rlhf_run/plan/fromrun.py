@@ -1,21 +1,9 @@
-"""A profile fitted from a finished run's folder (``rlhf-plan profile --from-run DIR``).
-
-Where no calibration can run (a cluster run already done, a machine one cannot stop), the
-run's own records give most stage costs, more coarsely than :mod:`rlhf_run.plan.measure`:
-
-* the learner, from ``metrics.jsonl``: ``learner/time_compute_s`` fitted against the batch's
-  prompt and response tokens (the tokens the cost model charges); decoding a batch from ``learner/time_read_s``; what each update spends besides
-  computing, reading and waiting (snapshot, metrics, checkpoints) from the time between
-  updates; ``learner/time_publish_s`` is the send;
-* generation, from the workers' last heartbeats in ``timeline.jsonl``: time in the engine per
-  token; with the run's slots and the share of slots busy this becomes a per-step cost;
-* lengths, from ``reward/response_len_mean`` and ``reward/truncated_frac`` (a two-point
-  distribution: the cap, and the mean of the rest) and ``reward/prompt_len_mean`` (a run from
-  before the learner recorded it: ``rollout.max_prompt_tokens``, an upper bound);
-* weight sync: the learner's send time, and the workers' time pulling per version.
-
-All of these are wall-clock times measured while the processes shared the machine, so they
-include its contention: the profile's ``contention`` is 1 and its ``notes`` say so.
+"""A profile fitted from a finished run's folder (``rlhf-plan profile --from-run DIR``), where no
+calibration can run: more coarsely than :mod:`rlhf_run.plan.measure`, the learner's costs from
+``metrics.jsonl``, generation and weight pulls from the workers' last heartbeats in
+``timeline.jsonl``, lengths as a two-point distribution (the cap, and the mean of the rest). All
+are wall-clock times measured while the processes shared the machine, so they include its
+contention: the profile's ``contention`` is 1 and its ``notes`` say so.
 """
 
 from __future__ import annotations

@@ -66,17 +66,13 @@ def steady_rate(metrics: Path, warmup: int) -> tuple[float, float]:
 def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int = 20, runs: int = 3) -> dict[str, Any]:
     """How much slower each busy thread runs while others are busy, fitted to short real runs.
 
-    The stages above are timed alone; in a run the processes slow each other down, and by how
-    much depends on the work: on the 2-core VM this was built on, a matmul loop was barely slowed
-    by another, while a tiny model's forward was slowed far more by a syscall-heavy process (the
-    run's Redis and ZeroMQ traffic is one) than by another forward. No synthetic pair stood for
-    the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates,
-    ``runs`` times (in-process launcher, private Redis; the same config's rate moved 10-25%
-    from run to run there, so one run's luck would set every prediction) and the profile's
-    ``contention`` is set, by bisection, to the value under which the simulator reproduces the
-    runs' median steady trained samples/s, beside the other jobs' demand under which they get
-    the cores they used meanwhile (median; :func:`~rlhf_run.plan.simulate.background_demand`,
-    which depends on the contention: the two are fitted in turn). Returns what was fitted."""
+    How much the processes slow each other depends on the work, and no synthetic pair stood for
+    the pipeline, so the run itself is the measurement: ``cfg`` runs ``updates`` updates, ``runs``
+    times (one run's luck must not set every prediction), and ``contention`` is set by bisection
+    to the value under which the simulator reproduces the runs' median steady trained samples/s,
+    beside the other jobs' demand that leaves them the cores they used
+    (:func:`~rlhf_run.plan.simulate.background_demand`; the two are fitted in turn). Returns what
+    was fitted."""
     from rlhf_run.launch import run_launcher
     from rlhf_run.plan.search import plan_from_config
     from rlhf_run.plan.simulate import background_demand, simulate
@@ -140,11 +136,9 @@ def _round_trips(client: Any, n: int) -> list[float]:
 
 def measure_handoff(redis_url: str, cores: float, n: int = 200) -> dict[str, float]:
     """How long a thread woken by another waits before it runs (``plan.des``'s hand-offs), from
-    round trips to a Redis server: with a core free (the tenth percentile, so other jobs' load
-    leaves it alone), then with ``cores`` spinning processes of ours keeping them all busy (the
-    median), per runnable thread beyond the cores. Other jobs' demand during the busy part is
-    estimated as the simulator's processor sharing would have it: they used ``b`` cores while
-    our ``k`` spinners used ``s``, so ``k * b / s`` runnable threads."""
+    round trips to a Redis server: with a core free (the tenth percentile), then with ``cores``
+    spinning processes of ours keeping them all busy (the median), per runnable thread beyond the
+    cores. Other jobs used ``b`` cores while our ``k`` spinners used ``s``: ``k * b / s`` threads."""
     import subprocess
     import sys
 

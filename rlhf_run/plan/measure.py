@@ -1,23 +1,10 @@
-"""The calibration behind ``rlhf-plan profile``: every stage measured alone, on this machine.
-
-A private redis-server and an in-process weight server stand in for the run's. Then, each
-timed in CPU seconds of the thread doing the work (so other jobs on the machine disturb the
-figures little, and the simulator adds the sharing back):
-
-1. **generation**: the configured engine decodes waves of 1 .. 4 x ``rollout.slots`` requests of
-   the run's own prompts; per step CPU against rows and context (decode) and the extra of the
-   first step (prefill); the response and prompt lengths it produced;
-2. **a worker alone**: a real ``RolloutWorker`` generates ``--prompts`` groups with an admission
-   budget that never runs out, its engine steps, claims, appends and scoring calls timed in
-   place, so the rest of its loop is what is left per step (``per_iteration``);
-3. **a learner alone**: a real ``Learner`` trains on those samples (its reads, updates, publishes
-   and checkpoints timed in place; the rest is ``per_update``), then its update is timed on
-   batches of 1/4 .. 4x ``learner.batch_size`` (and half the micro-batch);
-4. **weight sync**: publish and pull of the policy (and of a 4x larger set of tensors, for the
-   cost per byte) through the weight server;
-5. **the machine**: the launcher's once-a-second work and the cores other jobs kept busy
-   meanwhile; then how much slower the processes run beside each other than alone
-   (``contention``), fitted to short real runs of the same config (:mod:`rlhf_run.plan.machine`).
+"""The calibration behind ``rlhf-plan profile``: every stage measured alone, on this machine,
+beside a private redis-server and an in-process weight server, in CPU seconds of the thread
+doing the work (other jobs disturb the figures little; the simulator adds the sharing back):
+generation (:func:`measure_generation`), a real worker alone (:func:`measure_worker`), a real
+learner alone and its update on several batch sizes (:func:`measure_learner`,
+:func:`measure_updates`), weight sync (:func:`measure_sync`), and the machine's figures
+(:mod:`rlhf_run.plan.machine`).
 """
 
 from __future__ import annotations
@@ -163,8 +150,9 @@ def isolated_config(cfg: Any, url: str, address: str, pub_address: str, out: Pat
 
 
 def measure_worker(cfg: Any, prompts: int, redis_cpu: Callable[[], float]) -> tuple[Worker, list[Any]]:
-    """A real worker alone (budget unlimited): its loop's costs besides the engine's steps.
-    Returns the costs and the samples it appended (for the learner)."""
+    """A real worker alone (budget unlimited): its engine steps, claims, appends and scoring calls
+    timed in place, the rest of its loop per step (``per_iteration``). Returns the costs and the
+    samples it appended (for the learner)."""
     from buffer import WorkerClient
     from rollout_workers.worker import RolloutWorker
 

@@ -1,11 +1,9 @@
 """A profile: the measured cost of every stage of the pipeline, as small fitted models, in JSON.
 
-``rlhf-plan profile`` writes one (from a calibration on this machine, :mod:`rlhf_run.plan.measure`,
-or from a finished run's files, :mod:`rlhf_run.plan.fromrun`); ``simulate`` and ``search`` read
-it. Every cost is in seconds of work as measured alone on an idle core (``kind: cpu``) or
-device (``kind: gpu``); the simulator decides how long that work takes when processes share
-the cores. A profile describes one model and one pair of engines (its ``identity``); asked
-about another, :func:`check_identity` refuses and names both.
+``rlhf-plan profile`` writes one; ``simulate`` and ``search`` read it. Every cost is in seconds of
+work as measured alone on an idle core (``kind: cpu``) or device (``kind: gpu``); the simulator
+decides how long that work takes when processes share the cores. A profile describes one model
+and one pair of engines (its ``identity``, :func:`check_identity`).
 
 Cost models (``rows``: sequences in a decoding pass, ``ctx``: their summed context lengths):
 

@@ -1,26 +1,10 @@
-"""A simulated rollout worker: its loop, its engine's continuous batching and its scoring thread.
-
-What it models, and where the real code does it:
-
-* **Worker loop** (``rollout_workers/worker.py``): capacity ``(slots + G - 1 - busy) // G``
-  prompts with ``busy`` = running + queued requests + samples in the scoring pool; an idle worker
-  blocks in the claim up to 0.25 s (woken by a version or budget change, re-checking every
-  0.2 s), a busy one whose claim got nothing waits 50 ms before claiming again; one engine step
-  per loop pass, then an announcement poll (a newer version is pulled at once, between steps),
-  then finished groups are appended once all their samples are scored; only scoring left:
-  2 ms sleeps.
-* **Continuous batching** (``hf_engine.py``): ``slots`` rows; a request takes a free row at the
-  next step, its prompt is prefilled in that step (the pass samples its first token) and it
-  decodes from the same step on; a response of n tokens finishes after ``max(1, n - 1)`` steps;
-  each token carries the engine's version when it was sampled (a group's staleness is that of
-  its oldest token). Steps are simulated in runs until the next finish, cut short at a step
-  boundary by anything the loop would react to (an announcement, scores coming back, the end
-  of a claim back-off).
-* **Scoring** (``scoring.py``): one thread scores batches of up to ``reward.batch_size`` samples
-  once that many wait, the oldest waited ``reward.max_wait_ms``, or generation is idle.
-
-The buffer, the weight server and the kernel are the run's (:class:`Pipeline`: the
-:class:`~rlhf_run.plan.simulate.Simulation`).
+"""A simulated rollout worker: its loop, its engine's continuous batching and its scoring thread,
+as ``rollout_workers/worker.py``, ``hf_engine.py`` and ``scoring.py`` behave (the constants below
+are theirs). A response of n tokens finishes after ``max(1, n - 1)`` steps (the prefill pass
+samples its first token); steps are simulated in runs until the next finish, cut short at a step
+boundary by anything the loop would react to (an announcement, scores coming back, the end of a
+claim back-off). The buffer, the weight server and the kernel are the run's (:class:`Pipeline`:
+the :class:`~rlhf_run.plan.simulate.Simulation`).
 """
 
 from __future__ import annotations

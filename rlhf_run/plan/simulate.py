@@ -1,24 +1,16 @@
 """The asynchronous pipeline as the code behaves, as a discrete-event simulation (pure: no I/O).
 
-What it models, and where the real code does it:
+* **Admission** (``buffer/pacing.py``): a claim admits whole prompts while ``admitted +
+  group_size <= (ahead + learner_version + 1) * batch_size`` (no learner restarts are modelled,
+  so updates = version); a lease carries the buffer's version and the worker pulls weights at
+  least that new before it generates. Dropped stale groups give their budget back.
+* **Workers**: each a :class:`~rlhf_run.plan.sim_worker.SimWorker`.
+* **Learner** (``learner/trainer.py``): read ``batch_size / G`` groups (the too stale dropped),
+  update, snapshot and send on the publish thread (the next publish and a checkpoint wait for the
+  send), a checkpoint every ``checkpoint_every``; the send's end is the weight server's commit and
+  the buffer's new version.
 
-* **Admission** (``buffer/pacing.py``, ``claim.lua``): a claim admits whole prompts while
-  ``admitted + group_size <= (ahead + learner_version + 1) * batch_size``, ``ahead =
-  min(max_staleness, lookahead)`` (the code counts the learner's updates, equal to its version
-  in a run without learner restarts, which is all this models); the learner's version in the
-  buffer moves only when a publish is done; a lease carries that version and the worker pulls
-  weights at least that new before it generates (``_claim``). Dropped stale groups give their
-  budget back and wake claimers.
-* **Workers** (``rollout_workers/``): the worker loop, continuous batching and the scoring
-  thread, each worker a :class:`~rlhf_run.plan.sim_worker.SimWorker`.
-* **Learner** (``learner/trainer.py``): read ``batch_size / G`` groups (staler than
-  ``max_staleness`` against its own version are dropped), update, version + 1, snapshot the
-  weights and send them on the publish thread (the next publish and a checkpoint wait for the
-  send), a metrics line, a checkpoint every ``checkpoint_every`` updates; the send's end is
-  the weight server's commit (workers see the announcement) and the buffer's new version.
-
-The processes share the machine through :mod:`rlhf_run.plan.des` (cores and contention for a
-CPU profile; a device each for a GPU profile).
+The processes share the machine through :mod:`rlhf_run.plan.des`.
 """
 
 from __future__ import annotations
