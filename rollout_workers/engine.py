@@ -47,13 +47,9 @@ class RequestError(UserError, ValueError):
 
 @dataclass
 class SamplingParams:
-    """Sampling settings of one request. The processing order is documented in :mod:`rlhf_core.sampling`.
-
-    ``temperature == 0`` is greedy decoding. ``stop_token_ids`` end a sequence (the stop token is
-    kept in ``token_ids``, like vLLM); the tokenizer's / model's EOS ids are added unless
-    ``ignore_eos``. ``stop_strings`` are matched on the decoded response text; the token that
-    completes one is kept, so ``text == decode(token_ids)`` always holds.
-    """
+    """Sampling settings of one request (processed in the order of :mod:`rlhf_core.sampling`).
+    ``temperature == 0`` is greedy. ``stop_token_ids`` (plus the EOS ids unless ``ignore_eos``) and
+    ``stop_strings`` end a sequence; the token that ends it is kept, so ``text == decode(token_ids)``."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -118,13 +114,9 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    """A finished (or aborted) request.
-
-    Shapes: ``prompt_ids`` [P] int32; ``token_ids``, ``logprobs`` (float32, behaviour log-probs
-    under the processed distribution, all <= 0) and ``versions`` (int64, the policy version that
-    sampled each token) are all [T], T <= max_new_tokens. An abort of a request that never
-    started has T = 0.
-    """
+    """A finished (or aborted) request. ``prompt_ids`` [P] int32; ``token_ids``, ``logprobs``
+    (float32, behaviour log-probs under the processed distribution) and ``versions`` (int64, the
+    policy version that sampled each token) are all [T], T <= max_new_tokens (0: aborted unstarted)."""
 
     request_id: str
     prompt_ids: np.ndarray

@@ -53,11 +53,8 @@ def describe_exception(exc: BaseException, where: str) -> str:
 
 
 class EnvCalls:
-    """Environment calls off the main thread; answers are collected by :meth:`poll` on it.
-
-    ``submit``, ``poll``, ``cancel`` and ``pending`` are called from one thread (the worker's main
-    thread); the pool threads and the event loop only put answers into a queue.
-    """
+    """Environment calls off the main thread; answers are collected by :meth:`poll` on it (the pool
+    threads and the event loop only put answers into a queue)."""
 
     def __init__(self, threads: int, timeout_s: float | None) -> None:
         self.threads, self.timeout_s = int(threads), timeout_s
@@ -65,11 +62,9 @@ class EnvCalls:
         self._loop = UserLoop("env-asyncio")  # async methods, and plain ones that returned an awaitable
         self._done: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
         self._pending: dict[int, str] = {}  # call id -> key
-        # call id -> when it began running (written by the pool threads): the time limit counts
-        # from there, not from a wait for a free thread
+        # call id -> when it began running (written by the pool threads): the time limit counts from there
         self._began: dict[int, float] = {}
-        # calls given to the pool and not yet ended, abandoned ones included: a call past the time
-        # limit cannot be stopped and keeps its thread until it returns
+        # calls given to the pool and not yet ended, abandoned ones included (they keep their thread)
         self._on_pool: set[int] = set()
         self._next = 0
         self.calls = 0
@@ -209,21 +204,10 @@ class EpisodeStats:
 
 
 class EpisodeRunner:
-    """Runs episodes on ``engine`` (see the module docstring). Main-thread only.
-
-    Args:
-        engine: the worker's generation engine (shared with nothing else while episodes run on it).
-        tokenizer: the policy's tokenizer.
-        renderer: renders the first observation (the prompt) with the length policy of
-            ``rollout.max_prompt_tokens`` / ``prompt_overflow``.
-        sampling: the run's sampling settings; each turn's ``max_new_tokens`` is capped by the room left.
-        factory: makes one environment per episode.
-        max_turns: turns per episode at most.
-        max_context: prompt + response tokens at most (the engine's context).
-        max_response: response tokens at most (``rollout.max_episode_tokens``: the buffer refuses
-            longer samples), whatever room a short prompt leaves in the context; None: no cap.
-        threads, timeout_s: :class:`EnvCalls`.
-    """
+    """Runs episodes on ``engine`` (see the module docstring). Main-thread only. ``renderer`` renders
+    the first observation with the prompt length policy; each turn's ``max_new_tokens`` is capped by
+    the room left in ``max_context`` (prompt + response tokens) and ``max_response`` (response
+    tokens, ``rollout.max_episode_tokens``; None: no cap). ``threads``, ``timeout_s``: :class:`EnvCalls`."""
 
     def __init__(self, engine: Any, tokenizer: Any, renderer: PromptRenderer, sampling: SamplingParams,
                  factory: EnvFactory, *, max_turns: int, max_context: int, threads: int, timeout_s: float | None,

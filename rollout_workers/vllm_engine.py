@@ -43,7 +43,7 @@ from typing import Any, get_args
 
 import torch
 
-from rlhf_core.config import LoraConfig, response_budget
+from rlhf_core.config import LoraConfig
 from rlhf_core.lora import enabled as lora_enabled
 from rollout_workers import vllm_extension, vllm_lora
 from rollout_workers.engine import EngineError, FinishReason, Generation, GenRequest, GenResult, RequestError, SamplingParams, check_request, check_weight_update
@@ -206,23 +206,6 @@ class VLLMEngine:
         self.num_reused_tokens = 0  # prompt tokens served from the prefix cache (counted as requests finish)
         self.num_prompt_tokens = 0  # prompt tokens of the finished requests
         self._tracks: dict[str, _Track] = {}
-
-    @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any = None) -> VLLMEngine:
-        from rlhf_core.models import load_tokenizer, model_dir
-
-        import_vllm()  # fail with the install hint before building anything
-        tokenizer = load_tokenizer(cfg.model) if tokenizer is None else tokenizer
-        rollout = cfg.rollout
-        return cls(
-            str(model_dir(cfg.model)), tokenizer, slots=int(rollout.slots), seed=int(rollout.seed),
-            dtype=str(cfg.model.dtype), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-            tensor_parallel_size=int(rollout.tensor_parallel_size),
-            trust_remote_code=bool(cfg.model.trust_remote_code),
-            max_model_len=int(rollout.max_prompt_tokens) + response_budget(rollout),
-            cpu_kv_cache_gb=int(rollout.cpu_kv_cache_gb), lora=cfg.model.lora,
-            enforce_eager=bool(rollout.enforce_eager),
-        )
 
     # ----------------------------------------------------------------------------- protocol
 

@@ -45,22 +45,19 @@ def compose(overrides: Sequence[str]) -> Any:
     return cfg
 
 
-def _profile_setup(path: str) -> tuple[Any, list[str]]:
-    from rlhf_run.plan.profile import load
-
-    profile = load(path)
-    return profile, list(profile.source.get("overrides") or [])
-
-
-def _run_config(profile: Any, path: str, base: list[str], overrides: list[str]) -> Any:
-    """The run the overrides describe, refused as rlhf-run refuses it (``validate``)."""
+def _setup(args: argparse.Namespace) -> tuple[Any, list[str], Any]:
+    """``--profile``, the overrides of the run asked about (the profile's own setup first) and its
+    plan; the run refused as rlhf-run refuses it (``validate``), or when the profile is another's."""
     from rlhf_core.config import validate
-    from rlhf_run.plan.profile import check_identity
+    from rlhf_run.plan.profile import check_identity, load
+    from rlhf_run.plan.search import plan_from_config
 
-    cfg = compose(base + overrides)
+    profile = load(args.profile)
+    given = list(profile.source.get("overrides") or []) + list(args.overrides)
+    cfg = compose(given)
     validate(cfg)
-    check_identity(profile, cfg, path)
-    return cfg
+    check_identity(profile, cfg, args.profile)
+    return profile, given, plan_from_config(cfg)
 
 
 def _validated(overrides: list[str]) -> None:
@@ -127,15 +124,12 @@ def _lookahead_given(overrides: Sequence[str]) -> bool:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from rlhf_run.plan.search import PlanError, Request, check_plan, check_request, plan_from_config
+    from rlhf_run.plan.search import PlanError, Request, check_plan, check_request
     from rlhf_run.plan.simulate import simulate
 
-    profile, base = _profile_setup(args.profile)
-    cfg = _run_config(profile, args.profile, base, args.overrides)
-    plan = plan_from_config(cfg)
-    given = _lookahead_given(base + list(args.overrides))
+    profile, given, plan = _setup(args)
     request = Request(base=plan, gpus=args.gpus, nodes=args.nodes, max_staleness=plan.max_staleness,
-                      max_workers=max(plan.workers, 1), lookahead_fixed=given)
+                      max_workers=max(plan.workers, 1), lookahead_fixed=_lookahead_given(given))
     check_request(request, profile)
     if plan.lookahead is not None and plan.lookahead > plan.max_staleness:  # the buffer caps it (buffer/pacing.py)
         plan = replace(plan, lookahead=plan.max_staleness)
@@ -160,20 +154,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from rlhf_run.plan.search import Request, overrides, plan_from_config, ray_overrides, search, spans_nodes
+    from rlhf_run.plan.search import Request, overrides, ray_overrides, search, spans_nodes
 
-    profile, base = _profile_setup(args.profile)
-    cfg = _run_config(profile, args.profile, base, args.overrides)
-    plan = plan_from_config(cfg)
+    profile, given, plan = _setup(args)
     bound = plan.max_staleness if args.max_staleness is None else args.max_staleness
     batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else ()
     request = Request(base=plan, gpus=args.gpus, nodes=args.nodes, max_staleness=bound, max_workers=args.max_workers,
-                      batch_sizes=batches, lookahead_fixed=_lookahead_given(base + list(args.overrides)))
+                      batch_sizes=batches, lookahead_fixed=_lookahead_given(given))
     stats: dict[str, Any] = {}
     ranked = search(request, profile, top=args.top, updates=args.updates, seed=args.seed,
                     simulate_at_most=args.max_simulations, stats=stats)
     gpu = profile.kind == "gpu"
-    given = base + list(args.overrides)
 
     def commands(plan: Any) -> tuple[list[str] | None, list[str]]:
         """The plan's overrides for the local launcher (None: it spans nodes, which only Ray runs)

@@ -5,9 +5,8 @@ For real chat models. The tool is described to the model through the tokenizer's
 format (``<tool_call>{"name": "calculate", "arguments": {"expression": "12*7"}}</tool_call>`` for
 Qwen2.5/Qwen3/Hermes templates; :data:`Calculator.tool_call_pattern` where the template has none).
 
-Each turn with tool calls gets one ``tool`` message per call: the value, or ``error: ...`` (an
-unknown tool, a call the parser could not read, an expression it refuses). The first turn
-without a tool call is the answer: reward 1.0 when its last number equals the prompt's
+Each turn with tool calls gets one ``tool`` message per call: the value, or ``error: ...``. The
+first turn without a tool call is the answer: reward 1.0 when its last number equals the prompt's
 ``metadata[answer_key]`` (within ``tolerance``), else 0.0, and the episode is done.
 
 Prompts come from any data source with the answer in a column: a JSONL line

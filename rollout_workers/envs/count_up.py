@@ -9,16 +9,10 @@ digit the NEXT position should hold. Its first observation puts the first one af
     response:   8 | 9 9 | 0 0 | 1 1 | 2 2 | 3 3      (turn, observation, turn, ...; done after 6 turns)
     loss mask:  1 0 0 1 0 0 1 0 0 1 0 0 1 0 0 1
 
-so a policy that copies the environment's last digit scores 1.0, and every position is a fresh
-chance to do so (a wrong digit does not spoil the next one, as it does when the count must be
-carried on alone). With ``hints=false`` the environment answers ``"|?"`` at the same places:
-the same episode, the same tokens to train on, no information; that is the no-tool baseline, in
-which the policy has to carry the count itself, as in the single-turn task. ``bench/multi_turn.py``
-trains both side by side.
-
-The reward (given by ``step`` when the episode is done) is :func:`rlhf_core.tasks.count_up_reward`
-of the policy's positions: each turn's first character (a turn with no character, such as a
-bare end-of-sequence, counts as a wrong one).
+so a policy that copies the environment's last digit scores 1.0. With ``hints=false`` the
+environment answers ``"|?"`` at the same places: the same tokens to train on, no information (the
+no-tool baseline; ``bench/multi_turn.py`` trains both). The reward, when the episode is done, is
+:func:`rlhf_core.tasks.count_up_reward` of each turn's first character (none counts as wrong).
 """
 
 from __future__ import annotations
