@@ -21,22 +21,10 @@ pass: that makes the behaviour log-probs reproducible by the learner.
 
 Parked slots: a finished sequence's K/V stays in its slot with the ids it holds and the oldest
 version that wrote any of it; a request reuses it only when that version is at least its
-``GenRequest.min_kv_version`` (by default the current one). Weights that replace a version
-without a newer number drop every parked slot. ``num_reused_tokens`` counts the prompt tokens not
-prefilled, ``num_prompt_tokens`` all of them.
-
-CUDA graphs read their inputs from static buffers refilled before each replay; weight updates
-``copy_`` into the same storage, so a replay computes with the new weights. A failed capture is
-logged once and that bucket runs eagerly.
-
-LoRA (``model.lora.r`` > 0): the model carries peft's LoRA layers, unmerged, and a version holds
-the adapter tensors only (:meth:`HFEngine.weights_target`). Unmerged on purpose: every pass
-computes ``base(x) + scaling * B(A(x))`` as the learner's forward does, so the behaviour log-probs
-match its recomputation to float rounding, an update computes nothing, and CUDA graphs stay valid.
-
-Models the slot cache cannot run (sliding-window or linear attention, attention that bypasses
-transformers' attention interface, multi-head latent attention) are refused at construction
-(:func:`rollout_workers.slot_kv.check_slot_attention`); the vllm engine runs them.
+``GenRequest.min_kv_version`` (by default the current one). CUDA graphs read their inputs from
+static buffers refilled before each replay; weight updates (with LoRA: of the unmerged adapters,
+docs/architecture.md, Models: LoRA) ``copy_`` into the same storage. Models the slot cache cannot
+run are refused at construction (:func:`rollout_workers.slot_kv.check_slot_attention`).
 """
 
 from __future__ import annotations

@@ -6,25 +6,16 @@ once, up to ``concurrency``::
     rlhf-run reward=judge reward.functions.judge.url=http://127.0.0.1:8000/v1 \\
         reward.functions.judge.model=Qwen2.5-7B-Instruct
 
-``model``: the server's model name (null: left out of the request). ``template`` is filled per
-completion: ``{prompt}`` the question (a text prompt as it is; a chat prompt's last user turn),
-``{response}`` the completion's text, and any data column, e.g. ``{reference}`` (a completion whose
-prompt lacks a named column, or holds null there, fails unsent). It is sent as the user turn (after
-``system``, if given); the first number of ``choices[0].message.content`` (``pattern``; its first
-group when it has one, e.g. ``Score: *(\\d+)``) times ``scale`` is the reward.
-Connection errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501 and
-505 are retried ``max_retries`` times with exponential backoff (``backoff_s``, doubling, at most
-``max_backoff_s``; a 429's or 503's ``Retry-After`` is waited for, up to ``max_backoff_s``); other
-failures are not. A completion whose judging fails gets a :class:`JudgeError` in place of its
-number: that sample alone is dead-lettered.
-
-The API key comes from ``api_key`` or, better (config files are saved with the run), from the
-environment variable named ``api_key_env``; without either no ``Authorization`` header is sent.
-Replies are parsed as JSON only and capped at 1 MiB. Loopback URLs bypass any HTTP proxy.
-
-``reward.timeout_s`` limits a whole call (one batch): keep it above ``timeout_s x (max_retries + 1)``
-plus the waits between attempts, times the batch's rounds of ``concurrency`` requests
-(``conf/reward/judge.yaml`` works it out).
+Options: ``model`` (the server's model name; null: left out of the request); ``template``, the
+user turn (after ``system``, if given): ``{prompt}`` the question (a chat prompt's last user turn),
+``{response}`` the completion, any data column such as ``{reference}``; the reward is the first
+number of the reply (``pattern``; its first group when it has one) times ``scale``. Connection
+errors, timeouts (``timeout_s`` per request) and HTTP 408, 409, 429 and 5xx but 501 and 505 are
+retried ``max_retries`` times, backing off from ``backoff_s`` doubling up to ``max_backoff_s`` (a
+``Retry-After`` is waited for, up to it). The key: ``api_key`` or, better, the environment variable
+``api_key_env``. A completion whose judging fails gets a :class:`JudgeError` in place of its number
+(that sample alone is dead-lettered). ``reward.timeout_s`` limits a whole batch: see
+``conf/reward/judge.yaml``. docs/architecture.md (Rollout workers: Rewards) says the rest.
 """
 
 from __future__ import annotations

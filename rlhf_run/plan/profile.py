@@ -5,24 +5,12 @@ work as measured alone on an idle core (``kind: cpu``) or device (``kind: gpu``)
 decides how long that work takes when processes share the cores. A profile describes one model
 and one pair of engines (its ``identity``, :func:`check_identity`).
 
-Cost models (``rows``: sequences in a decoding pass, ``ctx``: their summed context lengths):
-
-* generation: ``decode_s = decode_base + decode_per_row * rows + decode_per_ctx_token * ctx``,
-  ``prefill_s = prefill_base + prefill_per_row * rows + prefill_per_token * tokens``; on a GPU
-  each is floored by its compute (``flops_per_token * tokens / flops_per_s``). Response and
-  prompt lengths are empirical distributions.
-* worker loop: ``per_iteration`` (one pass: announcement poll, score collection), a claim round
-  trip, ``per_prompt`` (render + add a group's requests), an emit round trip plus
-  ``per_sample_emit`` (validate + encode), scoring per batch and per sample (scoring thread).
-* learner: ``update_base + update_per_micro * micro_batches + (update_per_sample * samples +
-  update_per_token * tokens) / devices`` (on a GPU the token term is ``flops_per_token /
-  (flops_per_s * devices)`` plus the gradient traffic of the ZeRO stage), a read per batch, a
-  fixed ``per_update`` (metrics line, stats), a checkpoint every ``learner.checkpoint_every``
-  (``checkpoint_s``; on a GPU plus ``checkpoint_bytes`` written by the learner's nodes in
-  parallel, each at ``checkpoint_bytes_per_s``).
-* weight sync: snapshot on the learner's main thread, send on its publish thread, pull in each
-  worker, each ``base + per_byte * bytes``; ``server_bytes_per_s`` > 0 shares the weight
-  server's egress among the workers pulling the same version.
+The cost models are the sections' methods (``Generation.decode_s``, ``Learner.update_s``, ...):
+linear in rows, context and tokens, floored on a GPU by the compute (``flops_per_token``). The
+worker loop's: ``per_iteration`` (one pass: announcement poll, score collection), a claim round
+trip, ``per_prompt`` (render + add a group's requests), an emit round trip plus ``per_sample_emit``,
+scoring per batch and per sample. Weight sync: snapshot on the learner's main thread, send on its
+publish thread, pull in each worker.
 """
 
 from __future__ import annotations

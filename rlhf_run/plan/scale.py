@@ -1,8 +1,7 @@
 """A GPU profile of a 7B-shaped model from published figures, and the at-scale table.
 
-No GPU cluster is at hand, so the costs of each stage come from published numbers and the
-hardware's data sheet, each named in :data:`SOURCES`; the simulator then plays the pipeline
-as this service runs it. The workload (prompt and response lengths) is an assumption, stated.
+The costs of each stage come from published numbers and the hardware's data sheet, each named
+in :data:`SOURCES`; the workload (prompt and response lengths) is an assumption, stated.
 
 Model: Qwen2.5-7B's shape (28 layers, hidden 3,584, 4 KV heads of 128, vocab 152,064,
 7.6 B parameters), bf16. Devices: H100 SXM 80 GB, 8 per node.
@@ -85,16 +84,11 @@ def table(gpus: list[int], transport: str = "weight_server", max_staleness: int 
           simulations: int | None = 26) -> list[dict[str, Any]]:
     """Best plan per GPU count: predicted trained samples/s and tokens/s, staleness, the split.
 
-    Each count's plans (thousands) are searched by branch and bound
-    (:func:`rlhf_run.plan.search.search`, most promising first) until no plan left could beat the
-    best simulated, or the count's share of ``simulations`` (new simulations for the whole table,
-    shared out evenly over the counts still to search: what a count leaves goes to the next;
-    None: no limit). A row says how many plans there were and how many were simulated, ``exact``
-    when the bound closed (the pick is the best the simulator gives any of them) and otherwise
-    ``gap``: how far above the pick the best plan left unsimulated could still be, by its bound.
-    The simulations are shared between the counts (a plan that fits 16 GPUs is a candidate at 32
-    too, leaving GPUs idle); a plan whose bound only equals the best rate is not simulated (it
-    could only tie). The pick's staleness bound is the least that runs the same simulation."""
+    Each count's plans are searched by branch and bound (:func:`rlhf_run.plan.search.search`,
+    without ties) within its share of ``simulations`` (new simulations for the whole table, shared
+    out evenly over the counts still to search; None: no limit), the results cached across counts.
+    A row says how many plans there were and were simulated, ``exact`` when the bound closed, else
+    ``gap``. The pick's staleness bound is the least that runs the same simulation."""
     from rlhf_run.plan.records import Plan
     from rlhf_run.plan.search import Request, search, tightest_staleness
 

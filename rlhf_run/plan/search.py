@@ -1,15 +1,7 @@
-"""Plan search: the feasible settings of a run, ranked by simulated trained samples/s.
-
-A plan fixes the workers (or, on GPUs, the split of the devices between rollout workers and
-the learner, GPUs left idle allowed), the slots per worker, the batch and micro-batch, the ZeRO stage, the lookahead
-and the staleness bound (within the user's). On a CPU profile every plan is simulated; on a GPU
-profile memory rules out what cannot fit (ZeRO states and activations on a learner device, the
-weights and KV cache on a rollout device), the learner gets the fastest ZeRO stage and
-micro-batch that fit, and the remaining plans (thousands) are searched by branch and bound: each
-has an upper bound on the rate its simulation can show (:mod:`rlhf_run.plan.bounds`: the
-learner's part exact, the rollout side's a steady-state ceiling), the most promising are
-simulated first, and the search stops once no plan left could beat the best simulated. The
-winner comes with the Hydra overrides that run it.
+"""Plan search: the feasible settings of a run (:func:`candidates`), ranked by simulated trained
+samples/s (:func:`search`), with the Hydra overrides that run them. On a GPU profile memory rules
+out what cannot fit (:func:`memory_problems`) and the learner gets the fastest ZeRO stage and
+micro-batch that fit (:func:`fastest_learner`).
 """
 
 from __future__ import annotations
