@@ -368,13 +368,10 @@ def reward_cost(workers: list[dict[str, Any]]) -> dict[str, Any]:
     for w in workers:
         for reason, n in (w.get("reward_reasons") or {}).items():
             reasons[reason] = reasons.get(reason, 0) + int(n)
-    return {
-        "scoring_share": sum(shares) / len(shares) if shares else None,
-        "reward_calls_per_s": sum(float(w.get(M.WORKER_REWARD_CALLS_PER_S, 0.0)) for w in workers),
-        "reward_timeouts": sum(int(w.get("reward_timeouts", 0)) for w in workers),
-        "empty_responses": sum(int(w.get("empty_responses", 0)) for w in workers),
-        **({"reasons": dict(sorted(reasons.items()))} if reasons else {}),
-    }
+    return {"scoring_share": sum(shares) / len(shares) if shares else None,
+            "reward_calls_per_s": sum(float(w.get(M.WORKER_REWARD_CALLS_PER_S, 0.0)) for w in workers),
+            **{k: sum(int(w.get(k, 0)) for w in workers) for k in ("reward_timeouts", "empty_responses")},
+            **({"reasons": dict(sorted(reasons.items()))} if reasons else {})}
 
 
 def worker_stats(snap: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:

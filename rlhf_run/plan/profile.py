@@ -251,14 +251,9 @@ def identity_of(cfg: Any) -> dict[str, Any]:
         name = f"tiny(hidden {t.hidden_size}, {t.num_layers} layers, {t.num_heads} heads, mlp {t.intermediate_size})"
     else:
         name = str(model.path)
-    return {
-        "model": name,
-        "dtype": str(model.dtype),
-        "lora_r": int(model.lora.r or 0),
-        "rollout_engine": str(cfg.rollout.engine),
-        "learner_engine": str(cfg.learner.engine),
-        "device": "cuda" if str(model.device).startswith(("cuda", "auto")) else str(model.device),
-    }
+    return {"model": name, "dtype": str(model.dtype), "lora_r": int(model.lora.r or 0),
+            "rollout_engine": str(cfg.rollout.engine), "learner_engine": str(cfg.learner.engine),
+            "device": "cuda" if str(model.device).startswith(("cuda", "auto")) else str(model.device)}
 
 
 IDENTITY_KEYS = ("model", "dtype", "lora_r", "rollout_engine", "learner_engine", "device")

@@ -237,7 +237,6 @@ def fastest_learner(plan: Plan, request: Request, profile: Profile) -> Plan | No
 class Ranked:
     plan: Plan
     result: SimResult
-    estimate: float
 
 
 def tightest_staleness(plan: Plan, result: SimResult) -> Plan:
@@ -298,8 +297,7 @@ def search(request: Request, profile: Profile, top: int = 5, simulate_at_most: i
         return r
 
     if profile.kind != "gpu" or exhaustive:
-        scored = sorted(((estimate(p, profile), p) for p in plans), key=lambda x: -x[0])
-        ranked = [Ranked(p, run(p), est) for est, p in scored]
+        ranked = [Ranked(p, run(p)) for p in sorted(plans, key=lambda p: -estimate(p, profile))]
         counts.update(exact=True, gap=0.0)
     else:
         bound = {p: upper_bound(p, profile, updates, warmup) for p in plans}
@@ -308,7 +306,7 @@ def search(request: Request, profile: Profile, top: int = 5, simulate_at_most: i
         by_bound = sorted(plans, key=lambda p: -bound[p])
         done: set[Plan] = set()
         # what was simulated already (a smaller device count of the same table) is free: it sets the bar first
-        ranked = [Ranked(p, run(p), estimate(p, profile)) for p in order if (p, updates, warmup, seed) in cache]
+        ranked = [Ranked(p, run(p)) for p in order if (p, updates, warmup, seed) in cache]
         done.update(r.plan for r in ranked)
         left = 0  # by_bound[left:] holds every plan not simulated yet (and some that were)
 
@@ -331,7 +329,7 @@ def search(request: Request, profile: Profile, top: int = 5, simulate_at_most: i
                 continue
             if simulate_at_most is not None and counts["simulated"] >= simulate_at_most:
                 break
-            ranked.append(Ranked(p, run(p), estimate(p, profile)))
+            ranked.append(Ranked(p, run(p)))
             done.add(p)
         ranked.sort(key=_key)
         best_left = next((bound[p] for p in by_bound[left:] if p not in done), None)
