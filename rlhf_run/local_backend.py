@@ -106,8 +106,7 @@ class LocalBackend:
 
     def child(self, role: Role) -> Child:
         """The role's process, with its command and environment (not started). Worker i gets
-        ``rollout.devices[i % len]`` (several workers may share a GPU, or share the learner's); the
-        evaluator runs on worker 0's."""
+        ``rollout.devices[i % len]``; the evaluator runs on worker 0's."""
         cfg, out = self.cfg, self.output_dir.resolve()
         cmd = [sys.executable, "-m", MODULES[role.kind], "--config-path", str(out), "--config-name", RESOLVED_CONFIG,
                f"hydra.run.dir={out / 'logs' / role.name}", "hydra.output_subdir=null"]

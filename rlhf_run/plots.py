@@ -25,8 +25,7 @@ def time_origin(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> f
 def throughput_series(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> dict[str, tuple[list, list]]:
     """The curves of ``throughput.png``, label -> (seconds since :func:`time_origin`, samples/s):
     the buffer's appends and the learner's trained samples over the last :data:`RATE_WINDOW_S` of
-    snapshots, both counted as they happen (the workers' token counts move only at their
-    heartbeats, and the learner's per-update rate is per second of compute)."""
+    snapshots (both counted as they happen, unlike the workers' tokens and the learner's rate)."""
     t0 = time_origin(rows, timeline)
     snaps = [s for s in timeline if "time" in s]
     counts = {"generated (workers)": [int(s.get("counters", {}).get("samples_appended", 0)) for s in snaps],

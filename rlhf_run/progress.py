@@ -120,9 +120,8 @@ class Timeline:
 
 
 def read_timeline(path: Path, max_points: int = TIMELINE_MAX_POINTS) -> list[dict[str, Any]]:
-    """The snapshots of ``timeline.jsonl`` (a run's, or several launches' of a resumed run), read
-    line by line: at most ``max_points`` of them plus the last one, evenly thinned (every k-th
-    line, k doubling whenever they would be more), so a long run's file never sits in memory whole."""
+    """The snapshots of ``timeline.jsonl``, read line by line: at most ``max_points`` of them plus the
+    last one, evenly thinned (every k-th line, k doubling whenever they would be more)."""
     if not path.exists():
         return []
     kept: list[str] = []

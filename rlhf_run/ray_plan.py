@@ -137,9 +137,8 @@ def _num(x: float) -> str:
 
 
 def worker_strategy(cfg: Config, nodes: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
-    """Ray's scheduling strategy for a worker or the evaluator, and how many alive nodes could
-    hold one: SPREAD (``ray.worker.strategy``) where more than one could, else DEFAULT (with a
-    single node that fits there is nothing to spread over, and its loss stops every worker)."""
+    """Ray's scheduling strategy for a worker or the evaluator, and how many alive nodes could hold
+    one: SPREAD (``ray.worker.strategy``) where more than one could, else DEFAULT."""
     role = cfg.ray.worker
     one = Demand("worker", role_resources(role), dict(role.label_selector))
     fit = sum(1 for n in nodes if n.get("Alive", True) and _holds(n, one))
@@ -147,9 +146,8 @@ def worker_strategy(cfg: Config, nodes: Sequence[Mapping[str, Any]]) -> tuple[st
 
 
 def learner_bundles(cfg: Config, driver_node: str) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
-    """The learner's placement group: one bundle per rank and each bundle's label selector
-    (``ray.learner.label_selector``); with ``ray.learner.on_driver_node`` rank 0's is pinned to
-    the node that runs rlhf-run (its output folder holds metrics.jsonl and the checkpoints)."""
+    """The learner's placement group: one bundle per rank and each bundle's label selector; with
+    ``ray.learner.on_driver_node`` rank 0's is pinned to the node that runs rlhf-run."""
     role = cfg.ray.learner
     bundles = [role_resources(role) for _ in range(role.ranks)]
     selectors = [dict(role.label_selector) for _ in range(role.ranks)]

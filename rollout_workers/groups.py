@@ -99,10 +99,9 @@ class Member:
 
 
 class ReasonLog:
-    """Dead letters logged at the first reason of each kind, then every 100th: a reward failing on
-    every sample must not flood the log. A kind is the reason without its quoted names and numbers
-    (most reasons name their prompt and count its tokens); the counts start again at
-    MAX_LOGGED_REASONS kinds (a kind seen that often is logged once more)."""
+    """Dead letters logged at the first reason of each kind, then every 100th, so a failing reward
+    cannot flood the log. A kind is the reason without its quoted names and numbers; the counts
+    start again at MAX_LOGGED_REASONS kinds."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id

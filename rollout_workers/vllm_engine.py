@@ -182,7 +182,6 @@ class VLLMEngine:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         self.version = 0
-        # Label the engine core's outputs with the version of its weights (see the module docstring).
         self._labels = hasattr(self.engine, "set_weight_version")
         self._can_pause = _can_pause_keeping_requests()
         if self._labels:
@@ -411,9 +410,7 @@ class VLLMEngine:
 
 def _finish_reason(vllm_reason: str | None) -> FinishReason:
     """vLLM's finish reason as ours: any other than length or abort is a stop."""
-    if vllm_reason == "length":
-        return "length"
-    return "abort" if vllm_reason == "abort" else "stop"
+    return "length" if vllm_reason == "length" else "abort" if vllm_reason == "abort" else "stop"
 
 
 def _can_pause_keeping_requests() -> bool:

@@ -317,12 +317,9 @@ def _set_threads() -> int:
 
 
 def run_worker(cfg: Config, worker_id: str | None = None, install_signals: bool = True, **budget: Any) -> WorkerStats:
-    """Entry point body: validate, build, run until SIGTERM/SIGINT (then exit cleanly).
-
-    ``budget``: ``max_prompts`` / ``max_seconds`` for tests and benches. ``install_signals``
-    must be False when called off the main thread, or in a process the worker does not own (it
-    also freezes the startup heap, :func:`~rlhf_core.cli.freeze_startup_heap`).
-    """
+    """Entry point body: validate, build, run until SIGTERM/SIGINT (then exit cleanly). ``budget``:
+    ``max_prompts`` / ``max_seconds`` for tests and benches. ``install_signals`` (which also freezes
+    the startup heap) must be False off the main thread, or in a process the worker does not own."""
     if isinstance(cfg, DictConfig):
         cfg = to_object(cfg)
     validate(cfg)

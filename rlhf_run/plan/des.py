@@ -186,9 +186,8 @@ class Kernel:
     # ------------------------------------------------------------------ the loop
 
     def run(self, until: float, stop: Callable[[], bool] | None = None) -> None:
-        """Advance to ``until`` (seconds) or until ``stop()`` is true after an event.
-
-        The hot loop of every simulation: written with locals, the time advance inlined."""
+        """Advance to ``until`` (seconds) or until ``stop()`` is true after an event (the hot loop:
+        written with locals, the time advance inlined)."""
         jobs, timers, ready = self._jobs, self._timers, self._ready
         rates, shares = self._rates, self._shares
         dispatch, heappop, inf = self._dispatch, heapq.heappop, math.inf

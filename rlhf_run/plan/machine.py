@@ -50,9 +50,8 @@ class BackgroundMeter:
 
 
 def steady_rate(metrics: Path, warmup: int) -> tuple[float, float]:
-    """A run's trained samples/s from the learner's update ``warmup`` to its last (start-up and
-    torch's warm-up left out, as the simulator's ``warmup`` does) and its mean staleness over the
-    same updates, from its ``metrics.jsonl``."""
+    """A run's trained samples/s from the learner's update ``warmup`` to its last (as the simulator's
+    ``warmup``) and its mean staleness over the same updates, from its ``metrics.jsonl``."""
     from rlhf_core.metric_names import METRICS_FILE, SAMPLES_TRAINED, STALENESS_MEAN, TIME
 
     path = metrics if metrics.name == METRICS_FILE else metrics / METRICS_FILE
@@ -122,9 +121,8 @@ def fit_contention(profile: Profile, cfg: Any, updates: int = 100, warmup: int =
 
 
 def _round_trips(client: Any, n: int) -> list[float]:
-    """Wall seconds of ``n`` Redis PINGs less the caller's CPU in each: the time spent waiting
-    for the server to run and for the reply to wake the caller (a pause between them, so each
-    starts from sleep as a pipeline's hand-offs do)."""
+    """Wall seconds of ``n`` Redis PINGs less the caller's CPU in each, each started from sleep (as a
+    pipeline's hand-offs are): the time spent waiting for the server and for the reply to wake us."""
     out = []
     for _ in range(n):
         time.sleep(0.002)
