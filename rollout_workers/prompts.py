@@ -1,15 +1,10 @@
-"""Turning a claimed prompt into the token ids the engine generates from.
+"""Turning a claimed prompt into the token ids the engine generates from, both steps counted:
 
-Two jobs, both per prompt and both counted:
-
-* **Chat template.** When the tokenizer has one, the prompt's ``messages`` (or its ``text`` as
-  one user turn) go through ``apply_chat_template(..., add_generation_prompt=True)``, and the
-  rendered text is tokenized without adding special tokens again (the template writes them).
-  Without a template the raw ``text`` is tokenized as is (TRL / OpenRLHF behave the same way).
+* **Chat template.** When the tokenizer has one, the prompt's ``messages`` (or its ``text`` as one
+  user turn) go through ``apply_chat_template(..., add_generation_prompt=True)`` and the text is
+  tokenized without adding special tokens again; without one the raw ``text`` is tokenized.
 * **Length policy.** A prompt longer than ``rollout.max_prompt_tokens`` is rejected
-  (``prompt_overflow=reject``: the worker dead-letters it with the reason) or left-truncated
-  (``prompt_overflow=truncate``: the end of a prompt, closest to the answer, is kept). Either
-  way a counter moves and the worker logs it; nothing is cut or dropped silently.
+  (``prompt_overflow=reject``: dead-lettered with the reason) or left-truncated (``truncate``).
 """
 
 from __future__ import annotations
