@@ -337,11 +337,6 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    _reap(proc)
-
-
-def _reap(proc: subprocess.Popen) -> None:
-    """Wait for the process (it has exited or been killed)."""
     proc.wait()
 
 
